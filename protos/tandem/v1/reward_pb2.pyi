@@ -1,0 +1,122 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DataType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DATA_TYPE_UNSPECIFIED: _ClassVar[DataType]
+    DATA_TYPE_BOOL: _ClassVar[DataType]
+    DATA_TYPE_UINT8: _ClassVar[DataType]
+    DATA_TYPE_INT8: _ClassVar[DataType]
+    DATA_TYPE_INT32: _ClassVar[DataType]
+    DATA_TYPE_INT64: _ClassVar[DataType]
+    DATA_TYPE_FLOAT16: _ClassVar[DataType]
+    DATA_TYPE_FLOAT32: _ClassVar[DataType]
+    DATA_TYPE_FLOAT64: _ClassVar[DataType]
+
+class Priority(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PRIORITY_UNSPECIFIED: _ClassVar[Priority]
+    PRIORITY_CRITICAL: _ClassVar[Priority]
+    PRIORITY_BULK: _ClassVar[Priority]
+DATA_TYPE_UNSPECIFIED: DataType
+DATA_TYPE_BOOL: DataType
+DATA_TYPE_UINT8: DataType
+DATA_TYPE_INT8: DataType
+DATA_TYPE_INT32: DataType
+DATA_TYPE_INT64: DataType
+DATA_TYPE_FLOAT16: DataType
+DATA_TYPE_FLOAT32: DataType
+DATA_TYPE_FLOAT64: DataType
+PRIORITY_UNSPECIFIED: Priority
+PRIORITY_CRITICAL: Priority
+PRIORITY_BULK: Priority
+
+class Tensor(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "data")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: DataType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DataType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class TensorSpec(_message.Message):
+    __slots__ = ("name", "dtype", "shape")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: DataType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DataType, str]] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class EvaluateRequest(_message.Message):
+    __slots__ = ("model", "inputs", "priority", "output_names")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_NAMES_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    inputs: _containers.RepeatedCompositeFieldContainer[Tensor]
+    priority: Priority
+    output_names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., priority: _Optional[_Union[Priority, str]] = ..., output_names: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class EvaluateResponse(_message.Message):
+    __slots__ = ("model", "outputs", "execution_provider", "queue_ms", "compute_ms")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    EXECUTION_PROVIDER_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    outputs: _containers.RepeatedCompositeFieldContainer[Tensor]
+    execution_provider: str
+    queue_ms: float
+    compute_ms: float
+    def __init__(self, model: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., execution_provider: _Optional[str] = ..., queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ...) -> None: ...
+
+class ModelMetadataRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class ModelMetadataResponse(_message.Message):
+    __slots__ = ("name", "version", "description", "inputs", "outputs", "execution_provider", "available_providers", "max_batch_size")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    EXECUTION_PROVIDER_FIELD_NUMBER: _ClassVar[int]
+    AVAILABLE_PROVIDERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    version: str
+    description: str
+    inputs: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    outputs: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    execution_provider: str
+    available_providers: _containers.RepeatedScalarFieldContainer[str]
+    max_batch_size: int
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., description: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., execution_provider: _Optional[str] = ..., available_providers: _Optional[_Iterable[str]] = ..., max_batch_size: _Optional[int] = ...) -> None: ...
+
+class ListModelsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListModelsResponse(_message.Message):
+    __slots__ = ("models",)
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, models: _Optional[_Iterable[str]] = ...) -> None: ...
