@@ -1,0 +1,74 @@
+"""Leaf evaluators backed by the reward service.
+
+:class:`RewardServiceEvaluator` sends one wave's leaf observations (uint8
+``[N, 2, 6, 7]``) to the reward service's value model in one ``Evaluate``
+call with critical priority, and returns values (and priors from the policy
+logits, if the model has them). If the reward service is unreachable it
+raises :class:`EvaluatorUnavailable`, and the search service falls back to
+random rollouts.
+"""
+from __future__ import annotations
+
+import grpc
+import numpy as np
+
+from tandem import tensors
+from tandem.v1 import reward_pb2, reward_pb2_grpc
+
+
+class EvaluatorUnavailable(RuntimeError):
+    """The reward service could not evaluate the leaves."""
+
+
+class RewardServiceEvaluator:
+    """Calls ``Evaluate`` on ``model`` at the reward service behind ``channel``.
+
+    Args:
+        channel: a gRPC channel to the reward service.
+        model: the value model's name; it takes ``board`` uint8 [N, 2, 6, 7] and
+            returns ``value`` float32 [N, 1] in [-1, 1] and optionally
+            ``policy_logits`` float32 [N, A].
+        timeout_s: per-call deadline (s).
+    """
+
+    def __init__(self, channel: grpc.Channel, model: str, timeout_s: float = 2.0):
+        self._stub = reward_pb2_grpc.RewardServiceStub(channel)
+        self.model = model
+        self.timeout_s = timeout_s
+        self._input: str | None = None
+        self._has_policy = False
+
+    def _metadata(self) -> None:
+        meta = self._stub.ModelMetadata(reward_pb2.ModelMetadataRequest(model=self.model), timeout=self.timeout_s)
+        self._input = meta.inputs[0].name
+        self._has_policy = any(o.name == "policy_logits" for o in meta.outputs)
+
+    def __call__(self, observations: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """Values float32 [N] (side to move's view) and priors float32 [N, A] or None.
+
+        Raises:
+            EvaluatorUnavailable: the reward service failed or is unreachable.
+        """
+        try:
+            if self._input is None:
+                self._metadata()
+            outputs = ["value", "policy_logits"] if self._has_policy else ["value"]
+            reply = self._stub.Evaluate(
+                reward_pb2.EvaluateRequest(
+                    model=self.model,
+                    inputs=[tensors.to_proto(self._input, observations)],
+                    output_names=outputs,
+                    priority=reward_pb2.PRIORITY_CRITICAL,
+                ),
+                timeout=self.timeout_s,
+            )
+        except grpc.RpcError as exc:
+            raise EvaluatorUnavailable(f"reward service: {exc.code().name}: {exc.details()}") from None
+        by_name = {t.name: tensors.from_proto(t) for t in reply.outputs}
+        values = by_name["value"].reshape(-1).astype(np.float32)
+        logits = by_name.get("policy_logits")
+        if logits is None:
+            return values, None
+        z = logits - logits.max(axis=1, keepdims=True)
+        priors = np.exp(z)
+        return values, (priors / priors.sum(axis=1, keepdims=True)).astype(np.float32)

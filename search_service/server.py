@@ -1,0 +1,229 @@
+"""SearchService: MCTS over gRPC.
+
+One ``Search`` validates the request (game, position, budget), takes the
+session's tree if the position continues that session's game, runs the
+backend on a batch of one tree, and answers with the chosen action, root visit
+counts, Q-values, root value, principal variation and a latency breakdown.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import time
+
+import grpc
+from prometheus_client import Gauge, Histogram
+
+from search_service.backends import make_backend
+from search_service.evaluators import EvaluatorUnavailable, RewardServiceEvaluator
+from search_service.games import GAMES
+from search_service.mcts.backend import SearchParams
+from search_service.sessions import SessionStore
+from tandem.config import TandemConfig
+from tandem.server import LATENCY_BUCKETS_S, channel
+from tandem.service import Service, start_service
+from tandem.v1 import scheduler_pb2, search_pb2, search_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SIMULATIONS = Histogram(
+    "tandem_search_simulations", "Simulations per search.", buckets=(1, 10, 100, 300, 1e3, 3e3, 1e4, 1e5, 1e6)
+)
+STEP_SECONDS = Histogram(
+    "tandem_search_step_seconds", "Time per search in each step (s).", ["step"], buckets=LATENCY_BUCKETS_S
+)
+PRIORITY = Gauge("tandem_search_stream_priority", "CUDA stream priority assigned by the scheduler.")
+SESSIONS = Gauge("tandem_search_sessions", "Trees kept for reuse.")
+
+_EVALUATORS = {
+    search_pb2.EVALUATOR_ROLLOUT: "rollout",
+    search_pb2.EVALUATOR_VALUE_MODEL: "value_model",
+}
+_EVALUATOR_CODES = {v: k for k, v in _EVALUATORS.items()}
+
+
+class SearchServicer(search_pb2_grpc.SearchServiceServicer):
+    """Thread safety: requests run concurrently; the backend is stateless per
+    call, ``SessionStore`` guards its own table, and ``_lock`` guards the load
+    figures reported to the scheduler."""
+
+    def __init__(self, cfg: TandemConfig, backend, evaluator):
+        self.cfg = cfg.search
+        self.backend = backend
+        self.evaluator = evaluator
+        self.sessions = SessionStore(cfg.search.max_sessions, cfg.search.session_ttl_ms)
+        self._lock = threading.Lock()
+        self._load = {"phase": 0, "search_depth": 0, "deadline_slack_ms": 0.0, "served": 0}  # guarded by _lock
+        self._since = time.monotonic()  # guarded by _lock
+
+    # -- validation -------------------------------------------------------
+    def _position(self, request, game, context):
+        try:
+            position = game.parse_moves(request.moves)
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"moves: {exc}")
+        if request.HasField("board"):
+            b = request.board
+            try:
+                from_board = game.from_cells(b.rows, b.columns, b.cells)
+            except ValueError as exc:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"board: {exc}")
+            if request.moves and not game.same_position(position, from_board):
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "board: does not match the position of moves")
+            position = from_board
+        if bool(game.is_terminal(position)[0]):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "position: the game is already over (won or drawn)")
+        return position
+
+    def _params(self, request, context) -> SearchParams:
+        cfg = self.cfg
+        sims, deadline = request.simulations, request.deadline_ms
+        if not math.isfinite(deadline) or deadline < 0:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"deadline_ms: must be a finite number >= 0, got {deadline}")
+        if sims == 0 and deadline == 0:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "simulations, deadline_ms: set at least one budget")
+        if sims > cfg.max_simulations:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"simulations: {sims} exceeds the limit of {cfg.max_simulations}"
+            )
+        if deadline > cfg.max_deadline_ms:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"deadline_ms: {deadline} exceeds the limit of {cfg.max_deadline_ms}"
+            )
+        remaining = context.time_remaining()
+        if remaining is not None:  # never search past the caller's own gRPC deadline
+            cap = max(remaining * 1e3 - 1.0, 0.1)
+            deadline = min(deadline, cap) if deadline else cap
+        if request.evaluator not in (search_pb2.EVALUATOR_UNSPECIFIED, *_EVALUATORS):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"evaluator: unknown value {request.evaluator}")
+        evaluator = _EVALUATORS.get(request.evaluator, cfg.evaluator)
+        return SearchParams(
+            simulations=sims or None,
+            deadline_ms=deadline or None,
+            parallel_sims=cfg.parallel_sims,
+            evaluator=evaluator,
+            c_uct=cfg.c_uct,
+            c_puct=cfg.c_puct,
+            max_nodes=cfg.max_nodes,
+            seed=request.seed or int.from_bytes(os.urandom(8), "little"),
+        )
+
+    # -- RPCs -------------------------------------------------------------
+    def Search(self, request, context):
+        received = time.perf_counter()
+        game = GAMES.get(request.game)
+        if game is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"game: unknown game {request.game!r} (games: {sorted(GAMES)})")
+        position = self._position(request, game, context)
+        params = self._params(request, context)
+        reuse = request.session_id and request.moves and not request.HasField("board")
+        tree = self.sessions.take(request.session_id, request.moves, self.backend.reroot) if reuse else None
+        evaluator = self.evaluator if params.evaluator == "value_model" else None
+        try:
+            results, trees = self.backend.search(position, params, evaluator, [tree])
+        except EvaluatorUnavailable as exc:
+            # Degrade, don't fail: the frame still gets a move, from rollouts.
+            log.warning("value model unavailable (%s): searching with rollouts", exc)
+            params = SearchParams(**{**params.__dict__, "evaluator": "rollout"})
+            tree = None
+            results, trees = self.backend.search(position, params, None, [None])
+        if reuse:
+            self.sessions.put(request.session_id, request.moves, trees[0])
+            SESSIONS.set(len(self.sessions))
+        r = results[0]
+        total_ms = (time.perf_counter() - received) * 1e3
+        self._observe(request, r, total_ms)
+        return search_pb2.SearchResponse(
+            action=r.action,
+            move=game.move_to_text(r.action),
+            visit_counts=[int(v) for v in r.visit_counts],
+            q_values=[float(q) for q in r.q_values],
+            root_value=float(r.root_value),
+            principal_variation=list(r.principal_variation),
+            principal_variation_moves="".join(game.move_to_text(a) for a in r.principal_variation),
+            simulations=r.simulations,
+            latency=search_pb2.LatencyBreakdown(
+                select_ms=r.select_ms, expand_ms=r.expand_ms, evaluate_ms=r.evaluate_ms,
+                backup_ms=r.backup_ms, total_ms=total_ms,
+            ),
+            backend=self.backend.name,
+            evaluator=_EVALUATOR_CODES[params.evaluator],
+            max_depth=r.max_depth,
+            tree_nodes=r.tree_nodes,
+            tree_reused=tree is not None,
+            pool_exhausted=r.pool_exhausted,
+            deadline_reached=r.deadline_reached,
+        )
+
+    def ListGames(self, request, context):
+        return search_pb2.ListGamesResponse(
+            games=[
+                search_pb2.GameInfo(name=name, num_actions=g.NUM_ACTIONS, rows=g.ROWS, columns=g.COLUMNS)
+                for name, g in sorted(GAMES.items())
+            ]
+        )
+
+    # -- load for the scheduler --------------------------------------------
+    def _observe(self, request, r, total_ms: float) -> None:
+        SIMULATIONS.observe(r.simulations)
+        for step in ("select", "expand", "evaluate", "backup"):
+            STEP_SECONDS.labels(step).observe(getattr(r, f"{step}_ms") / 1e3)
+        with self._lock:
+            self._load["phase"] = request.phase
+            self._load["search_depth"] = r.max_depth
+            if request.deadline_ms:
+                self._load["deadline_slack_ms"] = request.deadline_ms - total_ms
+            self._load["served"] += 1
+
+    def load(self) -> dict:
+        """LoadReport fields for the scheduler."""
+        with self._lock:
+            now = time.monotonic()
+            served, self._load["served"] = self._load["served"], 0
+            rate, self._since = served / max(now - self._since, 1e-3), now
+            return {
+                "phase": self._load["phase"],
+                "search_depth": self._load["search_depth"],
+                "deadline_slack_ms": self._load["deadline_slack_ms"],
+                "requests_per_s": rate,
+            }
+
+
+def start(cfg: TandemConfig, follow_scheduler: bool = True) -> Service:
+    """Starts the search service on ``cfg.search.address``.
+
+    Raises:
+        RuntimeError: ``backend: cuda`` cannot run here, or the address cannot be bound.
+    """
+    backend = make_backend(cfg.search.backend)
+    log.warning("search service: backend %s, default evaluator %s", backend.name, cfg.search.evaluator)
+    reward_channel = channel(cfg.search.reward_address or cfg.reward.address, cfg)
+    servicer = SearchServicer(cfg, backend, RewardServiceEvaluator(reward_channel, cfg.search.value_model))
+
+    def register(server):
+        search_pb2_grpc.add_SearchServiceServicer_to_server(servicer, server)
+        return search_pb2.DESCRIPTOR.services_by_name["SearchService"].full_name
+
+    service = start_service(
+        cfg,
+        kind=scheduler_pb2.SERVICE_KIND_SEARCH,
+        address=cfg.search.address,
+        metrics_port=cfg.search.metrics_port,
+        server_cfg=cfg.search.server,
+        register=[register],
+        load_fn=servicer.load,
+        on_assignment=lambda a: PRIORITY.set(a.stream_priority),
+        stream_priorities=[0],
+        memory_bytes=0,
+        follow_scheduler=follow_scheduler,
+    )
+    service.servicer = servicer
+    service.on_close = reward_channel.close
+    return service
+
+
+def serve(cfg: TandemConfig) -> None:
+    """Runs the search service until SIGINT/SIGTERM."""
+    start(cfg).serve_forever(cfg.search.server.grace_period_ms)

@@ -1,0 +1,176 @@
+"""The ``tandem`` command line.
+
+  tandem up [--config PATH]          the three servers as processes, until Ctrl-C / SIGTERM
+  tandem serve NAME [--config PATH]  one server (scheduler | reward | search) in the foreground
+  tandem status [--config PATH]      what the scheduler knows, and each server's health
+  tandem health HOST:PORT            exit 0 when the server reports SERVING (container probes)
+  tandem play [...]                  the sample game engine against a running stack
+  tandem demo [...]                  up + play on the bundled positions + report + stop
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+
+from tandem.config import ConfigError, TandemConfig, load_config
+
+SERVE = {
+    "scheduler": "scheduler.main",
+    "reward": "reward_service.server",
+    "search": "search_service.server",
+}
+
+
+def _config(args) -> TandemConfig:
+    return load_config(args.config)
+
+
+def cmd_serve(args) -> int:
+    import importlib
+
+    cfg = _config(args)
+    importlib.import_module(SERVE[args.name]).serve(cfg)
+    return 0
+
+
+def _print_endpoints(cfg: TandemConfig) -> None:
+    for name in ("scheduler", "reward", "search"):
+        section = getattr(cfg, name)
+        metrics = f"  metrics http://127.0.0.1:{section.metrics_port}/metrics" if section.metrics_port else ""
+        print(f"  {name:<10} {section.address:<22} SERVING{metrics}", flush=True)
+
+
+def cmd_up(args) -> int:
+    from tandem.supervisor import Stack, run_until_signalled
+
+    cfg = _config(args)
+    stack = Stack(cfg, args.config, log_dir=args.log_dir)
+    stack.start()
+    print("tandem is up:", flush=True)
+    _print_endpoints(cfg)
+    return run_until_signalled(stack)
+
+
+def cmd_status(args) -> int:
+    from tandem.status import print_status
+
+    return print_status(_config(args))
+
+
+def cmd_health(args) -> int:
+    from tandem.supervisor import health_status
+
+    cfg = load_config(args.config) if args.config else None
+    status = health_status(args.address, cfg, args.service, timeout_s=args.timeout_s)
+    print(status)
+    return 0 if status == "SERVING" else 1
+
+
+def _play_options(args, cfg: TandemConfig):
+    from tandem.play import PlayOptions
+
+    return PlayOptions(
+        search_address=args.search or cfg.search.address,
+        reward_address=args.reward or cfg.reward.address,
+        frames=args.frames,
+        fps=args.fps,
+        position_sets=tuple(args.positions) if args.positions else PlayOptions.position_sets,
+        simulations=args.simulations,
+        evaluator=args.evaluator,
+        seed=args.seed,
+    )
+
+
+def _run_play(args, cfg: TandemConfig) -> int:
+    from tandem.play import play, print_report, write_report
+
+    report = play(_play_options(args, cfg), cfg)
+    print_report(report)
+    if args.report:
+        write_report(report, args.report)
+        print(f"report written to {args.report}")
+    return 0 if report["frames_answered"] == report["frames"] else 1
+
+
+def cmd_play(args) -> int:
+    return _run_play(args, _config(args))
+
+
+def cmd_demo(args) -> int:
+    from tandem.supervisor import Stack
+
+    cfg = _config(args)
+    started = time.perf_counter()
+    stack = Stack(cfg, args.config, log_dir=args.log_dir)
+    stack.start()
+    try:
+        print(f"tandem is up ({time.perf_counter() - started:.1f} s):", flush=True)
+        _print_endpoints(cfg)
+        status = _run_play(args, cfg)
+    finally:
+        print("stopping the servers", flush=True)
+        codes = stack.stop()
+    print("stopped: " + ", ".join(f"{n} exit {c}" for n, c in codes.items()))
+    return status or int(any(codes.values()))
+
+
+def _add_play_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--frames", type=int, default=600, help="frames to play (default 600)")
+    p.add_argument("--fps", type=float, default=60.0, help="target frame rate (default 60)")
+    p.add_argument("--positions", action="append", help="position set name or JSONL path (repeatable)")
+    p.add_argument("--simulations", type=int, default=0, help="simulations per search; 0 = frame deadline only")
+    p.add_argument("--evaluator", choices=("rollout", "value_model"), default="rollout")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--report", help="write the report as JSON here")
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="tandem", description=__doc__.split("\n\n")[0])
+    ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    def command(name, fn, help):
+        p = sub.add_parser(name, help=help)
+        p.add_argument("--config", help="YAML config (default deploy/config/tandem.yaml)")
+        p.set_defaults(fn=fn)
+        return p
+
+    p = command("serve", cmd_serve, "run one server in the foreground")
+    p.add_argument("name", choices=sorted(SERVE))
+    p = command("up", cmd_up, "start scheduler, reward and search services")
+    p.add_argument("--log-dir", type=Path, help="write each server's log here")
+    command("status", cmd_status, "print what the scheduler knows")
+    p = command("health", cmd_health, "check one server's gRPC health")
+    p.add_argument("address", help="HOST:PORT")
+    p.add_argument("--service", default="", help="service name (default: the whole server)")
+    p.add_argument("--timeout-s", type=float, default=2.0)
+    p = command("play", cmd_play, "the sample game engine, against a running stack")
+    p.add_argument("--search", help="search service address (default: from the config)")
+    p.add_argument("--reward", help="reward service address (default: from the config)")
+    _add_play_args(p)
+    p = command("demo", cmd_demo, "up, play on the bundled positions, report, stop")
+    p.add_argument("--log-dir", type=Path, default=None)
+    p.set_defaults(search=None, reward=None)
+    _add_play_args(p)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return args.fn(args)
+    except ConfigError as exc:
+        print(f"tandem: config error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except RuntimeError as exc:
+        print(f"tandem: {exc}", file=sys.stderr)
+        return 1

@@ -1,0 +1,253 @@
+"""One YAML file configures all three servers (``deploy/config/tandem.yaml``).
+
+The schema is the dataclasses below: every field has a default, durations and
+sizes carry their unit in the name (``_ms``, ``_us``, ``_bytes``), and loading
+refuses unknown keys and bad values with a :class:`ConfigError` that names the
+key (``reward.models[0].path: file not found``). Relative paths are resolved
+against the repository root (:data:`tandem.paths.REPO_ROOT`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tandem.paths import REPO_ROOT
+
+DEFAULT_CONFIG = REPO_ROOT / "deploy" / "config" / "tandem.yaml"
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or out of range; the message names the key."""
+
+
+@dataclass(frozen=True)
+class TlsConfig:
+    """TLS for a server. All three paths empty: plaintext (loopback only)."""
+
+    cert_path: str = ""  # PEM certificate chain of the server
+    key_path: str = ""  # PEM private key of the server
+    client_ca_path: str = ""  # PEM CA bundle; set: clients must present a certificate (mutual TLS)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """What every gRPC server shares."""
+
+    max_workers: int = 16  # threads serving RPCs
+    max_concurrent_rpcs: int = 256  # more in flight: RESOURCE_EXHAUSTED at once
+    max_message_bytes: int = 64 * 1024 * 1024  # receive and send limit per message
+    grace_period_ms: float = 5000.0  # drain time on SIGTERM before in-flight RPCs are cancelled
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    address: str = "127.0.0.1:50050"
+    metrics_port: int = 9450  # Prometheus /metrics; 0 = off
+    policy: str = "default"  # "default" | "dynamic" | "static"
+    lease_ttl_ms: float = 3000.0  # a service that has not reported for this long is dropped
+    report_interval_ms: float = 250.0  # how often services report load (and renew their lease)
+    gpu_memory_bytes: int = 0  # memory the scheduler may hand out; 0 = the device's total (unlimited on CPU)
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str = ""  # name clients use in EvaluateRequest.model
+    path: str = ""  # ONNX file; relative paths are relative to the repository root
+    description: str = ""
+    max_batch_size: int = 1024  # larger batches: INVALID_ARGUMENT
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    address: str = "127.0.0.1:50051"
+    metrics_port: int = 9451
+    execution_provider: str = "auto"  # "auto" (CUDA if it loads, else CPU) | "cuda" | "cpu"
+    nonfinite_inputs: str = "reject"  # NaN/Inf in float inputs: "reject" (INVALID_ARGUMENT) | "pass"
+    memory_pool_bytes: int = 0  # ONNX Runtime arena limit (gpu_mem_limit); 0 = no limit
+    intra_op_threads: int = 0  # CPU execution provider threads; 0 = ONNX Runtime's default
+    models: tuple[ModelConfig, ...] = (
+        ModelConfig(
+            name="connect4_value",
+            path="reward_service/models/connect4_value.onnx",
+            description="Connect Four value and policy network (see its model card)",
+        ),
+    )
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+
+@dataclass(frozen=True)
+class SearchConfig:
+    address: str = "127.0.0.1:50052"
+    metrics_port: int = 9452
+    backend: str = "auto"  # "auto" (CUDA where CuPy sees a GPU, else CPU) | "cpu" | "cuda"
+    evaluator: str = "rollout"  # default when a request leaves it unspecified: "rollout" | "value_model"
+    reward_address: str = ""  # reward service for the value model; empty = reward.address
+    value_model: str = "connect4_value"  # model name on the reward service
+    parallel_sims: int = 16  # simulations in flight per tree in one wave (virtual loss)
+    c_uct: float = 1.4  # UCT exploration constant (rollout evaluator)
+    c_puct: float = 1.5  # PUCT exploration constant (value-model evaluator)
+    max_nodes: int = 200_000  # node pool per tree
+    max_simulations: int = 10_000_000  # larger budgets: INVALID_ARGUMENT
+    max_deadline_ms: float = 60_000.0  # longer deadlines: INVALID_ARGUMENT
+    max_sessions: int = 1024  # trees kept for reuse; the least recently used goes first
+    session_ttl_ms: float = 60_000.0  # a session's tree is dropped after this long unused
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+
+@dataclass(frozen=True)
+class TandemConfig:
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    search: SearchConfig = field(default_factory=SearchConfig)
+    tls: TlsConfig = field(default_factory=TlsConfig)  # applies to all three servers
+    auth_token: str = ""  # non-empty: every RPC must send "authorization: Bearer <token>"
+
+
+_CHOICES = {
+    "scheduler.policy": ("default", "dynamic", "static"),
+    "reward.execution_provider": ("auto", "cuda", "cpu"),
+    "reward.nonfinite_inputs": ("reject", "pass"),
+    "search.backend": ("auto", "cpu", "cuda"),
+    "search.evaluator": ("rollout", "value_model"),
+}
+# Fields that may be zero (meaning "off" or "default"); every other number must be positive.
+_MAY_BE_ZERO = {"metrics_port", "gpu_memory_bytes", "memory_pool_bytes", "intra_op_threads"}
+
+
+def _build(cls: type, data: Any, key: str) -> Any:
+    """Builds dataclass ``cls`` from a YAML mapping, refusing unknown keys and bad types."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{key or 'config'}: expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        where = f"{key}." if key else ""
+        raise ConfigError(f"{where}{unknown[0]}: unknown key (known: {', '.join(sorted(names))})")
+    values = {}
+    for name, raw in data.items():
+        values[name] = _convert(hints[name], raw, f"{key}.{name}" if key else name)
+    return cls(**values)
+
+
+def _convert(hint: Any, raw: Any, key: str) -> Any:
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, raw, key)
+    origin = typing.get_origin(hint)
+    if origin is tuple:  # tuple[X, ...]
+        (item,) = typing.get_args(hint)[:1]
+        if not isinstance(raw, list):
+            raise ConfigError(f"{key}: expected a list, got {type(raw).__name__}")
+        return tuple(_convert(item, v, f"{key}[{i}]") for i, v in enumerate(raw))
+    if origin in (types.UnionType, typing.Union):
+        raise TypeError(f"{key}: union fields are not supported in the schema")
+    if hint is bool:
+        if not isinstance(raw, bool):
+            raise ConfigError(f"{key}: expected true or false, got {raw!r}")
+        return raw
+    if hint is int:
+        if isinstance(raw, bool) or not isinstance(raw, int):
+            raise ConfigError(f"{key}: expected an integer, got {raw!r}")
+        return raw
+    if hint is float:
+        if isinstance(raw, bool) or not isinstance(raw, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {raw!r}")
+        return float(raw)
+    if hint is str:
+        if not isinstance(raw, str):
+            raise ConfigError(f"{key}: expected a string, got {raw!r}")
+        return raw
+    raise TypeError(f"{key}: unsupported schema type {hint}")
+
+
+def _check(obj: Any, key: str = "") -> None:
+    """Range and choice checks on a built config, naming the offending key."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        path = f"{key}.{f.name}" if key else f.name
+        if dataclasses.is_dataclass(value):
+            _check(value, path)
+        elif isinstance(value, tuple):
+            for i, item in enumerate(value):
+                _check(item, f"{path}[{i}]")
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            if value < 0 or (value == 0 and f.name not in _MAY_BE_ZERO):
+                raise ConfigError(f"{path}: must be {'>= 0' if f.name in _MAY_BE_ZERO else '> 0'}, got {value}")
+        choices = _CHOICES.get(path)
+        if choices and value not in choices:
+            raise ConfigError(f"{path}: must be one of {', '.join(choices)}, got {value!r}")
+        if f.name == "address" and value:
+            host, sep, port = str(value).rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ConfigError(f"{path}: expected HOST:PORT, got {value!r}")
+
+
+def _check_models(cfg: TandemConfig) -> None:
+    if not cfg.reward.models:
+        raise ConfigError("reward.models: at least one model is needed")
+    seen = set()
+    for i, model in enumerate(cfg.reward.models):
+        if not model.name:
+            raise ConfigError(f"reward.models[{i}].name: must not be empty")
+        if model.name in seen:
+            raise ConfigError(f"reward.models[{i}].name: duplicate model name {model.name!r}")
+        seen.add(model.name)
+        if not resolve_path(model.path).is_file():
+            raise ConfigError(f"reward.models[{i}].path: file not found: {resolve_path(model.path)}")
+    tls = cfg.tls
+    if bool(tls.cert_path) != bool(tls.key_path):
+        raise ConfigError("tls: cert_path and key_path must be set together")
+    if tls.client_ca_path and not tls.cert_path:
+        raise ConfigError("tls.client_ca_path: mutual TLS needs tls.cert_path and tls.key_path")
+    for name in ("cert_path", "key_path", "client_ca_path"):
+        path = getattr(tls, name)
+        if path and not resolve_path(path).is_file():
+            raise ConfigError(f"tls.{name}: file not found: {resolve_path(path)}")
+
+
+def resolve_path(path: str) -> Path:
+    """Absolute path for a config path (relative ones are under the repository root)."""
+    p = Path(path)
+    return p if p.is_absolute() else REPO_ROOT / p
+
+
+def parse_config(data: Any) -> TandemConfig:
+    """Validates a parsed YAML document.
+
+    Raises:
+        ConfigError: unknown key, wrong type, value out of range or missing file.
+    """
+    cfg = _build(TandemConfig, data, "")
+    _check(cfg)
+    _check_models(cfg)
+    return cfg
+
+
+def load_config(path: str | Path | None = None) -> TandemConfig:
+    """Loads and validates the YAML file at ``path`` (default: ``deploy/config/tandem.yaml``).
+
+    Raises:
+        ConfigError: the file is missing, is not YAML, or fails validation.
+    """
+    path = Path(path) if path else DEFAULT_CONFIG
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+    try:
+        return parse_config(data)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from exc

@@ -1,0 +1,213 @@
+"""Start-up that all three gRPC servers share.
+
+:func:`build_server` makes a ``grpc.server`` with the standard health service
+(``grpc.health.v1``), server reflection, size and concurrency limits, keepalive
+settings that accept idle pinging game engines, optional TLS / mutual TLS, an
+optional bearer-token check, and per-RPC Prometheus latency histograms.
+:func:`serve_until_signalled` runs it until SIGINT/SIGTERM and then drains.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import Histogram, start_http_server
+
+from tandem.config import ServerConfig, TandemConfig, resolve_path
+
+log = logging.getLogger(__name__)
+
+# Sub-millisecond work needs buckets well under 1 ms (seconds, Prometheus' unit).
+LATENCY_BUCKETS_S = (
+    50e-6, 100e-6, 200e-6, 300e-6, 500e-6, 750e-6,
+    1e-3, 1.5e-3, 2e-3, 3e-3, 5e-3, 7.5e-3, 10e-3, 16.7e-3, 25e-3, 33e-3, 50e-3,
+    100e-3, 250e-3, 500e-3, 1.0, 2.5, 10.0,
+)
+RPC_LATENCY = Histogram(
+    "tandem_rpc_latency_seconds",
+    "Server-side latency of one RPC, from handler entry to response (s).",
+    ["method", "code"],
+    buckets=LATENCY_BUCKETS_S,
+)
+
+# Game engines (e.g. Unreal's TurboLink) ping idle connections every ~45 s:
+# permit pings without calls, but no more often than every 10 s.
+KEEPALIVE_OPTIONS = (
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.http2.max_ping_strikes", 2),
+    ("grpc.keepalive_time_ms", 60_000),
+    ("grpc.keepalive_timeout_ms", 20_000),
+)
+
+
+class _MetricsAndAuth(grpc.ServerInterceptor):
+    """Times every unary RPC into RPC_LATENCY; refuses calls without the token."""
+
+    def __init__(self, token: str):
+        self._expected = f"Bearer {token}" if token else ""
+
+    def intercept_service(self, continuation, details):
+        if self._expected and not details.method.startswith("/grpc.health.v1.Health/"):
+            metadata = dict(details.invocation_metadata or ())
+            if metadata.get("authorization") != self._expected:
+                return _deny
+        handler = continuation(details)
+        if handler is None or handler.unary_unary is None:
+            return handler
+        inner, method = handler.unary_unary, details.method
+
+        def timed(request, context):
+            start = time.perf_counter()
+            try:
+                return inner(request, context)
+            finally:
+                code = context.code() if hasattr(context, "code") else None
+                RPC_LATENCY.labels(method, (code or grpc.StatusCode.OK).name).observe(
+                    time.perf_counter() - start
+                )
+
+        return grpc.unary_unary_rpc_method_handler(
+            timed,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+
+def _deny_call(request, context):
+    context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong authorization token")
+
+
+_deny = grpc.unary_unary_rpc_method_handler(_deny_call)
+
+
+@dataclass
+class RunningServer:
+    server: grpc.Server
+    health: health.HealthServicer
+    port: int
+    services: tuple[str, ...]
+
+    def set_serving(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ("", *self.services):
+            self.health.set(name, status)
+
+
+def build_server(
+    address: str,
+    server_cfg: ServerConfig,
+    cfg: TandemConfig,
+    register: Iterable[Callable[[grpc.Server], str]],
+) -> RunningServer:
+    """Builds and starts a server on ``address`` ("host:port"; port 0 picks one).
+
+    ``register`` holds functions that add one servicer and return its full
+    service name (for health and reflection). Health starts NOT_SERVING: the
+    caller calls ``set_serving(True)`` once it is ready.
+
+    Raises:
+        RuntimeError: the address could not be bound.
+    """
+    options = [
+        ("grpc.max_receive_message_length", server_cfg.max_message_bytes),
+        ("grpc.max_send_message_length", server_cfg.max_message_bytes),
+        ("grpc.so_reuseport", 0),
+        *KEEPALIVE_OPTIONS,
+    ]
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=server_cfg.max_workers),
+        interceptors=[_MetricsAndAuth(cfg.auth_token)],
+        options=options,
+        maximum_concurrent_rpcs=server_cfg.max_concurrent_rpcs,
+    )
+    names = tuple(add(server) for add in register)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (*names, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    if cfg.tls.cert_path:
+        creds = grpc.ssl_server_credentials(
+            [(resolve_path(cfg.tls.key_path).read_bytes(), resolve_path(cfg.tls.cert_path).read_bytes())],
+            root_certificates=(
+                resolve_path(cfg.tls.client_ca_path).read_bytes() if cfg.tls.client_ca_path else None
+            ),
+            require_client_auth=bool(cfg.tls.client_ca_path),
+        )
+        port = server.add_secure_port(address, creds)
+    else:
+        port = server.add_insecure_port(address)
+    if port == 0:
+        raise RuntimeError(f"could not bind {address}")
+    running = RunningServer(server, health_servicer, port, names)
+    running.set_serving(False)
+    server.start()
+    return running
+
+
+def start_metrics(port: int) -> None:
+    """Serves Prometheus metrics on http://127.0.0.1:``port``/metrics (0: off)."""
+    if port:
+        start_http_server(port, addr="127.0.0.1")
+
+
+def serve_until_signalled(running: RunningServer, grace_ms: float, on_stop: Callable[[], None] | None = None) -> None:
+    """Blocks until SIGINT or SIGTERM, then reports NOT_SERVING, drains in-flight
+    RPCs for up to ``grace_ms`` and stops."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    log.info("stopping: draining for up to %.0f ms", grace_ms)
+    running.set_serving(False)
+    running.server.stop(grace_ms / 1000.0).wait()
+    if on_stop:
+        on_stop()
+
+
+def channel(address: str, cfg: TandemConfig | None = None) -> grpc.Channel:
+    """A client channel to a tandem server, with TLS and the token where configured."""
+    options = [("grpc.max_receive_message_length", 64 * 1024 * 1024),
+               ("grpc.max_send_message_length", 64 * 1024 * 1024)]
+    if cfg is None or not cfg.tls.cert_path:
+        ch = grpc.insecure_channel(address, options=options)
+    else:
+        creds = grpc.ssl_channel_credentials(root_certificates=resolve_path(cfg.tls.cert_path).read_bytes())
+        ch = grpc.secure_channel(address, creds, options=options)
+    if cfg is not None and cfg.auth_token:
+        ch = grpc.intercept_channel(ch, _TokenInterceptor(cfg.auth_token))
+    return ch
+
+
+class _TokenInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    def __init__(self, token: str):
+        self._md = ("authorization", f"Bearer {token}")
+
+    def _with_token(self, details):
+        md = list(details.metadata or []) + [self._md]
+        return details._replace(metadata=md) if hasattr(details, "_replace") else _Details(details, md)
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._with_token(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._with_token(details), request)
+
+
+class _Details(grpc.ClientCallDetails):
+    def __init__(self, d, metadata):
+        self.method, self.timeout, self.credentials = d.method, d.timeout, d.credentials
+        self.wait_for_ready, self.compression, self.metadata = d.wait_for_ready, d.compression, metadata

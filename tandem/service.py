@@ -1,0 +1,89 @@
+"""What the reward and search processes share: a gRPC server that follows the
+scheduler (register, report load, apply assignments) and stops cleanly."""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import grpc
+
+from tandem.config import ServerConfig, TandemConfig
+from tandem.server import RunningServer, build_server, serve_until_signalled, start_metrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Service:
+    """A started service: its server, and the scheduler client that follows the scheduler."""
+
+    running: RunningServer
+    scheduler: object | None  # scheduler.client.SchedulerClient
+    servicer: object | None = None  # the service's gRPC servicer (tests read its state)
+    on_close: Callable[[], None] | None = None
+
+    @property
+    def port(self) -> int:
+        return self.running.port
+
+    def stop(self, grace_ms: float = 0.0) -> None:
+        """Reports NOT_SERVING, drains in-flight RPCs for up to ``grace_ms``, then stops."""
+        self.running.set_serving(False)
+        self.running.server.stop(grace_ms / 1000.0).wait()
+        self._close()
+
+    def _close(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.stop()
+        if self.on_close:
+            self.on_close()
+
+    def serve_forever(self, grace_ms: float) -> None:
+        """Blocks until SIGINT/SIGTERM, then drains and stops."""
+        serve_until_signalled(self.running, grace_ms, on_stop=self._close)
+
+
+def start_service(
+    cfg: TandemConfig,
+    kind: int,
+    address: str,
+    metrics_port: int,
+    server_cfg: ServerConfig,
+    register: Iterable[Callable[[grpc.Server], str]],
+    load_fn: Callable[[], dict],
+    on_assignment: Callable[[object], None],
+    stream_priorities: list[int],
+    memory_bytes: int,
+    follow_scheduler: bool = True,
+) -> Service:
+    """Starts a server and (unless ``follow_scheduler`` is false) its scheduler client.
+
+    The service is SERVING as soon as it is started: it does not wait for the
+    scheduler, which it follows in the background (registering with backoff).
+    """
+    running = build_server(address, server_cfg, cfg, register)
+    start_metrics(metrics_port)
+    client = None
+    if follow_scheduler:
+        from scheduler.client import SchedulerClient
+
+        host = address.rpartition(":")[0]
+        client = SchedulerClient(
+            address=cfg.scheduler.address,
+            kind=kind,
+            instance=f"{socket.gethostname()}-{os.getpid()}-{running.port}",
+            service_address=f"{host}:{running.port}",
+            stream_priorities=stream_priorities,
+            memory_bytes=memory_bytes,
+            load_fn=load_fn,
+            on_assignment=on_assignment,
+            report_interval_ms=cfg.scheduler.report_interval_ms,
+            cfg=cfg,
+        )
+        client.start()
+    running.set_serving(True)
+    log.info("serving %s on port %d", ", ".join(running.services), running.port)
+    return Service(running, client)

@@ -1,0 +1,42 @@
+"""``tandem status``: the scheduler's view (policy, MPS, services, assignments)
+and each configured server's health, printed for people."""
+from __future__ import annotations
+
+import grpc
+
+from tandem.config import TandemConfig
+from tandem.server import channel
+from tandem.supervisor import SERVICES, health_status
+from tandem.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+
+def _kind(k: int) -> str:
+    return scheduler_pb2.ServiceKind.Name(k).removeprefix("SERVICE_KIND_").lower()
+
+
+def print_status(cfg: TandemConfig) -> int:
+    """Prints the status; returns 0 if the scheduler answered, else 1."""
+    print("health:")
+    for name in SERVICES:
+        address = getattr(cfg, name).address
+        print(f"  {name:<10} {address:<22} {health_status(address, cfg)}")
+    with channel(cfg.scheduler.address, cfg) as ch:
+        try:
+            st = scheduler_pb2_grpc.SchedulerStub(ch).Status(scheduler_pb2.StatusRequest(), timeout=2)
+        except grpc.RpcError as exc:
+            print(f"scheduler: {exc.code().name}: {exc.details()}")
+            return 1
+    print(f"scheduler: policy {st.policy}, {st.decisions} decisions, GPU {st.gpu or 'none'}")
+    print(f"  stream priorities: least {st.least_priority}, greatest {st.greatest_priority}")
+    enforced = "enforced" if st.priorities_enforced else "NOT ENFORCED across processes"
+    print(f"  MPS: {'active' if st.mps_active else 'inactive'}; priorities {enforced}: {st.mps_message}")
+    if not st.services:
+        print("  no services registered")
+    for s in st.services:
+        a, load = s.assignment, s.last_load
+        print(
+            f"  {_kind(s.kind):<7} {s.instance:<28} {s.address:<22} priority {a.stream_priority:>2}  "
+            f"pool {a.memory_pool_bytes / 2**20:.0f} MiB  urgency {s.urgency:.2f}  "
+            f"lease {s.lease_expires_in_ms:.0f} ms  queue {load.queue_depth}  {load.requests_per_s:.1f} req/s"
+        )
+    return 0

@@ -1,0 +1,147 @@
+"""``tandem up``: the three servers as separate processes, started in order,
+each awaited until its health service reports SERVING, and all stopped
+together (SIGTERM, drain, then SIGKILL) so that none is left orphaned."""
+from __future__ import annotations
+
+import ctypes
+import logging
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tandem.config import TandemConfig
+from tandem.server import channel
+
+log = logging.getLogger(__name__)
+
+SERVICES = ("scheduler", "reward", "search")  # start order: search follows the other two
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child before exec
+    # If tandem up is killed outright (SIGKILL), the kernel still stops the children.
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def health_status(address: str, cfg: TandemConfig | None = None, service: str = "", timeout_s: float = 1.0) -> str:
+    """The health service's answer for ``service`` at ``address``: "SERVING",
+    "NOT_SERVING", … or "UNREACHABLE"."""
+    with channel(address, cfg) as ch:
+        try:
+            reply = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout_s
+            )
+        except grpc.RpcError:
+            return "UNREACHABLE"
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+def wait_serving(address: str, cfg: TandemConfig, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+    """Waits until ``address`` reports SERVING.
+
+    Raises:
+        RuntimeError: the process exited, or ``timeout_s`` passed first.
+    """
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server for {address} exited with status {proc.returncode}")
+        if health_status(address, cfg, timeout_s=0.5) == "SERVING":
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"{address} did not report SERVING within {timeout_s:.0f} s")
+
+
+@dataclass
+class Stack:
+    """The three server processes of one ``tandem up``."""
+
+    cfg: TandemConfig
+    config_path: Path | None
+    log_dir: Path | None = None
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    def addresses(self) -> dict[str, str]:
+        return {name: getattr(self.cfg, name).address for name in SERVICES}
+
+    def start(self, timeout_s: float = 120.0) -> None:
+        """Starts the servers in order, each after the last reports SERVING.
+
+        Raises:
+            RuntimeError: a server exited or did not become SERVING in time
+                (the ones already started are stopped first).
+        """
+        try:
+            for name in SERVICES:
+                cmd = [sys.executable, "-m", "tandem", "serve", name]
+                if self.config_path:
+                    cmd += ["--config", str(self.config_path)]
+                out = None
+                if self.log_dir:
+                    self.log_dir.mkdir(parents=True, exist_ok=True)
+                    out = open(self.log_dir / f"{name}.log", "ab")
+                self.procs[name] = subprocess.Popen(
+                    cmd, stdout=out, stderr=subprocess.STDOUT if out else None, preexec_fn=_die_with_parent
+                )
+                wait_serving(getattr(self.cfg, name).address, self.cfg, timeout_s, self.procs[name])
+        except BaseException:
+            self.stop()
+            raise
+
+    def failed(self) -> str | None:
+        """Name of a server that has exited, if any."""
+        for name, proc in self.procs.items():
+            if proc.poll() is not None:
+                return name
+        return None
+
+    def stop(self, grace_s: float = 10.0) -> dict[str, int]:
+        """SIGTERM to all (in reverse order), wait up to ``grace_s``, then SIGKILL.
+
+        Returns each server's exit status.
+        """
+        for name in reversed(list(self.procs)):
+            if self.procs[name].poll() is None:
+                self.procs[name].send_signal(signal.SIGTERM)
+        end = time.monotonic() + grace_s
+        codes = {}
+        for name, proc in self.procs.items():
+            try:
+                codes[name] = proc.wait(timeout=max(end - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop within %.0f s: killing it", name, grace_s)
+                proc.kill()
+                codes[name] = proc.wait()
+        self.procs.clear()
+        return codes
+
+    def __enter__(self) -> "Stack":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def run_until_signalled(stack: Stack) -> int:
+    """Blocks until SIGINT/SIGTERM or until a server exits; stops all. Exit status for the CLI."""
+    stopping = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda s, _f: stopping.append(s))
+    while not stopping:
+        dead = stack.failed()
+        if dead:
+            log.error("%s exited (status %s): stopping the others", dead, stack.procs[dead].returncode)
+            stack.stop()
+            return 1
+        time.sleep(0.1)
+    print("stopping: draining the three servers", flush=True)
+    stack.stop()
+    return 0
+

@@ -1,0 +1,44 @@
+"""Shared fixtures: configs on free loopback ports, and the GPU marker."""
+from __future__ import annotations
+
+import dataclasses
+import socket
+
+import pytest
+
+from tandem.config import TandemConfig, parse_config
+from tandem.gpu import cuda_device_count
+
+
+def pytest_collection_modifyitems(config, items):
+    if cuda_device_count() > 0:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (none visible)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def loopback_config(**sections) -> TandemConfig:
+    """The default config with every server on a free loopback port and no metrics
+    endpoint; ``sections`` override fields, e.g. ``search={"backend": "cpu"}``."""
+    data = {
+        name: {"address": f"127.0.0.1:{free_port()}", "metrics_port": 0, **sections.get(name, {})}
+        for name in ("scheduler", "reward", "search")
+    }
+    return parse_config(data)
+
+
+@pytest.fixture
+def cfg() -> TandemConfig:
+    return loopback_config(search={"backend": "cpu"})
+
+
+def replace(cfg: TandemConfig, section: str, **fields) -> TandemConfig:
+    return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **fields)})

@@ -1,0 +1,28 @@
+"""The checked-in generated modules are what protos/generate.py makes, and import."""
+import filecmp
+import importlib
+import sys
+from pathlib import Path
+
+from tandem.paths import REPO_ROOT
+
+sys.path.insert(0, str(REPO_ROOT / "protos"))
+from generate import generate  # noqa: E402
+
+
+def test_generated_modules_are_up_to_date(tmp_path: Path):
+    generate(tmp_path)
+    fresh = sorted((tmp_path / "tandem" / "v1").iterdir())
+    assert [p.name for p in fresh] == sorted(
+        f"{stem}{suffix}" for stem in ("reward", "scheduler", "search") for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
+    )
+    checked_in = REPO_ROOT / "protos" / "tandem" / "v1"
+    stale = [p.name for p in fresh if not filecmp.cmp(p, checked_in / p.name, shallow=False)]
+    assert not stale, f"regenerate with `python protos/generate.py`: {stale} differ"
+
+
+def test_generated_modules_import_as_the_proto_package():
+    for stem in ("reward", "scheduler", "search"):
+        pb2 = importlib.import_module(f"tandem.v1.{stem}_pb2")
+        importlib.import_module(f"tandem.v1.{stem}_pb2_grpc")
+        assert pb2.DESCRIPTOR.package == "tandem.v1"

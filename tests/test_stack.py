@@ -1,0 +1,119 @@
+"""`tandem up` as a user runs it: three real server processes on loopback,
+`tandem status`, a short `tandem play`, and a clean stop with no orphans."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import free_port
+from tandem.config import load_config
+from tandem.supervisor import health_status
+
+pytestmark = pytest.mark.slow
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.fixture
+def config_file(tmp_path) -> Path:
+    data = {
+        name: {"address": f"127.0.0.1:{free_port()}", "metrics_port": free_port()}
+        for name in ("scheduler", "reward", "search")
+    }
+    data["search"]["backend"] = "cpu"
+    data["scheduler"]["report_interval_ms"] = 100
+    path = tmp_path / "tandem.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _tandem(*args, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tandem", *args], capture_output=True, text=True, timeout=120, **kw)
+
+
+def test_up_status_play_and_stop(config_file, tmp_path):
+    cfg = load_config(config_file)
+    up = subprocess.Popen(
+        [sys.executable, "-m", "tandem", "up", "--config", str(config_file)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        lines = []
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            line = up.stdout.readline()
+            assert line, "tandem up exited early:\n" + "".join(lines)
+            lines.append(line)
+            if line.startswith("tandem is up"):
+                break
+        for _ in range(3):
+            lines.append(up.stdout.readline())
+        text = "".join(lines)
+        for name in ("scheduler", "reward", "search"):
+            assert getattr(cfg, name).address in text
+            assert health_status(getattr(cfg, name).address) == "SERVING"
+        children = _children(up.pid)
+        assert len(children) == 3
+
+        # Both services register with the scheduler within a few report intervals.
+        for _ in range(50):
+            status = _tandem("status", "--config", str(config_file))
+            if status.stdout.count("lease") == 2:
+                break
+            time.sleep(0.1)
+        assert status.returncode == 0, status.stdout + status.stderr
+        assert "search" in status.stdout and "reward" in status.stdout and "NOT ENFORCED" in status.stdout
+
+        report_path = tmp_path / "report.json"
+        play = _tandem("play", "--config", str(config_file), "--frames", "20", "--fps", "30", "--report", str(report_path))
+        assert play.returncode == 0, play.stdout + play.stderr
+        report = json.loads(report_path.read_text())
+        assert report["frames"] == report["frames_answered"] == 20
+        assert report["backends"]["search"] == ["cpu_reference"]
+        assert report["simulations_per_frame"]["min"] >= 1
+        for key in ("optimal_move_rate", "best_score_move_rate", "value_sign_agreement", "missed_frames"):
+            assert key in report
+        assert report["frame_latency_ms"]["p50"] > 0
+
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=60) == 0
+        time.sleep(0.2)
+        assert not [pid for pid in children if _alive(pid)], "orphaned server processes"
+    finally:
+        if up.poll() is None:
+            up.kill()
+
+
+def test_up_refuses_a_bad_config(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("search:\n  backend: quantum\n")
+    result = _tandem("up", "--config", str(bad))
+    assert result.returncode == 2
+    assert "search.backend: must be one of" in result.stderr
