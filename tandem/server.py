@@ -158,10 +158,11 @@ def build_server(
     return running
 
 
-def start_metrics(port: int) -> None:
-    """Serves Prometheus metrics on http://127.0.0.1:``port``/metrics (0: off)."""
+def start_metrics(port: int, host: str = "127.0.0.1") -> None:
+    """Serves Prometheus metrics on http://``host``:``port``/metrics (0: off);
+    ``host`` is the server's own bind host, so containers expose it too."""
     if port:
-        start_http_server(port, addr="127.0.0.1")
+        start_http_server(port, addr=host)
 
 
 def serve_until_signalled(running: RunningServer, grace_ms: float, on_stop: Callable[[], None] | None = None) -> None:
@@ -179,7 +180,13 @@ def serve_until_signalled(running: RunningServer, grace_ms: float, on_stop: Call
 
 
 def channel(address: str, cfg: TandemConfig | None = None) -> grpc.Channel:
-    """A client channel to a tandem server, with TLS and the token where configured."""
+    """A client channel to a tandem server, with TLS and the token where configured.
+
+    A wildcard bind address (``0.0.0.0:P``, ``[::]:P``) is dialled on loopback.
+    """
+    host, _, port = address.rpartition(":")
+    if host in ("0.0.0.0", "[::]"):
+        address = f"127.0.0.1:{port}"
     options = [("grpc.max_receive_message_length", 64 * 1024 * 1024),
                ("grpc.max_send_message_length", 64 * 1024 * 1024)]
     if cfg is None or not cfg.tls.cert_path:

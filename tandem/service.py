@@ -65,7 +65,7 @@ def start_service(
     scheduler, which it follows in the background (registering with backoff).
     """
     running = build_server(address, server_cfg, cfg, register)
-    start_metrics(metrics_port)
+    start_metrics(metrics_port, address.rpartition(":")[0].strip("[]"))
     client = None
     if follow_scheduler:
         from scheduler.client import SchedulerClient

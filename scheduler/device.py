@@ -1,0 +1,224 @@
+"""What the GPU offers the scheduler: stream priority range, name, memory, MPS.
+
+:func:`probe` never raises: every failure (no CuPy, no GPU, no MPS tools, a
+hung MPS control daemon) becomes a plain sentence in :class:`DeviceInfo`.
+The GPU is asked through CuPy in a short-lived child process
+(``python -m scheduler.device`` prints the facts as JSON), so the scheduler
+daemon never holds a CUDA context of its own.
+
+Why MPS matters (DESIGN.md, "Measured physics"): across processes, CUDA
+stream priorities do nothing unless the processes are clients of one MPS
+server; without MPS the GPU time-slices the processes' contexts. So
+``priorities_enforced`` is true only with a GPU *and* an MPS control daemon
+that answers.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from scheduler.policy import PriorityRange
+from tandem.paths import REPO_ROOT
+
+log = logging.getLogger(__name__)
+
+#: The stream priority range assumed where no GPU can be asked: the H200's
+#: (least 0, greatest -5; DESIGN.md "Measured physics"). The one place for it.
+NOMINAL_PRIORITY_RANGE = PriorityRange(least=0, greatest=-5)
+
+MPS_CONTROL_BINARY = "nvidia-cuda-mps-control"
+DEFAULT_MPS_PIPE_DIRECTORY = "/tmp/nvidia-mps"  # the MPS control daemon's default
+
+NO_GPU_MESSAGE = "no GPU: stream priorities are not enforced across processes"
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """Findings about GPU 0 and MPS.
+
+    Attributes:
+        gpu_name: device name, "" without a GPU.
+        total_memory_bytes: device memory in bytes, 0 without a GPU.
+        priority_range: the device's stream priority range, or
+            :data:`NOMINAL_PRIORITY_RANGE` where no GPU answered.
+        range_from_device: whether ``priority_range`` was read from the device.
+        mps_binary: path of ``nvidia-cuda-mps-control``, "" when not on PATH.
+        mps_pipe_directory: where the control daemon is looked for
+            (``CUDA_MPS_PIPE_DIRECTORY`` or ``/tmp/nvidia-mps``).
+        mps_active: a control daemon answered there.
+        mps_message: why MPS is or is not in force, one sentence.
+        priorities_enforced: stream priorities act across processes.
+        message: what all this means for scheduling, one sentence.
+    """
+
+    gpu_name: str = ""
+    total_memory_bytes: int = 0
+    priority_range: PriorityRange = NOMINAL_PRIORITY_RANGE
+    range_from_device: bool = False
+    mps_binary: str = ""
+    mps_pipe_directory: str = DEFAULT_MPS_PIPE_DIRECTORY
+    mps_active: bool = False
+    mps_message: str = NO_GPU_MESSAGE
+    priorities_enforced: bool = False
+    message: str = NO_GPU_MESSAGE
+
+    @property
+    def has_gpu(self) -> bool:
+        return bool(self.gpu_name)
+
+
+def cpu_only() -> DeviceInfo:
+    """The findings on a host without a GPU (also a stand-in for tests)."""
+    return DeviceInfo()
+
+
+def _stream_priority_range(runtime) -> tuple[int, int]:
+    """(least, greatest) of the current device.
+
+    ``cudaDeviceGetStreamPriorityRange`` where CuPy exposes it; CuPy 14 does
+    not, so otherwise a stream is created at an absurdly low and one at an
+    absurdly high priority and read back: CUDA clamps out-of-range priorities
+    to the device's range.
+    """
+    direct = getattr(runtime, "deviceGetStreamPriorityRange", None)
+    if direct is not None:
+        least, greatest = direct()
+        return int(least), int(greatest)
+    ends = []
+    for asked in (1 << 20, -(1 << 20)):
+        stream = runtime.streamCreateWithPriority(getattr(runtime, "streamNonBlocking", 1), asked)
+        try:
+            ends.append(int(runtime.streamGetPriority(stream)))
+        finally:
+            runtime.streamDestroy(stream)
+    return ends[0], ends[1]
+
+
+def _gpu_facts() -> dict | None:
+    """Asks CuPy about GPU 0 in this process: {"name", "total_memory_bytes", "least", "greatest"} or None."""
+    try:
+        import cupy  # noqa: PLC0415 - optional dependency
+    except Exception as exc:  # ImportError, or a broken CUDA install
+        log.debug("CuPy unavailable: %s", exc)
+        return None
+    try:
+        runtime = cupy.cuda.runtime
+        if runtime.getDeviceCount() < 1:
+            return None
+        props = runtime.getDeviceProperties(0)
+        name = props.get("name", b"")
+        name = name.decode(errors="replace") if isinstance(name, bytes) else str(name)
+        with cupy.cuda.Device(0):
+            least, greatest = _stream_priority_range(runtime)
+        return {"name": name or "unknown GPU", "total_memory_bytes": int(props.get("totalGlobalMem", 0)),
+                "least": least, "greatest": greatest}
+    except Exception as exc:  # cudaErrorNoDevice, driver mismatch, ...
+        log.debug("no usable GPU: %s", exc)
+        return None
+
+
+def _probe_gpu(timeout_s: float = 60.0) -> tuple[str, int, PriorityRange] | None:
+    """(name, total memory in bytes, priority range) of GPU 0, or None.
+
+    Asked in a short-lived child process, so that the scheduler itself never
+    holds a CUDA context (device memory, and an MPS client slot it has no use for).
+    """
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    try:
+        done = subprocess.run([sys.executable, "-m", "scheduler.device"], capture_output=True, text=True,
+                              timeout=timeout_s, env=env, cwd=str(REPO_ROOT))
+        facts = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 and done.stdout else None
+    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError) as exc:
+        log.warning("GPU probe failed: %s", exc)
+        return None
+    if done.returncode != 0:
+        log.warning("GPU probe exited %d: %s", done.returncode, done.stderr.strip()[-500:])
+    if not facts:
+        return None
+    try:
+        return facts["name"], int(facts["total_memory_bytes"]), PriorityRange(int(facts["least"]), int(facts["greatest"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        log.warning("GPU probe answered nonsense (%s): %r", exc, facts)
+        return None
+
+
+def _probe_mps(pipe_dir: str, timeout_s: float) -> tuple[str, bool, str]:
+    """(binary path or "", daemon answering, sentence)."""
+    binary = shutil.which(MPS_CONTROL_BINARY) or ""
+    control = Path(pipe_dir) / "control"
+    if not binary:
+        if control.exists():
+            return "", False, (
+                f"an MPS control pipe exists at {control} but {MPS_CONTROL_BINARY} is not on PATH "
+                "to confirm the daemon answers"
+            )
+        return "", False, f"MPS unavailable: {MPS_CONTROL_BINARY} is not on PATH"
+    if not control.exists():
+        return binary, False, (
+            f"MPS control daemon not running (no {control}); start it with "
+            f"`CUDA_MPS_PIPE_DIRECTORY={pipe_dir} {MPS_CONTROL_BINARY} -d`"
+        )
+    try:
+        done = subprocess.run(
+            [binary], input="get_server_list\n", capture_output=True, text=True, timeout=timeout_s,
+            env={**os.environ, "CUDA_MPS_PIPE_DIRECTORY": pipe_dir},
+        )
+    except subprocess.TimeoutExpired:
+        return binary, False, f"MPS control daemon at {pipe_dir} did not answer within {timeout_s:.1f} s"
+    except OSError as exc:
+        return binary, False, f"could not run {binary}: {exc.strerror}"
+    if done.returncode != 0:
+        detail = (done.stderr or done.stdout).strip().splitlines()
+        return binary, False, (
+            f"MPS control daemon at {pipe_dir} did not answer (exit {done.returncode}"
+            f"{': ' + detail[-1] if detail else ''})"
+        )
+    return binary, True, f"MPS control daemon answering at {pipe_dir}"
+
+
+def probe(pipe_directory: str | None = None, *, mps_timeout_s: float = 2.0) -> DeviceInfo:
+    """Finds out what GPU 0 and MPS offer. Never raises; blocks for the GPU
+    probe's child process (about a second with CuPy, 60 s at most) plus at
+    most ``mps_timeout_s``.
+
+    ``pipe_directory`` defaults to ``$CUDA_MPS_PIPE_DIRECTORY`` or ``/tmp/nvidia-mps``.
+    """
+    pipe_dir = pipe_directory or os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or DEFAULT_MPS_PIPE_DIRECTORY
+    gpu = _probe_gpu()
+    if gpu is None:
+        binary = shutil.which(MPS_CONTROL_BINARY) or ""
+        return DeviceInfo(mps_binary=binary, mps_pipe_directory=pipe_dir)
+    name, total, prange = gpu
+    binary, active, mps_message = _probe_mps(pipe_dir, mps_timeout_s)
+    if active:
+        message = f"{name}: stream priorities {prange.least}..{prange.greatest} act across processes (MPS)"
+    else:
+        message = (
+            f"{name}: stream priorities are not enforced across processes without MPS "
+            "(the GPU time-slices separate contexts); they act only within one process "
+            "-- run the services co-located or start MPS"
+        )
+    return DeviceInfo(
+        gpu_name=name,
+        total_memory_bytes=total,
+        priority_range=prange,
+        range_from_device=True,
+        mps_binary=binary,
+        mps_pipe_directory=pipe_dir,
+        mps_active=active,
+        mps_message=mps_message,
+        priorities_enforced=active,
+        message=message,
+    )
+
+
+if __name__ == "__main__":  # the child process of _probe_gpu
+    logging.basicConfig(level=logging.DEBUG, stream=sys.stderr)
+    print(json.dumps(_gpu_facts()))
