@@ -152,7 +152,7 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
             evaluator=_EVALUATOR_CODES[params.evaluator],
             max_depth=r.max_depth,
             tree_nodes=r.tree_nodes,
-            tree_reused=tree is not None,
+            tree_reused=r.tree_reused,
             pool_exhausted=r.pool_exhausted,
             deadline_reached=r.deadline_reached,
         )

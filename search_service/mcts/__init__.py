@@ -1,0 +1,1 @@
+"""Monte Carlo tree search: backend interface, trees, the NumPy reference, Philox."""

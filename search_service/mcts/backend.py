@@ -1,0 +1,119 @@
+"""What every search backend (CPU reference, CUDA) offers, and its parameters.
+
+A backend searches a batch of B root positions at once, one tree per root, and
+answers one :class:`SearchResult` per tree plus the trees themselves, which
+the caller may keep: :func:`search_service.mcts.tree.reroot` promotes the
+child reached by the moves played since to root, and the re-rooted tree can be
+passed back (``trees=[...]``) for the next search of that game.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Protocol
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from search_service.games.connect4 import Positions
+    from search_service.mcts.tree import Tree
+
+EVALUATORS = ("rollout", "value_model")
+
+LeafEvaluator = Callable[[np.ndarray], "tuple[np.ndarray, np.ndarray | None]"]
+"""obs uint8 [N, 2, 6, 7] -> (values float32 [N] in [-1, 1] for the side to
+move at each leaf, priors float32 [N, A] or None). Called once per wave with
+every leaf of every tree that needs a model value."""
+
+
+@dataclass(frozen=True)
+class SearchParams:
+    """Budget and constants of one search call (the same for every tree).
+
+    Raises:
+        ValueError: from the constructor, for a value out of range or when
+            neither ``simulations`` nor ``deadline_ms`` is given.
+    """
+
+    simulations: int | None  # simulations per tree; None = no simulation budget
+    deadline_ms: float | None  # wall-clock budget (ms), checked between waves; None = none
+    parallel_sims: int = 1  # simulations in flight per tree per wave (virtual loss)
+    evaluator: str = "rollout"  # "rollout" (UCT, random rollouts) or "value_model" (PUCT)
+    c_uct: float = 1.4  # UCT exploration constant
+    c_puct: float = 1.5  # PUCT exploration constant
+    virtual_loss: float = 1.0  # value subtracted per in-flight simulation (each also counts one visit)
+    max_nodes: int = 200_000  # node pool per tree, root included
+    seed: int = 0  # 64-bit Philox key for rollouts
+
+    def __post_init__(self) -> None:
+        if self.simulations is None and self.deadline_ms is None:
+            raise ValueError("set at least one budget: simulations or deadline_ms")
+        sims = self.simulations
+        if sims is not None and (not isinstance(sims, (int, np.integer)) or sims < 1):
+            raise ValueError(f"simulations must be an int >= 1 or None, got {self.simulations!r}")
+        if self.deadline_ms is not None and not (np.isfinite(self.deadline_ms) and self.deadline_ms > 0):
+            raise ValueError(f"deadline_ms must be a finite number > 0 or None, got {self.deadline_ms!r}")
+        if not isinstance(self.parallel_sims, (int, np.integer)) or not 1 <= self.parallel_sims <= 4096:
+            raise ValueError(f"parallel_sims must be an int in 1..4096, got {self.parallel_sims!r}")
+        if self.evaluator not in EVALUATORS:
+            raise ValueError(f"evaluator must be one of {EVALUATORS}, got {self.evaluator!r}")
+        for name in ("c_uct", "c_puct", "virtual_loss"):
+            value = getattr(self, name)
+            if not (np.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        if not isinstance(self.max_nodes, (int, np.integer)) or self.max_nodes < 1:
+            raise ValueError(f"max_nodes must be an int >= 1, got {self.max_nodes!r}")
+        if not isinstance(self.seed, (int, np.integer)) or not 0 <= self.seed < 1 << 64:
+            raise ValueError(f"seed must be an int in [0, 2**64), got {self.seed!r}")
+
+
+@dataclass
+class SearchResult:
+    """The answer for one tree. Times are wall-clock ms for the whole batch,
+    summed over waves (the same in every result of one call)."""
+
+    action: int  # most-visited root action (ties: higher Q, then lower index)
+    # Root statistics include what a reused tree held before this call.
+    visit_counts: np.ndarray  # int64 [A]: root edge visits, 0 for illegal actions
+    q_values: np.ndarray  # float32 [A]: mean value per root action, side to move's view; 0 where unvisited
+    root_value: float  # mean backed-up value over the root's edges, side to move's view, in [-1, 1]
+    principal_variation: list[int]  # most-visited path from the root, 0-based actions
+    simulations: int  # simulations completed in this call
+    max_depth: int  # longest selection path (edges from the root) in this call
+    tree_nodes: int  # nodes in the tree after the search
+    pool_exhausted: bool  # the node pool filled; later leaves were evaluated without being added
+    deadline_reached: bool  # the deadline ended the search
+    select_ms: float = 0.0
+    expand_ms: float = 0.0
+    evaluate_ms: float = 0.0
+    backup_ms: float = 0.0
+    tree_reused: bool = False  # a tree passed in was searched further (not replaced by a fresh one)
+    extras: dict = field(default_factory=dict)  # backend-specific figures (e.g. waves)
+
+
+class SearchBackend(Protocol):
+    """A tree-search implementation (CPU reference, CUDA kernels, ...)."""
+
+    name: str
+
+    def search(
+        self,
+        roots: "Positions",
+        params: SearchParams,
+        evaluator: LeafEvaluator | None = None,
+        trees: "list[Tree | None] | None" = None,
+    ) -> "tuple[list[SearchResult], list[Tree]]":
+        """Searches every root (none may be finished) and returns one result
+        and one tree per root. ``trees[b]``, if given, must be rooted at
+        ``roots[b]`` (see ``reroot``); it is searched further instead of a
+        fresh tree.
+
+        Raises:
+            ValueError: a finished root, a tree rooted elsewhere, or
+                ``evaluator`` missing for ``value_model``.
+        """
+        ...
+
+    def reroot(self, tree: "Tree", actions: list[int]) -> "Tree | None":
+        """``tree`` re-rooted at the node reached by ``actions`` (0-based) from
+        its root, or None if that node is not in the tree."""
+        ...

@@ -1,0 +1,486 @@
+"""The CPU reference MCTS: B trees searched together with NumPy.
+
+Algorithm (one *wave* per loop, K = ``parallel_sims`` simulations per tree):
+
+1. **Select** (Chaslot et al. 2008, "Parallel Monte-Carlo tree search", and
+   Segal 2010, "On the scalability of parallel UCT", for virtual loss). The K
+   selections of a tree descend from the root one after another in simulation
+   order, each seeing the virtual loss of the earlier ones: an edge with ``v``
+   simulations in flight counts ``v`` extra visits, each a loss of
+   ``virtual_loss`` for the player choosing there. At a node, the player to
+   move picks among legal edges by
+
+   * UCT (Kocsis & Szepesvari 2006, "Bandit based Monte-Carlo planning"),
+     with rollouts: an unvisited edge first (lowest index), else the maximum
+     of ``Q + c_uct * sqrt(ln N / n)``;
+   * PUCT (Rosin 2011; Silver et al. 2017, AlphaZero), with the value model:
+     the maximum of ``Q + c_puct * P * sqrt(N) / (1 + n)``, Q = 0 unvisited;
+
+   with n, Q the edge's visits and mean value (virtual loss included), Q from
+   the choosing player's view, N the node's visits (simulations that went
+   through or ended at it; a PUCT root also counts its own evaluation) plus
+   its edges' virtual losses, ties to the lowest index. Evaluated in float64
+   exactly as ``Q + (c_uct * sqrt(ln max(N, 1))) * (1 / sqrt(max(n, 1)))``
+   and ``Q + sqrt(N) * ((c_puct * P) / (1 + n))``, with
+   ``Q = (W - virtual_loss * v) / max(n, 1)``, v the edge's virtual losses.
+   A selection stops at an edge whose child is not in the tree, or at a
+   finished position.
+   All B*K selections run in lockstep by depth; where several selections of a
+   wave stand on one node they choose in simulation order ("rank"), so the
+   result is exactly that of running them one after another.
+2. **Expand**: each distinct edge where selections stopped gets one new node
+   (so a wave adds at most K nodes per tree); once a tree's pool holds
+   ``max_nodes`` nodes the leaf is evaluated without being added and the
+   result says ``pool_exhausted``.
+3. **Evaluate**: finished positions exactly (side to move lost: -1, draw: 0);
+   others by one random rollout per simulation (Philox, see
+   :mod:`search_service.mcts.philox`) or by the value model, called once per
+   wave with every distinct leaf of every tree. Its priors (masked to legal
+   moves, renormalised; uniform when absent) become the new nodes' priors.
+4. **Backup**: every edge on the path gains a visit and the value, signed for
+   the player choosing at that edge (negamax); the virtual loss is removed.
+
+With ``parallel_sims = 1`` this is plain sequential MCTS; with a fixed seed the
+search is deterministic for any ``parallel_sims``. The budget is checked
+between waves: the last wave is cut short so exactly ``simulations`` run, and
+a ``deadline_ms`` (counted from the call, tree set-up included) ends the
+search after the wave that passes it (at least one wave always runs). For
+PUCT a fresh root is evaluated first (for its priors; not a simulation).
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from search_service.games import connect4
+from search_service.games.connect4 import Positions
+from search_service.mcts import tree as tr
+from search_service.mcts.backend import LeafEvaluator, SearchParams, SearchResult
+from search_service.mcts.rollout import rollout_values
+
+A = connect4.NUM_ACTIONS
+MAX_DEPTH = connect4.MAX_MOVES  # a selection path has at most 42 edges
+_INITIAL_CAPACITY = 4096  # slots per tree before the pool first grows
+
+
+class CpuReferenceBackend:
+    """NumPy MCTS (see the module docstring). Stateless between calls."""
+
+    name = "cpu_reference"
+
+    def __init__(self, **options):
+        if options:
+            raise TypeError(f"CpuReferenceBackend takes no options, got {sorted(options)}")
+
+    def search(
+        self,
+        roots: Positions,
+        params: SearchParams,
+        evaluator: LeafEvaluator | None = None,
+        trees: list[tr.Tree | None] | None = None,
+    ) -> tuple[list[SearchResult], list[tr.Tree]]:
+        """Searches each of the B ``roots`` (unfinished positions) in its own tree.
+
+        Args:
+            roots: B positions.
+            params: budget and constants.
+            evaluator: the leaf evaluator; required for ``value_model``, ignored otherwise.
+            trees: per root, a single tree rooted at it (from ``reroot``) to search
+                further, or None for a fresh one. Trees passed in are copied,
+                not modified. A tree built with another evaluator is replaced.
+
+        Returns:
+            One result and one single tree (batch of 1) per root.
+
+        Raises:
+            ValueError: a finished root, a tree rooted at another position, or
+                no ``evaluator`` for ``value_model``.
+        """
+        return _Search(roots, params, evaluator, trees).run()
+
+    @staticmethod
+    def reroot(tree: tr.Tree, actions: list[int]) -> tr.Tree | None:
+        """See :func:`search_service.mcts.tree.reroot`."""
+        return tr.reroot(tree, actions)
+
+
+class _Search:
+    """One search call: the batched tree, the wave loop, and its bookkeeping."""
+
+    def __init__(self, roots: Positions, params: SearchParams, evaluator: LeafEvaluator | None, trees):
+        self.t0 = time.perf_counter()
+        self.p = params
+        self.evaluator = evaluator
+        self.puct = params.evaluator == "value_model"
+        if self.puct and evaluator is None:
+            raise ValueError("evaluator 'value_model' needs a leaf evaluator")
+        b = len(roots)
+        if b == 0:
+            raise ValueError("no roots to search")
+        finished = connect4.is_terminal(roots)
+        if finished.any():
+            raise ValueError(f"root {int(np.flatnonzero(finished)[0])} is a finished game")
+        trees = list(trees) if trees is not None else [None] * b
+        if len(trees) != b:
+            raise ValueError(f"got {len(trees)} trees for {b} roots")
+        self.reused = np.zeros(b, bool)
+        kept = []
+        for i, t in enumerate(trees):
+            if t is None or t.evaluator != params.evaluator:
+                continue
+            if t.batch != 1:
+                raise ValueError(f"trees[{i}] holds {t.batch} trees; pass single trees")
+            if not (t.node_current[0, 0] == roots.current[i] and t.node_mask[0, 0] == roots.mask[i]):
+                raise ValueError(f"trees[{i}] is rooted at another position than roots[{i}]")
+            self.reused[i] = True
+            kept.append(i)
+        # Pool size: room for one node per simulation (the most a search can
+        # add) when that is known, else a start that grows; never past max_nodes.
+        used = max([int(trees[i].num_nodes[0]) for i in kept], default=1)
+        adds = params.simulations if params.simulations is not None else max(_INITIAL_CAPACITY, params.parallel_sims)
+        capacity = max(used, min(params.max_nodes, used + adds))
+        if kept:
+            filler = tr.new_trees(roots, 1, params.evaluator)
+            singles = tr.split(filler)
+            self.tree = tr.gather([trees[i] if self.reused[i] else singles[i] for i in range(b)], capacity)
+            self.tree.evaluator = params.evaluator
+        else:
+            self.tree = tr.new_trees(roots, capacity, params.evaluator)
+        self.b = b
+        self.pool_exhausted = np.zeros(b, bool)
+        self.max_depth = np.zeros(b, np.int64)
+        self.ms = dict(select=0.0, expand=0.0, evaluate=0.0, backup=0.0)
+        self.waves = 0
+
+    # -- flat views over the batched pool (row = tree * capacity + slot) ----
+    def _views(self) -> None:
+        t, n = self.tree, self.tree.capacity
+        self.cap = n
+        self.children = t.children.reshape(-1, A)
+        self.visits = t.edge_visits.reshape(-1, A)
+        self.value = t.edge_value.reshape(-1, A)
+        self.vloss = t.edge_vloss.reshape(-1, A)
+        self.prior = t.prior.reshape(-1, A)
+        self.node_visits = t.node_visits.reshape(-1)
+        self.node_terminal = t.node_terminal.reshape(-1)
+        self.node_current = t.node_current.reshape(-1)
+        self.node_mask = t.node_mask.reshape(-1)
+
+    def _ensure_capacity(self, k: int) -> None:
+        need = min(self.p.max_nodes, int(self.tree.num_nodes.max()) + k)
+        if need > self.tree.capacity:
+            self.tree = tr.grow(self.tree, min(self.p.max_nodes, max(need, 2 * self.tree.capacity)))
+        self._views()
+
+    # -- the wave loop -----------------------------------------------------
+    def run(self) -> tuple[list[SearchResult], list[tr.Tree]]:
+        p = self.p
+        self._views()
+        if self.puct:
+            self._evaluate_fresh_roots()
+        done, deadline_reached = 0, False
+        while True:
+            k = p.parallel_sims if p.simulations is None else min(p.parallel_sims, p.simulations - done)
+            if k <= 0:
+                break
+            if p.deadline_ms is not None and self.waves and (time.perf_counter() - self.t0) * 1e3 >= p.deadline_ms:
+                deadline_reached = True
+                break
+            self._ensure_capacity(k)
+            self._wave(k, done)
+            done += k
+            self.waves += 1
+        return self._results(done, deadline_reached), tr.split(self.tree)
+
+    def _wave(self, k: int, done: int) -> None:
+        t = time.perf_counter()
+        walk = self._select(k)
+        t1 = time.perf_counter()
+        leaf = self._expand(walk)
+        t2 = time.perf_counter()
+        values = self._evaluate(walk, leaf, done)
+        t3 = time.perf_counter()
+        self._backup(walk, leaf, values)
+        t4 = time.perf_counter()
+        for name, dt in zip(("select", "expand", "evaluate", "backup"), (t1 - t, t2 - t1, t3 - t2, t4 - t3)):
+            self.ms[name] += dt * 1e3
+
+    # -- 1. selection ------------------------------------------------------
+    def _select(self, k: int) -> dict:
+        """Descends B*K selections in lockstep by depth; returns their paths."""
+        b, cap = self.b, self.cap
+        w = b * k
+        tree_of = np.repeat(np.arange(b, dtype=np.int64), k)
+        path_rows = np.zeros((MAX_DEPTH, w), np.int64)
+        path_acts = np.zeros((MAX_DEPTH, w), np.int64)
+        depth = np.zeros(w, np.int64)
+        stop_child = np.full(w, -1, np.int64)  # row of the finished node a selection stopped at, else -1
+        idx = np.arange(w)  # selections still descending, in simulation order
+        rows = tree_of * cap  # their current node rows: the roots
+        for d in range(MAX_DEPTH):
+            if d == 0:  # every selection of tree t stands on its root; the j-th chooses j-th
+                node_rows, group, size, rank = np.arange(b) * cap, tree_of, np.full(b, k), idx % k
+            elif k == 1:  # one selection per tree: all on distinct nodes
+                node_rows, group, size, rank = rows, np.arange(rows.size), np.ones(rows.size, np.int64), 0
+            else:
+                node_rows, group, size, rank = _groups(rows)
+            acts = self._choose(node_rows, size)  # [R, U]
+            chosen = acts[rank, group]
+            path_rows[d, idx] = rows
+            path_acts[d, idx] = chosen
+            depth[idx] = d + 1
+            child = self.children[rows, chosen]
+            child_rows = tree_of[idx] * cap + np.maximum(child, 0)
+            finished = (child >= 0) & (self.node_terminal[child_rows] != tr.NOT_TERMINAL)
+            stop_child[idx[finished]] = child_rows[finished]
+            go = (child >= 0) & ~finished
+            idx, rows = idx[go], child_rows[go]
+            if idx.size == 0:
+                break
+        return dict(k=k, tree_of=tree_of, rows=path_rows, acts=path_acts, depth=depth, stop_child=stop_child)
+
+    def _choose(self, node_rows: np.ndarray, size: np.ndarray) -> np.ndarray:
+        """int64 [R, U]: the action the r-th selection standing on node
+        ``node_rows[u]`` (distinct rows) picks, for r < ``size[u]`` (R = max size);
+        adds their virtual losses to the tree.
+
+        Virtual loss on these edges is zero on entry: only selections at this
+        depth touch them, and they all go through here together. So the score
+        of an edge holding j virtual losses, for the r-th selection, is
+        ``Q[j] + scale[r] * g[j]``; both tables are built first, and the r loop
+        only looks them up.
+        """
+        p = self.p
+        u_count, r_count = node_rows.size, int(size.max())
+        n = self.visits.take(node_rows, axis=0).astype(np.float64)[:, :, None]  # [U, A, 1]
+        w = self.value.take(node_rows, axis=0).astype(np.float64)[:, :, None]
+        illegal = self.children.take(node_rows, axis=0) == tr.ILLEGAL  # [U, A]
+        j = np.arange(r_count, dtype=np.float64)  # virtual losses already on the edge
+        parent = self.node_visits.take(node_rows).astype(np.float64)[:, None] + j  # [U, R]: N incl. virtual
+        n_eff = n + j  # [U, A, R]
+        q = (w - p.virtual_loss * j) / np.maximum(n_eff, 1.0)
+        if self.puct:
+            prior = self.prior.take(node_rows, axis=0).astype(np.float64)[:, :, None]
+            g = (p.c_puct * prior) / (1.0 + n_eff)
+            scale = np.sqrt(parent)
+        else:
+            g = 1.0 / np.sqrt(np.maximum(n_eff, 1.0))
+            scale = p.c_uct * np.sqrt(np.log(np.maximum(parent, 1.0)))
+            q[:, :, 0] = np.where(n[:, :, 0] == 0, np.inf, q[:, :, 0])  # unvisited edges first
+        q[illegal] = -np.inf
+        q, g = q.reshape(-1), g.reshape(-1)
+        at = (np.arange(u_count)[:, None] * A + np.arange(A)) * r_count  # [U, A]: offset of j = 0
+        held = np.zeros((u_count, A), np.int64)  # virtual losses added so far
+        acts = np.empty((r_count, u_count), np.int64)
+        cols = np.arange(u_count)
+        for r in range(r_count):
+            k = at + held
+            a = np.argmax(q[k] + scale[:, r : r + 1] * g[k], axis=1)
+            acts[r] = a
+            held[cols, a] += size > r
+        self.vloss[node_rows] += held.astype(np.int32)
+        return acts
+
+    # -- 2. expansion ------------------------------------------------------
+    def _expand(self, walk: dict) -> dict:
+        """Adds one node per distinct edge where selections stopped before a
+        missing child; returns each selection's leaf (row, position, status)."""
+        cap, tree = self.cap, self.tree
+        w = walk["depth"].size
+        last = walk["depth"] - 1
+        cols = np.arange(w)
+        edge_rows = walk["rows"][last, cols]
+        edge_acts = walk["acts"][last, cols]
+        leaf_row = walk["stop_child"].copy()  # -1 for selections that stopped at a missing child
+        new = np.flatnonzero(leaf_row < 0)
+        leaf_current = self.node_current[np.maximum(leaf_row, 0)].copy()
+        leaf_mask = self.node_mask[np.maximum(leaf_row, 0)].copy()
+        leaf_terminal = self.node_terminal[np.maximum(leaf_row, 0)].copy()
+        edge_key = np.full(w, -1, np.int64)  # distinct-leaf id for the value model
+        if new.size:
+            keys = edge_rows[new] * A + edge_acts[new]
+            if walk["k"] == 1:  # one selection per tree: distinct edges, already in tree order
+                uniq, inverse = keys, np.arange(keys.size)
+            else:
+                uniq, inverse = np.unique(keys, return_inverse=True)
+            u_rows, u_acts = uniq // A, uniq % A
+            u_tree = u_rows // cap
+            cur, mask = connect4.play_bits(self.node_current[u_rows], self.node_mask[u_rows], u_acts)
+            term = tr.terminal_code(cur, mask)
+            # Slots in key order (tree, parent slot, action); beyond max_nodes, no node.
+            first_of_tree = np.searchsorted(u_tree, u_tree, side="left")
+            slot = tree.num_nodes[u_tree].astype(np.int64) + (np.arange(uniq.size) - first_of_tree)
+            fits = slot < self.p.max_nodes
+            self.pool_exhausted[u_tree[~fits]] = True
+            f_rows = u_tree[fits] * cap + slot[fits]
+            if f_rows.size:
+                self.node_current[f_rows] = cur[fits]
+                self.node_mask[f_rows] = mask[fits]
+                self.node_terminal[f_rows] = term[fits]
+                self.node_visits[f_rows] = 0
+                tree.node_parent.reshape(-1)[f_rows] = u_rows[fits] - u_tree[fits] * cap
+                tree.node_action.reshape(-1)[f_rows] = u_acts[fits]
+                kids, prior = tr.init_edges(mask[fits], term[fits])
+                self.children[f_rows] = kids
+                self.prior[f_rows] = prior
+                self.visits[f_rows] = 0
+                self.value[f_rows] = 0
+                self.vloss[f_rows] = 0
+                self.children[u_rows[fits], u_acts[fits]] = slot[fits]
+                tree.num_nodes += np.bincount(u_tree[fits], minlength=self.b).astype(np.int32)
+            u_leaf_row = np.where(fits, u_tree * cap + slot, -1)
+            leaf_row[new] = u_leaf_row[inverse]
+            leaf_current[new] = cur[inverse]
+            leaf_mask[new] = mask[inverse]
+            leaf_terminal[new] = term[inverse]
+            edge_key[new] = inverse
+        return dict(row=leaf_row, current=leaf_current, mask=leaf_mask, terminal=leaf_terminal, key=edge_key)
+
+    # -- 3. evaluation -----------------------------------------------------
+    def _evaluate(self, walk: dict, leaf: dict, done: int) -> np.ndarray:
+        """float32 [W]: each selection's leaf value for the leaf's side to move."""
+        values = np.where(leaf["terminal"] == tr.TERMINAL_LOSS, -1.0, 0.0).astype(np.float32)
+        open_ = np.flatnonzero(leaf["terminal"] == tr.NOT_TERMINAL)
+        if open_.size == 0:
+            return values
+        if not self.puct:
+            sims = done + open_ % walk["k"]
+            values[open_] = rollout_values(
+                leaf["current"][open_], leaf["mask"][open_], sims, walk["tree_of"][open_], self.p.seed
+            )
+            return values
+        # Value model: one call per wave, one row per distinct leaf (selections
+        # that stopped at the same missing child share it).
+        keys = leaf["key"][open_]
+        _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+        who = open_[first]
+        v, priors = self._call_model(leaf["current"][who], leaf["mask"][who])
+        values[open_] = v[inverse]
+        rows = leaf["row"][who]
+        if priors is not None:
+            has_node = rows >= 0
+            self.prior[rows[has_node]] = priors[has_node]
+        return values
+
+    def _call_model(self, current: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """Values float32 [M] and masked, renormalised priors float32 [M, A] (or None)."""
+        pos = Positions(current, mask, connect4.popcount(mask))
+        values, priors = self.evaluator(connect4.observation(pos))
+        values = np.asarray(values, np.float32).reshape(-1)
+        if values.shape != (len(pos),):
+            raise ValueError(f"evaluator returned {values.shape} values for {len(pos)} leaves")
+        values = np.clip(np.nan_to_num(values), -1.0, 1.0)
+        if priors is None:
+            return values, None
+        priors = np.asarray(priors, np.float32)
+        if priors.shape != (len(pos), A):
+            raise ValueError(f"evaluator returned priors of shape {priors.shape}, expected {(len(pos), A)}")
+        legal = connect4.legal_bits(mask)
+        p = np.where(legal & np.isfinite(priors), np.maximum(priors, 0), 0)
+        total = p.sum(axis=1, keepdims=True)
+        uniform = legal / np.maximum(legal.sum(axis=1, keepdims=True), 1)
+        return values, np.where(total > 0, p / np.where(total > 0, total, 1), uniform).astype(np.float32)
+
+    def _evaluate_fresh_roots(self) -> None:
+        fresh = np.flatnonzero(self.tree.node_visits[:, 0] == 0)
+        if fresh.size == 0:
+            return
+        t = time.perf_counter()
+        rows = fresh * self.cap
+        _, priors = self._call_model(self.node_current[rows], self.node_mask[rows])
+        if priors is not None:
+            self.prior[rows] = priors
+        self.node_visits[rows] = 1  # the root's own evaluation: sqrt(N) > 0 at the first choice
+        self.ms["evaluate"] += (time.perf_counter() - t) * 1e3
+
+    # -- 4. backup ---------------------------------------------------------
+    def _backup(self, walk: dict, leaf: dict, values: np.ndarray) -> None:
+        depth = walk["depth"]
+        dmax = int(depth.max())
+        on_path = np.arange(dmax)[:, None] < depth[None, :]  # [D, W]
+        rows = walk["rows"][:dmax][on_path]
+        edges = rows * A + walk["acts"][:dmax][on_path]
+        # The player choosing at depth d is the leaf's side to move iff depth - d is even.
+        sign = 1 - 2 * ((depth[None, :] - np.arange(dmax)[:, None]) & 1)
+        signed = (sign * values[None, :])[on_path].astype(np.float32)
+        np.add.at(self.visits.reshape(-1), edges, 1)
+        np.add.at(self.vloss.reshape(-1), edges, -1)
+        np.add.at(self.value.reshape(-1), edges, signed)
+        np.add.at(self.node_visits, rows, 1)
+        leaf_rows = leaf["row"][leaf["row"] >= 0]
+        np.add.at(self.node_visits, leaf_rows, 1)
+        np.maximum.at(self.max_depth, walk["tree_of"], depth)
+
+    # -- answer --------------------------------------------------------------
+    def _results(self, done: int, deadline_reached: bool) -> list[SearchResult]:
+        t = self.tree
+        visits = t.edge_visits[:, 0].astype(np.int64)  # [B, A]
+        value = t.edge_value[:, 0].astype(np.float64)
+        q = np.where(visits > 0, value / np.maximum(visits, 1), 0.0)
+        root_value = value.sum(axis=1) / np.maximum(visits.sum(axis=1), 1)
+        action = _best(visits, q)
+        pv = self._principal_variations()
+        return [
+            SearchResult(
+                action=int(action[i]),
+                visit_counts=visits[i],
+                q_values=q[i].astype(np.float32),
+                root_value=float(root_value[i]),
+                principal_variation=pv[i],
+                simulations=done,
+                max_depth=int(self.max_depth[i]),
+                tree_nodes=int(t.num_nodes[i]),
+                pool_exhausted=bool(self.pool_exhausted[i]),
+                deadline_reached=deadline_reached,
+                select_ms=self.ms["select"],
+                expand_ms=self.ms["expand"],
+                evaluate_ms=self.ms["evaluate"],
+                backup_ms=self.ms["backup"],
+                tree_reused=bool(self.reused[i]),
+                extras={"waves": self.waves},
+            )
+            for i in range(self.b)
+        ]
+
+    def _principal_variations(self) -> list[list[int]]:
+        b, cap = self.b, self.cap
+        pv: list[list[int]] = [[] for _ in range(b)]
+        live = np.arange(b)
+        rows = live * cap
+        for _ in range(MAX_DEPTH):
+            n = self.visits[rows].astype(np.int64)
+            q = np.where(n > 0, self.value[rows] / np.maximum(n, 1), 0.0)
+            a = _best(n, q)
+            ok = n[np.arange(live.size), a] > 0
+            for i, act in zip(live[ok], a[ok]):
+                pv[i].append(int(act))
+            child = self.children[rows, a]
+            go = ok & (child >= 0)
+            live, rows = live[go], live[go] * cap + child[go]
+            if live.size == 0:
+                break
+        return pv
+
+
+def _groups(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Selections grouped by the node they stand on.
+
+    Returns (distinct rows [U], group of each entry [S], group sizes [U], rank
+    of each entry [S]: how many earlier entries stand on the same row).
+    """
+    uniq, group, size = np.unique(rows, return_inverse=True, return_counts=True)
+    if uniq.size == rows.size:
+        return uniq, group, size, np.zeros(rows.size, np.int64)
+    order = np.argsort(group, kind="stable")
+    starts = np.cumsum(size) - size
+    rank = np.empty(rows.size, np.int64)
+    rank[order] = np.arange(rows.size) - starts[group[order]]
+    return uniq, group, size, rank
+
+
+def _best(visits: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """int64 [B]: most visits, then higher Q, then lower index, per row of [B, A]."""
+    top = visits == visits.max(axis=1, keepdims=True)
+    q_top = np.where(top, q, -np.inf)
+    return np.argmax(q_top, axis=1)
