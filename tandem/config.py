@@ -76,7 +76,7 @@ class RewardConfig:
         ModelConfig(
             name="connect4_value",
             path="reward_service/models/connect4_value.onnx",
-            description="Connect Four value and policy network (see its model card)",
+            description="Connect Four value and policy network (reward_service/models/connect4_value.md)",
         ),
     )
     server: ServerConfig = field(default_factory=ServerConfig)
