@@ -1,0 +1,382 @@
+"""Train the Connect Four value/policy network, export it to ONNX, write its card.
+
+    python -m reward_service.training.train_connect4_value \
+        --out reward_service/models/connect4_value.onnx
+
+Steps: load the shipped solver-labelled positions (``connect4_data``); hold out
+a seeded 10 % of the training sources and all of Pons Test_L2_R1 / Test_L3_R1
+(the search benchmark sets, never trained on); train a small residual CNN
+(``connect4_model``) on CPU with left-right mirroring; export ONNX (opset 17,
+dynamic batch); check the file with ``onnx.checker`` and against the torch
+outputs in ONNX Runtime; evaluate the exported file on every held-out set;
+write the model card beside it (``<out>.md`` with the ``.onnx`` suffix
+replaced).
+
+Metrics (computed with ONNX Runtime on the shipped file):
+  value accuracy    the value's outcome class equals the solver's: v >= 1/3
+                    reads as a win, v <= -1/3 as a loss, anything between as a
+                    draw;
+  good-move rate    the policy's top legal column keeps the solver's result
+                    (for a lost position: is one of the slowest losses);
+  best-move rate    the top legal column is one of the solver's best_moves.
+
+Needs torch and onnx (the ``train`` extra) besides NumPy and ONNX Runtime.
+Exits non-zero if the export check fails or a benchmark position leaks into
+the training set.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from .connect4_data import BENCHMARK_PONS, TRAIN_PONS, PositionSet, canonical_keys, heldout_mask, load_sources
+from .connect4_encoding import mirror
+
+DRAW_BAND = 1.0 / 3.0  # |v| below this reads as a draw
+OPSET = 17
+
+
+# ---------------------------------------------------------------- data
+
+def split_sources(sources: dict, seed: int) -> tuple:
+    """(train PositionSet, source name per training row, {held-out name: PositionSet}).
+
+    Training sources are 'uci', 'solver' and the Pons L1 sets, each minus its
+    seeded held-out 10 %; the Pons benchmark sets are held out whole. Raises
+    SystemExit if a benchmark position (or its mirror) is in the training set."""
+    train_parts, train_source, held = [], [], {}
+    for name in ("uci", "solver") + TRAIN_PONS:
+        s = sources[name]
+        mask = heldout_mask(s.boards, seed)
+        train_parts.append(s.subset(~mask))
+        train_source += [name] * int((~mask).sum())
+        held[f"{name} (held-out 10 %)"] = s.subset(mask)
+    train = PositionSet.concat(train_parts)
+    train_keys = set(canonical_keys(train.boards))
+    for name in BENCHMARK_PONS:
+        s = sources[name]
+        if train_keys.intersection(canonical_keys(s.boards)):
+            raise SystemExit(f"benchmark set {name} overlaps the training set")
+        held[name] = s
+    return train, np.array(train_source), held
+
+
+# ---------------------------------------------------------------- training
+
+def train_model(train: PositionSet, *, channels: int, blocks: int, epochs: int,
+                batch: int, lr: float, seed: int, repeat=None, log=print):
+    """Train a Connect4Net on ``train``; returns the model in eval mode.
+
+    Loss = MSE(value, sign of score) + cross-entropy(policy, uniform over good
+    moves). Each sample is mirrored left-right with probability 1/2.
+    ``repeat`` (int [N], optional) is how many times each position is visited
+    per epoch (default once)."""
+    import torch
+    from torch.nn import functional as F
+
+    from .connect4_model import Connect4Net
+
+    torch.manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    model = Connect4Net(channels=channels, blocks=blocks)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=1e-4)
+    base = np.repeat(np.arange(len(train)), 1 if repeat is None else repeat)
+    steps = epochs * ((len(base) + batch - 1) // batch)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.15)
+
+    boards, values, policies = train.boards, train.value_target, train.policy_target
+    mirrored_boards, mirrored_policies = mirror(boards), mirror(policies)
+    for epoch in range(epochs):
+        model.train()
+        t0, total, seen = time.perf_counter(), 0.0, 0
+        order = rng.permutation(base)
+        flips = rng.random(len(order)) < 0.5
+        for start in range(0, len(order), batch):
+            idx = order[start:start + batch]
+            flip = flips[start:start + batch][:, None, None, None]
+            x = torch.from_numpy(np.where(flip, mirrored_boards[idx], boards[idx]))
+            p = torch.from_numpy(np.where(flip[:, :, 0, 0], mirrored_policies[idx], policies[idx]))
+            v = torch.from_numpy(values[idx])[:, None]
+            pv, logits = model(x)
+            loss = F.mse_loss(pv, v) + F.cross_entropy(logits, p)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+            total += loss.item() * len(idx)
+            seen += len(idx)
+        log(f"epoch {epoch + 1}/{epochs}: loss {total / seen:.4f}, {time.perf_counter() - t0:.0f} s")
+    return model.eval()
+
+
+# ---------------------------------------------------------------- export
+
+def export_onnx(model, path: Path, sample: np.ndarray, metadata: dict) -> float:
+    """Export to ONNX (opset 17, dynamic batch), check it, compare with torch.
+
+    ``sample`` is uint8 [N, 2, 6, 7]. Returns the largest absolute difference
+    between ONNX Runtime and torch outputs on it; raises SystemExit above
+    1e-4."""
+    import onnx
+    import onnxruntime as ort
+    import torch
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    dummy = torch.zeros((1, 2, 6, 7), dtype=torch.uint8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notice
+        # dynamo=False: the TorchScript exporter needs no onnxscript dependency
+        torch.onnx.export(model, (dummy,), str(path), dynamo=False, opset_version=OPSET,
+                          input_names=["board"], output_names=["value", "policy_logits"],
+                          dynamic_axes={"board": {0: "N"}, "value": {0: "N"},
+                                        "policy_logits": {0: "N"}})
+    proto = onnx.load(str(path))
+    for k, v in metadata.items():
+        proto.metadata_props.add(key=k, value=v)
+    onnx.save(proto, str(path))
+    onnx.checker.check_model(str(path), full_check=True)
+
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    ort_v, ort_p = sess.run(None, {"board": sample})
+    with torch.no_grad():
+        t_v, t_p = model(torch.from_numpy(sample))
+    diff = float(max(np.abs(ort_v - t_v.numpy()).max(), np.abs(ort_p - t_p.numpy()).max()))
+    if diff > 1e-4:
+        raise SystemExit(f"ONNX Runtime and torch disagree by {diff}")
+    return diff
+
+
+# ---------------------------------------------------------------- evaluation
+
+def run_onnx(path: Path, boards: np.ndarray, batch: int = 1024) -> tuple:
+    """(value float32 [N], policy_logits float32 [N, 7]) from ONNX Runtime (CPU)."""
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    vs, ps = [], []
+    for start in range(0, len(boards), batch):
+        v, p = sess.run(None, {"board": boards[start:start + batch]})
+        vs.append(v[:, 0])
+        ps.append(p)
+    return np.concatenate(vs), np.concatenate(ps)
+
+
+def outcome_class(value: np.ndarray) -> np.ndarray:
+    """int [N]: +1 win (v >= 1/3), -1 loss (v <= -1/3), 0 draw otherwise."""
+    return np.where(value >= DRAW_BAND, 1, np.where(value <= -DRAW_BAND, -1, 0))
+
+
+def evaluate(value: np.ndarray, logits: np.ndarray, s: PositionSet) -> dict:
+    """Metrics of model outputs on labelled positions (see module docstring)."""
+    truth = np.sign(s.score)
+    pred = outcome_class(value)
+    top = np.where(s.legal, logits, -np.inf).argmax(axis=1)
+    rows = np.arange(len(s))
+    out = {
+        "positions": len(s),
+        "stones": f"{min(map(len, s.moves))}-{max(map(len, s.moves))}",
+        "win/draw/loss": "/".join(str(int((truth == k).sum())) for k in (1, 0, -1)),
+        "value_accuracy": float((pred == truth).mean()),
+        "good_move_rate": float(s.good[rows, top].mean()),
+        "best_move_rate": float(s.best[rows, top].mean()),
+    }
+    for k, name in ((1, "win"), (0, "draw"), (-1, "loss")):
+        sel = truth == k
+        out[f"value_accuracy_{name}"] = float((pred[sel] == k).mean()) if sel.any() else None
+    return out
+
+
+# ---------------------------------------------------------------- model card
+
+def pct(x) -> str:
+    return "—" if x is None else f"{100 * x:.1f} %"
+
+
+def write_card(path: Path, *, command: str, params: int, config: dict, args, counts: dict,
+               metrics: dict, diff: float, size: int, train_s: float) -> None:
+    """Write the Markdown model card."""
+    rows = "\n".join(
+        f"| {name} | {m['positions']} | {m['stones']} | {m['win/draw/loss']} | "
+        f"{pct(m['value_accuracy'])} | {pct(m['value_accuracy_win'])} | "
+        f"{pct(m['value_accuracy_draw'])} | {pct(m['value_accuracy_loss'])} | "
+        f"{pct(m['good_move_rate'])} | {pct(m['best_move_rate'])} |"
+        for name, m in metrics.items())
+    train_rows = "\n".join(f"| {k} | {v} |" for k, v in counts.items())
+    import onnxruntime
+    import torch
+    text = f"""# connect4_value.onnx — Connect Four value and policy network
+
+A small residual CNN that estimates, for a Connect Four position, the game's
+theoretical outcome for the side to move and a prior over columns. The search
+service uses it to evaluate leaves (AlphaZero style). Trained on exact solver
+labels; generated by `reward_service/training/train_connect4_value.py` (do not
+edit by hand: re-run the command below).
+
+## Interface (contract)
+
+| name | dtype | shape | meaning |
+| --- | --- | --- | --- |
+| input `board` | uint8 | [N, 2, 6, 7] | plane 0: stones of the side to move, plane 1: the opponent's (1 = stone); `[row, col]`, row 0 = bottom, col 0 = leftmost; N dynamic |
+| output `value` | float32 | [N, 1] | tanh; expected outcome for the side to move: +1 win, 0 draw, −1 loss |
+| output `policy_logits` | float32 | [N, 7] | logits over columns 0..6, not masked (mask full columns before a softmax) |
+
+ONNX opset {OPSET}, one file ({size:,} bytes), no external data. The input is cast to
+float inside the model. The encoding equals `search_service.games.connect4.observation`
+and `reward_service.training.connect4_encoding.encode_moves`.
+
+## Architecture
+
+{params:,} trainable parameters. Input planes: the two stone planes, plus two
+computed inside the model: a plane of ones (tells the zero padding at the board's
+edge from an empty cell) and the parity of the stone count (which player is to move
+matters for odd/even threats). Stem 3×3 conv ({config['channels']} channels) + batch
+norm + ReLU; {config['blocks']} residual blocks (two 3×3 convs with batch norm each);
+value head: 1×1 conv to {config['head_channels']} channels, linear {config['head_channels'] * 42}→{config['value_hidden']}, ReLU,
+linear →1, tanh; policy head: 1×1 conv to {config['head_channels']} channels, linear
+{config['head_channels'] * 42}→7.
+
+## Training data
+
+Exact game-theoretic labels (Pons' score convention; see `data/README.md`):
+
+| source (training part) | positions |
+| --- | --- |
+{train_rows}
+
+* UCI Connect-4 data set (John Tromp, UCI Machine Learning Repository,
+  https://archive.ics.uci.edu/dataset/26/connect+4): 8-stone openings (the
+  60,801 rows shipped in `data/connect4/uci/`, 90 % of the original 67,557),
+  with move scores from the bitbully solver.
+* Random-walk positions (10–38 stones) from UCI openings, labelled with the
+  bitbully solver (Markus Thill, AGPL-3.0): `data/connect4/solver/`.
+* Pascal Pons' test sets Test_L1_R1 and Test_L1_R2 (4–14 stones), from
+  "Solving Connect 4: how to build a perfect AI",
+  http://blog.gamesolver.org/solving-connect-four/02-test-protocol/, via GitHub
+  `mbarbin/c4solver` commit 39cd6353a09418b36f864b9e3763b7aaa7df7c69.
+
+Targets: value = sign of the solver score for the side to move; policy = uniform
+over the moves that keep the solver's result (sign of the move score equals the
+sign of the score; in a lost position, the slowest losses, `best_moves`).
+Each random-walk position is visited {args.solver_repeat}× per epoch (the 8-stone UCI
+rows would otherwise dominate). Augmentation: each sample mirrored left-right with
+probability ½. Loss: MSE(value)
++ cross-entropy(policy). AdamW (weight decay 1e-4), one-cycle learning rate
+(max {args.lr}), batch {args.batch}, {args.epochs} epochs, seed {args.seed};
+{train_s:.0f} s wall time on a shared CPU ({torch.get_num_threads()} threads).
+
+Held out (never trained on): a seeded 10 % of each training source (chosen per
+position by a keyed hash of the position up to mirroring, seed {args.seed}; so a
+position and its mirror image are on the same side), and all of Pons
+**Test_L2_R1** and **Test_L3_R1**, the search benchmark sets. The script refuses
+to run if a benchmark position or its mirror is in the training set.
+
+## Held-out metrics
+
+Computed with ONNX Runtime (CPU) on the exported file. *Value accuracy*: the
+value's outcome class equals the solver's, where v ≥ 1/3 reads as a win,
+v ≤ −1/3 as a loss and anything between as a draw (per-outcome columns: accuracy
+on the positions of that true outcome). *Good move*: the policy's top legal
+column keeps the solver's result (for lost positions: is a slowest loss).
+*Best move*: the top legal column is one of the solver's `best_moves`.
+
+| held-out set | positions | stones | win/draw/loss | value acc. | on wins | on draws | on losses | good move | best move |
+| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |
+{rows}
+
+Export check: `onnx.checker` (full check) passes; ONNX Runtime and PyTorch
+outputs differ by at most {diff:.1e} on 1,024 held-out positions.
+
+## Reproduce
+
+```
+{command}
+```
+
+Date: {datetime.date.today().isoformat()}. PyTorch {torch.__version__}, ONNX Runtime
+{onnxruntime.__version__}, NumPy {np.__version__}. Seeds are fixed; a bit-identical
+file needs the same library versions and thread count.
+
+## Limits
+
+The value is a learned estimate, not a solver. It is weakest on draws and on
+late end-game positions: on Test_L3_R1 (29-41 stones, 43 % draws) it gets about
+half of the outcomes right, because the random-walk training positions seldom
+end drawn (5 %) and stop at 38 stones. Such positions are only a few plies from
+the end of the game, where a search finds the result itself. The policy is
+better there (see the good-move column). Use the network as a search
+heuristic, never as ground truth.
+"""
+    path.write_text(text, encoding="utf-8")
+
+
+# ---------------------------------------------------------------- main
+
+def main(argv: list | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("reward_service/models/connect4_value.onnx"))
+    parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--channels", type=int, default=40)
+    parser.add_argument("--blocks", type=int, default=5)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--seed", type=int, default=1995)
+    parser.add_argument("--solver-repeat", type=int, default=2,
+                        help="visits per epoch of each random-walk position (the UCI rows, all "
+                             "8-stone openings, would otherwise dominate)")
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from .connect4_model import parameter_count
+
+    torch.set_num_threads(args.threads)
+    command = "python -m reward_service.training.train_connect4_value " + " ".join(
+        sys.argv[1:] if argv is None else argv)
+
+    t0 = time.perf_counter()
+    sources = load_sources()
+    train, source, held = split_sources(sources, args.seed)
+    counts = {name.split(" ")[0]: len(sources[name.split(" ")[0]]) - len(s)
+              for name, s in held.items() if "held-out" in name}
+    counts["total"] = len(train)
+    print(f"data: {len(train)} training positions ({time.perf_counter() - t0:.0f} s); held out: "
+          + ", ".join(f"{k} {len(v)}" for k, v in held.items()))
+
+    t1 = time.perf_counter()
+    model = train_model(train, channels=args.channels, blocks=args.blocks, epochs=args.epochs,
+                        batch=args.batch, lr=args.lr, seed=args.seed,
+                        repeat=np.where(source == "solver", args.solver_repeat, 1))
+    train_s = time.perf_counter() - t1
+
+    sample = np.concatenate([s.boards for s in held.values()])[::7][:1024]
+    metadata = {"contract": "board uint8 [N,2,6,7] (side to move, opponent; row 0 bottom) -> "
+                            "value float32 [N,1] tanh, policy_logits float32 [N,7]",
+                "command": command, "date": datetime.date.today().isoformat()}
+    diff = export_onnx(model, args.out, sample, metadata)
+    print(f"exported {args.out} ({args.out.stat().st_size} bytes), ORT vs torch max diff {diff:.2e}")
+
+    metrics = {}
+    for name, s in held.items():
+        if len(s) == 0:
+            continue
+        v, p = run_onnx(args.out, s.boards)
+        metrics[name] = m = evaluate(v, p, s)
+        print(f"{name}: value acc {pct(m['value_accuracy'])}, good move {pct(m['good_move_rate'])}, "
+              f"best move {pct(m['best_move_rate'])} ({m['positions']} positions)")
+
+    card = args.out.with_suffix(".md")
+    write_card(card, command=command, params=parameter_count(model), config=model.config, args=args,
+               counts=counts, metrics=metrics, diff=diff, size=args.out.stat().st_size, train_s=train_s)
+    print(f"wrote {card}; total {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
