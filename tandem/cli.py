@@ -1,4 +1,4 @@
-"""The ``tandem`` command line.
+"""tandem: real-time decision service for game AI (command line).
 
   tandem up [--config PATH]          the three servers as processes, until Ctrl-C / SIGTERM
   tandem serve NAME [--config PATH]  one server (scheduler | reward | search) in the foreground
@@ -14,6 +14,8 @@ import logging
 import sys
 import time
 from pathlib import Path
+
+import grpc
 
 from tandem.config import ConfigError, TandemConfig, load_config
 
@@ -63,6 +65,10 @@ def cmd_status(args) -> int:
 def cmd_health(args) -> int:
     from tandem.supervisor import health_status
 
+    host, _, port = args.address.rpartition(":")
+    if not host or not port.isdigit():
+        print(f"tandem health: expected HOST:PORT, got {args.address!r}", file=sys.stderr)
+        return 2
     cfg = load_config(args.config) if args.config else None
     status = health_status(args.address, cfg, args.service, timeout_s=args.timeout_s)
     print(status)
@@ -113,7 +119,7 @@ def cmd_demo(args) -> int:
     finally:
         print("stopping the servers", flush=True)
         codes = stack.stop()
-    print("stopped: " + ", ".join(f"{n} exit {c}" for n, c in codes.items()))
+        print("stopped: " + ", ".join(f"{n} exit {c}" for n, c in codes.items()), flush=True)
     return status or int(any(codes.values()))
 
 
@@ -174,3 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as exc:
         print(f"tandem: {exc}", file=sys.stderr)
         return 1
+    except grpc.RpcError as exc:
+        print(f"tandem: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # e.g. `tandem status | head`
+        return 0

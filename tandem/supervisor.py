@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -37,7 +38,9 @@ def health_status(address: str, cfg: TandemConfig | None = None, service: str = 
             reply = health_pb2_grpc.HealthStub(ch).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout_s
             )
-        except grpc.RpcError:
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                return "SERVICE_UNKNOWN"  # the server answers, but not for that service name
             return "UNREACHABLE"
     return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
@@ -56,6 +59,18 @@ def wait_serving(address: str, cfg: TandemConfig, timeout_s: float, proc: subpro
             return
         time.sleep(0.05)
     raise RuntimeError(f"{address} did not report SERVING within {timeout_s:.0f} s")
+
+
+def _can_bind(address: str) -> bool:
+    """Is ``address`` (HOST:PORT) free to listen on?"""
+    host, _, port = address.rpartition(":")
+    family = socket.AF_INET6 if host.startswith("[") else socket.AF_INET
+    with socket.socket(family) as s:
+        try:
+            s.bind((host.strip("[]"), int(port)))
+        except OSError:
+            return False
+    return True
 
 
 @dataclass
@@ -77,6 +92,9 @@ class Stack:
             RuntimeError: a server exited or did not become SERVING in time
                 (the ones already started are stopped first).
         """
+        busy = [f"{name}: {addr}" for name, addr in self._ports() if not _can_bind(addr)]
+        if busy:
+            raise RuntimeError(f"already in use (is another tandem up running?): {', '.join(busy)}")
         try:
             for name in SERVICES:
                 cmd = [sys.executable, "-m", "tandem", "serve", name]
@@ -93,6 +111,16 @@ class Stack:
         except BaseException:
             self.stop()
             raise
+
+    def _ports(self) -> list[tuple[str, str]]:
+        out = []
+        for name in SERVICES:
+            section = getattr(self.cfg, name)
+            host = section.address.rpartition(":")[0]
+            out.append((f"{name}.address", section.address))
+            if section.metrics_port:
+                out.append((f"{name}.metrics_port", f"{host}:{section.metrics_port}"))
+        return out
 
     def failed(self) -> str | None:
         """Name of a server that has exited, if any."""
@@ -142,6 +170,7 @@ def run_until_signalled(stack: Stack) -> int:
             return 1
         time.sleep(0.1)
     print("stopping: draining the three servers", flush=True)
-    stack.stop()
-    return 0
+    codes = stack.stop()
+    print("stopped: " + ", ".join(f"{n} exit {c}" for n, c in codes.items()), flush=True)
+    return int(any(codes.values()))
 

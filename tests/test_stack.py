@@ -117,3 +117,28 @@ def test_up_refuses_a_bad_config(tmp_path):
     result = _tandem("up", "--config", str(bad))
     assert result.returncode == 2
     assert "search.backend: must be one of" in result.stderr
+
+
+def test_up_refuses_ports_already_in_use(config_file):
+    import socket
+
+    cfg = load_config(config_file)
+    host, _, port = cfg.reward.address.rpartition(":")
+    with socket.socket() as s:
+        s.bind((host, int(port)))
+        s.listen()
+        result = _tandem("up", "--config", str(config_file))
+    assert result.returncode == 1
+    assert f"already in use (is another tandem up running?): reward.address: {cfg.reward.address}" in result.stderr
+
+
+def test_health_command(config_file):
+    assert _tandem("health", "localhost").returncode == 2
+    closed = _tandem("health", f"127.0.0.1:{free_port()}")
+    assert closed.returncode == 1 and closed.stdout.strip() == "UNREACHABLE"
+
+
+def test_play_without_a_stack_says_so_in_one_line(config_file):
+    result = _tandem("play", "--config", str(config_file), "--frames", "1")
+    assert result.returncode == 1
+    assert result.stderr.strip().startswith("tandem: UNAVAILABLE") and "Traceback" not in result.stderr
