@@ -52,8 +52,8 @@ class SearchParams:
             raise ValueError(f"simulations must be an int >= 1 or None, got {self.simulations!r}")
         if self.deadline_ms is not None and not (np.isfinite(self.deadline_ms) and self.deadline_ms > 0):
             raise ValueError(f"deadline_ms must be a finite number > 0 or None, got {self.deadline_ms!r}")
-        if not isinstance(self.parallel_sims, (int, np.integer)) or not 1 <= self.parallel_sims <= 4096:
-            raise ValueError(f"parallel_sims must be an int in 1..4096, got {self.parallel_sims!r}")
+        if not isinstance(self.parallel_sims, (int, np.integer)) or not 1 <= self.parallel_sims <= 65536:
+            raise ValueError(f"parallel_sims must be an int in 1..65536, got {self.parallel_sims!r}")
         if self.evaluator not in EVALUATORS:
             raise ValueError(f"evaluator must be one of {EVALUATORS}, got {self.evaluator!r}")
         for name in ("c_uct", "c_puct", "virtual_loss"):
@@ -101,11 +101,21 @@ class SearchBackend(Protocol):
         params: SearchParams,
         evaluator: LeafEvaluator | None = None,
         trees: "list[Tree | None] | None" = None,
+        *,
+        should_stop: "Callable[[], bool] | None" = None,
     ) -> "tuple[list[SearchResult], list[Tree]]":
         """Searches every root (none may be finished) and returns one result
         and one tree per root. ``trees[b]``, if given, must be rooted at
         ``roots[b]`` (see ``reroot``); it is searched further instead of a
         fresh tree.
+
+        ``should_stop`` (keyword-only, optional) is a cheap, thread-safe check
+        called between waves, after the first one: when it returns true the
+        search ends there as if its budget were spent, and answers with what
+        it has (``extras["stopped"] = True``). The search server passes "the
+        RPC is no longer active", so a search whose caller cancelled or whose
+        gRPC deadline passed stops and frees its thread and tree at once.
+        Call it at most once per wave (it takes a lock in gRPC).
 
         Raises:
             ValueError: a finished root, a tree rooted elsewhere, or

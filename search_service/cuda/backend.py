@@ -1,0 +1,516 @@
+"""The CUDA search backend: MCTS over B trees in CuPy kernels.
+
+Semantics are the CPU reference's (:mod:`search_service.mcts.cpu_reference`:
+UCT with random rollouts, PUCT with a value model, virtual loss, one node per
+simulation, negamax backup, Philox rollouts with the same counters, the same
+final action, principal variation and result fields). How the work is laid
+out (``kernels/search.cu`` has the details and the concurrency invariants):
+
+* K = ``parallel_sims`` simulations are in flight per tree, run by W warps of
+  up to G = ``sims_per_warp`` simulations each (W = ceil(K / G)). A warp runs
+  whole waves -- G selections one after another (one warp per selection,
+  lanes scoring the 7 children, a ``__shfl_xor_sync`` argmax), one node per
+  distinct stopping edge (slots from one ``atomicAdd``), G rollouts on G
+  lanes, backup -- until the budget or the deadline.
+* Rollouts: the whole search is ONE kernel launch (plus one launch that sets
+  the trees up and one that reads out the results: three launches and one
+  copy back per call, whatever the number of simulations).
+* Value model: each wave is two launches around a host round trip: the first
+  selects, expands and writes the leaves' observations (uint8 [B*K, 2, 6, 7],
+  on the device), the evaluator is called once with the wave's distinct
+  unfinished leaves, the second writes the priors and backs up.
+
+Exactness: with one warp per tree (W = 1: K = 1, or K <= G) a tree is
+searched in exactly the reference's order, so root visit counts, values and
+the whole tree (slots included) equal the CPU reference's for the same seed
+(value-model trees with K > 1 up to float32 rounding of value sums, which
+the warp adds in another order). With W > 1 the warps of a tree run
+asynchronously and the result depends on timing: same invariants, different
+visit counts.
+
+Measured (one H200, 2026-11-30, ``bench/gpu_smoke.py``; wall-clock ms of a
+whole ``search`` call, p50 of 30, random rollouts, 1000 simulations of one
+tree): K = 1: 9.0 (empty board) / 7.6 (a middle-game position); K = 32:
+0.52 / 0.49; K = 64: 0.48 / 0.47; K = 128: 0.47 / 0.45, of which the kernel
+is about 0.30 (the rest: set-up, three launches, one copy back). The two
+backups are within noise of each other at G = 1; G > 1 serialises selections
+on one warp (K = 32 on one warp: 3.6 ms). Batch of 1024 trees, 1000
+simulations each: K = 1: 66 M simulations/s (98 M inside the kernel);
+K = 4: 111-120 M (245 M); K = 16: 132-140 M (321-344 M). Throughput rises
+with the total in flight, 64 -> 16384, with no cliff; past a few thousand
+trees the host's per-tree cost (about 5 us: the SearchResult objects) bounds
+the wall-clock rate.
+
+Differences from the reference, by design: ``SearchResult.simulations``,
+``pool_exhausted`` and ``deadline_reached`` are per tree (the reference's
+deadline stops all trees at once; here each tree's warps stop at the
+deadline on their own, after at least one wave); the phase times of a rollout
+search are the kernel's wall time split by the phases' shares of the warps'
+clock cycles; a search with a deadline and no simulation budget allocates
+``max_nodes`` slots per tree up front (176 bytes each).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable
+
+import cupy
+import numpy as np
+
+from search_service.games import connect4
+from search_service.games.connect4 import Positions
+from search_service.cuda import pool as pl
+from search_service.cuda.module import kernel
+from search_service.mcts import tree as tr
+from search_service.mcts.backend import LeafEvaluator, SearchParams, SearchResult
+from search_service.mcts.philox import seed_key
+
+A = connect4.NUM_ACTIONS
+MAX_DEPTH = connect4.MAX_MOVES
+BACKUPS = ("warp_aggregated", "global_atomic")
+WARPS_PER_BLOCK = 4  # search kernels are built for 128-thread blocks
+SCALE_TABLE = 1 << 18  # UCT scale(N) = c_uct * sqrt(ln N) from NumPy for N below this (2 MiB)
+RES_INTS = 72  # finish_trees' row per tree
+TS_FIELDS = 8
+_BUDGET_NONE = 1 << 30  # "no simulation budget" (deadline only)
+STOP_SLICE = 1024  # simulations per tree per launch when a stop request must be polled
+_TERMINAL_LOSS = tr.TERMINAL_LOSS
+
+
+class CudaBackend:
+    """MCTS in CUDA kernels (see the module docstring).
+
+    Args:
+        backup: ``"warp_aggregated"`` (simulations of a warp that share an edge
+            combine their updates before the atomics) or ``"global_atomic"``
+            (three atomics per edge per simulation).
+        sims_per_warp: G, the most simulations one warp runs per wave, 1..32.
+            1 (default) spreads a tree's K simulations over K warps: the
+            lowest latency. G >= K puts a tree on one warp, whose waves are the
+            CPU reference's exactly (for K <= 32), and lets warp_aggregated
+            combine up to G simulations' updates.
+
+    Raises:
+        ValueError: an unknown ``backup`` or ``sims_per_warp`` out of range.
+    """
+
+    name = "cuda"
+
+    def __init__(self, backup: str = "warp_aggregated", sims_per_warp: int = 1):
+        if backup not in BACKUPS:
+            raise ValueError(f"backup must be one of {BACKUPS}, got {backup!r}")
+        if not isinstance(sims_per_warp, (int, np.integer)) or not 1 <= sims_per_warp <= 32:
+            raise ValueError(f"sims_per_warp must be an int in 1..32, got {sims_per_warp!r}")
+        self.backup = backup
+        self.sims_per_warp = int(sims_per_warp)
+        self.variant = f"gpu_{backup}"
+        self._lock = threading.Lock()
+        self._scale: dict[tuple[int, float], cupy.ndarray] = {}  # (device, c_uct) -> float64 [SCALE_TABLE]
+
+    # -- public API --------------------------------------------------------------
+    def search(
+        self,
+        roots: Positions,
+        params: SearchParams,
+        evaluator: LeafEvaluator | None = None,
+        trees: list | None = None,
+        *,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> tuple[list[SearchResult], list[pl.CudaTree]]:
+        """Searches each of the B ``roots`` (unfinished positions) in its own tree.
+
+        Args:
+            roots: B positions.
+            params: budget and constants.
+            evaluator: the leaf evaluator; required for ``value_model``, ignored
+                otherwise. It gets uint8 [N, 2, 6, 7] NumPy observations, or a
+                CuPy array if it has a true attribute ``accepts_cupy``; it may
+                answer with NumPy or CuPy arrays.
+            trees: per root, a single tree rooted at it (a :class:`CudaTree`, or
+                a NumPy ``Tree``, which is uploaded) to search further, or None
+                for a fresh one. Trees passed in are copied, not modified; a
+                tree built with another evaluator is replaced.
+            should_stop: called between waves (after the first); true ends the
+                search there, like a deadline (``extras["stopped"]``). A
+                rollout search, otherwise one launch, then runs in slices of
+                ``STOP_SLICE`` simulations per tree with a check between slices.
+
+        Returns:
+            One result and one :class:`CudaTree` per root.
+
+        Raises:
+            ValueError: a finished root, a tree rooted at another position, no
+                ``evaluator`` for ``value_model``, or an evaluator answer of the
+                wrong shape.
+        """
+        return _Search(self, roots, params, evaluator, trees, should_stop).run()
+
+    @staticmethod
+    def reroot(tree, actions: list[int]) -> pl.CudaTree | None:
+        """See :func:`search_service.cuda.pool.reroot` (device-side compaction)."""
+        return pl.reroot(tree, actions)
+
+    # -- helpers for _Search ---------------------------------------------------------
+    def split(self, k: int) -> tuple[int, int]:
+        """(W warps per tree, G simulations per warp) for K in flight."""
+        g = min(k, self.sims_per_warp)
+        return -(-k // g), g
+
+    def scale_table(self, c_uct: float) -> cupy.ndarray:
+        """float64 [SCALE_TABLE] on the device: ``c_uct * sqrt(log(max(N, 1)))``
+        computed by NumPy exactly as the CPU reference does (so the GPU's
+        scores round identically)."""
+        key = (cupy.cuda.Device().id, float(c_uct))
+        with self._lock:
+            tab = self._scale.get(key)
+            if tab is None:
+                n = np.arange(SCALE_TABLE, dtype=np.float64)
+                tab = self._scale[key] = cupy.asarray(c_uct * np.sqrt(np.log(np.maximum(n, 1.0))))
+        return tab
+
+
+class _Search:
+    """One search call: trees on the device, the kernels, the results."""
+
+    def __init__(self, backend: CudaBackend, roots: Positions, params: SearchParams, evaluator, trees, should_stop=None):
+        self.t0 = time.perf_counter()
+        self.should_stop = should_stop
+        self.stopped = False
+        self.host_deadline = False  # a sliced rollout search stopped at the deadline between launches
+        self.be = backend
+        self.p = params
+        self.evaluator = evaluator
+        self.puct = params.evaluator == "value_model"
+        if self.puct and evaluator is None:
+            raise ValueError("evaluator 'value_model' needs a leaf evaluator")
+        b = len(roots)
+        if b == 0:
+            raise ValueError("no roots to search")
+        finished = connect4.is_terminal(roots)
+        if finished.any():
+            raise ValueError(f"root {int(np.flatnonzero(finished)[0])} is a finished game")
+        trees = list(trees) if trees is not None else [None] * b
+        if len(trees) != b:
+            raise ValueError(f"got {len(trees)} trees for {b} roots")
+        self.b = b
+        self.roots = roots
+        self.kept: dict[int, pl.CudaTree] = {}
+        for i, t in enumerate(trees):
+            if t is None or t.evaluator != params.evaluator:
+                continue
+            if t.batch != 1:
+                raise ValueError(f"trees[{i}] holds {t.batch} trees; pass single trees")
+            t = pl.as_cuda_tree(t)
+            if not (t.root_current == int(roots.current[i]) and t.root_mask == int(roots.mask[i])):
+                raise ValueError(f"trees[{i}] is rooted at another position than roots[{i}]")
+            self.kept[i] = t
+        self.used = np.array([self.kept[i].num_nodes if i in self.kept else 1 for i in range(b)], np.int64)
+        used = int(self.used.max())
+        if params.simulations is not None:
+            cap = max(used, min(params.max_nodes, used + params.simulations))
+        else:
+            cap = max(used, params.max_nodes)
+        if cap > pl.MAX_CAPACITY:
+            raise ValueError(f"a tree of {cap} node slots exceeds the device limit of {pl.MAX_CAPACITY}")
+        self.cap = cap
+        self.limit = min(params.max_nodes, cap)
+        self.k = params.parallel_sims
+        self.w, self.g = backend.split(self.k)
+        self.ms = dict(select=0.0, expand=0.0, evaluate=0.0, backup=0.0)
+        self.waves = 0
+
+    # -- set-up --------------------------------------------------------------------
+    def _allocate(self) -> None:
+        b, cap = self.b, self.cap
+        self.pool = cupy.empty((b, cap * pl.NODE_BYTES), np.uint8)
+        # One int32 buffer for the small per-call state: ts [B, 8], cycles u64 [B, 4],
+        # the deadline's start time (u64), results [B, RES_INTS].
+        n_ts, n_cyc = b * TS_FIELDS, b * 8
+        state = cupy.empty(n_ts + n_cyc + 2 + b * RES_INTS, np.int32)
+        self.ts = state[:n_ts]
+        self.cyc = state[n_ts : n_ts + n_cyc]
+        self.t0_dev = state[n_ts + n_cyc : n_ts + n_cyc + 2]
+        self.res = state[n_ts + n_cyc + 2 :]
+        self.state = state
+        for i, t in self.kept.items():
+            pl.copy_into(self.pool.data.ptr + i * cap * pl.NODE_BYTES, cap, t)
+
+    def _init_rows(self) -> np.ndarray:
+        """uint32 [B, 16], what init_trees reads (see kernels/search.cu)."""
+        b = self.b
+        init = np.zeros((b, 16), np.uint32)
+        cur = self.roots.current.astype(np.uint64)
+        mask = self.roots.mask.astype(np.uint64)
+        init[:, 0] = (cur & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+        init[:, 1] = (cur >> np.uint64(32)).astype(np.uint32)
+        init[:, 2] = (mask & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+        init[:, 3] = (mask >> np.uint64(32)).astype(np.uint32)
+        init[:, 4] = self.used
+        fresh = np.array([i not in self.kept for i in range(b)])
+        init[:, 5] = fresh
+        if self.puct and fresh.any():
+            t = time.perf_counter()
+            idx = np.flatnonzero(fresh)
+            _, priors = _call_model(self.evaluator, self.roots.current[idx], self.roots.mask[idx])
+            if priors is not None:
+                init[idx, 7] = 1
+                init[idx, 8:15] = priors.view(np.uint32)
+            init[idx, 6] = 1  # the root's own evaluation: sqrt(N) > 0 at the first choice
+            self.ms["evaluate"] += (time.perf_counter() - t) * 1e3
+        return init
+
+    # -- the search -------------------------------------------------------------------
+    def run(self) -> tuple[list[SearchResult], list[pl.CudaTree]]:
+        self._allocate()
+        init = cupy.asarray(self._init_rows())
+        kernel("init_trees")(
+            ((self.b + 127) // 128,),
+            (128,),
+            (self.pool, np.int64(self.cap), np.int32(self.b), init, self.ts, self.cyc, self.t0_dev),
+        )
+        if self.puct:
+            deadline_reached = self._value_model_waves()
+        else:
+            deadline_reached = None
+            self._rollout_search()
+        t = time.perf_counter()
+        kernel("finish_trees")(
+            ((self.b + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK,),
+            (32 * WARPS_PER_BLOCK,),
+            (self.pool, np.int64(self.cap), np.int32(self.b), self.ts, self.cyc, self.res),
+        )
+        res = self.res.get().reshape(self.b, RES_INTS)
+        kernel_ms = (time.perf_counter() - self.t_launch) * 1e3 if not self.puct else None
+        if not self.puct:
+            self._split_kernel_time(kernel_ms, res)
+        else:
+            self.ms["backup"] += (time.perf_counter() - t) * 1e3
+        return self._results(res, deadline_reached, kernel_ms), self._trees(res)
+
+    def _rollout_search(self) -> None:
+        p, g = self.p, self.g
+        key = seed_key(p.seed)
+        deadline_ns = 0
+        if p.deadline_ms is not None:
+            left_ms = p.deadline_ms - (time.perf_counter() - self.t0) * 1e3
+            deadline_ns = max(int(left_ms * 1e6), 1)
+        total = p.simulations if p.simulations is not None else _BUDGET_NONE
+        name = "mcts_rollout_aggregated" if self.be.backup == "warp_aggregated" else "mcts_rollout_global"
+        warps = self.b * self.w
+        smem = 1024 + WARPS_PER_BLOCK * (g * MAX_DEPTH + 64) * 4
+        scale = self.be.scale_table(p.c_uct)
+        fn = kernel(name)
+
+        def launch(budget: int) -> None:
+            fn(
+                ((warps + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK,),
+                (32 * WARPS_PER_BLOCK,),
+                (
+                    self.pool, np.int64(self.cap), np.int32(self.limit), np.int32(self.b), np.int32(self.w),
+                    np.int32(g), np.int32(self.k), np.int32(budget), np.int64(deadline_ns), self.t0_dev, self.ts,
+                    self.cyc, np.float64(p.c_uct), np.float64(p.virtual_loss), scale, np.int32(SCALE_TABLE),
+                    np.uint32(key[0]), np.uint32(key[1]),
+                ),
+                shared_mem=smem,
+            )
+
+        self.t_launch = time.perf_counter()
+        if self.should_stop is None:
+            launch(total)
+            return
+        # Slices: each launch continues the last (the per-tree claim counter
+        # persists and never passes the budget); a multiple of K keeps the
+        # waves of a one-warp tree the same as in one launch.
+        step = self.k * -(-STOP_SLICE // self.k)
+        budget = 0
+        stream = cupy.cuda.get_current_stream()
+        while budget < total:
+            budget = min(total, budget + step)
+            launch(budget)
+            stream.synchronize()
+            if p.deadline_ms is not None and (time.perf_counter() - self.t0) * 1e3 >= p.deadline_ms:
+                self.host_deadline = budget < total
+                return
+            if budget < total and self.should_stop():
+                self.stopped = True
+                return
+
+    def _split_kernel_time(self, kernel_ms: float, res: np.ndarray) -> None:
+        cycles = res[:, 64:72].copy().view(np.uint64).astype(np.float64).sum(axis=0)  # [4]
+        total = cycles.sum()
+        share = cycles / total if total > 0 else np.array([1.0, 0.0, 0.0, 0.0])
+        for name, s in zip(("select", "expand", "evaluate", "backup"), share):
+            self.ms[name] += kernel_ms * float(s)
+
+    def _value_model_waves(self) -> bool:
+        """The wave loop for PUCT with the value model; returns deadline_reached."""
+        p, b, k_max, w, g = self.p, self.b, self.k, self.w, self.g
+        n = b * k_max
+        stage = cupy.empty(n * (16 + 84), np.uint8)  # meta int32 [n, 4], then obs uint8 [n, 84]
+        meta_dev = stage[: n * 16].view(np.int32).reshape(n, 4)
+        obs_dev = stage[n * 16 :].reshape(n, 84)
+        paths = cupy.empty(n * MAX_DEPTH, np.int32)
+        vin_dev = cupy.empty((n, 8), np.float32)
+        aggregated = self.be.backup == "warp_aggregated"
+        backup_kernel = kernel("mcts_vm_backup_aggregated" if aggregated else "mcts_vm_backup_global")
+        grid = ((b * w + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK,)
+        block = (32 * WARPS_PER_BLOCK,)
+        slot = np.arange(n)
+        in_wave_of = slot % k_max
+        wants_cupy = bool(getattr(self.evaluator, "accepts_cupy", False))
+        done = 0
+        while True:
+            k = k_max if p.simulations is None else min(k_max, p.simulations - done)
+            if k <= 0:
+                return False
+            if p.deadline_ms is not None and self.waves and (time.perf_counter() - self.t0) * 1e3 >= p.deadline_ms:
+                return True
+            if self.should_stop is not None and self.waves and self.should_stop():
+                self.stopped = True
+                return False
+            t = time.perf_counter()
+            kernel("mcts_vm_select")(
+                grid, block,
+                (
+                    self.pool, np.int64(self.cap), np.int32(self.limit), np.int32(b), np.int32(w), np.int32(g),
+                    np.int32(k_max), np.int32(k), np.float64(p.c_puct), np.float64(p.virtual_loss), self.ts,
+                    meta_dev, paths, obs_dev,
+                ),
+            )
+            staged = stage.get()
+            meta = staged[: n * 16].view(np.int32).reshape(n, 4)
+            t1 = time.perf_counter()
+            active = in_wave_of < k
+            term = np.where(active, meta[:, 2], -1)
+            leader = meta[:, 3]
+            rows = np.flatnonzero(active & (term == tr.NOT_TERMINAL) & (leader == slot))
+            vin = np.zeros((n, 8), np.float32)
+            vin[active & (term == _TERMINAL_LOSS), 0] = -1.0
+            has_priors = False
+            if rows.size:
+                if wants_cupy:
+                    obs = obs_dev[cupy.asarray(rows)].reshape(-1, 2, connect4.ROWS, connect4.COLUMNS)
+                else:
+                    obs = staged[n * 16 :].reshape(n, 2, connect4.ROWS, connect4.COLUMNS)[rows]
+                legal = (staged[n * 16 :].reshape(n, 2, connect4.ROWS, connect4.COLUMNS)[rows, :, -1, :] == 0).all(axis=1)
+                values, priors = _model_answer(self.evaluator, obs, legal)
+                by_slot = np.zeros(n, np.float32)
+                by_slot[rows] = values
+                open_ = active & (term == tr.NOT_TERMINAL)
+                vin[open_, 0] = by_slot[leader[open_]]
+                if priors is not None:
+                    vin[rows, 1:] = priors
+                    has_priors = True
+            t2 = time.perf_counter()
+            vin_dev.set(vin)
+            backup_kernel(
+                grid, block,
+                (
+                    self.pool, np.int64(self.cap), np.int32(b), np.int32(w), np.int32(g), np.int32(k_max),
+                    np.int32(k), self.ts, meta_dev, paths, vin_dev, np.int32(has_priors),
+                ),
+            )
+            t3 = time.perf_counter()
+            self.ms["select"] += (t1 - t) * 1e3
+            self.ms["evaluate"] += (t2 - t1) * 1e3
+            self.ms["backup"] += (t3 - t2) * 1e3
+            done += k
+            self.waves += 1
+
+    # -- answer ---------------------------------------------------------------------------
+    def _num_nodes(self, res: np.ndarray) -> np.ndarray:
+        return np.minimum(res[:, 15].astype(np.int64), np.maximum(self.limit, self.used))
+
+    def _results(self, res: np.ndarray, deadline_reached: bool | None, kernel_ms: float | None) -> list[SearchResult]:
+        # Whole-batch arrays and lists first: per-tree Python work is what a
+        # large batch pays on the host.
+        visits = res[:, 0:7].astype(np.int64)
+        value = res[:, 7:14].copy().view(np.float32).astype(np.float64)
+        q = np.where(visits > 0, value / np.maximum(visits, 1), 0.0)
+        q32 = q.astype(np.float32)
+        root_value = (value.sum(axis=1) / np.maximum(visits.sum(axis=1), 1)).tolist()
+        action = _best(visits, q).tolist()
+        nodes = self._num_nodes(res).tolist()
+        done, depth, exhausted = res[:, 17].tolist(), res[:, 16].tolist(), (res[:, 18] != 0).tolist()
+        if deadline_reached is None:
+            reached = ((res[:, 19] != 0) | self.host_deadline).tolist()
+        else:
+            reached = [deadline_reached] * self.b
+        pv_len, pv = res[:, 20].tolist(), res[:, 21:63].tolist()
+        ms = self.ms
+        common = {
+            "warps_per_tree": self.w,
+            "sims_per_warp": self.g,
+            "backup": self.be.backup,
+            "kernel_ms": kernel_ms,
+            "pool_bytes": self.cap * pl.NODE_BYTES,
+            "stopped": self.stopped,
+        }
+        return [
+            SearchResult(
+                action=action[i],
+                visit_counts=visits[i],
+                q_values=q32[i],
+                root_value=root_value[i],
+                principal_variation=pv[i][: pv_len[i]],
+                simulations=done[i],
+                max_depth=depth[i],
+                tree_nodes=nodes[i],
+                pool_exhausted=exhausted[i],
+                deadline_reached=reached[i],
+                select_ms=ms["select"],
+                expand_ms=ms["expand"],
+                evaluate_ms=ms["evaluate"],
+                backup_ms=ms["backup"],
+                tree_reused=i in self.kept,
+                extras={"waves": self.waves if self.puct else -(-done[i] // self.k), **common},
+            )
+            for i in range(self.b)
+        ]
+
+    def _trees(self, res: np.ndarray) -> list[pl.CudaTree]:
+        nodes = self._num_nodes(res).tolist()
+        cur, mask, ev, cap = self.roots.current.tolist(), self.roots.mask.tolist(), self.p.evaluator, self.cap
+        return [pl.CudaTree(self.pool, i, cap, nodes[i], cur[i], mask[i], ev) for i in range(self.b)]
+
+
+def _best(visits: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """int64 [B]: most visits, then higher Q, then lower index (as the reference)."""
+    top = visits == visits.max(axis=1, keepdims=True)
+    return np.argmax(np.where(top, q, -np.inf), axis=1)
+
+
+def _model_answer(evaluator, obs, legal: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """Calls the evaluator on observations (uint8 [M, 2, 6, 7]); returns values
+    float32 [M] clipped to [-1, 1] and priors float32 [M, A] masked to ``legal``
+    (bool [M, A]) and renormalised (uniform where nothing legal is left), or
+    None -- the CPU reference's rules.
+
+    Raises:
+        ValueError: values or priors of the wrong shape.
+    """
+    m = len(legal)
+    values, priors = evaluator(obs)
+    values = np.asarray(cupy.asnumpy(values) if isinstance(values, cupy.ndarray) else values, np.float32).reshape(-1)
+    if values.shape != (m,):
+        raise ValueError(f"evaluator returned {values.shape} values for {m} leaves")
+    values = np.clip(np.nan_to_num(values), -1.0, 1.0)
+    if priors is None:
+        return values, None
+    priors = np.asarray(cupy.asnumpy(priors) if isinstance(priors, cupy.ndarray) else priors, np.float32)
+    if priors.shape != (m, A):
+        raise ValueError(f"evaluator returned priors of shape {priors.shape}, expected {(m, A)}")
+    p = np.where(legal & np.isfinite(priors), np.maximum(priors, 0), 0)
+    total = p.sum(axis=1, keepdims=True)
+    uniform = legal / np.maximum(legal.sum(axis=1, keepdims=True), 1)
+    return values, np.where(total > 0, p / np.where(total > 0, total, 1), uniform).astype(np.float32)
+
+
+def _call_model(evaluator, current: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """The model's answer for positions given as bitboards (fresh roots)."""
+    pos = Positions(current, mask, connect4.popcount(mask))
+    obs = connect4.observation(pos)
+    if getattr(evaluator, "accepts_cupy", False):
+        obs = cupy.asarray(obs)
+    return _model_answer(evaluator, obs, connect4.legal_bits(mask))

@@ -1,0 +1,149 @@
+// common.cu -- types, constants and the device node-pool layout shared by every
+// tandem MCTS kernel. The .cu files of this folder are concatenated in the
+// order search_service/cuda/module.py lists them and compiled by NVRTC as one
+// translation unit (-std=c++17, --fmad=false: the selection scores must be
+// rounded exactly like the NumPy reference's float64, so no fused multiply-add).
+//
+// Node pool (one region per tree, preallocated per search call; see pool.py)
+// ---------------------------------------------------------------------------
+// A tree of `cap` node slots owns `cap * 176` bytes, three arrays back to back:
+//
+//   rows   int4  [cap][8]   128 B/node  selection records (one cache line)
+//   child  int32 [cap][8]    32 B/node  child slot per edge (7 used, 1 pad)
+//   pos    u64   [cap][2]    16 B/node  (current, mask) Pons bitboards
+//
+// rows[n][a], a < 7, is edge a's 16-byte record, the fields selection reads:
+//   .x int32 visits     completed simulations through the edge
+//   .y int32 vloss      simulations in flight through the edge (virtual loss)
+//   .z float value_sum  sum of backed-up values, for the player to move at n
+//   .w float prior      policy prior (uniform over legal moves without a model)
+// .x and .y form one little-endian u64 so that backup retires a visit and its
+// virtual loss with a single 64-bit atomicAdd (VISIT_DONE below).
+// rows[n][7] is the node header: .x int32 N (simulations that passed through
+// or ended at n), .y terminal code, .z parent slot (-1 root), .w action from
+// the parent (-1 root). So one 128-byte line holds everything selection needs
+// about a node and its 7 edges; `child` is a second, 32-byte sector.
+//
+// Child codes: >= 0 slot, UNEXPANDED legal move without a node, ILLEGAL, and
+// EXPANDING (transient, only while a search kernel runs: a warp has claimed
+// the edge and is creating its node).
+//
+// Concurrency invariants (who writes which field, with what, and why the
+// races that remain are benign). "Warp" = the warp running a simulation;
+// several warps search one tree when W > 1, none when W = 1 but itself.
+//
+//   edge .x visits | .y vloss  only 64-bit atomicAdd: +VLOSS_ONE when a
+//                    selection takes the edge (by the lane that owns the edge,
+//                    which is also the lane that reads it next), +count -
+//                    count<<32 at backup. Never a plain store during a search,
+//                    so no update is lost; vloss returns to 0 when every
+//                    selection has backed up (tests check it).
+//   edge .z value    only float atomicAdd at backup.
+//   edge .w prior    plain stores: init_node (before the node is published),
+//                    init_trees, and mcts_vm_backup (the node's evaluating
+//                    simulation only; selection reads priors in a later launch).
+//   header .x N      only int atomicAdd at backup (+1 per simulation through
+//                    or ending at the node); init stores before publication.
+//   header .y/.z/.w  written once by init_node, before publication.
+//   child[a]         UNEXPANDED -> EXPANDING by atomicCAS (one winner per edge
+//                    in the grid), EXPANDING -> slot or back to UNEXPANDED by
+//                    the winner's atomicExch after a __threadfence() that
+//                    makes the new node's rows, child and pos visible first.
+//                    ILLEGAL never changes. Readers that follow a published
+//                    slot read the node through L2 (__ldcg), after the fence.
+//   pos              written once by init_node, before publication.
+//   TS_NODES         atomicAdd only (one per wave per warp); values >= the
+//                    limit are refused slots, never written.
+//   TS_STARTED       atomicCAS only (claims never pass the budget).
+//   TS_DONE          atomicAdd at the end of each wave.
+//   TS_MAXDEPTH      atomicMax.  TS_EXHAUSTED, TS_DEADLINE: plain stores of 1.
+//
+// Benign races: a selection reads records while other warps' backups and
+// virtual losses land, so it may score a slightly stale snapshot (as in any
+// parallel MCTS with virtual loss; Chaslot et al. 2008); each counter itself
+// stays exact. Reads never race with initialisation: a slot is read only
+// after its publication. With W = 1 a tree has no concurrent writer at all:
+// within a warp, a wave's selections see earlier selections' virtual losses
+// (same lane, same address, program order) and the next wave sees the backup
+// (__threadfence + __syncwarp at the end of every wave), which is what makes
+// the search equal to the CPU reference's.
+
+typedef unsigned long long u64;
+typedef unsigned int u32;
+
+#define HD __host__ __device__ __forceinline__
+#define FULL_MASK 0xffffffffu
+
+#define NUM_ACTIONS 7
+#define ROW 8              // records per node row: 7 edges + header
+#define MAX_DEPTH 42       // edges on a selection path (a game has 42 moves)
+#define NODE_BYTES 176     // 128 rows + 32 child + 16 pos
+#define ROWS_BYTES 128
+#define CHILD_BYTES 32
+
+#define UNEXPANDED (-1)
+#define ILLEGAL (-2)
+#define EXPANDING (-3)
+
+#define NOT_TERMINAL 0
+#define TERMINAL_LOSS 1
+#define TERMINAL_DRAW 2
+
+// Per-tree search state: int32 [B][TS_FIELDS], written by init_trees.
+#define TS_STARTED 0   // simulations claimed (atomicCAS by each warp, up to G at a time, never past the budget)
+#define TS_DONE 1      // simulations completed (atomicAdd at the end of a wave)
+#define TS_NODES 2     // node slots claimed (atomicAdd, may pass cap: slots >= limit are refused)
+#define TS_EXHAUSTED 3 // 1 once a claim was refused (plain store of 1: idempotent)
+#define TS_MAXDEPTH 4  // longest selection path (atomicMax)
+#define TS_DEADLINE 5  // 1 if the deadline stopped a warp of this tree (plain store of 1)
+#define TS_FIELDS 8
+
+// visits += 1 (low word) and vloss -= 1 (high word) in one 64-bit add: the low
+// word cannot carry (visits < 2^31), the high word wraps to vloss - 1.
+#define VISIT_DONE 0xFFFFFFFF00000001ull
+#define VLOSS_ONE 0x0000000100000000ull
+
+struct TreeView {
+  int4* rows;  // [cap * ROW]
+  int* child;  // [cap * ROW]
+  u64* pos;    // [cap * 2]
+};
+
+__device__ __forceinline__ TreeView tree_view(unsigned char* pool, long long cap, int b) {
+  unsigned char* base = pool + (long long)b * cap * NODE_BYTES;
+  TreeView t;
+  t.rows = (int4*)base;
+  t.child = (int*)(base + cap * ROWS_BYTES);
+  t.pos = (u64*)(base + cap * (ROWS_BYTES + CHILD_BYTES));
+  return t;
+}
+
+HD double neg_inf() {
+#ifdef __CUDA_ARCH__
+  return __longlong_as_double(0xfff0000000000000LL);
+#else
+  return -__builtin_inf();
+#endif
+}
+
+HD double pos_inf() {
+#ifdef __CUDA_ARCH__
+  return __longlong_as_double(0x7ff0000000000000LL);
+#else
+  return __builtin_inf();
+#endif
+}
+
+HD int popc32(u32 x) {
+#ifdef __CUDA_ARCH__
+  return __popc(x);
+#else
+  return __builtin_popcount(x);
+#endif
+}
+
+__device__ __forceinline__ u64 global_timer_ns() {
+  u64 t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}

@@ -1,0 +1,373 @@
+// search.cu -- the search kernels.
+//
+// Work split: tree b gets W warps; warp w of a tree runs waves of up to G_w
+// simulations (G for every warp but the last, which takes K - (W - 1) * G),
+// so K = parallel_sims simulations are in flight per tree. A wave of a warp:
+//   1. select: the warp descends once per simulation, one after another, each
+//      descent seeing the virtual losses of the earlier ones (select.cu);
+//   2. expand: one node per distinct stopping edge, slots from one atomicAdd
+//      (expand.cu); lane i keeps simulation i's leaf;
+//   3. evaluate: lane i plays simulation i's random rollout (connect4.cu), or,
+//      for the value model, the wave returns to the host (mcts_vm_*);
+//   4. backup (backup.cu), then __threadfence() so the next wave of this warp,
+//      whose lanes read records other lanes updated, sees every update.
+// With W = 1 each tree is searched by one warp, in the CPU reference's order:
+// the same waves, selections, node slots and Philox counters. With W > 1 the
+// warps of a tree run free (asynchronous parallel MCTS): results depend on
+// timing and differ from the reference.
+//
+// Counters, per tree (TS_* in common.cu): a warp claims the simulation indices
+// s0 .. s0 + g - 1, g = min(G_w, budget - s0), by atomicCAS on TS_STARTED
+// (retried if another warp of the tree claimed first), so TS_STARTED never
+// passes `budget`: exactly `budget` simulations run per tree, and a later
+// launch with a larger budget continues where this one stopped (the host
+// runs a search in slices when it must poll a stop request). The deadline is
+// checked by lane 0 before each claim against %globaltimer, from one start
+// time per launch (the first warp to read the timer stores it by atomicCAS),
+// and stops a warp only once its tree has claimed a wave (at least one wave
+// per tree always runs).
+
+// Fills a tree's root (fresh trees) and its search state. init: u32 [B][16] =
+// current (lo, hi), mask (lo, hi), nodes in use, fresh flag, root N, has
+// priors, priors[7] (float bits). One thread per tree; also zeroes the
+// tree's phase cycle counters (cyc u64 [B][4]) and, thread 0, the launch
+// start time of the deadline clock (t0).
+extern "C" __global__ void init_trees(unsigned char* pool, long long cap, int n_trees, const u32* init, int* tsa,
+                                      u64* cyc, u64* t0) {
+  const int b = blockIdx.x * blockDim.x + threadIdx.x;
+  if (b == 0) *t0 = 0ull;
+  if (b >= n_trees) return;
+  const u32* in = init + (long long)b * 16;
+  int* ts = tsa + (long long)b * TS_FIELDS;
+#pragma unroll
+  for (int f = 0; f < TS_FIELDS; ++f) ts[f] = 0;
+#pragma unroll
+  for (int p = 0; p < 4; ++p) cyc[(long long)b * 4 + p] = 0ull;
+  ts[TS_NODES] = (int)in[4];
+  if (!in[5]) return;
+  const u64 cur = (u64)in[0] | ((u64)in[1] << 32);
+  const u64 mask = (u64)in[2] | ((u64)in[3] << 32);
+  const TreeView t = tree_view(pool, cap, b);
+  init_node(t, 0, cur, mask, terminal_code(cur, mask), -1, -1);
+  if (in[7]) {
+    for (int a = 0; a < NUM_ACTIONS; ++a) t.rows[a].w = (int)in[8 + a];
+  }
+  t.rows[7].x = (int)in[6];
+}
+
+// The tables and per-warp scratch in dynamic shared memory:
+// [kth-free-column table, 1024 B][per warp: path G * MAX_DEPTH int, vals 32 float, deps 32 int].
+__device__ __forceinline__ int warp_scratch_ints(int G) { return G * MAX_DEPTH + 64; }
+
+struct WarpJob {
+  int b;      // tree
+  int first;  // index of this warp's first simulation slot within its tree's K
+  int sims;   // G_w
+};
+
+__device__ __forceinline__ bool warp_job(int n_trees, int W, int G, int K, WarpJob& job) {
+  const long long gw = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (gw >= (long long)n_trees * W) return false;
+  const int w = (int)(gw % W);
+  job.b = (int)(gw / W);
+  job.first = w * G;
+  job.sims = (w < W - 1) ? G : K - (W - 1) * G;
+  return true;
+}
+
+// Rollout search: the whole search in one launch (select, expand, rollout,
+// backup per wave, waves until the budget or the deadline). cyc: u64 [B][4]
+// clock64 cycles spent per phase (select, expand, evaluate, backup), summed
+// over the tree's warps (lane 0's clock).
+template <int AGG>
+__device__ void rollout_search(unsigned char* pool, long long cap, int limit, int n_trees, int W, int G, int K,
+                               int budget, long long deadline_ns, u64* t0, int* tsa, u64* cyc, double c,
+                               double vl, const double* scale, int n_scale, u32 k0, u32 k1) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  unsigned char* table = smem;
+  for (int i = threadIdx.x; i < 1024; i += blockDim.x) table[i] = (unsigned char)kth_free_column(i >> 3, i & 7);
+  __syncthreads();
+  const int lane = threadIdx.x & 31;
+  int* wbuf = (int*)(smem + 1024) + (threadIdx.x >> 5) * warp_scratch_ints(G);
+  int* path = wbuf;
+  float* vals = (float*)(wbuf + G * MAX_DEPTH);
+  int* deps = wbuf + G * MAX_DEPTH + 32;
+  WarpJob job;
+  if (!warp_job(n_trees, W, G, K, job)) return;
+  const TreeView t = tree_view(pool, cap, job.b);
+  int* ts = tsa + (long long)job.b * TS_FIELDS;
+  SelectParams sp;
+  sp.puct = 0;
+  sp.c = c;
+  sp.vl = vl;
+  sp.scale = scale;
+  sp.n_scale = n_scale;
+  u64 start = 0;
+  if (deadline_ns > 0 && lane == 0) {
+    const u64 now = global_timer_ns();
+    const u64 old = atomicCAS((unsigned long long*)t0, 0ull, (unsigned long long)now);
+    start = old ? old : now;
+  }
+  long long cy[4] = {0, 0, 0, 0};
+  while (true) {
+    int s0 = 0, g = 0;
+    if (lane == 0) {
+      s0 = *(volatile int*)(ts + TS_STARTED);
+      if (deadline_ns > 0 && (long long)(global_timer_ns() - start) >= deadline_ns && s0 > 0) {
+        ts[TS_DEADLINE] = 1;
+      } else {
+        while (s0 < budget) {  // claim min(G_w, budget - s0) indices; never past the budget
+          const int want = min(job.sims, budget - s0);
+          const int old = atomicCAS(ts + TS_STARTED, s0, s0 + want);
+          if (old == s0) {
+            g = want;
+            break;
+          }
+          s0 = old;
+        }
+      }
+    }
+    s0 = __shfl_sync(FULL_MASK, s0, 0);
+    g = __shfl_sync(FULL_MASK, g, 0);
+    if (g <= 0) break;
+    const long long c0 = clock64();
+    Descent mine;
+    mine.depth = 0;
+    mine.node = 0;
+    mine.action = 0;
+    mine.tnode = -1;
+    mine.tcode = NOT_TERMINAL;
+    for (int i = 0; i < g; ++i) {
+      const Descent dsc = select_one(t, sp, path + i * MAX_DEPTH, lane);
+      if (lane == i) mine = dsc;
+    }
+    __syncwarp();
+    const long long c1 = clock64();
+    const bool active = lane < g;
+    const bool missing = active && mine.tnode < 0;
+    u64 cur = 0, msk = 0;
+    int term = mine.tcode;
+    if (missing) {
+      const ulonglong2 pp = __ldcg((const ulonglong2*)t.pos + mine.node);
+      cur = pp.x;
+      msk = pp.y;
+      play_column(cur, msk, mine.action);
+      term = terminal_code(cur, msk);
+    }
+    int leaf = expand_leaves(t, ts, limit, lane, missing, mine.node * ROW + mine.action, cur, msk, term);
+    if (active && !missing) leaf = mine.tnode;
+    const long long c2 = clock64();
+    float v = 0.0f;
+    if (active) {
+      if (term == TERMINAL_LOSS) v = -1.0f;
+      else if (term == TERMINAL_DRAW) v = 0.0f;
+      else v = rollout_value(cur, msk, (u32)(s0 + lane), (u32)job.b, k0, k1, table);
+    }
+    const long long c3 = clock64();
+    backup_wave<AGG>(t, ts, path, vals, deps, lane, g, mine.depth, v, leaf);
+    __threadfence();
+    __syncwarp();
+    if (lane == 0) atomicAdd(ts + TS_DONE, g);
+    const long long c4 = clock64();
+    cy[0] += c1 - c0;
+    cy[1] += c2 - c1;
+    cy[2] += c3 - c2;
+    cy[3] += c4 - c3;
+  }
+  if (lane == 0) {
+#pragma unroll
+    for (int p = 0; p < 4; ++p) atomicAdd((unsigned long long*)(cyc + (long long)job.b * 4 + p), (unsigned long long)cy[p]);
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(128) mcts_rollout_global(
+    unsigned char* pool, long long cap, int limit, int n_trees, int W, int G, int K, int budget,
+    long long deadline_ns, u64* t0, int* tsa, u64* cyc, double c, double vl, const double* scale, int n_scale,
+    u32 k0, u32 k1) {
+  rollout_search<0>(pool, cap, limit, n_trees, W, G, K, budget, deadline_ns, t0, tsa, cyc, c, vl, scale, n_scale, k0, k1);
+}
+
+extern "C" __global__ void __launch_bounds__(128) mcts_rollout_aggregated(
+    unsigned char* pool, long long cap, int limit, int n_trees, int W, int G, int K, int budget,
+    long long deadline_ns, u64* t0, int* tsa, u64* cyc, double c, double vl, const double* scale, int n_scale,
+    u32 k0, u32 k1) {
+  rollout_search<1>(pool, cap, limit, n_trees, W, G, K, budget, deadline_ns, t0, tsa, cyc, c, vl, scale, n_scale, k0, k1);
+}
+
+// Value model, first half of a wave: selection and expansion for k_wave
+// simulations per tree. Per simulation slot q = b * K + j (j < k_wave):
+// meta[q] = (leaf slot or -1, depth, terminal code, q of the simulation that
+// evaluates this leaf: the lowest simulation of the warp stopping at the same
+// edge); paths[q][0..depth) its path; obs[q] (uint8 [2][6][7], the side to
+// move's stones then the opponent's, [row][col], row 0 at the bottom) its
+// leaf position where that is unfinished.
+extern "C" __global__ void __launch_bounds__(128) mcts_vm_select(
+    unsigned char* pool, long long cap, int limit, int n_trees, int W, int G, int K, int k_wave, double c,
+    double vl, int* tsa, int* meta, int* paths, unsigned char* obs) {
+  WarpJob job;
+  if (!warp_job(n_trees, W, G, K, job)) return;
+  const int lane = threadIdx.x & 31;
+  const int g = min(job.sims, k_wave - job.first);
+  if (g <= 0) return;
+  const TreeView t = tree_view(pool, cap, job.b);
+  int* ts = tsa + (long long)job.b * TS_FIELDS;
+  const long long q0 = (long long)job.b * K + job.first;
+  int* path = paths + q0 * MAX_DEPTH;
+  SelectParams sp;
+  sp.puct = 1;
+  sp.c = c;
+  sp.vl = vl;
+  sp.scale = nullptr;
+  sp.n_scale = 0;
+  Descent mine;
+  mine.depth = 0;
+  mine.node = 0;
+  mine.action = 0;
+  mine.tnode = -1;
+  mine.tcode = NOT_TERMINAL;
+  for (int i = 0; i < g; ++i) {
+    const Descent dsc = select_one(t, sp, path + i * MAX_DEPTH, lane);
+    if (lane == i) mine = dsc;
+  }
+  __syncwarp();
+  const bool active = lane < g;
+  const bool missing = active && mine.tnode < 0;
+  u64 cur = 0, msk = 0;
+  int term = mine.tcode;
+  if (missing) {
+    const ulonglong2 pp = __ldcg((const ulonglong2*)t.pos + mine.node);
+    cur = pp.x;
+    msk = pp.y;
+    play_column(cur, msk, mine.action);
+    term = terminal_code(cur, msk);
+  }
+  const int key = mine.node * ROW + mine.action;
+  const unsigned mm = __ballot_sync(FULL_MASK, missing);
+  int leader = lane;
+  if (missing) leader = __ffs(__match_any_sync(mm, key)) - 1;
+  int leaf = expand_leaves(t, ts, limit, lane, missing, key, cur, msk, term);
+  if (active && !missing) leaf = mine.tnode;
+  if (active) {
+    const long long q = q0 + lane;
+    int4 m = make_int4(leaf, mine.depth, term, (int)(q0 + leader));
+    ((int4*)meta)[q] = m;
+    if (term == NOT_TERMINAL) {
+      unsigned char* o = obs + q * 84;
+      const u64 opp = cur ^ msk;
+      for (int i = 0; i < 42; ++i) {
+        const int bit = (i % 7) * 7 + i / 7;  // [row][col] -> col * 7 + row
+        o[i] = (unsigned char)((cur >> bit) & 1ull);
+        o[42 + i] = (unsigned char)((opp >> bit) & 1ull);
+      }
+    }
+  }
+}
+
+// Value model, second half of a wave: vals f32 [B * K][8] = (value for the
+// leaf's side to move, 7 priors); where has_priors, the evaluating simulation
+// of each new node writes its priors (no other writer of .w: selection of
+// the next wave runs in a later launch). Then backup as in rollout_search.
+template <int AGG>
+__device__ void vm_backup(unsigned char* pool, long long cap, int n_trees, int W, int G, int K, int k_wave, int* tsa,
+                          const int* meta, const int* paths, const float* vin, int has_priors) {
+  __shared__ float s_vals[4][32];
+  __shared__ int s_deps[4][32];
+  WarpJob job;
+  if (!warp_job(n_trees, W, G, K, job)) return;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = min(job.sims, k_wave - job.first);
+  if (g <= 0) return;
+  const TreeView t = tree_view(pool, cap, job.b);
+  int* ts = tsa + (long long)job.b * TS_FIELDS;
+  const long long q0 = (long long)job.b * K + job.first;
+  int depth = 0, leaf = -1;
+  float v = 0.0f;
+  if (lane < g) {
+    const long long q = q0 + lane;
+    const int4 m = ((const int4*)meta)[q];
+    leaf = m.x;
+    depth = m.y;
+    v = vin[q * 8];
+    if (has_priors && m.w == (int)q && leaf >= 0 && m.z == NOT_TERMINAL) {
+      for (int a = 0; a < NUM_ACTIONS; ++a) t.rows[(long long)leaf * ROW + a].w = __float_as_int(vin[q * 8 + 1 + a]);
+    }
+  }
+  backup_wave<AGG>(t, ts, paths + q0 * MAX_DEPTH, s_vals[warp], s_deps[warp], lane, g, depth, v, leaf);
+  __threadfence();
+  __syncwarp();
+  if (lane == 0) atomicAdd(ts + TS_DONE, g);
+}
+
+extern "C" __global__ void __launch_bounds__(128) mcts_vm_backup_global(
+    unsigned char* pool, long long cap, int n_trees, int W, int G, int K, int k_wave, int* tsa, const int* meta,
+    const int* paths, const float* vin, int has_priors) {
+  vm_backup<0>(pool, cap, n_trees, W, G, K, k_wave, tsa, meta, paths, vin, has_priors);
+}
+
+extern "C" __global__ void __launch_bounds__(128) mcts_vm_backup_aggregated(
+    unsigned char* pool, long long cap, int n_trees, int W, int G, int K, int k_wave, int* tsa, const int* meta,
+    const int* paths, const float* vin, int has_priors) {
+  vm_backup<1>(pool, cap, n_trees, W, G, K, k_wave, tsa, meta, paths, vin, has_priors);
+}
+
+// Results, one warp per tree, after the search: res int32 [B][72] =
+// root visits [0..7), root value sums (float bits) [7..14), root N [14],
+// TS_NODES [15], TS_MAXDEPTH [16], TS_DONE [17], TS_EXHAUSTED [18],
+// TS_DEADLINE [19], PV length [20], PV actions [21..63), the tree's phase
+// cycles (u64 [4], from cyc) [64..72). The principal
+// variation follows, from the root, the edge with the most visits (ties: the
+// higher mean value Q = W / n in float64, then the lower index) while it has a
+// visit, as cpu_reference._principal_variations does.
+extern "C" __global__ void finish_trees(unsigned char* pool, long long cap, int n_trees, const int* tsa,
+                                        const u64* cyc, int* res) {
+  const long long gw = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (gw >= n_trees) return;
+  const int b = (int)gw, lane = threadIdx.x & 31, e = lane & 7;
+  const TreeView t = tree_view(pool, cap, b);
+  int* out = res + (long long)b * 72;
+  const int* ts = tsa + (long long)b * TS_FIELDS;
+  int node = 0, len = 0;
+  for (int step = 0; step < MAX_DEPTH; ++step) {
+    const int4 r = __ldcg(t.rows + (long long)node * ROW + e);
+    const int ch = __ldcg(t.child + (long long)node * ROW + e);
+    if (step == 0 && lane < 8) {
+      if (e < NUM_ACTIONS) {
+        out[e] = r.x;
+        out[7 + e] = r.z;
+      } else {
+        out[14] = r.x;
+      }
+    }
+    int vis = e < NUM_ACTIONS ? r.x : -1;
+    double q = vis > 0 ? (double)__int_as_float(r.z) / (double)vis : 0.0;
+    int best = e;
+#pragma unroll
+    for (int off = 4; off >= 1; off >>= 1) {
+      const int ov = __shfl_xor_sync(FULL_MASK, vis, off, 8);
+      const double oq = __shfl_xor_sync(FULL_MASK, q, off, 8);
+      const int ob = __shfl_xor_sync(FULL_MASK, best, off, 8);
+      if (ov > vis || (ov == vis && (oq > q || (oq == q && ob < best)))) {
+        vis = ov;
+        q = oq;
+        best = ob;
+      }
+    }
+    best = __shfl_sync(FULL_MASK, best, 0);
+    vis = __shfl_sync(FULL_MASK, vis, 0);
+    if (vis <= 0) break;
+    if (lane == 0) out[21 + len] = best;
+    ++len;
+    const int c = __shfl_sync(FULL_MASK, ch, best);
+    if (c < 0) break;
+    node = c;
+  }
+  if (lane == 0) {
+    out[15] = ts[TS_NODES];
+    out[16] = ts[TS_MAXDEPTH];
+    out[17] = ts[TS_DONE];
+    out[18] = ts[TS_EXHAUSTED];
+    out[19] = ts[TS_DEADLINE];
+    out[20] = len;
+  }
+  if (lane < 8) out[64 + lane] = ((const int*)(cyc + (long long)b * 4))[lane];
+}

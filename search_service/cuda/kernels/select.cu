@@ -1,0 +1,114 @@
+// select.cu -- edge scores and the warp-cooperative descent of one simulation.
+//
+// Scores (float64, evaluated in exactly the order cpu_reference.py documents,
+// with no fused multiply-add): n = visits, j = virtual losses on the edge,
+// W = value sum, ne = n + j, Q = (W - vl * j) / max(ne, 1), N = the node's
+// visits plus its edges' virtual losses;
+//   UCT  (Kocsis & Szepesvari 2006): +inf if ne == 0, else Q + scale(N) * (1 / sqrt(max(ne, 1)))
+//        with scale(N) = c_uct * sqrt(ln max(N, 1)) read from a table the host
+//        computes with NumPy (bit-identical logarithms), computed here past it;
+//   PUCT (Silver et al. 2017): Q + sqrt(N) * ((c_puct * P) / (1 + ne));
+// illegal edges -inf; ties to the lowest index. Virtual loss: Chaslot,
+// Winands & van den Herik 2008.
+
+HD double uct_score(int n, int j, float w, double vl, double scale) {
+  const double ne = (double)n + (double)j;
+  if (ne == 0.0) return pos_inf();
+  const double q = ((double)w - vl * (double)j) / fmax(ne, 1.0);
+  const double g = 1.0 / sqrt(fmax(ne, 1.0));
+  return q + scale * g;
+}
+
+HD double puct_score(int n, int j, float w, float prior, double vl, double c_puct, double sqrt_parent) {
+  const double ne = (double)n + (double)j;
+  const double q = ((double)w - vl * (double)j) / fmax(ne, 1.0);
+  const double g = (c_puct * (double)prior) / (1.0 + ne);
+  return q + sqrt_parent * g;
+}
+
+struct SelectParams {
+  int puct;               // 0 UCT (rollouts), 1 PUCT (value model)
+  double c;               // c_uct or c_puct
+  double vl;              // virtual_loss
+  const double* scale;    // UCT: scale(N) for N < n_scale
+  int n_scale;
+};
+
+// Where one descent stopped. `node`/`action` name its last edge; `tnode` is the
+// existing terminal child it stopped at (then `tcode` is its code), or -1 when
+// it stopped at an edge without a node (UNEXPANDED or EXPANDING).
+struct Descent {
+  int depth;
+  int node;
+  int action;
+  int tnode;
+  int tcode;
+};
+
+// One simulation's selection, run by the whole warp: lane e (mod 8) owns edge
+// e of the node at hand, so the lane that adds an edge's virtual loss is the
+// lane that reads that edge's record in the next selection (same thread, same
+// address: program order makes the add visible). Lanes 8..31 mirror 0..7
+// (same loads, same scores, possibly staler values: they did not add the
+// virtual loss); nothing they compute is used -- the argmax is lane 0's group,
+// the virtual-loss sum takes lanes 0..6, the header comes from lane 7.
+// Writes the path (node * 8 + action per edge, root first) to path[0..depth)
+// (lane 0 writes). Reads go through L2 (__ldcg): other warps update the tree.
+// Concurrency: the records read here may be stale by the time the argmax is
+// taken (other warps' backups and virtual losses land concurrently); this is
+// the usual benign race of parallel MCTS -- each atomic itself is exact, and
+// with one warp per tree (W = 1) there is no other writer at all.
+__device__ Descent select_one(const TreeView& t, const SelectParams& sp, int* path, int lane) {
+  const int e = lane & 7;
+  int node = 0, d = 0;
+  Descent out;
+  out.tnode = -1;
+  out.tcode = NOT_TERMINAL;
+  out.node = 0;
+  out.action = 0;
+  while (true) {
+    const int4 r = __ldcg(t.rows + node * ROW + e);
+    const int ch = __ldcg(t.child + node * ROW + e);
+    const int n_node = __shfl_sync(FULL_MASK, r.x, 7);
+    const int term = __shfl_sync(FULL_MASK, r.y, 7);
+    if (term != NOT_TERMINAL) {  // an existing finished child (never the root)
+      out.tnode = node;
+      out.tcode = term;
+      break;
+    }
+    // N + the virtual losses on the node's edges: lanes 0..6 only (8..31 are mirrors).
+    const int parent = n_node + (int)__reduce_add_sync(FULL_MASK, lane < NUM_ACTIONS ? (u32)r.y : 0u);
+    double s = neg_inf();
+    if (e < NUM_ACTIONS && ch != ILLEGAL) {
+      if (sp.puct) {
+        s = puct_score(r.x, r.y, __int_as_float(r.z), __int_as_float(r.w), sp.vl, sp.c, sqrt((double)parent));
+      } else {
+        const double scale = parent < sp.n_scale ? __ldg(sp.scale + parent) : sp.c * sqrt(log((double)parent));
+        s = uct_score(r.x, r.y, __int_as_float(r.z), sp.vl, scale);
+      }
+    }
+    // Argmax over the 8 lanes of each group (shfl_xor butterfly), ties to the lower edge.
+    int best = e;
+#pragma unroll
+    for (int off = 4; off >= 1; off >>= 1) {
+      const double os = __shfl_xor_sync(FULL_MASK, s, off, 8);
+      const int ob = __shfl_xor_sync(FULL_MASK, best, off, 8);
+      if (os > s || (os == s && ob < best)) {
+        s = os;
+        best = ob;
+      }
+    }
+    best = __shfl_sync(FULL_MASK, best, 0);
+    if (lane == best) atomicAdd((unsigned long long*)(t.rows + node * ROW + best), VLOSS_ONE);
+    const int c = __shfl_sync(FULL_MASK, ch, best);
+    if (lane == 0) path[d] = node * ROW + best;
+    ++d;
+    out.node = node;
+    out.action = best;
+    if (c < 0) break;  // UNEXPANDED or EXPANDING: the simulation stops at this edge
+    if (d == MAX_DEPTH) __trap();  // impossible in a well-formed tree: 42 moves fill the board
+    node = c;
+  }
+  out.depth = d;
+  return out;
+}

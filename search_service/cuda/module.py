@@ -1,0 +1,60 @@
+"""Compiling the MCTS kernels: the ``kernels/*.cu`` sources, concatenated in
+dependency order, built once per process by CuPy's ``RawModule`` (NVRTC, for
+the current device's architecture; CuPy caches the binary on disk).
+
+Options: ``-std=c++17`` and ``--fmad=false`` -- the selection scores must be
+rounded exactly as the NumPy reference's float64 (a fused multiply-add rounds
+once where NumPy rounds twice), which is what makes the GPU search reproduce
+the CPU reference simulation for simulation.
+"""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import cupy
+
+KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
+KERNEL_FILES = (
+    "common.cu",  # types, constants, the node-pool layout
+    "philox.cu",  # Philox4x32-10
+    "connect4.cu",  # bitboard rules and the random rollout
+    "select.cu",  # UCT / PUCT scores and the warp-cooperative descent
+    "expand.cu",  # node creation (one atomicAdd per wave)
+    "backup.cu",  # global_atomic and warp_aggregated backups
+    "search.cu",  # init, search (rollout; value-model halves), results
+    "reroot.cu",  # breadth-first compaction for tree reuse
+)
+OPTIONS = ("-std=c++17", "--fmad=false")
+
+_lock = threading.Lock()
+_module: cupy.RawModule | None = None
+_kernels: dict[str, cupy.RawKernel] = {}
+
+
+def source() -> str:
+    """The concatenated CUDA C++ source (what NVRTC compiles)."""
+    parts = []
+    for name in KERNEL_FILES:
+        parts.append(f"// ==== {name} ====\n#line 1 \"{name}\"\n")
+        parts.append((KERNEL_DIR / name).read_text())
+    return "\n".join(parts)
+
+
+def kernel(name: str) -> cupy.RawKernel:
+    """The compiled kernel ``name`` (an ``extern "C"`` function of the sources).
+
+    Raises:
+        cupy.cuda.compiler.CompileException: the sources do not compile.
+    """
+    global _module
+    fn = _kernels.get(name)
+    if fn is not None:
+        return fn
+    with _lock:
+        if _module is None:
+            _module = cupy.RawModule(code=source(), options=OPTIONS)
+        fn = _kernels.get(name)
+        if fn is None:
+            fn = _kernels[name] = _module.get_function(name)
+    return fn

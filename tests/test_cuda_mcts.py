@@ -1,0 +1,321 @@
+"""CUDA MCTS backend against the CPU reference: exact agreement (root visits,
+values, principal variation, whole trees) on real Pons positions when a tree
+is searched by one warp; invariants with many asynchronous warps per tree;
+pool exhaustion; the value-model leaf batches; deadline; tree reuse by
+device-side re-rooting. Every test needs a GPU (marker ``gpu``)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+cupy = pytest.importorskip("cupy")
+
+from search_service.cuda import BACKUPS, NODE_BYTES, CudaBackend, CudaTree  # noqa: E402
+from search_service.games import connect4 as c4  # noqa: E402
+from search_service.mcts import tree as tr  # noqa: E402
+from search_service.mcts.backend import SearchParams  # noqa: E402
+from search_service.mcts.cpu_reference import CpuReferenceBackend  # noqa: E402
+from test_cpu_mcts import check_invariants, toy_model, zero_model  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "connect4" / "pons"
+CPU = CpuReferenceBackend()
+FIELDS = (
+    "node_current", "node_mask", "node_terminal", "node_visits", "node_parent", "node_action",
+    "children", "edge_visits", "edge_value", "edge_vloss", "prior",
+)
+
+
+def pons(count: int, seed: int) -> list[str]:
+    """``count`` move strings drawn from all four Pons sets (openings to end games)."""
+    rows = []
+    for name in ("Test_L1_R1", "Test_L1_R2", "Test_L2_R1", "Test_L3_R1"):
+        with open(DATA / f"{name}.jsonl") as f:
+            rows += [json.loads(line)["moves"] for line in f]
+    pick = np.random.default_rng(seed).choice(len(rows), count, replace=False)
+    return [rows[i] for i in pick]
+
+
+def roots_of(texts: list[str]) -> c4.Positions:
+    return c4.stack([c4.parse_moves(t) for t in texts])
+
+
+def params(**kw) -> SearchParams:
+    return SearchParams(**{"simulations": None, "deadline_ms": None, **kw})
+
+
+def assert_same_search(gpu, cpu) -> None:
+    """Results and trees of two searches are identical."""
+    (g_res, g_trees), (c_res, c_trees) = gpu, cpu
+    assert len(g_res) == len(c_res)
+    for i, (g, c, gt, ct) in enumerate(zip(g_res, c_res, g_trees, c_trees)):
+        assert np.array_equal(g.visit_counts, c.visit_counts), (i, g.visit_counts, c.visit_counts)
+        assert np.array_equal(g.q_values, c.q_values), i
+        assert g.root_value == c.root_value and g.action == c.action, i
+        assert g.principal_variation == c.principal_variation, i
+        assert (g.simulations, g.tree_nodes, g.max_depth) == (c.simulations, c.tree_nodes, c.max_depth), i
+        assert g.pool_exhausted == c.pool_exhausted and g.tree_reused == c.tree_reused, i
+        assert_same_tree(gt.to_host(), ct)
+
+
+def assert_same_tree(h: tr.Tree, c: tr.Tree) -> None:
+    n = int(c.num_nodes[0])
+    assert int(h.num_nodes[0]) == n
+    for name in FIELDS:
+        a, b = getattr(h, name)[0, :n], getattr(c, name)[0, :n]
+        assert a.dtype == b.dtype and np.array_equal(a, b), name
+
+
+# -- exactness: one warp per tree reproduces the CPU reference -------------------------------
+
+
+@pytest.mark.parametrize("backup", BACKUPS)
+@pytest.mark.parametrize("batch, seed", [(1, 0), (7, 1), (64, 2)])
+def test_rollouts_match_cpu_reference_with_one_simulation_in_flight(backup, batch, seed):
+    roots = roots_of(pons(batch, seed))
+    p = params(simulations=200, parallel_sims=1, seed=seed + 10)
+    assert_same_search(CudaBackend(backup).search(roots, p), CPU.search(roots, p))
+
+
+@pytest.mark.parametrize("backup", BACKUPS)
+@pytest.mark.parametrize("k", [3, 8, 32])
+def test_one_warp_per_tree_matches_cpu_waves(backup, k):
+    # G >= K: each tree's K simulations per wave run on one warp, in the
+    # reference's order, so even with virtual loss the search is the same.
+    roots = roots_of(pons(12, 100 + k))
+    p = params(simulations=150, parallel_sims=k, seed=k)
+    assert_same_search(CudaBackend(backup, sims_per_warp=32).search(roots, p), CPU.search(roots, p))
+
+
+def prior_model(obs: np.ndarray):
+    """Deterministic values and unnormalised priors (some on full columns)."""
+    values, _ = toy_model(obs)
+    weights = np.arange(84, dtype=np.float32).reshape(2, 6, 7) % 5
+    priors = (obs * weights).sum(axis=(1, 2)).astype(np.float32) + 0.5  # [N, 7]
+    return values, priors
+
+
+@pytest.mark.parametrize("model", [toy_model, prior_model])
+def test_puct_matches_cpu_reference_with_one_simulation_in_flight(model):
+    roots = roots_of(pons(9, 7))
+    p = params(simulations=120, parallel_sims=1, evaluator="value_model", seed=3)
+    gpu_calls, cpu_calls = [], []
+
+    def recorder(calls):
+        def fn(obs):
+            calls.append(np.array(obs))
+            return model(obs)
+        return fn
+
+    gpu = CudaBackend().search(roots, p, recorder(gpu_calls))
+    cpu = CPU.search(roots, p, recorder(cpu_calls))
+    assert_same_search(gpu, cpu)
+    # The same leaf batches, in the same order: one call for the fresh roots, then
+    # one per wave that has an unfinished leaf.
+    assert len(gpu_calls) == len(cpu_calls) and 100 < len(cpu_calls) <= 1 + 120
+    for a, b in zip(gpu_calls, cpu_calls):
+        assert a.dtype == np.uint8 and np.array_equal(a, b)
+
+
+# -- invariants with asynchronous warps ----------------------------------------------------
+
+
+@pytest.mark.parametrize("backup", BACKUPS)
+@pytest.mark.parametrize("k, spw", [(64, 1), (16, 4), (40, 32)])
+def test_invariants_with_many_warps_per_tree(backup, k, spw):
+    texts = pons(6, 5) + ["", "4453"]
+    results, trees = CudaBackend(backup, sims_per_warp=spw).search(
+        roots_of(texts), params(simulations=700, parallel_sims=k, seed=9)
+    )
+    for text, r, t in zip(texts, results, trees):
+        assert r.simulations == 700 and int(r.visit_counts.sum()) == 700
+        assert r.extras["warps_per_tree"] == -(-k // spw)
+        h = t.to_host()
+        check_invariants(h, 200_000)  # virtual loss back to zero, child slots inside the pool, ...
+        assert h.node_visits[0, 0] == 700 and r.tree_nodes == int(h.num_nodes[0]) <= 701
+        assert r.action == r.principal_variation[0] and r.visit_counts[r.action] == r.visit_counts.max()
+        c4.parse_moves(text + c4.moves_to_text(r.principal_variation))  # the PV is a legal line
+
+
+@pytest.mark.parametrize("k", [1, 16])
+def test_value_model_invariants_and_one_call_per_wave(k):
+    calls = []
+
+    def model(obs):
+        calls.append(len(obs))
+        return prior_model(obs)
+
+    texts = ["", "4", "3344"]
+    results, trees = CudaBackend(sims_per_warp=4).search(
+        roots_of(texts), params(simulations=96, parallel_sims=k, evaluator="value_model"), model
+    )
+    assert len(calls) == 1 + 96 // k and calls[0] == 3 and max(calls[1:]) <= 3 * k
+    for r, t in zip(results, trees):
+        assert int(r.visit_counts.sum()) == 96
+        h = t.to_host()
+        check_invariants(h, 200_000)
+        assert h.node_visits[0, 0] == 97  # the root's own evaluation counts once
+        assert np.allclose(h.prior[0, 0].sum(), 1.0)
+
+
+def test_evaluator_may_take_cupy_arrays():
+    seen = []
+
+    class DeviceModel:
+        accepts_cupy = True
+
+        def __call__(self, obs):
+            seen.append(type(obs))
+            return cupy.asarray(toy_model(cupy.asnumpy(obs))[0]), None
+
+    roots = roots_of(["", "44"])
+    p = params(simulations=40, parallel_sims=1, evaluator="value_model")
+    assert_same_search(CudaBackend().search(roots, p, DeviceModel()), CPU.search(roots, p, toy_model))
+    assert seen and all(s is cupy.ndarray for s in seen)
+
+
+def test_puct_finds_an_immediate_win_with_an_uninformed_model():
+    (r,), _ = CudaBackend().search(
+        roots_of(["445566"]), params(simulations=100, parallel_sims=8, evaluator="value_model"), zero_model
+    )
+    assert r.action in (2, 6) and r.q_values[r.action] == 1.0
+
+
+# -- pool exhaustion --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("max_nodes", [1, 5, 40])
+@pytest.mark.parametrize("k, spw", [(1, 1), (4, 32), (16, 1)])
+def test_pool_exhaustion_stops_expansion_without_overflow(max_nodes, k, spw):
+    roots = roots_of(["", "44"])
+    p = params(simulations=200, parallel_sims=k, max_nodes=max_nodes)
+    results, trees = CudaBackend(sims_per_warp=spw).search(roots, p)
+    for r, t in zip(results, trees):
+        assert r.pool_exhausted and r.tree_nodes == max_nodes == t.num_nodes and r.simulations == 200
+        assert int(r.visit_counts.sum()) == 200
+        h = t.to_host()
+        assert t.capacity == max_nodes and h.children[0, :max_nodes].max() < max_nodes
+        check_invariants(h, max_nodes)
+    if k <= spw:  # one warp per tree: the same exhaustion as the reference
+        assert_same_search((results, trees), CPU.search(roots, p))
+
+
+def test_reused_tree_larger_than_the_pool_limit():
+    be = CudaBackend()
+    (r,), (t,) = be.search(roots_of(["4"]), params(simulations=300, parallel_sims=4))
+    (r2,), (t2,) = be.search(roots_of(["4"]), params(simulations=40, parallel_sims=4, max_nodes=10), trees=[t])
+    assert r2.tree_reused and r2.pool_exhausted and r2.tree_nodes == r.tree_nodes
+    assert int(r2.visit_counts.sum()) == 340
+    check_invariants(t2.to_host(), r.tree_nodes)
+
+
+# -- deadline ------------------------------------------------------------------------------------
+
+
+def test_deadline_only_budget_stops():
+    roots = roots_of(["", "4453"])
+    results, trees = CudaBackend().search(roots, params(deadline_ms=5.0, parallel_sims=8, max_nodes=50_000))
+    for r, t in zip(results, trees):
+        assert r.deadline_reached and r.simulations >= 1 and int(r.visit_counts.sum()) == r.simulations
+        check_invariants(t.to_host(), 50_000)
+    (r,), _ = CudaBackend().search(roots_of([""]), params(simulations=8, deadline_ms=60_000.0, parallel_sims=4))
+    assert not r.deadline_reached and r.simulations == 8
+    (r,), _ = CudaBackend().search(
+        roots_of([""]), params(deadline_ms=2.0, parallel_sims=2, evaluator="value_model"), toy_model
+    )
+    assert r.deadline_reached and r.simulations >= 2
+
+
+@pytest.mark.parametrize("k, spw", [(1, 1), (4, 32)])
+def test_should_stop_slices_continue_the_same_search_and_stop_early(k, spw):
+    from search_service.cuda.backend import STOP_SLICE
+
+    be = CudaBackend(sims_per_warp=spw)
+    roots = roots_of(pons(3, 11))
+    p = params(simulations=2 * STOP_SLICE + 100, parallel_sims=k, seed=8)
+    polls = []
+    sliced = be.search(roots, p, should_stop=lambda: polls.append(1) and False)
+    assert len(polls) == 2 and not sliced[0][0].extras["stopped"]
+    assert_same_search(sliced, CPU.search(roots, p))  # three launches = the reference's one search
+    results, trees = be.search(roots, p, should_stop=lambda: True)
+    for r, t in zip(results, trees):
+        assert r.extras["stopped"] and r.simulations == STOP_SLICE == int(r.visit_counts.sum())
+        check_invariants(t.to_host(), 200_000)
+    calls = []
+    (r,), _ = be.search(
+        roots_of([""]), params(simulations=64, parallel_sims=k, evaluator="value_model"), toy_model,
+        should_stop=lambda: len(calls.append(1) or calls) >= 3,
+    )
+    assert r.extras["stopped"] and r.simulations == 3 * k
+
+
+# -- tree reuse --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backup", BACKUPS)
+def test_reroot_matches_cpu_and_search_continues_identically(backup):
+    be = CudaBackend(backup)
+    p = params(simulations=600, parallel_sims=1, seed=2)
+    (r,), (t,) = be.search(roots_of(["44"]), p)
+    (_,), (ct,) = CPU.search(roots_of(["44"]), p)
+    a = r.action
+    child = int(ct.children[0, 0, a])
+    b = int(np.argmax(ct.edge_visits[0, child]))
+    moved = "44" + c4.moves_to_text([a, b])
+    g_re, c_re = be.reroot(t, [a, b]), CPU.reroot(ct, [a, b])
+    assert isinstance(g_re, CudaTree) and c_re is not None
+    assert_same_tree(g_re.to_host(), c_re)
+    assert c4.same_position(g_re.root_positions(), c4.parse_moves(moved))
+    assert int(t.to_host().edge_visits[0, 0].sum()) == 600  # the input tree is untouched
+    q = params(simulations=100, parallel_sims=1, seed=4)
+    assert_same_search(be.search(roots_of([moved]), q, trees=[g_re]), CPU.search(roots_of([moved]), q, trees=[c_re]))
+    assert be.reroot(t, []) is t
+    missing = [x for x in range(7) if ct.children[0, child, x] == tr.UNEXPANDED]
+    if missing:
+        assert be.reroot(t, [a, missing[0]]) is None
+    assert be.reroot(t, [9]) is None
+
+
+def test_mixed_batch_with_reused_and_fresh_trees_and_host_trees():
+    texts = ["", "4", "4453"]
+    p = params(simulations=80, parallel_sims=1, seed=6)
+    _, cpu_trees = CPU.search(roots_of(texts), p)
+    gpu_trees = [None, CudaTree.from_host(cpu_trees[1]), cpu_trees[2]]  # fresh, uploaded, NumPy
+    assert_same_search(
+        CudaBackend().search(roots_of(texts), p, trees=gpu_trees),
+        CPU.search(roots_of(texts), p, trees=[None, cpu_trees[1], cpu_trees[2]]),
+    )
+
+
+# -- errors and the layout ------------------------------------------------------------------------------
+
+
+def test_bad_requests_raise():
+    be = CudaBackend()
+    with pytest.raises(ValueError, match="finished"):
+        be.search(roots_of(["1212121"]), params(simulations=10))
+    with pytest.raises(ValueError, match="leaf evaluator"):
+        be.search(roots_of([""]), params(simulations=10, evaluator="value_model"))
+    _, (t,) = be.search(roots_of(["4"]), params(simulations=10))
+    with pytest.raises(ValueError, match="another position"):
+        be.search(roots_of(["5"]), params(simulations=10), trees=[t])
+    with pytest.raises(ValueError, match="values for"):
+        be.search(roots_of([""]), params(simulations=4, evaluator="value_model"), lambda o: (np.zeros(3), None))
+    with pytest.raises(ValueError, match="backup"):
+        CudaBackend("shared_memory")
+    with pytest.raises(ValueError, match="sims_per_warp"):
+        CudaBackend(sims_per_warp=33)
+
+
+def test_node_record_layout():
+    assert NODE_BYTES == 176
+    (r,), (t,) = CudaBackend().search(roots_of(["4"]), params(simulations=50))
+    assert t.nbytes == t.capacity * 176 and r.extras["pool_bytes"] == t.nbytes
+    raw = cupy.asnumpy(t.buffer[: t.capacity * 128]).view(np.int32).reshape(t.capacity, 8, 4)
+    h = t.to_host()
+    assert np.array_equal(raw[0, :7, 0], h.edge_visits[0, 0])  # visits at byte 0 of each 16-byte record
+    assert raw[0, 7, 0] == 50 and raw[0, 7, 2] == -1  # header: N, terminal, parent, action
