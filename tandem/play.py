@@ -37,7 +37,7 @@ from tandem.v1 import reward_pb2, reward_pb2_grpc, search_pb2, search_pb2_grpc
 
 DRAW_BAND = 1.0 / 3.0  # |value| below this reads as a draw
 # The search's own deadline leaves this share of the frame for the RPCs and Evaluate.
-SEARCH_SHARE_OF_FRAME = 0.75
+SEARCH_SHARE_OF_FRAME = 0.6
 
 
 @dataclass

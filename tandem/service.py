@@ -2,6 +2,7 @@
 scheduler (register, report load, apply assignments) and stops cleanly."""
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import socket
@@ -14,6 +15,8 @@ from tandem.config import ServerConfig, TandemConfig
 from tandem.server import RunningServer, build_server, serve_until_signalled, start_metrics
 
 log = logging.getLogger(__name__)
+
+EXIT_TIMEOUT_S = 3.0  # after draining, the longest the interpreter may take to exit
 
 
 @dataclass
@@ -42,8 +45,15 @@ class Service:
             self.on_close()
 
     def serve_forever(self, grace_ms: float) -> None:
-        """Blocks until SIGINT/SIGTERM, then drains and stops."""
+        """Blocks until SIGINT/SIGTERM, then drains and stops.
+
+        Shutdown is bounded: if the interpreter has not exited
+        ``EXIT_TIMEOUT_S`` after draining (a library thread that will not
+        end), every thread's stack goes to stderr and the process exits 1.
+        """
         serve_until_signalled(self.running, grace_ms, on_stop=self._close)
+        log.info("stopped")
+        faulthandler.dump_traceback_later(EXIT_TIMEOUT_S, exit=True)
 
 
 def start_service(

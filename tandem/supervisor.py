@@ -66,6 +66,8 @@ def _can_bind(address: str) -> bool:
     host, _, port = address.rpartition(":")
     family = socket.AF_INET6 if host.startswith("[") else socket.AF_INET
     with socket.socket(family) as s:
+        # As the servers do: connections of a stopped server in TIME_WAIT do not count.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host.strip("[]"), int(port)))
         except OSError:
