@@ -135,18 +135,20 @@ RENDER = {
 
 
 def render(results: Path, only: list[str] | None = None) -> str:
-    docs = {}
+    # A benchmark may have several result files (mcts_throughput.json and
+    # mcts_throughput_k16.json: runs with other options); each gets a table.
+    docs: dict[str, list[tuple[str, dict]]] = {}
     for path in sorted(results.glob("*.json")):
         doc = json.loads(path.read_text())
-        docs[doc.get("benchmark", path.stem)] = doc
+        docs.setdefault(doc.get("benchmark", path.stem), []).append((path.name, doc))
     names = [n for n in ORDER if n in docs] + sorted(n for n in docs if n not in ORDER)
     out = []
     for name in names:
         if only and name not in only:
             continue
-        doc = docs[name]
-        table = RENDER.get(name, generic_table)(doc["rows"]) if doc["rows"] else "(no rows)"
-        out.append(f"### {name}\n\n{provenance(doc)}\n\n{table}\n")
+        for file_name, doc in docs[name]:
+            table = RENDER.get(name, generic_table)(doc["rows"]) if doc["rows"] else "(no rows)"
+            out.append(f"### {name} (`{file_name}`)\n\n{provenance(doc)}\n\n{table}\n")
     return "\n".join(out)
 
 
