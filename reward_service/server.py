@@ -6,6 +6,7 @@ import threading
 import time
 
 import grpc
+import numpy as np
 import onnxruntime as ort
 from prometheus_client import Gauge
 
@@ -14,24 +15,36 @@ from tandem.config import TandemConfig
 from tandem.service import Service, start_service
 from tandem.v1 import reward_pb2, reward_pb2_grpc, scheduler_pb2
 
+from reward_service.batcher import BULK, CRITICAL, Batcher, BatcherClosed, BatcherError, DeadlineExceeded, QueueFull
 from reward_service.session import InputError, ModelSession
 
 log = logging.getLogger(__name__)
 
+NO_DEADLINE_S = 1e7  # remaining times beyond this (~4 months) mean "no deadline"
 IN_FLIGHT = Gauge("tandem_reward_requests_in_flight", "Evaluate calls being served.")
 PRIORITY = Gauge("tandem_reward_stream_priority", "CUDA stream priority assigned by the scheduler.")
 
 
 class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
-    """Evaluate / ModelMetadata / ListModels over a dict of ModelSessions.
+    """Evaluate / ModelMetadata / ListModels over a dict of ModelSessions, each
+    behind its own dynamic batcher (reward_service/batcher.py).
 
-    Thread safety: ONNX Runtime's ``InferenceSession.run`` may be called from
-    several threads at once; the only shared mutable state here is the load
-    counters, guarded by ``_lock``.
+    Evaluate validates a request completely (model, tensors, output names,
+    deadline) on the gRPC thread before it is queued, so a bad request is
+    answered alone and never fails the requests it would have been merged
+    with. Status codes: NOT_FOUND (unknown model), INVALID_ARGUMENT (bad
+    tensors or output names), DEADLINE_EXCEEDED (the gRPC deadline passed
+    before the request ran: it is not run), RESOURCE_EXHAUSTED (the model's
+    queue is full, or a critical request displaced this bulk one),
+    UNAVAILABLE (stopping), INTERNAL (the model run failed).
+
+    Thread safety: the batchers are thread-safe; the only other shared
+    mutable state is the load counters, guarded by ``_lock``.
     """
 
-    def __init__(self, sessions: dict[str, ModelSession]):
+    def __init__(self, sessions: dict[str, ModelSession], batchers: dict[str, Batcher]):
         self.sessions = sessions
+        self.batchers = batchers
         self._lock = threading.Lock()
         self._in_flight = 0  # guarded by _lock
         self._served = 0  # guarded by _lock
@@ -49,19 +62,37 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             self._in_flight += 1
         IN_FLIGHT.inc()
         try:
-            received = time.perf_counter()
             try:
                 feeds = session.decode(list(request.inputs))
-                outputs, compute_ms = session.run(feeds, list(request.output_names))
+                names = session.check_output_names(list(request.output_names))
             except InputError as exc:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            queue_ms = (time.perf_counter() - received) * 1e3 - compute_ms
+            remaining = context.time_remaining()
+            # A call without a deadline reports None or an "infinite" remaining time (years).
+            deadline = None if remaining is None or remaining > NO_DEADLINE_S else time.monotonic() + remaining
+            priority = CRITICAL if request.priority == reward_pb2.PRIORITY_CRITICAL else BULK
+            rows = len(next(iter(feeds.values())))
+            try:
+                done = self.batchers[session.name].evaluate(feeds, rows, priority, deadline, names)
+                outputs = done.result()
+            except DeadlineExceeded as exc:
+                context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"model {session.name!r}: {exc}; not run")
+            except QueueFull as exc:
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            except BatcherClosed as exc:
+                context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            except BatcherError as exc:  # pragma: no cover - every batcher error is mapped above
+                context.abort(grpc.StatusCode.INTERNAL, str(exc))
+            except Exception as exc:  # the model run failed (logged by the batcher)
+                context.abort(grpc.StatusCode.INTERNAL, f"model {session.name!r}: run failed: {exc}")
             return reward_pb2.EvaluateResponse(
                 model=session.name,
                 outputs=[tensors.to_proto(n, a) for n, a in outputs.items()],
                 execution_provider=session.execution_provider,
-                queue_ms=max(queue_ms, 0.0),
-                compute_ms=compute_ms,
+                queue_ms=done.queue_ms,
+                compute_ms=done.compute_ms,
+                batch_size=done.batch_rows,
+                padded_batch_size=done.bucket,
             )
         finally:
             IN_FLIGHT.dec()
@@ -80,49 +111,119 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             execution_provider=s.execution_provider,
             available_providers=ort.get_available_providers(),
             max_batch_size=s.max_batch_size,
+            runtime={**s.runtime, "stream_priority_in_use": str(s.active_priority)},
         )
 
     def ListModels(self, request, context):
         return reward_pb2.ListModelsResponse(models=sorted(self.sessions))
 
+    def set_stream_priority(self, priority: int) -> None:
+        """The scheduler's assignment: every model switches to its session on
+        a stream of that priority (the nearest one held)."""
+        for s in self.sessions.values():
+            s.set_stream_priority(priority)
+
     def load(self) -> dict:
-        """Load report fields for the scheduler (LoadReport)."""
+        """Load report fields for the scheduler (LoadReport): requests in
+        flight, the age of the oldest queued request (ms) and the rate."""
+        ages = [b.stats()["oldest_age_ms"] for b in self.batchers.values()]
         with self._lock:
             now = time.monotonic()
             rate = self._served / max(now - self._since, 1e-3)
             self._served, self._since = 0, now
-            return {"queue_depth": self._in_flight, "requests_per_s": rate}
+            return {"queue_depth": self._in_flight, "queue_age_ms": max(ages, default=0.0), "requests_per_s": rate}
+
+    def close(self) -> None:
+        for b in self.batchers.values():
+            b.close()
+
+
+class _WarmUpContext:
+    """The part of a gRPC context Evaluate uses, for the start-up call."""
+
+    def time_remaining(self):
+        return None
+
+    def abort(self, code, details):
+        raise RuntimeError(f"warm-up Evaluate failed: {code.name}: {details}")
+
+
+def _warm_up(servicer: RewardServicer) -> None:
+    """One Evaluate per model through the servicer (decode, batcher, encode),
+    so the first client request finds every Python path and thread warm."""
+    for s in servicer.sessions.values():
+        inputs = [tensors.to_proto(x.name, np.zeros([1 if d == -1 else d for d in x.shape], tensors.numpy_dtype(x.dtype)))
+                  for x in s.inputs]
+        for priority in (reward_pb2.PRIORITY_CRITICAL, reward_pb2.PRIORITY_BULK):
+            servicer.Evaluate(reward_pb2.EvaluateRequest(model=s.name, inputs=inputs, priority=priority), _WarmUpContext())
+
+
+def _batcher(session: ModelSession, cfg: TandemConfig) -> Batcher:
+    return Batcher(
+        session.run_batch,
+        buckets=session.buckets,
+        max_batch_size=session.max_batch_size,
+        max_queue_delay_us=cfg.reward.max_queue_delay_us,
+        max_queue_size=cfg.reward.max_queue_size,
+        name=session.name,
+    )
 
 
 def start(cfg: TandemConfig, follow_scheduler: bool = True) -> Service:
-    """Loads every configured model and starts serving on ``cfg.reward.address``.
+    """Loads every configured model (sessions, warm-up), starts a batcher per
+    model and serves on ``cfg.reward.address``.
 
     Raises:
         RuntimeError: a model cannot be loaded, or the address cannot be bound.
     """
-    sessions = {m.name: ModelSession(m, cfg.reward) for m in cfg.reward.models}
+    models = cfg.reward.models
+    # The memory pool is split evenly over every session (models x stream priorities).
+    per_session = cfg.reward.memory_pool_bytes // max(len(models) * len(cfg.reward.stream_priorities), 1)
+    sessions = {m.name: ModelSession(m, cfg.reward, pool_bytes=per_session) for m in models}
     providers = sorted({s.execution_provider for s in sessions.values()})
     log.warning("reward service: execution provider(s) in use: %s", ", ".join(providers))
-    servicer = RewardServicer(sessions)
+    for s in sessions.values():
+        off = {k: v for k, v in s.runtime.items() if v.startswith("off")}
+        if off:
+            log.warning("model %s: GPU features off: %s", s.name, "; ".join(f"{k} {v}" for k, v in off.items()))
+    servicer = RewardServicer(sessions, {name: _batcher(s, cfg) for name, s in sessions.items()})
+    _warm_up(servicer)
+    held = sorted({p for s in sessions.values() for p in s.stream_priorities}, reverse=True) or [0]
 
     def register(server):
         reward_pb2_grpc.add_RewardServiceServicer_to_server(servicer, server)
         return reward_pb2.DESCRIPTOR.services_by_name["RewardService"].full_name
 
-    service = start_service(
-        cfg,
-        kind=scheduler_pb2.SERVICE_KIND_REWARD,
-        address=cfg.reward.address,
-        metrics_port=cfg.reward.metrics_port,
-        server_cfg=cfg.reward.server,
-        register=[register],
-        load_fn=servicer.load,
-        on_assignment=lambda a: PRIORITY.set(a.stream_priority),
-        stream_priorities=[0],
-        memory_bytes=cfg.reward.memory_pool_bytes,
-        follow_scheduler=follow_scheduler,
-    )
+    def on_assignment(a):
+        PRIORITY.set(a.stream_priority)
+        servicer.set_stream_priority(a.stream_priority)
+
+    try:
+        service = start_service(
+            cfg,
+            kind=scheduler_pb2.SERVICE_KIND_REWARD,
+            address=cfg.reward.address,
+            metrics_port=cfg.reward.metrics_port,
+            server_cfg=cfg.reward.server,
+            register=[register],
+            load_fn=servicer.load,
+            on_assignment=on_assignment,
+            stream_priorities=held,
+            memory_bytes=cfg.reward.memory_pool_bytes,
+            follow_scheduler=follow_scheduler,
+        )
+    except BaseException:
+        servicer.close()
+        raise
     service.servicer = servicer
+    previous = service.on_close
+
+    def close():
+        if previous:
+            previous()
+        servicer.close()
+
+    service.on_close = close
     return service
 
 

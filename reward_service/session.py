@@ -1,11 +1,42 @@
-"""One ONNX Runtime session per configured model, and the checks of what a
-client sends against the model's declared inputs."""
+"""ONNX Runtime session(s) for one model, and the checks of what a client
+sends against the model's declared inputs.
+
+On a GPU (CUDA execution provider and CuPy) a model gets:
+
+* one ONNX Runtime session per CUDA stream priority the service may be
+  assigned (``reward.stream_priorities``), each bound to a CuPy stream of
+  that priority through ``user_compute_stream``; the scheduler's assignment
+  picks which one runs (:meth:`ModelSession.set_stream_priority`);
+* per batch bucket (``batch_buckets``) and session: preallocated device input
+  and output buffers bound once with IO binding, and pinned host staging
+  buffers: request bytes are copied once into pinned memory, uploaded
+  asynchronously on the session's stream, and the outputs come back the same
+  way, with one stream synchronisation per batch;
+* with ``cuda_graph``, one CUDA graph per bucket (``enable_cuda_graph``, run
+  option ``gpu_graph_id`` = the bucket's index), captured at warm-up and
+  replayed afterwards; a batch larger than the largest bucket runs as
+  bucket-sized chunks, so every run replays a captured graph;
+* ``gpu_mem_limit`` with ``arena_extend_strategy: kSameAsRequested``, so the
+  sessions live in the configured memory pool, and ``cudnn_conv_algo_search``
+  as configured;
+* warm-up at start: every bucket of every session runs three times (cuDNN
+  algorithm search, arena growth, graph capture), so the first request pays
+  none of it.
+
+On the CPU (no GPU, no CUDA build, or ``execution_provider: cpu``) the model
+runs through ``InferenceSession.run`` on host arrays: no device buffers, no
+pinned staging, no graphs, no padding to buckets, one session. The same holds
+with the CUDA provider but without CuPy. Each model says which features are
+off and why in :attr:`ModelSession.runtime` (served in ``ModelMetadata``) and
+in the log.
+"""
 from __future__ import annotations
 
 import hashlib
 import logging
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import onnxruntime as ort
@@ -15,10 +46,13 @@ from tandem.gpu import cuda_device_count
 from tandem.config import ModelConfig, RewardConfig, resolve_path
 from tandem.v1 import reward_pb2
 
+from reward_service.batcher import Batch, Request, bucket_for
+
 log = logging.getLogger(__name__)
 
 CUDA = "CUDAExecutionProvider"
 CPU = "CPUExecutionProvider"
+WARM_UP_RUNS = 3  # per bucket: a regular run (allocations), the capture, one replay
 
 
 class InputError(ValueError):
@@ -42,63 +76,368 @@ def _specs(nodes) -> tuple[Spec, ...]:
     )
 
 
-def _providers(choice: str, pool_bytes: int) -> list:
-    cuda_options = {"arena_extend_strategy": "kSameAsRequested"}
-    if pool_bytes:
-        cuda_options["gpu_mem_limit"] = pool_bytes
+def _use_cuda(choice: str) -> bool:
+    """Whether to try the CUDA execution provider for ``execution_provider: choice``."""
     if choice == "cpu" or CUDA not in ort.get_available_providers():
-        return [CPU]
+        return False
     if choice == "auto" and cuda_device_count() == 0:
-        return [CPU]  # no GPU: skip ONNX Runtime's failed attempt to load CUDA
-    if hasattr(ort, "preload_dlls"):
-        ort.preload_dlls()  # CUDA and cuDNN from their pip packages, where installed
-    return [(CUDA, cuda_options), CPU]
+        return False  # no GPU: skip ONNX Runtime's failed attempt to load CUDA
+    return True
+
+
+def _cupy():
+    """CuPy, or None where it is not installed or sees no device."""
+    try:
+        import cupy
+
+        cupy.cuda.runtime.getDeviceCount()
+        return cupy
+    except Exception:  # ImportError, or CUDA errors without a device
+        return None
+
+
+# -- memory on one side of the binding -------------------------------------------
+
+
+class _CupyDevice:
+    """Device buffers, pinned host staging and one CuPy stream of a given priority."""
+
+    ort_device = "cuda"
+
+    def __init__(self, cupy, priority: int):
+        import cupyx
+
+        self._cp, self._cupyx = cupy, cupyx
+        self.priority = priority
+        self.stream = cupy.cuda.Stream(non_blocking=True, priority=priority)
+
+    @property
+    def stream_handle(self) -> str:
+        return str(self.stream.ptr)
+
+    def device_zeros(self, shape, dtype):
+        with self.stream:
+            return self._cp.zeros(shape, dtype)
+
+    def host_empty(self, shape, dtype) -> np.ndarray:
+        return self._cupyx.empty_pinned(shape, dtype)
+
+    @staticmethod
+    def ptr(array) -> int:
+        return array.data.ptr
+
+    def upload(self, dev, host: np.ndarray, rows: int) -> None:
+        dev[:rows].set(host[:rows], stream=self.stream)
+
+    def zero(self, dev, start: int, stop: int) -> None:
+        with self.stream:
+            dev[start:stop].fill(0)
+
+    def download(self, host: np.ndarray, dev, rows: int) -> None:
+        try:
+            dev[:rows].get(stream=self.stream, out=host[:rows], blocking=False)  # synchronised once per batch
+        except TypeError:  # a CuPy without ``blocking``: a copy that waits for the stream
+            dev[:rows].get(stream=self.stream, out=host[:rows])
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+
+
+class _HostDevice:
+    """The same interface over plain host arrays and the CPU execution provider:
+    lets the IO-binding path run (and be tested) without a GPU."""
+
+    ort_device = "cpu"
+    priority = 0
+    stream_handle = ""
+
+    @staticmethod
+    def device_zeros(shape, dtype):
+        return np.zeros(shape, dtype)
+
+    @staticmethod
+    def host_empty(shape, dtype):
+        return np.empty(shape, dtype)
+
+    @staticmethod
+    def ptr(array) -> int:
+        return array.ctypes.data
+
+    @staticmethod
+    def upload(dev, host, rows):
+        dev[:rows] = host[:rows]
+
+    @staticmethod
+    def zero(dev, start, stop):
+        dev[start:stop] = 0
+
+    @staticmethod
+    def download(host, dev, rows):
+        host[:rows] = dev[:rows]
+
+    @staticmethod
+    def synchronize():
+        pass
+
+
+# -- runners: how one batch reaches the model ------------------------------------
+
+
+class _PlainRunner:
+    """``InferenceSession.run`` on host arrays (the CPU path)."""
+
+    priority = 0
+
+    def __init__(self, session: ort.InferenceSession, output_names: list[str]):
+        self.session = session
+        self._names = output_names
+
+    def run(self, batch: Batch) -> dict[str, np.ndarray]:
+        return dict(zip(self._names, self.session.run(self._names, batch.feeds())))
+
+    def warm_up(self, inputs: tuple[Spec, ...]) -> None:
+        feeds = {s.name: np.zeros([1 if d == -1 else d for d in s.shape], tensors.numpy_dtype(s.dtype)) for s in inputs}
+        self.session.run(self._names, feeds)
+
+
+@dataclass
+class _Slot:
+    """Everything bound for one bucket: device and pinned host buffers, the IO
+    binding and the run options (graph id)."""
+
+    host_in: dict
+    dev_in: dict
+    host_out: dict
+    dev_out: dict
+    binding: object
+    run_options: ort.RunOptions
+    dirty_rows: int = 0  # device input rows [0, dirty_rows) may hold an earlier batch's data
+
+
+class _BoundRunner:
+    """IO binding to preallocated buffers per bucket, optionally a CUDA graph per bucket.
+
+    Not thread-safe: called by the model's batcher worker only (or by a
+    benchmark with no batcher), one batch at a time.
+    """
+
+    def __init__(self, session, device, inputs: tuple[Spec, ...], outputs: tuple[Spec, ...], buckets: tuple[int, ...],
+                 graphs: bool):
+        self.session, self.device, self.buckets, self.graphs = session, device, buckets, graphs
+        self.priority = device.priority
+        self._inputs, self._outputs = inputs, outputs
+        self._slots = {b: self._bind(b, i) for i, b in enumerate(buckets)}
+        self.warmed = False
+
+    def _bind(self, bucket: int, index: int) -> _Slot:
+        dev, binding = self.device, self.session.io_binding()
+        host_in, dev_in, host_out, dev_out = {}, {}, {}, {}
+        for spec in self._inputs:
+            shape, dtype = (bucket, *spec.shape[1:]), tensors.numpy_dtype(spec.dtype)
+            host_in[spec.name], dev_in[spec.name] = dev.host_empty(shape, dtype), dev.device_zeros(shape, dtype)
+            binding.bind_input(spec.name, dev.ort_device, 0, dtype, list(shape), dev.ptr(dev_in[spec.name]))
+        for spec in self._outputs:
+            shape, dtype = (bucket, *spec.shape[1:]), tensors.numpy_dtype(spec.dtype)
+            host_out[spec.name], dev_out[spec.name] = dev.host_empty(shape, dtype), dev.device_zeros(shape, dtype)
+            binding.bind_output(spec.name, dev.ort_device, 0, dtype, list(shape), dev.ptr(dev_out[spec.name]))
+        run_options = ort.RunOptions()
+        # The output copy is queued on the same stream after the run: one sync per batch, ours.
+        run_options.add_run_config_entry("disable_synchronize_execution_providers", "1")
+        if self.graphs:
+            run_options.add_run_config_entry("gpu_graph_id", str(index))
+        return _Slot(host_in, dev_in, host_out, dev_out, binding, run_options)
+
+    def _run_slot(self, bucket: int, rows: int, fill: Callable[[dict], None]) -> dict[str, np.ndarray]:
+        slot, dev = self._slots[bucket], self.device
+        fill(slot.host_in)  # rows [0, rows) of the pinned staging buffers
+        for name, d in slot.dev_in.items():
+            dev.upload(d, slot.host_in[name], rows)
+            if slot.dirty_rows > rows:  # padding rows: zeros, never an earlier request's data
+                dev.zero(d, rows, slot.dirty_rows)
+        slot.dirty_rows = rows
+        self.session.run_with_iobinding(slot.binding, slot.run_options)
+        for name, d in slot.dev_out.items():
+            dev.download(slot.host_out[name], d, rows)
+        dev.synchronize()
+        return {name: h[:rows].copy() for name, h in slot.host_out.items()}
+
+    def run(self, batch: Batch) -> dict[str, np.ndarray]:
+        if batch.bucket in self._slots:
+            return self._run_slot(batch.bucket, batch.rows, lambda bufs: batch.fill(bufs, zero_padding=False))
+        # Larger than every bucket: bucket-sized chunks, so only captured shapes ever run.
+        feeds, step, parts = batch.feeds(), self.buckets[-1], []
+        for start in range(0, batch.rows, step):
+            chunk = {n: a[start : start + step] for n, a in feeds.items()}
+            k = len(next(iter(chunk.values())))
+
+            def fill(bufs, chunk=chunk, k=k):
+                for n, a in chunk.items():
+                    bufs[n][:k] = a
+
+            parts.append(self._run_slot(bucket_for(k, self.buckets), k, fill))
+        return {n: np.concatenate([p[n] for p in parts]) for n in parts[0]}
+
+    def warm_up(self, inputs) -> None:
+        if self.warmed:
+            return
+        for bucket in self.buckets:
+            for _ in range(WARM_UP_RUNS):
+                self._run_slot(bucket, bucket, lambda bufs: [b.fill(0) for b in bufs.values()])
+        self.warmed = True
+
+
+# -- the model -------------------------------------------------------------------
 
 
 class ModelSession:
-    """An ONNX Runtime session for one model.
+    """One configured model: its session(s), input checks and batch runs.
 
-    ``execution_provider`` is the provider the session really runs on: with
-    ``auto`` the CUDA execution provider is tried first, and ONNX Runtime falls
-    back to the CPU one where CUDA cannot load (no GPU, no driver).
+    Attributes:
+        name, description, max_batch_size, precision: from the config.
+        version: sha256 prefix of the model file (and the precision).
+        inputs, outputs: the model's tensor specs.
+        execution_provider: the provider the model really runs on (with
+            ``auto`` CUDA is tried first; ONNX Runtime falls back to the CPU).
+        buckets: batch sizes the batcher pads to (empty: no padding, the CPU path).
+        stream_priorities: priorities with a session bound to a stream of
+            that priority (empty where streams are not used).
+        runtime: feature -> how it runs here, or why it is off (ModelMetadata.runtime).
+        warm_up_ms: time the start-up warm-up took (ms).
+
+    Args:
+        model, cfg: the model's and the reward service's configuration.
+        pool_bytes: ``gpu_mem_limit`` of each of this model's sessions
+            (bytes; 0 = no limit); default ``cfg.memory_pool_bytes``.
+        host_binding: run the IO-binding path over host buffers and the CPU
+            provider (tests of that path without a GPU).
 
     Raises (constructor):
-        RuntimeError: ``cuda`` was required but the session did not get it, or
-            the model file cannot be loaded.
+        RuntimeError: ``cuda`` was required but the session did not get it;
+            the model cannot be loaded; ``fp16`` without onnxconverter-common.
     """
 
-    def __init__(self, model: ModelConfig, cfg: RewardConfig):
+    def __init__(self, model: ModelConfig, cfg: RewardConfig, *, pool_bytes: int | None = None,
+                 host_binding: bool = False):
         path = resolve_path(model.path)
         self.name = model.name
         self.description = model.description
         self.max_batch_size = model.max_batch_size
-        self.version = hashlib.sha256(path.read_bytes()).hexdigest()[:12]
+        self.precision = model.precision
+        raw = path.read_bytes()
+        self.version = hashlib.sha256(raw + model.precision.encode()).hexdigest()[:12]
+        self.runtime: dict[str, str] = {"precision": model.precision}
+        if model.precision == "fp16":
+            raw = _to_fp16(raw, model.name)
+            self.runtime["precision"] = "fp16 (FP16 body, FP32 last layer and outputs)"
+        self._nonfinite_reject = cfg.nonfinite_inputs == "reject"
+        pool = cfg.memory_pool_bytes if pool_bytes is None else pool_bytes
+        want_cuda = _use_cuda(cfg.execution_provider)
+        cupy = _cupy() if want_cuda else None
+        if want_cuda and hasattr(ort, "preload_dlls"):
+            ort.preload_dlls()  # CUDA and cuDNN from their pip packages, where installed
+
         options = ort.SessionOptions()
         if cfg.intra_op_threads:
             options.intra_op_num_threads = cfg.intra_op_threads
         options.log_severity_level = 3  # the CUDA fallback is reported below, once
-        self.session = ort.InferenceSession(
-            str(path), sess_options=options, providers=_providers(cfg.execution_provider, cfg.memory_pool_bytes)
-        )
-        self.execution_provider = self.session.get_providers()[0]
+
+        def make_session(cuda_options: dict | None):
+            providers = [(CUDA, cuda_options), CPU] if cuda_options is not None else [CPU]
+            return ort.InferenceSession(raw, sess_options=options, providers=providers)
+
+        def cuda_options(stream_handle: str = "", graphs: bool = False) -> dict:
+            o = {"arena_extend_strategy": "kSameAsRequested", "cudnn_conv_algo_search": cfg.cudnn_conv_algo_search}
+            if pool:
+                o["gpu_mem_limit"] = str(pool)
+            if stream_handle:
+                o["user_compute_stream"] = stream_handle
+            if graphs:
+                o["enable_cuda_graph"] = "1"
+            if model.prefer_nhwc:
+                o["prefer_nhwc"] = "1"
+            return o
+
+        probe = make_session(cuda_options() if want_cuda else None)
+        self.execution_provider = probe.get_providers()[0]
         if cfg.execution_provider == "cuda" and self.execution_provider != CUDA:
             raise RuntimeError(f"model {model.name}: execution_provider is 'cuda' but ONNX Runtime could not use it")
-        self.inputs = _specs(self.session.get_inputs())
-        self.outputs = _specs(self.session.get_outputs())
-        self._nonfinite_reject = cfg.nonfinite_inputs == "reject"
-        self._warm_up()
-        log.info("model %s (%s) on %s", model.name, path, self.execution_provider)
+        self.inputs = _specs(probe.get_inputs())
+        self.outputs = _specs(probe.get_outputs())
+        output_names = [s.name for s in self.outputs]
+        bindable = all(s.shape and s.shape[0] == -1 and all(d > 0 for d in s.shape[1:])
+                       for s in self.inputs + self.outputs)
+        on_gpu = self.execution_provider == CUDA
 
-    def _warm_up(self) -> None:
-        """One run at batch 1 so the first request pays no lazy initialisation."""
-        feeds = {
-            s.name: np.zeros([1 if d == -1 else d for d in s.shape], tensors.numpy_dtype(s.dtype))
-            for s in self.inputs
-        }
-        self.session.run(None, feeds)
+        self._runners: list = []
+        self.buckets: tuple[int, ...] = ()
+        self.stream_priorities: tuple[int, ...] = ()
+        why_not = (
+            "off: CPU execution provider" if not on_gpu
+            else "off: CuPy not installed (the gpu extra)" if cupy is None
+            else "off: a tensor has a dynamic dimension besides the batch" if not bindable
+            else ""
+        )
+        if host_binding and bindable:
+            why_not = ""
+        if why_not:
+            self._runners = [_PlainRunner(probe, output_names)]
+            self.runtime.update(io_binding=why_not, cuda_graph=why_not if model.cuda_graph else "off: not requested",
+                                batch_buckets="off: no padding without bound buffers",
+                                stream_priorities=why_not)
+        else:
+            del probe  # its arena is released before the bound sessions allocate theirs
+            self.buckets = tuple(b for b in model.batch_buckets if b <= self.max_batch_size) or (self.max_batch_size,)
+            graphs = model.cuda_graph and on_gpu
+            graph_note = "on (one graph per bucket)" if graphs else (
+                "off: not requested" if not model.cuda_graph else "off: CPU execution provider")
+            devices = [_CupyDevice(cupy, p) for p in cfg.stream_priorities] if on_gpu else [_HostDevice()]
+            for device in devices:
+                runner = None
+                if graphs:
+                    try:
+                        runner = self._bound(make_session(cuda_options(device.stream_handle, True)), device, True)
+                    except Exception as exc:  # capture needs every node on the CUDA provider
+                        graphs = False
+                        graph_note = f"off: capture failed ({str(exc).splitlines()[0][:200]})"
+                        log.warning("model %s: CUDA graphs off: %s", model.name, exc)
+                if runner is None:
+                    session = make_session(cuda_options(device.stream_handle) if on_gpu else None)
+                    runner = self._bound(session, device, False)
+                self._runners.append(runner)
+            if not graphs and any(r.graphs for r in self._runners):
+                graph_note += "; graphs on for priorities " + ",".join(str(r.priority) for r in self._runners if r.graphs)
+            self.stream_priorities = tuple(r.priority for r in self._runners) if on_gpu else ()
+            self.runtime.update(
+                io_binding="device buffers, pinned host staging" if on_gpu else "host buffers (CPU test path)",
+                cuda_graph=graph_note,
+                batch_buckets=",".join(map(str, self.buckets)),
+                stream_priorities=",".join(map(str, self.stream_priorities)) if on_gpu else "off: CPU execution provider",
+            )
+            if on_gpu:
+                self.runtime["layout"] = "nhwc preferred" if model.prefer_nhwc else "nchw"
+                self.runtime["cudnn_conv_algo_search"] = cfg.cudnn_conv_algo_search
+                self.runtime["gpu_mem_limit_bytes"] = str(pool) if pool else "none"
+        self._active = self._runners[0]  # swapped by set_stream_priority (one reference write)
+        start = time.perf_counter()
+        for runner in self._runners:
+            runner.warm_up(self.inputs)
+        self.warm_up_ms = (time.perf_counter() - start) * 1e3
+        self.runtime["warm_up_ms"] = f"{self.warm_up_ms:.0f}"
+        log.info("model %s (%s) on %s: %s", model.name, path, self.execution_provider,
+                 "; ".join(f"{k}: {v}" for k, v in self.runtime.items()))
+
+    def _bound(self, session, device, graphs: bool) -> _BoundRunner:
+        runner = _BoundRunner(session, device, self.inputs, self.outputs, self.buckets, graphs)
+        if graphs:
+            runner.warm_up(self.inputs)  # capture now, so a failure falls back at construction
+        return runner
+
+    # -- requests -------------------------------------------------------------
 
     def decode(self, inputs: list[reward_pb2.Tensor]) -> dict[str, np.ndarray]:
-        """Checks tensors against the model's inputs and decodes them.
+        """Checks tensors against the model's inputs and decodes them (no copy).
+
+        Returns input name -> read-only array; all share the batch size.
 
         Raises:
             InputError: missing, unknown or repeated input; wrong dtype, rank,
@@ -145,17 +484,66 @@ class ModelSession:
             feeds[spec.name] = array
         return feeds
 
-    def run(self, feeds: dict[str, np.ndarray], output_names: list[str] | None = None) -> tuple[dict[str, np.ndarray], float]:
-        """Runs the model. Returns the outputs by name and the run time in ms.
+    def check_output_names(self, output_names) -> tuple[str, ...]:
+        """The requested output names (empty: all), checked.
 
         Raises:
             InputError: an unknown output name.
         """
         known = [s.name for s in self.outputs]
-        names = list(output_names) if output_names else known
-        for n in names:
+        for n in output_names:
             if n not in known:
                 raise InputError(f"output_names: model {self.name!r} has no output {n!r} (outputs: {known})")
+        return tuple(output_names)
+
+    # -- runs -----------------------------------------------------------------
+
+    def run_batch(self, batch: Batch) -> dict[str, np.ndarray]:
+        """The batcher's callback: runs a merged batch on the active session.
+
+        Returns output name -> array of >= ``batch.rows`` rows, not reused later.
+        Called from the batcher's worker thread only.
+        """
+        return self._active.run(batch)
+
+    def run(self, feeds: dict[str, np.ndarray], output_names: list[str] | None = None) -> tuple[dict[str, np.ndarray], float]:
+        """Runs the model once, unbatched (tools and benchmarks). Returns the
+        outputs by name and the run time in ms.
+
+        Not safe to call while a batcher serves this model (both would use
+        the same bound buffers).
+
+        Raises:
+            InputError: an unknown output name.
+        """
+        names = self.check_output_names(output_names or ())
+        rows = len(next(iter(feeds.values())))
         start = time.perf_counter()
-        results = self.session.run(names, feeds)
-        return dict(zip(names, results)), (time.perf_counter() - start) * 1e3
+        outputs = self.run_batch(Batch([Request(feeds, rows)], rows, bucket_for(rows, self.buckets), [0]))
+        ms = (time.perf_counter() - start) * 1e3
+        return {n: outputs[n][:rows] for n in (names or outputs)}, ms
+
+    def set_stream_priority(self, priority: int) -> int:
+        """Switches to the session bound to a stream of ``priority`` (or the
+        nearest one held). Returns the priority now in use. Takes effect from
+        the next batch."""
+        chosen = min(self._runners, key=lambda r: (abs(r.priority - priority), r.priority))
+        self._active = chosen
+        return chosen.priority
+
+    @property
+    def active_priority(self) -> int:
+        return self._active.priority
+
+
+def _to_fp16(raw: bytes, name: str) -> bytes:
+    """The model converted to FP16 with an FP32 head (reward_service/precision.py)."""
+    try:
+        from reward_service import precision
+    except ImportError as exc:  # onnxconverter-common missing
+        raise RuntimeError(
+            f"model {name}: precision fp16 needs onnxconverter-common (pip install onnxconverter-common==1.16.0): {exc}"
+        ) from None
+    import onnx
+
+    return precision.convert_fp16(onnx.load_from_string(raw)).SerializeToString()

@@ -7,6 +7,7 @@ counts, Q-values, root value, principal variation and a latency breakdown.
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import os
@@ -14,7 +15,7 @@ import threading
 import time
 
 import grpc
-from prometheus_client import Gauge, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 from search_service.backends import make_backend
 from search_service.evaluators import EvaluatorUnavailable, RewardServiceEvaluator
@@ -36,6 +37,11 @@ STEP_SECONDS = Histogram(
 )
 PRIORITY = Gauge("tandem_search_stream_priority", "CUDA stream priority assigned by the scheduler.")
 SESSIONS = Gauge("tandem_search_sessions", "Trees kept for reuse.")
+CANCELLED = Counter(
+    "tandem_search_cancelled", "Searches stopped early because their caller went away (cancel or deadline)."
+)
+
+MAX_SESSION_ID_CHARS = 256  # session ids are kept (max_sessions of them): bound their size
 
 _EVALUATORS = {
     search_pb2.EVALUATOR_ROLLOUT: "rollout",
@@ -57,6 +63,13 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
         self._lock = threading.Lock()
         self._load = {"phase": 0, "search_depth": 0, "deadline_slack_ms": 0.0, "served": 0}  # guarded by _lock
         self._since = time.monotonic()  # guarded by _lock
+        # Backends that take should_stop stop a search whose caller went away
+        # between waves; older ones run to their budget (the answer is dropped).
+        try:
+            self._can_stop = "should_stop" in inspect.signature(backend.search).parameters
+        except (TypeError, ValueError):
+            self._can_stop = False
+        self.cancelled = 0  # searches stopped because the caller went away (tests read it)
 
     # -- validation -------------------------------------------------------
     def _position(self, request, game, context):
@@ -94,7 +107,10 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
             )
         remaining = context.time_remaining()
         if remaining is not None:  # never search past the caller's own gRPC deadline
-            cap = max(remaining * 1e3 - 1.0, 0.1)
+            # The deadline is checked between waves, so the last wave and the
+            # reply come after it: leave them 10 % of the time left (1..25 ms).
+            left_ms = remaining * 1e3
+            cap = max(left_ms - min(max(0.1 * left_ms, 1.0), 25.0), 0.1)
             deadline = min(deadline, cap) if deadline else cap
         if request.evaluator not in (search_pb2.EVALUATOR_UNSPECIFIED, *_EVALUATORS):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"evaluator: unknown value {request.evaluator}")
@@ -116,23 +132,35 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
         game = GAMES.get(request.game)
         if game is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"game: unknown game {request.game!r} (games: {sorted(GAMES)})")
+        if len(request.session_id) > MAX_SESSION_ID_CHARS:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"session_id: longer than {MAX_SESSION_ID_CHARS} characters")
         position = self._position(request, game, context)
         params = self._params(request, context)
         reuse = request.session_id and request.moves and not request.HasField("board")
         tree = self.sessions.take(request.session_id, request.moves, self.backend.reroot) if reuse else None
         evaluator = self.evaluator if params.evaluator == "value_model" else None
+        # The caller may cancel, or its deadline pass, mid-search: stop between waves.
+        stop = {"should_stop": lambda: not context.is_active()} if self._can_stop else {}
         try:
-            results, trees = self.backend.search(position, params, evaluator, [tree])
+            results, trees = self.backend.search(position, params, evaluator, [tree], **stop)
         except EvaluatorUnavailable as exc:
             # Degrade, don't fail: the frame still gets a move, from rollouts.
             log.warning("value model unavailable (%s): searching with rollouts", exc)
             params = SearchParams(**{**params.__dict__, "evaluator": "rollout"})
             tree = None
-            results, trees = self.backend.search(position, params, None, [None])
+            results, trees = self.backend.search(position, params, None, [None], **stop)
+        r = results[0]
+        if not context.is_active():
+            # Nobody is waiting for this answer: keep no tree, say why in the log.
+            with self._lock:
+                self.cancelled += 1
+            CANCELLED.inc()
+            log.debug("search cancelled by its caller after %d simulations (%d waves)",
+                     r.simulations, r.extras.get("waves", -1))
+            context.abort(grpc.StatusCode.CANCELLED, "the caller went away")
         if reuse:
             self.sessions.put(request.session_id, request.moves, trees[0])
             SESSIONS.set(len(self.sessions))
-        r = results[0]
         total_ms = (time.perf_counter() - received) * 1e3
         self._observe(request, r, total_ms)
         return search_pb2.SearchResponse(
@@ -191,6 +219,16 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
             }
 
 
+def _warm_up(backend, cfg: TandemConfig) -> None:
+    """One short deadline search per game before SERVING: kernels compile and
+    pools are allocated now, not in the first frame."""
+    for game in GAMES.values():
+        params = SearchParams(
+            simulations=None, deadline_ms=5.0, parallel_sims=cfg.search.parallel_sims, max_nodes=cfg.search.max_nodes
+        )
+        backend.search(game.parse_moves(""), params, None, [None])
+
+
 def start(cfg: TandemConfig, follow_scheduler: bool = True) -> Service:
     """Starts the search service on ``cfg.search.address``.
 
@@ -199,6 +237,7 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True) -> Service:
     """
     backend = make_backend(cfg.search.backend)
     log.warning("search service: backend %s, default evaluator %s", backend.name, cfg.search.evaluator)
+    _warm_up(backend, cfg)
     reward_channel = channel(cfg.search.reward_address or cfg.reward.address, cfg)
     servicer = SearchServicer(cfg, backend, RewardServiceEvaluator(reward_channel, cfg.search.value_model))
 

@@ -6,6 +6,7 @@
   tandem health HOST:PORT            exit 0 when the server reports SERVING (container probes)
   tandem play [...]                  the sample game engine against a running stack
   tandem demo [...]                  up + play on the bundled positions + report + stop
+  tandem convert-fp16 MODEL.onnx     FP16 model with an FP32 last layer, + latency/accuracy report
 """
 from __future__ import annotations
 
@@ -123,6 +124,12 @@ def cmd_demo(args) -> int:
     return status or int(any(codes.values()))
 
 
+def cmd_convert_fp16(args) -> int:
+    from reward_service import precision
+
+    return precision.main(args)
+
+
 def _add_play_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--frames", type=int, default=600, help="frames to play (default 600)")
     p.add_argument("--fps", type=float, default=60.0, help="target frame rate (default 60)")
@@ -161,6 +168,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--log-dir", type=Path, default=None)
     p.set_defaults(search=None, reward=None)
     _add_play_args(p)
+    p = sub.add_parser("convert-fp16", help="write an FP16 model whose last layer and outputs stay FP32, and report")
+    p.add_argument("model", help="FP32 ONNX model")
+    p.add_argument("--out", help="output path (default MODEL.fp16.onnx beside it)")
+    p.add_argument("--report", help="also write the latency/accuracy report as JSON here")
+    p.add_argument("--limit", type=int, help="held-out positions per set (default all)")
+    p.add_argument("--repeats", type=int, default=20, help="timed runs per batch size (default 20)")
+    p.add_argument("--no-report", action="store_true", help="convert only")
+    p.set_defaults(fn=cmd_convert_fp16)
     return ap
 
 

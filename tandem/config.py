@@ -28,11 +28,16 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class TlsConfig:
-    """TLS for a server. All three paths empty: plaintext (loopback only)."""
+    """TLS for the servers, and for tandem's own clients of them (health checks,
+    ``tandem status``/``play``, search -> reward, the scheduler client). All
+    paths empty: plaintext (loopback only)."""
 
     cert_path: str = ""  # PEM certificate chain of the server
     key_path: str = ""  # PEM private key of the server
     client_ca_path: str = ""  # PEM CA bundle; set: clients must present a certificate (mutual TLS)
+    ca_path: str = ""  # PEM CA bundle tandem's clients verify the servers with; empty: cert_path itself
+    client_cert_path: str = ""  # PEM certificate tandem's clients present (mutual TLS); with client_key_path
+    client_key_path: str = ""  # PEM private key of client_cert_path
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,9 @@ class ServerConfig:
     max_concurrent_rpcs: int = 256  # more in flight: RESOURCE_EXHAUSTED at once
     max_message_bytes: int = 64 * 1024 * 1024  # receive and send limit per message
     grace_period_ms: float = 5000.0  # drain time on SIGTERM before in-flight RPCs are cancelled
+    # Clients may ping an idle connection this often (game engines ping every ~45 s);
+    # a client pinging faster is sent GOAWAY (too_many_pings) after two strikes.
+    keepalive_min_ping_interval_ms: int = 10_000
 
 
 @dataclass(frozen=True)
@@ -62,6 +70,23 @@ class ModelConfig:
     path: str = ""  # ONNX file; relative paths are relative to the repository root
     description: str = ""
     max_batch_size: int = 1024  # larger batches: INVALID_ARGUMENT
+    # "fp32": run the file as it is. "fp16": convert it at load to an FP16 body whose
+    # last layer and outputs stay FP32 (reward_service/precision.py; needs
+    # onnxconverter-common); inputs keep their types.
+    precision: str = "fp32"
+    # Batch sizes the dynamic batcher pads to (ascending). Requests are merged up to the
+    # largest bucket (and max_batch_size) and padded to the smallest bucket that holds
+    # them; on a GPU each bucket has preallocated device buffers and, with cuda_graph, a
+    # CUDA graph. A single request larger than the largest bucket runs alone, unpadded.
+    # On the CPU nothing is padded (padding only pays for fixed-shape GPU replays).
+    batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    # Capture one CUDA graph per bucket and replay it (ONNX Runtime enable_cuda_graph,
+    # run option gpu_graph_id). Needs every node on the CUDA execution provider; where
+    # capture fails, or on the CPU, the model runs without graphs and says so in its log.
+    cuda_graph: bool = False
+    # CUDA: let ONNX Runtime run convolutions in NHWC (its prefer_nhwc option); FP16
+    # tensor-core convolutions are NHWC-native, so this mostly pays with precision fp16.
+    prefer_nhwc: bool = False
 
 
 @dataclass(frozen=True)
@@ -72,11 +97,31 @@ class RewardConfig:
     nonfinite_inputs: str = "reject"  # NaN/Inf in float inputs: "reject" (INVALID_ARGUMENT) | "pass"
     memory_pool_bytes: int = 0  # ONNX Runtime arena limit (gpu_mem_limit); 0 = no limit
     intra_op_threads: int = 0  # CPU execution provider threads; 0 = ONNX Runtime's default
+    # Dynamic batcher (reward_service/batcher.py), one queue per model:
+    # how long a bulk request waits for others to merge with (µs; 0 = merge only what is
+    # already queued). PRIORITY_CRITICAL requests never wait for company.
+    max_queue_delay_us: float = 100.0
+    max_queue_size: int = 256  # requests waiting per model; more: RESOURCE_EXHAUSTED (bulk is shed first)
+    # cuDNN convolution algorithm choice: "EXHAUSTIVE" (benchmark all, at warm-up),
+    # "HEURISTIC" (cuDNN's guess, faster start) or "DEFAULT" (a fixed algorithm).
+    cudnn_conv_algo_search: str = "EXHAUSTIVE"
+    # CUDA stream priorities the service may be assigned by the scheduler (0 = least
+    # urgent, down to -5 on an H200): one ONNX Runtime session per model per priority,
+    # each bound to a CuPy stream of that priority (user_compute_stream). memory_pool_bytes
+    # is split evenly over all sessions.
+    stream_priorities: tuple[int, ...] = (0, -5)
     models: tuple[ModelConfig, ...] = (
         ModelConfig(
             name="connect4_value",
             path="reward_service/models/connect4_value.onnx",
             description="Connect Four value and policy network (reward_service/models/connect4_value.md)",
+        ),
+        ModelConfig(
+            name="frame_reward",
+            path="reward_service/models/frame_reward.onnx",
+            description="Connect Four value from a 224x224 RGB uint8 frame (reward_service/models/frame_reward.md)",
+            max_batch_size=256,
+            cuda_graph=True,
         ),
     )
     server: ServerConfig = field(default_factory=ServerConfig)
@@ -114,11 +159,14 @@ _CHOICES = {
     "scheduler.policy": ("default", "dynamic", "static"),
     "reward.execution_provider": ("auto", "cuda", "cpu"),
     "reward.nonfinite_inputs": ("reject", "pass"),
+    "reward.cudnn_conv_algo_search": ("EXHAUSTIVE", "HEURISTIC", "DEFAULT"),
     "search.backend": ("auto", "cpu", "cuda"),
     "search.evaluator": ("rollout", "value_model"),
 }
 # Fields that may be zero (meaning "off" or "default"); every other number must be positive.
-_MAY_BE_ZERO = {"metrics_port", "gpu_memory_bytes", "memory_pool_bytes", "intra_op_threads"}
+_MAY_BE_ZERO = {"metrics_port", "gpu_memory_bytes", "memory_pool_bytes", "intra_op_threads", "max_queue_delay_us"}
+# Lists of numbers checked by their own rule instead (in _check_list).
+_LISTS = {"batch_buckets", "stream_priorities"}
 
 
 def _build(cls: type, data: Any, key: str) -> Any:
@@ -176,6 +224,8 @@ def _check(obj: Any, key: str = "") -> None:
         path = f"{key}.{f.name}" if key else f.name
         if dataclasses.is_dataclass(value):
             _check(value, path)
+        elif isinstance(value, tuple) and f.name in _LISTS:
+            _check_list(f.name, value, path)
         elif isinstance(value, tuple):
             for i, item in enumerate(value):
                 _check(item, f"{path}[{i}]")
@@ -191,6 +241,17 @@ def _check(obj: Any, key: str = "") -> None:
                 raise ConfigError(f"{path}: expected HOST:PORT, got {value!r}")
 
 
+def _check_list(name: str, value: tuple, path: str) -> None:
+    if not value:
+        raise ConfigError(f"{path}: must not be empty")
+    if name == "batch_buckets":
+        if any(v <= 0 for v in value) or list(value) != sorted(set(value)):
+            raise ConfigError(f"{path}: must be positive and strictly ascending, got {list(value)}")
+    elif name == "stream_priorities":
+        if any(v > 0 for v in value) or len(set(value)) != len(value):
+            raise ConfigError(f"{path}: must be distinct CUDA stream priorities <= 0, got {list(value)}")
+
+
 def _check_models(cfg: TandemConfig) -> None:
     if not cfg.reward.models:
         raise ConfigError("reward.models: at least one model is needed")
@@ -201,6 +262,8 @@ def _check_models(cfg: TandemConfig) -> None:
         if model.name in seen:
             raise ConfigError(f"reward.models[{i}].name: duplicate model name {model.name!r}")
         seen.add(model.name)
+        if model.precision not in ("fp32", "fp16"):
+            raise ConfigError(f"reward.models[{i}].precision: must be one of fp32, fp16, got {model.precision!r}")
         if not resolve_path(model.path).is_file():
             raise ConfigError(f"reward.models[{i}].path: file not found: {resolve_path(model.path)}")
     tls = cfg.tls
@@ -208,7 +271,12 @@ def _check_models(cfg: TandemConfig) -> None:
         raise ConfigError("tls: cert_path and key_path must be set together")
     if tls.client_ca_path and not tls.cert_path:
         raise ConfigError("tls.client_ca_path: mutual TLS needs tls.cert_path and tls.key_path")
-    for name in ("cert_path", "key_path", "client_ca_path"):
+    if bool(tls.client_cert_path) != bool(tls.client_key_path):
+        raise ConfigError("tls: client_cert_path and client_key_path must be set together")
+    for name in ("ca_path", "client_cert_path"):
+        if getattr(tls, name) and not tls.cert_path:
+            raise ConfigError(f"tls.{name}: client TLS settings need tls.cert_path and tls.key_path (TLS on)")
+    for name in ("cert_path", "key_path", "client_ca_path", "ca_path", "client_cert_path", "client_key_path"):
         path = getattr(tls, name)
         if path and not resolve_path(path).is_file():
             raise ConfigError(f"tls.{name}: file not found: {resolve_path(path)}")

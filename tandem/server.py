@@ -8,6 +8,7 @@ optional bearer-token check, and per-RPC Prometheus latency histograms.
 """
 from __future__ import annotations
 
+import hmac
 import logging
 import signal
 import threading
@@ -39,7 +40,10 @@ RPC_LATENCY = Histogram(
 )
 
 # Game engines (e.g. Unreal's TurboLink) ping idle connections every ~45 s:
-# permit pings without calls, but no more often than every 10 s.
+# permit pings without calls, but no more often than every 10 s (the server
+# config's ``keepalive_min_ping_interval_ms`` replaces that figure); a client
+# that pings faster gets two strikes, then GOAWAY ENHANCE_YOUR_CALM
+# ("too_many_pings") and its connection is closed (tests/test_access.py).
 KEEPALIVE_OPTIONS = (
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
@@ -50,25 +54,52 @@ KEEPALIVE_OPTIONS = (
 
 
 class _MetricsAndAuth(grpc.ServerInterceptor):
-    """Times every unary RPC into RPC_LATENCY; refuses calls without the token."""
+    """Refuses calls without the token; decodes requests itself, so that bytes
+    that are not a valid message (or hold invalid UTF-8 in a string field) get
+    INVALID_ARGUMENT rather than gRPC's INTERNAL "Exception deserializing
+    request!"; times every unary RPC into RPC_LATENCY."""
 
     def __init__(self, token: str):
-        self._expected = f"Bearer {token}" if token else ""
+        self._expected = f"Bearer {token}".encode() if token else b""
+
+    def _authorized(self, details) -> bool:
+        metadata = dict(details.invocation_metadata or ())
+        got = metadata.get("authorization", "")
+        got = got.encode("utf-8", "replace") if isinstance(got, str) else bytes(got)
+        return hmac.compare_digest(got, self._expected)  # constant time
 
     def intercept_service(self, continuation, details):
         if self._expected and not details.method.startswith("/grpc.health.v1.Health/"):
-            metadata = dict(details.invocation_metadata or ())
-            if metadata.get("authorization") != self._expected:
+            if not self._authorized(details):
                 return _deny
         handler = continuation(details)
-        if handler is None or handler.unary_unary is None:
+        if handler is None or handler.request_streaming:
             return handler
-        inner, method = handler.unary_unary, details.method
+        method, deserialize = details.method, handler.request_deserializer
 
-        def timed(request, context):
+        def decode(raw, context):
+            if deserialize is None:
+                return raw
+            try:
+                return deserialize(raw)
+            except Exception as exc:  # DecodeError: corrupt wire format, bad UTF-8, ...
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: not a valid message for {method} ({exc})")
+
+        if handler.unary_stream is not None:
+            stream = handler.unary_stream
+
+            def decoded_stream(raw, context):
+                return stream(decode(raw, context), context)
+
+            return grpc.unary_stream_rpc_method_handler(
+                decoded_stream, request_deserializer=None, response_serializer=handler.response_serializer
+            )
+        inner = handler.unary_unary
+
+        def timed(raw, context):
             start = time.perf_counter()
             try:
-                return inner(request, context)
+                return inner(decode(raw, context), context)
             finally:
                 code = context.code() if hasattr(context, "code") else None
                 RPC_LATENCY.labels(method, (code or grpc.StatusCode.OK).name).observe(
@@ -77,7 +108,7 @@ class _MetricsAndAuth(grpc.ServerInterceptor):
 
         return grpc.unary_unary_rpc_method_handler(
             timed,
-            request_deserializer=handler.request_deserializer,
+            request_deserializer=None,
             response_serializer=handler.response_serializer,
         )
 
@@ -125,7 +156,11 @@ def build_server(
         ("grpc.max_receive_message_length", server_cfg.max_message_bytes),
         ("grpc.max_send_message_length", server_cfg.max_message_bytes),
         ("grpc.so_reuseport", 0),
-        *KEEPALIVE_OPTIONS,
+        *(
+            (key, server_cfg.keepalive_min_ping_interval_ms)
+            if key == "grpc.http2.min_ping_interval_without_data_ms" else (key, value)
+            for key, value in KEEPALIVE_OPTIONS
+        ),
     ]
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=server_cfg.max_workers),
@@ -162,7 +197,10 @@ def start_metrics(port: int, host: str = "127.0.0.1") -> None:
     """Serves Prometheus metrics on http://``host``:``port``/metrics (0: off);
     ``host`` is the server's own bind host, so containers expose it too."""
     if port:
-        start_http_server(port, addr=host)
+        try:
+            start_http_server(port, addr=host)
+        except OSError as exc:
+            raise RuntimeError(f"metrics_port {port} on {host}: {exc.strerror}") from None
 
 
 def serve_until_signalled(running: RunningServer, grace_ms: float, on_stop: Callable[[], None] | None = None) -> None:
@@ -182,6 +220,9 @@ def serve_until_signalled(running: RunningServer, grace_ms: float, on_stop: Call
 def channel(address: str, cfg: TandemConfig | None = None) -> grpc.Channel:
     """A client channel to a tandem server, with TLS and the token where configured.
 
+    Under TLS the server is verified against ``tls.ca_path`` (default: the
+    servers' own ``tls.cert_path``), and ``tls.client_cert_path`` /
+    ``tls.client_key_path``, where set, are presented for mutual TLS.
     A wildcard bind address (``0.0.0.0:P``, ``[::]:P``) is dialled on loopback.
     """
     host, _, port = address.rpartition(":")
@@ -192,7 +233,12 @@ def channel(address: str, cfg: TandemConfig | None = None) -> grpc.Channel:
     if cfg is None or not cfg.tls.cert_path:
         ch = grpc.insecure_channel(address, options=options)
     else:
-        creds = grpc.ssl_channel_credentials(root_certificates=resolve_path(cfg.tls.cert_path).read_bytes())
+        tls = cfg.tls
+        creds = grpc.ssl_channel_credentials(
+            root_certificates=resolve_path(tls.ca_path or tls.cert_path).read_bytes(),
+            private_key=resolve_path(tls.client_key_path).read_bytes() if tls.client_key_path else None,
+            certificate_chain=resolve_path(tls.client_cert_path).read_bytes() if tls.client_cert_path else None,
+        )
         ch = grpc.secure_channel(address, creds, options=options)
     if cfg is not None and cfg.auth_token:
         ch = grpc.intercept_channel(ch, _TokenInterceptor(cfg.auth_token))

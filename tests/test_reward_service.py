@@ -123,6 +123,14 @@ def test_bad_input_gets_a_clear_status_and_the_server_keeps_serving(stubs, why, 
     assert evaluate(stub, boards(2)).outputs  # still serving
 
 
+def test_evaluate_without_a_deadline(stubs):
+    stub, _ = stubs
+    for prio in (reward_pb2.PRIORITY_CRITICAL, reward_pb2.PRIORITY_BULK):
+        reply = stub.Evaluate(reward_pb2.EvaluateRequest(model=MODEL, inputs=[tensors.to_proto("board", boards(2))],
+                                                         priority=prio))  # no timeout: no deadline
+        assert tensors.from_proto(reply.outputs[0]).shape[0] == 2
+
+
 def test_metadata_of_unknown_model(stubs):
     stub, _ = stubs
     with pytest.raises(grpc.RpcError) as info:
@@ -140,3 +148,200 @@ def test_nonfinite_inputs_reject_or_pass(stubs, bad):
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "NaN or Inf" in info.value.details()
     y = tensors.from_proto(evaluate(stub_pass, x, name="x", model="mean_pass").outputs[0])
     assert y[0] == 1.0 and y[2] == 1.0 and not np.isfinite(y[1])  # other rows unaffected
+
+
+# -- the dynamic batcher behind Evaluate ------------------------------------------------------
+
+import threading  # noqa: E402
+import time  # noqa: E402
+from concurrent.futures import ThreadPoolExecutor  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def batched(tmp_path_factory):
+    """A server whose queues are small, for tests that hold a model's worker."""
+    mean_path = _float_model(tmp_path_factory.mktemp("models") / "mean.onnx")
+    models = [
+        {"name": MODEL, "path": "reward_service/models/connect4_value.onnx", "max_batch_size": 64},
+        {"name": "mean", "path": mean_path},
+    ]
+    cfg = loopback_config(reward={"models": models, "execution_provider": "auto", "max_queue_size": 3,
+                                  "max_queue_delay_us": 0, "nonfinite_inputs": "pass"})
+    service = reward_server.start(cfg, follow_scheduler=False)
+    ch = channel(cfg.reward.address)
+    yield service, reward_pb2_grpc.RewardServiceStub(ch)
+    ch.close()
+    service.stop()
+
+
+@contextmanager
+def held(service, model):
+    """Holds the model's batcher worker inside a run until the block ends;
+    yields the list of batches that run (recorded as they start)."""
+    batcher = service.servicer.batchers[model]
+    original, gate, entered, seen = batcher._run, threading.Event(), threading.Event(), []
+
+    def run(batch):
+        seen.append(batch)
+        entered.set()
+        gate.wait(20)
+        return original(batch)
+
+    batcher._run = run
+    pool = ThreadPoolExecutor(max_workers=16)
+    try:
+        yield pool, entered, seen
+    finally:
+        gate.set()
+        pool.shutdown(wait=True)
+        batcher._run = original
+
+
+def _call(stub, array, name="board", model=MODEL, timeout=20, **kw):
+    """Evaluate, returning the RpcError instead of raising it."""
+    try:
+        request = reward_pb2.EvaluateRequest(model=model, inputs=[tensors.to_proto(name, array)], **kw)
+        return stub.Evaluate(request, timeout=timeout)
+    except grpc.RpcError as exc:
+        return exc
+
+
+def test_queued_requests_merge_and_bad_ones_are_refused_without_touching_them(batched):
+    service, stub = batched
+    b = boards(7)
+    alone = [tensors.from_proto(evaluate(stub, b[i : i + 1], output_names=["value"]).outputs[0]) for i in range(3)]
+    with held(service, MODEL) as (pool, entered, seen):
+        blocker = pool.submit(_call, stub, b[3:4])
+        assert entered.wait(10)
+        good = [pool.submit(_call, stub, b[i : i + 1], output_names=["value"]) for i in range(3)]
+        time.sleep(0.3)  # the three are queued behind the held run
+        # Refused on arrival, while the worker is still held: validated before queueing.
+        bad = _call(stub, b[:1].astype(np.float32))
+        assert isinstance(bad, grpc.RpcError) and bad.code() == grpc.StatusCode.INVALID_ARGUMENT
+    replies = [f.result() for f in good]
+    assert all(not isinstance(r, grpc.RpcError) for r in replies), replies
+    assert blocker.result().outputs
+    for r, a in zip(replies, alone):
+        np.testing.assert_allclose(tensors.from_proto(r.outputs[0]), a, atol=1e-5)
+        assert r.batch_size == 3  # the three queued requests ran as one batch
+    assert len(seen) == 2
+
+
+def test_nan_rows_merged_with_others_leave_them_alone(batched):
+    service, stub = batched
+    x = np.ones((2, 4), np.float32)
+    y = np.ones((2, 4), np.float32)
+    y[0, 1] = np.nan
+    with held(service, "mean") as (pool, entered, seen):
+        pool.submit(_call, stub, x, name="x", model="mean")
+        assert entered.wait(10)
+        clean = pool.submit(_call, stub, x * 3, name="x", model="mean")
+        dirty = pool.submit(_call, stub, y, name="x", model="mean")
+        time.sleep(0.3)
+    c, d = clean.result(), dirty.result()
+    assert c.batch_size == 4
+    assert tensors.from_proto(c.outputs[0]).tolist() == [3.0, 3.0]
+    got = tensors.from_proto(d.outputs[0])
+    assert np.isnan(got[0]) and got[1] == 1.0
+
+
+def test_a_request_whose_deadline_passes_in_the_queue_is_not_run(batched):
+    service, stub = batched
+    marker = np.full((1, 4), 7.0, np.float32)
+    with held(service, "mean") as (pool, entered, seen):
+        pool.submit(_call, stub, np.ones((1, 4), np.float32), name="x", model="mean")
+        assert entered.wait(10)
+        late = _call(stub, marker, name="x", model="mean", timeout=0.3)
+        assert isinstance(late, grpc.RpcError) and late.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        time.sleep(0.2)
+    ran = [r.feeds["x"] for batch in seen for r in batch.requests]
+    assert not any((a == 7.0).all() for a in ran)
+    assert service.servicer.batchers["mean"].stats()["expired"] >= 1
+    assert evaluate(stub, marker, name="x", model="mean").outputs  # still serving
+
+
+def test_a_full_queue_sheds_with_resource_exhausted(batched):
+    service, stub = batched
+    one = np.ones((1, 4), np.float32)
+    with held(service, "mean") as (pool, entered, seen):
+        pool.submit(_call, stub, one, name="x", model="mean")
+        assert entered.wait(10)
+        queued = [pool.submit(_call, stub, one * (i + 2), name="x", model="mean") for i in range(3)]
+        deadline = time.monotonic() + 5
+        while service.servicer.batchers["mean"].stats()["queued"] < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        refused = _call(stub, one, name="x", model="mean")
+        assert isinstance(refused, grpc.RpcError) and refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "queue full" in refused.details()
+        # A critical request displaces the newest bulk one instead of being refused.
+        crit = pool.submit(_call, stub, one * 9, name="x", model="mean", priority=reward_pb2.PRIORITY_CRITICAL)
+        time.sleep(0.3)
+    codes = [r.code() if isinstance(r, grpc.RpcError) else "ok" for r in (f.result() for f in queued)]
+    assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == 1 and codes.count("ok") == 2
+    assert tensors.from_proto(crit.result().outputs[0]).tolist() == [9.0]
+    assert service.servicer.batchers["mean"].stats()["queued"] == 0
+
+
+def test_metadata_runtime_says_how_the_model_runs(batched):
+    service, stub = batched
+    meta = stub.ModelMetadata(reward_pb2.ModelMetadataRequest(model=MODEL))
+    rt = dict(meta.runtime)
+    assert rt["precision"] == "fp32" and int(rt["warm_up_ms"]) >= 0
+    assert {"io_binding", "cuda_graph", "batch_buckets", "stream_priorities", "stream_priority_in_use"} <= set(rt)
+    if meta.execution_provider == "CPUExecutionProvider":
+        assert rt["io_binding"].startswith("off: CPU") and rt["cuda_graph"].startswith("off")
+
+
+def test_load_report_includes_queue_age(batched):
+    service, _ = batched
+    load = service.servicer.load()
+    assert set(load) == {"queue_depth", "queue_age_ms", "requests_per_s"} and load["queue_age_ms"] >= 0
+
+
+# -- the IO-binding path, over host buffers on the CPU provider --------------------------------
+
+
+def _sessions(**model_fields):
+    from reward_service.session import ModelSession
+    from tandem.config import ModelConfig, RewardConfig
+
+    cfg = RewardConfig(execution_provider="cpu")
+    m = ModelConfig(name=MODEL, path="reward_service/models/connect4_value.onnx", batch_buckets=(1, 2, 4, 8),
+                    max_batch_size=64, **model_fields)
+    return ModelSession(m, cfg), ModelSession(m, cfg, host_binding=True)
+
+
+def test_bound_runner_matches_plain_runs_at_every_batch_size():
+    plain, bound = _sessions()
+    assert plain.buckets == () and bound.buckets == (1, 2, 4, 8)
+    assert bound.runtime["io_binding"].startswith("host buffers")
+    for n in (1, 2, 3, 5, 8, 9, 20):  # 9 and 20: larger than every bucket, run in chunks
+        b = boards(n)
+        want, _ = plain.run({"board": b})
+        got, _ = bound.run({"board": b})
+        for name in ("value", "policy_logits"):
+            assert got[name].shape == want[name].shape
+            np.testing.assert_allclose(got[name], want[name], atol=1e-5)
+
+
+def test_bound_runner_zeroes_padding_rows_left_by_an_earlier_batch():
+    _, bound = _sessions()
+    bound.run({"board": np.ones((8, 2, 6, 7), np.uint8)})
+    bound.run({"board": boards(5)})  # bucket 8 again, 3 padding rows
+    slot = bound._active._slots[8]
+    assert not slot.dev_in["board"][5:].any()
+    out, _ = bound.run({"board": boards(5)})
+    assert out["value"].shape == (5, 1)
+    # outputs are copies: a later run does not change an earlier result
+    first = out["value"].copy()
+    bound.run({"board": np.ones((5, 2, 6, 7), np.uint8)})
+    np.testing.assert_array_equal(out["value"], first)
+
+
+def test_cuda_only_features_degrade_on_the_cpu():
+    plain, _ = _sessions(cuda_graph=True)
+    assert plain.execution_provider == "CPUExecutionProvider"
+    assert plain.runtime["cuda_graph"] == "off: CPU execution provider"
+    assert plain.runtime["stream_priorities"].startswith("off") and plain.stream_priorities == ()
+    assert plain.set_stream_priority(-5) == 0  # nothing to switch to, nothing breaks

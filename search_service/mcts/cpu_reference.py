@@ -44,12 +44,15 @@ With ``parallel_sims = 1`` this is plain sequential MCTS; with a fixed seed the
 search is deterministic for any ``parallel_sims``. The budget is checked
 between waves: the last wave is cut short so exactly ``simulations`` run, and
 a ``deadline_ms`` (counted from the call, tree set-up included) ends the
-search after the wave that passes it (at least one wave always runs). For
-PUCT a fresh root is evaluated first (for its priors; not a simulation).
+search after the wave that passes it (at least one wave always runs), and so
+does ``should_stop()`` returning true (the caller went away: the server passes
+"the RPC is no longer active"). For PUCT a fresh root is evaluated first (for
+its priors; not a simulation).
 """
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import numpy as np
 
@@ -79,6 +82,8 @@ class CpuReferenceBackend:
         params: SearchParams,
         evaluator: LeafEvaluator | None = None,
         trees: list[tr.Tree | None] | None = None,
+        *,
+        should_stop: Callable[[], bool] | None = None,
     ) -> tuple[list[SearchResult], list[tr.Tree]]:
         """Searches each of the B ``roots`` (unfinished positions) in its own tree.
 
@@ -89,6 +94,9 @@ class CpuReferenceBackend:
             trees: per root, a single tree rooted at it (from ``reroot``) to search
                 further, or None for a fresh one. Trees passed in are copied,
                 not modified. A tree built with another evaluator is replaced.
+            should_stop: called between waves (after the first); true ends the
+                search there, like a deadline, and the results' ``extras`` say
+                ``stopped``. None: only the budget ends it.
 
         Returns:
             One result and one single tree (batch of 1) per root.
@@ -97,7 +105,7 @@ class CpuReferenceBackend:
             ValueError: a finished root, a tree rooted at another position, or
                 no ``evaluator`` for ``value_model``.
         """
-        return _Search(roots, params, evaluator, trees).run()
+        return _Search(roots, params, evaluator, trees, should_stop).run()
 
     @staticmethod
     def reroot(tree: tr.Tree, actions: list[int]) -> tr.Tree | None:
@@ -108,9 +116,12 @@ class CpuReferenceBackend:
 class _Search:
     """One search call: the batched tree, the wave loop, and its bookkeeping."""
 
-    def __init__(self, roots: Positions, params: SearchParams, evaluator: LeafEvaluator | None, trees):
+    def __init__(self, roots: Positions, params: SearchParams, evaluator: LeafEvaluator | None, trees,
+                 should_stop: Callable[[], bool] | None = None):
         self.t0 = time.perf_counter()
         self.p = params
+        self.should_stop = should_stop
+        self.stopped = False
         self.evaluator = evaluator
         self.puct = params.evaluator == "value_model"
         if self.puct and evaluator is None:
@@ -186,6 +197,9 @@ class _Search:
                 break
             if p.deadline_ms is not None and self.waves and (time.perf_counter() - self.t0) * 1e3 >= p.deadline_ms:
                 deadline_reached = True
+                break
+            if self.should_stop is not None and self.waves and self.should_stop():
+                self.stopped = True
                 break
             self._ensure_capacity(k)
             self._wave(k, done)
@@ -438,7 +452,7 @@ class _Search:
                 evaluate_ms=self.ms["evaluate"],
                 backup_ms=self.ms["backup"],
                 tree_reused=bool(self.reused[i]),
-                extras={"waves": self.waves},
+                extras={"waves": self.waves, "stopped": self.stopped},
             )
             for i in range(self.b)
         ]

@@ -72,18 +72,22 @@ class EvaluateRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., priority: _Optional[_Union[Priority, str]] = ..., output_names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class EvaluateResponse(_message.Message):
-    __slots__ = ("model", "outputs", "execution_provider", "queue_ms", "compute_ms")
+    __slots__ = ("model", "outputs", "execution_provider", "queue_ms", "compute_ms", "batch_size", "padded_batch_size")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     EXECUTION_PROVIDER_FIELD_NUMBER: _ClassVar[int]
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PADDED_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     model: str
     outputs: _containers.RepeatedCompositeFieldContainer[Tensor]
     execution_provider: str
     queue_ms: float
     compute_ms: float
-    def __init__(self, model: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., execution_provider: _Optional[str] = ..., queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ...) -> None: ...
+    batch_size: int
+    padded_batch_size: int
+    def __init__(self, model: _Optional[str] = ..., outputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., execution_provider: _Optional[str] = ..., queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., padded_batch_size: _Optional[int] = ...) -> None: ...
 
 class ModelMetadataRequest(_message.Message):
     __slots__ = ("model",)
@@ -92,7 +96,14 @@ class ModelMetadataRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class ModelMetadataResponse(_message.Message):
-    __slots__ = ("name", "version", "description", "inputs", "outputs", "execution_provider", "available_providers", "max_batch_size")
+    __slots__ = ("name", "version", "description", "inputs", "outputs", "execution_provider", "available_providers", "max_batch_size", "runtime")
+    class RuntimeEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +112,7 @@ class ModelMetadataResponse(_message.Message):
     EXECUTION_PROVIDER_FIELD_NUMBER: _ClassVar[int]
     AVAILABLE_PROVIDERS_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RUNTIME_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: str
     description: str
@@ -109,7 +121,8 @@ class ModelMetadataResponse(_message.Message):
     execution_provider: str
     available_providers: _containers.RepeatedScalarFieldContainer[str]
     max_batch_size: int
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., description: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., execution_provider: _Optional[str] = ..., available_providers: _Optional[_Iterable[str]] = ..., max_batch_size: _Optional[int] = ...) -> None: ...
+    runtime: _containers.ScalarMap[str, str]
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., description: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., outputs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., execution_provider: _Optional[str] = ..., available_providers: _Optional[_Iterable[str]] = ..., max_batch_size: _Optional[int] = ..., runtime: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()

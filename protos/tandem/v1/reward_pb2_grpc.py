@@ -55,10 +55,16 @@ class RewardServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Evaluate(self, request, context):
-        """Runs a model on a batch of observations.
+        """Runs a model on a batch of observations. Requests are queued per model
+        and merged with others into batches (critical before bulk); a bad request
+        is refused before it is queued and never affects the others.
         INVALID_ARGUMENT: a tensor's name, dtype, shape or byte length does not
-        match the model, the batch is empty or too large, or inputs hold NaN/Inf.
+        match the model, the batch is empty or too large, inputs hold NaN/Inf,
+        or an unknown output name.
         NOT_FOUND: no model of that name.
+        DEADLINE_EXCEEDED: the call's deadline passed before it ran (not run).
+        RESOURCE_EXHAUSTED: the model's queue is full (a critical request may
+        displace a queued bulk one, which gets this status).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
