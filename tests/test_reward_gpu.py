@@ -1,0 +1,174 @@
+"""The reward service's GPU paths (CUDA execution provider, CuPy): IO binding
+to device buffers with pinned staging, CUDA graphs per bucket, one session per
+stream priority, FP16, and the gRPC service on the GPU. Marked ``gpu``:
+skipped where no CUDA GPU is visible (tests/conftest.py)."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from tandem.config import ModelConfig, RewardConfig
+
+pytestmark = pytest.mark.gpu
+
+FRAME = "reward_service/models/frame_reward.onnx"
+VALUE = "reward_service/models/connect4_value.onnx"
+
+
+@pytest.fixture(scope="module")
+def cuda_ready():
+    ort = pytest.importorskip("onnxruntime")
+    pytest.importorskip("cupy")
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("this ONNX Runtime build has no CUDA execution provider")
+    return ort
+
+
+def frames(n: int, seed: int = 0) -> np.ndarray:
+    from reward_service.frames import render_moves
+
+    rng = np.random.default_rng(seed)
+    moves = ["".join(str(c) for c in rng.integers(1, 8, int(rng.integers(0, 12)))) for _ in range(n)]
+    ok = []
+    for m in moves:
+        try:
+            render_moves([m])
+            ok.append(m)
+        except ValueError:
+            ok.append("")
+    return render_moves(ok, rng)
+
+
+def session(path=FRAME, *, graph=True, precision="fp32", priorities=(0, -5), buckets=(1, 2, 4, 8), **reward):
+    from reward_service.session import ModelSession
+
+    cfg = RewardConfig(execution_provider="cuda", stream_priorities=priorities, **reward)
+    return ModelSession(ModelConfig(name="m", path=path, batch_buckets=buckets, max_batch_size=64, cuda_graph=graph,
+                                    precision=precision), cfg)
+
+
+@pytest.fixture(scope="module")
+def cpu_reference(cuda_ready):
+    from reward_service.session import ModelSession
+
+    cpu = ModelSession(ModelConfig(name="m", path=FRAME), RewardConfig(execution_provider="cpu"))
+    x = frames(20, 1)
+    return x, cpu.run({"frame": x})[0]["value"]
+
+
+def test_graphs_io_binding_and_streams_are_on(cuda_ready):
+    s = session()
+    assert s.execution_provider == "CUDAExecutionProvider"
+    assert s.runtime["io_binding"] == "device buffers, pinned host staging"
+    assert s.runtime["cuda_graph"].startswith("on"), s.runtime
+    assert s.stream_priorities == (0, -5) and s.runtime["stream_priorities"] == "0,-5"
+    assert [r.device.priority for r in s._runners] == [0, -5]
+    rt = __import__("cupy").cuda.runtime
+    if hasattr(rt, "streamGetPriority"):
+        assert [rt.streamGetPriority(r.device.stream.ptr) for r in s._runners] == [0, -5]
+    assert all(r.graphs for r in s._runners)
+    slot = s._runners[0]._slots[8]
+    import cupy
+
+    assert isinstance(slot.dev_in["frame"], cupy.ndarray)
+    # pinned staging: CUDA reports the host buffer as page-locked host memory
+    attrs = cupy.cuda.runtime.pointerGetAttributes(slot.host_in["frame"].ctypes.data)
+    assert attrs.type == getattr(cupy.cuda.runtime, "memoryTypeHost", 1)
+
+
+@pytest.mark.parametrize("graph", [True, False])
+def test_gpu_results_match_the_cpu_at_every_size_and_priority(cpu_reference, graph):
+    x, want = cpu_reference
+    s = session(graph=graph)
+    for priority in (0, -5):
+        assert s.set_stream_priority(priority) == priority
+        for n in (1, 3, 8, 13, 20):  # 13 and 20: chunks of the largest bucket
+            got = s.run({"frame": x[:n]})[0]["value"]
+            assert got.shape == (n, 1)
+            np.testing.assert_allclose(got, want[:n], atol=1e-3)
+
+
+def test_padding_rows_never_leak_into_results(cpu_reference):
+    x, want = cpu_reference
+    s = session()
+    s.run({"frame": np.full((8, 224, 224, 3), 255, np.uint8)})
+    got = s.run({"frame": x[:5]})[0]["value"]  # bucket 8, 3 padding rows
+    np.testing.assert_allclose(got, want[:5], atol=1e-3)
+    assert not s._active._slots[8].dev_in["frame"][5:].any()
+
+
+def test_fp16_on_the_gpu_keeps_fp32_outputs_and_agrees(cpu_reference):
+    from reward_service.training.train_frame_reward import outcome_class
+
+    x, want = cpu_reference
+    s = session(precision="fp16")
+    got = s.run({"frame": x})[0]["value"]
+    assert got.dtype == np.float32
+    assert np.abs(got - want).max() < 3e-2
+    assert (outcome_class(got) == outcome_class(want)).mean() >= 0.95
+
+
+def test_first_run_after_start_is_not_slow(cuda_ready):
+    s = session(priorities=(0,))
+    x = frames(1)
+    t = time.perf_counter()
+    s.run({"frame": x})
+    first = time.perf_counter() - t
+    times = []
+    for _ in range(50):
+        t = time.perf_counter()
+        s.run({"frame": x})
+        times.append(time.perf_counter() - t)
+    assert first <= 3 * float(np.median(times)) + 0.5e-3, (first, np.median(times))
+
+
+def test_memory_limit_and_algo_search_are_applied(cuda_ready):
+    s = session(VALUE, graph=False, priorities=(0,), memory_pool_bytes=256 << 20,
+                cudnn_conv_algo_search="HEURISTIC")
+    assert s.runtime["cudnn_conv_algo_search"] == "HEURISTIC"
+    assert s.runtime["gpu_mem_limit_bytes"] == str(256 << 20)
+    opts = s._runners[0].session.get_provider_options()["CUDAExecutionProvider"]
+    assert opts["gpu_mem_limit"] == str(256 << 20) and opts["cudnn_conv_algo_search"] == "HEURISTIC"
+    assert opts["arena_extend_strategy"] == "kSameAsRequested"
+    assert opts["has_user_compute_stream"] == "1"
+
+
+def test_grpc_service_on_the_gpu(cuda_ready):
+    import grpc
+
+    from reward_service import server as reward_server
+    from tandem import tensors
+    from tandem.server import channel
+    from tandem.v1 import reward_pb2, reward_pb2_grpc
+
+    from conftest import loopback_config
+
+    models = [{"name": "frame_reward", "path": FRAME, "cuda_graph": True, "batch_buckets": [1, 2, 4, 8],
+               "max_batch_size": 64}]
+    cfg = loopback_config(reward={"models": models, "execution_provider": "cuda", "stream_priorities": [0, -5]})
+    service = reward_server.start(cfg, follow_scheduler=False)
+    ch = channel(cfg.reward.address)
+    try:
+        stub = reward_pb2_grpc.RewardServiceStub(ch)
+        meta = stub.ModelMetadata(reward_pb2.ModelMetadataRequest(model="frame_reward"))
+        assert meta.execution_provider == "CUDAExecutionProvider" and meta.runtime["cuda_graph"].startswith("on")
+        x = frames(3)
+        reply = stub.Evaluate(reward_pb2.EvaluateRequest(model="frame_reward", inputs=[tensors.to_proto("frame", x)],
+                                                         priority=reward_pb2.PRIORITY_CRITICAL), timeout=10)
+        v = tensors.from_proto(reply.outputs[0])
+        assert v.shape == (3, 1) and reply.padded_batch_size == 4
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Evaluate(reward_pb2.EvaluateRequest(
+                model="frame_reward", inputs=[tensors.to_proto("frame", x.astype(np.float32))]), timeout=10)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        service.servicer.set_stream_priority(-5)
+        assert meta.runtime and stub.ModelMetadata(
+            reward_pb2.ModelMetadataRequest(model="frame_reward")).runtime["stream_priority_in_use"] == "-5"
+        again = stub.Evaluate(reward_pb2.EvaluateRequest(model="frame_reward", inputs=[tensors.to_proto("frame", x)]),
+                              timeout=10)
+        np.testing.assert_allclose(tensors.from_proto(again.outputs[0]), v, atol=1e-4)
+    finally:
+        ch.close()
+        service.stop()
