@@ -1,0 +1,5 @@
+"""Load generation and reliability figures: ``loadtest.generator`` (an open-loop
+load generator playing N game engines), ``loadtest.soak`` (a bounded soak of
+a real ``tandem`` stack with memory and file-descriptor tracking) and
+``loadtest.reliability_report`` (the markdown table of ``docs/reliability.md``
+from the figures the reliability tests write to ``runs/reliability/``)."""

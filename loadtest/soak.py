@@ -1,0 +1,175 @@
+"""A bounded soak: a real stack (``tandem up``'s three processes) under the
+open-loop generator, with each server's memory and file descriptors tracked.
+
+The stack runs from a generated config (free loopback ports, CPU search,
+value-model evaluator so search -> reward is soaked too). Every second the
+sampler reads, for each server process, ``VmRSS`` and ``Threads`` from
+``/proc/PID/status`` and the number of entries of ``/proc/PID/fd``. The report
+gives the generator's counts and latencies and, per server, the figures at the
+end of the warm-up, at the end, their growth, and the RSS slope (least squares
+over the samples after the warm-up, MiB per minute).
+
+    python -m loadtest.soak --seconds 600 --engines 8 --fps 30 --out runs/reliability/soak_long.json
+
+Run it from the repository root (the servers are ``python -m tandem serve``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from loadtest.generator import LoadSpec, OpenLoopGenerator
+from tandem.config import load_config
+from tandem.supervisor import SERVICES, Stack
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def proc_figures(pid: int) -> dict:
+    """RSS (MiB), threads and open file descriptors of ``pid``, from /proc."""
+    out = {"rss_mib": None, "threads": None, "fds": None}
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                out["rss_mib"] = int(line.split()[1]) / 1024.0
+            elif line.startswith("Threads:"):
+                out["threads"] = int(line.split()[1])
+        out["fds"] = len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        pass
+    return out
+
+
+class Sampler:
+    """Samples :func:`proc_figures` of some processes every ``interval_s`` on a thread."""
+
+    def __init__(self, pids: dict[str, int], interval_s: float = 1.0):
+        self.pids, self.interval_s = pids, interval_s
+        self.samples: list[tuple[float, dict[str, dict]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="soak-sampler", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            self.samples.append((time.monotonic(), {n: proc_figures(p) for n, p in self.pids.items()}))
+            if self._stop.wait(self.interval_s):
+                return
+
+    def summary(self, warm_until: float) -> dict:
+        out = {}
+        for name in self.pids:
+            series = [(t, s[name]) for t, s in self.samples if s[name]["rss_mib"] is not None]
+            after = [(t, f) for t, f in series if t >= warm_until] or series[-1:]
+            first, last = after[0][1], after[-1][1]
+            ts = np.array([t for t, _ in after]) - after[0][0]
+            rss = np.array([f["rss_mib"] for _, f in after])
+            slope = float(np.polyfit(ts, rss, 1)[0]) * 60.0 if len(after) >= 3 and ts[-1] > 0 else 0.0
+            out[name] = {
+                "rss_mib_start": round(series[0][1]["rss_mib"], 1),
+                "rss_mib_after_warmup": round(first["rss_mib"], 1),
+                "rss_mib_end": round(last["rss_mib"], 1),
+                "rss_mib_max": round(max(f["rss_mib"] for _, f in series), 1),
+                "rss_growth_mib": round(last["rss_mib"] - first["rss_mib"], 1),
+                "rss_slope_mib_per_min": round(slope, 2),
+                "fds_after_warmup": first["fds"], "fds_end": last["fds"], "fds_max": max(f["fds"] for _, f in series),
+                "fds_growth": last["fds"] - first["fds"],
+                "threads_after_warmup": first["threads"], "threads_end": last["threads"],
+                "threads_growth": last["threads"] - first["threads"],
+                "samples": len(series),
+            }
+        return out
+
+
+def soak_config(directory: Path, **search) -> Path:
+    """A config for the soak's stack: free loopback ports, no metrics endpoints, CPU search."""
+    data = {name: {"address": f"127.0.0.1:{_free_port()}", "metrics_port": 0} for name in SERVICES}
+    data["search"].update({"backend": "cpu", **search})
+    data["reward"]["execution_provider"] = "cpu"
+    path = directory / "soak.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def run_soak(seconds: float = 60.0, engines: int = 4, fps: float = 15.0, simulations: int = 32,
+             evaluator: str = "value_model", warmup_s: float | None = None, config_path: Path | None = None,
+             log_dir: Path | None = None, sample_interval_s: float = 1.0) -> dict:
+    """Starts a stack, soaks it for ``seconds`` and stops it; returns the report.
+
+    The warm-up (default: a fifth of the run, at most 30 s) is excluded from
+    the growth figures: allocators and caches fill up first.
+    """
+    warmup_s = min(seconds / 5.0, 30.0) if warmup_s is None else warmup_s
+    with tempfile.TemporaryDirectory(prefix="tandem-soak-") as tmp:
+        path = config_path or soak_config(Path(tmp))
+        cfg = load_config(path)
+        stack = Stack(cfg, path, log_dir=log_dir)
+        started = time.monotonic()
+        stack.start()
+        startup_s = time.monotonic() - started
+        try:
+            sampler = Sampler({name: p.pid for name, p in stack.procs.items()}, sample_interval_s)
+            gen = OpenLoopGenerator(LoadSpec(cfg.search.address, cfg.reward.address, engines=engines, fps=fps,
+                                             simulations=simulations, evaluator=evaluator, session_ids=True), cfg)
+            sampler.start()
+            t0 = time.monotonic()
+            try:
+                load = gen.run(seconds)
+            finally:
+                gen.close()
+                sampler.stop()
+            servers = sampler.summary(t0 + warmup_s)
+            failed = stack.failed()
+        finally:
+            codes = stack.stop()
+    return {
+        "seconds": seconds, "warmup_s": warmup_s, "engines": engines, "fps": fps, "simulations": simulations,
+        "evaluator": evaluator, "stack_startup_s": round(startup_s, 1), "load": load, "servers": servers,
+        "server_exited_during_soak": failed, "exit_codes": codes,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m loadtest.soak", description=__doc__.split("\n")[0])
+    ap.add_argument("--seconds", type=float, default=60.0)
+    ap.add_argument("--engines", type=int, default=4)
+    ap.add_argument("--fps", type=float, default=15.0)
+    ap.add_argument("--simulations", type=int, default=32)
+    ap.add_argument("--evaluator", choices=("rollout", "value_model"), default="value_model")
+    ap.add_argument("--config", type=Path, help="use this config instead of a generated one")
+    ap.add_argument("--log-dir", type=Path)
+    ap.add_argument("--out", type=Path, help="write the report as JSON here")
+    args = ap.parse_args(argv)
+    report = run_soak(args.seconds, args.engines, args.fps, args.simulations, args.evaluator,
+                      config_path=args.config, log_dir=args.log_dir)
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+    req = report["load"]["requests"]
+    return 1 if any(v["lost"] or v["refused"] for v in req.values()) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

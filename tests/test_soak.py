@@ -1,0 +1,40 @@
+"""A bounded soak (``loadtest/soak.py``): the three real server processes under
+the open-loop generator -- 4 engines at 15 FPS, each frame one value-model
+Search of 32 simulations and one Evaluate -- for ``TANDEM_SOAK_SECONDS``
+(default 60 s). No request may be lost or refused, no search may degrade to
+rollouts, and after the warm-up each server's RSS, open file descriptors and
+threads must stay flat. Figures go to ``runs/reliability/soak.json``."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from loadtest.reliability_report import save_figures
+from loadtest.soak import run_soak
+
+pytestmark = pytest.mark.slow
+
+SECONDS = float(os.environ.get("TANDEM_SOAK_SECONDS", 60))
+RSS_GROWTH_MIB = 16.0  # per server, after the warm-up, over the run
+RSS_SLOPE_MIB_PER_MIN = 8.0
+FD_GROWTH = 2
+THREAD_GROWTH = 2
+
+
+def test_soak_loses_nothing_and_stays_flat(tmp_path):
+    report = run_soak(seconds=SECONDS, engines=4, fps=15.0, simulations=32, evaluator="value_model",
+                      log_dir=tmp_path / "logs")
+    save_figures("soak", report)
+    req = report["load"]["requests"]
+    for kind in ("search", "evaluate"):
+        r = req[kind]
+        assert r["sent"] >= 0.9 * SECONDS * 4 * 15, r  # the generator kept its schedule
+        assert r["lost"] == 0 and r["refused"] == {} and r["answered"] == r["sent"], (kind, r)
+    assert req["search"]["evaluators"] == {"EVALUATOR_VALUE_MODEL": req["search"]["answered"]}
+    assert report["server_exited_during_soak"] is None
+    assert set(report["exit_codes"].values()) == {0}  # and all three drained and stopped cleanly
+    for name, s in report["servers"].items():
+        assert s["rss_growth_mib"] <= RSS_GROWTH_MIB, (name, s)
+        assert s["rss_slope_mib_per_min"] <= RSS_SLOPE_MIB_PER_MIN, (name, s)
+        assert s["fds_growth"] <= FD_GROWTH and s["threads_growth"] <= THREAD_GROWTH, (name, s)
