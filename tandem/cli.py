@@ -34,6 +34,9 @@ def _config(args) -> TandemConfig:
 def cmd_serve(args) -> int:
     import importlib
 
+    from tandem.supervisor import die_with_supervisor
+
+    die_with_supervisor()
     cfg = _config(args)
     importlib.import_module(SERVE[args.name]).serve(cfg)
     return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import signal
 import socket
 import subprocess
@@ -25,9 +26,22 @@ SERVICES = ("scheduler", "reward", "search")  # start order: search follows the 
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:  # runs in the child before exec
-    # If tandem up is killed outright (SIGKILL), the kernel still stops the children.
+PARENT_ENV = "TANDEM_SUPERVISOR_PID"  # set for the servers `tandem up` starts
+
+
+def die_with_supervisor() -> None:
+    """In a server started by ``tandem up``: ask the kernel for SIGTERM when the
+    supervisor dies, even by SIGKILL, so that no server is left orphaned.
+
+    Called by ``tandem serve`` itself rather than through ``preexec_fn``:
+    forking with a pre-exec hook while gRPC threads run can abort the child.
+    """
+    parent = os.environ.get(PARENT_ENV)
+    if not parent:
+        return
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != int(parent):  # the supervisor died before the prctl
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def health_status(address: str, cfg: TandemConfig | None = None, service: str = "", timeout_s: float = 1.0) -> str:
@@ -107,7 +121,8 @@ class Stack:
                     self.log_dir.mkdir(parents=True, exist_ok=True)
                     out = open(self.log_dir / f"{name}.log", "ab")
                 self.procs[name] = subprocess.Popen(
-                    cmd, stdout=out, stderr=subprocess.STDOUT if out else None, preexec_fn=_die_with_parent
+                    cmd, stdout=out, stderr=subprocess.STDOUT if out else None,
+                    env={**os.environ, PARENT_ENV: str(os.getpid())},
                 )
                 wait_serving(getattr(self.cfg, name).address, self.cfg, timeout_s, self.procs[name])
         except BaseException:

@@ -53,7 +53,7 @@ def ort_dtype(type_str: str) -> int:
 
 def to_proto(name: str, array: np.ndarray) -> reward_pb2.Tensor:
     """Encodes an array (C order, little-endian) as a Tensor."""
-    array = np.ascontiguousarray(array)
+    array = np.asarray(array, order="C")  # (ascontiguousarray would make a 0-d array 1-d)
     code = _FROM_NUMPY.get((array.dtype.kind, array.dtype.itemsize))
     if code is None:
         raise ValueError(f"unsupported dtype {array.dtype}")

@@ -142,3 +142,24 @@ def test_play_without_a_stack_says_so_in_one_line(config_file):
     result = _tandem("play", "--config", str(config_file), "--frames", "1")
     assert result.returncode == 1
     assert result.stderr.strip().startswith("tandem: UNAVAILABLE") and "Traceback" not in result.stderr
+
+
+def test_servers_die_with_a_killed_supervisor(config_file):
+    up = subprocess.Popen(
+        [sys.executable, "-m", "tandem", "up", "--config", str(config_file)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        while not up.stdout.readline().startswith("tandem is up"):
+            assert up.poll() is None, "tandem up exited early"
+        children = _children(up.pid)
+        assert len(children) == 3
+        up.kill()  # SIGKILL: no chance to stop the servers itself
+        up.wait(timeout=10)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and any(_alive(p) for p in children):
+            time.sleep(0.1)
+        assert not [p for p in children if _alive(p)], "servers outlived a killed tandem up"
+    finally:
+        if up.poll() is None:
+            up.kill()
