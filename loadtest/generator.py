@@ -2,8 +2,10 @@
 
 Each engine has a frame every ``1 / fps`` s (engines are spread evenly over
 the frame period). At its scheduled time a frame sends one ``Search`` (a real
-labelled Connect Four position, a fixed simulation budget) and one
-``Evaluate`` of the same position, both asynchronously: the generator never
+labelled Connect Four position, a fixed simulation budget, ``deadline_ms``
+only as a cap) and one ``Evaluate`` of the same position (its board planes,
+or with ``frames`` a rendered 224x224 RGB uint8 frame of it,
+reward_service/frames.py), both asynchronously: the generator never
 waits for answers before sending the next frame (open loop: a slow server
 gets more requests in flight, not fewer requests, so its queueing shows).
 Latency is measured from the frame's *scheduled* time, not from when the
@@ -34,6 +36,7 @@ from dataclasses import asdict, dataclass
 import grpc
 import numpy as np
 
+from reward_service.frames import render_moves
 from search_service.games import connect4
 from tandem import tensors
 from tandem.positions import DEFAULT_SETS, load_set
@@ -57,6 +60,8 @@ class LoadSpec:
     position_sets: tuple[str, ...] = DEFAULT_SETS
     session_ids: bool = False  # one session id per engine (tree reuse store is exercised)
     seed: int = 1
+    deadline_ms: float = 0.0  # cap on each search (0 = none: the simulation budget alone)
+    frames: bool = False  # Evaluate a rendered 224x224 frame (model "frame_reward") instead of the board
 
 
 @dataclass
@@ -69,6 +74,7 @@ class Record:
     done: float | None = None
     code: str | None = None  # "OK" or a StatusCode name; None while in flight
     evaluator: str | None = None  # search answers: EVALUATOR_ROLLOUT / EVALUATOR_VALUE_MODEL
+    simulations: int | None = None  # search answers: simulations completed
 
 
 def _percentiles(values) -> dict:
@@ -161,10 +167,12 @@ class OpenLoopGenerator:
         request = search_pb2.SearchRequest(
             game="connect4", moves=moves, simulations=spec.simulations, phase=phase,
             evaluator=EVALUATORS[spec.evaluator], seed=spec.seed * 1_000_003 + frame * 64 + engine + 1,
-            session_id=f"engine-{engine}" if spec.session_ids else "")
+            session_id=f"engine-{engine}" if spec.session_ids else "", deadline_ms=spec.deadline_ms)
         self._issue(Record("search", engine, frame, due, time.monotonic()),
                     lambda: self._search.Search.future(request, timeout=spec.timeout_s))
         if spec.evaluate:
+            if spec.frames:  # what an engine has: its rendered frame, uint8 (~0.2 ms to render)
+                obs = render_moves([moves])
             ev = reward_pb2.EvaluateRequest(model=spec.model, inputs=[tensors.to_proto(self._input_name, obs)],
                                             output_names=["value"], priority=reward_pb2.PRIORITY_CRITICAL)
             self._issue(Record("evaluate", engine, frame, due, time.monotonic()),
@@ -185,6 +193,7 @@ class OpenLoopGenerator:
                 reply = f.result()
                 if rec.kind == "search":
                     rec.evaluator = search_pb2.Evaluator.Name(reply.evaluator)
+                    rec.simulations = reply.simulations
                 code = "OK"
             except grpc.RpcError as exc:
                 code = exc.code().name
@@ -199,9 +208,7 @@ class OpenLoopGenerator:
     def report(self, since: float | None = None, until: float | None = None) -> dict:
         """Counts and latencies of the requests scheduled in [since, until) (monotonic; default all)."""
         spec = self.spec
-        with self._lock:
-            recs = [r for r in self.records
-                    if (since is None or r.scheduled >= since) and (until is None or r.scheduled < until)]
+        recs = self._window(since, until)
         out = {"spec": asdict(spec), "duration_s": round((self._t_end or time.monotonic()) - self._t0, 2),
                "frames": len({(r.engine, r.frame) for r in recs}), "requests": {}}
         now = time.monotonic()
@@ -227,14 +234,40 @@ class OpenLoopGenerator:
                 for r in ok:
                     evs[r.evaluator] = evs.get(r.evaluator, 0) + 1
                 out["requests"][kind]["evaluators"] = evs
-        frames: dict[tuple[int, int], list[Record]] = {}
-        for r in recs:
-            frames.setdefault((r.engine, r.frame), []).append(r)
-        complete = [max(r.done for r in rs) - rs[0].scheduled for rs in frames.values()
-                    if all(r.code == "OK" for r in rs)]
-        out["frame_latency_ms"] = _percentiles(x * 1e3 for x in complete)
-        out["missed_frames"] = sum(x * 1e3 > 1000.0 / spec.fps for x in complete) + (len(frames) - len(complete))
+        frames = _by_frame(recs)
+        complete = _complete_frames_ms(frames)
+        out["frame_latency_ms"] = _percentiles(complete)
+        # A frame is missed when it is not complete within its period (1 / fps), or not complete at all.
+        out["missed_frames"] = sum(x > 1000.0 / spec.fps for x in complete) + (len(frames) - len(complete))
+        out["missed_frame_share"] = round(out["missed_frames"] / len(frames), 4) if frames else None
+        sims = [r.simulations for r in recs if r.kind == "search" and r.code == "OK"]
+        out["simulations_per_frame"] = round(float(np.mean(sims)), 1) if sims else None
         return out
+
+    def _window(self, since: float | None, until: float | None) -> list[Record]:
+        """The records of requests scheduled in [since, until) (monotonic; None: unbounded)."""
+        with self._lock:
+            return [r for r in self.records
+                    if (since is None or r.scheduled >= since) and (until is None or r.scheduled < until)]
+
+    def frame_latencies_ms(self, since: float | None = None, until: float | None = None) -> list[float]:
+        """Latency of every complete frame (all its requests OK) scheduled in
+        [since, until) (monotonic; default all), from its schedule, in ms."""
+        recs = self._window(since, until)
+        return _complete_frames_ms(_by_frame(recs))
+
+
+def _by_frame(recs: list[Record]) -> dict[tuple[int, int], list[Record]]:
+    frames: dict[tuple[int, int], list[Record]] = {}
+    for r in recs:
+        frames.setdefault((r.engine, r.frame), []).append(r)
+    return frames
+
+
+def _complete_frames_ms(frames: dict[tuple[int, int], list[Record]]) -> list[float]:
+    """Latency (ms, from the schedule to the last answer) of each frame whose requests all succeeded."""
+    return [(max(r.done for r in rs) - rs[0].scheduled) * 1e3 for rs in frames.values()
+            if all(r.code == "OK" for r in rs)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -246,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fps", type=float, default=15.0)
     ap.add_argument("--simulations", type=int, default=32)
     ap.add_argument("--evaluator", choices=sorted(EVALUATORS), default="rollout")
+    ap.add_argument("--deadline-ms", type=float, default=0.0, help="cap on each search (default: none)")
+    ap.add_argument("--frames", action="store_true", help="Evaluate rendered 224x224 frames (model frame_reward)")
     ap.add_argument("--seconds", type=float, default=30.0)
     ap.add_argument("--out", help="write the report as JSON here")
     args = ap.parse_args(argv)
@@ -254,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(args.config)
     gen = OpenLoopGenerator(LoadSpec(args.search or cfg.search.address, args.reward or cfg.reward.address,
                                      engines=args.engines, fps=args.fps, simulations=args.simulations,
-                                     evaluator=args.evaluator), cfg)
+                                     evaluator=args.evaluator, deadline_ms=args.deadline_ms, frames=args.frames,
+                                     model="frame_reward" if args.frames else "connect4_value"), cfg)
     try:
         report = gen.run(args.seconds)
     finally:

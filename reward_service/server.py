@@ -10,7 +10,7 @@ import numpy as np
 import onnxruntime as ort
 from prometheus_client import Gauge
 
-from tandem import tensors
+from tandem import pools, tensors
 from tandem.config import TandemConfig
 from tandem.service import Service, start_service
 from tandem.v1 import reward_pb2, reward_pb2_grpc, scheduler_pb2
@@ -23,6 +23,8 @@ log = logging.getLogger(__name__)
 NO_DEADLINE_S = 1e7  # remaining times beyond this (~4 months) mean "no deadline"
 IN_FLIGHT = Gauge("tandem_reward_requests_in_flight", "Evaluate calls being served.")
 PRIORITY = Gauge("tandem_reward_stream_priority", "CUDA stream priority assigned by the scheduler.")
+QUEUE_DEPTH = Gauge("tandem_reward_queue_depth", "Requests waiting in the models' batchers.")
+POOL_LIMIT = Gauge("tandem_reward_pool_limit_bytes", "ONNX Runtime arena limit over all sessions (0 = none).")
 
 
 class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
@@ -35,7 +37,8 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
     with. Status codes: NOT_FOUND (unknown model), INVALID_ARGUMENT (bad
     tensors or output names), DEADLINE_EXCEEDED (the gRPC deadline passed
     before the request ran: it is not run), RESOURCE_EXHAUSTED (the model's
-    queue is full, or a critical request displaced this bulk one),
+    queue is full, a critical request displaced this bulk one, or the run
+    needed more than the fixed memory pool),
     UNAVAILABLE (stopping), INTERNAL (the model run failed).
 
     Thread safety: the batchers are thread-safe; the only other shared
@@ -49,6 +52,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         self._in_flight = 0  # guarded by _lock
         self._served = 0  # guarded by _lock
         self._since = time.monotonic()  # guarded by _lock
+        self.assigned_priority = 0  # the scheduler's last assignment (one int write; read anywhere)
 
     def _session(self, name: str, context) -> ModelSession:
         session = self.sessions.get(name)
@@ -84,6 +88,8 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             except BatcherError as exc:  # pragma: no cover - every batcher error is mapped above
                 context.abort(grpc.StatusCode.INTERNAL, str(exc))
             except Exception as exc:  # the model run failed (logged by the batcher)
+                if pools.is_out_of_memory(exc):  # beyond the fixed arena (gpu_mem_limit)
+                    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"model {session.name!r}: memory pool full: {exc}")
                 context.abort(grpc.StatusCode.INTERNAL, f"model {session.name!r}: run failed: {exc}")
             return reward_pb2.EvaluateResponse(
                 model=session.name,
@@ -111,7 +117,8 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             execution_provider=s.execution_provider,
             available_providers=ort.get_available_providers(),
             max_batch_size=s.max_batch_size,
-            runtime={**s.runtime, "stream_priority_in_use": str(s.active_priority)},
+            runtime={**s.runtime, "stream_priority_in_use": str(s.active_priority),
+                     "stream_priority_assigned": str(self.assigned_priority)},
         )
 
     def ListModels(self, request, context):
@@ -119,7 +126,9 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
 
     def set_stream_priority(self, priority: int) -> None:
         """The scheduler's assignment: every model switches to its session on
-        a stream of that priority (the nearest one held)."""
+        a stream of that priority (the nearest one held). On a CPU host no
+        stream is held: the assignment is only recorded."""
+        self.assigned_priority = priority
         for s in self.sessions.values():
             s.set_stream_priority(priority)
 
@@ -187,6 +196,8 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True) -> Service:
         if off:
             log.warning("model %s: GPU features off: %s", s.name, "; ".join(f"{k} {v}" for k, v in off.items()))
     servicer = RewardServicer(sessions, {name: _batcher(s, cfg) for name, s in sessions.items()})
+    QUEUE_DEPTH.set_function(lambda: sum(b.stats()["queued"] for b in servicer.batchers.values()))
+    POOL_LIMIT.set(cfg.reward.memory_pool_bytes)
     _warm_up(servicer)
     held = sorted({p for s in sessions.values() for p in s.stream_priorities}, reverse=True) or [0]
 

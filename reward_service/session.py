@@ -41,7 +41,7 @@ from typing import Callable
 import numpy as np
 import onnxruntime as ort
 
-from tandem import tensors
+from tandem import nvtx, tensors
 from tandem.gpu import cuda_device_count
 from tandem.config import ModelConfig, RewardConfig, resolve_path
 from tandem.v1 import reward_pb2
@@ -504,7 +504,8 @@ class ModelSession:
         Returns output name -> array of >= ``batch.rows`` rows, not reused later.
         Called from the batcher's worker thread only.
         """
-        return self._active.run(batch)
+        with nvtx.span(f"model.{self.name}"):
+            return self._active.run(batch)
 
     def run(self, feeds: dict[str, np.ndarray], output_names: list[str] | None = None) -> tuple[dict[str, np.ndarray], float]:
         """Runs the model once, unbatched (tools and benchmarks). Returns the

@@ -203,7 +203,7 @@ def probe(pipe_directory: str | None = None, *, mps_timeout_s: float = 2.0) -> D
         message = (
             f"{name}: stream priorities are not enforced across processes without MPS "
             "(the GPU time-slices separate contexts); they act only within one process "
-            "-- run the services co-located or start MPS"
+            "-- start MPS, or set co_located: true in the config (both services in one process)"
         )
     return DeviceInfo(
         gpu_name=name,

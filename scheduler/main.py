@@ -20,10 +20,11 @@ import logging
 import sys
 from dataclasses import dataclass
 
-from scheduler import policy
+from scheduler import mps, nvml, policy
 from scheduler.device import DeviceInfo, probe
 from scheduler.server import SchedulerServicer, add_to_server
 from tandem.config import TandemConfig, load_config
+from tandem.gpu import cuda_device_count
 from tandem.server import RunningServer, build_server, serve_until_signalled, start_metrics
 
 log = logging.getLogger("scheduler")
@@ -83,11 +84,12 @@ def log_findings(device: DeviceInfo, policy_name: str) -> None:
 
 
 def start(cfg: TandemConfig, *, device: DeviceInfo | None = None,
-          weights: policy.UrgencyWeights = policy.DEFAULT_WEIGHTS) -> SchedulerHandle:
+          weights: policy.UrgencyWeights | None = None) -> SchedulerHandle:
     """Starts the scheduler on ``cfg.scheduler.address`` (port 0 picks one) and
     reports SERVING. Does not start the metrics endpoint (:func:`serve` does).
 
-    ``device`` defaults to :func:`scheduler.device.probe()`.
+    ``device`` defaults to :func:`scheduler.device.probe()`, ``weights`` to
+    ``cfg.scheduler.urgency``.
 
     Raises:
         RuntimeError: the address could not be bound.
@@ -95,7 +97,7 @@ def start(cfg: TandemConfig, *, device: DeviceInfo | None = None,
     """
     device = device if device is not None else probe()
     sched = cfg.scheduler
-    servicer = SchedulerServicer(sched, device, weights)
+    servicer = SchedulerServicer(sched, device, weights or sched.urgency)
     try:
         running = build_server(sched.address, sched.server, cfg, register=[add_to_server(servicer)])
     except BaseException:
@@ -107,15 +109,33 @@ def start(cfg: TandemConfig, *, device: DeviceInfo | None = None,
 
 def serve(cfg: TandemConfig) -> None:
     """Runs the scheduler until SIGINT/SIGTERM (blocking; call from the main thread)."""
-    device = probe()
-    log_findings(device, cfg.scheduler.policy)
-    start_metrics(cfg.scheduler.metrics_port, cfg.scheduler.address.rpartition(":")[0].strip("[]"))
-    handle = start(cfg, device=device)
-    log.info("scheduler serving on %s (port %d), policy %r, lease ttl %.0f ms, metrics on port %d",
-             cfg.scheduler.address, handle.port, cfg.scheduler.policy, cfg.scheduler.lease_ttl_ms,
-             cfg.scheduler.metrics_port)
-    serve_until_signalled(_DrainHook(handle), handle.grace_ms, on_stop=handle.servicer.close)
+    sched = cfg.scheduler
+    control = start_mps(cfg)
+    try:
+        device = probe(control.pipe_directory)
+        log_findings(device, sched.policy)
+        start_metrics(sched.metrics_port, sched.address.rpartition(":")[0].strip("[]"))
+        if sched.metrics_port and nvml.register_gpu_metrics():
+            log.info("GPU utilisation and memory exported from NVML")
+        handle = start(cfg, device=device)
+        log.info("scheduler serving on %s (port %d), policy %r, lease ttl %.0f ms, metrics on port %d",
+                 sched.address, handle.port, sched.policy, sched.lease_ttl_ms, sched.metrics_port)
+        serve_until_signalled(_DrainHook(handle), handle.grace_ms, on_stop=handle.servicer.close)
+    finally:
+        mps.stop(control)
     log.info("scheduler stopped")
+
+
+def start_mps(cfg: TandemConfig) -> mps.MpsControl:
+    """Attaches to or starts the MPS control daemon (``scheduler.mps: auto``) and
+    logs what holds; a WARNING where cross-process priorities are not enforced."""
+    pipe, logs = mps.directories(cfg.scheduler)
+    if cfg.scheduler.mps == "off":
+        control = mps.MpsControl(pipe, logs, message="MPS left alone (scheduler.mps: off)")
+    else:
+        control = mps.ensure(pipe, logs, cuda_device_count() > 0)
+    (log.info if control.active else log.warning)("MPS: %s", control.message)
+    return control
 
 
 def main(argv: list[str] | None = None) -> None:

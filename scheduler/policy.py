@@ -70,8 +70,8 @@ POLICIES = ("default", "dynamic", "static")
 class UrgencyWeights:
     """Every tunable of urgency and of the policies, in one place.
 
-    Defaults are module-level (:data:`DEFAULT_WEIGHTS`); the YAML file may
-    expose them later. Units are in the names.
+    Defaults are module-level (:data:`DEFAULT_WEIGHTS`); the YAML file sets
+    them in ``scheduler.urgency`` (tandem/config.py). Units are in the names.
 
     Raises:
         ValueError: a weight is negative or not finite, a reference is not

@@ -4,6 +4,11 @@ One ``Search`` validates the request (game, position, budget), takes the
 session's tree if the position continues that session's game, runs the
 backend on a batch of one tree, and answers with the chosen action, root visit
 counts, Q-values, root value, principal variation and a latency breakdown.
+
+Each search launches on the CuPy stream of the priority the scheduler last
+assigned (search_service/streams.py; taken at the start of the search, kept
+to its end). A search that needs more device memory than the fixed pool
+(``search.memory_pool_bytes``) fails with RESOURCE_EXHAUSTED.
 """
 from __future__ import annotations
 
@@ -22,6 +27,8 @@ from search_service.evaluators import EvaluatorUnavailable, RewardServiceEvaluat
 from search_service.games import GAMES
 from search_service.mcts.backend import SearchParams
 from search_service.sessions import SessionStore
+from search_service.streams import StreamSet, gpu_cupy
+from tandem import nvtx, pools
 from tandem.config import TandemConfig
 from tandem.server import LATENCY_BUCKETS_S, channel
 from tandem.service import Service, start_service
@@ -36,6 +43,10 @@ STEP_SECONDS = Histogram(
     "tandem_search_step_seconds", "Time per search in each step (s).", ["step"], buckets=LATENCY_BUCKETS_S
 )
 PRIORITY = Gauge("tandem_search_stream_priority", "CUDA stream priority assigned by the scheduler.")
+ACTIVE_PRIORITY = Gauge("tandem_search_stream_priority_active", "CUDA stream priority searches launch on.")
+POOL_BYTES = Gauge("tandem_search_pool_bytes", "CuPy memory pool: bytes in use and the fixed limit (0 = none).",
+                   ["what"])
+EXHAUSTED = Counter("tandem_search_pool_exhausted", "Searches refused because the memory pool was full.")
 SESSIONS = Gauge("tandem_search_sessions", "Trees kept for reuse.")
 CANCELLED = Counter(
     "tandem_search_cancelled", "Searches stopped early because their caller went away (cancel or deadline)."
@@ -55,8 +66,9 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
     call, ``SessionStore`` guards its own table, and ``_lock`` guards the load
     figures reported to the scheduler."""
 
-    def __init__(self, cfg: TandemConfig, backend, evaluator):
+    def __init__(self, cfg: TandemConfig, backend, evaluator, streams: StreamSet | None = None):
         self.cfg = cfg.search
+        self.streams = streams or StreamSet(cfg.search.stream_priorities)
         self.backend = backend
         self.evaluator = evaluator
         self.sessions = SessionStore(cfg.search.max_sessions, cfg.search.session_ttl_ms)
@@ -142,13 +154,21 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
         # The caller may cancel, or its deadline pass, mid-search: stop between waves.
         stop = {"should_stop": lambda: not context.is_active()} if self._can_stop else {}
         try:
-            results, trees = self.backend.search(position, params, evaluator, [tree], **stop)
-        except EvaluatorUnavailable as exc:
-            # Degrade, don't fail: the frame still gets a move, from rollouts.
-            log.warning("value model unavailable (%s): searching with rollouts", exc)
-            params = SearchParams(**{**params.__dict__, "evaluator": "rollout"})
-            tree = None
-            results, trees = self.backend.search(position, params, None, [None], **stop)
+            with nvtx.span("search"), self.streams.launching():  # the assigned stream, for this whole search
+                try:
+                    results, trees = self.backend.search(position, params, evaluator, [tree], **stop)
+                except EvaluatorUnavailable as exc:
+                    # Degrade, don't fail: the frame still gets a move, from rollouts.
+                    log.warning("value model unavailable (%s): searching with rollouts", exc)
+                    params = SearchParams(**{**params.__dict__, "evaluator": "rollout"})
+                    tree = None
+                    results, trees = self.backend.search(position, params, None, [None], **stop)
+        except Exception as exc:
+            if not pools.is_out_of_memory(exc):
+                raise
+            EXHAUSTED.inc()
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"search memory pool full ({self.cfg.memory_pool_bytes or 'no'} byte limit): {exc}")
         r = results[0]
         if not context.is_active():
             # Nobody is waiting for this answer: keep no tree, say why in the log.
@@ -205,6 +225,14 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
                 self._load["deadline_slack_ms"] = request.deadline_ms - total_ms
             self._load["served"] += 1
 
+    def set_stream_priority(self, priority: int) -> int:
+        """The scheduler's assignment: later searches launch on the held
+        stream nearest ``priority``. Returns the priority now in use."""
+        active = self.streams.assign(priority)
+        PRIORITY.set(priority)
+        ACTIVE_PRIORITY.set(active)
+        return active
+
     def load(self) -> dict:
         """LoadReport fields for the scheduler."""
         with self._lock:
@@ -216,6 +244,7 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
                 "search_depth": self._load["search_depth"],
                 "deadline_slack_ms": self._load["deadline_slack_ms"],
                 "requests_per_s": rate,
+                "memory_used_bytes": pools.cupy_pool_use(self.streams.cupy)[0],
             }
 
 
@@ -237,9 +266,15 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True) -> Service:
     """
     backend = make_backend(cfg.search.backend)
     log.warning("search service: backend %s, default evaluator %s", backend.name, cfg.search.evaluator)
+    # Streams and the pool limit only where the backend launches CUDA kernels.
+    cupy = gpu_cupy() if backend.name.startswith("cuda") else None
+    log.warning("search service: %s", pools.limit_cupy_pool(cupy, cfg.search.memory_pool_bytes))
     _warm_up(backend, cfg)
     reward_channel = channel(cfg.search.reward_address or cfg.reward.address, cfg)
-    servicer = SearchServicer(cfg, backend, RewardServiceEvaluator(reward_channel, cfg.search.value_model))
+    streams = StreamSet(cfg.search.stream_priorities, cupy)
+    servicer = SearchServicer(cfg, backend, RewardServiceEvaluator(reward_channel, cfg.search.value_model), streams)
+    POOL_BYTES.labels("used").set_function(lambda: pools.cupy_pool_use(cupy)[0])
+    POOL_BYTES.labels("limit").set_function(lambda: pools.cupy_pool_use(cupy)[1])
 
     def register(server):
         search_pb2_grpc.add_SearchServiceServicer_to_server(servicer, server)
@@ -253,9 +288,9 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True) -> Service:
         server_cfg=cfg.search.server,
         register=[register],
         load_fn=servicer.load,
-        on_assignment=lambda a: PRIORITY.set(a.stream_priority),
-        stream_priorities=[0],
-        memory_bytes=0,
+        on_assignment=lambda a: servicer.set_stream_priority(a.stream_priority),
+        stream_priorities=list(streams.held),
+        memory_bytes=cfg.search.memory_pool_bytes,
         follow_scheduler=follow_scheduler,
     )
     service.servicer = servicer

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -24,6 +25,7 @@ SERVE = {
     "scheduler": "scheduler.main",
     "reward": "reward_service.server",
     "search": "search_service.server",
+    "colocated": "tandem.colocated",  # reward + search in one process (co_located: true)
 }
 
 
@@ -34,10 +36,11 @@ def _config(args) -> TandemConfig:
 def cmd_serve(args) -> int:
     import importlib
 
-    from tandem.supervisor import die_with_supervisor
+    from tandem.supervisor import die_with_supervisor, mps_env
 
     die_with_supervisor()
     cfg = _config(args)
+    os.environ.update(mps_env(cfg))  # before any CUDA context: the MPS directories the scheduler uses
     importlib.import_module(SERVE[args.name]).serve(cfg)
     return 0
 
@@ -64,6 +67,12 @@ def cmd_status(args) -> int:
     from tandem.status import print_status
 
     return print_status(_config(args))
+
+
+def cmd_doctor(args) -> int:
+    from tandem import doctor
+
+    return doctor.print_findings(doctor.run(_config(args), deep=args.deep))
 
 
 def cmd_health(args) -> int:
@@ -159,6 +168,8 @@ def parser() -> argparse.ArgumentParser:
     p = command("up", cmd_up, "start scheduler, reward and search services")
     p.add_argument("--log-dir", type=Path, help="write each server's log here")
     command("status", cmd_status, "print what the scheduler knows")
+    p = command("doctor", cmd_doctor, "check this host for MPS, priorities, memory, copies, clocks; print fixes")
+    p.add_argument("--deep", action="store_true", help="also time priorities across two processes (GPU, ~10 s)")
     p = command("health", cmd_health, "check one server's gRPC health")
     p.add_argument("address", help="HOST:PORT")
     p.add_argument("--service", default="", help="service name (default: the whole server)")

@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from scheduler.policy import UrgencyWeights
 from tandem.paths import REPO_ROOT
 
 DEFAULT_CONFIG = REPO_ROOT / "deploy" / "config" / "tandem.yaml"
@@ -61,6 +62,15 @@ class SchedulerConfig:
     lease_ttl_ms: float = 3000.0  # a service that has not reported for this long is dropped
     report_interval_ms: float = 250.0  # how often services report load (and renew their lease)
     gpu_memory_bytes: int = 0  # memory the scheduler may hand out; 0 = the device's total (unlimited on CPU)
+    # CUDA MPS (scheduler/mps.py): "auto" = on a GPU host attach to the control daemon answering in
+    # mps_pipe_directory or start one (and stop it on exit); "off" = leave MPS alone. The reward and
+    # search processes get both directories in their environment (tandem up / tandem serve).
+    mps: str = "auto"
+    mps_pipe_directory: str = ""  # empty: $CUDA_MPS_PIPE_DIRECTORY, else /tmp/nvidia-mps
+    mps_log_directory: str = ""  # empty: $CUDA_MPS_LOG_DIRECTORY, else /tmp/nvidia-log
+    # Urgency weights, hysteresis thresholds and the static partition (scheduler/policy.py,
+    # UrgencyWeights: names, units and rules there); any subset may be given.
+    urgency: UrgencyWeights = field(default_factory=UrgencyWeights)
     server: ServerConfig = field(default_factory=ServerConfig)
 
 
@@ -143,6 +153,12 @@ class SearchConfig:
     max_deadline_ms: float = 60_000.0  # longer deadlines: INVALID_ARGUMENT
     max_sessions: int = 1024  # trees kept for reuse; the least recently used goes first
     session_ttl_ms: float = 60_000.0  # a session's tree is dropped after this long unused
+    # CUDA stream priorities the scheduler may assign (0 = least urgent, down to -5 on an
+    # H200): one CuPy stream per priority, created on first use (search_service/streams.py).
+    stream_priorities: tuple[int, ...] = (0, -5)
+    # CuPy memory pool limit (MemoryPool.set_limit), fixed at start; a search that would
+    # exceed it fails with RESOURCE_EXHAUSTED. 0 = no limit.
+    memory_pool_bytes: int = 0
     server: ServerConfig = field(default_factory=ServerConfig)
 
 
@@ -153,10 +169,14 @@ class TandemConfig:
     search: SearchConfig = field(default_factory=SearchConfig)
     tls: TlsConfig = field(default_factory=TlsConfig)  # applies to all three servers
     auth_token: str = ""  # non-empty: every RPC must send "authorization: Bearer <token>"
+    # Reward and search services in one process (tandem/colocated.py): stream priorities act
+    # there without MPS. `tandem up` then starts two processes (scheduler, colocated).
+    co_located: bool = False
 
 
 _CHOICES = {
     "scheduler.policy": ("default", "dynamic", "static"),
+    "scheduler.mps": ("auto", "off"),
     "reward.execution_provider": ("auto", "cuda", "cpu"),
     "reward.nonfinite_inputs": ("reject", "pass"),
     "reward.cudnn_conv_algo_search": ("EXHAUSTIVE", "HEURISTIC", "DEFAULT"),
@@ -165,6 +185,8 @@ _CHOICES = {
 }
 # Fields that may be zero (meaning "off" or "default"); every other number must be positive.
 _MAY_BE_ZERO = {"metrics_port", "gpu_memory_bytes", "memory_pool_bytes", "intra_op_threads", "max_queue_delay_us"}
+# Sections that validate themselves (their dataclass's __post_init__), where zero may be meaningful.
+_SELF_CHECKED = {"urgency"}
 # Lists of numbers checked by their own rule instead (in _check_list).
 _LISTS = {"batch_buckets", "stream_priorities"}
 
@@ -184,7 +206,12 @@ def _build(cls: type, data: Any, key: str) -> Any:
     values = {}
     for name, raw in data.items():
         values[name] = _convert(hints[name], raw, f"{key}.{name}" if key else name)
-    return cls(**values)
+    try:
+        return cls(**values)
+    except ConfigError:
+        raise
+    except ValueError as exc:  # the dataclass's own checks (e.g. UrgencyWeights)
+        raise ConfigError(f"{key or 'config'}: {exc}") from None
 
 
 def _convert(hint: Any, raw: Any, key: str) -> Any:
@@ -222,6 +249,8 @@ def _check(obj: Any, key: str = "") -> None:
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         path = f"{key}.{f.name}" if key else f.name
+        if f.name in _SELF_CHECKED:
+            continue
         if dataclasses.is_dataclass(value):
             _check(value, path)
         elif isinstance(value, tuple) and f.name in _LISTS:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import grpc
 
+from scheduler import nvml
 from tandem.config import TandemConfig
 from tandem.server import channel
 from tandem.supervisor import SERVICES, health_status
@@ -27,16 +28,24 @@ def print_status(cfg: TandemConfig) -> int:
             print(f"scheduler: {exc.code().name}: {exc.details()}")
             return 1
     print(f"scheduler: policy {st.policy}, {st.decisions} decisions, GPU {st.gpu or 'none'}")
+    gpu = nvml.sample()  # this host's GPU 0, where NVML answers
+    if gpu is not None:
+        print(f"  GPU utilisation {gpu['gpu_util_percent']:.0f} %, {gpu['memory_used_bytes'] / 2**30:.1f} of "
+              f"{gpu['memory_total_bytes'] / 2**30:.1f} GiB in use, SM clock {gpu['sm_clock_mhz']} MHz")
     print(f"  stream priorities: least {st.least_priority}, greatest {st.greatest_priority}")
     enforced = "enforced" if st.priorities_enforced else "NOT ENFORCED across processes"
     print(f"  MPS: {'active' if st.mps_active else 'inactive'}; priorities {enforced}: {st.mps_message}")
+    if cfg.co_located:
+        print("  co-located: reward and search share one process, where stream priorities act without MPS")
+    elif not st.priorities_enforced:
+        print("  to have priorities act here: start MPS, or set co_located: true in the config")
     if not st.services:
         print("  no services registered")
     for s in st.services:
         a, load = s.assignment, s.last_load
         print(
             f"  {_kind(s.kind):<7} {s.instance:<28} {s.address:<22} priority {a.stream_priority:>2}  "
-            f"pool {a.memory_pool_bytes / 2**20:.0f} MiB  urgency {s.urgency:.2f}  "
+            f"pool {load.memory_used_bytes / 2**20:.0f}/{a.memory_pool_bytes / 2**20:.0f} MiB  urgency {s.urgency:.2f}  "
             f"lease {s.lease_expires_in_ms:.0f} ms  queue {load.queue_depth}  {load.requests_per_s:.1f} req/s"
         )
     return 0

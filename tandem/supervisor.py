@@ -18,11 +18,23 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.config import TandemConfig
+from tandem.pools import mps_memory_env
+
+
+def mps_env(cfg: TandemConfig) -> dict[str, str]:
+    """``CUDA_MPS_PIPE_DIRECTORY`` / ``CUDA_MPS_LOG_DIRECTORY`` shared by the three
+    servers (scheduler/mps.py); {} with ``scheduler.mps: off``."""
+    if cfg.scheduler.mps == "off":
+        return {}
+    from scheduler import mps
+
+    return mps.client_env(*mps.directories(cfg.scheduler))
 from tandem.server import channel
 
 log = logging.getLogger(__name__)
 
 SERVICES = ("scheduler", "reward", "search")  # start order: search follows the other two
+COLOCATED = "colocated"  # the one process of reward + search under co_located: true
 _PR_SET_PDEATHSIG = 1
 
 
@@ -97,9 +109,20 @@ class Stack:
     config_path: Path | None
     log_dir: Path | None = None
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    # Extra environment per server name, e.g. {"reward": {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50"}}:
+    # what must be set before a process creates its CUDA context.
+    env: dict[str, dict[str, str]] = field(default_factory=dict)
 
     def addresses(self) -> dict[str, str]:
         return {name: getattr(self.cfg, name).address for name in SERVICES}
+
+    def processes(self) -> tuple[str, ...]:
+        """The processes to start, in order (``tandem serve`` names)."""
+        return ("scheduler", COLOCATED) if self.cfg.co_located else SERVICES
+
+    def _serves(self, process: str) -> tuple[str, ...]:
+        """The servers (config sections) a process serves."""
+        return ("reward", "search") if process == COLOCATED else (process,)
 
     def start(self, timeout_s: float = 120.0) -> None:
         """Starts the servers in order, each after the last reports SERVING.
@@ -112,7 +135,7 @@ class Stack:
         if busy:
             raise RuntimeError(f"already in use (is another tandem up running?): {', '.join(busy)}")
         try:
-            for name in SERVICES:
+            for name in self.processes():
                 cmd = [sys.executable, "-m", "tandem", "serve", name]
                 if self.config_path:
                     cmd += ["--config", str(self.config_path)]
@@ -122,12 +145,31 @@ class Stack:
                     out = open(self.log_dir / f"{name}.log", "ab")
                 self.procs[name] = subprocess.Popen(
                     cmd, stdout=out, stderr=subprocess.STDOUT if out else None,
-                    env={**os.environ, PARENT_ENV: str(os.getpid())},
+                    env={**os.environ, **self._env(name), PARENT_ENV: str(os.getpid())},
                 )
-                wait_serving(getattr(self.cfg, name).address, self.cfg, timeout_s, self.procs[name])
+                for server in self._serves(name):
+                    wait_serving(getattr(self.cfg, server).address, self.cfg, timeout_s, self.procs[name])
         except BaseException:
             self.stop()
             raise
+
+    def _env(self, name: str) -> dict[str, str]:
+        """The server's extra environment: the shared MPS directories, its MPS
+        device memory cap (from its fixed pool, where it has one), its MPS
+        active-thread share under policy ``static`` and ``env[name]``."""
+        pools = {"reward": self.cfg.reward.memory_pool_bytes, "search": self.cfg.search.memory_pool_bytes}
+        pool = sum(pools.get(server, 0) for server in self._serves(name))
+        return {**mps_env(self.cfg), **mps_memory_env(pool), **self._partition(name), **self.env.get(name, {})}
+
+    def _partition(self, name: str) -> dict[str, str]:
+        """``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` of a service under policy ``static``
+        (``scheduler.urgency.static_*_percentage``): MPS reads it when the process
+        creates its CUDA context, so it is fixed for the process's life."""
+        if self.cfg.scheduler.policy != "static" or name not in ("reward", "search"):
+            return {}
+        w = self.cfg.scheduler.urgency
+        share = w.static_search_percentage if name == "search" else w.static_reward_percentage
+        return {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(share)}
 
     def _ports(self) -> list[tuple[str, str]]:
         out = []

@@ -30,6 +30,13 @@ def test_shipped_config_loads_and_matches_defaults():
         ({"tls": {"cert_path": "c.pem"}}, "tls: cert_path and key_path must be set together"),
         ({"search": {"server": {"max_workers": True}}}, "search.server.max_workers: expected an integer"),
         ([1, 2], "config: expected a mapping"),
+        ({"scheduler": {"mps": "on"}}, "scheduler.mps: must be one of"),
+        ({"scheduler": {"urgency": {"phase_lat": 2}}}, "scheduler.urgency.phase_lat: unknown key"),
+        ({"scheduler": {"urgency": {"lower_threshold": 3.0}}}, "scheduler.urgency: UrgencyWeights.lower_threshold"),
+        ({"scheduler": {"urgency": {"slack_weight": -1}}}, "scheduler.urgency: UrgencyWeights.slack_weight"),
+        ({"scheduler": {"urgency": {"static_search_percentage": 50.5}}},
+         "scheduler.urgency.static_search_percentage: expected an integer"),
+        ({"search": {"stream_priorities": [1]}}, "search.stream_priorities: must be distinct CUDA stream priorities"),
     ],
 )
 def test_bad_values_are_refused_naming_the_key(data, key):
@@ -49,3 +56,9 @@ def test_missing_and_malformed_files(tmp_path):
     typo.write_text("search:\n  evaluatr: rollout\n")
     with pytest.raises(ConfigError, match=r"typo.yaml: search.evaluatr: unknown key"):
         load_config(typo)
+
+
+def test_urgency_weights_come_from_the_yaml_and_may_be_zero():
+    cfg = parse_config({"scheduler": {"urgency": {"slack_weight": 0, "raise_threshold": 3.0, "phase_late": 2}}})
+    w = cfg.scheduler.urgency
+    assert (w.slack_weight, w.raise_threshold, w.phase_late, w.lower_threshold) == (0.0, 3.0, 2.0, 1.5)

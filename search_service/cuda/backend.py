@@ -65,6 +65,7 @@ from search_service.cuda.module import kernel
 from search_service.mcts import tree as tr
 from search_service.mcts.backend import LeafEvaluator, SearchParams, SearchResult
 from search_service.mcts.philox import seed_key
+from tandem import nvtx
 
 A = connect4.NUM_ACTIONS
 MAX_DEPTH = connect4.MAX_MOVES
@@ -317,7 +318,8 @@ class _Search:
 
         self.t_launch = time.perf_counter()
         if self.should_stop is None:
-            launch(total)
+            with nvtx.span("search.rollout_kernel"):  # select, expand, evaluate and backup in one kernel
+                launch(total)
             return
         # Slices: each launch continues the last (the per-tree claim counter
         # persists and never passes the budget); a multiple of K keeps the
@@ -327,8 +329,9 @@ class _Search:
         stream = cupy.cuda.get_current_stream()
         while budget < total:
             budget = min(total, budget + step)
-            launch(budget)
-            stream.synchronize()
+            with nvtx.span("search.rollout_kernel"):
+                launch(budget)
+                stream.synchronize()
             if p.deadline_ms is not None and (time.perf_counter() - self.t0) * 1e3 >= p.deadline_ms:
                 self.host_deadline = budget < total
                 return
@@ -370,15 +373,16 @@ class _Search:
                 self.stopped = True
                 return False
             t = time.perf_counter()
-            kernel("mcts_vm_select")(
-                grid, block,
-                (
-                    self.pool, np.int64(self.cap), np.int32(self.limit), np.int32(b), np.int32(w), np.int32(g),
-                    np.int32(k_max), np.int32(k), np.float64(p.c_puct), np.float64(p.virtual_loss), self.ts,
-                    meta_dev, paths, obs_dev,
-                ),
-            )
-            staged = stage.get()
+            with nvtx.span("search.select"):
+                kernel("mcts_vm_select")(
+                    grid, block,
+                    (
+                        self.pool, np.int64(self.cap), np.int32(self.limit), np.int32(b), np.int32(w), np.int32(g),
+                        np.int32(k_max), np.int32(k), np.float64(p.c_puct), np.float64(p.virtual_loss), self.ts,
+                        meta_dev, paths, obs_dev,
+                    ),
+                )
+                staged = stage.get()
             meta = staged[: n * 16].view(np.int32).reshape(n, 4)
             t1 = time.perf_counter()
             active = in_wave_of < k
@@ -394,7 +398,8 @@ class _Search:
                 else:
                     obs = staged[n * 16 :].reshape(n, 2, connect4.ROWS, connect4.COLUMNS)[rows]
                 legal = (staged[n * 16 :].reshape(n, 2, connect4.ROWS, connect4.COLUMNS)[rows, :, -1, :] == 0).all(axis=1)
-                values, priors = _model_answer(self.evaluator, obs, legal)
+                with nvtx.span("search.evaluate"):
+                    values, priors = _model_answer(self.evaluator, obs, legal)
                 by_slot = np.zeros(n, np.float32)
                 by_slot[rows] = values
                 open_ = active & (term == tr.NOT_TERMINAL)
@@ -403,14 +408,15 @@ class _Search:
                     vin[rows, 1:] = priors
                     has_priors = True
             t2 = time.perf_counter()
-            vin_dev.set(vin)
-            backup_kernel(
-                grid, block,
-                (
-                    self.pool, np.int64(self.cap), np.int32(b), np.int32(w), np.int32(g), np.int32(k_max),
-                    np.int32(k), self.ts, meta_dev, paths, vin_dev, np.int32(has_priors),
-                ),
-            )
+            with nvtx.span("search.backup"):
+                vin_dev.set(vin)
+                backup_kernel(
+                    grid, block,
+                    (
+                        self.pool, np.int64(self.cap), np.int32(b), np.int32(w), np.int32(g), np.int32(k_max),
+                        np.int32(k), self.ts, meta_dev, paths, vin_dev, np.int32(has_priors),
+                    ),
+                )
             t3 = time.perf_counter()
             self.ms["select"] += (t1 - t) * 1e3
             self.ms["evaluate"] += (t2 - t1) * 1e3

@@ -61,6 +61,7 @@ from search_service.games.connect4 import Positions
 from search_service.mcts import tree as tr
 from search_service.mcts.backend import LeafEvaluator, SearchParams, SearchResult
 from search_service.mcts.rollout import rollout_values
+from tandem import nvtx
 
 A = connect4.NUM_ACTIONS
 MAX_DEPTH = connect4.MAX_MOVES  # a selection path has at most 42 edges
@@ -209,13 +210,17 @@ class _Search:
 
     def _wave(self, k: int, done: int) -> None:
         t = time.perf_counter()
-        walk = self._select(k)
+        with nvtx.span("search.select"):
+            walk = self._select(k)
         t1 = time.perf_counter()
-        leaf = self._expand(walk)
+        with nvtx.span("search.expand"):
+            leaf = self._expand(walk)
         t2 = time.perf_counter()
-        values = self._evaluate(walk, leaf, done)
+        with nvtx.span("search.evaluate"):
+            values = self._evaluate(walk, leaf, done)
         t3 = time.perf_counter()
-        self._backup(walk, leaf, values)
+        with nvtx.span("search.backup"):
+            self._backup(walk, leaf, values)
         t4 = time.perf_counter()
         for name, dt in zip(("select", "expand", "evaluate", "backup"), (t1 - t, t2 - t1, t3 - t2, t4 - t3)):
             self.ms[name] += dt * 1e3

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Scheduling GPU run (issue 5): tandem doctor --deep, the GPU tests of the
+# scheduling parts, then the 60 FPS frame-scheduling benchmark under every
+# policy (bench/frame_scheduling.py), all in one device call.
+#
+# Needs onnxruntime-gpu on the machine, carried in parts exactly as for
+# bench/run_reward_gpu.sh (see its header: ../shared/tools/ort-gpu-parts.sh
+# `prepare`, then per part `stage N` + a device call carrying [".ortgpu"]),
+# then one device call carrying [".whl"], from the repository root:
+#
+#   bash bench/run_scheduling_gpu.sh              # about 6 min
+#   SECONDS_PER_POLICY=10 bash bench/run_scheduling_gpu.sh   # shorter
+#
+# Writes into $OUT: frame_scheduling.json, frame_scheduling_latencies.json,
+# doctor.txt, pytest_gpu.log, bench.log and each scenario's server logs
+# (logs/<policy>/). The machine has no matplotlib: draw the PNG here afterwards,
+#   python -m bench.frame_scheduling --plot-only <folder holding the returned files>
+set -o pipefail
+export PYTHONUNBUFFERED=1
+t0=$(date +%s)
+OUTDIR=${OUT:-bench/results}
+mkdir -p "$OUTDIR"
+W=/root/onnxruntime_gpu-1.31.1-cp312-cp312-manylinux_2_28_x86_64.whl  # pip needs a valid wheel name
+if [ -d /root/ortparts ]; then
+  cat /root/ortparts/part* > $W && python3 -m pip install -q --no-index --no-deps --no-compile --target /root/ortsite $W 2>&1 | tail -2
+fi
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+  .whl/onnxconverter_common-*.whl .whl/grpcio_health_checking-*.whl .whl/grpcio_reflection-*.whl 2>&1 | tail -2
+export PYTHONPATH=/root/ortsite:/tmp/site:$PWD
+python3 -c "import onnxruntime as o; print('ort', o.__version__, o.get_available_providers())" 2>&1 | tail -1
+echo "setup $(( $(date +%s) - t0 )) s"
+# The checks: MPS (started here for the doctor, stopped after), priorities across processes, memory, copies.
+python3 - <<'PY' 2>&1 | tee "$OUTDIR/doctor.txt"
+import subprocess
+from scheduler import mps
+from tandem.config import load_config
+pipe, logs = mps.directories(load_config().scheduler)
+c = mps.ensure(pipe, logs, True)
+print("MPS:", c.message, flush=True)
+try:
+    subprocess.run(["python3", "-m", "tandem", "doctor", "--deep"], timeout=240,
+                   env={**__import__("os").environ, **mps.client_env(pipe, logs)})
+finally:
+    mps.stop(c)
+PY
+timeout 180 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_assignments.py tests/test_doctor.py \
+  tests/test_nvtx.py tests/test_reward_gpu.py 2>&1 | tee "$OUTDIR/pytest_gpu.log" | tail -15
+echo "tests done at $(( $(date +%s) - t0 )) s"
+timeout 420 python3 -m bench.frame_scheduling --seconds "${SECONDS_PER_POLICY:-15}" --out "$OUTDIR" \
+  --logs "$OUTDIR/logs" 2>&1 | tee "$OUTDIR/bench.log" | grep -v " INFO " | tail -30
+echo "all done at $(( $(date +%s) - t0 )) s"

@@ -1,0 +1,101 @@
+"""A background client that saturates the reward service: an RL trainer
+scoring rollouts, in large bulk-priority batches of rendered frames.
+
+``workers`` threads each send one ``Evaluate`` of ``batch`` frames at a time
+(closed loop: the next as soon as the last is answered), at
+``PRIORITY_BULK``, so the reward service always has a large batch queued or
+running while the frame load test measures its critical path.
+
+    bg = BackgroundLoad(address, cfg=cfg, batch=64, workers=2)
+    bg.start(); ...; bg.stop()
+    bg.report()  # {"batches", "frames", "refused", "frames_per_s", ...}
+
+Concurrency: each worker owns its request; the counters are guarded by
+``_lock``; ``stop`` sets an event and joins the workers (each ends after its
+call in flight, bounded by ``timeout_s``).
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+
+from reward_service.frames import render_moves
+from tandem import tensors
+from tandem.server import channel
+from tandem.v1 import reward_pb2, reward_pb2_grpc
+
+# Rollout positions the trainer scores (any legal Connect Four move strings; the model's cost does not depend on them).
+_ROLLOUT_MOVES = ("4", "44", "4453", "445362", "1234567", "44444435", "7654321123", "3344556677")
+
+
+class BackgroundLoad:
+    """Bulk ``Evaluate`` calls of ``batch`` rendered frames, as fast as answered.
+
+    Args:
+        address: the reward service, HOST:PORT.
+        cfg: tandem config (TLS, token) or None (plaintext).
+        model: model name; its first input must take uint8 [N, 224, 224, 3].
+        batch: frames per call (at most the model's max_batch_size).
+        workers: calls in flight at once.
+        timeout_s: gRPC deadline of each call.
+    """
+
+    def __init__(self, address: str, cfg=None, *, model: str = "frame_reward", batch: int = 64,
+                 workers: int = 2, timeout_s: float = 30.0):
+        self.model, self.batch, self.workers, self.timeout_s = model, batch, workers, timeout_s
+        self._channel = channel(address, cfg)
+        self._stub = reward_pb2_grpc.RewardServiceStub(self._channel)
+        moves = [_ROLLOUT_MOVES[i % len(_ROLLOUT_MOVES)] for i in range(batch)]
+        self._frames = render_moves(moves)
+        self._lock = threading.Lock()
+        self._batches = 0  # guarded by _lock: answered calls
+        self._refused: dict[str, int] = {}  # guarded by _lock: status code name -> count
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._t0 = self._t1 = 0.0
+
+    def start(self) -> None:
+        meta = self._stub.ModelMetadata(reward_pb2.ModelMetadataRequest(model=self.model), timeout=10)
+        request = reward_pb2.EvaluateRequest(
+            model=self.model, inputs=[tensors.to_proto(meta.inputs[0].name, self._frames)],
+            priority=reward_pb2.PRIORITY_BULK)
+        self._stop.clear()
+        self._t0 = time.monotonic()
+        self._threads = [threading.Thread(target=self._work, args=(request,), name=f"background-{i}", daemon=True)
+                         for i in range(self.workers)]
+        for t in self._threads:
+            t.start()
+
+    def _work(self, request: reward_pb2.EvaluateRequest) -> None:
+        while not self._stop.is_set():
+            try:
+                self._stub.Evaluate(request, timeout=self.timeout_s)
+                with self._lock:
+                    self._batches += 1
+            except grpc.RpcError as exc:
+                with self._lock:
+                    name = exc.code().name
+                    self._refused[name] = self._refused.get(name, 0) + 1
+                if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+                    self._stop.wait(0.05)  # the server is going away: do not spin
+
+    def stop(self) -> None:
+        """Stops sending; waits for the calls in flight (each bounded by ``timeout_s``)."""
+        self._stop.set()
+        for t in self._threads:
+            t.join(self.timeout_s + 1.0)
+        self._t1 = time.monotonic()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def report(self) -> dict:
+        """Answered batches and frames, refusals by status code, and frames scored per second."""
+        with self._lock:
+            batches, refused = self._batches, dict(self._refused)
+        elapsed = (self._t1 or time.monotonic()) - self._t0
+        return {"batch": self.batch, "workers": self.workers, "batches": batches, "frames": batches * self.batch,
+                "refused": refused, "seconds": round(elapsed, 2),
+                "frames_per_s": round(batches * self.batch / elapsed, 1) if elapsed > 0 else None}

@@ -1,0 +1,167 @@
+"""The 60 FPS load test under one scheduling policy (issue 5, part 7).
+
+One run starts the three servers (``tandem up``'s :class:`~tandem.supervisor.Stack`)
+with ``scheduler.policy`` set, then plays ``engines`` game engines at ``fps``
+with :class:`~loadtest.generator.OpenLoopGenerator` (each frame: one
+``Search`` of a real position with a fixed simulation budget, the frame
+deadline only as a cap, plus one ``Evaluate`` of the rendered 224x224 frame
+on ``frame_reward``) while :class:`~loadtest.background.BackgroundLoad`
+saturates the reward service with large bulk batches. It measures after a
+warm-up and stops the stack.
+
+Scenarios (the ``policy`` column of ``bench/results/frame_scheduling.json``):
+
+* ``uncontended`` -- frames alone (policy ``default``);
+* ``background_alone`` -- the background client alone (its throughput
+  without frames);
+* ``default``, ``dynamic``, ``static`` -- both, under that policy. Under
+  ``static`` the stack starts each service with ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``
+  (the static policy's share per kind, tandem/supervisor.py), which MPS reads
+  when the process creates its CUDA context.
+
+Everything measured is in ms (latencies from each frame's *scheduled* time)
+or per second.
+"""
+from __future__ import annotations
+
+import dataclasses
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+from loadtest.background import BackgroundLoad
+from loadtest.generator import LoadSpec, OpenLoopGenerator
+from tandem.config import load_config
+from tandem.supervisor import Stack
+
+
+SCENARIOS = ("uncontended", "background_alone", "default", "dynamic", "static")
+ROW_FIELDS = ("policy", "clients", "fps", "frame_ms_avg", "frame_ms_p50", "frame_ms_p99", "missed_frame_share",
+              "background_per_s", "simulations_per_frame")
+
+
+@dataclasses.dataclass(frozen=True)
+class FrameTest:
+    """What one run plays. Times in seconds, budgets per frame."""
+
+    engines: int = 4  # game engines (the ``clients`` column)
+    fps: float = 60.0
+    simulations: int = 256  # fixed search budget per frame
+    deadline_cap_ms: float = 0.0  # cap on each search; 0 = one frame period (1000 / fps)
+    warmup_s: float = 3.0  # played but not measured
+    seconds: float = 20.0  # measured
+    background_batch: int = 64  # frames per background Evaluate
+    background_workers: int = 2  # background calls in flight
+    timeout_s: float = 2.0  # gRPC deadline of each frame request
+
+    @property
+    def cap_ms(self) -> float:
+        return self.deadline_cap_ms or 1000.0 / self.fps
+
+
+def policy_of(scenario: str) -> str:
+    """The scheduler policy a scenario runs under."""
+    return scenario if scenario in ("default", "dynamic", "static") else "default"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_config(base: Path | None, policy: str, out: Path, free_ports: bool = False) -> Path:
+    """``base`` (default: deploy/config/tandem.yaml) with ``scheduler.policy`` set, written to ``out``.
+    With ``free_ports`` every server takes a free loopback port and no metrics
+    port (a run beside other stacks on a shared host).
+
+    Raises:
+        tandem.config.ConfigError: the result does not validate.
+    """
+    data = yaml.safe_load(Path(base).read_text()) if base else {}
+    data = data or {}
+    data.setdefault("scheduler", {})["policy"] = policy
+    if free_ports:
+        for name in ("scheduler", "reward", "search"):
+            data.setdefault(name, {}).update(address=f"127.0.0.1:{_free_port()}", metrics_port=0)
+        data["search"].pop("reward_address", None)  # follow the reward service's new address
+    out.write_text(yaml.safe_dump(data, sort_keys=False))
+    load_config(out)  # refuse a bad config here, not in three child processes
+    return out
+
+
+def run_scenario(scenario: str, test: FrameTest, base_config: Path | None = None,
+                 log_dir: Path | None = None, free_ports: bool = False) -> tuple[dict, list[float]]:
+    """Starts the stack for ``scenario`` (on free loopback ports with
+    ``free_ports``, see :func:`write_config`), plays it, stops the stack.
+
+    Returns:
+        (row with :data:`ROW_FIELDS` and the raw reports, measured frame latencies in ms).
+
+    Raises:
+        ValueError: unknown scenario.
+        RuntimeError: the stack did not start.
+    """
+    if scenario not in SCENARIOS:
+        raise ValueError(f"scenario: must be one of {', '.join(SCENARIOS)}, got {scenario!r}")
+    with tempfile.TemporaryDirectory(prefix="tandem-frames-") as tmp:
+        path = write_config(base_config, policy_of(scenario), Path(tmp) / "tandem.yaml", free_ports)
+        cfg = load_config(path)
+        stack = Stack(cfg, path, log_dir=log_dir / scenario if log_dir else None)
+        stack.start()
+        try:
+            return _play(scenario, test, cfg)
+        finally:
+            stack.stop()
+
+
+def _play(scenario: str, test: FrameTest, cfg) -> tuple[dict, list[float]]:
+    frames_on = scenario != "background_alone"
+    background_on = scenario != "uncontended"
+    gen = bg = None
+    try:
+        if background_on:
+            bg = BackgroundLoad(cfg.reward.address, cfg, batch=test.background_batch, workers=test.background_workers)
+            bg.start()
+        if frames_on:
+            gen = OpenLoopGenerator(LoadSpec(
+                cfg.search.address, cfg.reward.address, engines=test.engines, fps=test.fps,
+                simulations=test.simulations, deadline_ms=test.cap_ms, frames=True, model="frame_reward",
+                timeout_s=test.timeout_s), cfg)
+            gen.start(test.warmup_s + test.seconds)
+        time.sleep(test.warmup_s)
+        since = time.monotonic()
+        bg_before = bg.report()["frames"] if bg else 0
+        time.sleep(test.seconds)
+        until = time.monotonic()
+        bg_frames = (bg.report()["frames"] - bg_before) if bg else 0
+        if gen:
+            gen.stop()
+        if bg:
+            bg.stop()
+        report = gen.report(since=since, until=until) if gen else None
+        latencies = gen.frame_latencies_ms(since=since, until=until) if gen else []
+    finally:
+        for client in (gen, bg):
+            if client is not None:
+                client.close()
+    row = {
+        "policy": scenario,
+        "clients": test.engines if frames_on else 0,
+        "fps": test.fps if frames_on else None,
+        "frame_ms_avg": report["frame_latency_ms"]["mean"] if report else None,
+        "frame_ms_p50": report["frame_latency_ms"]["p50"] if report else None,
+        "frame_ms_p99": report["frame_latency_ms"]["p99"] if report else None,
+        "missed_frame_share": report["missed_frame_share"] if report else None,
+        "background_per_s": round(bg_frames / (until - since), 1) if bg else None,
+        "simulations_per_frame": report["simulations_per_frame"] if report else None,
+        "simulations_budget": test.simulations,
+        "search_cap_ms": round(test.cap_ms, 3),
+        "seconds": test.seconds,
+        "requests": report["requests"] if report else None,
+        "background": bg.report() if bg else None,
+    }
+    return row, latencies

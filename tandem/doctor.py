@@ -1,0 +1,169 @@
+"""``tandem doctor``: checks a host for what the scheduler relies on and prints
+each finding with its fix.
+
+Checks (GPU measurements run in child processes, :mod:`tandem.doctor_gpu`,
+so the doctor holds no CUDA context):
+
+* GPU present (the driver, asked directly);
+* MPS: a control daemon answers in the configured pipe directory;
+* stream priority range (the policies need at least two levels);
+* free device memory against the fixed pools in the config;
+* host -> device copy bandwidth, pageable vs pinned;
+* clocks and utilisation (NVML, where ``nvidia-ml-py`` is installed);
+* ``--deep``: priorities really enforced -- a high-priority kernel chain
+  timed alone and against a saturating low-priority load in a second process.
+
+On a host without a GPU it says plainly which checks it could not make.
+Exit status: 0 when no finding is ``FAIL``, else 1.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+from tandem.config import TandemConfig
+from tandem.gpu import cuda_device_count
+
+OK, WARN, FAIL, UNKNOWN = "ok", "WARN", "FAIL", "not checked"
+GPU_CHECKS = ("stream priority range", "free memory and pools", "copy bandwidth (pageable vs pinned)",
+              "clocks and utilisation", "priorities enforced (--deep)")
+CHILD_TIMEOUT_S = 120.0
+ENFORCED_P99_RATIO = 2.0  # chain p99 under load within this factor of alone: priorities act
+
+
+@dataclass(frozen=True)
+class Finding:
+    check: str
+    status: str  # OK, WARN, FAIL or UNKNOWN
+    detail: str
+    fix: str = ""
+
+
+def _child(args: list[str], env: dict[str, str]) -> dict:
+    """JSON printed by ``python -m tandem.doctor_gpu ARGS``.
+
+    Raises:
+        RuntimeError: the child failed or timed out (its last stderr line in the message).
+    """
+    try:
+        done = subprocess.run([sys.executable, "-m", "tandem.doctor_gpu", *args], capture_output=True, text=True,
+                              timeout=CHILD_TIMEOUT_S, env={**os.environ, **env})
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"timed out after {CHILD_TIMEOUT_S:.0f} s") from None
+    if done.returncode != 0:
+        lines = done.stderr.strip().splitlines()
+        raise RuntimeError(lines[-1] if lines else f"exit {done.returncode}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def check_mps(cfg: TandemConfig, has_gpu: bool) -> Finding:
+    from scheduler import mps
+    from scheduler.device import _probe_mps
+
+    pipe, _ = mps.directories(cfg.scheduler)
+    if not has_gpu:
+        return Finding("MPS", UNKNOWN, "no GPU: cross-process stream priorities are not enforced on this host",
+                       "run tandem doctor on the GPU host")
+    _, active, message = _probe_mps(pipe, 2.0)
+    if active:
+        return Finding("MPS", OK, message)
+    return Finding("MPS", FAIL, f"{message}; stream priorities do not act across the reward and search processes",
+                   "start the stack with `tandem up` (the scheduler starts MPS, scheduler.mps: auto), or start "
+                   f"`CUDA_MPS_PIPE_DIRECTORY={pipe} nvidia-cuda-mps-control -d` yourself")
+
+
+def check_facts(cfg: TandemConfig, facts: dict) -> list[Finding]:
+    out = []
+    least, greatest = facts["least_priority"], facts["greatest_priority"]
+    levels = least - greatest + 1
+    out.append(Finding("stream priority range", OK if levels >= 2 else FAIL,
+                       f"least {least}, greatest {greatest} ({levels} levels)",
+                       "" if levels >= 2 else "this GPU has one priority: use policy static (MPS thread partition)"))
+    pools = cfg.reward.memory_pool_bytes + cfg.search.memory_pool_bytes
+    free, total = facts["free_bytes"], facts["total_bytes"]
+    detail = f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB free; fixed pools {pools / 2**30:.1f} GiB"
+    if pools == 0:
+        out.append(Finding("free memory and pools", WARN, detail + " (no pool limit set)",
+                           "set reward.memory_pool_bytes and search.memory_pool_bytes so neither service can "
+                           "starve the other"))
+    elif pools > free:
+        out.append(Finding("free memory and pools", FAIL, detail + ": the pools do not fit",
+                           "lower the pools or free the GPU (nvidia-smi shows who holds it)"))
+    else:
+        out.append(Finding("free memory and pools", OK, detail))
+    pageable, pinned = facts["pageable_gb_per_s"], facts["pinned_gb_per_s"]
+    ratio = pinned / pageable if pageable else 0.0
+    out.append(Finding("copy bandwidth (pageable vs pinned)", OK if ratio >= 1.2 else WARN,
+                       f"host->device {pageable:.1f} GB/s pageable, {pinned:.1f} GB/s pinned",
+                       "" if ratio >= 1.2 else "pinned copies are no faster: check the PCIe link "
+                       "(nvidia-smi -q | grep -A3 'Link Width') and IOMMU settings"))
+    return out
+
+
+def check_nvml() -> Finding:
+    from scheduler import nvml
+
+    s = nvml.sample()
+    if s is None:
+        return Finding("clocks and utilisation", UNKNOWN, "NVML not available",
+                       "pip install nvidia-ml-py (or read nvidia-smi -q -d CLOCK,UTILIZATION)")
+    detail = (f"SM clock {s['sm_clock_mhz']} of {s['sm_clock_max_mhz']} MHz, utilisation {s['gpu_util_percent']:.0f} %, "
+              f"{s['memory_used_bytes'] / 2**30:.1f} GiB in use")
+    if s["gpu_util_percent"] > 10:
+        return Finding("clocks and utilisation", WARN, detail + ": another process is using the GPU",
+                       "stop it (nvidia-smi lists it) before measuring latency")
+    return Finding("clocks and utilisation", OK, detail)
+
+
+def check_enforced(env: dict[str, str]) -> Finding:
+    alone = _child(["chain"], env)
+    loaded = _child(["chain", "--load"], env)
+    ratio = loaded["p99_ms"] / max(alone["p99_ms"], 1e-6)
+    detail = (f"high-priority chain p99 {alone['p99_ms']:.2f} ms alone, {loaded['p99_ms']:.2f} ms against a "
+              f"low-priority load in another process (x{ratio:.1f})")
+    if ratio <= ENFORCED_P99_RATIO:
+        return Finding("priorities enforced (--deep)", OK, detail)
+    return Finding("priorities enforced (--deep)", FAIL, detail,
+                   "run both services as clients of one MPS server (tandem up with scheduler.mps: auto)")
+
+
+def run(cfg: TandemConfig, deep: bool = False) -> list[Finding]:
+    """All findings for this host (never raises: a failed measurement is a finding)."""
+    from scheduler import mps
+
+    has_gpu = cuda_device_count() > 0
+    findings = [Finding("GPU", OK if has_gpu else UNKNOWN,
+                        f"{cuda_device_count()} CUDA device(s)" if has_gpu else "no CUDA GPU visible on this host",
+                        "" if has_gpu else "run tandem doctor on the GPU host; "
+                        "here the services run on the CPU and nothing below can be measured")]
+    findings.append(check_mps(cfg, has_gpu))
+    if not has_gpu:
+        findings += [Finding(c, UNKNOWN, "no GPU: cannot check") for c in GPU_CHECKS]
+        return findings
+    env = mps.client_env(*mps.directories(cfg.scheduler)) if cfg.scheduler.mps == "auto" else {}
+    try:
+        findings += check_facts(cfg, _child(["facts"], env))
+    except (RuntimeError, ValueError, KeyError) as exc:
+        findings.append(Finding("GPU facts", FAIL, f"measurement failed: {exc}", "is CuPy installed (tandem[gpu])?"))
+    findings.append(check_nvml())
+    if deep:
+        try:
+            findings.append(check_enforced(env))
+        except (RuntimeError, ValueError, KeyError) as exc:
+            findings.append(Finding("priorities enforced (--deep)", FAIL, f"measurement failed: {exc}"))
+    else:
+        findings.append(Finding("priorities enforced (--deep)", UNKNOWN, "not measured",
+                                "tandem doctor --deep (about 10 s of GPU time)"))
+    return findings
+
+
+def print_findings(findings: list[Finding]) -> int:
+    """Prints one line per finding (and its fix); returns 1 if any is FAIL."""
+    for f in findings:
+        print(f"[{f.status:^11}] {f.check}: {f.detail}")
+        if f.fix:
+            print(f"{'':14}fix: {f.fix}")
+    return int(any(f.status == FAIL for f in findings))

@@ -1,0 +1,67 @@
+"""The 60 FPS scheduling load test and its benchmark, in their tiny CPU form
+(``python -m bench.frame_scheduling --quick``): real stacks, one per policy."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import frame_scheduling
+from loadtest.frame_scheduling import ROW_FIELDS, SCENARIOS, run_scenario, write_config
+from tandem.config import load_config
+from tandem.supervisor import Stack
+
+
+@pytest.mark.slow
+def test_quick_run_writes_a_row_per_policy_and_a_plot(tmp_path):
+    frame_scheduling.main(["--quick", "--out", str(tmp_path)])
+    doc = json.loads((tmp_path / "frame_scheduling.json").read_text())
+    assert doc["benchmark"] == "frame_scheduling"
+    rows = {r["policy"]: r for r in doc["rows"]}
+    assert list(rows) == list(SCENARIOS)
+    for r in doc["rows"]:
+        assert set(ROW_FIELDS) <= set(r)
+    for name in ("uncontended", "default", "dynamic", "static"):
+        r = rows[name]
+        assert r["clients"] == 1 and r["fps"] == 10.0
+        assert 0 < r["frame_ms_p50"] <= r["frame_ms_p99"] and r["frame_ms_avg"] > 0
+        assert 0 <= r["missed_frame_share"] <= 1
+        assert r["simulations_per_frame"] == 16  # the fixed budget, completed (the cap is a whole frame)
+        assert r["requests"]["evaluate"]["answered"] == r["requests"]["evaluate"]["sent"] > 0
+    assert rows["uncontended"]["background_per_s"] is None
+    for name in ("background_alone", "default", "dynamic", "static"):
+        assert rows[name]["background_per_s"] > 0 and not rows[name]["background"]["refused"]
+    assert rows["background_alone"]["frame_ms_p50"] is None and rows["background_alone"]["clients"] == 0
+    lat = json.loads((tmp_path / "frame_scheduling_latencies.json").read_text())
+    assert lat["fps"] == 10.0 and set(lat["latencies_ms"]) == set(SCENARIOS)
+    assert lat["latencies_ms"]["background_alone"] == [] and len(lat["latencies_ms"]["dynamic"]) >= 10
+    try:
+        import matplotlib  # noqa: F401 - the loadtest extra
+    except ImportError:
+        return
+    png = tmp_path / "frame_scheduling.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    png.unlink()
+    frame_scheduling.main(["--plot-only", str(tmp_path)])  # again, from the latencies file alone
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_static_starts_each_server_with_its_mps_thread_share(tmp_path):
+    cfg = load_config(write_config(None, "static", tmp_path / "t.yaml"))
+    stack = Stack(cfg, None)
+    assert stack._env("search")["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
+    assert stack._env("reward")["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in stack._env("scheduler")
+    dynamic = load_config(write_config(None, "dynamic", tmp_path / "d.yaml"))
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in Stack(dynamic, None)._env("search")
+
+
+def test_config_per_policy_on_free_ports(tmp_path):
+    cfg = load_config(write_config(None, "dynamic", tmp_path / "t.yaml", free_ports=True))
+    assert cfg.scheduler.policy == "dynamic" and cfg.scheduler.metrics_port == 0
+    assert len({cfg.scheduler.address, cfg.reward.address, cfg.search.address}) == 3
+
+
+def test_unknown_scenario_is_refused():
+    with pytest.raises(ValueError, match="scenario"):
+        run_scenario("fastest", frame_scheduling.QUICK)
