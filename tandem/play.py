@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import random
 import time
-from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 

@@ -63,7 +63,7 @@ from search_service.games.connect4 import Positions
 from search_service.cuda import pool as pl
 from search_service.cuda.module import kernel
 from search_service.mcts import tree as tr
-from search_service.mcts.backend import LeafEvaluator, SearchParams, SearchResult
+from search_service.mcts.backend import LeafEvaluator, SearchParams, SearchResult, check_call
 from search_service.mcts.philox import seed_key
 from tandem import nvtx
 
@@ -183,17 +183,8 @@ class _Search:
         self.p = params
         self.evaluator = evaluator
         self.puct = params.evaluator == "value_model"
-        if self.puct and evaluator is None:
-            raise ValueError("evaluator 'value_model' needs a leaf evaluator")
+        trees = check_call(roots, params, evaluator, trees)
         b = len(roots)
-        if b == 0:
-            raise ValueError("no roots to search")
-        finished = connect4.is_terminal(roots)
-        if finished.any():
-            raise ValueError(f"root {int(np.flatnonzero(finished)[0])} is a finished game")
-        trees = list(trees) if trees is not None else [None] * b
-        if len(trees) != b:
-            raise ValueError(f"got {len(trees)} trees for {b} roots")
         self.b = b
         self.roots = roots
         self.kept: dict[int, pl.CudaTree] = {}

@@ -127,3 +127,29 @@ class SearchBackend(Protocol):
         """``tree`` re-rooted at the node reached by ``actions`` (0-based) from
         its root, or None if that node is not in the tree."""
         ...
+
+
+def check_call(roots: "Positions", params: SearchParams, evaluator: LeafEvaluator | None, trees) -> list:
+    """Checks one ``search()`` call's arguments, the same for every backend.
+
+    Returns:
+        ``trees`` as a list with one entry (a tree or None) per root.
+
+    Raises:
+        ValueError: the value-model evaluator without a leaf evaluator, no
+            roots, a finished game among them, or a trees list of another length.
+    """
+    from search_service.games import connect4
+
+    if params.evaluator == "value_model" and evaluator is None:
+        raise ValueError("evaluator 'value_model' needs a leaf evaluator")
+    b = len(roots)
+    if b == 0:
+        raise ValueError("no roots to search")
+    finished = connect4.is_terminal(roots)
+    if finished.any():
+        raise ValueError(f"root {int(np.flatnonzero(finished)[0])} is a finished game")
+    trees = list(trees) if trees is not None else [None] * b
+    if len(trees) != b:
+        raise ValueError(f"got {len(trees)} trees for {b} roots")
+    return trees

@@ -59,7 +59,7 @@ import numpy as np
 from search_service.games import connect4
 from search_service.games.connect4 import Positions
 from search_service.mcts import tree as tr
-from search_service.mcts.backend import LeafEvaluator, SearchParams, SearchResult
+from search_service.mcts.backend import LeafEvaluator, SearchParams, SearchResult, check_call
 from search_service.mcts.rollout import rollout_values
 from tandem import nvtx
 
@@ -125,17 +125,8 @@ class _Search:
         self.stopped = False
         self.evaluator = evaluator
         self.puct = params.evaluator == "value_model"
-        if self.puct and evaluator is None:
-            raise ValueError("evaluator 'value_model' needs a leaf evaluator")
+        trees = check_call(roots, params, evaluator, trees)
         b = len(roots)
-        if b == 0:
-            raise ValueError("no roots to search")
-        finished = connect4.is_terminal(roots)
-        if finished.any():
-            raise ValueError(f"root {int(np.flatnonzero(finished)[0])} is a finished game")
-        trees = list(trees) if trees is not None else [None] * b
-        if len(trees) != b:
-            raise ValueError(f"got {len(trees)} trees for {b} roots")
         self.reused = np.zeros(b, bool)
         kept = []
         for i, t in enumerate(trees):
