@@ -209,6 +209,7 @@ class Batcher:
         max_queue_size: int = 256,
         name: str = "model",
         clock: Callable[[], float] = time.monotonic,
+        merge: bool = True,
     ):
         buckets = tuple(int(b) for b in buckets)
         if list(buckets) != sorted(set(buckets)) or any(b <= 0 for b in buckets):
@@ -216,6 +217,9 @@ class Batcher:
         if max_batch_size <= 0 or max_queue_size <= 0 or max_queue_delay_us < 0:
             raise ValueError("max_batch_size and max_queue_size must be > 0, max_queue_delay_us >= 0")
         self._run = run
+        # False: one request per batch, for models whose requests cannot be
+        # concatenated (a fixed batch size, or another dynamic dimension).
+        self.merge = merge
         self.buckets = buckets
         self.max_rows = min(max_batch_size, buckets[-1]) if buckets else max_batch_size
         self.max_queue_delay_s = max_queue_delay_us * 1e-6
@@ -393,7 +397,9 @@ class Batcher:
         cap = self.max_rows
         for level in _LEVELS:
             q = self._queues[level]
-            while q and (not taken or rows + q[0].rows <= cap):
+            if taken and not self.merge:
+                break
+            while q and (not taken or (self.merge and rows + q[0].rows <= cap)):
                 req = q.popleft()
                 taken.append(req)
                 rows += req.rows
@@ -428,8 +434,12 @@ class Batcher:
             req.compute_ms = compute_ms
             req.batch_rows, req.bucket = batch.rows, batch.bucket
             if error is None:
-                names = req.output_names or tuple(outputs)
-                req.outputs = {n: outputs[n][off : off + req.rows] for n in names}
+                try:
+                    names = req.output_names or tuple(outputs)
+                    req.outputs = {n: outputs[n][off : off + req.rows] for n in names}
+                except Exception as exc:  # e.g. an output without a batch dimension
+                    log.exception("model %s: cannot split the batch's outputs", self.name)
+                    req.error = exc
             else:
                 req.error = error
         with self._lock:

@@ -175,6 +175,7 @@ def _batcher(session: ModelSession, cfg: TandemConfig) -> Batcher:
         max_queue_delay_us=cfg.reward.max_queue_delay_us,
         max_queue_size=cfg.reward.max_queue_size,
         name=session.name,
+        merge=session.mergeable,
     )
 
 

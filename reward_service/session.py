@@ -364,9 +364,14 @@ class ModelSession:
         self.inputs = _specs(probe.get_inputs())
         self.outputs = _specs(probe.get_outputs())
         output_names = [s.name for s in self.outputs]
+        for s in self.inputs + self.outputs:
+            if not s.shape:
+                raise RuntimeError(f"model {model.name}: tensor {s.name!r} has no batch dimension (0-d)")
         bindable = all(s.shape and s.shape[0] == -1 and all(d > 0 for d in s.shape[1:])
                        for s in self.inputs + self.outputs)
         on_gpu = self.execution_provider == CUDA
+        # Requests can be concatenated along the batch only when every other dimension is fixed.
+        self.mergeable = bindable
 
         self._runners: list = []
         self.buckets: tuple[int, ...] = ()

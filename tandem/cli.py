@@ -99,6 +99,7 @@ def _play_options(args, cfg: TandemConfig):
         position_sets=tuple(args.positions) if args.positions else PlayOptions.position_sets,
         simulations=args.simulations,
         evaluator=args.evaluator,
+        model=cfg.search.value_model,
         seed=args.seed,
     )
 

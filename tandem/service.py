@@ -75,7 +75,11 @@ def start_service(
     scheduler, which it follows in the background (registering with backoff).
     """
     running = build_server(address, server_cfg, cfg, register)
-    start_metrics(metrics_port, address.rpartition(":")[0].strip("[]"))
+    try:
+        start_metrics(metrics_port, address.rpartition(":")[0].strip("[]"))
+    except BaseException:
+        running.server.stop(0)  # don't leave the port bound behind a failed start
+        raise
     client = None
     if follow_scheduler:
         from scheduler.client import SchedulerClient

@@ -333,3 +333,41 @@ def test_many_threads_at_once():
     assert not errors
     assert len(model.batches) < 8 * 30  # some requests were merged
     b.close()
+
+
+def test_unmergeable_models_run_one_request_per_batch():
+    """A model whose requests cannot be concatenated (fixed batch, ragged
+    dimension) gets each request in a batch of its own, never merged."""
+    seen = []
+
+    def run(batch):
+        seen.append(len(batch.requests))
+        return {"y": np.zeros((batch.rows, 1), np.float32)}
+
+    b = Batcher(run, max_batch_size=8, max_queue_delay_us=50_000, merge=False, name="fixed")
+    try:
+        reqs = [b.submit({"x": np.zeros((1, 3), np.float32)}, 1) for _ in range(4)]
+        for r in reqs:
+            assert r.wait(5.0) and r.error is None
+        assert seen and max(seen) == 1
+    finally:
+        b.close()
+
+
+def test_a_failure_after_the_run_answers_the_requests_and_keeps_the_worker():
+    calls = []
+
+    def run(batch):
+        calls.append(batch.rows)
+        if len(calls) == 1:
+            return {"y": np.float32(1.0)}  # 0-d: cannot be split per request
+        return {"y": np.zeros((batch.rows, 1), np.float32)}
+
+    b = Batcher(run, max_batch_size=8, name="scalar")
+    try:
+        first = b.submit({"x": np.zeros((1, 3), np.float32)}, 1)
+        assert first.wait(5.0) and first.error is not None
+        second = b.submit({"x": np.zeros((1, 3), np.float32)}, 1)
+        assert second.wait(5.0) and second.error is None
+    finally:
+        b.close()
