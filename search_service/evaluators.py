@@ -9,6 +9,8 @@ random rollouts.
 """
 from __future__ import annotations
 
+import time
+
 import grpc
 import numpy as np
 
@@ -38,20 +40,30 @@ class RewardServiceEvaluator:
         self._input: str | None = None
         self._has_policy = False
 
-    def _metadata(self) -> None:
-        meta = self._stub.ModelMetadata(reward_pb2.ModelMetadataRequest(model=self.model), timeout=self.timeout_s)
+    def _metadata(self, timeout: float) -> None:
+        meta = self._stub.ModelMetadata(reward_pb2.ModelMetadataRequest(model=self.model), timeout=timeout)
         self._input = meta.inputs[0].name
         self._has_policy = any(o.name == "policy_logits" for o in meta.outputs)
 
-    def __call__(self, observations: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    def until(self, deadline: float | None):
+        """This evaluator as a LeafEvaluator whose calls end by ``deadline``
+        (``time.monotonic()`` seconds; None: only ``timeout_s``), so a slow
+        reward service cannot hold a search past its own deadline."""
+        return lambda observations: self(observations, deadline)
+
+    def __call__(self, observations: np.ndarray, deadline: float | None = None) -> tuple[np.ndarray, np.ndarray | None]:
         """Values float32 [N] (side to move's view) and priors float32 [N, A] or None.
 
         Raises:
-            EvaluatorUnavailable: the reward service failed or is unreachable.
+            EvaluatorUnavailable: the reward service failed, is unreachable, or
+                did not answer by ``deadline``.
         """
+        timeout = self.timeout_s
+        if deadline is not None:
+            timeout = max(min(timeout, deadline - time.monotonic()), 1e-3)
         try:
             if self._input is None:
-                self._metadata()
+                self._metadata(timeout)
             outputs = ["value", "policy_logits"] if self._has_policy else ["value"]
             reply = self._stub.Evaluate(
                 reward_pb2.EvaluateRequest(
@@ -60,7 +72,7 @@ class RewardServiceEvaluator:
                     output_names=outputs,
                     priority=reward_pb2.PRIORITY_CRITICAL,
                 ),
-                timeout=self.timeout_s,
+                timeout=timeout,
             )
         except grpc.RpcError as exc:
             raise EvaluatorUnavailable(f"reward service: {exc.code().name}: {exc.details()}") from None

@@ -150,7 +150,9 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
         params = self._params(request, context)
         reuse = request.session_id and request.moves and not request.HasField("board")
         tree = self.sessions.take(request.session_id, request.moves, self.backend.reroot) if reuse else None
-        evaluator = self.evaluator if params.evaluator == "value_model" else None
+        started = time.monotonic()
+        deadline = started + params.deadline_ms / 1e3 if params.deadline_ms else None
+        evaluator = self.evaluator.until(deadline) if params.evaluator == "value_model" else None
         # The caller may cancel, or its deadline pass, mid-search: stop between waves.
         stop = {"should_stop": lambda: not context.is_active()} if self._can_stop else {}
         try:
@@ -160,7 +162,9 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
                 except EvaluatorUnavailable as exc:
                     # Degrade, don't fail: the frame still gets a move, from rollouts.
                     log.warning("value model unavailable (%s): searching with rollouts", exc)
-                    params = SearchParams(**{**params.__dict__, "evaluator": "rollout"})
+                    left_ms = (deadline - time.monotonic()) * 1e3 if deadline else None
+                    params = SearchParams(**{**params.__dict__, "evaluator": "rollout",
+                                             "deadline_ms": max(left_ms, 0.1) if deadline else None})
                     tree = None
                     results, trees = self.backend.search(position, params, None, [None], **stop)
         except Exception as exc:

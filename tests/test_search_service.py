@@ -155,3 +155,26 @@ def test_value_model_down_degrades_to_rollouts():
         assert r.evaluator == search_pb2.EVALUATOR_ROLLOUT and r.action == 0
     finally:
         search.stop()
+
+
+def test_a_hung_reward_service_cannot_hold_a_search_past_its_deadline():
+    """The reward service accepts connections but never answers: the value-model
+    search gives up on it at its own deadline and answers from rollouts."""
+    import socket
+
+    hung = socket.socket()
+    hung.bind(("127.0.0.1", 0))
+    hung.listen()
+    cfg = loopback_config(search={"backend": "cpu", "reward_address": f"127.0.0.1:{hung.getsockname()[1]}"})
+    search = search_server.start(cfg, follow_scheduler=False)
+    try:
+        with channel(cfg.search.address) as ch:
+            r = search_pb2_grpc.SearchServiceStub(ch).Search(
+                req(moves="44", deadline_ms=50, evaluator=search_pb2.EVALUATOR_VALUE_MODEL), timeout=30
+            )
+        assert r.evaluator == search_pb2.EVALUATOR_ROLLOUT and r.simulations > 0
+        # Bounded by the 50 ms deadline plus one wave, not by the evaluator's 2 s timeout.
+        assert r.latency.total_ms < 1000
+    finally:
+        search.stop()
+        hung.close()
