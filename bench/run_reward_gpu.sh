@@ -2,7 +2,7 @@
 # Reward-service GPU run (issue 4): install the carried onnxruntime-gpu wheel,
 # run the GPU tests, then the reward latency benchmark.
 #
-# Before it, carry onnxruntime-gpu in parts (../shared/tools/ort-gpu-parts.sh:
+# Before it, carry onnxruntime-gpu in parts (ort-gpu-parts.sh from the team's shared tools, outside this repository:
 # `prepare` here, then per part `stage N` + a device call carrying [".ortgpu"]
 # that copies .ortgpu/current to /root/ortparts/$(cat .ortgpu/name)), back to
 # back so the machine stays warm. The joined file must keep the wheel's real

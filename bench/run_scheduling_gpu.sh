@@ -4,7 +4,7 @@
 # policy (bench/frame_scheduling.py), all in one device call.
 #
 # Needs onnxruntime-gpu on the machine, carried in parts exactly as for
-# bench/run_reward_gpu.sh (see its header: ../shared/tools/ort-gpu-parts.sh
+# bench/run_reward_gpu.sh (see its header: ort-gpu-parts.sh from the team's shared tools
 # `prepare`, then per part `stage N` + a device call carrying [".ortgpu"]),
 # then one device call carrying [".whl"], from the repository root:
 #
