@@ -152,7 +152,10 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
         tree = self.sessions.take(request.session_id, request.moves, self.backend.reroot) if reuse else None
         started = time.monotonic()
         deadline = started + params.deadline_ms / 1e3 if params.deadline_ms else None
-        evaluator = self.evaluator.until(deadline) if params.evaluator == "value_model" else None
+        evaluator = None
+        if params.evaluator == "value_model":  # bound by the deadline where the evaluator can be
+            until = getattr(self.evaluator, "until", None)
+            evaluator = until(deadline) if until else self.evaluator
         # The caller may cancel, or its deadline pass, mid-search: stop between waves.
         stop = {"should_stop": lambda: not context.is_active()} if self._can_stop else {}
         try:
