@@ -101,11 +101,12 @@ class Sampler:
         return out
 
 
-def soak_config(directory: Path, **search) -> Path:
-    """A config for the soak's stack: free loopback ports, no metrics endpoints, CPU search."""
+def soak_config(directory: Path, backend: str = "auto", **search) -> Path:
+    """A config for the soak's stack: free loopback ports, no metrics endpoints;
+    ``backend`` for both services ("auto": the GPU where there is one)."""
     data = {name: {"address": f"127.0.0.1:{_free_port()}", "metrics_port": 0} for name in SERVICES}
-    data["search"].update({"backend": "cpu", **search})
-    data["reward"]["execution_provider"] = "cpu"
+    data["search"].update({"backend": backend, **search})
+    data["reward"]["execution_provider"] = backend
     path = directory / "soak.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
@@ -113,7 +114,7 @@ def soak_config(directory: Path, **search) -> Path:
 
 def run_soak(seconds: float = 60.0, engines: int = 4, fps: float = 15.0, simulations: int = 32,
              evaluator: str = "value_model", warmup_s: float | None = None, config_path: Path | None = None,
-             log_dir: Path | None = None, sample_interval_s: float = 1.0) -> dict:
+             log_dir: Path | None = None, sample_interval_s: float = 1.0, backend: str = "auto") -> dict:
     """Starts a stack, soaks it for ``seconds`` and stops it; returns the report.
 
     The warm-up (default: a fifth of the run, at most 30 s) is excluded from
@@ -121,7 +122,7 @@ def run_soak(seconds: float = 60.0, engines: int = 4, fps: float = 15.0, simulat
     """
     warmup_s = min(seconds / 5.0, 30.0) if warmup_s is None else warmup_s
     with tempfile.TemporaryDirectory(prefix="tandem-soak-") as tmp:
-        path = config_path or soak_config(Path(tmp))
+        path = config_path or soak_config(Path(tmp), backend)
         cfg = load_config(path)
         stack = Stack(cfg, path, log_dir=log_dir)
         started = time.monotonic()
@@ -157,11 +158,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--simulations", type=int, default=32)
     ap.add_argument("--evaluator", choices=("rollout", "value_model"), default="value_model")
     ap.add_argument("--config", type=Path, help="use this config instead of a generated one")
+    ap.add_argument("--backend", choices=("auto", "cpu", "cuda"), default="auto",
+                    help="search backend and reward execution provider of the generated config")
     ap.add_argument("--log-dir", type=Path)
     ap.add_argument("--out", type=Path, help="write the report as JSON here")
     args = ap.parse_args(argv)
     report = run_soak(args.seconds, args.engines, args.fps, args.simulations, args.evaluator,
-                      config_path=args.config, log_dir=args.log_dir)
+                      config_path=args.config, log_dir=args.log_dir, backend=args.backend)
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:
