@@ -30,16 +30,15 @@ import argparse
 import datetime
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import numpy as np
 
 from .connect4_data import BENCHMARK_PONS, TRAIN_PONS, PositionSet, canonical_keys, heldout_mask, load_sources
 from .connect4_encoding import mirror
+from .onnx_export import OPSET, export_onnx
 
 DRAW_BAND = 1.0 / 3.0  # |v| below this reads as a draw
-OPSET = 17
 
 
 # ---------------------------------------------------------------- data
@@ -116,41 +115,6 @@ def train_model(train: PositionSet, *, channels: int, blocks: int, epochs: int,
 
 
 # ---------------------------------------------------------------- export
-
-def export_onnx(model, path: Path, sample: np.ndarray, metadata: dict) -> float:
-    """Export to ONNX (opset 17, dynamic batch), check it, compare with torch.
-
-    ``sample`` is uint8 [N, 2, 6, 7]. Returns the largest absolute difference
-    between ONNX Runtime and torch outputs on it; raises SystemExit above
-    1e-4."""
-    import onnx
-    import onnxruntime as ort
-    import torch
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    dummy = torch.zeros((1, 2, 6, 7), dtype=torch.uint8)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notice
-        # dynamo=False: the TorchScript exporter needs no onnxscript dependency
-        torch.onnx.export(model, (dummy,), str(path), dynamo=False, opset_version=OPSET,
-                          input_names=["board"], output_names=["value", "policy_logits"],
-                          dynamic_axes={"board": {0: "N"}, "value": {0: "N"},
-                                        "policy_logits": {0: "N"}})
-    proto = onnx.load(str(path))
-    for k, v in metadata.items():
-        proto.metadata_props.add(key=k, value=v)
-    onnx.save(proto, str(path))
-    onnx.checker.check_model(str(path), full_check=True)
-
-    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    ort_v, ort_p = sess.run(None, {"board": sample})
-    with torch.no_grad():
-        t_v, t_p = model(torch.from_numpy(sample))
-    diff = float(max(np.abs(ort_v - t_v.numpy()).max(), np.abs(ort_p - t_p.numpy()).max()))
-    if diff > 1e-4:
-        raise SystemExit(f"ONNX Runtime and torch disagree by {diff}")
-    return diff
-
 
 # ---------------------------------------------------------------- evaluation
 
@@ -359,7 +323,7 @@ def main(argv: list | None = None) -> int:
     metadata = {"contract": "board uint8 [N,2,6,7] (side to move, opponent; row 0 bottom) -> "
                             "value float32 [N,1] tanh, policy_logits float32 [N,7]",
                 "command": command, "date": datetime.date.today().isoformat()}
-    diff = export_onnx(model, args.out, sample, metadata)
+    diff = export_onnx(model, args.out, sample, metadata, "board", ["value", "policy_logits"])
     print(f"exported {args.out} ({args.out.stat().st_size} bytes), ORT vs torch max diff {diff:.2e}")
 
     metrics = {}

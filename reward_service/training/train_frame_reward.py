@@ -32,7 +32,6 @@ import queue
 import sys
 import threading
 import time
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -40,9 +39,9 @@ import numpy as np
 from reward_service import frames as F
 
 from .connect4_data import load_sources
+from .onnx_export import OPSET, export_onnx
 from .train_connect4_value import split_sources
 
-OPSET = 17
 DRAW_BAND = 1.0 / 3.0  # |v| below this reads as a draw
 INPUT, OUTPUT = "frame", "value"
 
@@ -131,38 +130,6 @@ def train(model, moves: list, values: np.ndarray, *, steps: int, batch: int, lr:
             break
     model.eval()
     return model
-
-
-def export_onnx(model, path: Path, sample: np.ndarray, metadata: dict) -> float:
-    """Exports (opset 17, dynamic batch), checks with ``onnx.checker`` and
-    compares ONNX Runtime with torch on ``sample`` (uint8 [N, 224, 224, 3]).
-
-    Returns the largest absolute difference. Raises SystemExit above 1e-4."""
-    import onnx
-    import onnxruntime as ort
-    import torch
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    dummy = torch.zeros((1, F.SIZE, F.SIZE, 3), dtype=torch.uint8)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        # dynamo=False: the TorchScript exporter needs no onnxscript dependency
-        torch.onnx.export(model, (dummy,), str(path), dynamo=False, opset_version=OPSET,
-                          input_names=[INPUT], output_names=[OUTPUT],
-                          dynamic_axes={INPUT: {0: "N"}, OUTPUT: {0: "N"}})
-    proto = onnx.load(str(path))
-    for k, v in metadata.items():
-        proto.metadata_props.add(key=k, value=v)
-    onnx.save(proto, str(path))
-    onnx.checker.check_model(str(path), full_check=True)
-    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    (ort_v,) = sess.run(None, {INPUT: sample})
-    with torch.no_grad():
-        t_v = model(torch.from_numpy(sample)).numpy()
-    diff = float(np.abs(ort_v - t_v).max())
-    if diff > 1e-4:
-        raise SystemExit(f"ONNX Runtime and torch disagree by {diff}")
-    return diff
 
 
 def outcome_class(value: np.ndarray) -> np.ndarray:
@@ -348,7 +315,7 @@ def main(argv: list | None = None) -> int:
 
     first = next(iter(held.values()))[0]
     sample = render_heldout(first, args.seed, 0, 64)
-    diff = export_onnx(model, args.out, sample, {
+    diff = export_onnx(model, args.out, sample, input_name=INPUT, output_names=[OUTPUT], metadata={
         "source": "reward_service/training/train_frame_reward.py",
         "card": args.out.with_suffix(".md").name,
     })
