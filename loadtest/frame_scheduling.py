@@ -47,9 +47,9 @@ ROW_FIELDS = ("policy", "clients", "fps", "frame_ms_avg", "frame_ms_p50", "frame
 class FrameTest:
     """What one run plays. Times in seconds, budgets per frame."""
 
-    engines: int = 4  # game engines (the ``clients`` column)
+    engines: int = 8  # game engines (the ``clients`` column)
     fps: float = 60.0
-    simulations: int = 256  # fixed search budget per frame
+    simulations: int = 1000  # fixed search budget per frame
     deadline_cap_ms: float = 0.0  # cap on each search; 0 = one frame period (1000 / fps)
     warmup_s: float = 3.0  # played but not measured
     seconds: float = 20.0  # measured

@@ -4,7 +4,8 @@ open-loop generator, with each server's memory and file descriptors tracked.
 The stack runs from a generated config (free loopback ports, CPU search,
 value-model evaluator so search -> reward is soaked too). Every second the
 sampler reads, for each server process, ``VmRSS`` and ``Threads`` from
-``/proc/PID/status`` and the number of entries of ``/proc/PID/fd``. The report
+``/proc/PID/status``, the number of entries of ``/proc/PID/fd`` and, on a
+GPU host with NVML, the device memory it holds (pools included). The report
 gives the generator's counts and latencies and, per server, the figures at the
 end of the warm-up, at the end, their growth, and the RSS slope (least squares
 over the samples after the warm-up, MiB per minute).
@@ -27,6 +28,7 @@ import numpy as np
 import yaml
 
 from loadtest.generator import LoadSpec, OpenLoopGenerator
+from scheduler import nvml
 from tandem.config import load_config
 from tandem.supervisor import SERVICES, Stack
 
@@ -72,7 +74,10 @@ class Sampler:
 
     def _run(self) -> None:
         while True:
-            self.samples.append((time.monotonic(), {n: proc_figures(p) for n, p in self.pids.items()}))
+            gpu = nvml.process_memory() or {}
+            figures = {n: {**proc_figures(p), "gpu_mib": gpu[p] / 2**20 if p in gpu else None}
+                       for n, p in self.pids.items()}
+            self.samples.append((time.monotonic(), figures))
             if self._stop.wait(self.interval_s):
                 return
 
@@ -98,6 +103,9 @@ class Sampler:
                 "threads_growth": last["threads"] - first["threads"],
                 "samples": len(series),
             }
+            if first["gpu_mib"] is not None and last["gpu_mib"] is not None:
+                out[name].update(gpu_mib_after_warmup=round(first["gpu_mib"], 1), gpu_mib_end=round(last["gpu_mib"], 1),
+                                 gpu_mib_growth=round(last["gpu_mib"] - first["gpu_mib"], 1))
         return out
 
 

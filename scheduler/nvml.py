@@ -54,6 +54,24 @@ def sample(index: int = 0) -> dict | None:
         return None
 
 
+def process_memory(index: int = 0) -> dict[int, int] | None:
+    """Device memory (bytes) held by each compute process on GPU ``index``,
+    pid -> bytes; None where NVML cannot be asked. Under MPS the clients are
+    listed with their own pids; a process NVML cannot size (no permission)
+    is left out."""
+    h = _handle(index)
+    if h is None:
+        return None
+    import pynvml
+
+    try:
+        procs = pynvml.nvmlDeviceGetComputeRunningProcesses(h)
+    except Exception as exc:  # pynvml.NVMLError
+        log.info("NVML process list failed: %s", exc)
+        return None
+    return {int(p.pid): int(p.usedGpuMemory) for p in procs if isinstance(p.usedGpuMemory, int)}
+
+
 def register_gpu_metrics() -> bool:
     """Adds ``tandem_scheduler_gpu_utilisation_percent`` and
     ``tandem_scheduler_gpu_memory_used_bytes`` (read at each scrape) where NVML

@@ -45,7 +45,9 @@ class TlsConfig:
 class ServerConfig:
     """What every gRPC server shares."""
 
-    max_workers: int = 16  # threads serving RPCs
+    # Threads serving RPCs. The reward service runs at least max_concurrent_rpcs: each
+    # waiting Evaluate holds one, so its batcher (priorities, bounded queue) orders them.
+    max_workers: int = 16
     max_concurrent_rpcs: int = 256  # more in flight: RESOURCE_EXHAUSTED at once
     max_message_bytes: int = 64 * 1024 * 1024  # receive and send limit per message
     grace_period_ms: float = 5000.0  # drain time on SIGTERM before in-flight RPCs are cancelled

@@ -73,9 +73,10 @@ def from_proto(tensor: reward_pb2.Tensor) -> np.ndarray:
     if any(d < 0 for d in shape):
         raise ValueError(f"tensor {tensor.name!r}: negative dimension in shape {list(shape)}")
     expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize if shape else dtype.itemsize
-    if len(tensor.data) != expected:
+    data = tensor.data  # each read of a bytes field makes a new bytes object (a copy)
+    if len(data) != expected:
         raise ValueError(
-            f"tensor {tensor.name!r}: {len(tensor.data)} bytes, but shape {list(shape)} of "
+            f"tensor {tensor.name!r}: {len(data)} bytes, but shape {list(shape)} of "
             f"{dtype_name(tensor.dtype)} needs {expected}"
         )
-    return np.frombuffer(tensor.data, dtype=dtype).reshape(shape)
+    return np.frombuffer(data, dtype=dtype).reshape(shape)

@@ -31,15 +31,30 @@ class Model:
         self.gate.set()
         self.entered = threading.Event()
         self.fail_on = fail_on
+        self.threads: list[str] = []  # the thread that ran each batch
+        self._running = 0
+        self.most_running = 0  # runs at once, at most (the batcher promises 1)
+        self._count = threading.Lock()
 
     def hold(self):
         self.gate.clear()
         self.entered.clear()
 
     def __call__(self, batch: Batch) -> dict:
+        with self._count:
+            self._running += 1
+            self.most_running = max(self.most_running, self._running)
+        try:
+            return self._run(batch)
+        finally:
+            with self._count:
+                self._running -= 1
+
+    def _run(self, batch: Batch) -> dict:
         self.entered.set()
         assert self.gate.wait(10)
         self.batches.append(batch)
+        self.threads.append(threading.current_thread().name)
         x = batch.feeds()["x"]
         assert x.shape[0] == batch.bucket
         if self.fail_on is not None and (x[: batch.rows] == self.fail_on).any():
@@ -332,6 +347,30 @@ def test_many_threads_at_once():
         t.join(30)
     assert not errors
     assert len(model.batches) < 8 * 30  # some requests were merged
+    assert model.most_running == 1  # inline runs and the worker never overlap
+    b.close()
+
+
+def test_critical_on_an_idle_batcher_runs_inline_on_the_calling_thread():
+    model = Model()
+    b = make(model, max_queue_delay_us=300_000)
+    out = b.evaluate(rows_of(2, 3), 3, CRITICAL)
+    assert (out.result()["y"] == 4).all() and out.bucket == 4 and out.batch_rows == 3
+    assert model.threads == [threading.current_thread().name]
+    assert b.stats()["inline"] == 1
+    # Bulk waits for company, so it is queued for the worker, never inline.
+    b.evaluate(rows_of(1, 1), 1, BULK).result()
+    assert model.threads[-1] == "batcher-model" and b.stats()["inline"] == 1
+    # While a batch runs, a critical request queues and the worker runs it after.
+    block(model, b)
+    crit = threading.Thread(target=lambda: b.evaluate(rows_of(3, 1), 1, CRITICAL).result())
+    crit.start()
+    time.sleep(0.05)
+    assert b.stats()["queued"] == 1
+    model.gate.set()
+    crit.join(5)
+    assert model.threads[-1] == "batcher-model" and b.stats()["inline"] == 1
+    assert model.most_running == 1
     b.close()
 
 
