@@ -8,8 +8,8 @@ Result file (DESIGN.md "Benchmark results"; the field names are a contract):
 * ``date``: UTC time the file was written, ISO 8601 (``2026-11-30T12:00:00Z``);
 * ``gpu``: the name ``nvidia-smi`` gives for GPU 0, or null where there is none;
 * ``versions``: python, numpy, cupy, jax, jaxlib, mctx, pgx (null where not
-  installed), ``tandem_commit`` (``git rev-parse HEAD``, else ``$TANDEM_COMMIT``,
-  else null), ``tandem_dirty`` (the working tree differs from that commit,
+  installed), ``tandem_commit`` (``$TANDEM_COMMIT``, else ``git rev-parse
+  HEAD``, else null), ``tandem_dirty`` (the working tree differs from that commit,
   untracked files included; null where unknown),
   ``nvidia_driver`` and ``host_cpu`` (the machine the CPU rows ran on);
 * ``command``: the exact command line (``sys.orig_argv``);
@@ -287,7 +287,8 @@ def _host_cpu() -> str:
 
 def versions() -> dict:
     """The software versions a result depends on (see the module docstring)."""
-    commit = _run(["git", "rev-parse", "HEAD"]) or os.environ.get("TANDEM_COMMIT") or None
+    # $TANDEM_COMMIT first: the GPU machine's copy may hold an older .git than its work tree.
+    commit = os.environ.get("TANDEM_COMMIT") or _run(["git", "rev-parse", "HEAD"]) or None
     status = _run(["git", "status", "--porcelain"])
     _, driver = gpu_info()
     return {

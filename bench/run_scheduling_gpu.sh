@@ -10,6 +10,7 @@
 #
 #   bash bench/run_scheduling_gpu.sh              # about 6 min
 #   SECONDS_PER_POLICY=10 bash bench/run_scheduling_gpu.sh   # shorter
+#   CHECKS_ONLY=1 ... / BENCH_ONLY=1 ...   # the doctor and tests / the benchmark alone
 #
 # Writes into $OUT: frame_scheduling.json, frame_scheduling_latencies.json,
 # doctor.txt, pytest_gpu.log, bench.log and each scenario's server logs
@@ -29,6 +30,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/root/ortsite:/tmp/site:$PWD
 python3 -c "import onnxruntime as o; print('ort', o.__version__, o.get_available_providers())" 2>&1 | tail -1
 echo "setup $(( $(date +%s) - t0 )) s"
+if [ -z "${BENCH_ONLY:-}" ]; then
 # The checks: MPS (started here for the doctor, stopped after), priorities across processes, memory, copies.
 python3 - <<'PY' 2>&1 | tee "$OUTDIR/doctor.txt"
 import subprocess
@@ -46,6 +48,8 @@ PY
 timeout 180 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_assignments.py tests/test_doctor.py \
   tests/test_nvtx.py tests/test_reward_gpu.py 2>&1 | tee "$OUTDIR/pytest_gpu.log" | tail -15
 echo "tests done at $(( $(date +%s) - t0 )) s"
+fi
+[ -n "${CHECKS_ONLY:-}" ] && exit 0
 timeout 420 python3 -m bench.frame_scheduling --seconds "${SECONDS_PER_POLICY:-15}" --out "$OUTDIR" \
   --logs "$OUTDIR/logs" 2>&1 | tee "$OUTDIR/bench.log" | grep -v " INFO " | tail -30
 echo "all done at $(( $(date +%s) - t0 )) s"

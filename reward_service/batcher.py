@@ -17,11 +17,6 @@ Policy
   critical request is queued, a batch is formed at once from the queued
   critical requests; queued bulk requests then ride along only in the rows
   the padding would waste (the critical batch's bucket does not grow).
-* Inline runs: a critical request (or any request when ``max_queue_delay_us``
-  is 0) that finds the batcher idle (nothing queued, nothing running) runs
-  at once on the submitting thread (:meth:`Batcher.evaluate`), sparing two
-  thread hand-offs (~0.1 ms each in CPython under load); nothing was there to
-  merge it with.
 * Bulk requests wait up to ``max_queue_delay_us`` (from the oldest one's
   arrival) for more to merge with, unless ``max_rows`` rows are queued.
 * Deadlines: a request whose deadline (``time.monotonic()`` seconds) has
@@ -40,8 +35,7 @@ Policy
 Concurrency invariants
 ----------------------
 * ``_lock`` guards ``_queues``, ``_queued`` (requests waiting), ``_closed``,
-  ``_busy`` (a batch is running), the counters in ``_stats``, and every
-  :attr:`Request.state` change.
+  the counters in ``_stats``, and every :attr:`Request.state` change.
   ``_wake`` is a Condition on ``_lock``: submit and close notify it; the
   worker waits on it.
 * A request's state goes QUEUED -> RUNNING -> DONE or QUEUED -> DONE, only
@@ -49,14 +43,14 @@ Concurrency invariants
   cancelling waiter) moves it to DONE, and that party writes its result
   fields *before* setting ``_done``. Waiters read the result only after
   ``_done`` is set (Event.set/wait order the writes before the reads).
-* ``run`` is called by whoever set ``_busy`` (the worker, or a submitting
-  thread running inline), so never concurrently with itself, and never under
-  ``_lock`` (submitters are not blocked by a model run). So a run callback
-  may reuse preallocated buffers without a lock; it must not depend on which
-  thread calls it (CUDA work goes to explicit streams).
-* The worker forms a batch only while ``_busy`` is false and sets it when it
-  takes one; whoever runs a batch clears it afterwards and notifies
-  ``_wake`` (requests may have queued meanwhile).
+* ``run`` is called from the worker thread only, never concurrently with
+  itself, and never under ``_lock`` (submitters are not blocked by a model
+  run). So a run callback may reuse preallocated buffers without a lock.
+  Running a request on the submitting gRPC thread when the batcher is idle
+  would spare two thread hand-offs (~0.17 ms p50 on the H200), but ONNX
+  Runtime's CUDA execution provider keeps per-thread state (cuBLAS/cuDNN
+  handles, workspaces): the first run on each new gRPC thread took 6.5 ms
+  there (2026-11-30), so runs stay on this one thread.
 """
 from __future__ import annotations
 
@@ -197,7 +191,7 @@ class Batcher:
 
     Args:
         run: ``run(batch) -> {output name: array of >= batch.rows rows}``;
-            called from one thread at a time (see the invariants above). Arrays it returns must not be
+            called from the worker thread only. Arrays it returns must not be
             reused by later runs (requests keep views of them).
         buckets: ascending batch sizes to pad to; empty: no padding.
         max_batch_size: most rows in one batch (merging stops there).
@@ -242,7 +236,6 @@ class Batcher:
         self._queues = {level: collections.deque() for level in _LEVELS}  # guarded by _lock
         self._queued = 0  # guarded by _lock
         self._closed = False  # guarded by _lock
-        self._busy = False  # guarded by _lock: a batch is running
         self._stats = collections.Counter()  # guarded by _lock
         self._worker = threading.Thread(target=self._loop, name=f"batcher-{name}", daemon=True)
         self._worker.start()
@@ -265,12 +258,6 @@ class Batcher:
             BatcherClosed: :meth:`close` was called.
             ValueError: ``rows`` < 1 or an unknown priority.
         """
-        return self._submit(feeds, rows, priority, deadline, output_names, inline=False)[0]
-
-    def _submit(self, feeds, rows, priority, deadline, output_names, inline: bool) -> tuple[Request, Batch | None]:
-        """:meth:`submit`; with ``inline``, a request that may run at once on
-        an idle batcher is not queued but returned RUNNING with its batch (the
-        caller runs it with :meth:`_execute`)."""
         if rows < 1:
             raise ValueError("rows must be >= 1")
         if priority not in _LEVELS:
@@ -285,15 +272,6 @@ class Batcher:
         with self._lock:
             if self._closed:
                 raise BatcherClosed(f"model {self.name!r}: the reward service is stopping")
-            if (inline and not self._busy and not self._queued
-                    and (priority == CRITICAL or self.max_queue_delay_s == 0)):
-                self._busy = True
-                req.state = RUNNING
-                self._stats["submitted"] += 1
-                self._stats["batches"] += 1
-                self._stats["inline"] += 1
-                bucket = bucket_for(rows, self.buckets) if rows <= self.max_rows else rows
-                return req, Batch([req], rows, bucket, [0])
             if self._queued >= self.max_queue_size:
                 bulk = self._queues[BULK]
                 if priority != CRITICAL or not bulk:
@@ -312,7 +290,7 @@ class Batcher:
             self._wake.notify()
         if victim is not None:
             victim._done.set()
-        return req, None
+        return req
 
     def cancel(self, req: Request) -> bool:
         """Takes a still-queued request out of the queue (its waiter gave up):
@@ -336,9 +314,7 @@ class Batcher:
         deadline: float | None = None,
         output_names: Sequence[str] = (),
     ) -> Request:
-        """:meth:`submit`, then waits until done or until ``deadline``; or,
-        on an idle batcher, runs the request at once on this thread (see
-        "Inline runs" in the module docstring).
+        """:meth:`submit`, then waits until done or until ``deadline``.
 
         Returns the done request (``result()`` gives its outputs).
 
@@ -347,10 +323,7 @@ class Batcher:
                 taken out of the queue and never run).
             QueueFull, BatcherClosed, ValueError: as :meth:`submit`.
         """
-        req, batch = self._submit(feeds, rows, priority, deadline, output_names, inline=True)
-        if batch is not None:
-            self._execute(batch)
-            return req
+        req = self.submit(feeds, rows, priority, deadline, output_names)
         while True:
             # Bounded waits: a far deadline must not overflow the platform's timeout type.
             timeout = None if deadline is None else min(max(deadline - self._clock(), 0.0), _MAX_WAIT_S)
@@ -363,8 +336,7 @@ class Batcher:
 
     def stats(self) -> dict:
         """``queued`` (requests waiting), ``oldest_age_ms`` (0 when none) and
-        the counters ``submitted``, ``batches``, ``inline`` (batches run on a
-        submitting thread), ``expired``, ``shed``, ``refused``."""
+        the counters ``submitted``, ``batches``, ``expired``, ``shed``, ``refused``."""
         with self._lock:
             heads = [q[0].enqueued for q in self._queues.values() if q]
             age = (self._clock() - min(heads)) * 1e3 if heads else 0.0
@@ -386,9 +358,6 @@ class Batcher:
                     if self._queued == 0:
                         if self._closed:
                             return
-                        self._wake.wait()
-                        continue
-                    if self._busy:  # an inline run; it notifies when done
                         self._wake.wait()
                         continue
                     wait_s = self._merge_wait_locked()
@@ -450,7 +419,6 @@ class Batcher:
             return expired, None
         for req in taken:
             req.state = RUNNING
-        self._busy = True
         self._queued -= len(taken)
         self._stats["batches"] += 1
         offsets = np.cumsum([0] + [r.rows for r in taken[:-1]]).tolist()
@@ -482,8 +450,5 @@ class Batcher:
         with self._lock:
             for req in batch.requests:
                 req.state = DONE
-            self._busy = False
-            if self._queued:
-                self._wake.notify_all()
         for req in batch.requests:
             req._done.set()

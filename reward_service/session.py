@@ -217,9 +217,8 @@ class _Slot:
 class _BoundRunner:
     """IO binding to preallocated buffers per bucket, optionally a CUDA graph per bucket.
 
-    Not thread-safe: called by the model's batcher one batch at a time (from
-    its worker or an inline run, see reward_service/batcher.py), or by a
-    benchmark with no batcher.
+    Not thread-safe: called by the model's batcher worker only (or by a
+    benchmark with no batcher), one batch at a time.
     """
 
     def __init__(self, session, device, inputs: tuple[Spec, ...], outputs: tuple[Spec, ...], buckets: tuple[int, ...],
@@ -508,8 +507,7 @@ class ModelSession:
         """The batcher's callback: runs a merged batch on the active session.
 
         Returns output name -> array of >= ``batch.rows`` rows, not reused later.
-        Called by the batcher one batch at a time (any thread: the CUDA work
-        goes to the session's own stream).
+        Called from the batcher's worker thread only.
         """
         with nvtx.span(f"model.{self.name}"):
             return self._active.run(batch)
