@@ -10,12 +10,18 @@ running while the frame load test measures its critical path.
     bg.start(); ...; bg.stop()
     bg.report()  # {"batches", "frames", "refused", "frames_per_s", ...}
 
+:class:`BackgroundProcess` runs it in a child process, as a trainer is: its
+own connection (gRPC shares one TCP connection between a process's channels
+to the same address, so 9.6 MB batches would hold up a game engine's small
+calls behind them on the wire) and its own interpreter lock.
+
 Concurrency: each worker owns its request; the counters are guarded by
 ``_lock``; ``stop`` sets an event and joins the workers (each ends after its
 call in flight, bounded by ``timeout_s``).
 """
 from __future__ import annotations
 
+import multiprocessing as mp
 import threading
 import time
 
@@ -40,10 +46,12 @@ class BackgroundLoad:
         batch: frames per call (at most the model's max_batch_size).
         workers: calls in flight at once.
         timeout_s: gRPC deadline of each call.
+        counter: a ``multiprocessing.Value`` that also counts answered calls
+            (read from another process), or None.
     """
 
     def __init__(self, address: str, cfg=None, *, model: str = "frame_reward", batch: int = 64,
-                 workers: int = 2, timeout_s: float = 30.0):
+                 workers: int = 2, timeout_s: float = 30.0, counter=None):
         self.model, self.batch, self.workers, self.timeout_s = model, batch, workers, timeout_s
         self._channel = channel(address, cfg)
         self._stub = reward_pb2_grpc.RewardServiceStub(self._channel)
@@ -52,6 +60,7 @@ class BackgroundLoad:
         self._lock = threading.Lock()
         self._batches = 0  # guarded by _lock: answered calls
         self._refused: dict[str, int] = {}  # guarded by _lock: status code name -> count
+        self._counter = counter
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._t0 = self._t1 = 0.0
@@ -74,6 +83,9 @@ class BackgroundLoad:
                 self._stub.Evaluate(request, timeout=self.timeout_s)
                 with self._lock:
                     self._batches += 1
+                if self._counter is not None:
+                    with self._counter.get_lock():
+                        self._counter.value += 1
             except grpc.RpcError as exc:
                 with self._lock:
                     name = exc.code().name
@@ -98,4 +110,68 @@ class BackgroundLoad:
         elapsed = (self._t1 or time.monotonic()) - self._t0
         return {"batch": self.batch, "workers": self.workers, "batches": batches, "frames": batches * self.batch,
                 "refused": refused, "seconds": round(elapsed, 2),
+                "frames_per_s": round(batches * self.batch / elapsed, 1) if elapsed > 0 else None}
+
+
+def _child(address, cfg, kwargs, counter, conn) -> None:
+    """The child of :class:`BackgroundProcess`: starts the load, reports, runs until told to stop."""
+    try:
+        bg = BackgroundLoad(address, cfg, counter=counter, **kwargs)
+        bg.start()
+    except Exception as exc:  # reported to the parent, which raises it
+        conn.send({"error": f"{type(exc).__name__}: {exc}"})
+        return
+    conn.send({"started": True})
+    conn.recv()  # "stop"
+    bg.stop()
+    conn.send(bg.report())
+    bg.close()
+
+
+class BackgroundProcess:
+    """:class:`BackgroundLoad` in a child process (spawned), with the same
+    ``start`` / ``stop`` / ``report`` / ``close``; ``report()`` while it runs
+    counts the calls answered so far.
+
+    Raises:
+        RuntimeError: from ``start``, when the child could not start the load.
+    """
+
+    def __init__(self, address: str, cfg=None, **kwargs):
+        ctx = mp.get_context("spawn")
+        self.batch, self.workers = kwargs.get("batch", 64), kwargs.get("workers", 2)
+        self._counter = ctx.Value("q", 0)
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_child, args=(address, cfg, kwargs, self._counter, child),
+                                 name="background-load", daemon=True)
+        self._final: dict | None = None
+        self._t0 = 0.0
+
+    def start(self) -> None:
+        self._proc.start()
+        if not self._conn.poll(60):
+            raise RuntimeError("background load: the child did not start within 60 s")
+        msg = self._conn.recv()
+        if "error" in msg:
+            raise RuntimeError(f"background load: {msg['error']}")
+        self._t0 = time.monotonic()
+
+    def stop(self) -> None:
+        if self._proc.is_alive() and self._final is None:
+            self._conn.send("stop")
+            self._final = self._conn.recv() if self._conn.poll(120) else None
+
+    def close(self) -> None:
+        self.stop()
+        self._proc.join(10)
+        if self._proc.is_alive():
+            self._proc.kill()
+
+    def report(self) -> dict:
+        if self._final is not None:
+            return self._final
+        batches = self._counter.value
+        elapsed = time.monotonic() - self._t0
+        return {"batch": self.batch, "workers": self.workers, "batches": batches, "frames": batches * self.batch,
+                "refused": {}, "seconds": round(elapsed, 2),
                 "frames_per_s": round(batches * self.batch / elapsed, 1) if elapsed > 0 else None}

@@ -5,7 +5,7 @@ with ``scheduler.policy`` set, then plays ``engines`` game engines at ``fps``
 with :class:`~loadtest.generator.OpenLoopGenerator` (each frame: one
 ``Search`` of a real position with a fixed simulation budget, the frame
 deadline only as a cap, plus one ``Evaluate`` of the rendered 224x224 frame
-on ``frame_reward``) while :class:`~loadtest.background.BackgroundLoad`
+on ``frame_reward``) while :class:`~loadtest.background.BackgroundProcess`
 saturates the reward service with large bulk batches. It measures after a
 warm-up and stops the stack.
 
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import yaml
 
-from loadtest.background import BackgroundLoad
+from loadtest.background import BackgroundProcess
 from loadtest.generator import LoadSpec, OpenLoopGenerator
 from tandem.config import load_config
 from tandem.supervisor import Stack
@@ -124,7 +124,8 @@ def _play(scenario: str, test: FrameTest, cfg) -> tuple[dict, list[float]]:
     gen = bg = None
     try:
         if background_on:
-            bg = BackgroundLoad(cfg.reward.address, cfg, batch=test.background_batch, workers=test.background_workers)
+            bg = BackgroundProcess(cfg.reward.address, cfg, batch=test.background_batch,
+                                   workers=test.background_workers)
             bg.start()
         if frames_on:
             gen = OpenLoopGenerator(LoadSpec(

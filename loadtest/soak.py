@@ -122,11 +122,14 @@ def soak_config(directory: Path, backend: str = "auto", **search) -> Path:
 
 def run_soak(seconds: float = 60.0, engines: int = 4, fps: float = 15.0, simulations: int = 32,
              evaluator: str = "value_model", warmup_s: float | None = None, config_path: Path | None = None,
-             log_dir: Path | None = None, sample_interval_s: float = 1.0, backend: str = "auto") -> dict:
+             log_dir: Path | None = None, sample_interval_s: float = 1.0, backend: str = "auto",
+             frames: bool = False) -> dict:
     """Starts a stack, soaks it for ``seconds`` and stops it; returns the report.
 
     The warm-up (default: a fifth of the run, at most 30 s) is excluded from
-    the growth figures: allocators and caches fill up first.
+    the growth figures: allocators and caches fill up first. ``frames``: each
+    frame's Evaluate scores a rendered 224x224 frame (``frame_reward``)
+    instead of the board.
     """
     warmup_s = min(seconds / 5.0, 30.0) if warmup_s is None else warmup_s
     with tempfile.TemporaryDirectory(prefix="tandem-soak-") as tmp:
@@ -139,7 +142,9 @@ def run_soak(seconds: float = 60.0, engines: int = 4, fps: float = 15.0, simulat
         try:
             sampler = Sampler({name: p.pid for name, p in stack.procs.items()}, sample_interval_s)
             gen = OpenLoopGenerator(LoadSpec(cfg.search.address, cfg.reward.address, engines=engines, fps=fps,
-                                             simulations=simulations, evaluator=evaluator, session_ids=True), cfg)
+                                             simulations=simulations, evaluator=evaluator, session_ids=True,
+                                             frames=frames, model="frame_reward" if frames else "connect4_value"),
+                                    cfg)
             sampler.start()
             t0 = time.monotonic()
             try:
@@ -153,7 +158,7 @@ def run_soak(seconds: float = 60.0, engines: int = 4, fps: float = 15.0, simulat
             codes = stack.stop()
     return {
         "seconds": seconds, "warmup_s": warmup_s, "engines": engines, "fps": fps, "simulations": simulations,
-        "evaluator": evaluator, "stack_startup_s": round(startup_s, 1), "load": load, "servers": servers,
+        "evaluator": evaluator, "frames": frames, "stack_startup_s": round(startup_s, 1), "load": load, "servers": servers,
         "server_exited_during_soak": failed, "exit_codes": codes,
     }
 
@@ -165,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fps", type=float, default=15.0)
     ap.add_argument("--simulations", type=int, default=32)
     ap.add_argument("--evaluator", choices=("rollout", "value_model"), default="value_model")
+    ap.add_argument("--frames", action="store_true", help="Evaluate rendered 224x224 frames (frame_reward)")
     ap.add_argument("--config", type=Path, help="use this config instead of a generated one")
     ap.add_argument("--backend", choices=("auto", "cpu", "cuda"), default="auto",
                     help="search backend and reward execution provider of the generated config")
@@ -172,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, help="write the report as JSON here")
     args = ap.parse_args(argv)
     report = run_soak(args.seconds, args.engines, args.fps, args.simulations, args.evaluator,
-                      config_path=args.config, log_dir=args.log_dir, backend=args.backend)
+                      config_path=args.config, log_dir=args.log_dir, backend=args.backend, frames=args.frames)
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:
