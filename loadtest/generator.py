@@ -75,6 +75,8 @@ class Record:
     code: str | None = None  # "OK" or a StatusCode name; None while in flight
     evaluator: str | None = None  # search answers: EVALUATOR_ROLLOUT / EVALUATOR_VALUE_MODEL
     simulations: int | None = None  # search answers: simulations completed
+    server_queue_ms: float | None = None  # evaluate answers: the reward batcher's wait (server-side)
+    server_compute_ms: float | None = None  # evaluate answers: the model run of its batch (server-side)
 
 
 def _percentiles(values) -> dict:
@@ -194,6 +196,8 @@ class OpenLoopGenerator:
                 if rec.kind == "search":
                     rec.evaluator = search_pb2.Evaluator.Name(reply.evaluator)
                     rec.simulations = reply.simulations
+                else:
+                    rec.server_queue_ms, rec.server_compute_ms = reply.queue_ms, reply.compute_ms
                 code = "OK"
             except grpc.RpcError as exc:
                 code = exc.code().name
@@ -234,6 +238,9 @@ class OpenLoopGenerator:
                 for r in ok:
                     evs[r.evaluator] = evs.get(r.evaluator, 0) + 1
                 out["requests"][kind]["evaluators"] = evs
+            else:  # what the reward service reports, to tell its queue from the rest of the path
+                out["requests"][kind]["server_queue_ms"] = _percentiles(r.server_queue_ms for r in ok)
+                out["requests"][kind]["server_compute_ms"] = _percentiles(r.server_compute_ms for r in ok)
         frames = _by_frame(recs)
         complete = _complete_frames_ms(frames)
         out["frame_latency_ms"] = _percentiles(complete)
