@@ -2,14 +2,18 @@
 doctor itself never holds a CUDA context (needs CuPy and a GPU).
 
     python -m tandem.doctor_gpu facts            # JSON: priority range, memory, copy bandwidth
-    python -m tandem.doctor_gpu chain [--load]   # JSON: p50/p99 of a high-priority kernel chain (ms)
+    python -m tandem.doctor_gpu chain [--load] [--low]   # JSON: p50/p99 of a kernel chain (ms)
     python -m tandem.doctor_gpu load SECONDS     # a saturating low-priority load (the other process)
 
 ``chain`` is the priority check of DESIGN.md "Measured physics": a chain of
-30 short kernels (what one MCTS wave looks like) on the greatest priority,
-timed alone and while another process runs a saturating load on priority 0.
-Under MPS the chain stays near its time alone; without MPS the GPU
-time-slices the two contexts and its p99 grows several-fold.
+30 short kernels (what one MCTS wave looks like) on the greatest priority
+(``--low``: on priority 0, the load's), timed alone and while another process
+runs a saturating load on priority 0. Under MPS the high-priority chain is
+scheduled ahead of the load's waiting blocks, so it is much faster than the
+same chain at the load's priority; without MPS the GPU time-slices the two
+contexts and priority makes no difference. A load whose blocks fill every SM
+(this one) still slows a high-priority chain against its time alone: running
+blocks are not preempted and share the SMs' issue slots.
 """
 from __future__ import annotations
 
@@ -70,15 +74,15 @@ def facts() -> dict:
     }
 
 
-def chain(with_load: bool, load_seconds: float = 8.0) -> dict:
-    """p50/p99 (ms) of a chain of short kernels on the greatest priority;
-    with ``with_load`` while a child process saturates the GPU on priority 0."""
+def chain(with_load: bool, low: bool = False, load_seconds: float = 8.0) -> dict:
+    """p50/p99 (ms) of a chain of short kernels on the greatest priority (``low``:
+    on priority 0); with ``with_load`` while a child process saturates the GPU on priority 0."""
     import cupy
     import numpy as np
 
     spin = _spin(cupy)
     x = cupy.zeros(32 * 128, cupy.float32)
-    stream = cupy.cuda.Stream(non_blocking=True, priority=-100)  # clamped to the greatest
+    stream = cupy.cuda.Stream(non_blocking=True, priority=0 if low else -100)  # -100: clamped to the greatest
     child = None
     if with_load:
         child = subprocess.Popen([sys.executable, "-m", "tandem.doctor_gpu", "load", str(load_seconds)],
@@ -128,11 +132,11 @@ def main(argv: list[str]) -> int:
     if what == "facts":
         print(json.dumps(facts()))
     elif what == "chain":
-        print(json.dumps(chain("--load" in argv)))
+        print(json.dumps(chain("--load" in argv, "--low" in argv)))
     elif what == "load":
         load(float(argv[1]) if len(argv) > 1 else 8.0)
     else:
-        print(f"unknown: {what} (facts | chain [--load] | load SECONDS)", file=sys.stderr)
+        print(f"unknown: {what} (facts | chain [--load] [--low] | load SECONDS)", file=sys.stderr)
         return 2
     return 0
 

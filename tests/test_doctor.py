@@ -76,3 +76,18 @@ def test_without_nvml_gpu_metrics_are_absent_not_zero():
         assert doctor.check_nvml().status == doctor.UNKNOWN and "nvidia-ml-py" in doctor.check_nvml().fix
     else:
         pytest.skip("nvidia-ml-py is installed here")
+
+
+@pytest.mark.parametrize("alone, low, high, status", [
+    (0.23, 2.50, 0.40, doctor.OK),    # near its time alone
+    (0.23, 2.50, 0.79, doctor.OK),    # slowed by full SMs, but far ahead of the load's priority
+    (0.23, 0.90, 0.79, doctor.FAIL),  # priority makes no difference: no MPS
+])
+def test_priorities_enforced_is_judged_against_alone_and_the_loads_priority(monkeypatch, alone, low, high, status):
+    """The decision on the three chain timings (measuring them needs a GPU: bench/run_scheduling_gpu.sh
+    runs tandem doctor --deep under MPS)."""
+    results = {(): alone, ("--load", "--low"): low, ("--load",): high}
+    monkeypatch.setattr(doctor, "_child", lambda args, env: {"p50_ms": 0.0, "p99_ms": results[tuple(args[1:])]})
+    finding = doctor.check_enforced({})
+    assert finding.status == status
+    assert f"{alone:.2f} ms alone" in finding.detail and f"{low:.2f} ms at the load's priority" in finding.detail
