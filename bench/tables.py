@@ -2,8 +2,9 @@
 
 Prints to stdout, one section per result file: a line saying when, where and
 from which commit it was measured, then the table. mcts_throughput is pivoted
-(one column of sims/s, and of L2 hit rate where measured, per variant); the
-others list their rows.
+(one column of sims/s, and of L2 hit rate where measured, per variant);
+frame_scheduling gets the seed's columns and where each frame's time went;
+the others list their rows.
 
 Command: ``python3 -m bench.tables [--results DIR] [--only mcts_latency,...]``
 """
@@ -16,7 +17,7 @@ from pathlib import Path
 
 from bench.common import RESULTS_DIR
 
-ORDER = ("mcts_latency", "mcts_throughput", "mcts_peer", "search_quality")
+ORDER = ("mcts_latency", "mcts_throughput", "mcts_peer", "search_quality", "frame_scheduling", "reward_latency")
 
 
 def fmt_ms(v) -> str:
@@ -121,6 +122,32 @@ def quality_table(rows: list[dict]) -> str:
     return markdown(header, body)
 
 
+def frame_table(rows: list[dict]) -> str:
+    """The seed's table: frame latency per policy, plus where each frame's time went
+    (the search, the Evaluate, and the reward service's own queue and model time)."""
+    header = ["policy", "engines × FPS", "frame avg / p50 / p99 (ms)", "missed", "background (frames/s)",
+              "Search p50 / p99 (ms)", "Evaluate p50 / p99 (ms)", "reward queue + model p50 (ms)"]
+
+    def pair(d: dict | None, key: str) -> str:
+        lat = (d or {}).get(key) or {}
+        return "—" if lat.get("p50") is None else f"{fmt_ms(lat['p50'])} / {fmt_ms(lat['p99'])}"
+
+    body = []
+    for r in rows:
+        req = r.get("requests") or {}
+        ev = req.get("evaluate") or {}
+        server = "—"
+        if (ev.get("server_queue_ms") or {}).get("p50") is not None:
+            server = f"{fmt_ms(ev['server_queue_ms']['p50'])} + {fmt_ms(ev['server_compute_ms']['p50'])}"
+        frame = "—" if r["frame_ms_p50"] is None else \
+            f"{fmt_ms(r['frame_ms_avg'])} / {fmt_ms(r['frame_ms_p50'])} / {fmt_ms(r['frame_ms_p99'])}"
+        body.append([r["policy"], f"{r['clients']} × {fmt(r['fps'])}" if r["clients"] else "—", frame,
+                     fmt_pct(None if r["missed_frame_share"] is None else 100 * r["missed_frame_share"]),
+                     fmt(r["background_per_s"]), pair(req.get("search"), "latency_from_schedule_ms"),
+                     pair(ev, "latency_from_schedule_ms"), server])
+    return markdown(header, body)
+
+
 def generic_table(rows: list[dict]) -> str:
     keys = list(dict.fromkeys(k for r in rows for k in r))
     return markdown(keys, [[fmt(r.get(k)) for k in keys] for r in rows])
@@ -131,6 +158,7 @@ RENDER = {
     "mcts_throughput": throughput_tables,
     "mcts_peer": peer_table,
     "search_quality": quality_table,
+    "frame_scheduling": frame_table,
 }
 
 
@@ -140,6 +168,8 @@ def render(results: Path, only: list[str] | None = None) -> str:
     docs: dict[str, list[tuple[str, dict]]] = {}
     for path in sorted(results.glob("*.json")):
         doc = json.loads(path.read_text())
+        if "rows" not in doc:  # a side file (frame_scheduling_latencies.json: the raw latencies for the plot)
+            continue
         docs.setdefault(doc.get("benchmark", path.stem), []).append((path.name, doc))
     names = [n for n in ORDER if n in docs] + sorted(n for n in docs if n not in ORDER)
     out = []
