@@ -287,9 +287,10 @@ def grpc_rows(models: dict, gpu: bool, quick: bool) -> list[dict]:
         payloads = {k: r.SerializeToString() for k, r in requests.items()}
         # The echo's first call of the same bytes, after a small one (as ListModels above):
         # what a fresh connection costs a first large message whatever the server does.
+        first_key = next(iter(payloads))
         echo(b"", timeout=10)
         t = time.perf_counter()
-        echo(next(iter(payloads.values())), timeout=10)
+        echo(payloads[first_key], timeout=10)
         echo_first = (time.perf_counter() - t) * 1e3
         n_calls = 10 if quick else 400
         for (n, prio), req in requests.items():
@@ -315,7 +316,7 @@ def grpc_rows(models: dict, gpu: bool, quick: bool) -> list[dict]:
                              server_queue_ms_p50=float(np.median([q for q, _ in server])),
                              server_compute_ms_p50=float(np.median([c for _, c in server]))))
             rows.append(_row(n, precision, None, None, 1, "grpc_echo", "grpc", np.array(t_echo),
-                             echo_first if (n, prio) == next(iter(payloads)) else None, priority=pname,
+                             echo_first if (n, prio) == first_key else None, priority=pname,
                              request_bytes=len(payloads[(n, prio)]), response_bytes=response_bytes))
         ch.close()
         echo_ch.close()

@@ -107,10 +107,14 @@ class BackgroundLoad:
         """Answered batches and frames, refusals by status code, and frames scored per second."""
         with self._lock:
             batches, refused = self._batches, dict(self._refused)
-        elapsed = (self._t1 or time.monotonic()) - self._t0
-        return {"batch": self.batch, "workers": self.workers, "batches": batches, "frames": batches * self.batch,
-                "refused": refused, "seconds": round(elapsed, 2),
-                "frames_per_s": round(batches * self.batch / elapsed, 1) if elapsed > 0 else None}
+        return _report(self.batch, self.workers, batches, refused, (self._t1 or time.monotonic()) - self._t0)
+
+
+def _report(batch: int, workers: int, batches: int, refused: dict, elapsed: float) -> dict:
+    """The report of both classes: answered ``batches`` of ``batch`` frames over ``elapsed`` seconds."""
+    return {"batch": batch, "workers": workers, "batches": batches, "frames": batches * batch,
+            "refused": refused, "seconds": round(elapsed, 2),
+            "frames_per_s": round(batches * batch / elapsed, 1) if elapsed > 0 else None}
 
 
 def _child(address, cfg, kwargs, counter, conn) -> None:
@@ -170,8 +174,4 @@ class BackgroundProcess:
     def report(self) -> dict:
         if self._final is not None:
             return self._final
-        batches = self._counter.value
-        elapsed = time.monotonic() - self._t0
-        return {"batch": self.batch, "workers": self.workers, "batches": batches, "frames": batches * self.batch,
-                "refused": {}, "seconds": round(elapsed, 2),
-                "frames_per_s": round(batches * self.batch / elapsed, 1) if elapsed > 0 else None}
+        return _report(self.batch, self.workers, self._counter.value, {}, time.monotonic() - self._t0)
