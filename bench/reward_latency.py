@@ -34,7 +34,7 @@ includes the copies a caller pays):
   pinned or pageable host memory to the device through CuPy, synchronised.
 
 Models: ``resnet18`` (the latency benchmark model, random weights, generated
-by reward_service/models/make_resnet18.py into runs/models/ when missing) and
+by training/make_resnet18.py into runs/models/ when missing) and
 ``frame_reward`` (the shipped frame model; its rows carry the held-out
 accuracy of FP32 and FP16, computed through the same sessions).
 """
@@ -48,7 +48,17 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import REPO_ROOT, note, p50_p99, print_rows, progress, time_calls, write_results, int_list, make_parser
+from bench.common import (
+    REPO_ROOT,
+    int_list,
+    make_parser,
+    note,
+    p50_p99,
+    print_rows,
+    progress,
+    time_calls,
+    write_results,
+)
 
 FRAME_MODEL = REPO_ROOT / "reward_service" / "models" / "frame_reward.onnx"
 COLUMNS = ["model", "precision", "layout", "cuda_graph", "batch", "path", "runtime", "latency_ms_p50",
@@ -123,7 +133,7 @@ def in_process_rows(model: str, path: Path, precision: str, batches, *, graph: b
 
 def frame_accuracy(limit: int | None):
     """A function: run(frames) -> value [n, 1] -> {heldout_accuracy, heldout_positions}."""
-    from reward_service.training.train_frame_reward import heldout_sets, outcome_class, render_heldout
+    from training.train_frame_reward import heldout_sets, outcome_class, render_heldout
 
     sets = heldout_sets()
     chunks = []
@@ -149,7 +159,7 @@ def frame_accuracy(limit: int | None):
 def torch_rows(batches, quick: bool) -> list[dict]:
     import torch
 
-    from reward_service.models.make_resnet18 import build_resnet18
+    from training.make_resnet18 import build_resnet18
 
     model = build_resnet18().cuda()
     rows = []
@@ -239,9 +249,9 @@ def _serve(conn, cfg_data: dict) -> None:
 def grpc_rows(models: dict, gpu: bool, quick: bool) -> list[dict]:
     """models: name -> (path, precision label, cuda_graph)."""
     import grpc
+    from tandem.v1 import reward_pb2, reward_pb2_grpc
 
     from tandem import tensors
-    from tandem.v1 import reward_pb2, reward_pb2_grpc
 
     cfg = {
         "scheduler": {"address": f"127.0.0.1:{free_port()}", "metrics_port": 0},
@@ -374,7 +384,7 @@ def main(argv=None) -> int:
     resnet = REPO_ROOT / "runs" / "models" / "resnet18_latency_benchmark.onnx"
     if "resnet18" not in skip:
         if not resnet.exists():
-            from reward_service.models.make_resnet18 import export
+            from training.make_resnet18 import export
 
             export(resnet)
             note(f"generated {resnet}")

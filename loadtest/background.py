@@ -26,11 +26,11 @@ import threading
 import time
 
 import grpc
+from tandem.v1 import reward_pb2, reward_pb2_grpc
 
-from reward_service.frames import render_moves
 from tandem import tensors
 from tandem.server import channel
-from tandem.v1 import reward_pb2, reward_pb2_grpc
+from training.frames import render_moves
 
 # Rollout positions the trainer scores (any legal Connect Four move strings; the model's cost does not depend on them).
 _ROLLOUT_MOVES = ("4", "44", "4453", "445362", "1234567", "44444435", "7654321123", "3344556677")

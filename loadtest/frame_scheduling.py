@@ -1,6 +1,6 @@
 """The 60 FPS load test under one scheduling policy (issue 5, part 7).
 
-One run starts the three servers (``tandem up``'s :class:`~tandem.supervisor.Stack`)
+One run starts the three servers (``tandem up``'s :class:`~stack.supervisor.Stack`)
 with ``scheduler.policy`` set, then plays ``engines`` game engines at ``fps``
 with :class:`~loadtest.generator.OpenLoopGenerator` (each frame: one
 ``Search`` of a real position with a fixed simulation budget, the frame
@@ -16,7 +16,7 @@ Scenarios (the ``policy`` column of ``bench/results/frame_scheduling.json``):
   without frames);
 * ``default``, ``dynamic``, ``static`` -- both, under that policy. Under
   ``static`` the stack starts each service with ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``
-  (the static policy's share per kind, tandem/supervisor.py), which MPS reads
+  (the static policy's share per kind, stack/supervisor.py), which MPS reads
   when the process creates its CUDA context.
 
 Everything measured is in ms (latencies from each frame's *scheduled* time)
@@ -34,9 +34,8 @@ import yaml
 
 from loadtest.background import BackgroundProcess
 from loadtest.generator import LoadSpec, OpenLoopGenerator
+from stack.supervisor import Stack
 from tandem.config import load_config
-from tandem.supervisor import Stack
-
 
 SCENARIOS = ("uncontended", "background_alone", "default", "dynamic", "static")
 ROW_FIELDS = ("policy", "clients", "fps", "frame_ms_avg", "frame_ms_p50", "frame_ms_p99", "missed_frame_share",

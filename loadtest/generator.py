@@ -5,7 +5,7 @@ the frame period). At its scheduled time a frame sends one ``Search`` (a real
 labelled Connect Four position, a fixed simulation budget, ``deadline_ms``
 only as a cap) and one ``Evaluate`` of the same position (its board planes,
 or with ``frames`` a rendered 224x224 RGB uint8 frame of it,
-reward_service/frames.py), both asynchronously: the generator never
+training/frames.py), both asynchronously: the generator never
 waits for answers before sending the next frame (open loop: a slow server
 gets more requests in flight, not fewer requests, so its queueing shows).
 Latency is measured from the frame's *scheduled* time, not from when the
@@ -35,13 +35,13 @@ from dataclasses import asdict, dataclass
 
 import grpc
 import numpy as np
+from tandem.v1 import reward_pb2, reward_pb2_grpc, search_pb2, search_pb2_grpc
 
-from reward_service.frames import render_moves
 from search_service.games import connect4
 from tandem import tensors
 from tandem.positions import DEFAULT_SETS, load_set
 from tandem.server import channel
-from tandem.v1 import reward_pb2, reward_pb2_grpc, search_pb2, search_pb2_grpc
+from training.frames import render_moves
 
 EVALUATORS = {"rollout": search_pb2.EVALUATOR_ROLLOUT, "value_model": search_pb2.EVALUATOR_VALUE_MODEL}
 

@@ -12,7 +12,7 @@ over the samples after the warm-up, MiB per minute).
 
     python -m loadtest.soak --seconds 600 --engines 8 --fps 30 --out runs/reliability/soak_long.json
 
-Run it from the repository root (the servers are ``python -m tandem serve``).
+Run it from the repository root (the servers are ``python -m stack serve``).
 """
 from __future__ import annotations
 
@@ -28,9 +28,9 @@ import numpy as np
 import yaml
 
 from loadtest.generator import LoadSpec, OpenLoopGenerator
-from scheduler import nvml
+from stack.supervisor import SERVICES, Stack
+from tandem import nvml
 from tandem.config import load_config
-from tandem.supervisor import SERVICES, Stack
 
 
 def _free_port() -> int:

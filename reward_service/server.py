@@ -10,14 +10,21 @@ import grpc
 import numpy as np
 import onnxruntime as ort
 from prometheus_client import Gauge
+from tandem.v1 import reward_pb2, reward_pb2_grpc, scheduler_pb2
 
+from reward_service.batcher import (
+    BULK,
+    CRITICAL,
+    Batcher,
+    BatcherClosed,
+    BatcherError,
+    DeadlineExceeded,
+    QueueFull,
+)
+from reward_service.session import InputError, ModelSession
 from tandem import pools, tensors
 from tandem.config import TandemConfig
 from tandem.service import Service, start_service
-from tandem.v1 import reward_pb2, reward_pb2_grpc, scheduler_pb2
-
-from reward_service.batcher import BULK, CRITICAL, Batcher, BatcherClosed, BatcherError, DeadlineExceeded, QueueFull
-from reward_service.session import InputError, ModelSession
 
 log = logging.getLogger(__name__)
 

@@ -40,13 +40,12 @@ from typing import Callable
 
 import numpy as np
 import onnxruntime as ort
-
-from tandem import nvtx, tensors
-from tandem.gpu import cuda_device_count
-from tandem.config import ModelConfig, RewardConfig, resolve_path
 from tandem.v1 import reward_pb2
 
 from reward_service.batcher import Batch, Request, bucket_for
+from tandem import nvtx, tensors
+from tandem.config import ModelConfig, RewardConfig, resolve_path
+from tandem.gpu import cuda_device_count, cupy_module
 
 log = logging.getLogger(__name__)
 
@@ -83,17 +82,6 @@ def _use_cuda(choice: str) -> bool:
     if choice == "auto" and cuda_device_count() == 0:
         return False  # no GPU: skip ONNX Runtime's failed attempt to load CUDA
     return True
-
-
-def _cupy():
-    """CuPy, or None where it is not installed or sees no device."""
-    try:
-        import cupy
-
-        cupy.cuda.runtime.getDeviceCount()
-        return cupy
-    except Exception:  # ImportError, or CUDA errors without a device
-        return None
 
 
 # -- memory on one side of the binding -------------------------------------------
@@ -332,7 +320,7 @@ class ModelSession:
         self._nonfinite_reject = cfg.nonfinite_inputs == "reject"
         pool = cfg.memory_pool_bytes if pool_bytes is None else pool_bytes
         want_cuda = _use_cuda(cfg.execution_provider)
-        cupy = _cupy() if want_cuda else None
+        cupy = cupy_module() if want_cuda else None
         if want_cuda and hasattr(ort, "preload_dlls"):
             ort.preload_dlls()  # CUDA and cuDNN from their pip packages, where installed
 

@@ -5,8 +5,8 @@ Modules, one job each:
 * :mod:`scheduler.policy` -- urgency and the ``default`` / ``dynamic`` /
   ``static`` policies, as pure functions.
 * :mod:`scheduler.leases` -- the lease table, watch mailboxes, the reaper.
-* :mod:`scheduler.device` -- what the GPU offers (priority range, memory, MPS).
+* :mod:`tandem.device` -- what the GPU offers (priority range, memory, MPS).
 * :mod:`scheduler.server` -- the ``tandem.v1.Scheduler`` gRPC servicer.
 * :mod:`scheduler.main` -- ``serve(cfg)`` (blocking) and ``start(cfg)`` (tests).
-* :mod:`scheduler.client` -- ``SchedulerClient``, used by both services.
+* :mod:`tandem.scheduler_client` -- ``SchedulerClient``, used by both services.
 """

@@ -20,12 +20,19 @@ import logging
 import sys
 from dataclasses import dataclass
 
-from scheduler import mps, nvml, policy
-from scheduler.device import DeviceInfo, probe
+from scheduler import mps
 from scheduler.server import SchedulerServicer, add_to_server
+from tandem import device, nvml
 from tandem.config import TandemConfig, load_config
+from tandem.device import DeviceInfo, probe
 from tandem.gpu import cuda_device_count
-from tandem.server import RunningServer, build_server, serve_until_signalled, start_metrics
+from tandem.server import (
+    RunningServer,
+    build_server,
+    serve_until_signalled,
+    start_metrics,
+)
+from tandem.urgency_weights import UrgencyWeights
 
 log = logging.getLogger("scheduler")
 
@@ -84,11 +91,11 @@ def log_findings(device: DeviceInfo, policy_name: str) -> None:
 
 
 def start(cfg: TandemConfig, *, device: DeviceInfo | None = None,
-          weights: policy.UrgencyWeights | None = None) -> SchedulerHandle:
+          weights: UrgencyWeights | None = None) -> SchedulerHandle:
     """Starts the scheduler on ``cfg.scheduler.address`` (port 0 picks one) and
     reports SERVING. Does not start the metrics endpoint (:func:`serve` does).
 
-    ``device`` defaults to :func:`scheduler.device.probe()`, ``weights`` to
+    ``device`` defaults to :func:`tandem.device.probe()`, ``weights`` to
     ``cfg.scheduler.urgency``.
 
     Raises:
@@ -129,7 +136,7 @@ def serve(cfg: TandemConfig) -> None:
 def start_mps(cfg: TandemConfig) -> mps.MpsControl:
     """Attaches to or starts the MPS control daemon (``scheduler.mps: auto``) and
     logs what holds; a WARNING where cross-process priorities are not enforced."""
-    pipe, logs = mps.directories(cfg.scheduler)
+    pipe, logs = device.mps_directories(cfg.scheduler)
     if cfg.scheduler.mps == "off":
         control = mps.MpsControl(pipe, logs, message="MPS left alone (scheduler.mps: off)")
     else:

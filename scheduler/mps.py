@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from scheduler.device import DEFAULT_MPS_PIPE_DIRECTORY, MPS_CONTROL_BINARY, _probe_mps
+from tandem.device import MPS_CONTROL_BINARY, mps_client_env, probe_mps
 
 log = logging.getLogger(__name__)
 
@@ -50,22 +50,6 @@ class MpsControl:
     message: str = ""
 
 
-DEFAULT_LOG_DIRECTORY = "/tmp/nvidia-log"  # the MPS control daemon's default
-
-
-def directories(sched) -> tuple[str, str]:
-    """(pipe, log) directories for a ``SchedulerConfig``: the configured ones,
-    else ``$CUDA_MPS_PIPE_DIRECTORY`` / ``$CUDA_MPS_LOG_DIRECTORY``, else MPS's defaults."""
-    pipe = sched.mps_pipe_directory or os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or DEFAULT_MPS_PIPE_DIRECTORY
-    logs = sched.mps_log_directory or os.environ.get("CUDA_MPS_LOG_DIRECTORY") or DEFAULT_LOG_DIRECTORY
-    return pipe, logs
-
-
-def client_env(pipe_directory: str, log_directory: str) -> dict[str, str]:
-    """The environment an MPS client (and the control daemon) needs."""
-    return {"CUDA_MPS_PIPE_DIRECTORY": pipe_directory, "CUDA_MPS_LOG_DIRECTORY": log_directory}
-
-
 def _control(binary: str, command: str, env: dict[str, str], timeout_s: float) -> subprocess.CompletedProcess:
     return subprocess.run([binary], input=command + "\n", capture_output=True, text=True, timeout=timeout_s,
                           env={**os.environ, **env})
@@ -85,11 +69,11 @@ def ensure(pipe_directory: str, log_directory: str, has_gpu: bool, *, timeout_s:
     if not binary:
         return _inactive(base, f"MPS unavailable: {MPS_CONTROL_BINARY} is not on PATH")
     base = MpsControl(pipe_directory, log_directory, binary)
-    _, answering, _ = _probe_mps(pipe_directory, 2.0)
+    _, answering, _ = probe_mps(pipe_directory, 2.0)
     if answering:
         return MpsControl(pipe_directory, log_directory, binary, True, False,
                           f"attached to the MPS control daemon already answering at {pipe_directory}")
-    env = client_env(pipe_directory, log_directory)
+    env = mps_client_env(pipe_directory, log_directory)
     try:
         for d in (pipe_directory, log_directory):
             Path(d).mkdir(parents=True, exist_ok=True)
@@ -104,7 +88,7 @@ def ensure(pipe_directory: str, log_directory: str, has_gpu: bool, *, timeout_s:
     end = time.monotonic() + timeout_s
     message = ""
     while time.monotonic() < end:
-        _, answering, message = _probe_mps(pipe_directory, 2.0)
+        _, answering, message = probe_mps(pipe_directory, 2.0)
         if answering:
             return MpsControl(pipe_directory, log_directory, binary, True, True,
                               f"started the MPS control daemon (pipes {pipe_directory}, logs {log_directory})")
@@ -125,7 +109,7 @@ def stop(control: MpsControl, timeout_s: float = 10.0) -> bool:
     if not control.started:
         return False
     try:
-        done = _control(control.binary, "quit", client_env(control.pipe_directory, control.log_directory), timeout_s)
+        done = _control(control.binary, "quit", mps_client_env(control.pipe_directory, control.log_directory), timeout_s)
     except (OSError, subprocess.TimeoutExpired) as exc:
         log.warning("MPS control daemon did not take `quit`: %s", exc)
         return False

@@ -30,12 +30,22 @@ from typing import Callable, Iterator
 
 import grpc
 from prometheus_client import Counter, Gauge
+from tandem.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 from scheduler import policy
-from scheduler.device import DeviceInfo
-from scheduler.leases import AlreadyExists, Exhausted, LeaseEntry, LeaseTable, Reaper, WatchClosed, Watcher
+from scheduler.leases import (
+    AlreadyExists,
+    Exhausted,
+    LeaseEntry,
+    LeaseTable,
+    Reaper,
+    WatchClosed,
+    Watcher,
+)
 from tandem.config import SchedulerConfig
-from tandem.v1 import scheduler_pb2, scheduler_pb2_grpc
+from tandem.device import DeviceInfo
+from tandem.stream_priority import PriorityRange
+from tandem.urgency_weights import DEFAULT_WEIGHTS, UrgencyWeights
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +92,7 @@ def check_address(address: str, field: str = "address") -> None:
         raise InvalidArgument(f"{field}: expected HOST:PORT, got {_short(address)}")
 
 
-def check_register(request: scheduler_pb2.RegisterRequest, prange: policy.PriorityRange) -> None:
+def check_register(request: scheduler_pb2.RegisterRequest, prange: PriorityRange) -> None:
     """Validates a RegisterRequest against the device's priority range.
 
     Raises:
@@ -116,7 +126,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     Args:
         cfg: ``policy``, ``lease_ttl_ms``, ``gpu_memory_bytes`` (0: the
             device's total; unlimited without a GPU) and ``server.max_workers``.
-        device: what :func:`scheduler.device.probe` found.
+        device: what :func:`tandem.device.probe` found.
         weights: urgency and policy tunables.
         wall_ms: wall clock in ms (for ``Assignment.decided_unix_ms``).
 
@@ -125,7 +135,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     """
 
     def __init__(self, cfg: SchedulerConfig, device: DeviceInfo,
-                 weights: policy.UrgencyWeights = policy.DEFAULT_WEIGHTS,
+                 weights: UrgencyWeights = DEFAULT_WEIGHTS,
                  wall_ms: Callable[[], float] = lambda: time.time() * 1000.0):
         if cfg.policy not in policy.POLICIES:
             raise ValueError(f"scheduler.policy: must be one of {', '.join(policy.POLICIES)}, got {cfg.policy!r}")

@@ -13,9 +13,9 @@ import time
 
 import grpc
 import numpy as np
+from tandem.v1 import reward_pb2, reward_pb2_grpc
 
 from tandem import tensors
-from tandem.v1 import reward_pb2, reward_pb2_grpc
 
 
 class EvaluatorUnavailable(RuntimeError):

@@ -21,18 +21,19 @@ import time
 
 import grpc
 from prometheus_client import Counter, Gauge, Histogram
+from tandem.v1 import scheduler_pb2, search_pb2, search_pb2_grpc
 
 from search_service.backends import make_backend
 from search_service.evaluators import EvaluatorUnavailable, RewardServiceEvaluator
 from search_service.games import GAMES
 from search_service.mcts.backend import SearchParams
 from search_service.sessions import SessionStore
-from search_service.streams import StreamSet, gpu_cupy
+from search_service.streams import StreamSet
 from tandem import nvtx, pools
 from tandem.config import TandemConfig
+from tandem.gpu import cupy_module
 from tandem.server import LATENCY_BUCKETS_S, channel
 from tandem.service import Service, start_service
-from tandem.v1 import scheduler_pb2, search_pb2, search_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -274,7 +275,7 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True) -> Service:
     backend = make_backend(cfg.search.backend)
     log.warning("search service: backend %s, default evaluator %s", backend.name, cfg.search.evaluator)
     # Streams and the pool limit only where the backend launches CUDA kernels.
-    cupy = gpu_cupy() if backend.name.startswith("cuda") else None
+    cupy = cupy_module() if backend.name.startswith("cuda") else None
     log.warning("search service: %s", pools.limit_cupy_pool(cupy, cfg.search.memory_pool_bytes))
     _warm_up(backend, cfg)
     reward_channel = channel(cfg.search.reward_address or cfg.reward.address, cfg)

@@ -27,7 +27,7 @@ import logging
 import threading
 from typing import Iterator, Sequence
 
-from scheduler.policy import nearest_allowed
+from tandem.stream_priority import nearest_allowed
 
 log = logging.getLogger(__name__)
 
@@ -107,14 +107,3 @@ class StreamSet:
         with s:
             yield priority
 
-
-def gpu_cupy():
-    """The CuPy module where CuPy imports and sees a GPU, else None."""
-    try:
-        import cupy
-    except ImportError:
-        return None
-    try:
-        return cupy if cupy.cuda.runtime.getDeviceCount() > 0 else None
-    except Exception:  # no driver / no device
-        return None

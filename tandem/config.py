@@ -17,8 +17,8 @@ from typing import Any
 
 import yaml
 
-from scheduler.policy import UrgencyWeights
 from tandem.paths import REPO_ROOT
+from tandem.urgency_weights import UrgencyWeights
 
 DEFAULT_CONFIG = REPO_ROOT / "deploy" / "config" / "tandem.yaml"
 
@@ -171,7 +171,7 @@ class TandemConfig:
     search: SearchConfig = field(default_factory=SearchConfig)
     tls: TlsConfig = field(default_factory=TlsConfig)  # applies to all three servers
     auth_token: str = ""  # non-empty: every RPC must send "authorization: Bearer <token>"
-    # Reward and search services in one process (tandem/colocated.py): stream priorities act
+    # Reward and search services in one process (stack/colocated.py): stream priorities act
     # there without MPS. `tandem up` then starts two processes (scheduler, colocated).
     co_located: bool = False
 

@@ -24,7 +24,7 @@ _ORT_OOM_MARKERS = ("Failed to allocate memory", "BFCArena", "out of memory", "C
 def limit_cupy_pool(cupy, limit_bytes: int) -> str:
     """Caps CuPy's default device memory pool at ``limit_bytes`` (0 = no cap).
 
-    ``cupy`` is the CuPy module (see :func:`search_service.streams.gpu_cupy`)
+    ``cupy`` is the CuPy module (see :func:`tandem.gpu.cupy_module`)
     or None on a CPU host. Returns one sentence for the log.
     """
     if cupy is None:

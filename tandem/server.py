@@ -264,3 +264,18 @@ class _Details(grpc.ClientCallDetails):
     def __init__(self, d, metadata):
         self.method, self.timeout, self.credentials = d.method, d.timeout, d.credentials
         self.wait_for_ready, self.compression, self.metadata = d.wait_for_ready, d.compression, metadata
+
+
+def health_status(address: str, cfg: TandemConfig | None = None, service: str = "", timeout_s: float = 1.0) -> str:
+    """The health service's answer for ``service`` at ``address``: "SERVING",
+    "NOT_SERVING", … or "UNREACHABLE"."""
+    with channel(address, cfg) as ch:
+        try:
+            reply = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout_s
+            )
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                return "SERVICE_UNKNOWN"  # the server answers, but not for that service name
+            return "UNREACHABLE"
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)

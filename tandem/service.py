@@ -12,7 +12,12 @@ from typing import Callable, Iterable
 import grpc
 
 from tandem.config import ServerConfig, TandemConfig
-from tandem.server import RunningServer, build_server, serve_until_signalled, start_metrics
+from tandem.server import (
+    RunningServer,
+    build_server,
+    serve_until_signalled,
+    start_metrics,
+)
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +29,7 @@ class Service:
     """A started service: its server, and the scheduler client that follows the scheduler."""
 
     running: RunningServer
-    scheduler: object | None  # scheduler.client.SchedulerClient
+    scheduler: object | None  # tandem.scheduler_client.SchedulerClient
     servicer: object | None = None  # the service's gRPC servicer (tests read its state)
     on_close: Callable[[], None] | None = None
 
@@ -82,7 +87,7 @@ def start_service(
         raise
     client = None
     if follow_scheduler:
-        from scheduler.client import SchedulerClient
+        from tandem.scheduler_client import SchedulerClient
 
         host = address.rpartition(":")[0]
         client = SchedulerClient(

@@ -22,20 +22,25 @@ from pathlib import Path
 import grpc
 import pytest
 import yaml
+from conftest import free_port, loopback_config
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tandem.v1 import (
+    reward_pb2,
+    reward_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+    search_pb2,
+    search_pb2_grpc,
+)
 
 from loadtest.reliability_report import save_figures
 from reward_service import server as reward_server
-from scheduler.device import cpu_only
 from scheduler.main import start as start_scheduler
 from search_service import server as search_server
 from tandem.config import DEFAULT_CONFIG, TandemConfig, load_config, parse_config
+from tandem.device import cpu_only
 from tandem.paths import REPO_ROOT
-from tandem.server import KEEPALIVE_OPTIONS, channel
-from tandem.supervisor import health_status
-from tandem.v1 import reward_pb2, reward_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc, search_pb2, search_pb2_grpc
-
-from conftest import free_port, loopback_config
+from tandem.server import KEEPALIVE_OPTIONS, channel, health_status
 
 C = grpc.StatusCode
 FIGURES: dict[str, object] = {}
@@ -83,7 +88,7 @@ def test_shipped_config_binds_loopback_only(tmp_path):
     path.write_text(yaml.safe_dump(raw))
     cfg = load_config(path)
     port, metrics = int(cfg.scheduler.address.rpartition(":")[2]), cfg.scheduler.metrics_port
-    proc = subprocess.Popen([sys.executable, "-m", "tandem", "serve", "scheduler", "--config", str(path)],
+    proc = subprocess.Popen([sys.executable, "-m", "stack", "serve", "scheduler", "--config", str(path)],
                             cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 30

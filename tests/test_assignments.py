@@ -9,16 +9,17 @@ import time
 import grpc
 import numpy as np
 import pytest
-from prometheus_client import REGISTRY
-
 from conftest import loopback_config
-from scheduler.device import cpu_only
+from prometheus_client import REGISTRY
+from tandem.v1 import scheduler_pb2, scheduler_pb2_grpc, search_pb2, search_pb2_grpc
+
 from scheduler.main import start as start_scheduler
 from search_service import server as search_server
-from search_service.streams import StreamSet, gpu_cupy
+from search_service.streams import StreamSet
 from tandem import pools
+from tandem.device import cpu_only
+from tandem.gpu import cupy_module
 from tandem.server import channel
-from tandem.v1 import scheduler_pb2, scheduler_pb2_grpc, search_pb2, search_pb2_grpc
 
 WAIT_S = 10.0
 
@@ -125,7 +126,7 @@ def test_cupy_pool_limit_on_a_cpu_host_says_so():
 
 @pytest.mark.gpu
 def test_gpu_streams_have_their_priority_and_pool_limit_refuses():
-    cupy = gpu_cupy()
+    cupy = cupy_module()
     assert cupy is not None
     streams = StreamSet([0, -5], cupy)
     streams.assign(-5)

@@ -19,19 +19,25 @@ import numpy as np
 import onnx
 import onnx.helper as oh
 import pytest
+from conftest import loopback_config
+from fuzz import strategies as S
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tandem.v1 import (
+    reward_pb2,
+    reward_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+    search_pb2,
+    search_pb2_grpc,
+)
 
-from fuzz import strategies as S
 from loadtest.reliability_report import save_figures
 from reward_service import server as reward_server
-from scheduler.device import cpu_only
 from scheduler.main import start as start_scheduler
 from search_service import server as search_server
 from tandem import tensors
-from tandem.v1 import reward_pb2, reward_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc, search_pb2, search_pb2_grpc
-
-from conftest import loopback_config
+from tandem.device import cpu_only
 
 C = grpc.StatusCode
 NEVER = {C.UNKNOWN, C.INTERNAL}

@@ -1,18 +1,25 @@
-"""Co-located mode (tandem/colocated.py): reward and search in one process."""
+"""Co-located mode (stack/colocated.py): reward and search in one process."""
 from __future__ import annotations
 
 import time
 
 import grpc
-from prometheus_client import REGISTRY
 import yaml
-
 from conftest import free_port, loopback_config
-from tandem import colocated
+from prometheus_client import REGISTRY
+from tandem.v1 import (
+    reward_pb2,
+    reward_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+    search_pb2,
+    search_pb2_grpc,
+)
+
+from stack import colocated
+from stack.supervisor import Stack
 from tandem.config import load_config
-from tandem.server import channel
-from tandem.supervisor import Stack, health_status
-from tandem.v1 import reward_pb2, reward_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc, search_pb2, search_pb2_grpc
+from tandem.server import channel, health_status
 
 WAIT_S = 10.0
 

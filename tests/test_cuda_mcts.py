@@ -13,12 +13,13 @@ import pytest
 
 cupy = pytest.importorskip("cupy")
 
+from test_cpu_mcts import check_invariants, toy_model, zero_model  # noqa: E402
+
 from search_service.cuda import BACKUPS, NODE_BYTES, CudaBackend, CudaTree  # noqa: E402
 from search_service.games import connect4 as c4  # noqa: E402
 from search_service.mcts import tree as tr  # noqa: E402
 from search_service.mcts.backend import SearchParams  # noqa: E402
 from search_service.mcts.cpu_reference import CpuReferenceBackend  # noqa: E402
-from test_cpu_mcts import check_invariants, toy_model, zero_model  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

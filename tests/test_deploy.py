@@ -716,7 +716,7 @@ def all_tandem_commands() -> list[tuple[str, list[str]]]:
 def cli_help(subcommand: str) -> tuple[int, str]:
     r = subprocess.run(
         [sys.executable, "-c",
-         "import sys; sys.argv[0] = 'tandem'; from tandem.cli import main; sys.exit(main())",
+         "import sys; sys.argv[0] = 'tandem'; from stack.cli import main; sys.exit(main())",
          subcommand, "--help"],
         capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
     return r.returncode, r.stdout + r.stderr

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tandem import doctor
+from stack import doctor
 from tandem.config import TandemConfig
 from tandem.gpu import cuda_device_count
 
@@ -26,7 +26,7 @@ def test_cpu_host_says_plainly_what_it_cannot_check():
 
 @cpu_only
 def test_cli_prints_each_finding_and_exits_zero():
-    done = subprocess.run([sys.executable, "-m", "tandem", "doctor"], capture_output=True, text=True, timeout=60)
+    done = subprocess.run([sys.executable, "-m", "stack", "doctor"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "no CUDA GPU visible" in done.stdout and "fix: run tandem doctor on the GPU host" in done.stdout
     assert "priorities enforced (--deep)" in done.stdout
@@ -67,7 +67,7 @@ def test_gpu_host_measures_facts():
 
 
 def test_without_nvml_gpu_metrics_are_absent_not_zero():
-    from scheduler import nvml
+    from tandem import nvml
 
     try:
         import pynvml  # noqa: F401

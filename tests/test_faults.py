@@ -29,16 +29,15 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import free_port
+from tandem.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 from loadtest.generator import LoadSpec, OpenLoopGenerator
 from loadtest.reliability_report import save_figures
+from stack.supervisor import wait_serving
 from tandem.config import load_config
 from tandem.paths import REPO_ROOT
 from tandem.server import channel
-from tandem.supervisor import wait_serving
-from tandem.v1 import scheduler_pb2, scheduler_pb2_grpc
-
-from conftest import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -64,7 +63,7 @@ class Server:
         log = open(self.log_dir / f"{self.name}.{self.starts}.log", "wb")
         # No preexec_fn (so vfork, no fork handlers): a fork() while gRPC threads are busy in this
         # process (the load generator) can abort the child in gRPC's at-fork handler before exec.
-        self.proc = subprocess.Popen([sys.executable, "-m", "tandem", "serve", self.name, "--config", str(self.config)],
+        self.proc = subprocess.Popen([sys.executable, "-m", "stack", "serve", self.name, "--config", str(self.config)],
                                      cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
         log.close()
         wait_serving(self.address, self.cfg, 60.0, self.proc)
@@ -148,7 +147,7 @@ def test_kill_each_server_under_load(tmp_path):
         startup_s = servers["scheduler"].start()
         reregistered_s = _wait(lambda: _registered(cfg) == {scheduler_pb2.SERVICE_KIND_SEARCH,
                                                             scheduler_pb2.SERVICE_KIND_REWARD})
-        status = subprocess.run([sys.executable, "-m", "tandem", "status", "--config", str(config)], cwd=REPO_ROOT,
+        status = subprocess.run([sys.executable, "-m", "stack", "status", "--config", str(config)], cwd=REPO_ROOT,
                                 capture_output=True, text=True, timeout=60)
         assert status.returncode == 0, status.stdout + status.stderr
         listed = [line.split()[0] for line in status.stdout.splitlines() if " lease " in line]

@@ -14,6 +14,7 @@ from onnx import TensorProto, numpy_helper
 pytest.importorskip("onnxconverter_common")
 
 from reward_service import precision  # noqa: E402
+from training import fp16_report  # noqa: E402
 from tandem.paths import REPO_ROOT  # noqa: E402
 
 VALUE_MODEL = REPO_ROOT / "reward_service" / "models" / "connect4_value.onnx"
@@ -106,7 +107,7 @@ def test_convert_the_shipped_value_model():
 
 def test_report_on_held_out_boards():
     fp32 = onnx.load(str(VALUE_MODEL))
-    r = precision.report(fp32, precision.convert_fp16(fp32), providers=["CPUExecutionProvider"], batches=(1, 8),
+    r = fp16_report.report(fp32, precision.convert_fp16(fp32), providers=["CPUExecutionProvider"], batches=(1, 8),
                          repeats=2, limit=40)
     assert r["data"].startswith("value network held-out")
     assert r["positions"] == 40 * 6
@@ -116,7 +117,7 @@ def test_report_on_held_out_boards():
 
 
 def test_cli_convert_fp16(tmp_path, capsys):
-    from tandem.cli import main
+    from stack.cli import main
 
     out, rep = tmp_path / "v16.onnx", tmp_path / "report.json"
     assert main(["convert-fp16", str(VALUE_MODEL), "--out", str(out), "--report", str(rep), "--limit", "20",
@@ -131,7 +132,7 @@ def test_cli_convert_fp16(tmp_path, capsys):
 def test_convert_the_frame_model_and_its_held_out_accuracy():
     fp32 = onnx.load(str(FRAME_MODEL))
     fp16 = precision.convert_fp16(fp32)
-    r = precision.report(fp32, fp16, providers=["CPUExecutionProvider"], batches=(1,), repeats=1, limit=30)
+    r = fp16_report.report(fp32, fp16, providers=["CPUExecutionProvider"], batches=(1,), repeats=1, limit=30)
     assert r["data"].startswith("frame model held-out")
     assert r["outcome_agreement"] >= 0.98
     assert abs(r["accuracy_loss"]) <= 0.02

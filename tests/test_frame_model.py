@@ -1,4 +1,4 @@
-"""The frame renderer (reward_service/frames.py) and the shipped frame reward
+"""The frame renderer (training/frames.py) and the shipped frame reward
 model (reward_service/models/frame_reward.onnx and its card)."""
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from reward_service import frames as F
-from reward_service.training.connect4_encoding import encode_moves
 from tandem.paths import REPO_ROOT
+from training import frames as F
+from training.connect4_encoding import encode_moves
 
 MODEL = REPO_ROOT / "reward_service" / "models" / "frame_reward.onnx"
 CARD = MODEL.with_suffix(".md")
@@ -106,7 +106,7 @@ def test_model_interface_and_in_model_normalisation():
 
 
 def _accuracy(moves, target, seed=7):
-    from reward_service.training.train_frame_reward import outcome_class
+    from training.train_frame_reward import outcome_class
 
     s = ort.InferenceSession(str(MODEL), providers=["CPUExecutionProvider"])
     v = s.run(None, {"frame": F.render_moves(moves, np.random.default_rng(seed))})[0]
@@ -115,7 +115,7 @@ def _accuracy(moves, target, seed=7):
 
 
 def test_model_beats_the_majority_class_on_held_out_positions():
-    from reward_service.training.train_frame_reward import heldout_sets
+    from training.train_frame_reward import heldout_sets
 
     held = heldout_sets()
     moves, target = held["uci (held-out 10 %)"]
@@ -125,7 +125,7 @@ def test_model_beats_the_majority_class_on_held_out_positions():
 
 
 def test_held_out_split_keeps_the_benchmark_sets_out():
-    from reward_service.training.train_frame_reward import heldout_sets
+    from training.train_frame_reward import heldout_sets
 
     held = heldout_sets()
     assert len(held["Test_L2_R1"][0]) == 1000 and len(held["Test_L3_R1"][0]) == 1000

@@ -8,8 +8,8 @@ import pytest
 
 from bench import frame_scheduling
 from loadtest.frame_scheduling import ROW_FIELDS, SCENARIOS, run_scenario, write_config
+from stack.supervisor import Stack
 from tandem.config import load_config
-from tandem.supervisor import Stack
 
 
 @pytest.mark.slow

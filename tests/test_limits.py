@@ -9,18 +9,17 @@ import time
 
 import grpc
 import pytest
+from conftest import loopback_config
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tandem.v1 import scheduler_pb2, scheduler_pb2_grpc, search_pb2, search_pb2_grpc
 
 from loadtest.reliability_report import save_figures
-from scheduler.device import cpu_only
 from scheduler.main import start as start_scheduler
 from search_service import server as search_server
 from search_service.games import connect4
 from search_service.mcts.backend import SearchParams
 from search_service.mcts.cpu_reference import CpuReferenceBackend
-from tandem.v1 import scheduler_pb2, scheduler_pb2_grpc, search_pb2, search_pb2_grpc
-
-from conftest import loopback_config
+from tandem.device import cpu_only
 
 C = grpc.StatusCode
 FIGURES: dict[str, dict] = {}

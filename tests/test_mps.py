@@ -10,8 +10,9 @@ import os
 import pytest
 
 from scheduler import mps
+from stack.supervisor import Stack, mps_env
+from tandem import device
 from tandem.config import TandemConfig
-from tandem.supervisor import Stack, mps_env
 
 STAND_IN = """#!/bin/sh
 if [ "$1" = "-d" ]; then
@@ -68,11 +69,11 @@ def test_directories_come_from_config_then_environment(monkeypatch):
     sched = TandemConfig().scheduler
     monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
     monkeypatch.delenv("CUDA_MPS_LOG_DIRECTORY", raising=False)
-    assert mps.directories(sched) == ("/tmp/nvidia-mps", "/tmp/nvidia-log")
+    assert device.mps_directories(sched) == ("/tmp/nvidia-mps", "/tmp/nvidia-log")
     monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", "/run/tandem/mps-pipe")
-    assert mps.directories(sched)[0] == "/run/tandem/mps-pipe"
+    assert device.mps_directories(sched)[0] == "/run/tandem/mps-pipe"
     sched = dataclasses.replace(sched, mps_pipe_directory="/srv/pipe", mps_log_directory="/srv/log")
-    assert mps.directories(sched) == ("/srv/pipe", "/srv/log")
+    assert device.mps_directories(sched) == ("/srv/pipe", "/srv/log")
 
 
 def test_tandem_up_gives_every_server_the_same_directories_and_its_pool_cap():

@@ -5,7 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from search_service.mcts.philox import STREAM_ROLLOUT, philox4x32, rollout_words, seed_key
+from search_service.mcts.philox import (
+    STREAM_ROLLOUT,
+    philox4x32,
+    rollout_words,
+    seed_key,
+)
 
 # Random123 kat_vectors, philox4x32 with 10 rounds: counter, key -> output.
 KATS = [

@@ -27,7 +27,7 @@ def cuda_ready():
 
 
 def frames(n: int, seed: int = 0) -> np.ndarray:
-    from reward_service.frames import render_moves
+    from training.frames import render_moves
 
     rng = np.random.default_rng(seed)
     moves = ["".join(str(c) for c in rng.integers(1, 8, int(rng.integers(0, 12)))) for _ in range(n)]
@@ -100,7 +100,7 @@ def test_padding_rows_never_leak_into_results(cpu_reference):
 
 
 def test_fp16_on_the_gpu_keeps_fp32_outputs_and_agrees(cpu_reference):
-    from reward_service.training.train_frame_reward import outcome_class
+    from training.train_frame_reward import outcome_class
 
     x, want = cpu_reference
     s = session(precision="fp16")
@@ -137,13 +137,12 @@ def test_memory_limit_and_algo_search_are_applied(cuda_ready):
 
 def test_grpc_service_on_the_gpu(cuda_ready):
     import grpc
+    from conftest import loopback_config
+    from tandem.v1 import reward_pb2, reward_pb2_grpc
 
     from reward_service import server as reward_server
     from tandem import tensors
     from tandem.server import channel
-    from tandem.v1 import reward_pb2, reward_pb2_grpc
-
-    from conftest import loopback_config
 
     models = [{"name": "frame_reward", "path": FRAME, "cuda_graph": True, "batch_buckets": [1, 2, 4, 8],
                "max_batch_size": 64}]

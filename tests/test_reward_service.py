@@ -6,13 +6,12 @@ import numpy as np
 import onnx
 import onnx.helper as oh
 import pytest
+from conftest import loopback_config
+from tandem.v1 import reward_pb2, reward_pb2_grpc
 
 from reward_service import server as reward_server
 from tandem import tensors
 from tandem.server import channel
-from tandem.v1 import reward_pb2, reward_pb2_grpc
-
-from conftest import loopback_config
 
 MODEL = "connect4_value"
 

@@ -16,15 +16,16 @@ import grpc
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from tandem.v1 import scheduler_pb2, scheduler_pb2_grpc, search_pb2
 
-from scheduler import device as device_mod
-from scheduler.client import SchedulerClient
-from scheduler.device import NOMINAL_PRIORITY_RANGE, cpu_only, probe
 from scheduler.main import _DrainHook, log_findings, start
 from scheduler.server import MAX_INSTANCE_CHARS
+from tandem import device as device_mod
 from tandem.config import TandemConfig
+from tandem.device import NOMINAL_PRIORITY_RANGE, cpu_only, probe
 from tandem.paths import REPO_ROOT
-from tandem.v1 import scheduler_pb2, scheduler_pb2_grpc, search_pb2
+from tandem.scheduler_client import SchedulerClient
+from tandem.stream_priority import stream_priority_range
 
 SEARCH = scheduler_pb2.SERVICE_KIND_SEARCH
 REWARD = scheduler_pb2.SERVICE_KIND_REWARD
@@ -513,7 +514,7 @@ def test_priority_range_read_back_through_clamping():
             self.streams[stream] = None
 
     runtime = FakeRuntime()
-    assert device_mod._stream_priority_range(runtime) == (0, -5)
+    assert stream_priority_range(runtime) == (0, -5)
     assert all(v is None for v in runtime.streams.values())  # streams destroyed
 
 

@@ -7,22 +7,13 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tandem.v1 import scheduler_pb2, search_pb2
 
 from scheduler import policy
-from scheduler.device import NOMINAL_PRIORITY_RANGE
-from scheduler.policy import (
-    DEFAULT_WEIGHTS,
-    REWARD,
-    SEARCH,
-    Decision,
-    PriorityRange,
-    ServiceInput,
-    UrgencyWeights,
-    decide,
-    nearest_allowed,
-    urgency,
-)
-from tandem.v1 import scheduler_pb2, search_pb2
+from scheduler.policy import REWARD, SEARCH, Decision, ServiceInput, decide, urgency
+from tandem.device import NOMINAL_PRIORITY_RANGE
+from tandem.stream_priority import PriorityRange, nearest_allowed
+from tandem.urgency_weights import DEFAULT_WEIGHTS, UrgencyWeights
 
 H200 = NOMINAL_PRIORITY_RANGE
 W = DEFAULT_WEIGHTS

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import grpc
 import pytest
+from conftest import loopback_config
+from tandem.v1 import search_pb2, search_pb2_grpc
 
 from reward_service import server as reward_server
 from search_service import server as search_server
 from search_service.games import connect4
 from tandem.positions import load_set
 from tandem.server import channel
-from tandem.v1 import search_pb2, search_pb2_grpc
-
-from conftest import loopback_config
 
 
 @pytest.fixture(scope="module")

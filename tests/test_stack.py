@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import free_port
+
 from tandem.config import load_config
-from tandem.supervisor import health_status
+from tandem.server import health_status
 
 pytestmark = pytest.mark.slow
 
@@ -54,13 +54,13 @@ def config_file(tmp_path) -> Path:
 
 
 def _tandem(*args, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tandem", *args], capture_output=True, text=True, timeout=120, **kw)
+    return subprocess.run([sys.executable, "-m", "stack", *args], capture_output=True, text=True, timeout=120, **kw)
 
 
 def test_up_status_play_and_stop(config_file, tmp_path):
     cfg = load_config(config_file)
     up = subprocess.Popen(
-        [sys.executable, "-m", "tandem", "up", "--config", str(config_file)],
+        [sys.executable, "-m", "stack", "up", "--config", str(config_file)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
@@ -146,7 +146,7 @@ def test_play_without_a_stack_says_so_in_one_line(config_file):
 
 def test_servers_die_with_a_killed_supervisor(config_file):
     up = subprocess.Popen(
-        [sys.executable, "-m", "tandem", "up", "--config", str(config_file)],
+        [sys.executable, "-m", "stack", "up", "--config", str(config_file)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:

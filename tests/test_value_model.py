@@ -14,9 +14,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from reward_service.training.connect4_data import (
-    from_records, heldout_mask, read_jsonl, read_uci, PONS_DIR, UCI_CSV_GZ)
-from reward_service.training.connect4_encoding import encode_moves, parse_move_string
+from training.connect4_data import (
+    PONS_DIR,
+    UCI_CSV_GZ,
+    from_records,
+    heldout_mask,
+    read_jsonl,
+    read_uci,
+)
+from training.connect4_encoding import encode_moves, parse_move_string
 
 ort = pytest.importorskip("onnxruntime")
 

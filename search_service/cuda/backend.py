@@ -58,12 +58,17 @@ from typing import Callable
 import cupy
 import numpy as np
 
-from search_service.games import connect4
-from search_service.games.connect4 import Positions
 from search_service.cuda import pool as pl
 from search_service.cuda.module import kernel
+from search_service.games import connect4
+from search_service.games.connect4 import Positions
 from search_service.mcts import tree as tr
-from search_service.mcts.backend import LeafEvaluator, SearchParams, SearchResult, check_call
+from search_service.mcts.backend import (
+    LeafEvaluator,
+    SearchParams,
+    SearchResult,
+    check_call,
+)
 from search_service.mcts.philox import seed_key
 from tandem import nvtx
 

@@ -31,10 +31,10 @@ from __future__ import annotations
 import cupy
 import numpy as np
 
+from search_service.cuda.module import kernel
 from search_service.games import connect4
 from search_service.games.connect4 import Positions
 from search_service.mcts import tree as tr
-from search_service.cuda.module import kernel
 
 ROW = 8  # records per node row: 7 edges + header
 ROWS_BYTES = 128

@@ -59,7 +59,12 @@ import numpy as np
 from search_service.games import connect4
 from search_service.games.connect4 import Positions
 from search_service.mcts import tree as tr
-from search_service.mcts.backend import LeafEvaluator, SearchParams, SearchResult, check_call
+from search_service.mcts.backend import (
+    LeafEvaluator,
+    SearchParams,
+    SearchResult,
+    check_call,
+)
 from search_service.mcts.rollout import rollout_values
 from tandem import nvtx
 

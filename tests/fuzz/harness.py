@@ -16,10 +16,10 @@ from typing import Any, Callable
 
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+from tandem.v1 import reward_pb2, scheduler_pb2, search_pb2
 
 from . import strategies as S
 from . import targets as T
-from tandem.v1 import reward_pb2, scheduler_pb2, search_pb2
 
 DEFAULT_SECONDS = 20.0  # all targets together, in CI
 BATCH = 40  # examples per hypothesis run; the time budget is checked between runs

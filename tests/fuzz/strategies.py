@@ -17,9 +17,9 @@ import struct
 
 import numpy as np
 from hypothesis import strategies as st
+from tandem.v1 import reward_pb2, scheduler_pb2, search_pb2
 
 from search_service.games import connect4
-from tandem.v1 import reward_pb2, scheduler_pb2, search_pb2
 
 # -- numbers ------------------------------------------------------------------------
 i32 = st.integers(-(2**31), 2**31 - 1)

@@ -24,18 +24,24 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
+from tandem.v1 import reward_pb2, scheduler_pb2, search_pb2
 
 from reward_service import server as reward_server
 from reward_service.session import InputError
 from scheduler import policy
-from scheduler.device import cpu_only
-from scheduler.server import MAX_INSTANCE_CHARS, MAX_STREAM_PRIORITIES, InvalidArgument, SchedulerServicer, check_register
+from scheduler.server import (
+    MAX_INSTANCE_CHARS,
+    MAX_STREAM_PRIORITIES,
+    InvalidArgument,
+    SchedulerServicer,
+    check_register,
+)
 from search_service.games import connect4
 from search_service.mcts.cpu_reference import CpuReferenceBackend
 from search_service.server import SearchServicer
 from tandem import tensors
 from tandem.config import parse_config
-from tandem.v1 import reward_pb2, scheduler_pb2, search_pb2
+from tandem.device import cpu_only
 
 #: What a refusal may say. Anything else a client would see as a server fault.
 CLEAR_CODES = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND})

@@ -1,6 +1,6 @@
 """Generate the latency benchmark model: ResNet-18 at 224×224, random weights.
 
-    python -m reward_service.models.make_resnet18 [--out runs/models/resnet18_latency_benchmark.onnx]
+    python -m training.make_resnet18 [--out runs/models/resnet18_latency_benchmark.onnx]
 
 **A latency benchmark model, not a reward model**: its weights are random
 (seeded) and its output means nothing. It has the cost of the seed's

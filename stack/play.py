@@ -27,12 +27,12 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+from tandem.v1 import reward_pb2, reward_pb2_grpc, search_pb2, search_pb2_grpc
 
 from search_service.games import connect4
 from tandem import tensors
 from tandem.positions import DEFAULT_SETS, LabelledPosition, load_set
 from tandem.server import channel
-from tandem.v1 import reward_pb2, reward_pb2_grpc, search_pb2, search_pb2_grpc
 
 DRAW_BAND = 1.0 / 3.0  # |value| below this reads as a draw
 # The search's own deadline leaves this share of the frame for the RPCs and Evaluate.

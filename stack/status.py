@@ -3,12 +3,12 @@ and each configured server's health, printed for people."""
 from __future__ import annotations
 
 import grpc
-
-from scheduler import nvml
-from tandem.config import TandemConfig
-from tandem.server import channel
-from tandem.supervisor import SERVICES, health_status
 from tandem.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+from stack.supervisor import SERVICES
+from tandem import nvml
+from tandem.config import TandemConfig
+from tandem.server import channel, health_status
 
 
 def _kind(k: int) -> str:

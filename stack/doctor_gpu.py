@@ -1,9 +1,9 @@
 """GPU measurements for ``tandem doctor``, run in child processes so that the
 doctor itself never holds a CUDA context (needs CuPy and a GPU).
 
-    python -m tandem.doctor_gpu facts            # JSON: priority range, memory, copy bandwidth
-    python -m tandem.doctor_gpu chain [--load] [--low]   # JSON: p50/p99 of a kernel chain (ms)
-    python -m tandem.doctor_gpu load SECONDS     # a saturating low-priority load (the other process)
+    python -m stack.doctor_gpu facts            # JSON: priority range, memory, copy bandwidth
+    python -m stack.doctor_gpu chain [--load] [--low]   # JSON: p50/p99 of a kernel chain (ms)
+    python -m stack.doctor_gpu load SECONDS     # a saturating low-priority load (the other process)
 
 ``chain`` is the priority check of DESIGN.md "Measured physics": a chain of
 30 short kernels (what one MCTS wave looks like) on the greatest priority
@@ -48,9 +48,9 @@ def facts() -> dict:
     rt = cupy.cuda.runtime
     props = rt.getDeviceProperties(0)
     free, total = rt.memGetInfo()
-    from scheduler.device import _stream_priority_range
+    from tandem.stream_priority import stream_priority_range
 
-    least, greatest = _stream_priority_range(rt)
+    least, greatest = stream_priority_range(rt)
     dev = cupy.empty(COPY_BYTES, cupy.uint8)
     pageable = np.ones(COPY_BYTES, np.uint8)
     pinned_mem = cupy.cuda.alloc_pinned_memory(COPY_BYTES)
@@ -85,7 +85,7 @@ def chain(with_load: bool, low: bool = False, load_seconds: float = 8.0) -> dict
     stream = cupy.cuda.Stream(non_blocking=True, priority=0 if low else -100)  # -100: clamped to the greatest
     child = None
     if with_load:
-        child = subprocess.Popen([sys.executable, "-m", "tandem.doctor_gpu", "load", str(load_seconds)],
+        child = subprocess.Popen([sys.executable, "-m", "stack.doctor_gpu", "load", str(load_seconds)],
                                  stdout=subprocess.PIPE, text=True)
         child.stdout.readline()  # "ready": the load runs
     try:

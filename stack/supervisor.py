@@ -14,22 +14,18 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
+from tandem import device
 from tandem.config import TandemConfig
 from tandem.pools import mps_memory_env
 
 
 def mps_env(cfg: TandemConfig) -> dict[str, str]:
     """``CUDA_MPS_PIPE_DIRECTORY`` / ``CUDA_MPS_LOG_DIRECTORY`` shared by the three
-    servers (scheduler/mps.py); {} with ``scheduler.mps: off``."""
+    servers (tandem/device.py); {} with ``scheduler.mps: off``."""
     if cfg.scheduler.mps == "off":
         return {}
-    from scheduler import mps
-
-    return mps.client_env(*mps.directories(cfg.scheduler))
-from tandem.server import channel
+    return device.mps_client_env(*device.mps_directories(cfg.scheduler))
+from tandem.server import health_status
 
 log = logging.getLogger(__name__)
 
@@ -54,21 +50,6 @@ def die_with_supervisor() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != int(parent):  # the supervisor died before the prctl
         os.kill(os.getpid(), signal.SIGTERM)
-
-
-def health_status(address: str, cfg: TandemConfig | None = None, service: str = "", timeout_s: float = 1.0) -> str:
-    """The health service's answer for ``service`` at ``address``: "SERVING",
-    "NOT_SERVING", … or "UNREACHABLE"."""
-    with channel(address, cfg) as ch:
-        try:
-            reply = health_pb2_grpc.HealthStub(ch).Check(
-                health_pb2.HealthCheckRequest(service=service), timeout=timeout_s
-            )
-        except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.NOT_FOUND:
-                return "SERVICE_UNKNOWN"  # the server answers, but not for that service name
-            return "UNREACHABLE"
-    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 
 def wait_serving(address: str, cfg: TandemConfig, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
@@ -136,7 +117,7 @@ class Stack:
             raise RuntimeError(f"already in use (is another tandem up running?): {', '.join(busy)}")
         try:
             for name in self.processes():
-                cmd = [sys.executable, "-m", "tandem", "serve", name]
+                cmd = [sys.executable, "-m", "stack", "serve", name]
                 if self.config_path:
                     cmd += ["--config", str(self.config_path)]
                 out = None

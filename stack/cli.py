@@ -25,7 +25,7 @@ SERVE = {
     "scheduler": "scheduler.main",
     "reward": "reward_service.server",
     "search": "search_service.server",
-    "colocated": "tandem.colocated",  # reward + search in one process (co_located: true)
+    "colocated": "stack.colocated",  # reward + search in one process (co_located: true)
 }
 
 
@@ -36,7 +36,7 @@ def _config(args) -> TandemConfig:
 def cmd_serve(args) -> int:
     import importlib
 
-    from tandem.supervisor import die_with_supervisor, mps_env
+    from stack.supervisor import die_with_supervisor, mps_env
 
     die_with_supervisor()
     cfg = _config(args)
@@ -53,7 +53,7 @@ def _print_endpoints(cfg: TandemConfig) -> None:
 
 
 def cmd_up(args) -> int:
-    from tandem.supervisor import Stack, run_until_signalled
+    from stack.supervisor import Stack, run_until_signalled
 
     cfg = _config(args)
     stack = Stack(cfg, args.config, log_dir=args.log_dir)
@@ -64,19 +64,19 @@ def cmd_up(args) -> int:
 
 
 def cmd_status(args) -> int:
-    from tandem.status import print_status
+    from stack.status import print_status
 
     return print_status(_config(args))
 
 
 def cmd_doctor(args) -> int:
-    from tandem import doctor
+    from stack import doctor
 
     return doctor.print_findings(doctor.run(_config(args), deep=args.deep))
 
 
 def cmd_health(args) -> int:
-    from tandem.supervisor import health_status
+    from tandem.server import health_status
 
     host, _, port = args.address.rpartition(":")
     if not host or not port.isdigit():
@@ -89,7 +89,7 @@ def cmd_health(args) -> int:
 
 
 def _play_options(args, cfg: TandemConfig):
-    from tandem.play import PlayOptions
+    from stack.play import PlayOptions
 
     return PlayOptions(
         search_address=args.search or cfg.search.address,
@@ -105,7 +105,7 @@ def _play_options(args, cfg: TandemConfig):
 
 
 def _run_play(args, cfg: TandemConfig) -> int:
-    from tandem.play import play, print_report, write_report
+    from stack.play import play, print_report, write_report
 
     report = play(_play_options(args, cfg), cfg)
     print_report(report)
@@ -120,7 +120,7 @@ def cmd_play(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from tandem.supervisor import Stack
+    from stack.supervisor import Stack
 
     cfg = _config(args)
     started = time.perf_counter()
@@ -138,9 +138,9 @@ def cmd_demo(args) -> int:
 
 
 def cmd_convert_fp16(args) -> int:
-    from reward_service import precision
+    from training import fp16_report
 
-    return precision.main(args)
+    return fp16_report.main(args)
 
 
 def _add_play_args(p: argparse.ArgumentParser) -> None:

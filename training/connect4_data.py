@@ -26,10 +26,11 @@ from pathlib import Path
 
 import numpy as np
 
+from tandem.paths import DATA_DIR as _DATA
+
 from .connect4_encoding import COLS, encode_batch, mirror
 
-REPO_DIR = Path(__file__).resolve().parents[2]
-DATA_DIR = REPO_DIR / "data" / "connect4"
+DATA_DIR = _DATA / "connect4"
 UCI_CSV_GZ = DATA_DIR / "uci" / "connect-4.shared90.csv.gz"
 PONS_DIR = DATA_DIR / "pons"
 SOLVER_DIR = DATA_DIR / "solver"

@@ -1,9 +1,10 @@
-"""What the GPU offers the scheduler: stream priority range, name, memory, MPS.
+"""Host facts: what GPU 0 offers (name, memory, stream priority range) and
+whether an MPS control daemon answers.
 
 :func:`probe` never raises: every failure (no CuPy, no GPU, no MPS tools, a
 hung MPS control daemon) becomes a plain sentence in :class:`DeviceInfo`.
 The GPU is asked through CuPy in a short-lived child process
-(``python -m scheduler.device`` prints the facts as JSON), so the scheduler
+(``python -m tandem.device`` prints the facts as JSON), so the scheduler
 daemon never holds a CUDA context of its own.
 
 Why MPS matters (DESIGN.md, "Measured physics"): across processes, CUDA
@@ -23,8 +24,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from scheduler.policy import PriorityRange
+from tandem.gpu import cupy_module
 from tandem.paths import REPO_ROOT
+from tandem.stream_priority import PriorityRange, stream_priority_range
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +36,22 @@ NOMINAL_PRIORITY_RANGE = PriorityRange(least=0, greatest=-5)
 
 MPS_CONTROL_BINARY = "nvidia-cuda-mps-control"
 DEFAULT_MPS_PIPE_DIRECTORY = "/tmp/nvidia-mps"  # the MPS control daemon's default
+
+DEFAULT_LOG_DIRECTORY = "/tmp/nvidia-log"  # the MPS control daemon's default
+
+
+def mps_directories(sched) -> tuple[str, str]:
+    """(pipe, log) directories for a ``SchedulerConfig``: the configured ones,
+    else ``$CUDA_MPS_PIPE_DIRECTORY`` / ``$CUDA_MPS_LOG_DIRECTORY``, else MPS's defaults."""
+    pipe = sched.mps_pipe_directory or os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or DEFAULT_MPS_PIPE_DIRECTORY
+    logs = sched.mps_log_directory or os.environ.get("CUDA_MPS_LOG_DIRECTORY") or DEFAULT_LOG_DIRECTORY
+    return pipe, logs
+
+
+def mps_client_env(pipe_directory: str, log_directory: str) -> dict[str, str]:
+    """The environment an MPS client (and the control daemon) needs."""
+    return {"CUDA_MPS_PIPE_DIRECTORY": pipe_directory, "CUDA_MPS_LOG_DIRECTORY": log_directory}
+
 
 NO_GPU_MESSAGE = "no GPU: stream priorities are not enforced across processes"
 
@@ -78,44 +96,18 @@ def cpu_only() -> DeviceInfo:
     return DeviceInfo()
 
 
-def _stream_priority_range(runtime) -> tuple[int, int]:
-    """(least, greatest) of the current device.
-
-    ``cudaDeviceGetStreamPriorityRange`` where CuPy exposes it; CuPy 14 does
-    not, so otherwise a stream is created at an absurdly low and one at an
-    absurdly high priority and read back: CUDA clamps out-of-range priorities
-    to the device's range.
-    """
-    direct = getattr(runtime, "deviceGetStreamPriorityRange", None)
-    if direct is not None:
-        least, greatest = direct()
-        return int(least), int(greatest)
-    ends = []
-    for asked in (1 << 20, -(1 << 20)):
-        stream = runtime.streamCreateWithPriority(getattr(runtime, "streamNonBlocking", 1), asked)
-        try:
-            ends.append(int(runtime.streamGetPriority(stream)))
-        finally:
-            runtime.streamDestroy(stream)
-    return ends[0], ends[1]
-
-
 def _gpu_facts() -> dict | None:
     """Asks CuPy about GPU 0 in this process: {"name", "total_memory_bytes", "least", "greatest"} or None."""
-    try:
-        import cupy  # noqa: PLC0415 - optional dependency
-    except Exception as exc:  # ImportError, or a broken CUDA install
-        log.debug("CuPy unavailable: %s", exc)
+    cupy = cupy_module()
+    if cupy is None:
         return None
     try:
         runtime = cupy.cuda.runtime
-        if runtime.getDeviceCount() < 1:
-            return None
         props = runtime.getDeviceProperties(0)
         name = props.get("name", b"")
         name = name.decode(errors="replace") if isinstance(name, bytes) else str(name)
         with cupy.cuda.Device(0):
-            least, greatest = _stream_priority_range(runtime)
+            least, greatest = stream_priority_range(runtime)
         return {"name": name or "unknown GPU", "total_memory_bytes": int(props.get("totalGlobalMem", 0)),
                 "least": least, "greatest": greatest}
     except Exception as exc:  # cudaErrorNoDevice, driver mismatch, ...
@@ -132,7 +124,7 @@ def _probe_gpu(timeout_s: float = 60.0) -> tuple[str, int, PriorityRange] | None
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)}
     try:
-        done = subprocess.run([sys.executable, "-m", "scheduler.device"], capture_output=True, text=True,
+        done = subprocess.run([sys.executable, "-m", "tandem.device"], capture_output=True, text=True,
                               timeout=timeout_s, env=env, cwd=str(REPO_ROOT))
         facts = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 and done.stdout else None
     except (OSError, subprocess.TimeoutExpired, ValueError, IndexError) as exc:
@@ -149,7 +141,7 @@ def _probe_gpu(timeout_s: float = 60.0) -> tuple[str, int, PriorityRange] | None
         return None
 
 
-def _probe_mps(pipe_dir: str, timeout_s: float) -> tuple[str, bool, str]:
+def probe_mps(pipe_dir: str, timeout_s: float) -> tuple[str, bool, str]:
     """(binary path or "", daemon answering, sentence)."""
     binary = shutil.which(MPS_CONTROL_BINARY) or ""
     control = Path(pipe_dir) / "control"
@@ -196,7 +188,7 @@ def probe(pipe_directory: str | None = None, *, mps_timeout_s: float = 2.0) -> D
         binary = shutil.which(MPS_CONTROL_BINARY) or ""
         return DeviceInfo(mps_binary=binary, mps_pipe_directory=pipe_dir)
     name, total, prange = gpu
-    binary, active, mps_message = _probe_mps(pipe_dir, mps_timeout_s)
+    binary, active, mps_message = probe_mps(pipe_dir, mps_timeout_s)
     if active:
         message = f"{name}: stream priorities {prange.least}..{prange.greatest} act across processes (MPS)"
     else:

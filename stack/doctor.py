@@ -1,7 +1,7 @@
 """``tandem doctor``: checks a host for what the scheduler relies on and prints
 each finding with its fix.
 
-Checks (GPU measurements run in child processes, :mod:`tandem.doctor_gpu`,
+Checks (GPU measurements run in child processes, :mod:`stack.doctor_gpu`,
 so the doctor holds no CUDA context):
 
 * GPU present (the driver, asked directly);
@@ -24,6 +24,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+from tandem import device
 from tandem.config import TandemConfig
 from tandem.gpu import cuda_device_count
 
@@ -44,13 +45,13 @@ class Finding:
 
 
 def _child(args: list[str], env: dict[str, str]) -> dict:
-    """JSON printed by ``python -m tandem.doctor_gpu ARGS``.
+    """JSON printed by ``python -m stack.doctor_gpu ARGS``.
 
     Raises:
         RuntimeError: the child failed or timed out (its last stderr line in the message).
     """
     try:
-        done = subprocess.run([sys.executable, "-m", "tandem.doctor_gpu", *args], capture_output=True, text=True,
+        done = subprocess.run([sys.executable, "-m", "stack.doctor_gpu", *args], capture_output=True, text=True,
                               timeout=CHILD_TIMEOUT_S, env={**os.environ, **env})
     except subprocess.TimeoutExpired:
         raise RuntimeError(f"timed out after {CHILD_TIMEOUT_S:.0f} s") from None
@@ -61,14 +62,11 @@ def _child(args: list[str], env: dict[str, str]) -> dict:
 
 
 def check_mps(cfg: TandemConfig, has_gpu: bool) -> Finding:
-    from scheduler import mps
-    from scheduler.device import _probe_mps
-
-    pipe, _ = mps.directories(cfg.scheduler)
+    pipe, _ = device.mps_directories(cfg.scheduler)
     if not has_gpu:
         return Finding("MPS", UNKNOWN, "no GPU: cross-process stream priorities are not enforced on this host",
                        "run tandem doctor on the GPU host")
-    _, active, message = _probe_mps(pipe, 2.0)
+    _, active, message = device.probe_mps(pipe, 2.0)
     if active:
         return Finding("MPS", OK, message)
     return Finding("MPS", FAIL, f"{message}; stream priorities do not act across the reward and search processes",
@@ -105,7 +103,7 @@ def check_facts(cfg: TandemConfig, facts: dict) -> list[Finding]:
 
 
 def check_nvml() -> Finding:
-    from scheduler import nvml
+    from tandem import nvml
 
     s = nvml.sample()
     if s is None:
@@ -140,8 +138,6 @@ def check_enforced(env: dict[str, str]) -> Finding:
 
 def run(cfg: TandemConfig, deep: bool = False) -> list[Finding]:
     """All findings for this host (never raises: a failed measurement is a finding)."""
-    from scheduler import mps
-
     has_gpu = cuda_device_count() > 0
     findings = [Finding("GPU", OK if has_gpu else UNKNOWN,
                         f"{cuda_device_count()} CUDA device(s)" if has_gpu else "no CUDA GPU visible on this host",
@@ -151,7 +147,7 @@ def run(cfg: TandemConfig, deep: bool = False) -> list[Finding]:
     if not has_gpu:
         findings += [Finding(c, UNKNOWN, "no GPU: cannot check") for c in GPU_CHECKS]
         return findings
-    env = mps.client_env(*mps.directories(cfg.scheduler)) if cfg.scheduler.mps == "auto" else {}
+    env = device.mps_client_env(*device.mps_directories(cfg.scheduler)) if cfg.scheduler.mps == "auto" else {}
     try:
         findings += check_facts(cfg, _child(["facts"], env))
     except (RuntimeError, ValueError, KeyError) as exc:

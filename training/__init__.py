@@ -8,7 +8,7 @@ Nothing here is imported by the running services. Modules:
   seeded train / held-out split;
 * ``connect4_model`` — the small residual CNN (PyTorch);
 * ``train_connect4_value`` — train, export to ONNX, verify, evaluate, write the
-  model card (``python -m reward_service.training.train_connect4_value``).
+  model card (``python -m training.train_connect4_value``).
 
 Training needs the ``train`` extra (torch, onnx); encoding and data loading
 need only NumPy.

@@ -1,0 +1,3 @@
+from stack.cli import main
+
+raise SystemExit(main())

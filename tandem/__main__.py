@@ -1,3 +1,0 @@
-from tandem.cli import main
-
-raise SystemExit(main())
