@@ -19,7 +19,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/root/ortsite:/tmp/site:$PWD
 python3 -c "import onnxruntime as o; print('ort', o.__version__, o.get_available_providers())" 2>&1 | tail -1
 echo "setup $(( $(date +%s) - t0 )) s"
-timeout 120 python3 -m pytest -q -m gpu tests/test_reward_gpu.py -p no:cacheprovider -q 2>&1 | tee $OUT/pytest_gpu.log | tail -15
+timeout 120 python3 -m pytest -q -m gpu tests/reward/test_reward_gpu.py -p no:cacheprovider -q 2>&1 | tee $OUT/pytest_gpu.log | tail -15
 echo "tests done at $(( $(date +%s) - t0 )) s"
 if [ -n "${SHORT:-}" ]; then ARGS="--skip resnet18,torch,copy --accuracy-limit 300"; else ARGS=""; fi
 timeout 420 python3 -m bench.reward_latency $ARGS --out $OUT 2>&1 | tee $OUT/bench.log | grep -v "^model=" | tail -30

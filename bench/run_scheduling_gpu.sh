@@ -45,8 +45,8 @@ try:
 finally:
     mps.stop(c)
 PY
-timeout 180 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_assignments.py tests/test_doctor.py \
-  tests/test_nvtx.py tests/test_reward_gpu.py 2>&1 | tee "$OUTDIR/pytest_gpu.log" | tail -15
+timeout 180 python3 -m pytest -q -p no:cacheprovider -m gpu tests/scheduler/test_assignments.py tests/stack/test_doctor.py \
+  tests/ground/test_nvtx.py tests/reward/test_reward_gpu.py 2>&1 | tee "$OUTDIR/pytest_gpu.log" | tail -15
 echo "tests done at $(( $(date +%s) - t0 )) s"
 fi
 [ -n "${CHECKS_ONLY:-}" ] && exit 0

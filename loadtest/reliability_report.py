@@ -1,8 +1,8 @@
 """Reliability figures: the tests write them, this renders them.
 
-The reliability tests (``tests/test_bad_input_properties.py``, ``tests/fuzz/``,
-``tests/test_limits.py``, ``tests/test_faults.py``, ``tests/test_soak.py``,
-``tests/test_access.py``) each write ``runs/reliability/<name>.json`` with
+The reliability tests (``tests/stack/test_bad_input_properties.py``, ``tests/stack/fuzz/``,
+``tests/stack/test_limits.py``, ``tests/stack/test_faults.py``, ``tests/stack/test_soak.py``,
+``tests/stack/test_access.py``) each write ``runs/reliability/<name>.json`` with
 :func:`save_figures`; ``python -m loadtest.reliability_report`` prints the
 markdown tables of ``docs/reliability.md`` from whatever is there
 (``--write`` replaces the generated section of that page).
@@ -66,7 +66,7 @@ def render() -> str:
     out: list[str] = []
     d = _load("bad_input")
     if d:
-        out += ["### Bad input over gRPC (`tests/test_bad_input_properties.py`)", "", _stamp(d), ""]
+        out += ["### Bad input over gRPC (`tests/stack/test_bad_input_properties.py`)", "", _stamp(d), ""]
         rows, total = [], 0
         for rpc, f in d["rpcs"].items():
             o = f["outcomes"]
@@ -79,12 +79,12 @@ def render() -> str:
                 "answered a valid call.", ""]
     d = _load("fuzz")
     if d:
-        out += ["### Fuzzing of request decoding (`tests/fuzz/`)", "", _stamp(d) + f", {d['seconds_budget']:g} s budget", ""]
+        out += ["### Fuzzing of request decoding (`tests/stack/fuzz/`)", "", _stamp(d) + f", {d['seconds_budget']:g} s budget", ""]
         rows = [[f"`{t['target']}`", t["code"], t["examples"], t["seconds"], _codes(t["outcomes"])] for t in d["targets"]]
         out += _table(["target", "code under test", "inputs", "s", "outcomes"], rows)
     d = _load("limits")
     if d:
-        out += ["### Limits (`tests/test_limits.py`)", "", _stamp(d), ""]
+        out += ["### Limits (`tests/stack/test_limits.py`)", "", _stamp(d), ""]
         rows = []
         if "flood" in d:
             f = d["flood"]
@@ -116,7 +116,7 @@ def render() -> str:
     d = _load("faults")
     if d:
         load = d["load"]
-        out += ["### Faults (`tests/test_faults.py`)", "", _stamp(d) +
+        out += ["### Faults (`tests/stack/test_faults.py`)", "", _stamp(d) +
                 f"; {load['engines']} engines at {load['fps']:g} FPS ({load['evaluator']} search of "
                 f"{load['simulations']} simulations + Evaluate per frame, {load['timeout_s']:g}-s deadlines), "
                 f"{load['duration_s']} s, each server SIGKILLed for {d['outage_s']:g} s in turn", ""]
@@ -139,7 +139,7 @@ def render() -> str:
     d = _load("soak")
     if d:
         req = d["load"]["requests"]
-        out += ["### Soak (`tests/test_soak.py`, `loadtest/soak.py`)", "", _stamp(d) +
+        out += ["### Soak (`tests/stack/test_soak.py`, `loadtest/soak.py`)", "", _stamp(d) +
                 f"; {d['seconds']:g} s ({d['warmup_s']:g} s warm-up), {d['engines']} engines at {d['fps']:g} FPS, "
                 f"each frame one {d['evaluator']} Search of {d['simulations']} simulations + one Evaluate", ""]
         rows = []
@@ -154,7 +154,7 @@ def render() -> str:
         out += _table(["server", "RSS MiB (after warm-up → end)", "RSS growth MiB", "RSS slope MiB/min", "open fds", "threads"], rows)
     d = _load("access")
     if d:
-        out += ["### Access (`tests/test_access.py`)", "", _stamp(d), ""]
+        out += ["### Access (`tests/stack/test_access.py`)", "", _stamp(d), ""]
         rows = []
         if "loopback" in d:
             lb = d["loopback"]

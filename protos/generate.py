@@ -1,7 +1,7 @@
 """Regenerate the Python modules of the gRPC contract.
 
 Usage: ``python protos/generate.py`` (needs grpcio-tools, the version pinned in
-pyproject.toml's ``test`` extra). tests/test_protos.py fails when the checked-in
+pyproject.toml's ``test`` extra). tests/ground/test_protos.py fails when the checked-in
 modules differ from what this writes.
 """
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Nothing here touches a lock, a clock, a GPU or gRPC: the servicer
 (:mod:`scheduler.server`) gathers the inputs under its lock, calls
 :func:`urgency` and :func:`decide`, and stores what they return. That keeps
-every rule testable on its own (``tests/test_scheduler_policy.py``).
+every rule testable on its own (``tests/scheduler/test_scheduler_policy.py``).
 
 Urgency (dimensionless, finite, >= 0; larger is more urgent)
 ------------------------------------------------------------

@@ -19,7 +19,7 @@ Concurrency invariants
 * No client message can take the scheduler down: requests are validated
   (INVALID_ARGUMENT naming the field), load reports are sanitised rather
   than refused (see :func:`scheduler.policy.urgency`), and echoed client
-  text is cut short (``tests/test_scheduler.py`` fuzzes every field).
+  text is cut short (``tests/scheduler/test_scheduler.py`` fuzzes every field).
 """
 from __future__ import annotations
 

@@ -43,7 +43,7 @@ RPC_LATENCY = Histogram(
 # permit pings without calls, but no more often than every 10 s (the server
 # config's ``keepalive_min_ping_interval_ms`` replaces that figure); a client
 # that pings faster gets two strikes, then GOAWAY ENHANCE_YOUR_CALM
-# ("too_many_pings") and its connection is closed (tests/test_access.py).
+# ("too_many_pings") and its connection is closed (tests/stack/test_access.py).
 KEEPALIVE_OPTIONS = (
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 10_000),

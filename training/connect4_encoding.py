@@ -5,7 +5,7 @@ uint8 ``[2, 6, 7]``; plane 0 holds the stones of the side to move, plane 1 the
 opponent's (1 = stone, 0 = empty); index ``[row, col]`` with row 0 the BOTTOM
 row and col 0 the leftmost column. This must equal
 ``search_service.games.connect4.observation`` for the same position
-(``tests/test_value_model.py`` checks it when that module is present).
+(``tests/training/test_value_model.py`` checks it when that module is present).
 
 Move strings use the data files' convention: one digit per move, columns
 1-indexed ("4455" = two stones in column 4, then two in column 5).

@@ -114,6 +114,7 @@ def _accuracy(moves, target, seed=7):
     return float((outcome_class(v) == np.sign(target)).mean())
 
 
+@pytest.mark.slow
 def test_model_beats_the_majority_class_on_held_out_positions():
     from training.train_frame_reward import heldout_sets
 

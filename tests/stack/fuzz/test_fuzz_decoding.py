@@ -1,7 +1,7 @@
 """Fuzzes the request decoding and validation of each service for a bounded
 time (``TANDEM_FUZZ_SECONDS``, default 20 s across all targets): every input is
 either refused with the documented error naming the field, or accepted and
-handled correctly (see ``tests/fuzz/targets.py``). Figures go to
+handled correctly (see ``tests/stack/fuzz/targets.py``). Figures go to
 ``runs/reliability/fuzz.json``."""
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ def figures():
     targets.fixtures.cache_clear()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(TARGETS))
 def test_fuzz_target(name):
     result = run_target(TARGETS[name], seconds_budget() / len(TARGETS))

@@ -1,7 +1,7 @@
 """Hypothesis strategies for malformed (and, now and then, valid) requests.
 
-Shared by the in-process fuzz harness (``tests/fuzz/``) and the gRPC bad-input
-suite (``tests/test_bad_input_properties.py``). Structured strategies build
+Shared by the in-process fuzz harness (``tests/stack/fuzz/``) and the gRPC bad-input
+suite (``tests/stack/test_bad_input_properties.py``). Structured strategies build
 real messages whose fields are wrong in the ways a client gets them wrong
 (wrong dtype, shape, byte length; huge, negative, NaN/Inf numbers; text that
 is not a move string; impossible boards; empty and oversized batches), with

@@ -1,4 +1,4 @@
-"""``python -m tests.fuzz [--seconds S] [--target NAME ...] [--out PATH]``: a longer
+"""``python -m tests.stack.fuzz [--seconds S] [--target NAME ...] [--out PATH]``: a longer
 fuzzing run than CI's, outside pytest (from the repository root).
 
 ``--engine atheris --target NAME``: the same target under atheris (libFuzzer,
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
-    ap = argparse.ArgumentParser(prog="python -m tests.fuzz", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tests.stack.fuzz", description=__doc__.split("\n")[0])
     ap.add_argument("--seconds", type=float, default=None, help="total time (default: TANDEM_FUZZ_SECONDS or 20)")
     ap.add_argument("--target", action="append", choices=[t.name for t in all_targets()])
     ap.add_argument("--engine", choices=("hypothesis", "atheris"), default="hypothesis")

@@ -16,7 +16,7 @@ from search_service.mcts.backend import SearchParams
 from search_service.mcts.cpu_reference import CpuReferenceBackend
 from search_service.mcts.rollout import rollout_values
 
-DATA = Path(__file__).resolve().parents[1] / "data" / "connect4" / "pons"
+DATA = Path(__file__).resolve().parents[2] / "data" / "connect4" / "pons"
 BACKEND = CpuReferenceBackend()
 
 

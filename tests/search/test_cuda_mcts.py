@@ -23,7 +23,7 @@ from search_service.mcts.cpu_reference import CpuReferenceBackend  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
-DATA = Path(__file__).resolve().parents[1] / "data" / "connect4" / "pons"
+DATA = Path(__file__).resolve().parents[2] / "data" / "connect4" / "pons"
 CPU = CpuReferenceBackend()
 FIELDS = (
     "node_current", "node_mask", "node_terminal", "node_visits", "node_parent", "node_action",

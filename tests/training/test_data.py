@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-DATA = Path(__file__).resolve().parents[1] / "data"
+DATA = Path(__file__).resolve().parents[2] / "data"
 C4 = DATA / "connect4"
 PONS = ("Test_L3_R1", "Test_L2_R1", "Test_L1_R1", "Test_L1_R2")
 SOLVER_FILE = C4 / "solver" / "uci_random_walks.jsonl.gz"
@@ -135,6 +135,7 @@ def test_uci_names_unchanged():
     assert digest == "fd1c60618855cf6c5f4c2c05983707566ab414353d4ccc237b8fa372022ba009"
 
 
+@pytest.mark.slow
 def test_labels_self_consistent(sets):
     for path, records in sets.items():
         for r in records:

@@ -212,6 +212,7 @@ def test_evaluate_raw_bytes(stack, payload):
 
 @settings(PROPS, max_examples=10)
 @given(extra=st.integers(1, MAX_MESSAGE_BYTES))
+@pytest.mark.slow
 def test_evaluate_oversized_message_is_refused(stack, extra):
     """A message over ``max_message_bytes`` is refused by gRPC before it reaches our code."""
     n = (MAX_MESSAGE_BYTES + extra) // 84 + 1

@@ -363,6 +363,7 @@ def _idle_watcher(address: str, ping_ms: int) -> dict:
     return state
 
 
+@pytest.mark.slow
 def test_keepalive_flooder_gets_goaway_while_a_polite_pinger_stays():
     """Scaled down 5x: the server allows a ping every 2 s (shipped: 10 s); a client
     pinging every 2.5 s (an engine's 45 s against 10 s) keeps its idle stream,

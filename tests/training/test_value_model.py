@@ -26,7 +26,7 @@ from training.connect4_encoding import encode_moves, parse_move_string
 
 ort = pytest.importorskip("onnxruntime")
 
-MODEL = Path(__file__).resolve().parents[1] / "reward_service" / "models" / "connect4_value.onnx"
+MODEL = Path(__file__).resolve().parents[2] / "reward_service" / "models" / "connect4_value.onnx"
 SPLIT_SEED = 1995  # the training script's default --seed: decides the held-out 10 %
 DRAW_BAND = 1.0 / 3.0
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from search_service.games import GAMES, Game
 from search_service.games import connect4 as c4
 
-DATA = Path(__file__).resolve().parents[1] / "data" / "connect4" / "pons"
+DATA = Path(__file__).resolve().parents[2] / "data" / "connect4" / "pons"
 # A full board with no four in a row (found by random play, checked with bitbully below).
 DRAW = "126613431456475467333341527215612225546777"
 

@@ -1,6 +1,0 @@
-"""Fuzzing harness for the request decoding of the three services (hypothesis-based).
-
-``pytest tests/fuzz`` runs every target for a share of ``TANDEM_FUZZ_SECONDS``
-(default 20 s in all); ``python -m tests.fuzz --seconds 600`` runs longer, by
-itself. See ``tests/fuzz/harness.py``.
-"""
