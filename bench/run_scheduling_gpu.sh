@@ -35,13 +35,14 @@ if [ -z "${BENCH_ONLY:-}" ]; then
 python3 - <<'PY' 2>&1 | tee "$OUTDIR/doctor.txt"
 import subprocess
 from scheduler import mps
+from tandem import device
 from tandem.config import load_config
-pipe, logs = mps.directories(load_config().scheduler)
+pipe, logs = device.mps_directories(load_config().scheduler)
 c = mps.ensure(pipe, logs, True)
 print("MPS:", c.message, flush=True)
 try:
-    subprocess.run(["python3", "-m", "tandem", "doctor", "--deep"], timeout=240,
-                   env={**__import__("os").environ, **mps.client_env(pipe, logs)})
+    subprocess.run(["python3", "-m", "stack", "doctor", "--deep"], timeout=240,
+                   env={**__import__("os").environ, **device.mps_client_env(pipe, logs)})
 finally:
     mps.stop(c)
 PY

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# The stack on the GPU as a user runs it, in one device call: the GPU tests,
+# then `tandem up` in the background, `tandem status`, `tandem play` (rollouts,
+# then the value model) and a clean stop.
+#
+# From the repository root on the GPU machine (the device tool's `run`, with
+# carry [".whl"] holding the grpcio-health-checking, grpcio-reflection and
+# onnxconverter-common wheels; onnxruntime-gpu in /root/ortsite if it was
+# carried in parts as bench/run_scheduling_gpu.sh's header says):
+#
+#   bash bench/run_stack_gpu.sh                 # GPU tests + play
+#   TESTS="" bash bench/run_stack_gpu.sh        # play only
+#   FRAMES=600 VALUE_FRAMES=600 bash bench/run_stack_gpu.sh
+#
+# Writes into $OUT (else runs/stack_gpu): pytest_gpu.log, play_rollout.json,
+# play_value_model.json, status.txt and the servers' logs; prints a table last.
+set -o pipefail
+export PYTHONUNBUFFERED=1
+t0=$(date +%s)
+OUTDIR=${OUT:-runs/stack_gpu}
+mkdir -p "$OUTDIR/logs"
+W=/root/onnxruntime_gpu-1.31.1-cp312-cp312-manylinux_2_28_x86_64.whl  # pip needs a valid wheel name
+if [ -d /root/ortparts ]; then
+  cat /root/ortparts/part* > $W && python3 -m pip install -q --no-index --no-deps --no-compile --target /root/ortsite $W 2>&1 | tail -2
+  rm -rf /root/ortparts
+fi
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl 2>&1 | tail -2
+export PYTHONPATH=/root/ortsite:/tmp/site:$PWD
+# The `tandem` command, as a user gets it (no registry there: no deps, no build isolation).
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null 2>&1 || true
+TANDEM="tandem"; command -v tandem >/dev/null || TANDEM="python3 -m stack"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+python3 -c "import onnxruntime as o, cupy; print('ort', o.__version__, o.get_available_providers()[:2], 'cupy', cupy.__version__)"
+echo "setup $(( $(date +%s) - t0 )) s; tandem = $TANDEM"
+
+TESTS=${TESTS-tests}
+if [ -n "$TESTS" ]; then
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu $TESTS 2>&1 | tee "$OUTDIR/pytest_gpu.log" | tail -12
+  echo "tests done at $(( $(date +%s) - t0 )) s"
+fi
+
+$TANDEM up --log-dir "$OUTDIR/logs" > "$OUTDIR/logs/up.log" 2>&1 &
+UP=$!
+for _ in $(seq 120); do $TANDEM health 127.0.0.1:50052 >/dev/null 2>&1 && break; sleep 1; done
+$TANDEM status > "$OUTDIR/status.txt" 2>&1; head -20 "$OUTDIR/status.txt"
+$TANDEM play --frames "${FRAMES:-600}" --report "$OUTDIR/play_rollout.json" > "$OUTDIR/play_rollout.txt" 2>&1
+$TANDEM play --evaluator value_model --frames 120 --report "$OUTDIR/play_value_warm.json" > /dev/null 2>&1
+$TANDEM play --evaluator value_model --frames "${VALUE_FRAMES:-240}" --report "$OUTDIR/play_value_model.json" \
+  > "$OUTDIR/play_value_model.txt" 2>&1
+kill -TERM $UP; wait $UP; echo "tandem up exited $?"
+tail -3 "$OUTDIR/logs/up.log"
+python3 - "$OUTDIR" <<'PY'
+import json, sys, pathlib
+out = pathlib.Path(sys.argv[1])
+print(f"{'evaluator':12} {'frames':>6} {'sims/frame':>10} {'p50 ms':>7} {'p99 ms':>7} {'missed':>6} {'optimal':>7}")
+for name in ("rollout", "value_model"):
+    p = out / f"play_{name}.json"
+    if not p.exists():
+        print(name, "no report"); continue
+    r = json.loads(p.read_text())
+    lat, sims = r["frame_latency_ms"], r["simulations_per_frame"]
+    print(f"{name:12} {r['frames']:6} {sims['mean']:10.1f} {lat['p50']:7.2f} {lat['p99']:7.2f} "
+          f"{r['missed_frames']:6} {r['optimal_move_rate'] or 0:7.3f}  {r['backends']}")
+PY
+echo "total $(( $(date +%s) - t0 )) s"
