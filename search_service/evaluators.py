@@ -3,9 +3,10 @@
 :class:`RewardServiceEvaluator` sends one wave's leaf observations (uint8
 ``[N, 2, 6, 7]``) to the reward service's value model in one ``Evaluate``
 call with critical priority, and returns values (and priors from the policy
-logits, if the model has them). If the reward service is unreachable it
-raises :class:`EvaluatorUnavailable`, and the search service falls back to
-random rollouts.
+logits, if the model has them). If the reward service fails, is unreachable
+or cannot answer by the search deadline it raises :class:`EvaluatorUnavailable`
+(an :class:`EvaluationFailed`): the backend undoes that wave and goes on in
+the same tree with rollouts, or answers from it at the deadline.
 """
 from __future__ import annotations
 
@@ -15,10 +16,13 @@ import grpc
 import numpy as np
 from tandem.v1 import reward_pb2, reward_pb2_grpc
 
+from search_service.mcts.backend import EvaluationFailed
 from tandem import tensors
 
+HANDOFF_GRPC = "grpc"  # how leaves reach the reward service: one Evaluate call per wave
 
-class EvaluatorUnavailable(RuntimeError):
+
+class EvaluatorUnavailable(EvaluationFailed):
     """The reward service could not evaluate the leaves."""
 
 

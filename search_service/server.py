@@ -24,7 +24,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from tandem.v1 import scheduler_pb2, search_pb2, search_pb2_grpc
 
 from search_service.backends import make_backend
-from search_service.evaluators import EvaluatorUnavailable, RewardServiceEvaluator
+from search_service.evaluators import HANDOFF_GRPC, RewardServiceEvaluator
 from search_service.games import GAMES
 from search_service.mcts.backend import SearchParams
 from search_service.sessions import SessionStore
@@ -60,6 +60,12 @@ _EVALUATORS = {
     search_pb2.EVALUATOR_VALUE_MODEL: "value_model",
 }
 _EVALUATOR_CODES = {v: k for k, v in _EVALUATORS.items()}
+
+
+def _evaluator_used(params: SearchParams, r) -> str:
+    """What valued the leaves: the value model if it valued any (``model_simulations``
+    says how many), rollouts if it valued none."""
+    return "value_model" if params.evaluator == "value_model" and r.model_simulations else "rollout"
 
 
 class SearchServicer(search_pb2_grpc.SearchServiceServicer):
@@ -161,16 +167,9 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
         stop = {"should_stop": lambda: not context.is_active()} if self._can_stop else {}
         try:
             with nvtx.span("search"), self.streams.launching():  # the assigned stream, for this whole search
-                try:
-                    results, trees = self.backend.search(position, params, evaluator, [tree], **stop)
-                except EvaluatorUnavailable as exc:
-                    # Degrade, don't fail: the frame still gets a move, from rollouts.
-                    log.warning("value model unavailable (%s): searching with rollouts", exc)
-                    left_ms = (deadline - time.monotonic()) * 1e3 if deadline else None
-                    params = SearchParams(**{**params.__dict__, "evaluator": "rollout",
-                                             "deadline_ms": max(left_ms, 0.1) if deadline else None})
-                    tree = None
-                    results, trees = self.backend.search(position, params, None, [None], **stop)
+                # A wave the model cannot value is undone by the backend, which goes
+                # on in the same tree with rollouts, or answers at the deadline.
+                results, trees = self.backend.search(position, params, evaluator, [tree], **stop)
         except Exception as exc:
             if not pools.is_out_of_memory(exc):
                 raise
@@ -178,6 +177,10 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"search memory pool full ({self.cfg.memory_pool_bytes or 'no'} byte limit): {exc}")
         r = results[0]
+        if r.evaluation_failure:
+            log.warning("value model stopped after %d of %d simulations (%s): %s",
+                        r.model_simulations, r.simulations, r.evaluation_failure,
+                        "answered from the tree" if r.deadline_reached else "went on with rollouts")
         if not context.is_active():
             # Nobody is waiting for this answer: keep no tree, say why in the log.
             with self._lock:
@@ -205,12 +208,15 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
                 backup_ms=r.backup_ms, total_ms=total_ms,
             ),
             backend=self.backend.name,
-            evaluator=_EVALUATOR_CODES[params.evaluator],
+            evaluator=_EVALUATOR_CODES[_evaluator_used(params, r)],
             max_depth=r.max_depth,
             tree_nodes=r.tree_nodes,
             tree_reused=r.tree_reused,
             pool_exhausted=r.pool_exhausted,
             deadline_reached=r.deadline_reached,
+            model_simulations=r.model_simulations,
+            handoff=HANDOFF_GRPC if params.evaluator == "value_model" else "",
+            evaluation_failure=r.evaluation_failure,
         )
 
     def ListGames(self, request, context):

@@ -22,7 +22,8 @@ EVALUATORS = ("rollout", "value_model")
 LeafEvaluator = Callable[[np.ndarray], "tuple[np.ndarray, np.ndarray | None]"]
 """obs uint8 [N, 2, 6, 7] -> (values float32 [N] in [-1, 1] for the side to
 move at each leaf, priors float32 [N, A] or None). Called once per wave with
-every leaf of every tree that needs a model value."""
+every leaf of every tree that needs a model value. Raises
+:class:`EvaluationFailed` when it cannot (the backend undoes that wave)."""
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,12 @@ class SearchParams:
             raise ValueError(f"seed must be an int in [0, 2**64), got {self.seed!r}")
 
 
+class EvaluationFailed(RuntimeError):
+    """A leaf evaluator could not value a wave's leaves: its service failed,
+    or could not answer by the search deadline. Backends undo that wave and
+    go on from the tree they have (see the CPU reference's docstring)."""
+
+
 @dataclass
 class SearchResult:
     """The answer for one tree. Times are wall-clock ms for the whole batch,
@@ -87,6 +94,8 @@ class SearchResult:
     evaluate_ms: float = 0.0
     backup_ms: float = 0.0
     tree_reused: bool = False  # a tree passed in was searched further (not replaced by a fresh one)
+    model_simulations: int = 0  # of ``simulations``, those whose leaf the value model valued
+    evaluation_failure: str = ""  # why the value model stopped valuing leaves in this call ("" if it did not)
     extras: dict = field(default_factory=dict)  # backend-specific figures (e.g. waves)
 
 
@@ -127,6 +136,17 @@ class SearchBackend(Protocol):
         """``tree`` re-rooted at the node reached by ``actions`` (0-based) from
         its root, or None if that node is not in the tree."""
         ...
+
+
+def best_action(visits: np.ndarray, q: np.ndarray, legal: np.ndarray | None = None) -> np.ndarray:
+    """int64 [B]: per row of [B, A], the most visits, then the higher Q, then
+    the lower index, among ``legal`` actions (bool [B, A]; None: all). Both
+    backends choose with this, so they agree; with no visits at all (a search
+    answered before its first wave) it is the lowest legal action."""
+    if legal is not None:
+        visits = np.where(legal, visits, -1)
+    top = visits == visits.max(axis=1, keepdims=True)
+    return np.argmax(np.where(top, q, -np.inf), axis=1)
 
 
 def check_call(roots: "Positions", params: SearchParams, evaluator: LeafEvaluator | None, trees) -> list:

@@ -37,6 +37,14 @@ Algorithm (one *wave* per loop, K = ``parallel_sims`` simulations per tree):
    :mod:`search_service.mcts.philox`) or by the value model, called once per
    wave with every distinct leaf of every tree. Its priors (masked to legal
    moves, renormalised; uniform when absent) become the new nodes' priors.
+   If the model cannot value a wave (:class:`EvaluationFailed`: its service
+   failed, or could not answer by the deadline), the wave is undone -- its
+   virtual losses released, the nodes it added unlinked, nothing backed up --
+   and the search goes on *in the same tree* with rollouts at the leaves while
+   budget is left (the fallback of AlphaGo, Silver et al. 2016, which mixed
+   rollouts and a value network); past the deadline it answers at once from
+   the tree it has. ``SearchResult.model_simulations`` counts the simulations
+   the model valued, ``evaluation_failure`` says why it stopped.
 4. **Backup**: every edge on the path gains a visit and the value, signed for
    the player choosing at that edge (negamax); the virtual loss is removed.
 
@@ -60,9 +68,11 @@ from search_service.games import connect4
 from search_service.games.connect4 import Positions
 from search_service.mcts import tree as tr
 from search_service.mcts.backend import (
+    EvaluationFailed,
     LeafEvaluator,
     SearchParams,
     SearchResult,
+    best_action,
     check_call,
 )
 from search_service.mcts.rollout import rollout_values
@@ -129,7 +139,10 @@ class _Search:
         self.should_stop = should_stop
         self.stopped = False
         self.evaluator = evaluator
-        self.puct = params.evaluator == "value_model"
+        self.puct = params.evaluator == "value_model"  # PUCT selection with priors
+        self.use_model = self.puct  # leaves valued by the model; False after an EvaluationFailed
+        self.failure = ""  # why the model stopped valuing leaves ("" while it does)
+        self.model_simulations = 0
         trees = check_call(roots, params, evaluator, trees)
         b = len(roots)
         self.reused = np.zeros(b, bool)
@@ -192,34 +205,68 @@ class _Search:
             k = p.parallel_sims if p.simulations is None else min(p.parallel_sims, p.simulations - done)
             if k <= 0:
                 break
-            if p.deadline_ms is not None and self.waves and (time.perf_counter() - self.t0) * 1e3 >= p.deadline_ms:
+            # At least one wave runs, unless an undone one already took the time.
+            if p.deadline_ms is not None and (self.waves or self.failure) and self._past_deadline():
                 deadline_reached = True
                 break
             if self.should_stop is not None and self.waves and self.should_stop():
                 self.stopped = True
                 break
             self._ensure_capacity(k)
-            self._wave(k, done)
+            if not self._wave(k, done):
+                continue  # undone: the loop goes on with rollouts, or ends at the deadline
             done += k
+            self.model_simulations += k if self.use_model else 0
             self.waves += 1
         return self._results(done, deadline_reached), tr.split(self.tree)
 
-    def _wave(self, k: int, done: int) -> None:
+    def _past_deadline(self) -> bool:
+        return (time.perf_counter() - self.t0) * 1e3 >= self.p.deadline_ms
+
+    def _wave(self, k: int, done: int) -> bool:
+        """One wave of ``k`` simulations per tree; False if its evaluation
+        failed and the wave was undone (the tree is as it was before it)."""
         t = time.perf_counter()
         with nvtx.span("search.select"):
             walk = self._select(k)
         t1 = time.perf_counter()
+        before = (self.tree.num_nodes.copy(), self.pool_exhausted.copy())
         with nvtx.span("search.expand"):
             leaf = self._expand(walk)
         t2 = time.perf_counter()
-        with nvtx.span("search.evaluate"):
-            values = self._evaluate(walk, leaf, done)
+        try:
+            with nvtx.span("search.evaluate"):
+                values = self._evaluate(walk, leaf, done)
+        except EvaluationFailed as exc:
+            self._undo(walk, *before)
+            self._stop_using_model(exc)
+            self.ms["evaluate"] += (time.perf_counter() - t2) * 1e3
+            return False
         t3 = time.perf_counter()
         with nvtx.span("search.backup"):
             self._backup(walk, leaf, values)
         t4 = time.perf_counter()
         for name, dt in zip(("select", "expand", "evaluate", "backup"), (t1 - t, t2 - t1, t3 - t2, t4 - t3)):
             self.ms[name] += dt * 1e3
+        return True
+
+    def _stop_using_model(self, exc: EvaluationFailed) -> None:
+        self.use_model = False
+        self.failure = str(exc) or type(exc).__name__
+
+    def _undo(self, walk: dict, num_nodes: np.ndarray, pool_exhausted: np.ndarray) -> None:
+        """Takes a selected and expanded wave back out of the tree: releases
+        its virtual losses and unlinks the nodes it added (slots past
+        ``num_nodes``, reused by later waves)."""
+        _, edges = self._path_edges(walk)
+        np.add.at(self.vloss.reshape(-1), edges, -1)
+        tree = self.tree
+        for b in np.flatnonzero(tree.num_nodes != num_nodes):
+            slots = np.arange(num_nodes[b], tree.num_nodes[b])
+            parents = b * self.cap + tree.node_parent[b, slots].astype(np.int64)
+            self.children[parents, tree.node_action[b, slots].astype(np.int64)] = tr.UNEXPANDED
+        tree.num_nodes[:] = num_nodes
+        self.pool_exhausted[:] = pool_exhausted
 
     # -- 1. selection ------------------------------------------------------
     def _select(self, k: int) -> dict:
@@ -359,7 +406,7 @@ class _Search:
         open_ = np.flatnonzero(leaf["terminal"] == tr.NOT_TERMINAL)
         if open_.size == 0:
             return values
-        if not self.puct:
+        if not self.use_model:
             sims = done + open_ % walk["k"]
             values[open_] = rollout_values(
                 leaf["current"][open_], leaf["mask"][open_], sims, walk["tree_of"][open_], self.p.seed
@@ -403,19 +450,30 @@ class _Search:
             return
         t = time.perf_counter()
         rows = fresh * self.cap
-        _, priors = self._call_model(self.node_current[rows], self.node_mask[rows])
+        try:
+            _, priors = self._call_model(self.node_current[rows], self.node_mask[rows])
+        except EvaluationFailed as exc:
+            self._stop_using_model(exc)  # uniform priors stay; rollouts value the leaves
+            priors = None
         if priors is not None:
             self.prior[rows] = priors
         self.node_visits[rows] = 1  # the root's own evaluation: sqrt(N) > 0 at the first choice
         self.ms["evaluate"] += (time.perf_counter() - t) * 1e3
 
     # -- 4. backup ---------------------------------------------------------
+    @staticmethod
+    def _path_edges(walk: dict) -> tuple[np.ndarray, np.ndarray]:
+        """(node rows, flat edge indices) on every selection's path, depth-major."""
+        depth = walk["depth"]
+        on_path = np.arange(int(depth.max()))[:, None] < depth[None, :]  # [D, W]
+        rows = walk["rows"][: on_path.shape[0]][on_path]
+        return rows, rows * A + walk["acts"][: on_path.shape[0]][on_path]
+
     def _backup(self, walk: dict, leaf: dict, values: np.ndarray) -> None:
         depth = walk["depth"]
         dmax = int(depth.max())
         on_path = np.arange(dmax)[:, None] < depth[None, :]  # [D, W]
-        rows = walk["rows"][:dmax][on_path]
-        edges = rows * A + walk["acts"][:dmax][on_path]
+        rows, edges = self._path_edges(walk)
         # The player choosing at depth d is the leaf's side to move iff depth - d is even.
         sign = 1 - 2 * ((depth[None, :] - np.arange(dmax)[:, None]) & 1)
         signed = (sign * values[None, :])[on_path].astype(np.float32)
@@ -434,7 +492,7 @@ class _Search:
         value = t.edge_value[:, 0].astype(np.float64)
         q = np.where(visits > 0, value / np.maximum(visits, 1), 0.0)
         root_value = value.sum(axis=1) / np.maximum(visits.sum(axis=1), 1)
-        action = _best(visits, q)
+        action = best_action(visits, q, connect4.legal_bits(t.node_mask[:, 0]))
         pv = self._principal_variations()
         return [
             SearchResult(
@@ -453,6 +511,8 @@ class _Search:
                 evaluate_ms=self.ms["evaluate"],
                 backup_ms=self.ms["backup"],
                 tree_reused=bool(self.reused[i]),
+                model_simulations=self.model_simulations,
+                evaluation_failure=self.failure,
                 extras={"waves": self.waves, "stopped": self.stopped},
             )
             for i in range(self.b)
@@ -466,7 +526,7 @@ class _Search:
         for _ in range(MAX_DEPTH):
             n = self.visits[rows].astype(np.int64)
             q = np.where(n > 0, self.value[rows] / np.maximum(n, 1), 0.0)
-            a = _best(n, q)
+            a = best_action(n, q)
             ok = n[np.arange(live.size), a] > 0
             for i, act in zip(live[ok], a[ok]):
                 pv[i].append(int(act))
@@ -493,9 +553,3 @@ def _groups(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.nd
     rank[order] = np.arange(rows.size) - starts[group[order]]
     return uniq, group, size, rank
 
-
-def _best(visits: np.ndarray, q: np.ndarray) -> np.ndarray:
-    """int64 [B]: most visits, then higher Q, then lower index, per row of [B, A]."""
-    top = visits == visits.max(axis=1, keepdims=True)
-    q_top = np.where(top, q, -np.inf)
-    return np.argmax(q_top, axis=1)

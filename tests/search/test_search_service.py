@@ -151,14 +151,17 @@ def test_value_model_down_degrades_to_rollouts():
             r = search_pb2_grpc.SearchServiceStub(ch).Search(
                 req(moves="121212", simulations=50, evaluator=search_pb2.EVALUATOR_VALUE_MODEL), timeout=30
             )
+        # The model valued nothing; the search went on in the same PUCT tree with rollouts and says so.
         assert r.evaluator == search_pb2.EVALUATOR_ROLLOUT and r.action == 0
+        assert r.model_simulations == 0 and r.simulations == 50 and r.handoff == "grpc"
+        assert "UNAVAILABLE" in r.evaluation_failure
     finally:
         search.stop()
 
 
 def test_a_hung_reward_service_cannot_hold_a_search_past_its_deadline():
     """The reward service accepts connections but never answers: the value-model
-    search gives up on it at its own deadline and answers from rollouts."""
+    search gives up on it at its own deadline and answers from its tree."""
     import socket
 
     hung = socket.socket()
@@ -171,8 +174,11 @@ def test_a_hung_reward_service_cannot_hold_a_search_past_its_deadline():
             r = search_pb2_grpc.SearchServiceStub(ch).Search(
                 req(moves="44", deadline_ms=50, evaluator=search_pb2.EVALUATOR_VALUE_MODEL), timeout=30
             )
-        assert r.evaluator == search_pb2.EVALUATOR_ROLLOUT and r.simulations > 0
-        # Bounded by the 50 ms deadline plus one wave, not by the evaluator's 2 s timeout.
+        # The root's evaluation could not finish by the deadline: the search answers
+        # then, from the tree it has (no simulation yet: the lowest legal move).
+        assert r.deadline_reached and r.model_simulations == 0 and r.simulations == 0
+        assert "DEADLINE_EXCEEDED" in r.evaluation_failure and r.action == 0
+        # Bounded by the 50 ms deadline, not by the evaluator's 2 s timeout.
         assert r.latency.total_ms < 1000
     finally:
         search.stop()

@@ -254,8 +254,8 @@ def test_client_deadline_bounds_the_search():
 
 
 def test_value_model_search_whose_caller_cancels_stops_too():
-    """The same with the value-model evaluator and no reward service (so each
-    wave first tries the model, then falls back to rollouts): still stopped."""
+    """The same with the value-model evaluator and no reward service (the model
+    fails at the root, the search goes on in its tree with rollouts): still stopped."""
     service, backend, ch, stub = _search_server(max_simulations=BIG, evaluator="value_model")
     try:
         call = stub.Search.future(search_pb2.SearchRequest(game="connect4", moves="44", simulations=BIG))

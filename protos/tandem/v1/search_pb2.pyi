@@ -74,7 +74,7 @@ class LatencyBreakdown(_message.Message):
     def __init__(self, select_ms: _Optional[float] = ..., expand_ms: _Optional[float] = ..., evaluate_ms: _Optional[float] = ..., backup_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
 
 class SearchResponse(_message.Message):
-    __slots__ = ("action", "move", "visit_counts", "q_values", "root_value", "principal_variation", "principal_variation_moves", "simulations", "latency", "backend", "evaluator", "max_depth", "tree_nodes", "tree_reused", "pool_exhausted", "deadline_reached")
+    __slots__ = ("action", "move", "visit_counts", "q_values", "root_value", "principal_variation", "principal_variation_moves", "simulations", "latency", "backend", "evaluator", "max_depth", "tree_nodes", "tree_reused", "pool_exhausted", "deadline_reached", "model_simulations", "handoff", "evaluation_failure")
     ACTION_FIELD_NUMBER: _ClassVar[int]
     MOVE_FIELD_NUMBER: _ClassVar[int]
     VISIT_COUNTS_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +91,9 @@ class SearchResponse(_message.Message):
     TREE_REUSED_FIELD_NUMBER: _ClassVar[int]
     POOL_EXHAUSTED_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_REACHED_FIELD_NUMBER: _ClassVar[int]
+    MODEL_SIMULATIONS_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_FIELD_NUMBER: _ClassVar[int]
+    EVALUATION_FAILURE_FIELD_NUMBER: _ClassVar[int]
     action: int
     move: str
     visit_counts: _containers.RepeatedScalarFieldContainer[int]
@@ -107,7 +110,10 @@ class SearchResponse(_message.Message):
     tree_reused: bool
     pool_exhausted: bool
     deadline_reached: bool
-    def __init__(self, action: _Optional[int] = ..., move: _Optional[str] = ..., visit_counts: _Optional[_Iterable[int]] = ..., q_values: _Optional[_Iterable[float]] = ..., root_value: _Optional[float] = ..., principal_variation: _Optional[_Iterable[int]] = ..., principal_variation_moves: _Optional[str] = ..., simulations: _Optional[int] = ..., latency: _Optional[_Union[LatencyBreakdown, _Mapping]] = ..., backend: _Optional[str] = ..., evaluator: _Optional[_Union[Evaluator, str]] = ..., max_depth: _Optional[int] = ..., tree_nodes: _Optional[int] = ..., tree_reused: _Optional[bool] = ..., pool_exhausted: _Optional[bool] = ..., deadline_reached: _Optional[bool] = ...) -> None: ...
+    model_simulations: int
+    handoff: str
+    evaluation_failure: str
+    def __init__(self, action: _Optional[int] = ..., move: _Optional[str] = ..., visit_counts: _Optional[_Iterable[int]] = ..., q_values: _Optional[_Iterable[float]] = ..., root_value: _Optional[float] = ..., principal_variation: _Optional[_Iterable[int]] = ..., principal_variation_moves: _Optional[str] = ..., simulations: _Optional[int] = ..., latency: _Optional[_Union[LatencyBreakdown, _Mapping]] = ..., backend: _Optional[str] = ..., evaluator: _Optional[_Union[Evaluator, str]] = ..., max_depth: _Optional[int] = ..., tree_nodes: _Optional[int] = ..., tree_reused: _Optional[bool] = ..., pool_exhausted: _Optional[bool] = ..., deadline_reached: _Optional[bool] = ..., model_simulations: _Optional[int] = ..., handoff: _Optional[str] = ..., evaluation_failure: _Optional[str] = ...) -> None: ...
 
 class ListGamesRequest(_message.Message):
     __slots__ = ()

@@ -1,0 +1,90 @@
+"""Anytime value-model search: a wave the model cannot value is undone, the
+tree is kept, and the search goes on with rollouts or answers at its deadline
+(CPU reference; the CUDA backend's twin is in test_cuda_mcts.py)."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from test_cpu_mcts import check_invariants, search, toy_model
+
+from search_service.games import connect4 as c4
+from search_service.mcts.backend import EvaluationFailed, SearchParams, best_action
+from search_service.mcts.cpu_reference import CpuReferenceBackend
+
+
+class FailingModel:
+    """``toy_model`` for ``works`` calls, then EvaluationFailed on every call
+    (after ``delay_s``: a reward service that answers too late)."""
+
+    def __init__(self, works: int, delay_s: float = 0.0):
+        self.works, self.delay_s, self.calls = works, delay_s, 0
+
+    def __call__(self, obs):
+        self.calls += 1
+        if self.calls > self.works:
+            time.sleep(self.delay_s)
+            raise EvaluationFailed("reward service: DEADLINE_EXCEEDED")
+        return toy_model(obs)
+
+
+@pytest.mark.parametrize("k", [1, 4, 16])
+def test_a_failed_wave_is_undone_and_the_search_goes_on_with_rollouts(k):
+    # Calls: the fresh root, then one per wave; the 4th call (3rd wave) fails.
+    model = FailingModel(works=3)
+    results, trees = search("4453", simulations=6 * k, parallel_sims=k, evaluator="value_model",
+                            evaluator_fn=model, seed=3)
+    r = results[0]
+    assert r.simulations == 6 * k and r.model_simulations == 2 * k
+    assert "DEADLINE_EXCEEDED" in r.evaluation_failure and not r.deadline_reached
+    assert int(r.visit_counts.sum()) == 6 * k  # nothing of the failed wave was backed up
+    check_invariants(trees[0], max_nodes=1 << 20)  # virtual loss released, no dangling child
+    assert trees[0].evaluator == "value_model"  # the tree is kept, and reusable
+    assert model.calls == 4  # no model call after the failure
+
+
+def test_the_undone_wave_leaves_the_tree_as_it_was_before_it():
+    """Two good waves, then one that fails and a caller that stops the search
+    right after it: the tree is exactly the tree of the two good waves."""
+    _, good = search("4453", simulations=8, parallel_sims=4, evaluator="value_model", evaluator_fn=toy_model, seed=5)
+    model = FailingModel(works=3)
+    params = SearchParams(simulations=12, deadline_ms=None, parallel_sims=4, evaluator="value_model", seed=5)
+    results, undone = CpuReferenceBackend().search(c4.stack([c4.parse_moves("4453")]), params, model, None,
+                                                   should_stop=lambda: model.calls > model.works)
+    assert results[0].simulations == 8 and results[0].evaluation_failure
+    a, b = good[0], undone[0]
+    n = int(a.num_nodes[0])
+    assert int(b.num_nodes[0]) == n
+    for name in ("children", "edge_visits", "edge_value", "edge_vloss", "prior", "node_visits", "node_current"):
+        assert np.array_equal(getattr(a, name)[0, :n], getattr(b, name)[0, :n]), name
+
+
+def test_a_wave_that_cannot_finish_by_the_deadline_ends_the_search_at_it():
+    model = FailingModel(works=3, delay_s=0.03)  # the 3rd wave's call runs 30 ms past a 20 ms deadline, then fails
+    t = time.perf_counter()
+    results, trees = search("4453", deadline_ms=20.0, parallel_sims=4, evaluator="value_model", evaluator_fn=model,
+                            seed=1)
+    elapsed_ms = (time.perf_counter() - t) * 1e3
+    r = results[0]
+    assert r.deadline_reached and r.simulations == r.model_simulations == 8
+    assert model.calls == 4 and elapsed_ms < 1000  # answered right after the failed call, no rollout wave
+    check_invariants(trees[0], max_nodes=1 << 20)
+
+
+def test_a_failing_root_evaluation_searches_the_same_tree_with_rollouts():
+    results, trees = search("121212", simulations=40, parallel_sims=8, evaluator="value_model",
+                            evaluator_fn=FailingModel(works=0), seed=2)
+    r = results[0]
+    assert r.simulations == 40 and r.model_simulations == 0 and r.evaluation_failure
+    assert r.action == 0  # the immediate win, found by rollouts
+    assert trees[0].evaluator == "value_model"
+
+
+def test_best_action_is_legal_without_visits():
+    legal = c4.legal_bits(c4.parse_moves("1111112222").mask).reshape(1, 7)  # column 1 full
+    zeros = np.zeros((1, 7))
+    assert best_action(zeros.astype(np.int64), zeros, legal)[0] == 1
+    visits = np.array([[0, 3, 3, 0, 0, 0, 0]])
+    q = np.array([[0.0, 0.1, 0.2, 0, 0, 0, 0]])
+    assert best_action(visits, q)[0] == 2  # most visits, then higher Q
