@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Callable, Protocol
 
 import numpy as np
 
+from search_service.mcts import tree as tr
+
 if TYPE_CHECKING:
     from search_service.games.connect4 import Positions
     from search_service.mcts.tree import Tree
@@ -96,6 +98,7 @@ class SearchResult:
     tree_reused: bool = False  # a tree passed in was searched further (not replaced by a fresh one)
     model_simulations: int = 0  # of ``simulations``, those whose leaf the value model valued
     evaluation_failure: str = ""  # why the value model stopped valuing leaves in this call ("" if it did not)
+    proven: int = 0  # the root's result proven by the solver (tree.PROVEN_*), 0 while unproven
     extras: dict = field(default_factory=dict)  # backend-specific figures (e.g. waves)
 
 
@@ -138,13 +141,22 @@ class SearchBackend(Protocol):
         ...
 
 
-def best_action(visits: np.ndarray, q: np.ndarray, legal: np.ndarray | None = None) -> np.ndarray:
-    """int64 [B]: per row of [B, A], the most visits, then the higher Q, then
-    the lower index, among ``legal`` actions (bool [B, A]; None: all). Both
-    backends choose with this, so they agree; with no visits at all (a search
-    answered before its first wave) it is the lowest legal action."""
-    if legal is not None:
-        visits = np.where(legal, visits, -1)
+def best_action(visits: np.ndarray, q: np.ndarray, legal: np.ndarray | None = None,
+                child_codes: np.ndarray | None = None) -> np.ndarray:
+    """int64 [B]: the move to play, per row of [B, A]: the most visits, then
+    the higher Q, then the lower index, among the candidates. Candidates are
+    the ``legal`` actions (bool [B, A]; None: all); with the children's known
+    results (``child_codes`` int8 [B, A], ``Tree.node_terminal`` codes) only
+    the winning ones if any (an immediate win first), else those not proven
+    lost. Both backends choose with this, so they agree; with no visits at all
+    (answered before the first wave) it is the lowest candidate."""
+    cand = np.ones(visits.shape, bool) if legal is None else legal.astype(bool)
+    if child_codes is not None:
+        for better in (child_codes == tr.TERMINAL_LOSS, np.isin(child_codes, tr.LOST),
+                       child_codes != tr.PROVEN_WIN):
+            narrowed = cand & better
+            cand = np.where(narrowed.any(axis=1, keepdims=True), narrowed, cand)
+    visits = np.where(cand, visits, -1)
     top = visits == visits.max(axis=1, keepdims=True)
     return np.argmax(np.where(top, q, -np.inf), axis=1)
 

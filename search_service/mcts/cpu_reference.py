@@ -47,6 +47,14 @@ Algorithm (one *wave* per loop, K = ``parallel_sims`` simulations per tree):
    the model valued, ``evaluation_failure`` says why it stopped.
 4. **Backup**: every edge on the path gains a visit and the value, signed for
    the player choosing at that edge (negamax); the virtual loss is removed.
+5. **Solve** (MCTS-Solver, Winands, Bjornsson & Saito 2008): terminal results
+   are propagated up the wave's paths, deepest first, as proven results
+   (:func:`search_service.mcts.tree.solve`): a node with a lost child is a
+   proven win, a node whose legal children are all known takes the best of
+   them. A selection stops at a proven node as at a terminal one and backs up
+   its exact value; selection never picks a child proven won for the opponent
+   (unless every legal child is); a search whose roots are all proven stops at
+   once and plays the proof (:func:`search_service.mcts.backend.best_action`).
 
 With ``parallel_sims = 1`` this is plain sequential MCTS; with a fixed seed the
 search is deterministic for any ``parallel_sims``. The budget is checked
@@ -203,7 +211,7 @@ class _Search:
         done, deadline_reached = 0, False
         while True:
             k = p.parallel_sims if p.simulations is None else min(p.parallel_sims, p.simulations - done)
-            if k <= 0:
+            if k <= 0 or self._roots_proven():
                 break
             # At least one wave runs, unless an undone one already took the time.
             if p.deadline_ms is not None and (self.waves or self.failure) and self._past_deadline():
@@ -219,6 +227,9 @@ class _Search:
             self.model_simulations += k if self.use_model else 0
             self.waves += 1
         return self._results(done, deadline_reached), tr.split(self.tree)
+
+    def _roots_proven(self) -> bool:
+        return bool((self.tree.node_terminal[:, 0] != tr.NOT_TERMINAL).all())
 
     def _past_deadline(self) -> bool:
         return (time.perf_counter() - self.t0) * 1e3 >= self.p.deadline_ms
@@ -331,6 +342,10 @@ class _Search:
             scale = p.c_uct * np.sqrt(np.log(np.maximum(parent, 1.0)))
             q[:, :, 0] = np.where(n[:, :, 0] == 0, np.inf, q[:, :, 0])  # unvisited edges first
         q[illegal] = -np.inf
+        # Never a child proven won for the opponent, unless every legal one is.
+        losing = self._child_codes(node_rows) == tr.PROVEN_WIN
+        losing &= ~(losing | illegal).all(axis=1, keepdims=True)
+        q[losing] = -np.inf
         q, g = q.reshape(-1), g.reshape(-1)
         at = (np.arange(u_count)[:, None] * A + np.arange(A)) * r_count  # [U, A]: offset of j = 0
         held = np.zeros((u_count, A), np.int64)  # virtual losses added so far
@@ -343,6 +358,13 @@ class _Search:
             held[cols, a] += size > r
         self.vloss[node_rows] += held.astype(np.int32)
         return acts
+
+    def _child_codes(self, node_rows: np.ndarray) -> np.ndarray:
+        """int8 [U, A]: the ``node_terminal`` code of each child of nodes
+        ``node_rows`` (NOT_TERMINAL where there is no child)."""
+        kids = self.children[node_rows]
+        base = (node_rows // self.cap * self.cap)[:, None]
+        return np.where(kids >= 0, self.node_terminal[base + np.maximum(kids, 0)], tr.NOT_TERMINAL).astype(np.int8)
 
     # -- 2. expansion ------------------------------------------------------
     def _expand(self, walk: dict) -> dict:
@@ -402,7 +424,7 @@ class _Search:
     # -- 3. evaluation -----------------------------------------------------
     def _evaluate(self, walk: dict, leaf: dict, done: int) -> np.ndarray:
         """float32 [W]: each selection's leaf value for the leaf's side to move."""
-        values = np.where(leaf["terminal"] == tr.TERMINAL_LOSS, -1.0, 0.0).astype(np.float32)
+        values = tr.OUTCOME_VALUE[leaf["terminal"]]  # exact where the result is known, 0 elsewhere
         open_ = np.flatnonzero(leaf["terminal"] == tr.NOT_TERMINAL)
         if open_.size == 0:
             return values
@@ -484,6 +506,17 @@ class _Search:
         leaf_rows = leaf["row"][leaf["row"] >= 0]
         np.add.at(self.node_visits, leaf_rows, 1)
         np.maximum.at(self.max_depth, walk["tree_of"], depth)
+        self._solve(walk)
+
+    # -- 5. solve ----------------------------------------------------------
+    def _solve(self, walk: dict) -> None:
+        """Proves what the wave's results prove, deepest nodes first."""
+        depth = walk["depth"]
+        for d in range(int(depth.max()) - 1, -1, -1):
+            rows = np.unique(walk["rows"][d, depth > d])
+            rows = rows[self.node_terminal[rows] == tr.NOT_TERMINAL]
+            if rows.size:
+                self.node_terminal[rows] = tr.solve(self.children[rows], self._child_codes(rows))
 
     # -- answer --------------------------------------------------------------
     def _results(self, done: int, deadline_reached: bool) -> list[SearchResult]:
@@ -492,7 +525,7 @@ class _Search:
         value = t.edge_value[:, 0].astype(np.float64)
         q = np.where(visits > 0, value / np.maximum(visits, 1), 0.0)
         root_value = value.sum(axis=1) / np.maximum(visits.sum(axis=1), 1)
-        action = best_action(visits, q, connect4.legal_bits(t.node_mask[:, 0]))
+        action = best_action(visits, q, connect4.legal_bits(t.node_mask[:, 0]), self._child_codes(np.arange(self.b) * self.cap))
         pv = self._principal_variations()
         return [
             SearchResult(
@@ -513,6 +546,7 @@ class _Search:
                 tree_reused=bool(self.reused[i]),
                 model_simulations=self.model_simulations,
                 evaluation_failure=self.failure,
+                proven=int(t.node_terminal[i, 0]),
                 extras={"waves": self.waves, "stopped": self.stopped},
             )
             for i in range(self.b)

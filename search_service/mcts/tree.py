@@ -28,6 +28,12 @@ from search_service.games.connect4 import Positions
 UNEXPANDED = -1
 ILLEGAL = -2
 NOT_TERMINAL, TERMINAL_LOSS, TERMINAL_DRAW = 0, 1, 2
+# Results proven by the solver (MCTS-Solver, Winands, Bjornsson & Saito 2008,
+# "Monte-Carlo Tree Search Solver"), for the side to move at the node: the
+# node's value is known exactly, as at a terminal position.
+PROVEN_WIN, PROVEN_LOSS, PROVEN_DRAW = 3, 4, 5
+OUTCOME_VALUE = np.array([0.0, -1.0, 0.0, 1.0, -1.0, 0.0], np.float32)  # by code; the value of a known result
+LOST = (TERMINAL_LOSS, PROVEN_LOSS)  # codes of a node whose side to move has lost
 A = connect4.NUM_ACTIONS
 BYTES_PER_NODE = 8 + 8 + 1 + 4 + 4 + 1 + A * (4 + 4 + 4 + 4 + 4)
 
@@ -38,7 +44,9 @@ class Tree:
 
     node_current: np.ndarray  # uint64 [B, N]: side to move's stones (Pons bitboard)
     node_mask: np.ndarray  # uint64 [B, N]: occupied cells
-    node_terminal: np.ndarray  # int8 [B, N]: NOT_TERMINAL, TERMINAL_LOSS (side to move lost), TERMINAL_DRAW
+    # int8 [B, N]: the node's known result for its side to move: terminal (TERMINAL_LOSS: lost,
+    # TERMINAL_DRAW), proven by the solver (PROVEN_WIN, PROVEN_LOSS, PROVEN_DRAW), else NOT_TERMINAL.
+    node_terminal: np.ndarray
     node_visits: np.ndarray  # int32 [B, N]: simulations that passed through or ended at the node
     node_parent: np.ndarray  # int32 [B, N]: parent slot, -1 for the root
     node_action: np.ndarray  # int8 [B, N]: action from the parent, -1 for the root
@@ -93,6 +101,26 @@ def terminal_code(current: np.ndarray, mask: np.ndarray) -> np.ndarray:
     lost = connect4.has_four(current ^ mask)
     full = mask == connect4.BOARD_MASK
     return np.where(lost, TERMINAL_LOSS, np.where(full, TERMINAL_DRAW, NOT_TERMINAL)).astype(np.int8)
+
+
+def solve(children: np.ndarray, child_codes: np.ndarray) -> np.ndarray:
+    """int8 [M]: what the solver proves of M nodes from their children (the
+    negamax of known results): PROVEN_WIN if a child's side to move has lost,
+    else, once every legal child's result is known, the best of them for the
+    node (PROVEN_WIN, PROVEN_DRAW or PROVEN_LOSS); NOT_TERMINAL otherwise.
+
+    Args:
+        children: int32 [M, A]: child slots, UNEXPANDED or ILLEGAL.
+        child_codes: int8 [M, A]: each child's ``node_terminal`` code
+            (NOT_TERMINAL where there is no child).
+    """
+    legal = children != ILLEGAL
+    known = legal & (children >= 0) & (child_codes != NOT_TERMINAL)
+    wins = (known & np.isin(child_codes, LOST)).any(axis=1)
+    best = np.where(known, -OUTCOME_VALUE[child_codes], -np.inf).max(axis=1)
+    settled = (known == legal).all(axis=1) & legal.any(axis=1)
+    by_best = np.where(best > 0, PROVEN_WIN, np.where(best < 0, PROVEN_LOSS, PROVEN_DRAW))
+    return np.where(wins, PROVEN_WIN, np.where(settled, by_best, NOT_TERMINAL)).astype(np.int8)
 
 
 def init_edges(mask: np.ndarray, terminal: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -199,8 +199,8 @@ def reference_search(moves: str, tree_index: int, p: SearchParams, model=None) -
     puct = p.evaluator == "value_model"
 
     def evaluate(node):
-        if node.terminal:
-            return -1.0 if node.terminal == tr.TERMINAL_LOSS else 0.0
+        if node.terminal:  # terminal or proven: the exact result
+            return float(tr.OUTCOME_VALUE[node.terminal])
         v, _ = model(c4.observation(c4.Positions(np.array([node.current]), np.array([node.mask]), np.array([0]))))
         return float(np.float32(np.clip(v[0], -1, 1)))
 
@@ -218,10 +218,23 @@ def reference_search(moves: str, tree_index: int, p: SearchParams, model=None) -
             score = q + scale * (1.0 / np.sqrt(np.maximum(n_eff, 1.0)))
             score[n_eff == 0] = np.inf
         score[node.illegal] = -np.inf
+        losing = np.array([a in node.kids and node.kids[a].terminal == tr.PROVEN_WIN for a in range(7)])
+        if not (losing | node.illegal).all():
+            score[losing] = -np.inf  # never a move proven lost, unless every move is
         return int(np.argmax(score))
 
+    def solve(node):
+        """MCTS-Solver: a lost child proves a win; all children known, their best."""
+        results = [-tr.OUTCOME_VALUE[node.kids[a].terminal] if a in node.kids and node.kids[a].terminal else None
+                   for a in range(7) if not node.illegal[a]]
+        if 1.0 in results:
+            return tr.PROVEN_WIN
+        if None in results:
+            return tr.NOT_TERMINAL
+        return {1.0: tr.PROVEN_WIN, 0.0: tr.PROVEN_DRAW, -1.0: tr.PROVEN_LOSS}[max(results)]
+
     done = 0
-    while done < p.simulations:
+    while done < p.simulations and not root.terminal:
         k = min(p.parallel_sims, p.simulations - done)
         walks = []
         for _ in range(k):
@@ -260,6 +273,10 @@ def reference_search(moves: str, tree_index: int, p: SearchParams, model=None) -
                 node.w[a] += np.float32(sign * v)
                 node.visits += 1
             leaf.visits += 1
+        for path, _ in walks:  # every path bottom-up: the proofs reach their fixpoint
+            for node, _ in reversed(path):
+                if not node.terminal:
+                    node.terminal = solve(node)
         done += k
     return root
 
