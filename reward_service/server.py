@@ -12,15 +12,7 @@ import onnxruntime as ort
 from prometheus_client import Gauge
 from tandem.v1 import reward_pb2, reward_pb2_grpc, scheduler_pb2
 
-from reward_service.batcher import (
-    BULK,
-    CRITICAL,
-    Batcher,
-    BatcherClosed,
-    BatcherError,
-    DeadlineExceeded,
-    QueueFull,
-)
+from reward_service.batcher import Batcher, BatcherClosed, BatcherError, DeadlineExceeded, QueueFull
 from reward_service.session import InputError, ModelSession
 from tandem import pools, tensors
 from tandem.config import TandemConfig
@@ -82,10 +74,10 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             remaining = context.time_remaining()
             # A call without a deadline reports None or an "infinite" remaining time (years).
             deadline = None if remaining is None or remaining > NO_DEADLINE_S else time.monotonic() + remaining
-            priority = CRITICAL if request.priority == reward_pb2.PRIORITY_CRITICAL else BULK
+            request_class = _request_class(request.request_class)
             rows = len(next(iter(feeds.values())))
             try:
-                done = self.batchers[session.name].evaluate(feeds, rows, priority, deadline, names)
+                done = self.batchers[session.name].evaluate(feeds, rows, request_class, deadline, names)
                 outputs = done.result()
             except DeadlineExceeded as exc:
                 context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"model {session.name!r}: {exc}; not run")
@@ -155,6 +147,13 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             b.close()
 
 
+def _request_class(value: int) -> int:
+    """The batcher's class for ``EvaluateRequest.request_class``: critical, or
+    bulk for everything else (UNSPECIFIED and values this build does not know)."""
+    critical = value == reward_pb2.REQUEST_CLASS_CRITICAL
+    return reward_pb2.REQUEST_CLASS_CRITICAL if critical else reward_pb2.REQUEST_CLASS_BULK
+
+
 class _WarmUpContext:
     """The part of a gRPC context Evaluate uses, for the start-up call."""
 
@@ -171,8 +170,9 @@ def _warm_up(servicer: RewardServicer) -> None:
     for s in servicer.sessions.values():
         inputs = [tensors.to_proto(x.name, np.zeros([1 if d == -1 else d for d in x.shape], tensors.numpy_dtype(x.dtype)))
                   for x in s.inputs]
-        for priority in (reward_pb2.PRIORITY_CRITICAL, reward_pb2.PRIORITY_BULK):
-            servicer.Evaluate(reward_pb2.EvaluateRequest(model=s.name, inputs=inputs, priority=priority), _WarmUpContext())
+        for request_class in (reward_pb2.REQUEST_CLASS_CRITICAL, reward_pb2.REQUEST_CLASS_BULK):
+            request = reward_pb2.EvaluateRequest(model=s.name, inputs=inputs, request_class=request_class)
+            servicer.Evaluate(request, _WarmUpContext())
 
 
 def _batcher(session: ModelSession, cfg: TandemConfig) -> Batcher:
@@ -226,7 +226,7 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True) -> Service:
             metrics_port=cfg.reward.metrics_port,
             # Every Evaluate holds a gRPC thread while it waits in the batcher. With a
             # thread per admitted RPC, none waits in gRPC's FIFO executor, where
-            # priorities and the bounded queue would not apply.
+            # request classes and the bounded queue would not apply.
             server_cfg=dataclasses.replace(cfg.reward.server, max_workers=max(
                 cfg.reward.server.max_workers, cfg.reward.server.max_concurrent_rpcs)),
             register=[register],

@@ -155,7 +155,7 @@ def test_grpc_service_on_the_gpu(cuda_ready):
         assert meta.execution_provider == "CUDAExecutionProvider" and meta.runtime["cuda_graph"].startswith("on")
         x = frames(3)
         reply = stub.Evaluate(reward_pb2.EvaluateRequest(model="frame_reward", inputs=[tensors.to_proto("frame", x)],
-                                                         priority=reward_pb2.PRIORITY_CRITICAL), timeout=10)
+                                                         request_class=reward_pb2.REQUEST_CLASS_CRITICAL), timeout=10)
         v = tensors.from_proto(reply.outputs[0])
         assert v.shape == (3, 1) and reply.padded_batch_size == 4
         with pytest.raises(grpc.RpcError) as info:
