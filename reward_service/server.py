@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 NO_DEADLINE_S = 1e7  # remaining times beyond this (~4 months) mean "no deadline"
 IN_FLIGHT = Gauge("tandem_reward_requests_in_flight", "Evaluate calls being served.")
-PRIORITY = Gauge("tandem_reward_stream_priority", "CUDA stream priority assigned by the scheduler.")
+STREAM_PRIORITY = Gauge("tandem_reward_stream_priority", "CUDA stream priority assigned by the scheduler.")
 QUEUE_DEPTH = Gauge("tandem_reward_queue_depth", "Requests waiting in the models' batchers.")
 POOL_LIMIT = Gauge("tandem_reward_pool_limit_bytes", "ONNX Runtime arena limit over all sessions (0 = none).")
 
@@ -52,7 +52,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         self._in_flight = 0  # guarded by _lock
         self._served = 0  # guarded by _lock
         self._since = time.monotonic()  # guarded by _lock
-        self.assigned_priority = 0  # the scheduler's last assignment (one int write; read anywhere)
+        self.assigned_stream_priority = 0  # the scheduler's last assignment (one int write; read anywhere)
 
     def _session(self, name: str, context) -> ModelSession:
         session = self.sessions.get(name)
@@ -117,20 +117,21 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             execution_provider=s.execution_provider,
             available_providers=ort.get_available_providers(),
             max_batch_size=s.max_batch_size,
-            runtime={**s.runtime, "stream_priority_in_use": str(s.active_priority),
-                     "stream_priority_assigned": str(self.assigned_priority)},
+            runtime={**s.runtime, "stream_priority_in_use": str(s.active_stream_priority),
+                     "stream_priority_assigned": str(self.assigned_stream_priority)},
         )
 
     def ListModels(self, request, context):
         return reward_pb2.ListModelsResponse(models=sorted(self.sessions))
 
-    def set_stream_priority(self, priority: int) -> None:
-        """The scheduler's assignment: every model switches to its session on
-        a stream of that priority (the nearest one held). On a CPU host no
+    def set_stream_priority(self, stream_priority: int) -> None:
+        """The scheduler's assignment (a CUDA stream priority; lower is more
+        urgent): every model switches to its session on the held stream
+        :func:`tandem.stream_priority.nearest_allowed` picks. On a CPU host no
         stream is held: the assignment is only recorded."""
-        self.assigned_priority = priority
+        self.assigned_stream_priority = stream_priority
         for s in self.sessions.values():
-            s.set_stream_priority(priority)
+            s.set_stream_priority(stream_priority)
 
     def load(self) -> dict:
         """Load report fields for the scheduler (LoadReport): requests in
@@ -215,7 +216,7 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True) -> Service:
         return reward_pb2.DESCRIPTOR.services_by_name["RewardService"].full_name
 
     def on_assignment(a):
-        PRIORITY.set(a.stream_priority)
+        STREAM_PRIORITY.set(a.stream_priority)
         servicer.set_stream_priority(a.stream_priority)
 
     try:

@@ -5,8 +5,8 @@ On a GPU (CUDA execution provider and CuPy) a model gets:
 
 * one ONNX Runtime session per CUDA stream priority the service may be
   assigned (``reward.stream_priorities``), each bound to a CuPy stream of
-  that priority through ``user_compute_stream``; the scheduler's assignment
-  picks which one runs (:meth:`ModelSession.set_stream_priority`);
+  that stream priority through ``user_compute_stream``; the scheduler's
+  assignment picks which one runs (:meth:`ModelSession.set_stream_priority`);
 * per batch bucket (``batch_buckets``) and session: preallocated device input
   and output buffers bound once with IO binding, and pinned host staging
   buffers: request bytes are copied once into pinned memory, uploaded
@@ -46,6 +46,7 @@ from reward_service.batcher import Batch, Request, bucket_for
 from tandem import nvtx, tensors
 from tandem.config import ModelConfig, RewardConfig, resolve_path
 from tandem.gpu import cuda_device_count, cupy_module
+from tandem.stream_priority import nearest_allowed
 
 log = logging.getLogger(__name__)
 
@@ -88,16 +89,16 @@ def _use_cuda(choice: str) -> bool:
 
 
 class _CupyDevice:
-    """Device buffers, pinned host staging and one CuPy stream of a given priority."""
+    """Device buffers, pinned host staging and one CuPy stream of a given CUDA stream priority."""
 
     ort_device = "cuda"
 
-    def __init__(self, cupy, priority: int):
+    def __init__(self, cupy, stream_priority: int):
         import cupyx
 
         self._cp, self._cupyx = cupy, cupyx
-        self.priority = priority
-        self.stream = cupy.cuda.Stream(non_blocking=True, priority=priority)
+        self.stream_priority = stream_priority
+        self.stream = cupy.cuda.Stream(non_blocking=True, priority=stream_priority)
 
     @property
     def stream_handle(self) -> str:
@@ -136,7 +137,7 @@ class _HostDevice:
     lets the IO-binding path run (and be tested) without a GPU."""
 
     ort_device = "cpu"
-    priority = 0
+    stream_priority = 0  # no stream: CUDA's least urgent level, as a GPU's default stream
     stream_handle = ""
 
     @staticmethod
@@ -174,7 +175,7 @@ class _HostDevice:
 class _PlainRunner:
     """``InferenceSession.run`` on host arrays (the CPU path)."""
 
-    priority = 0
+    stream_priority = 0  # no stream: CUDA's least urgent level, as a GPU's default stream
 
     def __init__(self, session: ort.InferenceSession, output_names: list[str]):
         self.session = session
@@ -212,7 +213,7 @@ class _BoundRunner:
     def __init__(self, session, device, inputs: tuple[Spec, ...], outputs: tuple[Spec, ...], buckets: tuple[int, ...],
                  graphs: bool):
         self.session, self.device, self.buckets, self.graphs = session, device, buckets, graphs
-        self.priority = device.priority
+        self.stream_priority = device.stream_priority
         self._inputs, self._outputs = inputs, outputs
         self._slots = {b: self._bind(b, i) for i, b in enumerate(buckets)}
         self.warmed = False
@@ -287,8 +288,8 @@ class ModelSession:
         execution_provider: the provider the model really runs on (with
             ``auto`` CUDA is tried first; ONNX Runtime falls back to the CPU).
         buckets: batch sizes the batcher pads to (empty: no padding, the CPU path).
-        stream_priorities: priorities with a session bound to a stream of
-            that priority (empty where streams are not used).
+        stream_priorities: CUDA stream priorities with a session bound to a
+            stream of that stream priority (empty where streams are not used).
         runtime: feature -> how it runs here, or why it is off (ModelMetadata.runtime).
         warm_up_ms: time the start-up warm-up took (ms).
 
@@ -398,8 +399,9 @@ class ModelSession:
                     runner = self._bound(session, device, False)
                 self._runners.append(runner)
             if not graphs and any(r.graphs for r in self._runners):
-                graph_note += "; graphs on for priorities " + ",".join(str(r.priority) for r in self._runners if r.graphs)
-            self.stream_priorities = tuple(r.priority for r in self._runners) if on_gpu else ()
+                graph_note += "; graphs on for stream priorities " + ",".join(
+                    str(r.stream_priority) for r in self._runners if r.graphs)
+            self.stream_priorities = tuple(r.stream_priority for r in self._runners) if on_gpu else ()
             self.runtime.update(
                 io_binding="device buffers, pinned host staging" if on_gpu else "host buffers (CPU test path)",
                 cuda_graph=graph_note,
@@ -517,17 +519,20 @@ class ModelSession:
         ms = (time.perf_counter() - start) * 1e3
         return {n: outputs[n][:rows] for n in (names or outputs)}, ms
 
-    def set_stream_priority(self, priority: int) -> int:
-        """Switches to the session bound to a stream of ``priority`` (or the
-        nearest one held). Returns the priority now in use. Takes effect from
-        the next batch."""
-        chosen = min(self._runners, key=lambda r: (abs(r.priority - priority), r.priority))
-        self._active = chosen
-        return chosen.priority
+    def set_stream_priority(self, stream_priority: int) -> int:
+        """Switches to the session bound to the held stream that
+        :func:`tandem.stream_priority.nearest_allowed` picks for the assigned
+        CUDA ``stream_priority`` (the rule the search service follows too).
+        Returns the stream priority now in use (0 on the CPU, which holds no
+        stream). Takes effect from the next batch."""
+        chosen = nearest_allowed(stream_priority, [r.stream_priority for r in self._runners])
+        self._active = next(r for r in self._runners if r.stream_priority == chosen)
+        return chosen
 
     @property
-    def active_priority(self) -> int:
-        return self._active.priority
+    def active_stream_priority(self) -> int:
+        """The CUDA stream priority the next batch runs at (0 on the CPU)."""
+        return self._active.stream_priority
 
 
 def _to_fp16(raw: bytes, name: str) -> bytes:
