@@ -266,8 +266,8 @@ def grpc_rows(models: dict, gpu: bool, quick: bool) -> list[dict]:
     }
     x = _frames(1)
     requests = {
-        (n, prio): reward_pb2.EvaluateRequest(model=n, inputs=[tensors.to_proto("frame", x)], priority=prio)
-        for n in models for prio in (reward_pb2.PRIORITY_CRITICAL, reward_pb2.PRIORITY_BULK)
+        (n, prio): reward_pb2.EvaluateRequest(model=n, inputs=[tensors.to_proto("frame", x)], request_class=prio)
+        for n in models for prio in (reward_pb2.REQUEST_CLASS_CRITICAL, reward_pb2.REQUEST_CLASS_BULK)
     }
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
@@ -317,10 +317,10 @@ def grpc_rows(models: dict, gpu: bool, quick: bool) -> list[dict]:
                     t_echo.append(b)
                     server.append((resp.queue_ms, resp.compute_ms))
             path, precision, graph = models[n]
-            pname = reward_pb2.Priority.Name(prio).removeprefix("PRIORITY_").lower()
+            pname = reward_pb2.RequestClass.Name(prio).removeprefix("REQUEST_CLASS_").lower()
             graph_on = info["runtime"][n].get("cuda_graph", "").startswith("on")
             rows.append(_row(n, precision, "nchw", graph_on, 1, "grpc", "onnxruntime", np.array(t_eval),
-                             first[n] if prio == reward_pb2.PRIORITY_CRITICAL else None, priority=pname,
+                             first[n] if prio == reward_pb2.REQUEST_CLASS_CRITICAL else None, priority=pname,
                              request_bytes=len(payloads[(n, prio)]), response_bytes=response_bytes,
                              # What the server itself reports: the batcher's wait and the model run.
                              server_queue_ms_p50=float(np.median([q for q, _ in server])),

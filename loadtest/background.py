@@ -3,7 +3,7 @@ scoring rollouts, in large bulk-priority batches of rendered frames.
 
 ``workers`` threads each send one ``Evaluate`` of ``batch`` frames at a time
 (closed loop: the next as soon as the last is answered), at
-``PRIORITY_BULK``, so the reward service always has a large batch queued or
+``REQUEST_CLASS_BULK``, so the reward service always has a large batch queued or
 running while the frame load test measures its critical path.
 
     bg = BackgroundLoad(address, cfg=cfg, batch=64, workers=2)
@@ -69,7 +69,7 @@ class BackgroundLoad:
         meta = self._stub.ModelMetadata(reward_pb2.ModelMetadataRequest(model=self.model), timeout=10)
         request = reward_pb2.EvaluateRequest(
             model=self.model, inputs=[tensors.to_proto(meta.inputs[0].name, self._frames)],
-            priority=reward_pb2.PRIORITY_BULK)
+            request_class=reward_pb2.REQUEST_CLASS_BULK)
         self._stop.clear()
         self._t0 = time.monotonic()
         self._threads = [threading.Thread(target=self._work, args=(request,), name=f"background-{i}", daemon=True)

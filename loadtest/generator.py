@@ -176,7 +176,7 @@ class OpenLoopGenerator:
             if spec.frames:  # what an engine has: its rendered frame, uint8 (~0.2 ms to render)
                 obs = render_moves([moves])
             ev = reward_pb2.EvaluateRequest(model=spec.model, inputs=[tensors.to_proto(self._input_name, obs)],
-                                            output_names=["value"], priority=reward_pb2.PRIORITY_CRITICAL)
+                                            output_names=["value"], request_class=reward_pb2.REQUEST_CLASS_CRITICAL)
             self._issue(Record("evaluate", engine, frame, due, time.monotonic()),
                         lambda: self._reward.Evaluate.future(ev, timeout=spec.timeout_s))
 

@@ -6,9 +6,11 @@ one worker thread per batcher.
 
 Policy
 ------
-* Two priority levels: :data:`CRITICAL` (a search waiting inside a game
-  frame) before :data:`BULK` (throughput work). Within a level, first in,
-  first out.
+* Two request classes, the proto's ``tandem.v1.RequestClass`` values:
+  ``REQUEST_CLASS_CRITICAL`` (a search waiting inside a game frame) before
+  ``REQUEST_CLASS_BULK`` (throughput work). Within a class, first in, first
+  out. (Request classes order the queue; they are not CUDA stream
+  priorities.)
 * A batch holds up to ``max_rows`` rows (``min(max_batch_size, largest
   bucket)``). It is padded to the smallest bucket that holds it (fixed shapes
   that a GPU session replays as CUDA graphs); a single request larger than
@@ -62,12 +64,11 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import numpy as np
+from tandem.v1 import reward_pb2
 
 log = logging.getLogger(__name__)
 
-CRITICAL = 0  # served first
-BULK = 1
-_LEVELS = (CRITICAL, BULK)
+_CLASSES = (reward_pb2.REQUEST_CLASS_CRITICAL, reward_pb2.REQUEST_CLASS_BULK)  # queue order: critical first
 
 QUEUED, RUNNING, DONE = "queued", "running", "done"
 _MAX_WAIT_S = 3600.0  # longest single Event.wait (a deadline days away is waited for in steps)
@@ -95,8 +96,9 @@ class Request:
 
     ``feeds``: input name -> array with ``rows`` rows (first dimension), every
     input of the model, already validated. ``output_names``: outputs to return
-    (empty: all that ``run`` returns). ``deadline``: ``time.monotonic()``
-    seconds, or None for none.
+    (empty: all that ``run`` returns). ``request_class``:
+    ``reward_pb2.REQUEST_CLASS_CRITICAL`` or ``REQUEST_CLASS_BULK``.
+    ``deadline``: ``time.monotonic()`` seconds, or None for none.
 
     Filled in when done: ``outputs`` (name -> array with ``rows`` rows) or
     ``error``; ``queue_ms`` (arrival to run start, ms), ``compute_ms`` (the
@@ -106,7 +108,7 @@ class Request:
 
     feeds: dict[str, np.ndarray]
     rows: int
-    priority: int = BULK
+    request_class: int = reward_pb2.REQUEST_CLASS_BULK
     deadline: float | None = None
     output_names: tuple[str, ...] = ()
     enqueued: float = 0.0
@@ -233,7 +235,7 @@ class Batcher:
         self._clock = clock
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
-        self._queues = {level: collections.deque() for level in _LEVELS}  # guarded by _lock
+        self._queues = {c: collections.deque() for c in _CLASSES}  # guarded by _lock
         self._queued = 0  # guarded by _lock
         self._closed = False  # guarded by _lock
         self._stats = collections.Counter()  # guarded by _lock
@@ -246,24 +248,29 @@ class Batcher:
         self,
         feeds: dict[str, np.ndarray],
         rows: int,
-        priority: int = BULK,
+        request_class: int = reward_pb2.REQUEST_CLASS_BULK,
         deadline: float | None = None,
         output_names: Sequence[str] = (),
     ) -> Request:
         """Queues a validated request and returns it (wait on it for the result).
 
+        ``request_class``: ``reward_pb2.REQUEST_CLASS_CRITICAL`` or
+        ``REQUEST_CLASS_BULK`` (the servicer maps UNSPECIFIED to bulk).
+
         Raises:
             DeadlineExceeded: ``deadline`` has passed already.
             QueueFull: the queue is full and nothing may be shed for it.
             BatcherClosed: :meth:`close` was called.
-            ValueError: ``rows`` < 1 or an unknown priority.
+            ValueError: ``rows`` < 1 or another ``request_class``.
         """
         if rows < 1:
             raise ValueError("rows must be >= 1")
-        if priority not in _LEVELS:
-            raise ValueError(f"unknown priority {priority}")
+        if request_class not in _CLASSES:
+            raise ValueError(
+                f"request_class: expected REQUEST_CLASS_CRITICAL or REQUEST_CLASS_BULK, got {request_class}"
+            )
         now = self._clock()
-        req = Request(feeds, rows, priority, deadline, tuple(output_names), enqueued=now)
+        req = Request(feeds, rows, request_class, deadline, tuple(output_names), enqueued=now)
         if deadline is not None and deadline <= now:
             with self._lock:
                 self._stats["expired"] += 1
@@ -273,8 +280,8 @@ class Batcher:
             if self._closed:
                 raise BatcherClosed(f"model {self.name!r}: the reward service is stopping")
             if self._queued >= self.max_queue_size:
-                bulk = self._queues[BULK]
-                if priority != CRITICAL or not bulk:
+                bulk = self._queues[reward_pb2.REQUEST_CLASS_BULK]
+                if request_class != reward_pb2.REQUEST_CLASS_CRITICAL or not bulk:
                     self._stats["refused"] += 1
                     raise QueueFull(
                         f"model {self.name!r}: queue full ({self.max_queue_size} requests waiting); retry later"
@@ -284,7 +291,7 @@ class Batcher:
                 victim.error = QueueFull(f"model {self.name!r}: queue full; shed for a critical request")
                 self._queued -= 1
                 self._stats["shed"] += 1
-            self._queues[priority].append(req)
+            self._queues[request_class].append(req)
             self._queued += 1
             self._stats["submitted"] += 1
             self._wake.notify()
@@ -298,7 +305,7 @@ class Batcher:
         with self._lock:
             if req.state != QUEUED:
                 return False
-            self._queues[req.priority].remove(req)
+            self._queues[req.request_class].remove(req)
             self._queued -= 1
             req.state = DONE
             req.error = DeadlineExceeded("deadline passed while queued")
@@ -310,7 +317,7 @@ class Batcher:
         self,
         feeds: dict[str, np.ndarray],
         rows: int,
-        priority: int = BULK,
+        request_class: int = reward_pb2.REQUEST_CLASS_BULK,
         deadline: float | None = None,
         output_names: Sequence[str] = (),
     ) -> Request:
@@ -323,7 +330,7 @@ class Batcher:
                 taken out of the queue and never run).
             QueueFull, BatcherClosed, ValueError: as :meth:`submit`.
         """
-        req = self.submit(feeds, rows, priority, deadline, output_names)
+        req = self.submit(feeds, rows, request_class, deadline, output_names)
         while True:
             # Bounded waits: a far deadline must not overflow the platform's timeout type.
             timeout = None if deadline is None else min(max(deadline - self._clock(), 0.0), _MAX_WAIT_S)
@@ -372,9 +379,9 @@ class Batcher:
 
     def _merge_wait_locked(self) -> float:
         """Seconds to wait for more bulk requests; <= 0: form a batch now."""
-        if self._closed or self._queues[CRITICAL]:
+        if self._closed or self._queues[reward_pb2.REQUEST_CLASS_CRITICAL]:
             return 0.0
-        bulk = self._queues[BULK]
+        bulk = self._queues[reward_pb2.REQUEST_CLASS_BULK]
         if sum(r.rows for r in bulk) >= self.max_rows:
             return 0.0
         return bulk[0].enqueued + self.max_queue_delay_s - self._clock()
@@ -383,8 +390,8 @@ class Batcher:
         """Drops expired requests (returned, marked DONE) and takes the next batch."""
         now = self._clock()
         expired = []
-        for level in _LEVELS:
-            q = self._queues[level]
+        for c in _CLASSES:
+            q = self._queues[c]
             if any(r.deadline is not None and r.deadline <= now for r in q):
                 keep = collections.deque()
                 for r in q:
@@ -394,14 +401,14 @@ class Batcher:
                         expired.append(r)
                     else:
                         keep.append(r)
-                self._queues[level] = keep
+                self._queues[c] = keep
         self._queued -= len(expired)
         self._stats["expired"] += len(expired)
         taken: list[Request] = []
         rows = 0
         cap = self.max_rows
-        for level in _LEVELS:
-            q = self._queues[level]
+        for c in _CLASSES:
+            q = self._queues[c]
             if taken and not self.merge:
                 break
             while q and (not taken or (self.merge and rows + q[0].rows <= cap)):
@@ -410,7 +417,7 @@ class Batcher:
                 rows += req.rows
                 if rows > cap:  # a lone request larger than every bucket
                     break
-            if level == CRITICAL and taken:
+            if c == reward_pb2.REQUEST_CLASS_CRITICAL and taken:
                 # Bulk rides along only in rows the padding would waste.
                 cap = min(cap, bucket_for(rows, self.buckets))
             if rows >= cap:

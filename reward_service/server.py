@@ -12,15 +12,7 @@ import onnxruntime as ort
 from prometheus_client import Gauge
 from tandem.v1 import reward_pb2, reward_pb2_grpc, scheduler_pb2
 
-from reward_service.batcher import (
-    BULK,
-    CRITICAL,
-    Batcher,
-    BatcherClosed,
-    BatcherError,
-    DeadlineExceeded,
-    QueueFull,
-)
+from reward_service.batcher import Batcher, BatcherClosed, BatcherError, DeadlineExceeded, QueueFull
 from reward_service.session import InputError, ModelSession
 from tandem import pools, tensors
 from tandem.config import TandemConfig
@@ -30,7 +22,7 @@ log = logging.getLogger(__name__)
 
 NO_DEADLINE_S = 1e7  # remaining times beyond this (~4 months) mean "no deadline"
 IN_FLIGHT = Gauge("tandem_reward_requests_in_flight", "Evaluate calls being served.")
-PRIORITY = Gauge("tandem_reward_stream_priority", "CUDA stream priority assigned by the scheduler.")
+STREAM_PRIORITY = Gauge("tandem_reward_stream_priority", "CUDA stream priority assigned by the scheduler.")
 QUEUE_DEPTH = Gauge("tandem_reward_queue_depth", "Requests waiting in the models' batchers.")
 POOL_LIMIT = Gauge("tandem_reward_pool_limit_bytes", "ONNX Runtime arena limit over all sessions (0 = none).")
 
@@ -60,7 +52,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         self._in_flight = 0  # guarded by _lock
         self._served = 0  # guarded by _lock
         self._since = time.monotonic()  # guarded by _lock
-        self.assigned_priority = 0  # the scheduler's last assignment (one int write; read anywhere)
+        self.assigned_stream_priority = 0  # the scheduler's last assignment (one int write; read anywhere)
 
     def _session(self, name: str, context) -> ModelSession:
         session = self.sessions.get(name)
@@ -82,10 +74,10 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             remaining = context.time_remaining()
             # A call without a deadline reports None or an "infinite" remaining time (years).
             deadline = None if remaining is None or remaining > NO_DEADLINE_S else time.monotonic() + remaining
-            priority = CRITICAL if request.priority == reward_pb2.PRIORITY_CRITICAL else BULK
+            request_class = _request_class(request.request_class)
             rows = len(next(iter(feeds.values())))
             try:
-                done = self.batchers[session.name].evaluate(feeds, rows, priority, deadline, names)
+                done = self.batchers[session.name].evaluate(feeds, rows, request_class, deadline, names)
                 outputs = done.result()
             except DeadlineExceeded as exc:
                 context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"model {session.name!r}: {exc}; not run")
@@ -125,20 +117,21 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             execution_provider=s.execution_provider,
             available_providers=ort.get_available_providers(),
             max_batch_size=s.max_batch_size,
-            runtime={**s.runtime, "stream_priority_in_use": str(s.active_priority),
-                     "stream_priority_assigned": str(self.assigned_priority)},
+            runtime={**s.runtime, "stream_priority_in_use": str(s.active_stream_priority),
+                     "stream_priority_assigned": str(self.assigned_stream_priority)},
         )
 
     def ListModels(self, request, context):
         return reward_pb2.ListModelsResponse(models=sorted(self.sessions))
 
-    def set_stream_priority(self, priority: int) -> None:
-        """The scheduler's assignment: every model switches to its session on
-        a stream of that priority (the nearest one held). On a CPU host no
+    def set_stream_priority(self, stream_priority: int) -> None:
+        """The scheduler's assignment (a CUDA stream priority; lower is more
+        urgent): every model switches to its session on the held stream
+        :func:`tandem.stream_priority.nearest_allowed` picks. On a CPU host no
         stream is held: the assignment is only recorded."""
-        self.assigned_priority = priority
+        self.assigned_stream_priority = stream_priority
         for s in self.sessions.values():
-            s.set_stream_priority(priority)
+            s.set_stream_priority(stream_priority)
 
     def load(self) -> dict:
         """Load report fields for the scheduler (LoadReport): requests in
@@ -153,6 +146,13 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
     def close(self) -> None:
         for b in self.batchers.values():
             b.close()
+
+
+def _request_class(value: int) -> int:
+    """The batcher's class for ``EvaluateRequest.request_class``: critical, or
+    bulk for everything else (UNSPECIFIED and values this build does not know)."""
+    critical = value == reward_pb2.REQUEST_CLASS_CRITICAL
+    return reward_pb2.REQUEST_CLASS_CRITICAL if critical else reward_pb2.REQUEST_CLASS_BULK
 
 
 class _WarmUpContext:
@@ -171,8 +171,9 @@ def _warm_up(servicer: RewardServicer) -> None:
     for s in servicer.sessions.values():
         inputs = [tensors.to_proto(x.name, np.zeros([1 if d == -1 else d for d in x.shape], tensors.numpy_dtype(x.dtype)))
                   for x in s.inputs]
-        for priority in (reward_pb2.PRIORITY_CRITICAL, reward_pb2.PRIORITY_BULK):
-            servicer.Evaluate(reward_pb2.EvaluateRequest(model=s.name, inputs=inputs, priority=priority), _WarmUpContext())
+        for request_class in (reward_pb2.REQUEST_CLASS_CRITICAL, reward_pb2.REQUEST_CLASS_BULK):
+            request = reward_pb2.EvaluateRequest(model=s.name, inputs=inputs, request_class=request_class)
+            servicer.Evaluate(request, _WarmUpContext())
 
 
 def _batcher(session: ModelSession, cfg: TandemConfig) -> Batcher:
@@ -215,7 +216,7 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True) -> Service:
         return reward_pb2.DESCRIPTOR.services_by_name["RewardService"].full_name
 
     def on_assignment(a):
-        PRIORITY.set(a.stream_priority)
+        STREAM_PRIORITY.set(a.stream_priority)
         servicer.set_stream_priority(a.stream_priority)
 
     try:
@@ -226,7 +227,7 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True) -> Service:
             metrics_port=cfg.reward.metrics_port,
             # Every Evaluate holds a gRPC thread while it waits in the batcher. With a
             # thread per admitted RPC, none waits in gRPC's FIFO executor, where
-            # priorities and the bounded queue would not apply.
+            # request classes and the bounded queue would not apply.
             server_cfg=dataclasses.replace(cfg.reward.server, max_workers=max(
                 cfg.reward.server.max_workers, cfg.reward.server.max_concurrent_rpcs)),
             register=[register],

@@ -5,8 +5,8 @@ On a GPU (CUDA execution provider and CuPy) a model gets:
 
 * one ONNX Runtime session per CUDA stream priority the service may be
   assigned (``reward.stream_priorities``), each bound to a CuPy stream of
-  that priority through ``user_compute_stream``; the scheduler's assignment
-  picks which one runs (:meth:`ModelSession.set_stream_priority`);
+  that stream priority through ``user_compute_stream``; the scheduler's
+  assignment picks which one runs (:meth:`ModelSession.set_stream_priority`);
 * per batch bucket (``batch_buckets``) and session: preallocated device input
   and output buffers bound once with IO binding, and pinned host staging
   buffers: request bytes are copied once into pinned memory, uploaded
@@ -36,6 +36,7 @@ import hashlib
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -46,6 +47,7 @@ from reward_service.batcher import Batch, Request, bucket_for
 from tandem import nvtx, tensors
 from tandem.config import ModelConfig, RewardConfig, resolve_path
 from tandem.gpu import cuda_device_count, cupy_module
+from tandem.stream_priority import nearest_allowed
 
 log = logging.getLogger(__name__)
 
@@ -88,16 +90,16 @@ def _use_cuda(choice: str) -> bool:
 
 
 class _CupyDevice:
-    """Device buffers, pinned host staging and one CuPy stream of a given priority."""
+    """Device buffers, pinned host staging and one CuPy stream of a given CUDA stream priority."""
 
     ort_device = "cuda"
 
-    def __init__(self, cupy, priority: int):
+    def __init__(self, cupy, stream_priority: int):
         import cupyx
 
         self._cp, self._cupyx = cupy, cupyx
-        self.priority = priority
-        self.stream = cupy.cuda.Stream(non_blocking=True, priority=priority)
+        self.stream_priority = stream_priority
+        self.stream = cupy.cuda.Stream(non_blocking=True, priority=stream_priority)
 
     @property
     def stream_handle(self) -> str:
@@ -136,7 +138,7 @@ class _HostDevice:
     lets the IO-binding path run (and be tested) without a GPU."""
 
     ort_device = "cpu"
-    priority = 0
+    stream_priority = 0  # no stream: CUDA's least urgent level, as a GPU's default stream
     stream_handle = ""
 
     @staticmethod
@@ -174,7 +176,7 @@ class _HostDevice:
 class _PlainRunner:
     """``InferenceSession.run`` on host arrays (the CPU path)."""
 
-    priority = 0
+    stream_priority = 0  # no stream: CUDA's least urgent level, as a GPU's default stream
 
     def __init__(self, session: ort.InferenceSession, output_names: list[str]):
         self.session = session
@@ -212,7 +214,7 @@ class _BoundRunner:
     def __init__(self, session, device, inputs: tuple[Spec, ...], outputs: tuple[Spec, ...], buckets: tuple[int, ...],
                  graphs: bool):
         self.session, self.device, self.buckets, self.graphs = session, device, buckets, graphs
-        self.priority = device.priority
+        self.stream_priority = device.stream_priority
         self._inputs, self._outputs = inputs, outputs
         self._slots = {b: self._bind(b, i) for i, b in enumerate(buckets)}
         self.warmed = False
@@ -274,6 +276,50 @@ class _BoundRunner:
         self.warmed = True
 
 
+# -- sessions ---------------------------------------------------------------------
+
+
+class _SessionFactory:
+    """Makes one model's ONNX Runtime sessions, all with the same session options.
+
+    Args:
+        raw: the model's ONNX bytes (in the configured precision).
+        model, cfg: the model's and the reward service's configuration.
+        pool_bytes: ``gpu_mem_limit`` of each CUDA session (bytes; 0 = no limit).
+
+    Each method raises what ``ort.InferenceSession`` raises where the model cannot be loaded.
+    """
+
+    def __init__(self, raw: bytes, model: ModelConfig, cfg: RewardConfig, pool_bytes: int):
+        self._raw, self._model, self._cfg = raw, model, cfg
+        self.pool_bytes = pool_bytes
+        self._options = ort.SessionOptions()
+        if cfg.intra_op_threads:
+            self._options.intra_op_num_threads = cfg.intra_op_threads
+        self._options.log_severity_level = 3  # a CUDA fallback is reported by ModelSession, once
+
+    def cpu(self) -> ort.InferenceSession:
+        """A session on the CPU execution provider only."""
+        return ort.InferenceSession(self._raw, sess_options=self._options, providers=[CPU])
+
+    def cuda(self, stream_handle: str = "", graphs: bool = False) -> ort.InferenceSession:
+        """A session on the CUDA execution provider (ONNX Runtime falls back to
+        the CPU where CUDA does not load). ``stream_handle``: the address of the
+        CUDA stream it runs on, in decimal (empty: ONNX Runtime's own stream);
+        ``graphs``: CUDA graph capture and replay."""
+        options = {"arena_extend_strategy": "kSameAsRequested",
+                   "cudnn_conv_algo_search": self._cfg.cudnn_conv_algo_search}
+        if self.pool_bytes:
+            options["gpu_mem_limit"] = str(self.pool_bytes)
+        if stream_handle:
+            options["user_compute_stream"] = stream_handle
+        if graphs:
+            options["enable_cuda_graph"] = "1"
+        if self._model.prefer_nhwc:
+            options["prefer_nhwc"] = "1"
+        return ort.InferenceSession(self._raw, sess_options=self._options, providers=[(CUDA, options), CPU])
+
+
 # -- the model -------------------------------------------------------------------
 
 
@@ -287,8 +333,10 @@ class ModelSession:
         execution_provider: the provider the model really runs on (with
             ``auto`` CUDA is tried first; ONNX Runtime falls back to the CPU).
         buckets: batch sizes the batcher pads to (empty: no padding, the CPU path).
-        stream_priorities: priorities with a session bound to a stream of
-            that priority (empty where streams are not used).
+        mergeable: whether requests can be concatenated along the batch (every
+            other dimension of every tensor is fixed).
+        stream_priorities: CUDA stream priorities with a session bound to a
+            stream of that stream priority (empty where streams are not used).
         runtime: feature -> how it runs here, or why it is off (ModelMetadata.runtime).
         warm_up_ms: time the start-up warm-up took (ms).
 
@@ -306,124 +354,153 @@ class ModelSession:
 
     def __init__(self, model: ModelConfig, cfg: RewardConfig, *, pool_bytes: int | None = None,
                  host_binding: bool = False):
-        path = resolve_path(model.path)
         self.name = model.name
         self.description = model.description
         self.max_batch_size = model.max_batch_size
         self.precision = model.precision
-        raw = path.read_bytes()
-        self.version = hashlib.sha256(raw + model.precision.encode()).hexdigest()[:12]
-        self.runtime: dict[str, str] = {"precision": model.precision}
-        if model.precision == "fp16":
-            raw = _to_fp16(raw, model.name)
-            self.runtime["precision"] = "fp16 (FP16 body, FP32 last layer and outputs)"
         self._nonfinite_reject = cfg.nonfinite_inputs == "reject"
-        pool = cfg.memory_pool_bytes if pool_bytes is None else pool_bytes
+        self.runtime: dict[str, str] = {}
+        path = resolve_path(model.path)
+        raw = self._load(path, model.precision)
         want_cuda = _use_cuda(cfg.execution_provider)
         cupy = cupy_module() if want_cuda else None
         if want_cuda and hasattr(ort, "preload_dlls"):
             ort.preload_dlls()  # CUDA and cuDNN from their pip packages, where installed
-
-        options = ort.SessionOptions()
-        if cfg.intra_op_threads:
-            options.intra_op_num_threads = cfg.intra_op_threads
-        options.log_severity_level = 3  # the CUDA fallback is reported below, once
-
-        def make_session(cuda_options: dict | None):
-            providers = [(CUDA, cuda_options), CPU] if cuda_options is not None else [CPU]
-            return ort.InferenceSession(raw, sess_options=options, providers=providers)
-
-        def cuda_options(stream_handle: str = "", graphs: bool = False) -> dict:
-            o = {"arena_extend_strategy": "kSameAsRequested", "cudnn_conv_algo_search": cfg.cudnn_conv_algo_search}
-            if pool:
-                o["gpu_mem_limit"] = str(pool)
-            if stream_handle:
-                o["user_compute_stream"] = stream_handle
-            if graphs:
-                o["enable_cuda_graph"] = "1"
-            if model.prefer_nhwc:
-                o["prefer_nhwc"] = "1"
-            return o
-
-        probe = make_session(cuda_options() if want_cuda else None)
-        self.execution_provider = probe.get_providers()[0]
-        if cfg.execution_provider == "cuda" and self.execution_provider != CUDA:
-            raise RuntimeError(f"model {model.name}: execution_provider is 'cuda' but ONNX Runtime could not use it")
-        self.inputs = _specs(probe.get_inputs())
-        self.outputs = _specs(probe.get_outputs())
-        output_names = [s.name for s in self.outputs]
-        for s in self.inputs + self.outputs:
-            if not s.shape:
-                raise RuntimeError(f"model {model.name}: tensor {s.name!r} has no batch dimension (0-d)")
-        bindable = all(s.shape and s.shape[0] == -1 and all(d > 0 for d in s.shape[1:])
-                       for s in self.inputs + self.outputs)
-        on_gpu = self.execution_provider == CUDA
-        # Requests can be concatenated along the batch only when every other dimension is fixed.
-        self.mergeable = bindable
-
-        self._runners: list = []
+        factory = _SessionFactory(raw, model, cfg, cfg.memory_pool_bytes if pool_bytes is None else pool_bytes)
+        probe = factory.cuda() if want_cuda else factory.cpu()
+        self._read_signature(probe, cfg.execution_provider)
         self.buckets: tuple[int, ...] = ()
         self.stream_priorities: tuple[int, ...] = ()
-        why_not = (
-            "off: CPU execution provider" if not on_gpu
-            else "off: CuPy not installed (the gpu extra)" if cupy is None
-            else "off: a tensor has a dynamic dimension besides the batch" if not bindable
-            else ""
-        )
-        if host_binding and bindable:
-            why_not = ""
-        if why_not:
-            self._runners = [_PlainRunner(probe, output_names)]
-            self.runtime.update(io_binding=why_not, cuda_graph=why_not if model.cuda_graph else "off: not requested",
-                                batch_buckets="off: no padding without bound buffers",
-                                stream_priorities=why_not)
+        why_unbound = self._why_unbound(cupy, host_binding)
+        if why_unbound:
+            self._build_plain_runner(probe, why_unbound, model.cuda_graph)
         else:
             del probe  # its arena is released before the bound sessions allocate theirs
-            self.buckets = tuple(b for b in model.batch_buckets if b <= self.max_batch_size) or (self.max_batch_size,)
-            graphs = model.cuda_graph and on_gpu
-            graph_note = "on (one graph per bucket)" if graphs else (
-                "off: not requested" if not model.cuda_graph else "off: CPU execution provider")
-            devices = [_CupyDevice(cupy, p) for p in cfg.stream_priorities] if on_gpu else [_HostDevice()]
-            for device in devices:
-                runner = None
-                if graphs:
-                    try:
-                        runner = self._bound(make_session(cuda_options(device.stream_handle, True)), device, True)
-                    except Exception as exc:  # capture needs every node on the CUDA provider
-                        graphs = False
-                        graph_note = f"off: capture failed ({str(exc).splitlines()[0][:200]})"
-                        log.warning("model %s: CUDA graphs off: %s", model.name, exc)
-                if runner is None:
-                    session = make_session(cuda_options(device.stream_handle) if on_gpu else None)
-                    runner = self._bound(session, device, False)
-                self._runners.append(runner)
-            if not graphs and any(r.graphs for r in self._runners):
-                graph_note += "; graphs on for priorities " + ",".join(str(r.priority) for r in self._runners if r.graphs)
-            self.stream_priorities = tuple(r.priority for r in self._runners) if on_gpu else ()
-            self.runtime.update(
-                io_binding="device buffers, pinned host staging" if on_gpu else "host buffers (CPU test path)",
-                cuda_graph=graph_note,
-                batch_buckets=",".join(map(str, self.buckets)),
-                stream_priorities=",".join(map(str, self.stream_priorities)) if on_gpu else "off: CPU execution provider",
-            )
-            if on_gpu:
-                self.runtime["layout"] = "nhwc preferred" if model.prefer_nhwc else "nchw"
-                self.runtime["cudnn_conv_algo_search"] = cfg.cudnn_conv_algo_search
-                self.runtime["gpu_mem_limit_bytes"] = str(pool) if pool else "none"
+            self._build_bound_runners(factory, model, cfg, cupy)
         self._active = self._runners[0]  # swapped by set_stream_priority (one reference write)
+        self._warm_up()
+        log.info("model %s (%s) on %s: %s", model.name, path, self.execution_provider,
+                 "; ".join(f"{k}: {v}" for k, v in self.runtime.items()))
+
+    # -- construction, one step each ---------------------------------------------
+
+    def _load(self, path: Path, precision: str) -> bytes:
+        """The model file's ONNX bytes in ``precision`` ("fp32" or "fp16"); sets
+        ``version`` (of the file as read, and the precision) and ``runtime["precision"]``.
+
+        Raises:
+            OSError: the file cannot be read.
+            RuntimeError: ``fp16`` without onnxconverter-common.
+        """
+        raw = path.read_bytes()
+        self.version = hashlib.sha256(raw + precision.encode()).hexdigest()[:12]
+        self.runtime["precision"] = precision
+        if precision == "fp16":
+            raw = _to_fp16(raw, self.name)
+            self.runtime["precision"] = "fp16 (FP16 body, FP32 last layer and outputs)"
+        return raw
+
+    def _read_signature(self, probe: ort.InferenceSession, choice: str) -> None:
+        """Sets ``execution_provider``, ``inputs``, ``outputs`` and ``mergeable``
+        from the first session made (``choice``: the configured execution_provider).
+
+        Raises:
+            RuntimeError: ``choice`` is "cuda" but the session fell back to the
+                CPU; a tensor has no batch dimension (0-d).
+        """
+        self.execution_provider = probe.get_providers()[0]
+        if choice == "cuda" and self.execution_provider != CUDA:
+            raise RuntimeError(f"model {self.name}: execution_provider is 'cuda' but ONNX Runtime could not use it")
+        self.inputs = _specs(probe.get_inputs())
+        self.outputs = _specs(probe.get_outputs())
+        for s in self.inputs + self.outputs:
+            if not s.shape:
+                raise RuntimeError(f"model {self.name}: tensor {s.name!r} has no batch dimension (0-d)")
+        # Requests can be concatenated along the batch, and bound to fixed-size
+        # buffers, only when every other dimension is fixed.
+        self.mergeable = all(s.shape[0] == -1 and all(d > 0 for d in s.shape[1:]) for s in self.inputs + self.outputs)
+
+    def _why_unbound(self, cupy, host_binding: bool) -> str:
+        """Why the model runs without IO binding, as a runtime note ("off: ..."),
+        or "" where it runs bound (on the GPU, or over host buffers with ``host_binding``)."""
+        if host_binding and self.mergeable:
+            return ""
+        if self.execution_provider != CUDA:
+            return "off: CPU execution provider"
+        if cupy is None:
+            return "off: CuPy not installed (the gpu extra)"
+        if not self.mergeable:
+            return "off: a tensor has a dynamic dimension besides the batch"
+        return ""
+
+    def _build_plain_runner(self, probe: ort.InferenceSession, why: str, graphs_requested: bool) -> None:
+        """The CPU path: one runner over ``InferenceSession.run`` on the probe
+        session; every GPU feature's runtime note says ``why`` it is off."""
+        self._runners = [_PlainRunner(probe, [s.name for s in self.outputs])]
+        self.runtime.update(io_binding=why, cuda_graph=why if graphs_requested else "off: not requested",
+                            batch_buckets="off: no padding without bound buffers", stream_priorities=why)
+
+    def _build_bound_runners(self, factory: _SessionFactory, model: ModelConfig, cfg: RewardConfig, cupy) -> None:
+        """The IO-binding path: ``buckets`` from the config; one runner per
+        configured CUDA stream priority on the GPU (one over host buffers
+        otherwise), with a CUDA graph per bucket where asked for and capturable;
+        sets ``stream_priorities`` and the runtime notes."""
+        on_gpu = self.execution_provider == CUDA
+        self.buckets = tuple(b for b in model.batch_buckets if b <= self.max_batch_size) or (self.max_batch_size,)
+        graphs = model.cuda_graph and on_gpu
+        graph_note = "on (one graph per bucket)" if graphs else (
+            "off: not requested" if not model.cuda_graph else "off: CPU execution provider")
+        devices = [_CupyDevice(cupy, p) for p in cfg.stream_priorities] if on_gpu else [_HostDevice()]
+        self._runners = []
+        for device in devices:
+            runner, failure = self._bound_runner(factory, device, graphs)
+            if failure:  # the sessions after this one run without graphs too
+                graphs, graph_note = False, failure
+            self._runners.append(runner)
+        if not graphs and any(r.graphs for r in self._runners):
+            graph_note += "; graphs on for stream priorities " + ",".join(
+                str(r.stream_priority) for r in self._runners if r.graphs)
+        self.stream_priorities = tuple(r.stream_priority for r in self._runners) if on_gpu else ()
+        self.runtime.update(
+            io_binding="device buffers, pinned host staging" if on_gpu else "host buffers (CPU test path)",
+            cuda_graph=graph_note,
+            batch_buckets=",".join(map(str, self.buckets)),
+            stream_priorities=",".join(map(str, self.stream_priorities)) if on_gpu else "off: CPU execution provider",
+        )
+        if on_gpu:
+            self.runtime["layout"] = "nhwc preferred" if model.prefer_nhwc else "nchw"
+            self.runtime["cudnn_conv_algo_search"] = cfg.cudnn_conv_algo_search
+            self.runtime["gpu_mem_limit_bytes"] = str(factory.pool_bytes) if factory.pool_bytes else "none"
+
+    def _bound_runner(self, factory: _SessionFactory, device, graphs: bool) -> tuple[_BoundRunner, str]:
+        """A runner bound to ``device``'s buffers (and stream), with a CUDA graph
+        per bucket if ``graphs`` and the capture succeeds: it is captured here,
+        so that a failure falls back to a runner without graphs at construction.
+
+        Returns the runner and, where the capture failed, the runtime note saying why ("" otherwise).
+        """
+        failure = ""
+        if graphs:
+            try:
+                runner = _BoundRunner(factory.cuda(device.stream_handle, graphs=True), device, self.inputs,
+                                      self.outputs, self.buckets, True)
+                runner.warm_up(self.inputs)
+                return runner, ""
+            except Exception as exc:  # capture needs every node on the CUDA provider
+                failure = f"off: capture failed ({str(exc).splitlines()[0][:200]})"
+                log.warning("model %s: CUDA graphs off: %s", self.name, exc)
+        session = factory.cuda(device.stream_handle) if device.ort_device == "cuda" else factory.cpu()
+        return _BoundRunner(session, device, self.inputs, self.outputs, self.buckets, False), failure
+
+    def _warm_up(self) -> None:
+        """Runs every bucket of every runner (cuDNN algorithm search, arena
+        growth, graph capture), so that the first request pays none of it;
+        sets ``warm_up_ms`` (ms)."""
         start = time.perf_counter()
         for runner in self._runners:
             runner.warm_up(self.inputs)
         self.warm_up_ms = (time.perf_counter() - start) * 1e3
         self.runtime["warm_up_ms"] = f"{self.warm_up_ms:.0f}"
-        log.info("model %s (%s) on %s: %s", model.name, path, self.execution_provider,
-                 "; ".join(f"{k}: {v}" for k, v in self.runtime.items()))
-
-    def _bound(self, session, device, graphs: bool) -> _BoundRunner:
-        runner = _BoundRunner(session, device, self.inputs, self.outputs, self.buckets, graphs)
-        if graphs:
-            runner.warm_up(self.inputs)  # capture now, so a failure falls back at construction
-        return runner
 
     # -- requests -------------------------------------------------------------
 
@@ -517,17 +594,20 @@ class ModelSession:
         ms = (time.perf_counter() - start) * 1e3
         return {n: outputs[n][:rows] for n in (names or outputs)}, ms
 
-    def set_stream_priority(self, priority: int) -> int:
-        """Switches to the session bound to a stream of ``priority`` (or the
-        nearest one held). Returns the priority now in use. Takes effect from
-        the next batch."""
-        chosen = min(self._runners, key=lambda r: (abs(r.priority - priority), r.priority))
-        self._active = chosen
-        return chosen.priority
+    def set_stream_priority(self, stream_priority: int) -> int:
+        """Switches to the session bound to the held stream that
+        :func:`tandem.stream_priority.nearest_allowed` picks for the assigned
+        CUDA ``stream_priority`` (the rule the search service follows too).
+        Returns the stream priority now in use (0 on the CPU, which holds no
+        stream). Takes effect from the next batch."""
+        chosen = nearest_allowed(stream_priority, [r.stream_priority for r in self._runners])
+        self._active = next(r for r in self._runners if r.stream_priority == chosen)
+        return chosen
 
     @property
-    def active_priority(self) -> int:
-        return self._active.priority
+    def active_stream_priority(self) -> int:
+        """The CUDA stream priority the next batch runs at (0 on the CPU)."""
+        return self._active.stream_priority
 
 
 def _to_fp16(raw: bytes, name: str) -> bytes:

@@ -74,7 +74,7 @@ class RewardServiceEvaluator:
                     model=self.model,
                     inputs=[tensors.to_proto(self._input, observations)],
                     output_names=outputs,
-                    priority=reward_pb2.PRIORITY_CRITICAL,
+                    request_class=reward_pb2.REQUEST_CLASS_CRITICAL,
                 ),
                 timeout=timeout,
             )

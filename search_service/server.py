@@ -5,7 +5,7 @@ session's tree if the position continues that session's game, runs the
 backend on a batch of one tree, and answers with the chosen action, root visit
 counts, Q-values, root value, principal variation and a latency breakdown.
 
-Each search launches on the CuPy stream of the priority the scheduler last
+Each search launches on the CuPy stream of the stream priority the scheduler last
 assigned (search_service/streams.py; taken at the start of the search, kept
 to its end). A search that needs more device memory than the fixed pool
 (``search.memory_pool_bytes``) fails with RESOURCE_EXHAUSTED.
@@ -43,8 +43,8 @@ SIMULATIONS = Histogram(
 STEP_SECONDS = Histogram(
     "tandem_search_step_seconds", "Time per search in each step (s).", ["step"], buckets=LATENCY_BUCKETS_S
 )
-PRIORITY = Gauge("tandem_search_stream_priority", "CUDA stream priority assigned by the scheduler.")
-ACTIVE_PRIORITY = Gauge("tandem_search_stream_priority_active", "CUDA stream priority searches launch on.")
+STREAM_PRIORITY = Gauge("tandem_search_stream_priority", "CUDA stream priority assigned by the scheduler.")
+ACTIVE_STREAM_PRIORITY = Gauge("tandem_search_stream_priority_active", "CUDA stream priority searches launch on.")
 POOL_BYTES = Gauge("tandem_search_pool_bytes", "CuPy memory pool: bytes in use and the fixed limit (0 = none).",
                    ["what"])
 EXHAUSTED = Counter("tandem_search_pool_exhausted", "Searches refused because the memory pool was full.")
@@ -239,12 +239,13 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
                 self._load["deadline_slack_ms"] = request.deadline_ms - total_ms
             self._load["served"] += 1
 
-    def set_stream_priority(self, priority: int) -> int:
+    def set_stream_priority(self, stream_priority: int) -> int:
         """The scheduler's assignment: later searches launch on the held
-        stream nearest ``priority``. Returns the priority now in use."""
-        active = self.streams.assign(priority)
-        PRIORITY.set(priority)
-        ACTIVE_PRIORITY.set(active)
+        stream :meth:`StreamSet.assign` picks for ``stream_priority``.
+        Returns the stream priority now in use."""
+        active = self.streams.assign(stream_priority)
+        STREAM_PRIORITY.set(stream_priority)
+        ACTIVE_STREAM_PRIORITY.set(active)
         return active
 
     def load(self) -> dict:

@@ -125,7 +125,7 @@ def play(opts: PlayOptions, cfg=None, log=print) -> dict:
                 model=opts.model,
                 inputs=[tensors.to_proto(input_name, obs)],
                 output_names=["value"],
-                priority=reward_pb2.PRIORITY_CRITICAL,
+                request_class=reward_pb2.REQUEST_CLASS_CRITICAL,
             ),
             timeout=max(10 * budget_ms / 1000.0, 1.0),
         )

@@ -111,7 +111,7 @@ class RewardConfig:
     intra_op_threads: int = 0  # CPU execution provider threads; 0 = ONNX Runtime's default
     # Dynamic batcher (reward_service/batcher.py), one queue per model:
     # how long a bulk request waits for others to merge with (µs; 0 = merge only what is
-    # already queued). PRIORITY_CRITICAL requests never wait for company.
+    # already queued). REQUEST_CLASS_CRITICAL requests never wait for company.
     max_queue_delay_us: float = 100.0
     max_queue_size: int = 256  # requests waiting per model; more: RESOURCE_EXHAUSTED (bulk is shed first)
     # cuDNN convolution algorithm choice: "EXHAUSTIVE" (benchmark all, at warm-up),

@@ -36,12 +36,13 @@ class PriorityRange:
 
 
 def nearest_allowed(target: int, allowed: Sequence[int]) -> int:
-    """The priority a service can actually use for ``target``.
+    """The CUDA stream priority a service uses when assigned ``target``.
 
-    The most urgent of ``allowed`` that is no more urgent than ``target`` (a
-    policy's choice is never exceeded); if every allowed priority is more
-    urgent than ``target``, the least urgent of them. Empty ``allowed``
-    (any priority in the device's range): ``target`` itself.
+    The most urgent of ``allowed`` (the stream priorities it holds streams
+    for) that is no more urgent than ``target`` (a policy's choice is never
+    exceeded): with ``allowed`` (0, -5), -3 maps to 0. If every allowed stream
+    priority is more urgent than ``target``, the least urgent of them. Empty
+    ``allowed`` (any stream priority in the device's range): ``target`` itself.
     """
     if not allowed:
         return target

@@ -1,5 +1,5 @@
 """The dynamic batcher on its own (no model, no GPU): merging, bucket padding,
-priorities, deadlines, the bounded queue, failures and concurrency."""
+request classes, deadlines, the bounded queue, failures and concurrency."""
 from __future__ import annotations
 
 import threading
@@ -9,10 +9,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tandem.v1 import reward_pb2
 
 from reward_service.batcher import (
-    BULK,
-    CRITICAL,
     Batch,
     Batcher,
     BatcherClosed,
@@ -20,6 +19,8 @@ from reward_service.batcher import (
     QueueFull,
     bucket_for,
 )
+
+CRITICAL, BULK = reward_pb2.REQUEST_CLASS_CRITICAL, reward_pb2.REQUEST_CLASS_BULK
 
 
 class Model:
@@ -162,7 +163,7 @@ def test_critical_goes_first_and_bulk_rides_only_in_the_padding():
     for r in (bulk_a, bulk_b, crit):
         assert r.wait(5) and r.error is None
     second, third = model.batches[1], model.batches[2]
-    assert [r.priority for r in second.requests] == [CRITICAL, BULK]
+    assert [r.request_class for r in second.requests] == [CRITICAL, BULK]
     assert (second.rows, second.bucket) == (4, 4)  # the critical bucket did not grow
     assert second.requests[1] is bulk_a
     assert third.requests == [bulk_b]
@@ -292,8 +293,10 @@ def test_bad_arguments():
     b = make(Model())
     with pytest.raises(ValueError):
         b.submit(rows_of(1, 1), 0)
-    with pytest.raises(ValueError):
-        b.submit(rows_of(1, 1), 1, priority=7)
+    with pytest.raises(ValueError, match="request_class"):
+        b.submit(rows_of(1, 1), 1, request_class=7)
+    with pytest.raises(ValueError, match="request_class"):  # the servicer maps UNSPECIFIED to bulk first
+        b.submit(rows_of(1, 1), 1, request_class=reward_pb2.REQUEST_CLASS_UNSPECIFIED)
     b.close()
 
 
@@ -307,9 +310,9 @@ def test_every_request_gets_exactly_its_own_rows(specs, buckets):
     b = make(model, buckets=buckets, max_batch_size=16)
     block(model, b)
     reqs = []
-    for i, (n, prio) in enumerate(specs):
+    for i, (n, request_class) in enumerate(specs):
         x = np.arange(n * 3, dtype=np.float32).reshape(n, 3) + 1000 * i
-        reqs.append((b.submit({"x": x}, n, prio), x))
+        reqs.append((b.submit({"x": x}, n, request_class), x))
     model.gate.set()
     for r, x in reqs:
         assert r.wait(5)
@@ -319,8 +322,8 @@ def test_every_request_gets_exactly_its_own_rows(specs, buckets):
         assert batch.rows <= limit or len(batch.requests) == 1
         assert batch.bucket == bucket_for(batch.rows, buckets) if batch.rows <= limit else batch.bucket == batch.rows
         # critical requests of one batch come before its bulk ones
-        prios = [r.priority for r in batch.requests]
-        assert prios == sorted(prios)
+        classes = [r.request_class for r in batch.requests]
+        assert classes == sorted(classes, key=lambda c: c != CRITICAL)
     b.close()
 
 

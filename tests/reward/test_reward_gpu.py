@@ -41,10 +41,10 @@ def frames(n: int, seed: int = 0) -> np.ndarray:
     return render_moves(ok, rng)
 
 
-def session(path=FRAME, *, graph=True, precision="fp32", priorities=(0, -5), buckets=(1, 2, 4, 8), **reward):
+def session(path=FRAME, *, graph=True, precision="fp32", stream_priorities=(0, -5), buckets=(1, 2, 4, 8), **reward):
     from reward_service.session import ModelSession
 
-    cfg = RewardConfig(execution_provider="cuda", stream_priorities=priorities, **reward)
+    cfg = RewardConfig(execution_provider="cuda", stream_priorities=stream_priorities, **reward)
     return ModelSession(ModelConfig(name="m", path=path, batch_buckets=buckets, max_batch_size=64, cuda_graph=graph,
                                     precision=precision), cfg)
 
@@ -64,7 +64,7 @@ def test_graphs_io_binding_and_streams_are_on(cuda_ready):
     assert s.runtime["io_binding"] == "device buffers, pinned host staging"
     assert s.runtime["cuda_graph"].startswith("on"), s.runtime
     assert s.stream_priorities == (0, -5) and s.runtime["stream_priorities"] == "0,-5"
-    assert [r.device.priority for r in s._runners] == [0, -5]
+    assert [r.device.stream_priority for r in s._runners] == [0, -5]
     rt = __import__("cupy").cuda.runtime
     if hasattr(rt, "streamGetPriority"):
         assert [rt.streamGetPriority(r.device.stream.ptr) for r in s._runners] == [0, -5]
@@ -79,11 +79,11 @@ def test_graphs_io_binding_and_streams_are_on(cuda_ready):
 
 
 @pytest.mark.parametrize("graph", [True, False])
-def test_gpu_results_match_the_cpu_at_every_size_and_priority(cpu_reference, graph):
+def test_gpu_results_match_the_cpu_at_every_size_and_stream_priority(cpu_reference, graph):
     x, want = cpu_reference
     s = session(graph=graph)
-    for priority in (0, -5):
-        assert s.set_stream_priority(priority) == priority
+    for stream_priority in (0, -5):
+        assert s.set_stream_priority(stream_priority) == stream_priority
         for n in (1, 3, 8, 13, 20):  # 13 and 20: chunks of the largest bucket
             got = s.run({"frame": x[:n]})[0]["value"]
             assert got.shape == (n, 1)
@@ -111,7 +111,7 @@ def test_fp16_on_the_gpu_keeps_fp32_outputs_and_agrees(cpu_reference):
 
 
 def test_first_run_after_start_is_not_slow(cuda_ready):
-    s = session(priorities=(0,))
+    s = session(stream_priorities=(0,))
     x = frames(1)
     t = time.perf_counter()
     s.run({"frame": x})
@@ -125,7 +125,7 @@ def test_first_run_after_start_is_not_slow(cuda_ready):
 
 
 def test_memory_limit_and_algo_search_are_applied(cuda_ready):
-    s = session(VALUE, graph=False, priorities=(0,), memory_pool_bytes=256 << 20,
+    s = session(VALUE, graph=False, stream_priorities=(0,), memory_pool_bytes=256 << 20,
                 cudnn_conv_algo_search="HEURISTIC")
     assert s.runtime["cudnn_conv_algo_search"] == "HEURISTIC"
     assert s.runtime["gpu_mem_limit_bytes"] == str(256 << 20)
@@ -155,7 +155,7 @@ def test_grpc_service_on_the_gpu(cuda_ready):
         assert meta.execution_provider == "CUDAExecutionProvider" and meta.runtime["cuda_graph"].startswith("on")
         x = frames(3)
         reply = stub.Evaluate(reward_pb2.EvaluateRequest(model="frame_reward", inputs=[tensors.to_proto("frame", x)],
-                                                         priority=reward_pb2.PRIORITY_CRITICAL), timeout=10)
+                                                         request_class=reward_pb2.REQUEST_CLASS_CRITICAL), timeout=10)
         v = tensors.from_proto(reply.outputs[0])
         assert v.shape == (3, 1) and reply.padded_batch_size == 4
         with pytest.raises(grpc.RpcError) as info:

@@ -124,9 +124,9 @@ def test_bad_input_gets_a_clear_status_and_the_server_keeps_serving(stubs, why, 
 
 def test_evaluate_without_a_deadline(stubs):
     stub, _ = stubs
-    for prio in (reward_pb2.PRIORITY_CRITICAL, reward_pb2.PRIORITY_BULK):
+    for prio in (reward_pb2.REQUEST_CLASS_CRITICAL, reward_pb2.REQUEST_CLASS_BULK):
         reply = stub.Evaluate(reward_pb2.EvaluateRequest(model=MODEL, inputs=[tensors.to_proto("board", boards(2))],
-                                                         priority=prio))  # no timeout: no deadline
+                                                         request_class=prio))  # no timeout: no deadline
         assert tensors.from_proto(reply.outputs[0]).shape[0] == 2
 
 
@@ -274,7 +274,8 @@ def test_a_full_queue_sheds_with_resource_exhausted(batched):
         assert isinstance(refused, grpc.RpcError) and refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "queue full" in refused.details()
         # A critical request displaces the newest bulk one instead of being refused.
-        crit = pool.submit(_call, stub, one * 9, name="x", model="mean", priority=reward_pb2.PRIORITY_CRITICAL)
+        crit = pool.submit(_call, stub, one * 9, name="x", model="mean",
+                           request_class=reward_pb2.REQUEST_CLASS_CRITICAL)
         time.sleep(0.3)
     codes = [r.code() if isinstance(r, grpc.RpcError) else "ok" for r in (f.result() for f in queued)]
     assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == 1 and codes.count("ok") == 2

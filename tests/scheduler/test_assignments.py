@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from types import SimpleNamespace
 
 import grpc
 import numpy as np
@@ -13,6 +14,7 @@ from conftest import loopback_config
 from prometheus_client import REGISTRY
 from tandem.v1 import scheduler_pb2, scheduler_pb2_grpc, search_pb2, search_pb2_grpc
 
+from reward_service.session import ModelSession
 from scheduler.main import start as start_scheduler
 from search_service import server as search_server
 from search_service.streams import StreamSet
@@ -20,6 +22,7 @@ from tandem import pools
 from tandem.device import cpu_only
 from tandem.gpu import cupy_module
 from tandem.server import channel
+from tandem.stream_priority import nearest_allowed
 
 WAIT_S = 10.0
 
@@ -58,16 +61,33 @@ def _status(sched_stub):
 def test_stream_set_maps_assignments_onto_held_priorities():
     streams = StreamSet([0, -5])
     assert streams.held == (0, -5) and not streams.on_gpu
-    assert (streams.assigned_priority, streams.active_priority) == (0, 0)
+    assert (streams.assigned_stream_priority, streams.active_stream_priority) == (0, 0)
     assert streams.assign(-5) == -5
     assert streams.assign(-3) == 0  # never more urgent than assigned: the next held level below
-    assert (streams.assigned_priority, streams.active_priority) == (-3, 0)
+    assert (streams.assigned_stream_priority, streams.active_stream_priority) == (-3, 0)
     assert streams.assign(-7) == -5
-    with streams.launching() as p:  # CPU host: nothing to switch, the priority is still reported
+    with streams.launching() as p:  # CPU host: nothing to switch, the stream priority is still reported
         assert p == -5
     assert streams.stream(-5) is None
     with pytest.raises(ValueError):
         StreamSet([])
+
+
+def test_reward_and_search_map_an_assignment_onto_held_stream_priorities_alike():
+    """Held (0, -5), assigned -3: both services pick 0, never more urgent than
+    assigned (tandem.stream_priority.nearest_allowed), and agree on any other
+    assignment too."""
+    held = (0, -5)
+    # The reward session's own mapping on the CPU: stand-ins for its sessions
+    # bound to streams of 0 and -5, which only a GPU can build.
+    reward = object.__new__(ModelSession)
+    reward._runners = [SimpleNamespace(stream_priority=p) for p in held]
+    search = StreamSet(held)
+    assert reward.set_stream_priority(-3) == search.assign(-3) == 0
+    assert reward.active_stream_priority == search.active_stream_priority == 0
+    for assigned in (1, 0, -1, -4, -5, -6):
+        assert reward.set_stream_priority(assigned) == search.assign(assigned) == nearest_allowed(assigned, held)
+        assert reward.active_stream_priority == search.active_stream_priority
 
 
 def test_pushed_assignment_changes_the_search_services_stream_priority():
@@ -77,13 +97,13 @@ def test_pushed_assignment_changes_the_search_services_stream_priority():
                           search={"backend": "cpu", "stream_priorities": [0, -5]})
     with scheduler_and_search(cfg) as (service, stub, sched_stub):
         servicer = service.servicer
-        assert servicer.streams.active_priority == 0
+        assert servicer.streams.active_stream_priority == 0
         # Deadline 1 ms as a cap on a large budget: the slack goes negative, urgency >= 2.5.
         request = search_pb2.SearchRequest(game="connect4", moves="4444", simulations=100_000, deadline_ms=1.0,
                                            phase=search_pb2.GAME_PHASE_LATE, seed=1)
         stub.Search(request, timeout=WAIT_S)
-        _wait(lambda: servicer.streams.active_priority == -5)
-        assert servicer.streams.assigned_priority == -5
+        _wait(lambda: servicer.streams.active_stream_priority == -5)
+        assert servicer.streams.assigned_stream_priority == -5
         assert REGISTRY.get_sample_value("tandem_search_stream_priority_active") == -5
         (svc,) = _status(sched_stub).services
         assert svc.assignment.stream_priority == -5 and svc.urgency >= 2.0
@@ -91,7 +111,7 @@ def test_pushed_assignment_changes_the_search_services_stream_priority():
         calm = search_pb2.SearchRequest(game="connect4", moves="4", simulations=16, deadline_ms=1000.0,
                                         phase=search_pb2.GAME_PHASE_EARLY, seed=2)
         stub.Search(calm, timeout=WAIT_S)
-        _wait(lambda: servicer.streams.active_priority == 0)
+        _wait(lambda: servicer.streams.active_stream_priority == 0)
 
 
 def test_search_registers_its_pool_with_the_scheduler():
@@ -151,4 +171,4 @@ def test_the_scheduler_decides_with_the_weights_of_the_yaml():
                                            phase=search_pb2.GAME_PHASE_LATE, seed=1)
         stub.Search(request, timeout=WAIT_S)
         _wait(lambda: _status(sched_stub).services[0].urgency >= 2.0)
-        assert service.servicer.streams.active_priority == 0
+        assert service.servicer.streams.active_stream_priority == 0

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/reward.proto\x12\ttandem.v1\"W\n\x06Tensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\"\n\x05\x64type\x18\x02 \x01(\x0e\x32\x13.tandem.v1.DataType\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"M\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\"\n\x05\x64type\x18\x02 \x01(\x0e\x32\x13.tandem.v1.DataType\x12\r\n\x05shape\x18\x03 \x03(\x03\"\x80\x01\n\x0f\x45valuateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12!\n\x06inputs\x18\x02 \x03(\x0b\x32\x11.tandem.v1.Tensor\x12%\n\x08priority\x18\x03 \x01(\x0e\x32\x13.tandem.v1.Priority\x12\x14\n\x0coutput_names\x18\x04 \x03(\t\"\xb6\x01\n\x10\x45valuateResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\"\n\x07outputs\x18\x02 \x03(\x0b\x32\x11.tandem.v1.Tensor\x12\x1a\n\x12\x65xecution_provider\x18\x03 \x01(\t\x12\x10\n\x08queue_ms\x18\x04 \x01(\x01\x12\x12\n\ncompute_ms\x18\x05 \x01(\x01\x12\x12\n\nbatch_size\x18\x06 \x01(\r\x12\x19\n\x11padded_batch_size\x18\x07 \x01(\r\"%\n\x14ModelMetadataRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\xdb\x02\n\x15ModelMetadataResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x03 \x01(\t\x12%\n\x06inputs\x18\x04 \x03(\x0b\x32\x15.tandem.v1.TensorSpec\x12&\n\x07outputs\x18\x05 \x03(\x0b\x32\x15.tandem.v1.TensorSpec\x12\x1a\n\x12\x65xecution_provider\x18\x06 \x01(\t\x12\x1b\n\x13\x61vailable_providers\x18\x07 \x03(\t\x12\x16\n\x0emax_batch_size\x18\x08 \x01(\r\x12>\n\x07runtime\x18\t \x03(\x0b\x32-.tandem.v1.ModelMetadataResponse.RuntimeEntry\x1a.\n\x0cRuntimeEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x13\n\x11ListModelsRequest\"$\n\x12ListModelsResponse\x12\x0e\n\x06models\x18\x01 \x03(\t*\xd1\x01\n\x08\x44\x61taType\x12\x19\n\x15\x44\x41TA_TYPE_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x44\x41TA_TYPE_BOOL\x10\x01\x12\x13\n\x0f\x44\x41TA_TYPE_UINT8\x10\x02\x12\x12\n\x0e\x44\x41TA_TYPE_INT8\x10\x03\x12\x13\n\x0f\x44\x41TA_TYPE_INT32\x10\x04\x12\x13\n\x0f\x44\x41TA_TYPE_INT64\x10\x05\x12\x15\n\x11\x44\x41TA_TYPE_FLOAT16\x10\x06\x12\x15\n\x11\x44\x41TA_TYPE_FLOAT32\x10\x07\x12\x15\n\x11\x44\x41TA_TYPE_FLOAT64\x10\x08*N\n\x08Priority\x12\x18\n\x14PRIORITY_UNSPECIFIED\x10\x00\x12\x15\n\x11PRIORITY_CRITICAL\x10\x01\x12\x11\n\rPRIORITY_BULK\x10\x02\x32\xf3\x01\n\rRewardService\x12\x43\n\x08\x45valuate\x12\x1a.tandem.v1.EvaluateRequest\x1a\x1b.tandem.v1.EvaluateResponse\x12R\n\rModelMetadata\x12\x1f.tandem.v1.ModelMetadataRequest\x1a .tandem.v1.ModelMetadataResponse\x12I\n\nListModels\x12\x1c.tandem.v1.ListModelsRequest\x1a\x1d.tandem.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/reward.proto\x12\ttandem.v1\"W\n\x06Tensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\"\n\x05\x64type\x18\x02 \x01(\x0e\x32\x13.tandem.v1.DataType\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"M\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\"\n\x05\x64type\x18\x02 \x01(\x0e\x32\x13.tandem.v1.DataType\x12\r\n\x05shape\x18\x03 \x03(\x03\"\x89\x01\n\x0f\x45valuateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12!\n\x06inputs\x18\x02 \x03(\x0b\x32\x11.tandem.v1.Tensor\x12.\n\rrequest_class\x18\x03 \x01(\x0e\x32\x17.tandem.v1.RequestClass\x12\x14\n\x0coutput_names\x18\x04 \x03(\t\"\xb6\x01\n\x10\x45valuateResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\"\n\x07outputs\x18\x02 \x03(\x0b\x32\x11.tandem.v1.Tensor\x12\x1a\n\x12\x65xecution_provider\x18\x03 \x01(\t\x12\x10\n\x08queue_ms\x18\x04 \x01(\x01\x12\x12\n\ncompute_ms\x18\x05 \x01(\x01\x12\x12\n\nbatch_size\x18\x06 \x01(\r\x12\x19\n\x11padded_batch_size\x18\x07 \x01(\r\"%\n\x14ModelMetadataRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\xdb\x02\n\x15ModelMetadataResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x03 \x01(\t\x12%\n\x06inputs\x18\x04 \x03(\x0b\x32\x15.tandem.v1.TensorSpec\x12&\n\x07outputs\x18\x05 \x03(\x0b\x32\x15.tandem.v1.TensorSpec\x12\x1a\n\x12\x65xecution_provider\x18\x06 \x01(\t\x12\x1b\n\x13\x61vailable_providers\x18\x07 \x03(\t\x12\x16\n\x0emax_batch_size\x18\x08 \x01(\r\x12>\n\x07runtime\x18\t \x03(\x0b\x32-.tandem.v1.ModelMetadataResponse.RuntimeEntry\x1a.\n\x0cRuntimeEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x13\n\x11ListModelsRequest\"$\n\x12ListModelsResponse\x12\x0e\n\x06models\x18\x01 \x03(\t*\xd1\x01\n\x08\x44\x61taType\x12\x19\n\x15\x44\x41TA_TYPE_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x44\x41TA_TYPE_BOOL\x10\x01\x12\x13\n\x0f\x44\x41TA_TYPE_UINT8\x10\x02\x12\x12\n\x0e\x44\x41TA_TYPE_INT8\x10\x03\x12\x13\n\x0f\x44\x41TA_TYPE_INT32\x10\x04\x12\x13\n\x0f\x44\x41TA_TYPE_INT64\x10\x05\x12\x15\n\x11\x44\x41TA_TYPE_FLOAT16\x10\x06\x12\x15\n\x11\x44\x41TA_TYPE_FLOAT32\x10\x07\x12\x15\n\x11\x44\x41TA_TYPE_FLOAT64\x10\x08*a\n\x0cRequestClass\x12\x1d\n\x19REQUEST_CLASS_UNSPECIFIED\x10\x00\x12\x1a\n\x16REQUEST_CLASS_CRITICAL\x10\x01\x12\x16\n\x12REQUEST_CLASS_BULK\x10\x02\x32\xf3\x01\n\rRewardService\x12\x43\n\x08\x45valuate\x12\x1a.tandem.v1.EvaluateRequest\x1a\x1b.tandem.v1.EvaluateResponse\x12R\n\rModelMetadata\x12\x1f.tandem.v1.ModelMetadataRequest\x1a .tandem.v1.ModelMetadataResponse\x12I\n\nListModels\x12\x1c.tandem.v1.ListModelsRequest\x1a\x1d.tandem.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,28 +33,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_MODELMETADATARESPONSE_RUNTIMEENTRY']._loaded_options = None
   _globals['_MODELMETADATARESPONSE_RUNTIMEENTRY']._serialized_options = b'8\001'
-  _globals['_DATATYPE']._serialized_start=970
-  _globals['_DATATYPE']._serialized_end=1179
-  _globals['_PRIORITY']._serialized_start=1181
-  _globals['_PRIORITY']._serialized_end=1259
+  _globals['_DATATYPE']._serialized_start=979
+  _globals['_DATATYPE']._serialized_end=1188
+  _globals['_REQUESTCLASS']._serialized_start=1190
+  _globals['_REQUESTCLASS']._serialized_end=1287
   _globals['_TENSOR']._serialized_start=37
   _globals['_TENSOR']._serialized_end=124
   _globals['_TENSORSPEC']._serialized_start=126
   _globals['_TENSORSPEC']._serialized_end=203
   _globals['_EVALUATEREQUEST']._serialized_start=206
-  _globals['_EVALUATEREQUEST']._serialized_end=334
-  _globals['_EVALUATERESPONSE']._serialized_start=337
-  _globals['_EVALUATERESPONSE']._serialized_end=519
-  _globals['_MODELMETADATAREQUEST']._serialized_start=521
-  _globals['_MODELMETADATAREQUEST']._serialized_end=558
-  _globals['_MODELMETADATARESPONSE']._serialized_start=561
-  _globals['_MODELMETADATARESPONSE']._serialized_end=908
-  _globals['_MODELMETADATARESPONSE_RUNTIMEENTRY']._serialized_start=862
-  _globals['_MODELMETADATARESPONSE_RUNTIMEENTRY']._serialized_end=908
-  _globals['_LISTMODELSREQUEST']._serialized_start=910
-  _globals['_LISTMODELSREQUEST']._serialized_end=929
-  _globals['_LISTMODELSRESPONSE']._serialized_start=931
-  _globals['_LISTMODELSRESPONSE']._serialized_end=967
-  _globals['_REWARDSERVICE']._serialized_start=1262
-  _globals['_REWARDSERVICE']._serialized_end=1505
+  _globals['_EVALUATEREQUEST']._serialized_end=343
+  _globals['_EVALUATERESPONSE']._serialized_start=346
+  _globals['_EVALUATERESPONSE']._serialized_end=528
+  _globals['_MODELMETADATAREQUEST']._serialized_start=530
+  _globals['_MODELMETADATAREQUEST']._serialized_end=567
+  _globals['_MODELMETADATARESPONSE']._serialized_start=570
+  _globals['_MODELMETADATARESPONSE']._serialized_end=917
+  _globals['_MODELMETADATARESPONSE_RUNTIMEENTRY']._serialized_start=871
+  _globals['_MODELMETADATARESPONSE_RUNTIMEENTRY']._serialized_end=917
+  _globals['_LISTMODELSREQUEST']._serialized_start=919
+  _globals['_LISTMODELSREQUEST']._serialized_end=938
+  _globals['_LISTMODELSRESPONSE']._serialized_start=940
+  _globals['_LISTMODELSRESPONSE']._serialized_end=976
+  _globals['_REWARDSERVICE']._serialized_start=1290
+  _globals['_REWARDSERVICE']._serialized_end=1533
 # @@protoc_insertion_point(module_scope)

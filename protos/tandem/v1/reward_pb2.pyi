@@ -19,11 +19,11 @@ class DataType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DATA_TYPE_FLOAT32: _ClassVar[DataType]
     DATA_TYPE_FLOAT64: _ClassVar[DataType]
 
-class Priority(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+class RequestClass(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
-    PRIORITY_UNSPECIFIED: _ClassVar[Priority]
-    PRIORITY_CRITICAL: _ClassVar[Priority]
-    PRIORITY_BULK: _ClassVar[Priority]
+    REQUEST_CLASS_UNSPECIFIED: _ClassVar[RequestClass]
+    REQUEST_CLASS_CRITICAL: _ClassVar[RequestClass]
+    REQUEST_CLASS_BULK: _ClassVar[RequestClass]
 DATA_TYPE_UNSPECIFIED: DataType
 DATA_TYPE_BOOL: DataType
 DATA_TYPE_UINT8: DataType
@@ -33,9 +33,9 @@ DATA_TYPE_INT64: DataType
 DATA_TYPE_FLOAT16: DataType
 DATA_TYPE_FLOAT32: DataType
 DATA_TYPE_FLOAT64: DataType
-PRIORITY_UNSPECIFIED: Priority
-PRIORITY_CRITICAL: Priority
-PRIORITY_BULK: Priority
+REQUEST_CLASS_UNSPECIFIED: RequestClass
+REQUEST_CLASS_CRITICAL: RequestClass
+REQUEST_CLASS_BULK: RequestClass
 
 class Tensor(_message.Message):
     __slots__ = ("name", "dtype", "shape", "data")
@@ -60,16 +60,16 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[_Union[DataType, str]] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class EvaluateRequest(_message.Message):
-    __slots__ = ("model", "inputs", "priority", "output_names")
+    __slots__ = ("model", "inputs", "request_class", "output_names")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
-    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_CLASS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_NAMES_FIELD_NUMBER: _ClassVar[int]
     model: str
     inputs: _containers.RepeatedCompositeFieldContainer[Tensor]
-    priority: Priority
+    request_class: RequestClass
     output_names: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., priority: _Optional[_Union[Priority, str]] = ..., output_names: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(self, model: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[Tensor, _Mapping]]] = ..., request_class: _Optional[_Union[RequestClass, str]] = ..., output_names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class EvaluateResponse(_message.Message):
     __slots__ = ("model", "outputs", "execution_provider", "queue_ms", "compute_ms", "batch_size", "padded_batch_size")

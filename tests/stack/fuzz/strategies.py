@@ -155,7 +155,7 @@ def evaluate_requests(draw, model: str = "connect4_value", input_name: str = "bo
     return reward_pb2.EvaluateRequest(
         model=draw(mostly(st.sampled_from((model, *other_models)), st.one_of(text, st.just("")), 3)),
         inputs=inputs,
-        priority=draw(mostly(st.integers(0, 2), i32)),
+        request_class=draw(mostly(st.integers(0, 2), i32)),
         output_names=draw(mostly(st.sampled_from([[], list(outputs[:1]), list(outputs)]),
                                  st.lists(st.one_of(text, st.sampled_from(outputs)), max_size=4))),
     )
