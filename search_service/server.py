@@ -26,6 +26,7 @@ from tandem.v1 import scheduler_pb2, search_pb2, search_pb2_grpc
 from search_service.backends import make_backend
 from search_service.evaluators import HANDOFF_GRPC, RewardServiceEvaluator
 from search_service.games import GAMES
+from search_service.mcts import tree as tr
 from search_service.mcts.backend import SearchParams
 from search_service.sessions import SessionStore
 from search_service.streams import StreamSet
@@ -60,6 +61,12 @@ _EVALUATORS = {
     search_pb2.EVALUATOR_VALUE_MODEL: "value_model",
 }
 _EVALUATOR_CODES = {v: k for k, v in _EVALUATORS.items()}
+_PROVEN = {  # tree codes of a root's known result -> the response's
+    tr.NOT_TERMINAL: search_pb2.PROVEN_RESULT_UNSPECIFIED,
+    tr.PROVEN_WIN: search_pb2.PROVEN_RESULT_WIN,
+    tr.PROVEN_LOSS: search_pb2.PROVEN_RESULT_LOSS,
+    tr.PROVEN_DRAW: search_pb2.PROVEN_RESULT_DRAW,
+}
 
 
 def _evaluator_used(params: SearchParams, r) -> str:
@@ -217,6 +224,7 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
             model_simulations=r.model_simulations,
             handoff=HANDOFF_GRPC if params.evaluator == "value_model" else "",
             evaluation_failure=r.evaluation_failure,
+            proven=_PROVEN[r.proven],
         )
 
     def ListGames(self, request, context):

@@ -84,7 +84,7 @@ class SearchResult:
     # Root statistics include what a reused tree held before this call.
     visit_counts: np.ndarray  # int64 [A]: root edge visits, 0 for illegal actions
     q_values: np.ndarray  # float32 [A]: mean value per root action, side to move's view; 0 where unvisited
-    root_value: float  # mean backed-up value over the root's edges, side to move's view, in [-1, 1]
+    root_value: float  # mean backed-up value over the root's edges, side to move's view, in [-1, 1]; exact once proven
     principal_variation: list[int]  # most-visited path from the root, 0-based actions
     simulations: int  # simulations completed in this call
     max_depth: int  # longest selection path (edges from the root) in this call

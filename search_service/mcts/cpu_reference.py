@@ -525,6 +525,8 @@ class _Search:
         value = t.edge_value[:, 0].astype(np.float64)
         q = np.where(visits > 0, value / np.maximum(visits, 1), 0.0)
         root_value = value.sum(axis=1) / np.maximum(visits.sum(axis=1), 1)
+        proven = t.node_terminal[:, 0]
+        root_value = np.where(proven != tr.NOT_TERMINAL, tr.OUTCOME_VALUE[proven], root_value)
         action = best_action(visits, q, connect4.legal_bits(t.node_mask[:, 0]), self._child_codes(np.arange(self.b) * self.cap))
         pv = self._principal_variations()
         return [
@@ -546,7 +548,7 @@ class _Search:
                 tree_reused=bool(self.reused[i]),
                 model_simulations=self.model_simulations,
                 evaluation_failure=self.failure,
-                proven=int(t.node_terminal[i, 0]),
+                proven=int(proven[i]),
                 extras={"waves": self.waves, "stopped": self.stopped},
             )
             for i in range(self.b)

@@ -62,7 +62,8 @@ def test_immediate_win_is_found_from_moves_and_from_board(stack):
     stub = stack[0]
     # First player has three in column 1 and wins by playing it again.
     r = stub.Search(req(moves="121212", simulations=200), timeout=30)
-    assert r.action == 0 and r.root_value > 0.5
+    assert r.action == 0 and r.root_value == 1.0 and r.proven == search_pb2.PROVEN_RESULT_WIN
+    assert r.simulations < 200  # played at once, the win proven
     cells = connect4.to_cells(connect4.parse_moves("121212"))[0].tobytes()
     board = search_pb2.Board(rows=6, columns=7, cells=cells)
     r = stub.Search(req(board=board, simulations=200), timeout=30)
@@ -153,7 +154,8 @@ def test_value_model_down_degrades_to_rollouts():
             )
         # The model valued nothing; the search went on in the same PUCT tree with rollouts and says so.
         assert r.evaluator == search_pb2.EVALUATOR_ROLLOUT and r.action == 0
-        assert r.model_simulations == 0 and r.simulations == 50 and r.handoff == "grpc"
+        assert r.model_simulations == 0 and 0 < r.simulations < 50 and r.handoff == "grpc"
+        assert r.proven == search_pb2.PROVEN_RESULT_WIN  # the rollouts' tree proved the win
         assert "UNAVAILABLE" in r.evaluation_failure
     finally:
         search.stop()

@@ -14,6 +14,13 @@ class GamePhase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     GAME_PHASE_MID: _ClassVar[GamePhase]
     GAME_PHASE_LATE: _ClassVar[GamePhase]
 
+class ProvenResult(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PROVEN_RESULT_UNSPECIFIED: _ClassVar[ProvenResult]
+    PROVEN_RESULT_WIN: _ClassVar[ProvenResult]
+    PROVEN_RESULT_LOSS: _ClassVar[ProvenResult]
+    PROVEN_RESULT_DRAW: _ClassVar[ProvenResult]
+
 class Evaluator(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     EVALUATOR_UNSPECIFIED: _ClassVar[Evaluator]
@@ -23,6 +30,10 @@ GAME_PHASE_UNSPECIFIED: GamePhase
 GAME_PHASE_EARLY: GamePhase
 GAME_PHASE_MID: GamePhase
 GAME_PHASE_LATE: GamePhase
+PROVEN_RESULT_UNSPECIFIED: ProvenResult
+PROVEN_RESULT_WIN: ProvenResult
+PROVEN_RESULT_LOSS: ProvenResult
+PROVEN_RESULT_DRAW: ProvenResult
 EVALUATOR_UNSPECIFIED: Evaluator
 EVALUATOR_ROLLOUT: Evaluator
 EVALUATOR_VALUE_MODEL: Evaluator
@@ -74,7 +85,7 @@ class LatencyBreakdown(_message.Message):
     def __init__(self, select_ms: _Optional[float] = ..., expand_ms: _Optional[float] = ..., evaluate_ms: _Optional[float] = ..., backup_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
 
 class SearchResponse(_message.Message):
-    __slots__ = ("action", "move", "visit_counts", "q_values", "root_value", "principal_variation", "principal_variation_moves", "simulations", "latency", "backend", "evaluator", "max_depth", "tree_nodes", "tree_reused", "pool_exhausted", "deadline_reached", "model_simulations", "handoff", "evaluation_failure")
+    __slots__ = ("action", "move", "visit_counts", "q_values", "root_value", "principal_variation", "principal_variation_moves", "simulations", "latency", "backend", "evaluator", "max_depth", "tree_nodes", "tree_reused", "pool_exhausted", "deadline_reached", "model_simulations", "handoff", "evaluation_failure", "proven")
     ACTION_FIELD_NUMBER: _ClassVar[int]
     MOVE_FIELD_NUMBER: _ClassVar[int]
     VISIT_COUNTS_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +105,7 @@ class SearchResponse(_message.Message):
     MODEL_SIMULATIONS_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_FIELD_NUMBER: _ClassVar[int]
     EVALUATION_FAILURE_FIELD_NUMBER: _ClassVar[int]
+    PROVEN_FIELD_NUMBER: _ClassVar[int]
     action: int
     move: str
     visit_counts: _containers.RepeatedScalarFieldContainer[int]
@@ -113,7 +125,8 @@ class SearchResponse(_message.Message):
     model_simulations: int
     handoff: str
     evaluation_failure: str
-    def __init__(self, action: _Optional[int] = ..., move: _Optional[str] = ..., visit_counts: _Optional[_Iterable[int]] = ..., q_values: _Optional[_Iterable[float]] = ..., root_value: _Optional[float] = ..., principal_variation: _Optional[_Iterable[int]] = ..., principal_variation_moves: _Optional[str] = ..., simulations: _Optional[int] = ..., latency: _Optional[_Union[LatencyBreakdown, _Mapping]] = ..., backend: _Optional[str] = ..., evaluator: _Optional[_Union[Evaluator, str]] = ..., max_depth: _Optional[int] = ..., tree_nodes: _Optional[int] = ..., tree_reused: _Optional[bool] = ..., pool_exhausted: _Optional[bool] = ..., deadline_reached: _Optional[bool] = ..., model_simulations: _Optional[int] = ..., handoff: _Optional[str] = ..., evaluation_failure: _Optional[str] = ...) -> None: ...
+    proven: ProvenResult
+    def __init__(self, action: _Optional[int] = ..., move: _Optional[str] = ..., visit_counts: _Optional[_Iterable[int]] = ..., q_values: _Optional[_Iterable[float]] = ..., root_value: _Optional[float] = ..., principal_variation: _Optional[_Iterable[int]] = ..., principal_variation_moves: _Optional[str] = ..., simulations: _Optional[int] = ..., latency: _Optional[_Union[LatencyBreakdown, _Mapping]] = ..., backend: _Optional[str] = ..., evaluator: _Optional[_Union[Evaluator, str]] = ..., max_depth: _Optional[int] = ..., tree_nodes: _Optional[int] = ..., tree_reused: _Optional[bool] = ..., pool_exhausted: _Optional[bool] = ..., deadline_reached: _Optional[bool] = ..., model_simulations: _Optional[int] = ..., handoff: _Optional[str] = ..., evaluation_failure: _Optional[str] = ..., proven: _Optional[_Union[ProvenResult, str]] = ...) -> None: ...
 
 class ListGamesRequest(_message.Message):
     __slots__ = ()
