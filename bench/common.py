@@ -1,7 +1,7 @@
 """What every benchmark shares: arguments, the search variants, timing, and
 the result file.
 
-Result file (DESIGN.md "Benchmark results"; the field names are a contract):
+Result file (docs/design.md, "Benchmark results"; the field names are a contract):
 ``bench/results/<benchmark>.json`` (or ``--out DIR``) holding
 ``{"benchmark", "date", "gpu", "versions", "command", "rows"}``:
 

@@ -10,7 +10,7 @@ Measures, with random rollouts, on the GPU this runs on:
   sweep of total parallel simulations B * K from 64 to 16384).
 
 Usage: ``python bench/gpu_smoke.py [--out DIR] [--reps N]``; prints a table and
-writes ``gpu_smoke.json`` (rows as in DESIGN.md's ``mcts_latency`` /
+writes ``gpu_smoke.json`` (rows as in docs/design.md, "Benchmark results": ``mcts_latency`` /
 ``mcts_throughput``) to DIR. ``--sanitize`` instead runs a few small searches
 through every kernel with CuPy's memory pool off, for
 ``compute-sanitizer --tool memcheck python bench/gpu_smoke.py --sanitize``.

@@ -1,7 +1,7 @@
 """The CUDA MPS control daemon, owned by the scheduler.
 
 Across processes, stream priorities act only when the processes are clients
-of one MPS server (DESIGN.md, "Measured physics", consequence 1). So on a
+of one MPS server (docs/design.md, "Measured physics", consequence 1). So on a
 GPU host the scheduler attaches to a control daemon that already answers in
 the configured pipe directory, or starts one (``nvidia-cuda-mps-control -d``)
 with ``CUDA_MPS_PIPE_DIRECTORY`` and ``CUDA_MPS_LOG_DIRECTORY``; the reward

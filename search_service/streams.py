@@ -1,6 +1,6 @@
 """The CUDA streams the search service launches on, one per stream priority.
 
-A stream's priority is fixed when the CUDA stream is created (DESIGN.md,
+A stream's priority is fixed when the CUDA stream is created (docs/design.md,
 "Measured physics", consequence 3), so the service holds one stream per
 stream priority it registered with the scheduler, and the scheduler's
 assignment picks which one the next search launches on

@@ -1,6 +1,6 @@
 """Co-located mode: the reward and search services in one process.
 
-Across processes, CUDA stream priorities act only under MPS (DESIGN.md,
+Across processes, CUDA stream priorities act only under MPS (docs/design.md,
 "Measured physics"); within one process they always act. Where MPS cannot
 run, ``co_located: true`` in the config makes ``tandem up`` start this one
 process instead of two (``tandem serve colocated`` runs it alone): both

@@ -5,7 +5,7 @@ doctor itself never holds a CUDA context (needs CuPy and a GPU).
     python -m stack.doctor_gpu chain [--load] [--low]   # JSON: p50/p99 of a kernel chain (ms)
     python -m stack.doctor_gpu load SECONDS     # a saturating low-priority load (the other process)
 
-``chain`` is the priority check of DESIGN.md "Measured physics": a chain of
+``chain`` is the priority check of docs/design.md, "Measured physics": a chain of
 30 short kernels (what one MCTS wave looks like) on the greatest priority
 (``--low``: on priority 0, the load's), timed alone and while another process
 runs a saturating load on priority 0. Under MPS the high-priority chain is

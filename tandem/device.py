@@ -7,7 +7,7 @@ The GPU is asked through CuPy in a short-lived child process
 (``python -m tandem.device`` prints the facts as JSON), so the scheduler
 daemon never holds a CUDA context of its own.
 
-Why MPS matters (DESIGN.md, "Measured physics"): across processes, CUDA
+Why MPS matters (docs/design.md, "Measured physics"): across processes, CUDA
 stream priorities do nothing unless the processes are clients of one MPS
 server; without MPS the GPU time-slices the processes' contexts. So
 ``priorities_enforced`` is true only with a GPU *and* an MPS control daemon
@@ -31,7 +31,7 @@ from tandem.stream_priority import PriorityRange, stream_priority_range
 log = logging.getLogger(__name__)
 
 #: The stream priority range assumed where no GPU can be asked: the H200's
-#: (least 0, greatest -5; DESIGN.md "Measured physics"). The one place for it.
+#: (least 0, greatest -5; docs/design.md, "Measured physics"). The one place for it.
 NOMINAL_PRIORITY_RANGE = PriorityRange(least=0, greatest=-5)
 
 MPS_CONTROL_BINARY = "nvidia-cuda-mps-control"

@@ -1,4 +1,4 @@
-"""Fixed GPU memory pools (DESIGN.md, "Scheduling"): each service's pool is
+"""Fixed GPU memory pools (docs/design.md, "Scheduling"): each service's pool is
 set once, at start, and a request that would exceed it fails cleanly with
 RESOURCE_EXHAUSTED instead of taking memory from the other service.
 

@@ -5,7 +5,7 @@
 **A latency benchmark model, not a reward model**: its weights are random
 (seeded) and its output means nothing. It has the cost of the seed's
 benchmark network so `bench/reward_latency.py` can compare with the figures
-in DESIGN.md. It is written to a git-ignored path (``runs/``) and never
+in docs/design.md, "Measured physics". It is written to a git-ignored path (``runs/``) and never
 shipped or served by default.
 
 Architecture: ResNet-18 as in He et al., "Deep Residual Learning for Image
