@@ -14,8 +14,9 @@ then scores the answers against the solver:
   model's outcome (win if v > 1/3, loss if v < -1/3, else draw) is the
   solver's.
 
-Frame latency runs from the frame's start to the later of the two answers; a
-frame is missed when that exceeds ``1000 / fps`` ms.
+Frame latency runs from the frame's start (its Search leaving) to the later
+of the two answers; a frame is missed when that exceeds ``1000 / fps`` ms. The
+pacing, requests and timing are the engine's frame loop, stack/frame_loop.py.
 """
 from __future__ import annotations
 
@@ -120,6 +121,7 @@ def _play_frames(opts: PlayOptions, client: FrameClient, positions: list[Labelle
         frame = client.send(tick, pos.moves, simulations=opts.simulations, evaluator=opts.evaluator,
                             seed=opts.seed * 1_000_003 + tick.frame + 1, session_id=opts.session_id,
                             deadline_ms=budget_ms * SEARCH_SHARE_OF_FRAME,
+                            # A late answer is a missed frame, not an error: the gRPC deadline is generous.
                             timeout_s=max(10 * budget_ms / 1000.0, 1.0), evaluate=lambda: obs)
         frame.wait()
         if tally.score(pos, frame) and log and (tick.frame + 1) % max(opts.frames // 10, 1) == 0:
