@@ -20,8 +20,8 @@ Timing: :func:`time_calls` runs a callable ``warmup`` times untimed, then
 after each call where CuPy is loaded (results of the search backends are host
 objects already; the sync makes sure no queued kernel is left outside the
 time). Latencies are reported as the median (p50) and the 99th percentile
-(NumPy's linear interpolation; with fewer than 100 repeats, p99 lies between
-the two slowest calls).
+(``stack.stats.percentiles``: NumPy's linear interpolation; with fewer than
+100 repeats, p99 lies between the two slowest calls).
 """
 from __future__ import annotations
 
@@ -233,11 +233,6 @@ def time_calls(fn: Callable[[int], object], repeats: int, warmup: int = 1, sync:
         sync()
         out[i] = (time.perf_counter() - t) * 1e3
     return out
-
-
-def p50_p99(ms: np.ndarray) -> tuple[float, float]:
-    """Median and 99th percentile of a sample (same unit as the sample)."""
-    return float(np.percentile(ms, 50)), float(np.percentile(ms, 99))
 
 
 # -- the result file -------------------------------------------------------------

@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 from search_service.cuda import BACKUPS, CudaBackend  # noqa: E402
 from search_service.games import connect4 as c4  # noqa: E402
 from search_service.mcts.backend import SearchParams  # noqa: E402
+from stack.stats import percentiles  # noqa: E402
 
 
 def positions(count: int) -> c4.Positions:
@@ -98,10 +99,11 @@ def main() -> None:
                 be = CudaBackend(backup, sims_per_warp=g)
                 p = SearchParams(simulations=1000, deadline_ms=None, parallel_sims=k, seed=1)
                 wall, kern, res = timed(be, roots, p, args.reps)
+                (wall_p50, wall_p99), (kern_p50,) = percentiles(wall, 50, 99), percentiles(kern, 50)
                 row = dict(
                     variant=f"gpu_{backup}", trees=1, parallel_sims=k, sims_per_warp=g, simulations=1000,
-                    evaluator="rollout", root=root_name, latency_ms_p50=float(np.median(wall)),
-                    latency_ms_p99=float(np.percentile(wall, 99)), kernel_ms_p50=float(np.median(kern)),
+                    evaluator="rollout", root=root_name, latency_ms_p50=wall_p50,
+                    latency_ms_p99=wall_p99, kernel_ms_p50=kern_p50,
                     tree_nodes=res[0].tree_nodes, max_depth=res[0].max_depth,
                 )
                 rows.append({"benchmark": "mcts_latency", **row})
@@ -117,18 +119,19 @@ def main() -> None:
         be = CudaBackend(backup, sims_per_warp=g)
         p = SearchParams(simulations=sims, deadline_ms=None, parallel_sims=k, seed=3)
         wall, kern, _ = timed(be, roots, p, reps, warm=1)
-        rate = b * sims / (np.median(wall) / 1e3)
-        kernel_rate = b * sims / (np.median(kern) / 1e3)
+        (wall_p50,), (kern_p50,) = percentiles(wall, 50), percentiles(kern, 50)
+        rate = b * sims / (wall_p50 / 1e3)
+        kernel_rate = b * sims / (kern_p50 / 1e3)
         rows.append(
             dict(
                 benchmark="mcts_throughput", variant=f"gpu_{backup}", trees=b, parallel_sims=k, sims_per_warp=g,
                 simulations=sims, evaluator="rollout", sims_per_s=float(rate), kernel_sims_per_s=float(kernel_rate),
-                wall_ms_p50=float(np.median(wall)), l2_hit_rate=None,
+                wall_ms_p50=wall_p50, l2_hit_rate=None,
             )
         )
         table.append(
             f"through  B={b:<5d} K={k:<3d} G={g:<3d} {backup:15s} total={b * k:<6d} sims={sims:<5d} "
-            f"{rate / 1e6:8.1f} M sims/s (kernel {kernel_rate / 1e6:8.1f})  wall {np.median(wall):8.2f} ms"
+            f"{rate / 1e6:8.1f} M sims/s (kernel {kernel_rate / 1e6:8.1f})  wall {wall_p50:8.2f} ms"
         )
         print(table[-1], flush=True)
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 
 from bench import common
+from stack.stats import percentiles
 
 BENCHMARK = "mcts_latency"
 
@@ -42,7 +43,7 @@ def measure(variant: str, parallel_sims: int, simulations: int, moves: str, repe
         backend.search(root, dataclasses.replace(params, seed=1000 + i))
 
     ms = common.time_calls(call, repeats=repeats, warmup=1)
-    p50, p99 = common.p50_p99(ms)
+    p50, p99 = percentiles(ms, 50, 99)
     return dict(
         variant=variant,
         trees=1,

@@ -49,6 +49,7 @@ import sys
 import time
 
 from bench import common
+from stack.stats import percentiles
 
 BENCHMARK = "mcts_peer"
 EVALUATORS = ("zero", "rollout")
@@ -169,7 +170,7 @@ def measure_tandem(variant: str, trees: int, simulations: int, evaluator: str, k
 
 
 def _row(system: str, variant: str, trees: int, sims: int, evaluator: str, k: int, ms) -> dict:
-    p50, p99 = common.p50_p99(ms)
+    p50, p99 = percentiles(ms, 50, 99)
     return dict(
         system=system,
         variant=variant,

@@ -44,6 +44,7 @@ import subprocess
 import sys
 
 from bench import common
+from stack.stats import percentiles
 
 BENCHMARK = "mcts_throughput"
 NCU_METRICS = "lts__t_sector_hit_rate.pct,gpu__time_duration.sum"
@@ -59,7 +60,7 @@ def measure(variant: str, trees: int, k: int, sims: int, evaluator: str, repeats
     backend = common.make_backend(variant)
     roots = common.positions([""] * trees)
     ms = common.time_calls(lambda i: backend.search(roots, params, leaf_eval), repeats=repeats, warmup=1)
-    p50, _ = common.p50_p99(ms)
+    p50, _ = percentiles(ms, 50, 99)
     return dict(
         variant=variant,
         trees=trees,

@@ -53,12 +53,12 @@ from bench.common import (
     int_list,
     make_parser,
     note,
-    p50_p99,
     print_rows,
     progress,
     time_calls,
     write_results,
 )
+from stack.stats import percentiles
 
 FRAME_MODEL = REPO_ROOT / "reward_service" / "models" / "frame_reward.onnx"
 COLUMNS = ["model", "precision", "layout", "cuda_graph", "batch", "path", "runtime", "latency_ms_p50",
@@ -83,7 +83,7 @@ def _model_cfg(name: str, path: Path, buckets, *, cuda_graph: bool, precision: s
 
 
 def _row(model, precision, layout, graph, batch, path, runtime, ms, first_ms=None, **extra) -> dict:
-    p50, p99 = p50_p99(ms)
+    p50, p99 = percentiles(ms, 50, 99)
     row = {"model": model, "precision": precision, "layout": layout, "cuda_graph": graph, "batch": batch,
            "path": path, "runtime": runtime, "latency_ms_p50": p50, "latency_ms_p99": p99, "first_ms": first_ms}
     row.update(extra)
@@ -323,8 +323,8 @@ def grpc_rows(models: dict, gpu: bool, quick: bool) -> list[dict]:
                              first[n] if prio == reward_pb2.REQUEST_CLASS_CRITICAL else None, priority=pname,
                              request_bytes=len(payloads[(n, prio)]), response_bytes=response_bytes,
                              # What the server itself reports: the batcher's wait and the model run.
-                             server_queue_ms_p50=float(np.median([q for q, _ in server])),
-                             server_compute_ms_p50=float(np.median([c for _, c in server]))))
+                             server_queue_ms_p50=percentiles((q for q, _ in server), 50)[0],
+                             server_compute_ms_p50=percentiles((c for _, c in server), 50)[0]))
             rows.append(_row(n, precision, None, None, 1, "grpc_echo", "grpc", np.array(t_echo),
                              echo_first if (n, prio) == first_key else None, priority=pname,
                              request_bytes=len(payloads[(n, prio)]), response_bytes=response_bytes))

@@ -36,6 +36,7 @@ import time
 import numpy as np
 
 from bench import common
+from stack.stats import percentiles
 
 BENCHMARK = "search_quality"
 
@@ -93,7 +94,7 @@ def frame_budget(variant: str, set_name: str, recs, roots, budget_ms: float, k: 
         ms.append((time.perf_counter() - t) * 1e3)
         actions.append(res.action)
         sims.append(res.simulations)
-    p50, p99 = common.p50_p99(np.array(ms))
+    p50, p99 = percentiles(ms, 50, 99)
     return dict(
         position_set=set_name,
         backend=variant,

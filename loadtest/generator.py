@@ -1,7 +1,8 @@
 """An open-loop load generator: N game engines at a target frame rate.
 
 Each engine has a frame every ``1 / fps`` s (engines are spread evenly over
-the frame period). At its scheduled time a frame sends one ``Search`` (a real
+the frame period; the pacing, requests and frame timing are the engine's own
+frame loop, stack/frame_loop.py). At its scheduled time a frame sends one ``Search`` (a real
 labelled Connect Four position, a fixed simulation budget, ``deadline_ms``
 only as a cap) and one ``Evaluate`` of the same position (its board planes,
 or with ``frames`` a rendered 224x224 RGB uint8 frame of it,
@@ -21,29 +22,35 @@ counted as in flight.
     gen = OpenLoopGenerator(LoadSpec(search_address=..., reward_address=..., engines=4, fps=15))
     report = gen.run(duration_s=60)          # or gen.start(); ...; gen.stop(); gen.report()
 
-Reusable by other load tests: ``records`` holds one :class:`Record` per
-request (scheduled / sent / done times, code, the search's evaluator).
+Reusable by other load tests: ``records`` holds one
+:class:`stack.frame_loop.Record` per request (scheduled / sent / done times,
+code, the search's evaluator).
 """
 from __future__ import annotations
 
 import argparse
 import json
-import random
 import threading
 import time
 from dataclasses import asdict, dataclass
 
-import grpc
 import numpy as np
-from tandem.v1 import reward_pb2, reward_pb2_grpc, search_pb2, search_pb2_grpc
 
-from search_service.games import connect4
-from tandem import tensors
-from tandem.positions import DEFAULT_SETS, load_set
-from tandem.server import channel
+from stack.frame_loop import (
+    EVALUATORS,
+    FrameClient,
+    Record,
+    Tick,
+    board_observation,
+    frame_budget_ms,
+    frame_latency_ms,
+    missed_frames,
+    paced,
+    shuffled_positions,
+)
+from stack.stats import summary
+from tandem.positions import DEFAULT_SETS
 from training.frames import render_moves
-
-EVALUATORS = {"rollout": search_pb2.EVALUATOR_ROLLOUT, "value_model": search_pb2.EVALUATOR_VALUE_MODEL}
 
 
 @dataclass
@@ -64,43 +71,14 @@ class LoadSpec:
     frames: bool = False  # Evaluate a rendered 224x224 frame (model "frame_reward") instead of the board
 
 
-@dataclass
-class Record:
-    kind: str  # "search" | "evaluate"
-    engine: int
-    frame: int
-    scheduled: float  # time.monotonic() the frame was due
-    sent: float
-    done: float | None = None
-    code: str | None = None  # "OK" or a StatusCode name; None while in flight
-    evaluator: str | None = None  # search answers: EVALUATOR_ROLLOUT / EVALUATOR_VALUE_MODEL
-    simulations: int | None = None  # search answers: simulations completed
-    server_queue_ms: float | None = None  # evaluate answers: the reward batcher's wait (server-side)
-    server_compute_ms: float | None = None  # evaluate answers: the model run of its batch (server-side)
-
-
-def _percentiles(values) -> dict:
-    a = np.asarray(list(values), np.float64)
-    if a.size == 0:
-        return {"p50": None, "p99": None, "max": None, "mean": None}
-    return {"p50": round(float(np.percentile(a, 50)), 3), "p99": round(float(np.percentile(a, 99)), 3),
-            "max": round(float(a.max()), 3), "mean": round(float(a.mean()), 3)}
-
-
 class OpenLoopGenerator:
     """Sends frames on schedule from one thread; answers are counted on gRPC's callback threads."""
 
     def __init__(self, spec: LoadSpec, cfg=None):
         self.spec = spec
-        self._cfg = cfg
-        positions = [p for name in spec.position_sets for p in load_set(name)]
-        random.Random(spec.seed).shuffle(positions)
-        self._positions = [(p.moves, connect4.observation(connect4.parse_moves(p.moves))) for p in positions]
-        self._search_ch = channel(spec.search_address, cfg)
-        self._reward_ch = channel(spec.reward_address, cfg)
-        self._search = search_pb2_grpc.SearchServiceStub(self._search_ch)
-        self._reward = reward_pb2_grpc.RewardServiceStub(self._reward_ch)
-        self._input_name: str | None = None
+        self._positions = [(p.moves, board_observation(p.moves))
+                           for p in shuffled_positions(spec.position_sets, spec.seed)]
+        self._client = FrameClient(spec.search_address, spec.reward_address, cfg, model=spec.model)
         self._lock = threading.Lock()
         self.records: list[Record] = []  # guarded by _lock (appends); fields set once by callbacks
         self._stop = threading.Event()
@@ -110,10 +88,13 @@ class OpenLoopGenerator:
 
     # -- running -------------------------------------------------------------------------------
     def start(self, duration_s: float | None = None) -> None:
-        """Starts sending in a background thread (until ``stop`` or ``duration_s``)."""
-        if self.spec.evaluate and self._input_name is None:
-            meta = self._reward.ModelMetadata(reward_pb2.ModelMetadataRequest(model=self.spec.model), timeout=10)
-            self._input_name = meta.inputs[0].name
+        """Starts sending in a background thread (until ``stop`` or ``duration_s``).
+
+        Raises:
+            grpc.RpcError: (with ``spec.evaluate``) the model's metadata could not be read.
+        """
+        if self.spec.evaluate:
+            self._client.metadata()  # fails here, not on the sending thread
         self._stop.clear()
         self._t0 = time.monotonic()
         self._thread = threading.Thread(target=self._loop, args=(duration_s,), name="loadgen", daemon=True)
@@ -130,8 +111,7 @@ class OpenLoopGenerator:
             time.sleep(0.01)
 
     def close(self) -> None:
-        self._search_ch.close()
-        self._reward_ch.close()
+        self._client.close()
 
     def run(self, duration_s: float) -> dict:
         """Runs for ``duration_s`` and returns :meth:`report`."""
@@ -145,68 +125,24 @@ class OpenLoopGenerator:
             return sum(r.code is None for r in self.records)
 
     def _loop(self, duration_s: float | None) -> None:
-        spec = self.spec
-        period = 1.0 / spec.fps
-        k = 0
-        while not self._stop.is_set():
-            frame_start = self._t0 + k * period
-            if duration_s is not None and frame_start - self._t0 >= duration_s:
-                return
-            for e in range(spec.engines):
-                due = frame_start + e * period / spec.engines
-                delay = due - time.monotonic()
-                if delay > 0 and self._stop.wait(delay):
-                    return
-                self._send(e, k, due)
-            k += 1
+        for tick in paced(self.spec.fps, engines=self.spec.engines, duration_s=duration_s, start=self._t0,
+                          stop=self._stop):
+            self._send(tick)
 
-    def _send(self, engine: int, frame: int, due: float) -> None:
+    def _send(self, tick: Tick) -> None:
         spec = self.spec
-        moves, obs = self._positions[(engine * 7919 + frame) % len(self._positions)]
-        stones = len(moves)
-        phase = search_pb2.GAME_PHASE_EARLY if stones < 12 else (
-            search_pb2.GAME_PHASE_MID if stones < 28 else search_pb2.GAME_PHASE_LATE)
-        request = search_pb2.SearchRequest(
-            game="connect4", moves=moves, simulations=spec.simulations, phase=phase,
-            evaluator=EVALUATORS[spec.evaluator], seed=spec.seed * 1_000_003 + frame * 64 + engine + 1,
-            session_id=f"engine-{engine}" if spec.session_ids else "", deadline_ms=spec.deadline_ms)
-        self._issue(Record("search", engine, frame, due, time.monotonic()),
-                    lambda: self._search.Search.future(request, timeout=spec.timeout_s))
+        moves, obs = self._positions[(tick.engine * 7919 + tick.frame) % len(self._positions)]
+        evaluate = None
         if spec.evaluate:
-            if spec.frames:  # what an engine has: its rendered frame, uint8 (~0.2 ms to render)
-                obs = render_moves([moves])
-            ev = reward_pb2.EvaluateRequest(model=spec.model, inputs=[tensors.to_proto(self._input_name, obs)],
-                                            output_names=["value"], request_class=reward_pb2.REQUEST_CLASS_CRITICAL)
-            self._issue(Record("evaluate", engine, frame, due, time.monotonic()),
-                        lambda: self._reward.Evaluate.future(ev, timeout=spec.timeout_s))
-
-    def _issue(self, rec: Record, make) -> None:
+            # What an engine has: its rendered frame, uint8 (~0.2 ms to render), or the board planes.
+            evaluate = (lambda: render_moves([moves])) if spec.frames else (lambda: obs)
+        frame = self._client.send(
+            tick, moves, simulations=spec.simulations, evaluator=spec.evaluator,
+            seed=spec.seed * 1_000_003 + tick.frame * 64 + tick.engine + 1,
+            session_id=f"engine-{tick.engine}" if spec.session_ids else "", deadline_ms=spec.deadline_ms,
+            timeout_s=spec.timeout_s, evaluate=evaluate)
         with self._lock:
-            self.records.append(rec)
-        try:
-            future = make()
-        except Exception as exc:  # the channel refused at once (e.g. closed)
-            rec.done, rec.code = time.monotonic(), f"SEND_FAILED:{type(exc).__name__}"
-            return
-
-        def done(f):
-            now = time.monotonic()
-            try:
-                reply = f.result()
-                if rec.kind == "search":
-                    rec.evaluator = search_pb2.Evaluator.Name(reply.evaluator)
-                    rec.simulations = reply.simulations
-                else:
-                    rec.server_queue_ms, rec.server_compute_ms = reply.queue_ms, reply.compute_ms
-                code = "OK"
-            except grpc.RpcError as exc:
-                code = exc.code().name
-            except Exception as exc:  # cancelled future
-                code = type(exc).__name__
-            rec.done = now
-            rec.code = code
-
-        future.add_done_callback(done)
+            self.records.extend(frame.records)
 
     # -- figures ---------------------------------------------------------------------------------
     def report(self, since: float | None = None, until: float | None = None) -> dict:
@@ -230,8 +166,8 @@ class OpenLoopGenerator:
                 "refused": {k: v for k, v in codes.items() if k not in ("OK", "LOST", "IN_FLIGHT")},
                 "lost": codes.get("LOST", 0),
                 "in_flight": codes.get("IN_FLIGHT", 0),
-                "latency_from_schedule_ms": _percentiles((r.done - r.scheduled) * 1e3 for r in ok),
-                "send_lag_ms": _percentiles((r.sent - r.scheduled) * 1e3 for r in rs),
+                "latency_from_schedule_ms": summary((r.done - r.scheduled) * 1e3 for r in ok),
+                "send_lag_ms": summary((r.sent - r.scheduled) * 1e3 for r in rs),
             }
             if kind == "search":
                 evs: dict[str, int] = {}
@@ -239,13 +175,13 @@ class OpenLoopGenerator:
                     evs[r.evaluator] = evs.get(r.evaluator, 0) + 1
                 out["requests"][kind]["evaluators"] = evs
             else:  # what the reward service reports, to tell its queue from the rest of the path
-                out["requests"][kind]["server_queue_ms"] = _percentiles(r.server_queue_ms for r in ok)
-                out["requests"][kind]["server_compute_ms"] = _percentiles(r.server_compute_ms for r in ok)
+                out["requests"][kind]["server_queue_ms"] = summary(r.server_queue_ms for r in ok)
+                out["requests"][kind]["server_compute_ms"] = summary(r.server_compute_ms for r in ok)
         frames = _by_frame(recs)
         complete = _complete_frames_ms(frames)
-        out["frame_latency_ms"] = _percentiles(complete)
+        out["frame_latency_ms"] = summary(complete)
         # A frame is missed when it is not complete within its period (1 / fps), or not complete at all.
-        out["missed_frames"] = sum(x > 1000.0 / spec.fps for x in complete) + (len(frames) - len(complete))
+        out["missed_frames"] = missed_frames(complete, frame_budget_ms(spec.fps)) + (len(frames) - len(complete))
         out["missed_frame_share"] = round(out["missed_frames"] / len(frames), 4) if frames else None
         sims = [r.simulations for r in recs if r.kind == "search" and r.code == "OK"]
         out["simulations_per_frame"] = round(float(np.mean(sims)), 1) if sims else None
@@ -273,8 +209,8 @@ def _by_frame(recs: list[Record]) -> dict[tuple[int, int], list[Record]]:
 
 def _complete_frames_ms(frames: dict[tuple[int, int], list[Record]]) -> list[float]:
     """Latency (ms, from the schedule to the last answer) of each frame whose requests all succeeded."""
-    return [(max(r.done for r in rs) - rs[0].scheduled) * 1e3 for rs in frames.values()
-            if all(r.code == "OK" for r in rs)]
+    latencies = (frame_latency_ms(rs, since=rs[0].scheduled) for rs in frames.values())
+    return [x for x in latencies if x is not None]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,6 +7,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from stack.stats import percentiles
+
 
 def plot_latencies(latencies_ms: Mapping[str, Sequence[float]], fps: float, path: Path, title: str = "") -> Path:
     """Writes the empirical CDF of each policy's frame latencies (ms) to ``path``
@@ -26,8 +28,8 @@ def plot_latencies(latencies_ms: Mapping[str, Sequence[float]], fps: float, path
         v = np.sort(np.asarray(values, np.float64))
         if v.size == 0:
             continue
-        ax.step(v, np.arange(1, v.size + 1) / v.size, where="post",
-                label=f"{name} (p50 {np.percentile(v, 50):.2f}, p99 {np.percentile(v, 99):.2f} ms)")
+        p50, p99 = percentiles(v, 50, 99)
+        ax.step(v, np.arange(1, v.size + 1) / v.size, where="post", label=f"{name} (p50 {p50:.2f}, p99 {p99:.2f} ms)")
     ax.axvline(1000.0 / fps, color="grey", linestyle="--", linewidth=1, label=f"frame period {1000.0 / fps:.1f} ms")
     ax.set_xscale("log")
     ax.set_xlabel("frame latency from its scheduled time (ms, log scale)")

@@ -14,25 +14,25 @@ then scores the answers against the solver:
   model's outcome (win if v > 1/3, loss if v < -1/3, else draw) is the
   solver's.
 
-Frame latency runs from the frame's start to the later of the two answers; a
-frame is missed when that exceeds ``1000 / fps`` ms.
+Frame latency runs from the frame's start (its Search leaving) to the later
+of the two answers; a frame is missed when that exceeds ``1000 / fps`` ms. The
+pacing, requests and timing are the engine's frame loop, stack/frame_loop.py.
 """
 from __future__ import annotations
 
 import json
-import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
 import numpy as np
-from tandem.v1 import reward_pb2, reward_pb2_grpc, search_pb2, search_pb2_grpc
+from tandem.v1 import search_pb2
 
-from search_service.games import connect4
+from stack import frame_loop
+from stack.frame_loop import FrameClient, SentFrame
+from stack.stats import percentiles, summary
 from tandem import tensors
-from tandem.positions import DEFAULT_SETS, LabelledPosition, load_set
-from tandem.server import channel
+from tandem.positions import DEFAULT_SETS, LabelledPosition
 
 DRAW_BAND = 1.0 / 3.0  # |value| below this reads as a draw
 # The search's own deadline leaves this share of the frame for the RPCs and Evaluate.
@@ -57,122 +57,105 @@ def _outcome(x: float) -> int:
     return 1 if x > DRAW_BAND else (-1 if x < -DRAW_BAND else 0)
 
 
-def _percentiles(values: list[float]) -> dict:
-    a = np.asarray(values, dtype=np.float64)
-    if a.size == 0:
-        return {"p50": None, "p99": None, "mean": None, "max": None}
-    return {
-        "p50": round(float(np.percentile(a, 50)), 3),
-        "p99": round(float(np.percentile(a, 99)), 3),
-        "mean": round(float(a.mean()), 3),
-        "max": round(float(a.max()), 3),
-    }
+@dataclass
+class _Tally:
+    """What the frames so far add up to: timings (ms), scores and failures."""
 
+    frame_ms: list[float] = field(default_factory=list)  # answered frames only
+    search_ms: list[float] = field(default_factory=list)  # the search service's own total
+    simulations: list[int] = field(default_factory=list)
+    not_lost: int = 0  # positions the side to move does not lose
+    kept: int = 0  # ... whose move keeps the solver's result
+    best: int = 0  # moves with the solver's best score
+    agree: int = 0  # value-model outcomes that are the solver's
+    errors: dict[str, int] = field(default_factory=dict)  # failed frames by the first failure's code
+    backends: set[str] = field(default_factory=set)
+    evaluators: set[str] = field(default_factory=set)
 
-def _phase(stones: int) -> int:
-    if stones < 12:
-        return search_pb2.GAME_PHASE_EARLY
-    return search_pb2.GAME_PHASE_MID if stones < 28 else search_pb2.GAME_PHASE_LATE
+    def score(self, pos: LabelledPosition, frame: SentFrame) -> bool:
+        """Adds one frame's answers (or its failure); True if it was answered."""
+        code = frame.failure()
+        if code is not None:
+            self.errors[code] = self.errors.get(code, 0) + 1
+            return False
+        s_reply, e_reply = frame.replies()
+        self.frame_ms.append(frame_loop.frame_latency_ms(frame.records, since=frame.records[0].sent))
+        self.simulations.append(s_reply.simulations)
+        self.search_ms.append(s_reply.latency.total_ms)
+        self.backends.add(s_reply.backend)
+        self.evaluators.add(search_pb2.Evaluator.Name(s_reply.evaluator))
+        if pos.score >= 0:
+            self.not_lost += 1
+            self.kept += pos.keeps_result(s_reply.action)
+        self.best += pos.is_best(s_reply.action)
+        value = float(tensors.from_proto(e_reply.outputs[0]).reshape(-1)[0])
+        self.agree += _outcome(value) == int(np.sign(pos.score))
+        return True
 
 
 def play(opts: PlayOptions, cfg=None, log=print) -> dict:
     """Plays ``opts.frames`` frames and returns the report (see module docstring).
 
     Raises:
-        grpc.RpcError: ModelMetadata / ListGames failed before the first frame.
+        grpc.RpcError: ModelMetadata failed before the first frame.
+        ValueError: ``opts.evaluator`` is neither "rollout" nor "value_model".
     """
-    positions: list[LabelledPosition] = [p for name in opts.position_sets for p in load_set(name)]
-    random.Random(opts.seed).shuffle(positions)
-    budget_ms = 1000.0 / opts.fps
-    evaluator = {"rollout": search_pb2.EVALUATOR_ROLLOUT, "value_model": search_pb2.EVALUATOR_VALUE_MODEL}[
-        opts.evaluator
-    ]
-    search_ch, reward_ch = channel(opts.search_address, cfg), channel(opts.reward_address, cfg)
-    search = search_pb2_grpc.SearchServiceStub(search_ch)
-    reward = reward_pb2_grpc.RewardServiceStub(reward_ch)
-    meta = reward.ModelMetadata(reward_pb2.ModelMetadataRequest(model=opts.model), timeout=10)
-    input_name = meta.inputs[0].name
+    positions = frame_loop.shuffled_positions(opts.position_sets, opts.seed)
+    client = FrameClient(opts.search_address, opts.reward_address, cfg, model=opts.model)
+    try:
+        provider = client.metadata().execution_provider
+        tally = _play_frames(opts, client, positions, log)
+    finally:
+        client.close()
+    return _report(opts, tally, provider)
 
-    latencies, sims, search_ms = [], [], []
-    kept = not_lost = best = agree = 0
-    errors: dict[str, int] = {}
-    backends: set[str] = set()
-    evaluators: set[str] = set()
-    start = time.perf_counter()
-    for k in range(opts.frames):
-        # Frames are scheduled at a fixed rate; a late frame starts at once.
-        delay = start + k * budget_ms / 1000.0 - time.perf_counter()
-        if delay > 0:
-            time.sleep(delay)
-        pos = positions[k % len(positions)]
-        obs = connect4.observation(connect4.parse_moves(pos.moves))
-        t0 = time.perf_counter()
-        s_call = search.Search.future(
-            search_pb2.SearchRequest(
-                game="connect4",
-                moves=pos.moves,
-                simulations=opts.simulations,
-                deadline_ms=budget_ms * SEARCH_SHARE_OF_FRAME,
-                phase=_phase(len(pos.moves)),
-                evaluator=evaluator,
-                seed=opts.seed * 1_000_003 + k + 1,
-                session_id=opts.session_id,
-            ),
-            timeout=max(10 * budget_ms / 1000.0, 1.0),
-        )
-        e_call = reward.Evaluate.future(
-            reward_pb2.EvaluateRequest(
-                model=opts.model,
-                inputs=[tensors.to_proto(input_name, obs)],
-                output_names=["value"],
-                request_class=reward_pb2.REQUEST_CLASS_CRITICAL,
-            ),
-            timeout=max(10 * budget_ms / 1000.0, 1.0),
-        )
-        try:
-            s_reply, e_reply = s_call.result(), e_call.result()
-        except grpc.RpcError as exc:
-            errors[exc.code().name] = errors.get(exc.code().name, 0) + 1
-            continue
-        latencies.append((time.perf_counter() - t0) * 1e3)
-        sims.append(s_reply.simulations)
-        search_ms.append(s_reply.latency.total_ms)
-        backends.add(s_reply.backend)
-        evaluators.add(search_pb2.Evaluator.Name(s_reply.evaluator))
-        if pos.score >= 0:
-            not_lost += 1
-            kept += pos.keeps_result(s_reply.action)
-        best += pos.is_best(s_reply.action)
-        value = float(tensors.from_proto(e_reply.outputs[0]).reshape(-1)[0])
-        agree += _outcome(value) == int(np.sign(pos.score))
-        if log and (k + 1) % max(opts.frames // 10, 1) == 0:
-            log(f"frame {k + 1}/{opts.frames}: p50 {np.percentile(latencies, 50):.2f} ms")
-    search_ch.close()
-    reward_ch.close()
-    answered = len(latencies)
+
+def _play_frames(opts: PlayOptions, client: FrameClient, positions: list[LabelledPosition], log) -> _Tally:
+    """The frames at ``opts.fps``, each waited for before the next (a closed loop:
+    a late frame starts at once); ``log`` (None: quiet) gets the p50 ten times."""
+    budget_ms = frame_loop.frame_budget_ms(opts.fps)
+    tally = _Tally()
+    for tick in frame_loop.paced(opts.fps, frames=opts.frames):
+        pos = positions[tick.frame % len(positions)]
+        obs = frame_loop.board_observation(pos.moves)
+        frame = client.send(tick, pos.moves, simulations=opts.simulations, evaluator=opts.evaluator,
+                            seed=opts.seed * 1_000_003 + tick.frame + 1, session_id=opts.session_id,
+                            deadline_ms=budget_ms * SEARCH_SHARE_OF_FRAME,
+                            # A late answer is a missed frame, not an error: the gRPC deadline is generous.
+                            timeout_s=max(10 * budget_ms / 1000.0, 1.0), evaluate=lambda: obs)
+        frame.wait()
+        if tally.score(pos, frame) and log and (tick.frame + 1) % max(opts.frames // 10, 1) == 0:
+            log(f"frame {tick.frame + 1}/{opts.frames}: p50 {percentiles(tally.frame_ms, 50)[0]:.2f} ms")
+    return tally
+
+
+def _report(opts: PlayOptions, t: _Tally, reward_execution_provider: str) -> dict:
+    """The report's figures (see the module docstring) from the frames' tally."""
+    budget_ms = frame_loop.frame_budget_ms(opts.fps)
+    answered = len(t.frame_ms)
     return {
         "frames": opts.frames,
         "frames_answered": answered,
         "fps_target": opts.fps,
         "frame_budget_ms": round(budget_ms, 3),
         "positions": list(opts.position_sets),
-        "optimal_move_rate": round(kept / not_lost, 4) if not_lost else None,
-        "positions_not_lost": not_lost,
-        "best_score_move_rate": round(best / answered, 4) if answered else None,
-        "value_sign_agreement": round(agree / answered, 4) if answered else None,
-        "frame_latency_ms": _percentiles(latencies),
-        "search_latency_ms": _percentiles(search_ms),
-        "missed_frames": int(sum(x > budget_ms for x in latencies)) + sum(errors.values()),
+        "optimal_move_rate": round(t.kept / t.not_lost, 4) if t.not_lost else None,
+        "positions_not_lost": t.not_lost,
+        "best_score_move_rate": round(t.best / answered, 4) if answered else None,
+        "value_sign_agreement": round(t.agree / answered, 4) if answered else None,
+        "frame_latency_ms": summary(t.frame_ms),
+        "search_latency_ms": summary(t.search_ms),
+        "missed_frames": frame_loop.missed_frames(t.frame_ms, budget_ms) + sum(t.errors.values()),
         "simulations_per_frame": {
-            "mean": round(float(np.mean(sims)), 1) if sims else None,
-            "p50": float(np.percentile(sims, 50)) if sims else None,
-            "min": int(min(sims)) if sims else None,
+            "mean": round(float(np.mean(t.simulations)), 1) if t.simulations else None,
+            "p50": percentiles(t.simulations, 50)[0],
+            "min": int(min(t.simulations)) if t.simulations else None,
         },
-        "errors": errors,
+        "errors": t.errors,
         "backends": {
-            "search": sorted(backends),
-            "evaluator": sorted(evaluators),
-            "reward_execution_provider": meta.execution_provider,
+            "search": sorted(t.backends),
+            "evaluator": sorted(t.evaluators),
+            "reward_execution_provider": reward_execution_provider,
         },
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }

@@ -33,7 +33,15 @@ from tandem.v1 import (
     search_pb2_grpc,
 )
 
-from loadtest.reliability_report import save_figures
+from loadtest.reliability_figures import (
+    AccessFigures,
+    KeepaliveFigures,
+    LoopbackFigures,
+    MutualTlsFigures,
+    NoPickleFigures,
+    TokenFigures,
+    save_figures,
+)
 from reward_service import server as reward_server
 from scheduler.main import start as start_scheduler
 from search_service import server as search_server
@@ -43,14 +51,14 @@ from tandem.paths import REPO_ROOT
 from tandem.server import KEEPALIVE_OPTIONS, channel, health_status
 
 C = grpc.StatusCode
-FIGURES: dict[str, object] = {}
+FIGURES = AccessFigures()  # each test fills its part
 
 
 @pytest.fixture(scope="module", autouse=True)
 def figures():
     yield
-    if FIGURES:
-        save_figures("access", FIGURES)
+    if FIGURES != AccessFigures():
+        save_figures(FIGURES)
 
 
 # -- loopback -------------------------------------------------------------------------------------------
@@ -98,8 +106,9 @@ def test_shipped_config_binds_loopback_only(tmp_path):
         for p in (port, metrics):
             listening = _listeners(p)
             assert listening and listening <= {LOOPBACK_V4, LOOPBACK_V6, LOOPBACK_V4_MAPPED}, (p, listening)
-        FIGURES["loopback"] = {"config": str(DEFAULT_CONFIG.relative_to(REPO_ROOT)), "grpc_listeners": sorted(_listeners(port)),
-                               "metrics_listeners": sorted(_listeners(metrics))}
+        FIGURES.loopback = LoopbackFigures(config=str(DEFAULT_CONFIG.relative_to(REPO_ROOT)),
+                                           grpc_listeners=sorted(_listeners(port)),
+                                           metrics_listeners=sorted(_listeners(metrics)))
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -175,8 +184,8 @@ def test_tls_server_is_verified_and_plaintext_refused(certs):
         assert health_status(addr, cfg) == "SERVING"
         assert _list_models(addr, None) == C.UNAVAILABLE  # plaintext client: no handshake
         assert _list_models(addr, _with_client(cfg, certs, None, ca="rogue_ca")) == C.UNAVAILABLE  # untrusted server
-        FIGURES["tls"] = {"ca_verified_client": "OK", "plaintext_client": "UNAVAILABLE",
-                          "client_trusting_another_ca": "UNAVAILABLE"}
+        FIGURES.tls = {"ca_verified_client": "OK", "plaintext_client": "UNAVAILABLE",
+                       "client_trusting_another_ca": "UNAVAILABLE"}
     finally:
         reward.stop()
 
@@ -210,8 +219,8 @@ def test_mutual_tls_needs_a_client_certificate_from_the_ca(certs):
             while len(stub.Status(scheduler_pb2.StatusRequest(), timeout=5).services) < 2:
                 assert time.monotonic() < deadline, "the services did not register over mutual TLS"
                 time.sleep(0.05)
-        FIGURES["mutual_tls"] = {k: v.name for k, v in outcomes.items()} | {
-            "search_to_reward": "VALUE_MODEL", "services_registered_with_scheduler": 2}
+        FIGURES.mutual_tls = MutualTlsFigures(outcomes={k: v.name for k, v in outcomes.items()},
+                                              search_to_reward="VALUE_MODEL", services_registered_with_scheduler=2)
     finally:
         search.stop()
         reward.stop()
@@ -267,7 +276,7 @@ def test_token_is_required_except_for_health():
             with grpc.insecure_channel(getattr(cfg, name).address) as ch:
                 reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
                 assert reply.status == health_pb2.HealthCheckResponse.SERVING
-        FIGURES["token"] = {"calls": results, "health_without_token": "SERVING"}
+        FIGURES.token = TokenFigures(calls=results, health_without_token="SERVING")
     finally:
         search.stop()
         reward.stop()
@@ -330,7 +339,7 @@ def test_no_pickle_or_eval_in_serving_code():
     assert len(files) > 20
     found = [hit for p in files for hit in _unsafe(p)]
     assert found == [], found
-    FIGURES["no_pickle_eval"] = {"files_checked": len(files), "hits": found}
+    FIGURES.no_pickle_eval = NoPickleFigures(files_checked=len(files), hits=found)
 
 
 # -- keepalive --------------------------------------------------------------------------------------------------
@@ -385,9 +394,10 @@ def test_keepalive_flooder_gets_goaway_while_a_polite_pinger_stays():
         time.sleep(max(0.0, 6.0 - cut_after_s))  # the polite client has pinged at least twice by now
         assert polite["end"] is None, polite["end"]
         assert polite["channel"]._channel.check_connectivity_state(False) == grpc.ChannelConnectivity.READY.value[0]
-        FIGURES["keepalive"] = {"server_min_ping_interval_ms": 2000, "flooder_ping_ms": 100, "polite_ping_ms": 2500,
-                                "flooder": f"{code.name}: {details}", "flooder_cut_after_s": round(cut_after_s, 1),
-                                "polite_connected_after_s": round(time.monotonic() - began, 1)}
+        FIGURES.keepalive = KeepaliveFigures(
+            server_min_ping_interval_ms=2000, flooder_ping_ms=100, polite_ping_ms=2500,
+            flooder_outcome=f"{code.name}: {details}", flooder_cut_after_s=round(cut_after_s, 1),
+            polite_connected_after_s=round(time.monotonic() - began, 1))
         for s in (flooder, polite):
             s["call"].cancel()
             s["channel"].close()

@@ -32,7 +32,7 @@ from tandem.v1 import (
     search_pb2_grpc,
 )
 
-from loadtest.reliability_report import save_figures
+from loadtest.reliability_figures import BadInputFigures, RpcOutcomes, save_figures
 from reward_service import server as reward_server
 from scheduler.main import start as start_scheduler
 from search_service import server as search_server
@@ -113,10 +113,10 @@ def stack(tmp_path_factory):
     s = Stack(tmp_path_factory.mktemp("bad_input"))
     yield s
     s.close()
-    save_figures("bad_input", {
-        "examples_per_property": EXAMPLES,
-        "rpcs": {rpc: {"inputs": sum(c.values()), "outcomes": dict(sorted(c.items()))} for rpc, c in FIGURES.items()},
-    })
+    save_figures(BadInputFigures(
+        examples_per_property=EXAMPLES,
+        rpcs={rpc: RpcOutcomes(inputs=sum(c.values()), outcomes=dict(sorted(c.items()))) for rpc, c in FIGURES.items()},
+    ))
 
 
 # -- helpers ------------------------------------------------------------------------------------------

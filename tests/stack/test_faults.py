@@ -33,7 +33,7 @@ from conftest import free_port
 from tandem.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 from loadtest.generator import LoadSpec, OpenLoopGenerator
-from loadtest.reliability_report import save_figures
+from loadtest.reliability_figures import FaultFigures, FaultsFigures, LoadFigures, RequestCounts, save_figures
 from stack.supervisor import wait_serving
 from tandem.config import load_config
 from tandem.paths import REPO_ROOT
@@ -110,6 +110,11 @@ def _window(gen: OpenLoopGenerator, since: float, until: float) -> dict:
     return gen.report(since=since, until=until)["requests"]
 
 
+def _counts(r: dict, *also: str) -> RequestCounts:
+    """Sent and answered of a generator report's requests, and the ``also`` figures (refused, lost, evaluators)."""
+    return RequestCounts(sent=r["sent"], answered=r["answered"], **{k: r[k] for k in also})
+
+
 def test_kill_each_server_under_load(tmp_path):
     data = {name: {"address": f"127.0.0.1:{free_port()}", "metrics_port": 0} for name in ("scheduler", "reward", "search")}
     data["scheduler"].update(report_interval_ms=100, lease_ttl_ms=1000)
@@ -120,7 +125,7 @@ def test_kill_each_server_under_load(tmp_path):
     cfg = load_config(config)
     servers = {name: Server(name, config, cfg, tmp_path) for name in ("scheduler", "reward", "search")}
     gen = None
-    figures: dict = {"outage_s": OUTAGE_S, "faults": []}
+    faults: list[FaultFigures] = []
     try:
         for s in servers.values():
             s.start()
@@ -152,10 +157,9 @@ def test_kill_each_server_under_load(tmp_path):
         assert status.returncode == 0, status.stdout + status.stderr
         listed = [line.split()[0] for line in status.stdout.splitlines() if " lease " in line]
         assert sorted(listed) == ["reward", "search"], status.stdout
-        figures["faults"].append({
-            "killed": "scheduler", "while_down": {k: {"sent": v["sent"], "answered": v["answered"]} for k, v in during.items()},
-            "restart_to_serving_s": round(startup_s, 2), "services_registered_again_after_s": round(reregistered_s + startup_s, 2),
-        })
+        faults.append(FaultFigures("scheduler", {k: _counts(v) for k, v in during.items()}, {
+            "restart_to_serving": round(startup_s, 2), "services_registered_again_after": round(reregistered_s + startup_s, 2),
+        }))
 
         # -- the reward service -------------------------------------------------------------------------
         killed = time.monotonic()
@@ -169,15 +173,9 @@ def test_kill_each_server_under_load(tmp_path):
         restarted = time.monotonic()
         startup_s = servers["reward"].start()
         back_s = _wait(lambda: latest_search("EVALUATOR_VALUE_MODEL"))
-        figures["faults"].append({
-            "killed": "reward", "while_down": {
-                "search": {"sent": during["search"]["sent"], "answered": during["search"]["answered"],
-                           "evaluators": during["search"]["evaluators"]},
-                "evaluate": {"sent": during["evaluate"]["sent"], "answered": during["evaluate"]["answered"],
-                             "refused": during["evaluate"]["refused"]}},
-            "restart_to_serving_s": round(startup_s, 2),
-            "value_model_again_after_restart_s": round(back_s + startup_s, 2),
-        })
+        faults.append(FaultFigures(
+            "reward", {"search": _counts(during["search"], "evaluators"), "evaluate": _counts(during["evaluate"], "refused")},
+            {"restart_to_serving": round(startup_s, 2), "value_model_again_after_restart": round(back_s + startup_s, 2)}))
 
         # -- the search service ---------------------------------------------------------------------------
         killed = time.monotonic()
@@ -189,13 +187,10 @@ def test_kill_each_server_under_load(tmp_path):
         restarted = time.monotonic()
         startup_s = servers["search"].start()
         back_s = _wait(lambda: latest_search("EVALUATOR_VALUE_MODEL") and list(gen.records)[-1].scheduled > restarted)
-        figures["faults"].append({
-            "killed": "search", "while_down": {
-                "evaluate": {"sent": during["evaluate"]["sent"], "answered": during["evaluate"]["answered"]},
-                "search": {"sent": during["search"]["sent"], "answered": during["search"]["answered"],
-                           "refused": during["search"]["refused"]}},
-            "restart_to_serving_s": round(startup_s, 2), "searches_answered_again_after_restart_s": round(back_s + startup_s, 2),
-        })
+        faults.append(FaultFigures(
+            "search", {"evaluate": _counts(during["evaluate"]), "search": _counts(during["search"], "refused")},
+            {"restart_to_serving": round(startup_s, 2),
+             "searches_answered_again_after_restart": round(back_s + startup_s, 2)}))
 
         # -- all back: a clean window, then the books must balance ------------------------------------------
         _wait(lambda: _registered(cfg) == {scheduler_pb2.SERVICE_KIND_SEARCH, scheduler_pb2.SERVICE_KIND_REWARD})
@@ -211,11 +206,12 @@ def test_kill_each_server_under_load(tmp_path):
             refused = sum(t["refused"].values())
             assert t["lost"] == 0 and t["sent"] == t["answered"] + refused, (kind, t)
             assert set(t["refused"]) <= {"UNAVAILABLE"}, (kind, t["refused"])  # never UNKNOWN, INTERNAL, ...
-        figures["totals"] = {kind: {"sent": t["sent"], "answered": t["answered"], "refused": t["refused"], "lost": t["lost"]}
-                             for kind, t in total.items()}
-        figures["load"] = {"engines": 2, "fps": 20.0, "simulations": 16, "evaluator": "value_model", "timeout_s": 2.0,
-                           "duration_s": gen.report()["duration_s"]}
-        save_figures("faults", figures)
+        spec = gen.spec
+        save_figures(FaultsFigures(
+            outage_s=OUTAGE_S,
+            load=LoadFigures(engines=spec.engines, fps=spec.fps, simulations=spec.simulations, evaluator=spec.evaluator,
+                             timeout_s=spec.timeout_s, duration_s=gen.report()["duration_s"]),
+            faults=faults, totals={kind: _counts(t, "refused", "lost") for kind, t in total.items()}))
     finally:
         if gen is not None:
             gen.stop(drain_s=0)

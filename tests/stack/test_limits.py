@@ -13,7 +13,15 @@ from conftest import loopback_config
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tandem.v1 import scheduler_pb2, scheduler_pb2_grpc, search_pb2, search_pb2_grpc
 
-from loadtest.reliability_report import save_figures
+from loadtest.reliability_figures import (
+    CancelFigures,
+    ClientDeadlineFigures,
+    FloodFigures,
+    LimitsFigures,
+    SessionsFigures,
+    WatchStreamsFigures,
+    save_figures,
+)
 from scheduler.main import start as start_scheduler
 from search_service import server as search_server
 from search_service.games import connect4
@@ -22,14 +30,14 @@ from search_service.mcts.cpu_reference import CpuReferenceBackend
 from tandem.device import cpu_only
 
 C = grpc.StatusCode
-FIGURES: dict[str, dict] = {}
+FIGURES = LimitsFigures()  # each test fills its part
 
 
 @pytest.fixture(scope="module", autouse=True)
 def figures():
     yield
-    if FIGURES:
-        save_figures("limits", FIGURES)
+    if FIGURES != LimitsFigures():
+        save_figures(FIGURES)
 
 
 class RecordingBackend:
@@ -90,11 +98,11 @@ def test_should_stop_is_checked_between_waves():
 def test_flood_is_refused_fast_and_the_admitted_are_answered():
     """40 concurrent 300-ms searches at a server taking 4 RPCs in flight (2 threads):
     the excess is refused with RESOURCE_EXHAUSTED at once, every admitted one is answered."""
-    limit, flood = 4, 40
+    limit, flood, search_ms = 4, 40, 300
     service, backend, ch, stub = _search_server(server={"max_workers": 2, "max_concurrent_rpcs": limit})
     try:
         stub.Search(search_pb2.SearchRequest(game="connect4", moves="4", simulations=8), timeout=30)  # connected, warm
-        request = search_pb2.SearchRequest(game="connect4", moves="44", deadline_ms=300)
+        request = search_pb2.SearchRequest(game="connect4", moves="44", deadline_ms=search_ms)
         began = time.perf_counter()
         done: dict[int, tuple[C, float]] = {}
         lock = threading.Lock()
@@ -135,14 +143,14 @@ def test_flood_is_refused_fast_and_the_admitted_are_answered():
         assert all(d for d in details)
         # ... and the server serves normally once the flood has drained.
         assert stub.Search(search_pb2.SearchRequest(game="connect4", moves="4", simulations=8), timeout=30).simulations == 8
-        FIGURES["flood"] = {
-            "max_concurrent_rpcs": limit, "max_workers": 2, "sent": flood, "answered": len(answered),
-            "refused_resource_exhausted": len(refused), "lost": flood - len(answered) - len(refused),
-            "refused_latency_ms_max": round(max(refused) * 1e3, 1),
-            "answered_latency_ms_min": round(min(answered) * 1e3, 1),
-            "answered_latency_ms_max": round(max(answered) * 1e3, 1),
-            "health_probe_while_saturated": probe,
-        }
+        FIGURES.flood = FloodFigures(
+            search_deadline_ms=search_ms, max_concurrent_rpcs=limit, max_workers=2, sent=flood, answered=len(answered),
+            refused_resource_exhausted=len(refused), lost=flood - len(answered) - len(refused),
+            refused_latency_ms_max=round(max(refused) * 1e3, 1),
+            answered_latency_ms_min=round(min(answered) * 1e3, 1),
+            answered_latency_ms_max=round(max(answered) * 1e3, 1),
+            health_probe_while_saturated=probe,
+        )
     finally:
         ch.close()
         service.stop()
@@ -168,7 +176,7 @@ def test_watch_streams_are_bounded_and_unary_calls_still_served():
         assert info.value.code() == C.RESOURCE_EXHAUSTED and "watch streams" in info.value.details()
         for _ in range(10):  # unary calls are still answered at once
             assert len(stub.Status(scheduler_pb2.StatusRequest(), timeout=2).services) == 3
-        FIGURES["watch_streams"] = {"max_workers": 6, "streams_admitted": 2, "third_stream": "RESOURCE_EXHAUSTED"}
+        FIGURES.watch_streams = WatchStreamsFigures(max_workers=6, streams_admitted=2, third_stream="RESOURCE_EXHAUSTED")
     finally:
         for call in streams:
             call.cancel()
@@ -178,8 +186,9 @@ def test_watch_streams_are_bounded_and_unary_calls_still_served():
 
 def test_sessions_are_bounded_and_session_ids_are_capped():
     service, backend, ch, stub = _search_server(max_sessions=4)
+    games = 12
     try:
-        for i in range(12):
+        for i in range(games):
             stub.Search(search_pb2.SearchRequest(game="connect4", moves="4", simulations=8, session_id=f"g{i}"), timeout=10)
         assert len(service.servicer.sessions) == 4
         with pytest.raises(grpc.RpcError) as info:
@@ -187,8 +196,8 @@ def test_sessions_are_bounded_and_session_ids_are_capped():
         assert info.value.code() == C.INVALID_ARGUMENT and info.value.details().startswith("session_id:")
         assert stub.Search(search_pb2.SearchRequest(game="connect4", moves="4", simulations=8,
                                                     session_id="x" * 256), timeout=10).simulations == 8
-        FIGURES["sessions"] = {"max_sessions": 4, "kept_after_12_games": len(service.servicer.sessions),
-                               "max_session_id_chars": search_server.MAX_SESSION_ID_CHARS}
+        FIGURES.sessions = SessionsFigures(games=games, max_sessions=4, kept_after_games=len(service.servicer.sessions),
+                                           max_session_id_chars=search_server.MAX_SESSION_ID_CHARS)
     finally:
         ch.close()
         service.stop()
@@ -196,6 +205,7 @@ def test_sessions_are_bounded_and_session_ids_are_capped():
 
 # -- deadlines and cancellation, end to end -------------------------------------------------------------------
 BIG = 5_000_000  # simulations: minutes of CPU search if nothing stopped it
+CANCEL_AFTER_S = 0.3  # the client cancels its search this long after the search started
 
 
 def test_cancelled_search_stops_and_frees_its_thread():
@@ -205,7 +215,7 @@ def test_cancelled_search_stops_and_frees_its_thread():
     try:
         call = stub.Search.future(search_pb2.SearchRequest(game="connect4", moves="44", simulations=BIG))
         assert backend.started.wait(10)
-        time.sleep(0.3)  # searching now
+        time.sleep(CANCEL_AFTER_S)  # searching now
         cancelled_at = time.perf_counter()
         call.cancel()
         assert backend.finished.wait(10), "the search did not stop"
@@ -220,8 +230,9 @@ def test_cancelled_search_stops_and_frees_its_thread():
                 break
             time.sleep(0.01)
         assert service.servicer.cancelled == 1
-        FIGURES["cancel"] = {"budget_simulations": BIG, "simulations_done": rec["simulations"], "waves": rec["waves"],
-                             "stopped_after_cancel_ms": round(stopped_after_s * 1e3, 1)}
+        FIGURES.cancel = CancelFigures(budget_simulations=BIG, cancelled_after_ms=CANCEL_AFTER_S * 1e3,
+                                       simulations_done=rec["simulations"], waves=rec["waves"],
+                                       stopped_after_cancel_ms=round(stopped_after_s * 1e3, 1))
     finally:
         ch.close()
         service.stop()
@@ -245,9 +256,10 @@ def test_client_deadline_bounds_the_search():
         assert rec["simulations"] < BIG // 10 and rec["deadline_ms"] is not None and rec["deadline_ms"] <= 500
         r = stub.Search(search_pb2.SearchRequest(game="connect4", moves="4", simulations=16), timeout=10)
         assert r.simulations == 16
-        FIGURES["client_deadline"] = {"grpc_timeout_ms": 500, "outcome": outcome, "simulations_done": rec["simulations"],
-                                      "search_deadline_ms": round(rec["deadline_ms"], 1),
-                                      "answered_after_ms": round((time.perf_counter() - began) * 1e3, 1)}
+        FIGURES.client_deadline = ClientDeadlineFigures(
+            grpc_timeout_ms=500, outcome=outcome, simulations_done=rec["simulations"],
+            search_deadline_ms=round(rec["deadline_ms"], 1),
+            answered_after_ms=round((time.perf_counter() - began) * 1e3, 1))
     finally:
         ch.close()
         service.stop()

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from loadtest.reliability_report import save_figures
+from loadtest.reliability_figures import SoakFigures, save_figures
 from loadtest.soak import run_soak
 from tandem.config import ServerConfig
 
@@ -31,7 +31,7 @@ THREAD_GROWTH = {"reward": max(ServerConfig().max_workers, ServerConfig().max_co
 def report(tmp_path_factory):
     report = run_soak(seconds=SECONDS, engines=4, fps=15.0, simulations=32, evaluator="value_model",
                       log_dir=tmp_path_factory.mktemp("soak") / "logs")
-    save_figures("soak", report)
+    save_figures(SoakFigures.from_report(report))
     return report
 
 

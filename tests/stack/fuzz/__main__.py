@@ -14,6 +14,7 @@ import logging
 import sys
 import tempfile
 import warnings
+from dataclasses import asdict
 from pathlib import Path
 
 from .harness import BYTES_ADAPTERS, all_targets, run_all
@@ -58,10 +59,10 @@ def main(argv: list[str] | None = None) -> int:
         return _atheris(args.target[0], args.seconds or 60, extra)
     results = run_all(args.seconds, args.target)
     for r in results:
-        print(f"{r['target']:<18} {r['examples']:>7} examples in {r['seconds']:>6.1f} s  {r['outcomes']}")
+        print(f"{r.target:<18} {r.examples:>7} examples in {r.elapsed_s:>6.1f} s  {r.outcomes}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(results, f, indent=2)
+            json.dump([asdict(r) for r in results], f, indent=2)
     return 0
 
 

@@ -18,6 +18,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from tandem.v1 import reward_pb2, scheduler_pb2, search_pb2
 
+from loadtest.reliability_figures import FuzzTargetFigures
+
 from . import strategies as S
 from . import targets as T
 
@@ -87,7 +89,7 @@ def seconds_budget() -> float:
     return float(os.environ.get("TANDEM_FUZZ_SECONDS", DEFAULT_SECONDS))
 
 
-def run_target(target: Target, seconds: float) -> dict:
+def run_target(target: Target, seconds: float) -> FuzzTargetFigures:
     """Runs ``target`` for about ``seconds``; returns its figures. Raises on a contract violation."""
     outcomes: collections.Counter = collections.Counter()
 
@@ -110,16 +112,11 @@ def run_target(target: Target, seconds: float) -> dict:
         runs += 1
         if time.monotonic() - start >= seconds:
             break
-    return {
-        "target": target.name,
-        "code": target.what,
-        "examples": sum(outcomes.values()),
-        "seconds": round(time.monotonic() - start, 2),
-        "outcomes": dict(sorted(outcomes.items())),
-    }
+    return FuzzTargetFigures(target=target.name, code=target.what, examples=sum(outcomes.values()),
+                             elapsed_s=round(time.monotonic() - start, 2), outcomes=dict(sorted(outcomes.items())))
 
 
-def run_all(seconds: float | None = None, names: list[str] | None = None) -> list[dict]:
+def run_all(seconds: float | None = None, names: list[str] | None = None) -> list[FuzzTargetFigures]:
     targets = [t for t in all_targets() if not names or t.name in names]
     share = (seconds_budget() if seconds is None else seconds) / max(len(targets), 1)
     return [run_target(t, share) for t in targets]

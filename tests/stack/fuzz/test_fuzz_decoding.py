@@ -7,20 +7,20 @@ from __future__ import annotations
 
 import pytest
 
-from loadtest.reliability_report import save_figures
+from loadtest.reliability_figures import FuzzFigures, FuzzTargetFigures, save_figures
 
 from . import targets
 from .harness import all_targets, run_target, seconds_budget
 
 TARGETS = {t.name: t for t in all_targets()}
-_results: dict[str, dict] = {}
+_results: dict[str, FuzzTargetFigures] = {}
 
 
 @pytest.fixture(scope="module", autouse=True)
 def figures():
     yield
     if _results:
-        save_figures("fuzz", {"seconds_budget": seconds_budget(), "targets": list(_results.values())})
+        save_figures(FuzzFigures(budget_s=seconds_budget(), targets=list(_results.values())))
     targets.fixtures().close()  # the reward service and scheduler servicer the targets used
     targets.fixtures.cache_clear()
 
@@ -30,4 +30,4 @@ def figures():
 def test_fuzz_target(name):
     result = run_target(TARGETS[name], seconds_budget() / len(TARGETS))
     _results[name] = result
-    assert result["examples"] > 0
+    assert result.examples > 0

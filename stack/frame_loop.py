@@ -1,0 +1,264 @@
+"""A game engine's frame loop, shared by ``tandem play`` (stack/play.py) and
+the open-loop load generator (loadtest/generator.py).
+
+* Pacing: an engine has a frame every ``1 / fps`` s, N engines spread evenly
+  over the period (:func:`paced`); a late frame starts at once, so the
+  schedule does not drift.
+* The requests: a frame sends one ``Search`` of a Connect Four position and,
+  optionally, one ``Evaluate`` of it, both at once (:meth:`FrameClient.send`);
+  each request's times and outcome land in a :class:`Record` when its answer
+  comes.
+* Timing and the deadline: a frame's latency runs from a reference time (its
+  schedule, or when it was sent) to its last answer (:func:`frame_latency_ms`);
+  it is missed past its budget, the frame period ``1000 / fps`` ms
+  (:func:`frame_budget_ms`, :func:`missed_frames`).
+
+Times are ``time.monotonic()`` seconds; latencies and budgets are ms.
+"""
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+from tandem.v1 import reward_pb2, reward_pb2_grpc, search_pb2, search_pb2_grpc
+
+from search_service.games import connect4
+from tandem import tensors
+from tandem.positions import LabelledPosition, load_set
+from tandem.server import channel
+
+EVALUATORS = {"rollout": search_pb2.EVALUATOR_ROLLOUT, "value_model": search_pb2.EVALUATOR_VALUE_MODEL}
+
+
+# -- the per-frame deadline ------------------------------------------------------------------------
+def frame_budget_ms(fps: float) -> float:
+    """A frame's budget in ms: its period, ``1000 / fps``.
+
+    Raises:
+        ZeroDivisionError: ``fps`` is 0.
+    """
+    return 1000.0 / fps
+
+
+def missed_frames(latencies_ms: Iterable[float], budget_ms: float) -> int:
+    """How many frame latencies (ms) exceed the frame budget (ms)."""
+    return sum(x > budget_ms for x in latencies_ms)
+
+
+# -- positions ---------------------------------------------------------------------------------------
+def shuffled_positions(position_sets: Iterable[str], seed: int) -> list[LabelledPosition]:
+    """The labelled positions of ``position_sets``, in an order fixed by ``seed``.
+
+    Raises:
+        FileNotFoundError / ValueError: from ``tandem.positions.load_set`` (an unknown set).
+    """
+    positions = [p for name in position_sets for p in load_set(name)]
+    random.Random(seed).shuffle(positions)
+    return positions
+
+
+def board_observation(moves: str) -> np.ndarray:
+    """The value model's input for the position after ``moves`` (its board planes)."""
+    return connect4.observation(connect4.parse_moves(moves))
+
+
+def game_phase(stones: int) -> int:
+    """The search's ``GamePhase`` for a position with ``stones`` stones on the board."""
+    if stones < 12:
+        return search_pb2.GAME_PHASE_EARLY
+    return search_pb2.GAME_PHASE_MID if stones < 28 else search_pb2.GAME_PHASE_LATE
+
+
+# -- pacing ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Tick:
+    """One engine's frame, due at ``due`` (monotonic s)."""
+
+    engine: int
+    frame: int
+    due: float
+
+
+def paced(fps: float, *, engines: int = 1, frames: int | None = None, duration_s: float | None = None,
+          start: float | None = None, stop: threading.Event | None = None) -> Iterator[Tick]:
+    """Yields each engine's frame when it is due: frame ``k`` of engine ``e`` at
+    ``start + (k + e / engines) / fps`` s (monotonic; ``start`` defaults to now).
+
+    Ends after ``frames`` frames per engine, at the first frame due ``duration_s``
+    or more after ``start``, or when ``stop`` is set (checked before each round of
+    engines and while waiting); None: no such bound. A late frame is yielded at
+    once rather than shifting the ones after it, so a slow consumer is not hidden.
+
+    Raises:
+        ZeroDivisionError: ``fps`` or ``engines`` is 0.
+    """
+    period = 1.0 / fps
+    t0 = time.monotonic() if start is None else start
+    k = 0
+    while (frames is None or k < frames) and not (stop is not None and stop.is_set()):
+        frame_start = t0 + k * period
+        if duration_s is not None and frame_start - t0 >= duration_s:
+            return
+        for e in range(engines):
+            due = frame_start + e * period / engines
+            delay = due - time.monotonic()
+            if delay > 0:
+                if stop is None:
+                    time.sleep(delay)
+                elif stop.wait(delay):
+                    return
+            yield Tick(e, k, due)
+        k += 1
+
+
+# -- a frame's requests -------------------------------------------------------------------------------
+@dataclass
+class Record:
+    """One request of a frame: when it was due and sent, and how it ended."""
+
+    kind: str  # "search" | "evaluate"
+    engine: int
+    frame: int
+    scheduled: float  # time.monotonic() the frame was due
+    sent: float  # time.monotonic() the request left
+    done: float | None = None  # time.monotonic() its answer (or error) came; None while in flight
+    code: str | None = None  # "OK" or a StatusCode name; None while in flight
+    evaluator: str | None = None  # search answers: EVALUATOR_ROLLOUT / EVALUATOR_VALUE_MODEL
+    simulations: int | None = None  # search answers: simulations completed
+    server_queue_ms: float | None = None  # evaluate answers: the reward batcher's wait (server-side)
+    server_compute_ms: float | None = None  # evaluate answers: the model run of its batch (server-side)
+
+
+def frame_latency_ms(records: list[Record], since: float) -> float | None:
+    """ms from ``since`` (monotonic s) to a frame's last answer; None unless all
+    its requests were answered OK."""
+    if not all(r.code == "OK" for r in records):
+        return None
+    return (max(r.done for r in records) - since) * 1e3
+
+
+@dataclass
+class SentFrame:
+    """A frame's requests, in flight: their records (filled as answers come) and calls."""
+
+    tick: Tick
+    expected: int  # requests the frame sends
+    records: list[Record] = field(default_factory=list)
+    calls: list[grpc.Future | None] = field(default_factory=list)  # None: the send itself failed
+    _answered: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Blocks until every request has its outcome (or ``timeout_s``); True if they all have."""
+        return self._answered.wait(timeout_s)
+
+    def failure(self) -> str | None:
+        """The first request's code that is not OK (search first); None if all are OK."""
+        return next((r.code for r in self.records if r.code != "OK"), None)
+
+    def replies(self) -> list:
+        """The answers, in the order sent (after :meth:`wait` and no :meth:`failure`).
+
+        Raises:
+            grpc.RpcError: a call failed.
+        """
+        return [c.result() for c in self.calls]
+
+    def _track(self, rec: Record, make: Callable[[], grpc.Future]) -> None:
+        self.records.append(rec)
+        try:
+            call = make()
+        except Exception as exc:  # the channel refused at once (e.g. closed)
+            self.calls.append(None)
+            self._finish(rec, f"SEND_FAILED:{type(exc).__name__}")
+            return
+        self.calls.append(call)
+        call.add_done_callback(lambda f: self._answer(rec, f))
+
+    def _answer(self, rec: Record, f: grpc.Future) -> None:
+        """On gRPC's callback thread: the record's outcome and the reply's own figures."""
+        try:
+            reply = f.result()
+            if rec.kind == "search":
+                rec.evaluator = search_pb2.Evaluator.Name(reply.evaluator)
+                rec.simulations = reply.simulations
+            else:
+                rec.server_queue_ms, rec.server_compute_ms = reply.queue_ms, reply.compute_ms
+            code = "OK"
+        except grpc.RpcError as exc:
+            code = exc.code().name
+        except Exception as exc:  # cancelled future
+            code = type(exc).__name__
+        self._finish(rec, code)
+
+    def _finish(self, rec: Record, code: str) -> None:
+        rec.done = time.monotonic()
+        rec.code = code
+        # Each record's outcome is written before this check, so the last one to finish sees them all
+        # (and a search answered before the Evaluate left does not end the wait).
+        if len(self.records) == self.expected and all(r.code is not None for r in self.records):
+            self._answered.set()
+
+
+class FrameClient:
+    """An engine's connections to the search and reward services: a frame's
+    ``Search`` and ``Evaluate``, sent at once."""
+
+    def __init__(self, search_address: str, reward_address: str, cfg=None, *, model: str = "connect4_value"):
+        """``cfg``: the tandem config whose TLS and token the channels use (None: plaintext)."""
+        self.model = model
+        self._search_ch = channel(search_address, cfg)
+        self._reward_ch = channel(reward_address, cfg)
+        self._search = search_pb2_grpc.SearchServiceStub(self._search_ch)
+        self._reward = reward_pb2_grpc.RewardServiceStub(self._reward_ch)
+        self._metadata: reward_pb2.ModelMetadataResponse | None = None
+
+    def metadata(self) -> reward_pb2.ModelMetadataResponse:
+        """The value model's metadata (asked once, 10 s deadline).
+
+        Raises:
+            grpc.RpcError: ModelMetadata failed (the reward service is down, the model unknown).
+        """
+        if self._metadata is None:
+            self._metadata = self._reward.ModelMetadata(reward_pb2.ModelMetadataRequest(model=self.model), timeout=10)
+        return self._metadata
+
+    def send(self, tick: Tick, moves: str, *, simulations: int, evaluator: str, seed: int, timeout_s: float,
+             session_id: str = "", deadline_ms: float = 0.0,
+             evaluate: Callable[[], np.ndarray] | None = None) -> SentFrame:
+        """Sends the frame's ``Search`` of the position after ``moves`` and, with
+        ``evaluate``, an ``Evaluate`` (request class critical) of the array it returns;
+        neither waits for an answer.
+
+        ``simulations`` 0: the ``deadline_ms`` alone bounds the search; ``deadline_ms``
+        0: the simulations alone; ``timeout_s``: the gRPC deadline of both calls.
+        ``evaluate`` is called once the search has left (an engine's frame render
+        then costs the Evaluate, not the Search).
+
+        Raises:
+            ValueError: ``evaluator`` is not one of :data:`EVALUATORS`.
+            grpc.RpcError: (with ``evaluate``) the model's metadata could not be read.
+        """
+        if evaluator not in EVALUATORS:
+            raise ValueError(f"evaluator: must be one of {sorted(EVALUATORS)}, got {evaluator!r}")
+        request = search_pb2.SearchRequest(
+            game="connect4", moves=moves, simulations=simulations, deadline_ms=deadline_ms,
+            phase=game_phase(len(moves)), evaluator=EVALUATORS[evaluator], seed=seed, session_id=session_id)
+        frame = SentFrame(tick, expected=1 if evaluate is None else 2)
+        frame._track(Record("search", tick.engine, tick.frame, tick.due, time.monotonic()),
+                     lambda: self._search.Search.future(request, timeout=timeout_s))
+        if evaluate is not None:
+            ev = reward_pb2.EvaluateRequest(
+                model=self.model, inputs=[tensors.to_proto(self.metadata().inputs[0].name, evaluate())],
+                output_names=["value"], request_class=reward_pb2.REQUEST_CLASS_CRITICAL)
+            frame._track(Record("evaluate", tick.engine, tick.frame, tick.due, time.monotonic()),
+                         lambda: self._reward.Evaluate.future(ev, timeout=timeout_s))
+        return frame
+
+    def close(self) -> None:
+        self._search_ch.close()
+        self._reward_ch.close()
