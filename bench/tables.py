@@ -1,4 +1,4 @@
-"""Renders the README's benchmark tables (Markdown) from bench/results/*.json.
+"""Renders the benchmark tables of docs/benchmarks.md (Markdown) from bench/results/*.json.
 
 Prints to stdout, one section per result file: a line saying when, where and
 from which commit it was measured, then the table. mcts_throughput is pivoted

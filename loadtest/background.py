@@ -1,5 +1,5 @@
 """A background client that saturates the reward service: an RL trainer
-scoring rollouts, in large batches of request class bulk of rendered frames.
+scoring rollouts, in large batches of rendered frames sent as bulk requests.
 
 ``workers`` threads each send one ``Evaluate`` of ``batch`` frames at a time
 (closed loop: the next as soon as the last is answered), at

@@ -22,6 +22,8 @@ import subprocess
 import sys
 import time
 
+from stack.stats import percentiles
+
 CHAIN_KERNELS = 30  # kernels per chain (one MCTS wave)
 CHAIN_REPEATS = 200
 COPY_BYTES = 64 << 20  # host -> device copy size for the bandwidth check
@@ -102,8 +104,8 @@ def chain(with_load: bool, low: bool = False, load_seconds: float = 8.0) -> dict
         if child is not None:
             child.terminate()
             child.wait(10)
-    a = np.asarray(times)
-    return {"p50_ms": round(float(np.percentile(a, 50)), 3), "p99_ms": round(float(np.percentile(a, 99)), 3)}
+    p50, p99 = percentiles(times, 50, 99)
+    return {"p50_ms": round(p50, 3), "p99_ms": round(p99, 3)}
 
 
 def load(seconds: float) -> None:
