@@ -201,9 +201,13 @@ class Batcher:
         max_queue_size: most requests waiting (running ones not counted).
         name: for the worker thread's name and logs.
         clock: ``time.monotonic`` (tests may pass another monotonic clock).
+        warm_up: called once on the worker thread before it takes any request
+            (the model's warm-up: ONNX Runtime's CUDA execution provider keeps
+            per-thread state); the constructor returns when it is done.
 
     Raises:
         ValueError: a non-positive size, a negative delay, unsorted buckets.
+        Exception: whatever ``warm_up`` raised (the worker has then stopped).
     """
 
     def __init__(
@@ -217,6 +221,7 @@ class Batcher:
         name: str = "model",
         clock: Callable[[], float] = time.monotonic,
         merge: bool = True,
+        warm_up: Callable[[], None] | None = None,
     ):
         buckets = tuple(int(b) for b in buckets)
         if list(buckets) != sorted(set(buckets)) or any(b <= 0 for b in buckets):
@@ -239,8 +244,14 @@ class Batcher:
         self._queued = 0  # guarded by _lock
         self._closed = False  # guarded by _lock
         self._stats = collections.Counter()  # guarded by _lock
+        self._warm_up = warm_up
+        self._warm_up_error: BaseException | None = None
+        self._warmed = threading.Event()
         self._worker = threading.Thread(target=self._loop, name=f"batcher-{name}", daemon=True)
         self._worker.start()
+        self._warmed.wait()
+        if self._warm_up_error is not None:
+            raise self._warm_up_error
 
     # -- the submitting side (gRPC threads) ------------------------------------
 
@@ -359,6 +370,14 @@ class Batcher:
     # -- the worker ------------------------------------------------------------
 
     def _loop(self) -> None:
+        try:
+            if self._warm_up is not None:
+                self._warm_up()
+        except BaseException as exc:  # handed to the constructor, which raises it
+            self._warm_up_error = exc
+            return
+        finally:
+            self._warmed.set()
         while True:
             with self._lock:
                 while True:

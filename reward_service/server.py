@@ -185,6 +185,7 @@ def _batcher(session: ModelSession, cfg: TandemConfig) -> Batcher:
         max_queue_size=cfg.reward.max_queue_size,
         name=session.name,
         merge=session.mergeable,
+        warm_up=session.warm_up,  # on the worker thread, which runs every request
     )
 
 
@@ -198,7 +199,7 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True) -> Service:
     models = cfg.reward.models
     # The memory pool is split evenly over every session (models x stream priorities).
     per_session = cfg.reward.memory_pool_bytes // max(len(models) * len(cfg.reward.stream_priorities), 1)
-    sessions = {m.name: ModelSession(m, cfg.reward, pool_bytes=per_session) for m in models}
+    sessions = {m.name: ModelSession(m, cfg.reward, pool_bytes=per_session, warm=False) for m in models}
     providers = sorted({s.execution_provider for s in sessions.values()})
     log.warning("reward service: execution provider(s) in use: %s", ", ".join(providers))
     for s in sessions.values():

@@ -346,6 +346,12 @@ class ModelSession:
             (bytes; 0 = no limit); default ``cfg.memory_pool_bytes``.
         host_binding: run the IO-binding path over host buffers and the CPU
             provider (tests of that path without a GPU).
+        warm: warm up now, on this thread (:meth:`warm_up`). The server passes
+            False and has each model's batcher worker -- the one thread that
+            runs its requests -- warm it up before the service reports SERVING:
+            ONNX Runtime's CUDA execution provider keeps per-thread state, so a
+            warm-up on another thread left the first request at each bucket
+            paying for it (80-130 ms with cuDNN's EXHAUSTIVE search, on the H200).
 
     Raises (constructor):
         RuntimeError: ``cuda`` was required but the session did not get it;
@@ -353,7 +359,7 @@ class ModelSession:
     """
 
     def __init__(self, model: ModelConfig, cfg: RewardConfig, *, pool_bytes: int | None = None,
-                 host_binding: bool = False):
+                 host_binding: bool = False, warm: bool = True):
         self.name = model.name
         self.description = model.description
         self.max_batch_size = model.max_batch_size
@@ -378,7 +384,9 @@ class ModelSession:
             del probe  # its arena is released before the bound sessions allocate theirs
             self._build_bound_runners(factory, model, cfg, cupy)
         self._active = self._runners[0]  # swapped by set_stream_priority (one reference write)
-        self._warm_up()
+        self.warm_up_ms = 0.0
+        if warm:
+            self.warm_up()
         log.info("model %s (%s) on %s: %s", model.name, path, self.execution_provider,
                  "; ".join(f"{k}: {v}" for k, v in self.runtime.items()))
 
@@ -492,10 +500,10 @@ class ModelSession:
         session = factory.cuda(device.stream_handle) if device.ort_device == "cuda" else factory.cpu()
         return _BoundRunner(session, device, self.inputs, self.outputs, self.buckets, False), failure
 
-    def _warm_up(self) -> None:
+    def warm_up(self) -> None:
         """Runs every bucket of every runner (cuDNN algorithm search, arena
-        growth, graph capture), so that the first request pays none of it;
-        sets ``warm_up_ms`` (ms)."""
+        growth, graph capture) on the calling thread, so that the first request
+        run on this thread pays none of it; sets ``warm_up_ms`` (ms)."""
         start = time.perf_counter()
         for runner in self._runners:
             runner.warm_up(self.inputs)

@@ -391,3 +391,23 @@ def test_a_failure_after_the_run_answers_the_requests_and_keeps_the_worker():
         assert second.wait(5.0) and second.error is None
     finally:
         b.close()
+
+
+def test_warm_up_runs_on_the_worker_thread_before_any_request():
+    model, warmed_on = Model(), []
+    b = make(model, warm_up=lambda: warmed_on.append(threading.current_thread().name))
+    try:
+        assert warmed_on == [f"batcher-{b.name}"]  # done by the time the constructor returns
+        r = b.submit(rows_of(1, 2), 2)
+        assert r.wait(5) and r.result()["y"].shape == (2, 3)
+        assert model.threads == warmed_on  # the thread that warmed up runs the requests
+    finally:
+        b.close()
+
+
+def test_a_failed_warm_up_fails_the_constructor():
+    def broken():
+        raise RuntimeError("cuDNN: out of memory")
+
+    with pytest.raises(RuntimeError, match="out of memory"):
+        make(Model(), warm_up=broken)

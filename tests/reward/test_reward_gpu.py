@@ -171,3 +171,24 @@ def test_grpc_service_on_the_gpu(cuda_ready):
     finally:
         ch.close()
         service.stop()
+
+
+def test_the_first_request_at_every_bucket_costs_at_most_twice_its_p50(cuda_ready):
+    """Every bucket of every session is warmed on the thread that serves it
+    before SERVING: no autotuning, capture or allocation on the request path
+    (the bundled models, as configured in deploy/config/tandem.yaml)."""
+    import dataclasses
+
+    from bench.first_request import measure
+    from conftest import loopback_config
+    from tandem.config import load_config
+
+    shipped = load_config().reward
+    cfg = loopback_config(reward={"execution_provider": "cuda"})
+    cfg = dataclasses.replace(cfg, reward=dataclasses.replace(shipped, address=cfg.reward.address, metrics_port=0,
+                                                              execution_provider="cuda"))
+    rows = measure(cfg, repeats=15)
+    assert {r["model"] for r in rows} == {m.name for m in shipped.models}
+    assert len({r["stream_priority"] for r in rows}) == len(shipped.stream_priorities)
+    slow = [r for r in rows if r["first_ms"] > 2 * r["p50_ms"]]
+    assert not slow, slow
