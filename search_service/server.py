@@ -24,8 +24,10 @@ from prometheus_client import Counter, Gauge, Histogram
 from tandem.v1 import scheduler_pb2, search_pb2, search_pb2_grpc
 
 from search_service.backends import make_backend
+from search_service.coalescing import CoalescingEvaluator
 from search_service.evaluators import HANDOFF_GRPC, RewardServiceEvaluator
 from search_service.games import GAMES
+from search_service.leaf_cache import CachedEvaluator, EvaluationCache
 from search_service.mcts import tree as tr
 from search_service.mcts.backend import SearchParams
 from search_service.sessions import SessionStore
@@ -295,7 +297,11 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True) -> Service:
     _warm_up(backend, cfg)
     reward_channel = channel(cfg.search.reward_address or cfg.reward.address, cfg)
     streams = StreamSet(cfg.search.stream_priorities, cupy)
-    servicer = SearchServicer(cfg, backend, RewardServiceEvaluator(reward_channel, cfg.search.value_model), streams)
+    # Leaves: the cache answers what it can, the rest of every search waiting goes in one call.
+    coalescer = CoalescingEvaluator(RewardServiceEvaluator(reward_channel, cfg.search.value_model),
+                                    cfg.search.coalesce_max_rows)
+    evaluator = CachedEvaluator(coalescer, EvaluationCache(cfg.search.evaluation_cache_bytes))
+    servicer = SearchServicer(cfg, backend, evaluator, streams)
     POOL_BYTES.labels("used").set_function(lambda: pools.cupy_pool_use(cupy)[0])
     POOL_BYTES.labels("limit").set_function(lambda: pools.cupy_pool_use(cupy)[1])
 
@@ -317,7 +323,7 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True) -> Service:
         follow_scheduler=follow_scheduler,
     )
     service.servicer = servicer
-    service.on_close = reward_channel.close
+    service.on_close = lambda: (coalescer.close(), reward_channel.close())
     return service
 
 

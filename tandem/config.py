@@ -161,6 +161,12 @@ class SearchConfig:
     # CuPy memory pool limit (MemoryPool.set_limit), fixed at start; a search that would
     # exceed it fails with RESOURCE_EXHAUSTED. 0 = no limit.
     memory_pool_bytes: int = 0
+    # Value-model leaves: the answers of positions already evaluated, kept up to this
+    # many bytes (least recently used out; search_service/leaf_cache.py). 0 = no cache.
+    evaluation_cache_bytes: int = 64 << 20
+    # Leaves of concurrent searches go to the reward service in one Evaluate per
+    # dispatch, up to this many rows (search_service/coalescing.py).
+    coalesce_max_rows: int = 4096
     server: ServerConfig = field(default_factory=ServerConfig)
 
 
@@ -186,7 +192,8 @@ _CHOICES = {
     "search.evaluator": ("rollout", "value_model"),
 }
 # Fields that may be zero (meaning "off" or "default"); every other number must be positive.
-_MAY_BE_ZERO = {"metrics_port", "gpu_memory_bytes", "memory_pool_bytes", "intra_op_threads", "max_queue_delay_us"}
+_MAY_BE_ZERO = {"metrics_port", "gpu_memory_bytes", "memory_pool_bytes", "intra_op_threads", "max_queue_delay_us",
+                "evaluation_cache_bytes"}
 # Sections that validate themselves (their dataclass's __post_init__), where zero may be meaningful.
 _SELF_CHECKED = {"urgency"}
 # Lists of numbers checked by their own rule instead (in _check_list).
