@@ -85,7 +85,8 @@ class Tick:
 
 
 def paced(fps: float, *, engines: int = 1, frames: int | None = None, duration_s: float | None = None,
-          start: float | None = None, stop: threading.Event | None = None) -> Iterator[Tick]:
+          start: float | None = None, stop: threading.Event | None = None,
+          clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> Iterator[Tick]:
     """Yields each engine's frame when it is due: frame ``k`` of engine ``e`` at
     ``start + (k + e / engines) / fps`` s (monotonic; ``start`` defaults to now).
 
@@ -93,12 +94,14 @@ def paced(fps: float, *, engines: int = 1, frames: int | None = None, duration_s
     or more after ``start``, or when ``stop`` is set (checked before each round of
     engines and while waiting); None: no such bound. A late frame is yielded at
     once rather than shifting the ones after it, so a slow consumer is not hidden.
+    ``clock`` and ``sleep`` (without ``stop``; with it, ``stop.wait``) are the
+    time it reads and how it waits (tests pass a fake clock).
 
     Raises:
         ZeroDivisionError: ``fps`` or ``engines`` is 0.
     """
     period = 1.0 / fps
-    t0 = time.monotonic() if start is None else start
+    t0 = clock() if start is None else start
     k = 0
     while (frames is None or k < frames) and not (stop is not None and stop.is_set()):
         frame_start = t0 + k * period
@@ -106,10 +109,10 @@ def paced(fps: float, *, engines: int = 1, frames: int | None = None, duration_s
             return
         for e in range(engines):
             due = frame_start + e * period / engines
-            delay = due - time.monotonic()
+            delay = due - clock()
             if delay > 0:
                 if stop is None:
-                    time.sleep(delay)
+                    sleep(delay)
                 elif stop.wait(delay):
                     return
             yield Tick(e, k, due)
