@@ -98,8 +98,11 @@ def paced(fps: float, *, engines: int = 1, frames: int | None = None, duration_s
     time it reads and how it waits (tests pass a fake clock).
 
     Raises:
-        ZeroDivisionError: ``fps`` or ``engines`` is 0.
+        ValueError: ``engines`` < 1.
+        ZeroDivisionError: ``fps`` is 0.
     """
+    if engines < 1:
+        raise ValueError(f"engines must be >= 1, got {engines}")
     period = 1.0 / fps
     t0 = clock() if start is None else start
     k = 0

@@ -393,3 +393,8 @@ def test_a_frame_to_servers_that_are_not_there_fails_with_their_status():
             frame.replies()
     finally:
         client.close()
+
+
+def test_no_engines_is_refused_rather_than_spinning():
+    with pytest.raises(ValueError, match="engines"):
+        next(paced(60, engines=0))
