@@ -58,6 +58,7 @@ from typing import Callable
 import cupy
 import numpy as np
 
+from search_service.cuda import abi
 from search_service.cuda import pool as pl
 from search_service.cuda.module import kernel
 from search_service.games import connect4
@@ -73,12 +74,8 @@ from search_service.mcts.philox import seed_key
 from tandem import nvtx
 
 A = connect4.NUM_ACTIONS
-MAX_DEPTH = connect4.MAX_MOVES
 BACKUPS = ("warp_aggregated", "global_atomic")
-WARPS_PER_BLOCK = 4  # search kernels are built for 128-thread blocks
 SCALE_TABLE = 1 << 18  # UCT scale(N) = c_uct * sqrt(ln N) from NumPy for N below this (2 MiB)
-RES_INTS = 72  # finish_trees' row per tree
-TS_FIELDS = 8
 _BUDGET_NONE = 1 << 30  # "no simulation budget" (deadline only)
 STOP_SLICE = 1024  # simulations per tree per launch when a stop request must be polled
 _TERMINAL_LOSS = tr.TERMINAL_LOSS
@@ -221,46 +218,39 @@ class _Search:
     def _allocate(self) -> None:
         b, cap = self.b, self.cap
         self.pool = cupy.empty((b, cap * pl.NODE_BYTES), np.uint8)
-        # One int32 buffer for the small per-call state: ts [B, 8], cycles u64 [B, 4],
-        # the deadline's start time (u64), results [B, RES_INTS].
-        n_ts, n_cyc = b * TS_FIELDS, b * 8
-        state = cupy.empty(n_ts + n_cyc + 2 + b * RES_INTS, np.int32)
-        self.ts = state[:n_ts]
-        self.cyc = state[n_ts : n_ts + n_cyc]
-        self.t0_dev = state[n_ts + n_cyc : n_ts + n_cyc + 2]
-        self.res = state[n_ts + n_cyc + 2 :]
-        self.state = state
+        # One allocation for the small per-call state: the TS, CYC and RES rows
+        # of the B trees and the deadline clock's start time (u64).
+        sizes = (b * abi.TREE_STATE.nbytes, b * abi.CYCLES.nbytes, 8, b * abi.RESULT.nbytes)
+        self.state = cupy.empty(sum(sizes), np.uint8)
+        ts, cyc, t0, res = abi.carve(self.state, *sizes)
+        self.ts, self.cyc, self.t0_dev, self.res = ts.view(np.int32), cyc.view(np.uint64), t0.view(np.uint64), res
         for i, t in self.kept.items():
             pl.copy_into(self.pool.data.ptr + i * cap * pl.NODE_BYTES, cap, t)
 
     def _init_rows(self) -> np.ndarray:
-        """uint32 [B, 16], what init_trees reads (see kernels/search.cu)."""
+        """The B trees' INIT rows (abi.INIT.dtype [B]), what init_trees reads."""
         b = self.b
-        init = np.zeros((b, 16), np.uint32)
-        cur = self.roots.current.astype(np.uint64)
-        mask = self.roots.mask.astype(np.uint64)
-        init[:, 0] = (cur & np.uint64(0xFFFFFFFF)).astype(np.uint32)
-        init[:, 1] = (cur >> np.uint64(32)).astype(np.uint32)
-        init[:, 2] = (mask & np.uint64(0xFFFFFFFF)).astype(np.uint32)
-        init[:, 3] = (mask >> np.uint64(32)).astype(np.uint32)
-        init[:, 4] = self.used
+        init = np.zeros(b, abi.INIT.dtype)
+        init["current"] = self.roots.current
+        init["mask"] = self.roots.mask
+        init["nodes"] = self.used
         fresh = np.array([i not in self.kept for i in range(b)])
-        init[:, 5] = fresh
+        init["fresh"] = fresh
         if self.puct and fresh.any():
             t = time.perf_counter()
             idx = np.flatnonzero(fresh)
             _, priors = _call_model(self.evaluator, self.roots.current[idx], self.roots.mask[idx])
             if priors is not None:
-                init[idx, 7] = 1
-                init[idx, 8:15] = priors.view(np.uint32)
-            init[idx, 6] = 1  # the root's own evaluation: sqrt(N) > 0 at the first choice
+                init["has_priors"][idx] = 1
+                init["priors"][idx] = priors
+            init["root_visits"][idx] = 1  # the root's own evaluation: sqrt(N) > 0 at the first choice
             self.ms["evaluate"] += (time.perf_counter() - t) * 1e3
         return init
 
     # -- the search -------------------------------------------------------------------
     def run(self) -> tuple[list[SearchResult], list[pl.CudaTree]]:
         self._allocate()
-        init = cupy.asarray(self._init_rows())
+        init = cupy.asarray(self._init_rows().view(np.uint32))  # CuPy has no structured dtypes
         kernel("init_trees")(
             ((self.b + 127) // 128,),
             (128,),
@@ -273,11 +263,11 @@ class _Search:
             self._rollout_search()
         t = time.perf_counter()
         kernel("finish_trees")(
-            ((self.b + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK,),
-            (32 * WARPS_PER_BLOCK,),
+            ((self.b + abi.WARPS_PER_BLOCK - 1) // abi.WARPS_PER_BLOCK,),
+            (32 * abi.WARPS_PER_BLOCK,),
             (self.pool, np.int64(self.cap), np.int32(self.b), self.ts, self.cyc, self.res),
         )
-        res = self.res.get().reshape(self.b, RES_INTS)
+        res = self.res.get().view(abi.RESULT.dtype)  # [B]
         kernel_ms = (time.perf_counter() - self.t_launch) * 1e3 if not self.puct else None
         if not self.puct:
             self._split_kernel_time(kernel_ms, res)
@@ -295,14 +285,14 @@ class _Search:
         total = p.simulations if p.simulations is not None else _BUDGET_NONE
         name = "mcts_rollout_aggregated" if self.be.backup == "warp_aggregated" else "mcts_rollout_global"
         warps = self.b * self.w
-        smem = 1024 + WARPS_PER_BLOCK * (g * MAX_DEPTH + 64) * 4
+        smem = abi.COLUMN_TABLE_BYTES + abi.WARPS_PER_BLOCK * (g * abi.MAX_DEPTH + 64) * 4  # search.cu: warp_scratch_ints
         scale = self.be.scale_table(p.c_uct)
         fn = kernel(name)
 
         def launch(budget: int) -> None:
             fn(
-                ((warps + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK,),
-                (32 * WARPS_PER_BLOCK,),
+                ((warps + abi.WARPS_PER_BLOCK - 1) // abi.WARPS_PER_BLOCK,),
+                (32 * abi.WARPS_PER_BLOCK,),
                 (
                     self.pool, np.int64(self.cap), np.int32(self.limit), np.int32(self.b), np.int32(self.w),
                     np.int32(g), np.int32(self.k), np.int32(budget), np.int64(deadline_ns), self.t0_dev, self.ts,
@@ -336,25 +326,29 @@ class _Search:
                 return
 
     def _split_kernel_time(self, kernel_ms: float, res: np.ndarray) -> None:
-        cycles = res[:, 64:72].copy().view(np.uint64).astype(np.float64).sum(axis=0)  # [4]
+        """Splits the kernel's wall time over the phases by their shares of the warps' cycles."""
+        cycles = res["cycles"].astype(np.float64).sum(axis=0)  # [len(PHASES)]
         total = cycles.sum()
-        share = cycles / total if total > 0 else np.array([1.0, 0.0, 0.0, 0.0])
-        for name, s in zip(("select", "expand", "evaluate", "backup"), share):
+        share = cycles / total if total > 0 else np.eye(len(abi.PHASES))[0]  # all to select
+        for name, s in zip(abi.PHASES, share):
             self.ms[name] += kernel_ms * float(s)
 
     def _value_model_waves(self) -> bool:
         """The wave loop for PUCT with the value model; returns deadline_reached."""
         p, b, k_max, w, g = self.p, self.b, self.k, self.w, self.g
         n = b * k_max
-        stage = cupy.empty(n * (16 + 84), np.uint8)  # meta int32 [n, 4], then obs uint8 [n, 84]
-        meta_dev = stage[: n * 16].view(np.int32).reshape(n, 4)
-        obs_dev = stage[n * 16 :].reshape(n, 84)
-        paths = cupy.empty(n * MAX_DEPTH, np.int32)
-        vin_dev = cupy.empty((n, 8), np.float32)
+        # What one wave's selection hands the host, copied back in one piece:
+        # the META rows, then the OBS rows, of the n simulation slots.
+        stage_sizes = (n * abi.META.nbytes, n * abi.OBS.nbytes)
+        stage = cupy.empty(sum(stage_sizes), np.uint8)
+        meta_dev, obs_dev = abi.carve(stage, *stage_sizes)
+        obs_dev = obs_dev.reshape(n, abi.OBS.words)
+        paths = cupy.empty(n * abi.MAX_DEPTH, np.int32)
+        vin_dev = cupy.empty(n * abi.EVAL.words, np.float32)
         aggregated = self.be.backup == "warp_aggregated"
         backup_kernel = kernel("mcts_vm_backup_aggregated" if aggregated else "mcts_vm_backup_global")
-        grid = ((b * w + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK,)
-        block = (32 * WARPS_PER_BLOCK,)
+        grid = ((b * w + abi.WARPS_PER_BLOCK - 1) // abi.WARPS_PER_BLOCK,)
+        block = (32 * abi.WARPS_PER_BLOCK,)
         slot = np.arange(n)
         in_wave_of = slot % k_max
         wants_cupy = bool(getattr(self.evaluator, "accepts_cupy", False))
@@ -379,33 +373,35 @@ class _Search:
                     ),
                 )
                 staged = stage.get()
-            meta = staged[: n * 16].view(np.int32).reshape(n, 4)
+            meta_host, obs_host = abi.carve(staged, *stage_sizes)
+            meta = meta_host.view(abi.META.dtype)  # [n]
             t1 = time.perf_counter()
             active = in_wave_of < k
-            term = np.where(active, meta[:, 2], -1)
-            leader = meta[:, 3]
+            term = np.where(active, meta["terminal"], -1)
+            leader = meta["leader"]
             rows = np.flatnonzero(active & (term == tr.NOT_TERMINAL) & (leader == slot))
-            vin = np.zeros((n, 8), np.float32)
-            vin[active & (term == _TERMINAL_LOSS), 0] = -1.0
+            vin = np.zeros(n, abi.EVAL.dtype)
+            vin["value"][active & (term == _TERMINAL_LOSS)] = -1.0
             has_priors = False
             if rows.size:
+                planes = obs_host.reshape(n, 2, connect4.ROWS, connect4.COLUMNS)
                 if wants_cupy:
                     obs = obs_dev[cupy.asarray(rows)].reshape(-1, 2, connect4.ROWS, connect4.COLUMNS)
                 else:
-                    obs = staged[n * 16 :].reshape(n, 2, connect4.ROWS, connect4.COLUMNS)[rows]
-                legal = (staged[n * 16 :].reshape(n, 2, connect4.ROWS, connect4.COLUMNS)[rows, :, -1, :] == 0).all(axis=1)
+                    obs = planes[rows]
+                legal = (planes[rows, :, -1, :] == 0).all(axis=1)
                 with nvtx.span("search.evaluate"):
                     values, priors = _model_answer(self.evaluator, obs, legal)
                 by_slot = np.zeros(n, np.float32)
                 by_slot[rows] = values
                 open_ = active & (term == tr.NOT_TERMINAL)
-                vin[open_, 0] = by_slot[leader[open_]]
+                vin["value"][open_] = by_slot[leader[open_]]
                 if priors is not None:
-                    vin[rows, 1:] = priors
+                    vin["priors"][rows] = priors
                     has_priors = True
             t2 = time.perf_counter()
             with nvtx.span("search.backup"):
-                vin_dev.set(vin)
+                vin_dev.set(vin.view(np.float32))
                 backup_kernel(
                     grid, block,
                     (
@@ -422,24 +418,25 @@ class _Search:
 
     # -- answer ---------------------------------------------------------------------------
     def _num_nodes(self, res: np.ndarray) -> np.ndarray:
-        return np.minimum(res[:, 15].astype(np.int64), np.maximum(self.limit, self.used))
+        """int64 [B]: slots in use (claims past the limit were refused)."""
+        return np.minimum(res["nodes"].astype(np.int64), np.maximum(self.limit, self.used))
 
     def _results(self, res: np.ndarray, deadline_reached: bool | None, kernel_ms: float | None) -> list[SearchResult]:
         # Whole-batch arrays and lists first: per-tree Python work is what a
         # large batch pays on the host.
-        visits = res[:, 0:7].astype(np.int64)
-        value = res[:, 7:14].copy().view(np.float32).astype(np.float64)
+        visits = res["visits"].astype(np.int64)
+        value = res["value_sum"].astype(np.float64)
         q = np.where(visits > 0, value / np.maximum(visits, 1), 0.0)
         q32 = q.astype(np.float32)
         root_value = (value.sum(axis=1) / np.maximum(visits.sum(axis=1), 1)).tolist()
         action = _best(visits, q).tolist()
         nodes = self._num_nodes(res).tolist()
-        done, depth, exhausted = res[:, 17].tolist(), res[:, 16].tolist(), (res[:, 18] != 0).tolist()
+        done, depth, exhausted = res["done"].tolist(), res["max_depth"].tolist(), (res["exhausted"] != 0).tolist()
         if deadline_reached is None:
-            reached = ((res[:, 19] != 0) | self.host_deadline).tolist()
+            reached = ((res["deadline"] != 0) | self.host_deadline).tolist()
         else:
             reached = [deadline_reached] * self.b
-        pv_len, pv = res[:, 20].tolist(), res[:, 21:63].tolist()
+        pv_len, pv = res["pv_length"].tolist(), res["pv"].tolist()
         ms = self.ms
         common = {
             "warps_per_tree": self.w,

@@ -1,8 +1,9 @@
 """Search trees in device memory: the node-pool layout, :class:`CudaTree`, and
 tree reuse (re-rooting by device-side compaction).
 
-Layout (see ``kernels/common.cu``, the authority): a tree of ``cap`` node
-slots is one region of ``cap * NODE_BYTES`` bytes, three arrays back to back:
+Layout (the sizes are :mod:`.abi`'s; who writes which field, and how, is in
+``kernels/common.cu``): a tree of ``cap`` node slots is one region of
+``cap * NODE_BYTES`` bytes, three arrays back to back:
 
 =======  =====================  ===========  ======================================
 array    dtype, shape           bytes/node   contents
@@ -31,18 +32,13 @@ from __future__ import annotations
 import cupy
 import numpy as np
 
+from search_service.cuda.abi import CHILD_BYTES, NODE_BYTES, POS_BYTES, ROW, ROWS_BYTES
 from search_service.cuda.module import kernel
 from search_service.games import connect4
 from search_service.games.connect4 import Positions
 from search_service.mcts import tree as tr
 
-ROW = 8  # records per node row: 7 edges + header
-ROWS_BYTES = 128
-CHILD_BYTES = 32
-POS_BYTES = 16
-NODE_BYTES = ROWS_BYTES + CHILD_BYTES + POS_BYTES  # 176
 MAX_CAPACITY = 1 << 27  # node slots per tree: node * 8 + action must fit an int32
-EXPANDING = -3  # transient child code, only inside a running search kernel
 
 
 def offsets(cap: int) -> tuple[int, int, int]:

@@ -16,7 +16,7 @@ __device__ void init_node(const TreeView& t, int s, u64 cur, u64 mask, int term,
   int4* row = t.rows + (long long)s * ROW;
 #pragma unroll
   for (int a = 0; a < NUM_ACTIONS; ++a) row[a] = make_int4(0, 0, 0, legal[a] ? __float_as_int(prior) : 0);
-  row[7] = make_int4(0, term, parent, action);
+  row[HEADER] = make_int4(0, term, parent, action);
   int4* ch = (int4*)(t.child + (long long)s * ROW);
   ch[0] = make_int4(legal[0] ? UNEXPANDED : ILLEGAL, legal[1] ? UNEXPANDED : ILLEGAL,
                     legal[2] ? UNEXPANDED : ILLEGAL, legal[3] ? UNEXPANDED : ILLEGAL);

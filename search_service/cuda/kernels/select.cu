@@ -69,8 +69,8 @@ __device__ Descent select_one(const TreeView& t, const SelectParams& sp, int* pa
   while (true) {
     const int4 r = __ldcg(t.rows + node * ROW + e);
     const int ch = __ldcg(t.child + node * ROW + e);
-    const int n_node = __shfl_sync(FULL_MASK, r.x, 7);
-    const int term = __shfl_sync(FULL_MASK, r.y, 7);
+    const int n_node = __shfl_sync(FULL_MASK, r.x, HEADER);
+    const int term = __shfl_sync(FULL_MASK, r.y, HEADER);
     if (term != NOT_TERMINAL) {  // an existing finished child (never the root)
       out.tnode = node;
       out.tcode = term;
