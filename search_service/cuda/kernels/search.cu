@@ -4,9 +4,10 @@
 // simulations (G for every warp but the last, which takes K - (W - 1) * G),
 // so K = parallel_sims simulations are in flight per tree. A wave of a warp:
 //   1. select: the warp descends once per simulation, one after another, each
-//      descent seeing the virtual losses of the earlier ones (select.cu);
+//      descent seeing the virtual losses of the earlier ones (select.cu:
+//      select_wave);
 //   2. expand: one node per distinct stopping edge, slots from one atomicAdd
-//      (expand.cu); lane i keeps simulation i's leaf;
+//      (expand.cu: expand_wave); lane i keeps simulation i's leaf;
 //   3. evaluate: lane i plays simulation i's random rollout (connect4.cu), or,
 //      for the value model, the wave returns to the host (mcts_vm_*);
 //   4. backup (backup.cu), then __threadfence() so the next wave of this warp,
@@ -84,7 +85,9 @@ __device__ void rollout_search(unsigned char* pool, long long cap, int limit, in
                                double vl, const double* scale, int n_scale, u32 k0, u32 k1) {
   extern __shared__ __align__(16) unsigned char smem[];
   unsigned char* table = smem;
-  for (int i = threadIdx.x; i < COLUMN_TABLE_BYTES; i += blockDim.x) table[i] = (unsigned char)kth_free_column(i >> 3, i & 7);
+  for (int i = threadIdx.x; i < COLUMN_TABLE_BYTES; i += blockDim.x) {
+    table[i] = (unsigned char)kth_free_column(i >> 3, i & 7);
+  }
   __syncthreads();
   const int lane = threadIdx.x & 31;
   int* wbuf = (int*)(smem + COLUMN_TABLE_BYTES) + (threadIdx.x >> 5) * warp_scratch_ints(G);
@@ -95,12 +98,7 @@ __device__ void rollout_search(unsigned char* pool, long long cap, int limit, in
   if (!warp_job(n_trees, W, G, K, job)) return;
   const TreeView t = tree_view(pool, cap, job.b);
   int* ts = tsa + (long long)job.b * TS_WORDS;
-  SelectParams sp;
-  sp.puct = 0;
-  sp.c = c;
-  sp.vl = vl;
-  sp.scale = scale;
-  sp.n_scale = n_scale;
+  const SelectParams sp = {0, c, vl, scale, n_scale};
   u64 start = 0;
   if (deadline_ns > 0 && lane == 0) {
     const u64 now = global_timer_ns();
@@ -131,30 +129,12 @@ __device__ void rollout_search(unsigned char* pool, long long cap, int limit, in
     if (g <= 0) break;
     const long long c0 = clock64();
     Descent mine;
-    mine.depth = 0;
-    mine.node = 0;
-    mine.action = 0;
-    mine.tnode = -1;
-    mine.tcode = NOT_TERMINAL;
-    for (int i = 0; i < g; ++i) {
-      const Descent dsc = select_one(t, sp, path + i * MAX_DEPTH, lane);
-      if (lane == i) mine = dsc;
-    }
-    __syncwarp();
+    select_wave(t, sp, path, lane, g, mine);
     const long long c1 = clock64();
     const bool active = lane < g;
-    const bool missing = active && mine.tnode < 0;
-    u64 cur = 0, msk = 0;
-    int term = mine.tcode;
-    if (missing) {
-      const ulonglong2 pp = __ldcg((const ulonglong2*)t.pos + mine.node);
-      cur = pp.x;
-      msk = pp.y;
-      play_column(cur, msk, mine.action);
-      term = terminal_code(cur, msk);
-    }
-    int leaf = expand_leaves(t, ts, limit, lane, missing, mine.node * ROW + mine.action, cur, msk, term);
-    if (active && !missing) leaf = mine.tnode;
+    u64 cur, msk;
+    int term, leader;
+    const int leaf = expand_wave(t, ts, limit, lane, g, mine, cur, msk, term, leader);
     const long long c2 = clock64();
     float v = 0.0f;
     if (active) {
@@ -212,40 +192,13 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS_PER_BLOCK) mcts_vm_selec
   int* ts = tsa + (long long)job.b * TS_WORDS;
   const long long q0 = (long long)job.b * K + job.first;
   int* path = paths + q0 * MAX_DEPTH;
-  SelectParams sp;
-  sp.puct = 1;
-  sp.c = c;
-  sp.vl = vl;
-  sp.scale = nullptr;
-  sp.n_scale = 0;
+  const SelectParams sp = {1, c, vl, nullptr, 0};
   Descent mine;
-  mine.depth = 0;
-  mine.node = 0;
-  mine.action = 0;
-  mine.tnode = -1;
-  mine.tcode = NOT_TERMINAL;
-  for (int i = 0; i < g; ++i) {
-    const Descent dsc = select_one(t, sp, path + i * MAX_DEPTH, lane);
-    if (lane == i) mine = dsc;
-  }
-  __syncwarp();
+  select_wave(t, sp, path, lane, g, mine);
   const bool active = lane < g;
-  const bool missing = active && mine.tnode < 0;
-  u64 cur = 0, msk = 0;
-  int term = mine.tcode;
-  if (missing) {
-    const ulonglong2 pp = __ldcg((const ulonglong2*)t.pos + mine.node);
-    cur = pp.x;
-    msk = pp.y;
-    play_column(cur, msk, mine.action);
-    term = terminal_code(cur, msk);
-  }
-  const int key = mine.node * ROW + mine.action;
-  const unsigned mm = __ballot_sync(FULL_MASK, missing);
-  int leader = lane;
-  if (missing) leader = __ffs(__match_any_sync(mm, key)) - 1;
-  int leaf = expand_leaves(t, ts, limit, lane, missing, key, cur, msk, term);
-  if (active && !missing) leaf = mine.tnode;
+  u64 cur, msk;
+  int term, leader;
+  const int leaf = expand_wave(t, ts, limit, lane, g, mine, cur, msk, term, leader);
   if (active) {
     const long long q = q0 + lane;
     __align__(16) int m[META_WORDS];  // stored as one int4

@@ -112,3 +112,21 @@ __device__ Descent select_one(const TreeView& t, const SelectParams& sp, int* pa
   out.depth = d;
   return out;
 }
+
+// A warp's selections for one wave: simulation i < g descends after
+// simulations 0..i-1 (so it sees their virtual losses), writing its path to
+// path + i * MAX_DEPTH; lane i keeps simulation i's Descent, lanes >= g an
+// empty one. The closing __syncwarp makes the paths visible to the warp.
+__device__ __forceinline__ void select_wave(const TreeView& t, const SelectParams& sp, int* path, int lane, int g,
+                                            Descent& mine) {
+  mine.depth = 0;
+  mine.node = 0;
+  mine.action = 0;
+  mine.tnode = -1;
+  mine.tcode = NOT_TERMINAL;
+  for (int i = 0; i < g; ++i) {
+    const Descent dsc = select_one(t, sp, path + i * MAX_DEPTH, lane);
+    if (lane == i) mine = dsc;
+  }
+  __syncwarp();
+}
