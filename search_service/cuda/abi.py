@@ -21,6 +21,9 @@ uint64 field in a layout of 32-bit words spans two words, the low one first
 =======  ==================  ====================================================
 layout   C array             written by -> read by
 =======  ==================  ====================================================
+EDGE     int4 rows[n][a]     the node pool: edge a < 7 of node n (pool.py)
+HEAD     int4 rows[n][7]     the node pool: node n's header
+POS      ulonglong2 pos[n]   the node pool: node n's position
 INIT     u32 [B][16]         host -> init_trees: a tree's root and set-up
 TS       int32 [B][8]        the search kernels' per-tree counters -> finish_trees
 CYC      u64 [B][4]          the rollout kernels' phase cycles -> finish_trees
@@ -30,8 +33,11 @@ OBS      uint8 [B*K][84]     mcts_vm_select -> host (the leaf evaluator)
 EVAL     float [B*K][8]      host -> mcts_vm_backup_*: a leaf's value and priors
 =======  ==================  ====================================================
 
-The node pool's layout (a region of ``cap * NODE_BYTES`` bytes per tree) is
-described in ``pool.py`` and ``kernels/common.cu``; its sizes are here.
+The node pool (a region of ``cap * NODE_BYTES`` bytes per tree, ``rows``,
+``child`` and ``pos`` back to back) is described in ``pool.py`` and
+``kernels/common.cu``; its records and sizes are here. The kernels access
+the pool's records as vector members (``.x .y .z .w`` = words 0..3), which
+``static_assert``s in ``common.cu`` hold to this table.
 """
 from __future__ import annotations
 
@@ -52,42 +58,8 @@ CELLS = connect4.ROWS * connect4.COLUMNS  # cells of the board: one observation 
 EXPANDING = -3  # transient child code, only inside a running search kernel
 ROW = NUM_ACTIONS + 1  # 16-byte records per node row: 7 edges, then the header
 HEADER = NUM_ACTIONS  # the header's record in a row
-ROWS_BYTES = ROW * 16  # rows int4 [cap][8]: one 128-byte line per node
-CHILD_BYTES = ROW * I32.itemsize  # child int32 [cap][8] (7 used)
-POS_BYTES = 2 * U64.itemsize  # pos u64 [cap][2]: (current, mask)
-NODE_BYTES = ROWS_BYTES + CHILD_BYTES + POS_BYTES  # 176 bytes per node slot
 WARPS_PER_BLOCK = 4  # the search kernels run 128-thread blocks (their __launch_bounds__)
 COLUMN_TABLE_BYTES = 128 * 8  # rollouts' kth-free-column table, uint8 [128 full-column codes][8]
-
-
-@dataclass(frozen=True)
-class Constant:
-    """A constant of both sides; in C, ``#define name value``."""
-
-    name: str  # the C macro, also this module's attribute
-    value: int
-    doc: str
-
-
-CONSTANTS = (
-    Constant("NUM_ACTIONS", NUM_ACTIONS, "moves per position (the columns)"),
-    Constant("MAX_DEPTH", MAX_DEPTH, "edges on a selection path (a game has 42 moves)"),
-    Constant("CELLS", CELLS, "cells of the board: one observation plane, [row][col]"),
-    Constant("UNEXPANDED", tr.UNEXPANDED, "child code: a legal move without a node"),
-    Constant("ILLEGAL", tr.ILLEGAL, "child code: a move that may not be played"),
-    Constant("EXPANDING", EXPANDING, "child code, transient: a warp is creating the node"),
-    Constant("NOT_TERMINAL", tr.NOT_TERMINAL, "terminal code: the game goes on"),
-    Constant("TERMINAL_LOSS", tr.TERMINAL_LOSS, "terminal code: the side to move lost"),
-    Constant("TERMINAL_DRAW", tr.TERMINAL_DRAW, "terminal code: a full board"),
-    Constant("ROW", ROW, "16-byte records per node row: 7 edges + header"),
-    Constant("HEADER", HEADER, "the header's record in a node row"),
-    Constant("ROWS_BYTES", ROWS_BYTES, "bytes per node of rows (int4 [cap][ROW])"),
-    Constant("CHILD_BYTES", CHILD_BYTES, "bytes per node of child (int32 [cap][ROW])"),
-    Constant("POS_BYTES", POS_BYTES, "bytes per node of pos (u64 [cap][2])"),
-    Constant("NODE_BYTES", NODE_BYTES, "bytes per node slot: rows + child + pos"),
-    Constant("WARPS_PER_BLOCK", WARPS_PER_BLOCK, "warps per block of the search kernels"),
-    Constant("COLUMN_TABLE_BYTES", COLUMN_TABLE_BYTES, "the rollouts' kth-free-column table in shared memory"),
-)
 
 
 # -- layouts -----------------------------------------------------------------------------------
@@ -187,8 +159,64 @@ EVAL = Layout("EVAL", F32, 8, "vin float [B*K][8]: host -> mcts_vm_backup_*, a s
     Field("value", 0, F32, 1, "the leaf's value for its side to move, in [-1, 1]"),
     Field("priors", 1, F32, NUM_ACTIONS, "a new node's priors (read from its evaluating simulation's row)"),
 ))
-LAYOUTS = (INIT, TREE_STATE, CYCLES, RESULT, META, OBS, EVAL)
+
+# The node pool's records (pool.py; kernels/common.cu: who writes them, how).
+EDGE_RECORD = Layout("EDGE", I32, 4, "rows[n][a], a < NUM_ACTIONS: int4, edge a of node n", (
+    Field("visits", 0, I32, 1, "completed simulations through the edge"),
+    Field("vloss", 1, I32, 1, "simulations in flight through it (virtual loss); with visits one u64 for atomics"),
+    Field("value_sum", 2, F32, 1, "sum of the backed-up values, for the player to move at n"),
+    Field("prior", 3, F32, 1, "policy prior (uniform over legal moves without a model)"),
+))
+HEADER_RECORD = Layout("HEAD", I32, 4, "rows[n][HEADER]: int4, node n's header", (
+    Field("visits", 0, I32, 1, "N: simulations that passed through or ended at n"),
+    Field("terminal", 1, I32, 1, "terminal code"),
+    Field("parent", 2, I32, 1, "parent slot, -1 for the root"),
+    Field("action", 3, I32, 1, "action from the parent, -1 for the root"),
+))
+POSITION = Layout("POS", U64, 2, "pos[n]: ulonglong2, node n's position (Pons bitboards)", (
+    Field("current", 0, U64, 1, "the side to move's stones"),
+    Field("mask", 1, U64, 1, "occupied cells"),
+))
+# One node's row of records, 128 bytes: what selection reads in one cache line.
+NODE_ROW = np.dtype([("edges", EDGE_RECORD.dtype, (NUM_ACTIONS,)), ("header", HEADER_RECORD.dtype)])
+ROWS_BYTES = NODE_ROW.itemsize  # rows int4 [cap][ROW]: 128 bytes per node
+CHILD_BYTES = ROW * I32.itemsize  # child int32 [cap][ROW] (7 used)
+POS_BYTES = POSITION.nbytes  # pos u64 [cap][2]
+NODE_BYTES = ROWS_BYTES + CHILD_BYTES + POS_BYTES  # 176 bytes per node slot
+
+LAYOUTS = (EDGE_RECORD, HEADER_RECORD, POSITION, INIT, TREE_STATE, CYCLES, RESULT, META, OBS, EVAL)
 PHASES = tuple(f.name for f in CYCLES.fields)  # RESULT's cycles, in order
+
+
+# -- the header ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Constant:
+    """A constant of both sides; in C, ``#define name value``."""
+
+    name: str  # the C macro, also this module's attribute
+    value: int
+    doc: str
+
+
+CONSTANTS = (
+    Constant("NUM_ACTIONS", NUM_ACTIONS, "moves per position (the columns)"),
+    Constant("MAX_DEPTH", MAX_DEPTH, "edges on a selection path (a game has 42 moves)"),
+    Constant("CELLS", CELLS, "cells of the board: one observation plane, [row][col]"),
+    Constant("UNEXPANDED", tr.UNEXPANDED, "child code: a legal move without a node"),
+    Constant("ILLEGAL", tr.ILLEGAL, "child code: a move that may not be played"),
+    Constant("EXPANDING", EXPANDING, "child code, transient: a warp is creating the node"),
+    Constant("NOT_TERMINAL", tr.NOT_TERMINAL, "terminal code: the game goes on"),
+    Constant("TERMINAL_LOSS", tr.TERMINAL_LOSS, "terminal code: the side to move lost"),
+    Constant("TERMINAL_DRAW", tr.TERMINAL_DRAW, "terminal code: a full board"),
+    Constant("ROW", ROW, "16-byte records per node row: 7 edges + header"),
+    Constant("HEADER", HEADER, "the header's record in a node row"),
+    Constant("ROWS_BYTES", ROWS_BYTES, "bytes per node of rows (int4 [cap][ROW])"),
+    Constant("CHILD_BYTES", CHILD_BYTES, "bytes per node of child (int32 [cap][ROW])"),
+    Constant("POS_BYTES", POS_BYTES, "bytes per node of pos (u64 [cap][2])"),
+    Constant("NODE_BYTES", NODE_BYTES, "bytes per node slot: rows + child + pos"),
+    Constant("WARPS_PER_BLOCK", WARPS_PER_BLOCK, "warps per block of the search kernels"),
+    Constant("COLUMN_TABLE_BYTES", COLUMN_TABLE_BYTES, "the rollouts' kth-free-column table in shared memory"),
+)
 
 
 def header() -> str:

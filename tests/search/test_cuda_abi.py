@@ -69,9 +69,17 @@ def test_layouts_are_the_ones_the_kernels_were_written_for():
     assert offsets(abi.META) == ({"leaf": (0, 1), "depth": (1, 1), "terminal": (2, 1), "leader": (3, 1)}, 4)
     assert offsets(abi.OBS) == ({"current": (0, 42), "opponent": (42, 42)}, 84)
     assert offsets(abi.EVAL) == ({"value": (0, 1), "priors": (1, 7)}, 8)
-    assert [layout.nbytes for layout in abi.LAYOUTS] == [64, 32, 32, 288, 16, 84, 32]
+    assert offsets(abi.EDGE_RECORD) == ({"visits": (0, 1), "vloss": (1, 1), "value_sum": (2, 1), "prior": (3, 1)}, 4)
+    assert offsets(abi.HEADER_RECORD) == (
+        {"visits": (0, 1), "terminal": (1, 1), "parent": (2, 1), "action": (3, 1)}, 4)
+    assert offsets(abi.POSITION) == ({"current": (0, 1), "mask": (1, 1)}, 2)
+    assert [layout.nbytes for layout in abi.LAYOUTS] == [16, 16, 16, 64, 32, 32, 288, 16, 84, 32]
     assert (abi.ROW, abi.HEADER, abi.ROWS_BYTES, abi.CHILD_BYTES, abi.POS_BYTES, abi.NODE_BYTES) == (
         8, 7, 128, 32, 16, 176)
+    # A node row: 7 edge records, then the header, one 128-byte line.
+    assert abi.NODE_ROW.itemsize == abi.ROWS_BYTES == abi.ROW * abi.EDGE_RECORD.nbytes
+    assert abi.NODE_ROW.fields["header"][1] == abi.HEADER * abi.EDGE_RECORD.nbytes
+    assert abi.EDGE_RECORD.nbytes == abi.HEADER_RECORD.nbytes
     assert abi.OBS.words == 2 * abi.CELLS and abi.PHASES == ("select", "expand", "evaluate", "backup")
     assert abi.RESULT.dtype["cycles"].shape == (len(abi.PHASES),)
 
@@ -134,7 +142,7 @@ def test_kernels_index_rows_by_name_not_by_number():
     # record's index, nor the shared-memory table's size).
     for name, text in code.items():
         assert not re.search(r"\b(72|84|1024)\b", text), name
-        assert not re.search(r"ROW \+ 7\b|\[7\]|, 7\)", text), name
+        assert not re.search(r"ROW \+ 7\b|\[7\]|, 7\)|\brec \+ \d", text), name
         assert "__launch_bounds__(128)" not in text, name
 
 

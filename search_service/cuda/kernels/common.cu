@@ -20,11 +20,11 @@
 //   .y int32 vloss      simulations in flight through the edge (virtual loss)
 //   .z float value_sum  sum of backed-up values, for the player to move at n
 //   .w float prior      policy prior (uniform over legal moves without a model)
-// .x and .y form one little-endian u64 so that backup retires a visit and its
-// virtual loss with a single 64-bit atomicAdd (VISIT_DONE below).
+// (abi.h: EDGE_*). .x and .y form one little-endian u64 so that backup retires
+// a visit and its virtual loss with a single 64-bit atomicAdd (VISIT_DONE below).
 // rows[n][HEADER], HEADER = 7, is the node header: .x int32 N (simulations
 // that passed through or ended at n), .y terminal code, .z parent slot (-1
-// root), .w action from the parent (-1 root). So one 128-byte line holds everything selection needs
+// root), .w action from the parent (-1 root) (abi.h: HEAD_*). So one 128-byte line holds everything selection needs
 // about a node and its 7 edges; `child` is a second, 32-byte sector.
 //
 // Child codes: >= 0 slot, UNEXPANDED legal move without a node, ILLEGAL, and
@@ -83,8 +83,15 @@ typedef unsigned int u32;
 #define VLOSS_ONE 0x0000000100000000ull
 
 // What the code assumes of abi.h's table: a node's records are int4s (edges,
-// then the header), its child row int32s, its position a ulonglong2; a key
-// node * ROW + action is masked to its row; a META row moves as one int4.
+// then the header) read as members .x .y .z .w (words 0..3; an edge's visits
+// and vloss one u64), its child row int32s, its position a ulonglong2 (.x
+// current, .y mask); a key node * ROW + action is masked to its row; a META
+// row moves as one int4.
+static_assert(EDGE_VISITS == 0 && EDGE_VLOSS == 1 && EDGE_VALUE_SUM == 2 && EDGE_PRIOR == 3 && EDGE_WORDS == 4,
+              "edge record: int4 (visits, vloss, value_sum, prior)");
+static_assert(HEAD_VISITS == 0 && HEAD_TERMINAL == 1 && HEAD_PARENT == 2 && HEAD_ACTION == 3 && HEAD_WORDS == 4,
+              "node header: int4 (N, terminal, parent, action)");
+static_assert(POS_CURRENT == 0 && POS_MASK == 1 && POS_WORDS == 2, "position: ulonglong2 (current, mask)");
 static_assert(ROWS_BYTES == ROW * sizeof(int4) && CHILD_BYTES == ROW * sizeof(int) &&
               POS_BYTES == sizeof(ulonglong2) && NODE_BYTES == ROWS_BYTES + CHILD_BYTES + POS_BYTES,
               "node pool layout");
