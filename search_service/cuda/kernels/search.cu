@@ -133,7 +133,7 @@ __device__ void rollout_search(unsigned char* pool, long long cap, int limit, in
     const long long c1 = clock64();
     const bool active = lane < g;
     u64 cur, msk;
-    int term, leader;
+    int term, leader;  // leader: not needed here (each lane plays its own rollout)
     const int leaf = expand_wave(t, ts, limit, lane, g, mine, cur, msk, term, leader);
     const long long c2 = clock64();
     float v = 0.0f;
