@@ -58,6 +58,7 @@ from typing import Callable
 import cupy
 import numpy as np
 
+from search_service.cuda import abi
 from search_service.cuda import pool as pl
 from search_service.cuda.module import kernel
 from search_service.games import connect4
@@ -73,12 +74,8 @@ from search_service.mcts.philox import seed_key
 from tandem import nvtx
 
 A = connect4.NUM_ACTIONS
-MAX_DEPTH = connect4.MAX_MOVES
 BACKUPS = ("warp_aggregated", "global_atomic")
-WARPS_PER_BLOCK = 4  # search kernels are built for 128-thread blocks
 SCALE_TABLE = 1 << 18  # UCT scale(N) = c_uct * sqrt(ln N) from NumPy for N below this (2 MiB)
-RES_INTS = 72  # finish_trees' row per tree
-TS_FIELDS = 8
 _BUDGET_NONE = 1 << 30  # "no simulation budget" (deadline only)
 STOP_SLICE = 1024  # simulations per tree per launch when a stop request must be polled
 _TERMINAL_LOSS = tr.TERMINAL_LOSS
@@ -177,22 +174,31 @@ class CudaBackend:
 
 
 class _Search:
-    """One search call: trees on the device, the kernels, the results."""
+    """One search call: trees on the device, the kernels, the results.
+
+    B = ``n_trees``, K = ``parallel_sims``, W = ``warps_per_tree``, G =
+    ``sims_per_warp`` (see the module docstring). The device buffers (made by
+    ``_allocate``) are ``pool`` (uint8 [B, capacity * NODE_BYTES], the trees'
+    node pools), ``tree_state`` (int32 [B * 8], the TS rows), ``cycles``
+    (uint64 [B * 4], the CYC rows), ``clock_start`` (uint64 [1], the deadline
+    clock's start, ns) and ``result_rows`` (uint8 [B * 288], the RES rows);
+    the rows are :mod:`.abi`'s.
+    """
 
     def __init__(self, backend: CudaBackend, roots: Positions, params: SearchParams, evaluator, trees, should_stop=None):
-        self.t0 = time.perf_counter()
+        self.started_at = time.perf_counter()  # s, perf_counter: the deadline counts from here
         self.should_stop = should_stop
         self.stopped = False
         self.host_deadline = False  # a sliced rollout search stopped at the deadline between launches
-        self.be = backend
-        self.p = params
+        self.backend = backend
+        self.params = params
         self.evaluator = evaluator
         self.puct = params.evaluator == "value_model"
         trees = check_call(roots, params, evaluator, trees)
         b = len(roots)
-        self.b = b
+        self.n_trees = b
         self.roots = roots
-        self.kept: dict[int, pl.CudaTree] = {}
+        self.kept: dict[int, pl.CudaTree] = {}  # tree index -> the tree passed in to search further
         for i, t in enumerate(trees):
             if t is None or t.evaluator != params.evaluator:
                 continue
@@ -202,69 +208,67 @@ class _Search:
             if not (t.root_current == int(roots.current[i]) and t.root_mask == int(roots.mask[i])):
                 raise ValueError(f"trees[{i}] is rooted at another position than roots[{i}]")
             self.kept[i] = t
-        self.used = np.array([self.kept[i].num_nodes if i in self.kept else 1 for i in range(b)], np.int64)
-        used = int(self.used.max())
+        # int64 [B]: slots in use before the search (a fresh tree: its root)
+        self.nodes_in_use = np.array([self.kept[i].num_nodes if i in self.kept else 1 for i in range(b)], np.int64)
+        used = int(self.nodes_in_use.max())
         if params.simulations is not None:
             cap = max(used, min(params.max_nodes, used + params.simulations))
         else:
             cap = max(used, params.max_nodes)
         if cap > pl.MAX_CAPACITY:
             raise ValueError(f"a tree of {cap} node slots exceeds the device limit of {pl.MAX_CAPACITY}")
-        self.cap = cap
-        self.limit = min(params.max_nodes, cap)
-        self.k = params.parallel_sims
-        self.w, self.g = backend.split(self.k)
-        self.ms = dict(select=0.0, expand=0.0, evaluate=0.0, backup=0.0)
+        self.capacity = cap  # node slots per tree's pool
+        self.node_limit = min(params.max_nodes, cap)  # slots a search may fill (kept trees may hold more)
+        self.parallel_sims = params.parallel_sims
+        self.warps_per_tree, self.sims_per_warp = backend.split(self.parallel_sims)
+        self.phase_ms = dict.fromkeys(abi.PHASES, 0.0)  # wall-clock ms per phase, over the call
         self.waves = 0
 
     # -- set-up --------------------------------------------------------------------
     def _allocate(self) -> None:
-        b, cap = self.b, self.cap
+        b, cap = self.n_trees, self.capacity
         self.pool = cupy.empty((b, cap * pl.NODE_BYTES), np.uint8)
-        # One int32 buffer for the small per-call state: ts [B, 8], cycles u64 [B, 4],
-        # the deadline's start time (u64), results [B, RES_INTS].
-        n_ts, n_cyc = b * TS_FIELDS, b * 8
-        state = cupy.empty(n_ts + n_cyc + 2 + b * RES_INTS, np.int32)
-        self.ts = state[:n_ts]
-        self.cyc = state[n_ts : n_ts + n_cyc]
-        self.t0_dev = state[n_ts + n_cyc : n_ts + n_cyc + 2]
-        self.res = state[n_ts + n_cyc + 2 :]
-        self.state = state
+        # One allocation for the small per-call state: the TS, CYC and RES rows
+        # of the B trees and the deadline clock's start time (u64).
+        sizes = (b * abi.TREE_STATE.nbytes, b * abi.CYCLES.nbytes, 8, b * abi.RESULT.nbytes)
+        self.state = cupy.empty(sum(sizes), np.uint8)
+        ts, cyc, t0, res = abi.carve(self.state, *sizes)
+        self.tree_state, self.cycles, self.clock_start = ts.view(np.int32), cyc.view(np.uint64), t0.view(np.uint64)
+        self.result_rows = res
         for i, t in self.kept.items():
             pl.copy_into(self.pool.data.ptr + i * cap * pl.NODE_BYTES, cap, t)
 
     def _init_rows(self) -> np.ndarray:
-        """uint32 [B, 16], what init_trees reads (see kernels/search.cu)."""
-        b = self.b
-        init = np.zeros((b, 16), np.uint32)
-        cur = self.roots.current.astype(np.uint64)
-        mask = self.roots.mask.astype(np.uint64)
-        init[:, 0] = (cur & np.uint64(0xFFFFFFFF)).astype(np.uint32)
-        init[:, 1] = (cur >> np.uint64(32)).astype(np.uint32)
-        init[:, 2] = (mask & np.uint64(0xFFFFFFFF)).astype(np.uint32)
-        init[:, 3] = (mask >> np.uint64(32)).astype(np.uint32)
-        init[:, 4] = self.used
+        """The B trees' INIT rows (abi.INIT.dtype [B]), what init_trees reads."""
+        b = self.n_trees
+        init = np.zeros(b, abi.INIT.dtype)
+        init["current"] = self.roots.current
+        init["mask"] = self.roots.mask
+        init["nodes"] = self.nodes_in_use
         fresh = np.array([i not in self.kept for i in range(b)])
-        init[:, 5] = fresh
+        init["fresh"] = fresh
         if self.puct and fresh.any():
             t = time.perf_counter()
             idx = np.flatnonzero(fresh)
             _, priors = _call_model(self.evaluator, self.roots.current[idx], self.roots.mask[idx])
             if priors is not None:
-                init[idx, 7] = 1
-                init[idx, 8:15] = priors.view(np.uint32)
-            init[idx, 6] = 1  # the root's own evaluation: sqrt(N) > 0 at the first choice
-            self.ms["evaluate"] += (time.perf_counter() - t) * 1e3
+                init["has_priors"][idx] = 1
+                init["priors"][idx] = priors
+            init["root_visits"][idx] = 1  # the root's own evaluation: sqrt(N) > 0 at the first choice
+            self.phase_ms["evaluate"] += (time.perf_counter() - t) * 1e3
         return init
 
     # -- the search -------------------------------------------------------------------
     def run(self) -> tuple[list[SearchResult], list[pl.CudaTree]]:
         self._allocate()
-        init = cupy.asarray(self._init_rows())
+        init = cupy.asarray(self._init_rows().view(np.uint32))  # CuPy has no structured dtypes
         kernel("init_trees")(
-            ((self.b + 127) // 128,),
+            ((self.n_trees + 127) // 128,),
             (128,),
-            (self.pool, np.int64(self.cap), np.int32(self.b), init, self.ts, self.cyc, self.t0_dev),
+            (
+                self.pool, np.int64(self.capacity), np.int32(self.n_trees), init, self.tree_state, self.cycles,
+                self.clock_start,
+            ),
         )
         if self.puct:
             deadline_reached = self._value_model_waves()
@@ -273,46 +277,51 @@ class _Search:
             self._rollout_search()
         t = time.perf_counter()
         kernel("finish_trees")(
-            ((self.b + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK,),
-            (32 * WARPS_PER_BLOCK,),
-            (self.pool, np.int64(self.cap), np.int32(self.b), self.ts, self.cyc, self.res),
+            ((self.n_trees + abi.WARPS_PER_BLOCK - 1) // abi.WARPS_PER_BLOCK,),
+            (32 * abi.WARPS_PER_BLOCK,),
+            (
+                self.pool, np.int64(self.capacity), np.int32(self.n_trees), self.tree_state, self.cycles,
+                self.result_rows,
+            ),
         )
-        res = self.res.get().reshape(self.b, RES_INTS)
-        kernel_ms = (time.perf_counter() - self.t_launch) * 1e3 if not self.puct else None
+        res = self.result_rows.get().view(abi.RESULT.dtype)  # [B]
+        kernel_ms = (time.perf_counter() - self.launched_at) * 1e3 if not self.puct else None
         if not self.puct:
             self._split_kernel_time(kernel_ms, res)
         else:
-            self.ms["backup"] += (time.perf_counter() - t) * 1e3
+            self.phase_ms["backup"] += (time.perf_counter() - t) * 1e3
         return self._results(res, deadline_reached, kernel_ms), self._trees(res)
 
     def _rollout_search(self) -> None:
-        p, g = self.p, self.g
-        key = seed_key(p.seed)
+        params, g = self.params, self.sims_per_warp
+        key = seed_key(params.seed)
         deadline_ns = 0
-        if p.deadline_ms is not None:
-            left_ms = p.deadline_ms - (time.perf_counter() - self.t0) * 1e3
+        if params.deadline_ms is not None:
+            left_ms = params.deadline_ms - (time.perf_counter() - self.started_at) * 1e3
             deadline_ns = max(int(left_ms * 1e6), 1)
-        total = p.simulations if p.simulations is not None else _BUDGET_NONE
-        name = "mcts_rollout_aggregated" if self.be.backup == "warp_aggregated" else "mcts_rollout_global"
-        warps = self.b * self.w
-        smem = 1024 + WARPS_PER_BLOCK * (g * MAX_DEPTH + 64) * 4
-        scale = self.be.scale_table(p.c_uct)
+        total = params.simulations if params.simulations is not None else _BUDGET_NONE
+        name = "mcts_rollout_aggregated" if self.backend.backup == "warp_aggregated" else "mcts_rollout_global"
+        warps = self.n_trees * self.warps_per_tree
+        # Dynamic shared memory, bytes: the column table, then per warp search.cu's warp_scratch_ints(G) int32s.
+        smem = abi.COLUMN_TABLE_BYTES + abi.WARPS_PER_BLOCK * (g * abi.MAX_DEPTH + 64) * 4
+        scale = self.backend.scale_table(params.c_uct)
         fn = kernel(name)
 
         def launch(budget: int) -> None:
             fn(
-                ((warps + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK,),
-                (32 * WARPS_PER_BLOCK,),
+                ((warps + abi.WARPS_PER_BLOCK - 1) // abi.WARPS_PER_BLOCK,),
+                (32 * abi.WARPS_PER_BLOCK,),
                 (
-                    self.pool, np.int64(self.cap), np.int32(self.limit), np.int32(self.b), np.int32(self.w),
-                    np.int32(g), np.int32(self.k), np.int32(budget), np.int64(deadline_ns), self.t0_dev, self.ts,
-                    self.cyc, np.float64(p.c_uct), np.float64(p.virtual_loss), scale, np.int32(SCALE_TABLE),
+                    self.pool, np.int64(self.capacity), np.int32(self.node_limit), np.int32(self.n_trees),
+                    np.int32(self.warps_per_tree), np.int32(g), np.int32(self.parallel_sims), np.int32(budget),
+                    np.int64(deadline_ns), self.clock_start, self.tree_state, self.cycles, np.float64(params.c_uct),
+                    np.float64(params.virtual_loss), scale, np.int32(SCALE_TABLE),
                     np.uint32(key[0]), np.uint32(key[1]),
                 ),
                 shared_mem=smem,
             )
 
-        self.t_launch = time.perf_counter()
+        self.launched_at = time.perf_counter()
         if self.should_stop is None:
             with nvtx.span("search.rollout_kernel"):  # select, expand, evaluate and backup in one kernel
                 launch(total)
@@ -320,7 +329,7 @@ class _Search:
         # Slices: each launch continues the last (the per-tree claim counter
         # persists and never passes the budget); a multiple of K keeps the
         # waves of a one-warp tree the same as in one launch.
-        step = self.k * -(-STOP_SLICE // self.k)
+        step = self.parallel_sims * -(-STOP_SLICE // self.parallel_sims)
         budget = 0
         stream = cupy.cuda.get_current_stream()
         while budget < total:
@@ -328,7 +337,7 @@ class _Search:
             with nvtx.span("search.rollout_kernel"):
                 launch(budget)
                 stream.synchronize()
-            if p.deadline_ms is not None and (time.perf_counter() - self.t0) * 1e3 >= p.deadline_ms:
+            if params.deadline_ms is not None and (time.perf_counter() - self.started_at) * 1e3 >= params.deadline_ms:
                 self.host_deadline = budget < total
                 return
             if budget < total and self.should_stop():
@@ -336,34 +345,42 @@ class _Search:
                 return
 
     def _split_kernel_time(self, kernel_ms: float, res: np.ndarray) -> None:
-        cycles = res[:, 64:72].copy().view(np.uint64).astype(np.float64).sum(axis=0)  # [4]
+        """Splits the kernel's wall time over the phases by their shares of the warps' cycles."""
+        cycles = res["cycles"].astype(np.float64).sum(axis=0)  # [len(PHASES)]
         total = cycles.sum()
-        share = cycles / total if total > 0 else np.array([1.0, 0.0, 0.0, 0.0])
-        for name, s in zip(("select", "expand", "evaluate", "backup"), share):
-            self.ms[name] += kernel_ms * float(s)
+        share = cycles / total if total > 0 else np.eye(len(abi.PHASES))[0]  # all to select
+        for name, s in zip(abi.PHASES, share):
+            self.phase_ms[name] += kernel_ms * float(s)
 
     def _value_model_waves(self) -> bool:
         """The wave loop for PUCT with the value model; returns deadline_reached."""
-        p, b, k_max, w, g = self.p, self.b, self.k, self.w, self.g
+        params, b, k_max = self.params, self.n_trees, self.parallel_sims
+        w, g = self.warps_per_tree, self.sims_per_warp
         n = b * k_max
-        stage = cupy.empty(n * (16 + 84), np.uint8)  # meta int32 [n, 4], then obs uint8 [n, 84]
-        meta_dev = stage[: n * 16].view(np.int32).reshape(n, 4)
-        obs_dev = stage[n * 16 :].reshape(n, 84)
-        paths = cupy.empty(n * MAX_DEPTH, np.int32)
-        vin_dev = cupy.empty((n, 8), np.float32)
-        aggregated = self.be.backup == "warp_aggregated"
+        # What one wave's selection hands the host, copied back in one piece:
+        # the META rows, then the OBS rows, of the n simulation slots.
+        stage_sizes = (n * abi.META.nbytes, n * abi.OBS.nbytes)
+        stage = cupy.empty(sum(stage_sizes), np.uint8)
+        meta_dev, obs_dev = abi.carve(stage, *stage_sizes)
+        obs_dev = obs_dev.reshape(n, abi.OBS.words)
+        paths = cupy.empty(n * abi.MAX_DEPTH, np.int32)
+        vin_dev = cupy.empty(n * abi.EVAL.words, np.float32)
+        aggregated = self.backend.backup == "warp_aggregated"
         backup_kernel = kernel("mcts_vm_backup_aggregated" if aggregated else "mcts_vm_backup_global")
-        grid = ((b * w + WARPS_PER_BLOCK - 1) // WARPS_PER_BLOCK,)
-        block = (32 * WARPS_PER_BLOCK,)
+        grid = ((b * w + abi.WARPS_PER_BLOCK - 1) // abi.WARPS_PER_BLOCK,)
+        block = (32 * abi.WARPS_PER_BLOCK,)
         slot = np.arange(n)
         in_wave_of = slot % k_max
         wants_cupy = bool(getattr(self.evaluator, "accepts_cupy", False))
         done = 0
         while True:
-            k = k_max if p.simulations is None else min(k_max, p.simulations - done)
+            k = k_max if params.simulations is None else min(k_max, params.simulations - done)
             if k <= 0:
                 return False
-            if p.deadline_ms is not None and self.waves and (time.perf_counter() - self.t0) * 1e3 >= p.deadline_ms:
+            if (
+                params.deadline_ms is not None and self.waves
+                and (time.perf_counter() - self.started_at) * 1e3 >= params.deadline_ms
+            ):
                 return True
             if self.should_stop is not None and self.waves and self.should_stop():
                 self.stopped = True
@@ -373,80 +390,83 @@ class _Search:
                 kernel("mcts_vm_select")(
                     grid, block,
                     (
-                        self.pool, np.int64(self.cap), np.int32(self.limit), np.int32(b), np.int32(w), np.int32(g),
-                        np.int32(k_max), np.int32(k), np.float64(p.c_puct), np.float64(p.virtual_loss), self.ts,
-                        meta_dev, paths, obs_dev,
+                        self.pool, np.int64(self.capacity), np.int32(self.node_limit), np.int32(b), np.int32(w),
+                        np.int32(g), np.int32(k_max), np.int32(k), np.float64(params.c_puct),
+                        np.float64(params.virtual_loss), self.tree_state, meta_dev, paths, obs_dev,
                     ),
                 )
                 staged = stage.get()
-            meta = staged[: n * 16].view(np.int32).reshape(n, 4)
+            meta_host, obs_host = abi.carve(staged, *stage_sizes)
+            meta = meta_host.view(abi.META.dtype)  # [n]
             t1 = time.perf_counter()
             active = in_wave_of < k
-            term = np.where(active, meta[:, 2], -1)
-            leader = meta[:, 3]
+            term = np.where(active, meta["terminal"], -1)
+            leader = meta["leader"]
             rows = np.flatnonzero(active & (term == tr.NOT_TERMINAL) & (leader == slot))
-            vin = np.zeros((n, 8), np.float32)
-            vin[active & (term == _TERMINAL_LOSS), 0] = -1.0
+            vin = np.zeros(n, abi.EVAL.dtype)
+            vin["value"][active & (term == _TERMINAL_LOSS)] = -1.0
             has_priors = False
             if rows.size:
+                planes = obs_host.reshape(n, 2, connect4.ROWS, connect4.COLUMNS)
                 if wants_cupy:
                     obs = obs_dev[cupy.asarray(rows)].reshape(-1, 2, connect4.ROWS, connect4.COLUMNS)
                 else:
-                    obs = staged[n * 16 :].reshape(n, 2, connect4.ROWS, connect4.COLUMNS)[rows]
-                legal = (staged[n * 16 :].reshape(n, 2, connect4.ROWS, connect4.COLUMNS)[rows, :, -1, :] == 0).all(axis=1)
+                    obs = planes[rows]
+                legal = (planes[rows, :, -1, :] == 0).all(axis=1)
                 with nvtx.span("search.evaluate"):
                     values, priors = _model_answer(self.evaluator, obs, legal)
                 by_slot = np.zeros(n, np.float32)
                 by_slot[rows] = values
                 open_ = active & (term == tr.NOT_TERMINAL)
-                vin[open_, 0] = by_slot[leader[open_]]
+                vin["value"][open_] = by_slot[leader[open_]]
                 if priors is not None:
-                    vin[rows, 1:] = priors
+                    vin["priors"][rows] = priors
                     has_priors = True
             t2 = time.perf_counter()
             with nvtx.span("search.backup"):
-                vin_dev.set(vin)
+                vin_dev.set(vin.view(np.float32))
                 backup_kernel(
                     grid, block,
                     (
-                        self.pool, np.int64(self.cap), np.int32(b), np.int32(w), np.int32(g), np.int32(k_max),
-                        np.int32(k), self.ts, meta_dev, paths, vin_dev, np.int32(has_priors),
+                        self.pool, np.int64(self.capacity), np.int32(b), np.int32(w), np.int32(g), np.int32(k_max),
+                        np.int32(k), self.tree_state, meta_dev, paths, vin_dev, np.int32(has_priors),
                     ),
                 )
             t3 = time.perf_counter()
-            self.ms["select"] += (t1 - t) * 1e3
-            self.ms["evaluate"] += (t2 - t1) * 1e3
-            self.ms["backup"] += (t3 - t2) * 1e3
+            self.phase_ms["select"] += (t1 - t) * 1e3
+            self.phase_ms["evaluate"] += (t2 - t1) * 1e3
+            self.phase_ms["backup"] += (t3 - t2) * 1e3
             done += k
             self.waves += 1
 
     # -- answer ---------------------------------------------------------------------------
     def _num_nodes(self, res: np.ndarray) -> np.ndarray:
-        return np.minimum(res[:, 15].astype(np.int64), np.maximum(self.limit, self.used))
+        """int64 [B]: slots in use (claims past the limit were refused)."""
+        return np.minimum(res["nodes"].astype(np.int64), np.maximum(self.node_limit, self.nodes_in_use))
 
     def _results(self, res: np.ndarray, deadline_reached: bool | None, kernel_ms: float | None) -> list[SearchResult]:
         # Whole-batch arrays and lists first: per-tree Python work is what a
         # large batch pays on the host.
-        visits = res[:, 0:7].astype(np.int64)
-        value = res[:, 7:14].copy().view(np.float32).astype(np.float64)
+        visits = res["visits"].astype(np.int64)
+        value = res["value_sum"].astype(np.float64)
         q = np.where(visits > 0, value / np.maximum(visits, 1), 0.0)
         q32 = q.astype(np.float32)
         root_value = (value.sum(axis=1) / np.maximum(visits.sum(axis=1), 1)).tolist()
         action = _best(visits, q).tolist()
         nodes = self._num_nodes(res).tolist()
-        done, depth, exhausted = res[:, 17].tolist(), res[:, 16].tolist(), (res[:, 18] != 0).tolist()
+        done, depth, exhausted = res["done"].tolist(), res["max_depth"].tolist(), (res["exhausted"] != 0).tolist()
         if deadline_reached is None:
-            reached = ((res[:, 19] != 0) | self.host_deadline).tolist()
+            reached = ((res["deadline"] != 0) | self.host_deadline).tolist()
         else:
-            reached = [deadline_reached] * self.b
-        pv_len, pv = res[:, 20].tolist(), res[:, 21:63].tolist()
-        ms = self.ms
+            reached = [deadline_reached] * self.n_trees
+        pv_len, pv = res["pv_length"].tolist(), res["pv"].tolist()
+        ms = self.phase_ms
         common = {
-            "warps_per_tree": self.w,
-            "sims_per_warp": self.g,
-            "backup": self.be.backup,
+            "warps_per_tree": self.warps_per_tree,
+            "sims_per_warp": self.sims_per_warp,
+            "backup": self.backend.backup,
             "kernel_ms": kernel_ms,
-            "pool_bytes": self.cap * pl.NODE_BYTES,
+            "pool_bytes": self.capacity * pl.NODE_BYTES,
             "stopped": self.stopped,
         }
         return [
@@ -466,15 +486,15 @@ class _Search:
                 evaluate_ms=ms["evaluate"],
                 backup_ms=ms["backup"],
                 tree_reused=i in self.kept,
-                extras={"waves": self.waves if self.puct else -(-done[i] // self.k), **common},
+                extras={"waves": self.waves if self.puct else -(-done[i] // self.parallel_sims), **common},
             )
-            for i in range(self.b)
+            for i in range(self.n_trees)
         ]
 
     def _trees(self, res: np.ndarray) -> list[pl.CudaTree]:
         nodes = self._num_nodes(res).tolist()
-        cur, mask, ev, cap = self.roots.current.tolist(), self.roots.mask.tolist(), self.p.evaluator, self.cap
-        return [pl.CudaTree(self.pool, i, cap, nodes[i], cur[i], mask[i], ev) for i in range(self.b)]
+        cur, mask, ev, cap = self.roots.current.tolist(), self.roots.mask.tolist(), self.params.evaluator, self.capacity
+        return [pl.CudaTree(self.pool, i, cap, nodes[i], cur[i], mask[i], ev) for i in range(self.n_trees)]
 
 
 def _best(visits: np.ndarray, q: np.ndarray) -> np.ndarray:

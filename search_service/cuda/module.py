@@ -1,22 +1,31 @@
-"""Compiling the MCTS kernels: the ``kernels/*.cu`` sources, concatenated in
-dependency order, built once per process by CuPy's ``RawModule`` (NVRTC, for
-the current device's architecture; CuPy caches the binary on disk).
+"""Compiling the MCTS kernels: the generated header ``abi.h`` (see
+:mod:`.abi`) and the ``kernels/*.cu`` sources, concatenated in dependency
+order, built once per process by CuPy's ``RawModule`` (NVRTC, for the
+current device's architecture; CuPy caches the binary on disk).
 
 Options: ``-std=c++17`` and ``--fmad=false`` -- the selection scores must be
 rounded exactly as the NumPy reference's float64 (a fused multiply-add rounds
 once where NumPy rounds twice), which is what makes the GPU search reproduce
 the CPU reference simulation for simulation.
+
+CuPy is imported on the first :func:`kernel` call, so :func:`source` (what
+NVRTC compiles) can be built and checked on a machine without it.
 """
 from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import cupy
+from search_service.cuda import abi
+
+if TYPE_CHECKING:
+    import cupy
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
+HEADER_NAME = "abi.h"  # the generated header's name in #line directives and compile errors
 KERNEL_FILES = (
-    "common.cu",  # types, constants, the node-pool layout
+    "common.cu",  # types, device constants, the node-pool layout
     "philox.cu",  # Philox4x32-10
     "connect4.cu",  # bitboard rules and the random rollout
     "select.cu",  # UCT / PUCT scores and the warp-cooperative descent
@@ -33,12 +42,10 @@ _kernels: dict[str, cupy.RawKernel] = {}
 
 
 def source() -> str:
-    """The concatenated CUDA C++ source (what NVRTC compiles)."""
-    parts = []
-    for name in KERNEL_FILES:
-        parts.append(f"// ==== {name} ====\n#line 1 \"{name}\"\n")
-        parts.append((KERNEL_DIR / name).read_text())
-    return "\n".join(parts)
+    """The concatenated CUDA C++ source (what NVRTC compiles): ``abi.h``, then
+    the kernel files, each behind a ``#line`` so errors name the right file."""
+    parts = [(HEADER_NAME, abi.header())] + [(name, (KERNEL_DIR / name).read_text()) for name in KERNEL_FILES]
+    return "\n".join(f"// ==== {name} ====\n#line 1 \"{name}\"\n{text}" for name, text in parts)
 
 
 def kernel(name: str) -> cupy.RawKernel:
@@ -51,6 +58,8 @@ def kernel(name: str) -> cupy.RawKernel:
     fn = _kernels.get(name)
     if fn is not None:
         return fn
+    import cupy
+
     with _lock:
         if _module is None:
             _module = cupy.RawModule(code=source(), options=OPTIONS)

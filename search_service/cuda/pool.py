@@ -1,18 +1,19 @@
 """Search trees in device memory: the node-pool layout, :class:`CudaTree`, and
 tree reuse (re-rooting by device-side compaction).
 
-Layout (see ``kernels/common.cu``, the authority): a tree of ``cap`` node
-slots is one region of ``cap * NODE_BYTES`` bytes, three arrays back to back:
+Layout (the records and sizes are :mod:`.abi`'s; who writes which field, and
+how, is in ``kernels/common.cu``): a tree of ``cap`` node slots is one region
+of ``cap * NODE_BYTES`` bytes, three arrays back to back:
 
 =======  =====================  ===========  ======================================
 array    dtype, shape           bytes/node   contents
 =======  =====================  ===========  ======================================
-rows     int32 [cap, 8, 4]      128          per edge a < 7: (visits, vloss,
-                                             value_sum f32 bits, prior f32 bits);
-                                             row 7, the header: (N, terminal,
-                                             parent, action)
+rows     abi.NODE_ROW [cap]     128          ``edges``: 7 EDGE_RECORDs (visits,
+                                             vloss, value_sum f32, prior f32);
+                                             ``header``: a HEADER_RECORD (N,
+                                             terminal, parent, action)
 child    int32 [cap, 8]         32           child slot, UNEXPANDED or ILLEGAL (7 used)
-pos      uint64 [cap, 2]        16           (current, mask) bitboards
+pos      abi.POSITION [cap]     16           (current, mask) bitboards, uint64
 =======  =====================  ===========  ======================================
 
 **176 bytes per node** (the NumPy tree: 166). Each node's selection record
@@ -31,18 +32,14 @@ from __future__ import annotations
 import cupy
 import numpy as np
 
+from search_service.cuda import abi
+from search_service.cuda.abi import CHILD_BYTES, NODE_BYTES, POS_BYTES, ROW, ROWS_BYTES
 from search_service.cuda.module import kernel
 from search_service.games import connect4
 from search_service.games.connect4 import Positions
 from search_service.mcts import tree as tr
 
-ROW = 8  # records per node row: 7 edges + header
-ROWS_BYTES = 128
-CHILD_BYTES = 32
-POS_BYTES = 16
-NODE_BYTES = ROWS_BYTES + CHILD_BYTES + POS_BYTES  # 176
 MAX_CAPACITY = 1 << 27  # node slots per tree: node * 8 + action must fit an int32
-EXPANDING = -3  # transient child code, only inside a running search kernel
 
 
 def offsets(cap: int) -> tuple[int, int, int]:
@@ -106,25 +103,25 @@ class CudaTree:
         cap, n = self.capacity, self.num_nodes
         raw = cupy.asnumpy(self.buffer[: cap * NODE_BYTES])
         o_rows, o_child, o_pos = offsets(cap)
-        rows = raw[o_rows:o_child].view(np.int32).reshape(cap, ROW, 4).copy()
+        rows = raw[o_rows:o_child].view(abi.NODE_ROW).copy()  # [cap]
         child = raw[o_child:o_pos].view(np.int32).reshape(cap, ROW).copy()
-        pos = raw[o_pos:].view(np.uint64).reshape(cap, 2).copy()
+        pos = raw[o_pos:].view(abi.POSITION.dtype).copy()  # [cap]
         rows[n:] = 0
         child[n:] = 0
         pos[n:] = 0
-        edges = rows[:, : connect4.NUM_ACTIONS]
+        edges, head = rows["edges"][None], rows["header"][None]  # [1, cap, 7], [1, cap]
         return tr.Tree(
-            node_current=pos[None, :, 0].copy(),
-            node_mask=pos[None, :, 1].copy(),
-            node_terminal=rows[None, :, 7, 1].astype(np.int8),
-            node_visits=rows[None, :, 7, 0].copy(),
-            node_parent=rows[None, :, 7, 2].copy(),
-            node_action=rows[None, :, 7, 3].astype(np.int8),
+            node_current=pos["current"][None].copy(),
+            node_mask=pos["mask"][None].copy(),
+            node_terminal=head["terminal"].astype(np.int8),
+            node_visits=head["visits"].copy(),
+            node_parent=head["parent"].copy(),
+            node_action=head["action"].astype(np.int8),
             children=child[None, :, : connect4.NUM_ACTIONS].copy(),
-            edge_visits=edges[None, ..., 0].copy(),
-            edge_value=edges[None, ..., 2].copy().view(np.float32),
-            edge_vloss=edges[None, ..., 1].copy(),
-            prior=edges[None, ..., 3].copy().view(np.float32),
+            edge_visits=edges["visits"].copy(),
+            edge_value=edges["value_sum"].copy(),
+            edge_vloss=edges["vloss"].copy(),
+            prior=edges["prior"].copy(),
             num_nodes=np.array([n], np.int32),
             evaluator=self.evaluator,
         )
@@ -139,19 +136,22 @@ class CudaTree:
         if tree.batch != 1:
             raise ValueError(f"expected a single tree (batch of 1), got a batch of {tree.batch}")
         n = int(tree.num_nodes[0])
-        rows = np.zeros((n, ROW, 4), np.int32)
-        rows[:, :7, 0] = tree.edge_visits[0, :n]
-        rows[:, :7, 1] = tree.edge_vloss[0, :n]
-        rows[:, :7, 2] = tree.edge_value[0, :n].view(np.int32)
-        rows[:, :7, 3] = tree.prior[0, :n].view(np.int32)
-        rows[:, 7, 0] = tree.node_visits[0, :n]
-        rows[:, 7, 1] = tree.node_terminal[0, :n]
-        rows[:, 7, 2] = tree.node_parent[0, :n]
-        rows[:, 7, 3] = tree.node_action[0, :n]
+        rows = np.zeros(n, abi.NODE_ROW)
+        edges, head = rows["edges"], rows["header"]  # views: [n, 7], [n]
+        edges["visits"] = tree.edge_visits[0, :n]
+        edges["vloss"] = tree.edge_vloss[0, :n]
+        edges["value_sum"] = tree.edge_value[0, :n]
+        edges["prior"] = tree.prior[0, :n]
+        head["visits"] = tree.node_visits[0, :n]
+        head["terminal"] = tree.node_terminal[0, :n]
+        head["parent"] = tree.node_parent[0, :n]
+        head["action"] = tree.node_action[0, :n]
         child = np.full((n, ROW), tr.ILLEGAL, np.int32)
-        child[:, :7] = tree.children[0, :n]
-        pos = np.stack([tree.node_current[0, :n], tree.node_mask[0, :n]], axis=1).astype(np.uint64)
-        raw = np.concatenate([rows.view(np.uint8).ravel(), child.view(np.uint8).ravel(), pos.view(np.uint8).ravel()])
+        child[:, : connect4.NUM_ACTIONS] = tree.children[0, :n]
+        pos = np.zeros(n, abi.POSITION.dtype)
+        pos["current"] = tree.node_current[0, :n]
+        pos["mask"] = tree.node_mask[0, :n]
+        raw = np.concatenate([rows.view(np.uint8), child.view(np.uint8).ravel(), pos.view(np.uint8)])
         return cls(cupy.asarray(raw)[None], 0, n, n, int(tree.node_current[0, 0]), int(tree.node_mask[0, 0]),
                    tree.evaluator)
 

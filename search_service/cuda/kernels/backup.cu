@@ -18,11 +18,16 @@
 //    warp there is nothing to combine; its path is then split over the lanes
 //    (lane l updates depths l and l + 32) so the whole path's atomics issue at once.
 
+// The N word of node `node`'s header (backup's atomicAdd target).
+__device__ __forceinline__ int* node_visits(const TreeView& t, int node) {
+  return (int*)(t.rows + (long long)node * ROW + HEADER) + HEAD_VISITS;
+}
+
 __device__ __forceinline__ void edge_update(const TreeView& t, int e, int count, float value) {
   int4* rec = t.rows + e;
   atomicAdd((unsigned long long*)rec, (u64)count - ((u64)count << 32));
-  atomicAdd((float*)rec + 2, value);
-  atomicAdd((int*)(t.rows + (e & ~7) + 7), count);
+  atomicAdd((float*)rec + EDGE_VALUE_SUM, value);
+  atomicAdd((int*)(t.rows + (e & ~(ROW - 1)) + HEADER) + HEAD_VISITS, count);  // the row's header: N
 }
 
 // Lane i < g holds simulation i: its path (path + i * MAX_DEPTH, written by
@@ -36,16 +41,16 @@ __device__ void backup_wave(const TreeView& t, int* ts, const int* path, float* 
     if (active) {
       const int* p = path + lane * MAX_DEPTH;
       for (int d = 0; d < depth; ++d) edge_update(t, p[d], 1, ((depth - d) & 1) ? -v : v);
-      if (leaf >= 0) atomicAdd((int*)(t.rows + (long long)leaf * ROW + 7), 1);
-      atomicMax(ts + TS_MAXDEPTH, depth);
+      if (leaf >= 0) atomicAdd(node_visits(t, leaf), 1);
+      atomicMax(ts + TS_MAX_DEPTH, depth);
     }
   } else if (g == 1) {
     const int dd = __shfl_sync(FULL_MASK, depth, 0);
     const float v0 = __shfl_sync(FULL_MASK, v, 0);
     for (int d = lane; d < dd; d += 32) edge_update(t, path[d], 1, ((dd - d) & 1) ? -v0 : v0);
     if (lane == 0) {
-      if (leaf >= 0) atomicAdd((int*)(t.rows + (long long)leaf * ROW + 7), 1);
-      atomicMax(ts + TS_MAXDEPTH, depth);
+      if (leaf >= 0) atomicAdd(node_visits(t, leaf), 1);
+      atomicMax(ts + TS_MAX_DEPTH, depth);
     }
   } else {
     vals[lane] = v;
@@ -72,9 +77,9 @@ __device__ void backup_wave(const TreeView& t, int* ts, const int* path, float* 
     const unsigned lm = __ballot_sync(FULL_MASK, has_leaf);
     if (has_leaf) {
       const unsigned peers = __match_any_sync(lm, leaf);
-      if (lane == __ffs(peers) - 1) atomicAdd((int*)(t.rows + (long long)leaf * ROW + 7), __popc(peers));
+      if (lane == __ffs(peers) - 1) atomicAdd(node_visits(t, leaf), __popc(peers));
     }
-    if (lane == 0) atomicMax(ts + TS_MAXDEPTH, max_d);
+    if (lane == 0) atomicMax(ts + TS_MAX_DEPTH, max_d);
     __syncwarp();
   }
 }

@@ -1,6 +1,9 @@
-// common.cu -- types, constants and the device node-pool layout shared by every
-// tandem MCTS kernel. The .cu files of this folder are concatenated in the
-// order search_service/cuda/module.py lists them and compiled by NVRTC as one
+// common.cu -- types, device-only constants and the device node-pool layout
+// shared by every tandem MCTS kernel. The .cu files of this folder are
+// concatenated in the order search_service/cuda/module.py lists them, behind
+// the header abi.h that search_service/cuda/abi.py generates (every constant
+// and record layout the host shares: NUM_ACTIONS, ROW, NODE_BYTES, the child
+// and terminal codes, TS_*, INIT_*, RES_*, ...), and compiled by NVRTC as one
 // translation unit (-std=c++17, --fmad=false: the selection scores must be
 // rounded exactly like the NumPy reference's float64, so no fused multiply-add).
 //
@@ -17,11 +20,11 @@
 //   .y int32 vloss      simulations in flight through the edge (virtual loss)
 //   .z float value_sum  sum of backed-up values, for the player to move at n
 //   .w float prior      policy prior (uniform over legal moves without a model)
-// .x and .y form one little-endian u64 so that backup retires a visit and its
-// virtual loss with a single 64-bit atomicAdd (VISIT_DONE below).
-// rows[n][7] is the node header: .x int32 N (simulations that passed through
-// or ended at n), .y terminal code, .z parent slot (-1 root), .w action from
-// the parent (-1 root). So one 128-byte line holds everything selection needs
+// (abi.h: EDGE_*). .x and .y form one little-endian u64 so that backup retires
+// a visit and its virtual loss with a single 64-bit atomicAdd (VISIT_DONE below).
+// rows[n][HEADER], HEADER = 7, is the node header: .x int32 N (simulations
+// that passed through or ended at n), .y terminal code, .z parent slot (-1
+// root), .w action from the parent (-1 root) (abi.h: HEAD_*). So one 128-byte line holds everything selection needs
 // about a node and its 7 edges; `child` is a second, 32-byte sector.
 //
 // Child codes: >= 0 slot, UNEXPANDED legal move without a node, ILLEGAL, and
@@ -56,7 +59,7 @@
 //                    limit are refused slots, never written.
 //   TS_STARTED       atomicCAS only (claims never pass the budget).
 //   TS_DONE          atomicAdd at the end of each wave.
-//   TS_MAXDEPTH      atomicMax.  TS_EXHAUSTED, TS_DEADLINE: plain stores of 1.
+//   TS_MAX_DEPTH     atomicMax.  TS_EXHAUSTED, TS_DEADLINE: plain stores of 1.
 //
 // Benign races: a selection reads records while other warps' backups and
 // virtual losses land, so it may score a slightly stale snapshot (as in any
@@ -74,34 +77,26 @@ typedef unsigned int u32;
 #define HD __host__ __device__ __forceinline__
 #define FULL_MASK 0xffffffffu
 
-#define NUM_ACTIONS 7
-#define ROW 8              // records per node row: 7 edges + header
-#define MAX_DEPTH 42       // edges on a selection path (a game has 42 moves)
-#define NODE_BYTES 176     // 128 rows + 32 child + 16 pos
-#define ROWS_BYTES 128
-#define CHILD_BYTES 32
-
-#define UNEXPANDED (-1)
-#define ILLEGAL (-2)
-#define EXPANDING (-3)
-
-#define NOT_TERMINAL 0
-#define TERMINAL_LOSS 1
-#define TERMINAL_DRAW 2
-
-// Per-tree search state: int32 [B][TS_FIELDS], written by init_trees.
-#define TS_STARTED 0   // simulations claimed (atomicCAS by each warp, up to G at a time, never past the budget)
-#define TS_DONE 1      // simulations completed (atomicAdd at the end of a wave)
-#define TS_NODES 2     // node slots claimed (atomicAdd, may pass cap: slots >= limit are refused)
-#define TS_EXHAUSTED 3 // 1 once a claim was refused (plain store of 1: idempotent)
-#define TS_MAXDEPTH 4  // longest selection path (atomicMax)
-#define TS_DEADLINE 5  // 1 if the deadline stopped a warp of this tree (plain store of 1)
-#define TS_FIELDS 8
-
 // visits += 1 (low word) and vloss -= 1 (high word) in one 64-bit add: the low
 // word cannot carry (visits < 2^31), the high word wraps to vloss - 1.
 #define VISIT_DONE 0xFFFFFFFF00000001ull
 #define VLOSS_ONE 0x0000000100000000ull
+
+// What the code assumes of abi.h's table: a node's records are int4s (edges,
+// then the header) read as members .x .y .z .w (words 0..3; an edge's visits
+// and vloss one u64), its child row int32s, its position a ulonglong2 (.x
+// current, .y mask); a key node * ROW + action is masked to its row; a META
+// row moves as one int4.
+static_assert(EDGE_VISITS == 0 && EDGE_VLOSS == 1 && EDGE_VALUE_SUM == 2 && EDGE_PRIOR == 3 && EDGE_WORDS == 4,
+              "edge record: int4 (visits, vloss, value_sum, prior)");
+static_assert(HEAD_VISITS == 0 && HEAD_TERMINAL == 1 && HEAD_PARENT == 2 && HEAD_ACTION == 3 && HEAD_WORDS == 4,
+              "node header: int4 (N, terminal, parent, action)");
+static_assert(POS_CURRENT == 0 && POS_MASK == 1 && POS_WORDS == 2, "position: ulonglong2 (current, mask)");
+static_assert(ROWS_BYTES == ROW * sizeof(int4) && CHILD_BYTES == ROW * sizeof(int) &&
+              POS_BYTES == sizeof(ulonglong2) && NODE_BYTES == ROWS_BYTES + CHILD_BYTES + POS_BYTES,
+              "node pool layout");
+static_assert(HEADER == NUM_ACTIONS && ROW == NUM_ACTIONS + 1 && (ROW & (ROW - 1)) == 0, "node row layout");
+static_assert(META_WORDS * sizeof(int) == sizeof(int4), "META row");
 
 struct TreeView {
   int4* rows;  // [cap * ROW]

@@ -16,7 +16,7 @@ __device__ void init_node(const TreeView& t, int s, u64 cur, u64 mask, int term,
   int4* row = t.rows + (long long)s * ROW;
 #pragma unroll
   for (int a = 0; a < NUM_ACTIONS; ++a) row[a] = make_int4(0, 0, 0, legal[a] ? __float_as_int(prior) : 0);
-  row[7] = make_int4(0, term, parent, action);
+  row[HEADER] = make_int4(0, term, parent, action);
   int4* ch = (int4*)(t.child + (long long)s * ROW);
   ch[0] = make_int4(legal[0] ? UNEXPANDED : ILLEGAL, legal[1] ? UNEXPANDED : ILLEGAL,
                     legal[2] ? UNEXPANDED : ILLEGAL, legal[3] ? UNEXPANDED : ILLEGAL);
@@ -28,7 +28,8 @@ __device__ void init_node(const TreeView& t, int s, u64 cur, u64 mask, int term,
 // Expansion for a warp's wave. Lane i (a simulation) passes missing = it
 // stopped at an edge without a node, that edge's key (node * 8 + action) and
 // the leaf position it leads to. Returns the leaf's slot, or -1 when the pool
-// refused it (the leaf is then evaluated without a node: pool exhausted).
+// refused it (the leaf is then evaluated without a node: pool exhausted);
+// `leader` gets the lane that leads the lane's key (itself if not missing).
 //
 // Protocol (who writes what):
 //  1. Lanes with the same key share one node (the CPU reference's rule for
@@ -47,9 +48,9 @@ __device__ void init_node(const TreeView& t, int s, u64 cur, u64 mask, int term,
 //     warp is running (it made the claim), so the spin ends.
 //  5. Followers take their leader's slot.
 __device__ int expand_leaves(const TreeView& t, int* ts, int limit, int lane, bool missing, int key, u64 cur,
-                             u64 mask, int term) {
+                             u64 mask, int term, int& leader) {
   const unsigned mm = __ballot_sync(FULL_MASK, missing);
-  int leader = lane;
+  leader = lane;
   if (missing) leader = __ffs(__match_any_sync(mm, key)) - 1;
   const bool lead = missing && leader == lane;
   int old = 0;
@@ -88,4 +89,30 @@ __device__ int expand_leaves(const TreeView& t, int* ts, int limit, int lane, bo
   }
   const int got = __shfl_sync(FULL_MASK, slot, leader);
   return missing ? got : -1;
+}
+
+// The expansion step of a wave, after select_wave (`mine`: the lane's
+// Descent; lanes < g are active). An active lane that stopped at an edge
+// without a node gets the position behind that edge (cur, msk) and its
+// terminal code (term), and expands it (expand_leaves); one that stopped at
+// an existing finished node gets that node and its code. Returns the leaf's
+// slot (-1: refused by the pool, or an inactive lane); `leader` is the lane
+// that evaluates the leaf (the lowest stopping at the same edge).
+__device__ __forceinline__ int expand_wave(const TreeView& t, int* ts, int limit, int lane, int g, const Descent& mine,
+                                           u64& cur, u64& msk, int& term, int& leader) {
+  const bool active = lane < g;
+  const bool missing = active && mine.tnode < 0;
+  cur = 0;
+  msk = 0;
+  term = mine.tcode;
+  if (missing) {
+    const ulonglong2 pp = __ldcg((const ulonglong2*)t.pos + mine.node);
+    cur = pp.x;
+    msk = pp.y;
+    play_column(cur, msk, mine.action);
+    term = terminal_code(cur, msk);
+  }
+  int leaf = expand_leaves(t, ts, limit, lane, missing, mine.node * ROW + mine.action, cur, msk, term, leader);
+  if (active && !missing) leaf = mine.tnode;
+  return leaf;
 }

@@ -106,14 +106,14 @@ extern "C" __global__ void reroot_copy(unsigned char* src, long long src_cap, un
     r.y = 0;
     d.rows[(long long)n * ROW + a] = r;
   }
-  int4 h = s.rows[(long long)old * ROW + 7];
+  int4 h = s.rows[(long long)old * ROW + HEADER];
   if (n == 0) {
     h.z = -1;
     h.w = -1;
   } else {
     h.z = remap[h.z];
   }
-  d.rows[(long long)n * ROW + 7] = h;
+  d.rows[(long long)n * ROW + HEADER] = h;
 #pragma unroll
   for (int a = 0; a < ROW; ++a) {
     const int c = s.child[(long long)old * ROW + a];

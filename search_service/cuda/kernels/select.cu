@@ -69,8 +69,8 @@ __device__ Descent select_one(const TreeView& t, const SelectParams& sp, int* pa
   while (true) {
     const int4 r = __ldcg(t.rows + node * ROW + e);
     const int ch = __ldcg(t.child + node * ROW + e);
-    const int n_node = __shfl_sync(FULL_MASK, r.x, 7);
-    const int term = __shfl_sync(FULL_MASK, r.y, 7);
+    const int n_node = __shfl_sync(FULL_MASK, r.x, HEADER);
+    const int term = __shfl_sync(FULL_MASK, r.y, HEADER);
     if (term != NOT_TERMINAL) {  // an existing finished child (never the root)
       out.tnode = node;
       out.tcode = term;
@@ -111,4 +111,22 @@ __device__ Descent select_one(const TreeView& t, const SelectParams& sp, int* pa
   }
   out.depth = d;
   return out;
+}
+
+// A warp's selections for one wave: simulation i < g descends after
+// simulations 0..i-1 (so it sees their virtual losses), writing its path to
+// path + i * MAX_DEPTH; lane i keeps simulation i's Descent, lanes >= g an
+// empty one. The closing __syncwarp makes the paths visible to the warp.
+__device__ __forceinline__ void select_wave(const TreeView& t, const SelectParams& sp, int* path, int lane, int g,
+                                            Descent& mine) {
+  mine.depth = 0;
+  mine.node = 0;
+  mine.action = 0;
+  mine.tnode = -1;
+  mine.tcode = NOT_TERMINAL;
+  for (int i = 0; i < g; ++i) {
+    const Descent dsc = select_one(t, sp, path + i * MAX_DEPTH, lane);
+    if (lane == i) mine = dsc;
+  }
+  __syncwarp();
 }
