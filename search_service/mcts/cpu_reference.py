@@ -52,9 +52,10 @@ Algorithm (one *wave* per loop, K = ``parallel_sims`` simulations per tree):
    (:func:`search_service.mcts.tree.solve`): a node with a lost child is a
    proven win, a node whose legal children are all known takes the best of
    them. A selection stops at a proven node as at a terminal one and backs up
-   its exact value; selection never picks a child proven won for the opponent
-   (unless every legal child is); a search whose roots are all proven stops at
-   once and plays the proof (:func:`search_service.mcts.backend.best_action`).
+   its exact value (so a move proven lost soon has the worst Q); a tree whose
+   root is proven takes no more simulations, and the search plays the proof
+   (:func:`search_service.mcts.backend.best_action`: a proven win at once,
+   never a move proven lost unless all are).
 
 With ``parallel_sims = 1`` this is plain sequential MCTS; with a fixed seed the
 search is deterministic for any ``parallel_sims``. The budget is checked
@@ -150,7 +151,7 @@ class _Search:
         self.puct = params.evaluator == "value_model"  # PUCT selection with priors
         self.use_model = self.puct  # leaves valued by the model; False after an EvaluationFailed
         self.failure = ""  # why the model stopped valuing leaves ("" while it does)
-        self.model_simulations = 0
+        self.model_simulations = np.zeros(len(roots), np.int64)  # per tree
         trees = check_call(roots, params, evaluator, trees)
         b = len(roots)
         self.reused = np.zeros(b, bool)
@@ -208,10 +209,14 @@ class _Search:
         self._views()
         if self.puct:
             self._evaluate_fresh_roots()
-        done, deadline_reached = 0, False
+        done = np.zeros(self.b, np.int64)  # simulations completed per tree
+        deadline_reached = False
         while True:
-            k = p.parallel_sims if p.simulations is None else min(p.parallel_sims, p.simulations - done)
-            if k <= 0 or self._roots_proven():
+            live = self.tree.node_terminal[:, 0] == tr.NOT_TERMINAL  # a proven root takes no more simulations
+            if not live.any():
+                break
+            k = p.parallel_sims if p.simulations is None else min(p.parallel_sims, p.simulations - int(done[live][0]))
+            if k <= 0:
                 break
             # At least one wave runs, unless an undone one already took the time.
             if p.deadline_ms is not None and (self.waves or self.failure) and self._past_deadline():
@@ -221,35 +226,36 @@ class _Search:
                 self.stopped = True
                 break
             self._ensure_capacity(k)
-            if not self._wave(k, done):
+            ks = np.where(live, k, 0)
+            used_model = self.use_model
+            if not self._wave(ks, done):
                 continue  # undone: the loop goes on with rollouts, or ends at the deadline
-            done += k
-            self.model_simulations += k if self.use_model else 0
+            done += ks
+            if used_model:
+                self.model_simulations += ks
             self.waves += 1
         return self._results(done, deadline_reached), tr.split(self.tree)
-
-    def _roots_proven(self) -> bool:
-        return bool((self.tree.node_terminal[:, 0] != tr.NOT_TERMINAL).all())
 
     def _past_deadline(self) -> bool:
         return (time.perf_counter() - self.t0) * 1e3 >= self.p.deadline_ms
 
-    def _wave(self, k: int, done: int) -> bool:
-        """One wave of ``k`` simulations per tree; False if its evaluation
-        failed and the wave was undone (the tree is as it was before it)."""
+    def _wave(self, ks: np.ndarray, done: np.ndarray) -> bool:
+        """One wave of ``ks[b]`` simulations in tree b (int64 [B]; ``done``:
+        each tree's completed simulations); False if its evaluation failed and
+        the wave was undone (the tree is as it was before it)."""
         t = time.perf_counter()
         with nvtx.span("search.select"):
-            walk = self._select(k)
+            walk = self._select(ks, done)
         t1 = time.perf_counter()
-        before = (self.tree.num_nodes.copy(), self.pool_exhausted.copy())
+        before = self.tree.num_nodes.copy()
         with nvtx.span("search.expand"):
             leaf = self._expand(walk)
         t2 = time.perf_counter()
         try:
             with nvtx.span("search.evaluate"):
-                values = self._evaluate(walk, leaf, done)
+                values = self._evaluate(walk, leaf)
         except EvaluationFailed as exc:
-            self._undo(walk, *before)
+            self._undo(walk, before)
             self._stop_using_model(exc)
             self.ms["evaluate"] += (time.perf_counter() - t2) * 1e3
             return False
@@ -265,10 +271,11 @@ class _Search:
         self.use_model = False
         self.failure = str(exc) or type(exc).__name__
 
-    def _undo(self, walk: dict, num_nodes: np.ndarray, pool_exhausted: np.ndarray) -> None:
+    def _undo(self, walk: dict, num_nodes: np.ndarray) -> None:
         """Takes a selected and expanded wave back out of the tree: releases
         its virtual losses and unlinks the nodes it added (slots past
-        ``num_nodes``, reused by later waves)."""
+        ``num_nodes``, reused by later waves). ``pool_exhausted`` stays as the
+        wave left it (the pool did fill)."""
         _, edges = self._path_edges(walk)
         np.add.at(self.vloss.reshape(-1), edges, -1)
         tree = self.tree
@@ -277,14 +284,17 @@ class _Search:
             parents = b * self.cap + tree.node_parent[b, slots].astype(np.int64)
             self.children[parents, tree.node_action[b, slots].astype(np.int64)] = tr.UNEXPANDED
         tree.num_nodes[:] = num_nodes
-        self.pool_exhausted[:] = pool_exhausted
 
     # -- 1. selection ------------------------------------------------------
-    def _select(self, k: int) -> dict:
-        """Descends B*K selections in lockstep by depth; returns their paths."""
+    def _select(self, ks: np.ndarray, done: np.ndarray) -> dict:
+        """Descends ``ks[b]`` selections per tree in lockstep by depth; returns
+        their paths and, per selection, its simulation index in its tree."""
         b, cap = self.b, self.cap
-        w = b * k
-        tree_of = np.repeat(np.arange(b, dtype=np.int64), k)
+        k = int(ks.max())
+        w = int(ks.sum())
+        tree_of = np.repeat(np.arange(b, dtype=np.int64), ks)
+        first = np.cumsum(ks) - ks  # each tree's first selection
+        in_tree = np.arange(w) - first[tree_of]  # the selection's rank in its tree's wave
         path_rows = np.zeros((MAX_DEPTH, w), np.int64)
         path_acts = np.zeros((MAX_DEPTH, w), np.int64)
         depth = np.zeros(w, np.int64)
@@ -293,7 +303,9 @@ class _Search:
         rows = tree_of * cap  # their current node rows: the roots
         for d in range(MAX_DEPTH):
             if d == 0:  # every selection of tree t stands on its root; the j-th chooses j-th
-                node_rows, group, size, rank = np.arange(b) * cap, tree_of, np.full(b, k), idx % k
+                trees = np.flatnonzero(ks)  # every live tree's root
+                node_rows, size, rank = trees * cap, ks[trees], in_tree
+                group = np.searchsorted(trees, tree_of)
             elif k == 1:  # one selection per tree: all on distinct nodes
                 node_rows, group, size, rank = rows, np.arange(rows.size), np.ones(rows.size, np.int64), 0
             else:
@@ -311,7 +323,8 @@ class _Search:
             idx, rows = idx[go], child_rows[go]
             if idx.size == 0:
                 break
-        return dict(k=k, tree_of=tree_of, rows=path_rows, acts=path_acts, depth=depth, stop_child=stop_child)
+        return dict(k=k, tree_of=tree_of, sim=done[tree_of] + in_tree, rows=path_rows, acts=path_acts, depth=depth,
+                    stop_child=stop_child)
 
     def _choose(self, node_rows: np.ndarray, size: np.ndarray) -> np.ndarray:
         """int64 [R, U]: the action the r-th selection standing on node
@@ -342,10 +355,6 @@ class _Search:
             scale = p.c_uct * np.sqrt(np.log(np.maximum(parent, 1.0)))
             q[:, :, 0] = np.where(n[:, :, 0] == 0, np.inf, q[:, :, 0])  # unvisited edges first
         q[illegal] = -np.inf
-        # Never a child proven won for the opponent, unless every legal one is.
-        losing = self._child_codes(node_rows) == tr.PROVEN_WIN
-        losing &= ~(losing | illegal).all(axis=1, keepdims=True)
-        q[losing] = -np.inf
         q, g = q.reshape(-1), g.reshape(-1)
         at = (np.arange(u_count)[:, None] * A + np.arange(A)) * r_count  # [U, A]: offset of j = 0
         held = np.zeros((u_count, A), np.int64)  # virtual losses added so far
@@ -422,16 +431,15 @@ class _Search:
         return dict(row=leaf_row, current=leaf_current, mask=leaf_mask, terminal=leaf_terminal, key=edge_key)
 
     # -- 3. evaluation -----------------------------------------------------
-    def _evaluate(self, walk: dict, leaf: dict, done: int) -> np.ndarray:
+    def _evaluate(self, walk: dict, leaf: dict) -> np.ndarray:
         """float32 [W]: each selection's leaf value for the leaf's side to move."""
         values = tr.OUTCOME_VALUE[leaf["terminal"]]  # exact where the result is known, 0 elsewhere
         open_ = np.flatnonzero(leaf["terminal"] == tr.NOT_TERMINAL)
         if open_.size == 0:
             return values
         if not self.use_model:
-            sims = done + open_ % walk["k"]
             values[open_] = rollout_values(
-                leaf["current"][open_], leaf["mask"][open_], sims, walk["tree_of"][open_], self.p.seed
+                leaf["current"][open_], leaf["mask"][open_], walk["sim"][open_], walk["tree_of"][open_], self.p.seed
             )
             return values
         # Value model: one call per wave, one row per distinct leaf (selections
@@ -536,7 +544,7 @@ class _Search:
                 q_values=q[i].astype(np.float32),
                 root_value=float(root_value[i]),
                 principal_variation=pv[i],
-                simulations=done,
+                simulations=int(done[i]),
                 max_depth=int(self.max_depth[i]),
                 tree_nodes=int(t.num_nodes[i]),
                 pool_exhausted=bool(self.pool_exhausted[i]),
@@ -546,7 +554,7 @@ class _Search:
                 evaluate_ms=self.ms["evaluate"],
                 backup_ms=self.ms["backup"],
                 tree_reused=bool(self.reused[i]),
-                model_simulations=self.model_simulations,
+                model_simulations=int(self.model_simulations[i]),
                 evaluation_failure=self.failure,
                 proven=int(proven[i]),
                 extras={"waves": self.waves, "stopped": self.stopped},

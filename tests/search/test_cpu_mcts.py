@@ -218,9 +218,6 @@ def reference_search(moves: str, tree_index: int, p: SearchParams, model=None) -
             score = q + scale * (1.0 / np.sqrt(np.maximum(n_eff, 1.0)))
             score[n_eff == 0] = np.inf
         score[node.illegal] = -np.inf
-        losing = np.array([a in node.kids and node.kids[a].terminal == tr.PROVEN_WIN for a in range(7)])
-        if not (losing | node.illegal).all():
-            score[losing] = -np.inf  # never a move proven lost, unless every move is
         return int(np.argmax(score))
 
     def solve(node):

@@ -50,10 +50,9 @@ def test_an_immediate_win_is_proven_and_played_at_once(moves, wins, simulations)
 
 
 @pytest.mark.parametrize("evaluator", ["rollout", "value_model"])
-def test_a_proven_loss_for_the_opponent_is_never_selected(evaluator):
-    """'4455' with 2 to move... any move but 3 or 6 lets X win at once: after the
-    search, such children are proven wins for X and hold no more visits than
-    the solver needed to prove them."""
+def test_a_move_proven_lost_is_never_played(evaluator):
+    """After a long search of '445', children proven won for the opponent
+    (moves proven lost) may exist; none of them is the move played."""
     model = toy_model if evaluator == "value_model" else None
     results, trees = search("445", simulations=3000, parallel_sims=8, evaluator=evaluator, evaluator_fn=model, seed=4)
     t = trees[0]
@@ -86,3 +85,12 @@ def test_best_action_plays_the_proof():
     assert best_action(visits, q, None, codes)[0] == 0  # ... unless all are: then the most visited
     legal = c4.legal_bits(c4.parse_moves("").mask).reshape(1, 7)
     assert best_action(visits, q, legal, None)[0] == 0
+
+
+def test_a_proven_tree_stops_while_the_others_of_its_batch_go_on():
+    results, trees = search(["121212", "4453"], simulations=200, parallel_sims=8, evaluator="rollout", seed=3)
+    won, open_ = results
+    assert won.proven == tr.PROVEN_WIN and won.action == 0 and won.simulations < 200
+    assert open_.simulations == 200 and int(open_.visit_counts.sum()) == 200
+    for t in trees:
+        check_invariants(t, max_nodes=1 << 20)
