@@ -56,6 +56,7 @@ NUM_ACTIONS = connect4.NUM_ACTIONS  # moves per position: the columns (7)
 MAX_DEPTH = connect4.MAX_MOVES  # edges on a selection path: a game has at most 42 moves
 CELLS = connect4.ROWS * connect4.COLUMNS  # cells of the board: one observation plane (42)
 EXPANDING = -3  # transient child code, only inside a running search kernel
+NO_SIMULATION = -1  # a META row's terminal when its tree's root was proven: no simulation ran in the slot
 ROW = NUM_ACTIONS + 1  # 16-byte records per node row: 7 edges, then the header
 HEADER = NUM_ACTIONS  # the header's record in a row
 WARPS_PER_BLOCK = 4  # the search kernels run 128-thread blocks (their __launch_bounds__)
@@ -125,6 +126,7 @@ TREE_STATE = Layout("TS", I32, 8, "tsa int32 [B][8]: a tree's search counters (c
     Field("exhausted", 3, I32, 1, "1 once a claim was refused (plain store of 1)"),
     Field("max_depth", 4, I32, 1, "longest selection path, in edges (atomicMax)"),
     Field("deadline", 5, I32, 1, "1 if the deadline stopped a warp of this tree (plain store of 1)"),
+    Field("wave_base", 6, I32, 1, "value model: TS_NODES before the wave (init_trees, then each backup or undo)"),
 ))
 CYCLES = Layout("CYC", U64, 4, "cyc u64 [B][4]: clock64 cycles per phase of a rollout search, over a tree's warps", (
     Field("select", 0, U64, 1, "selection"),
@@ -132,7 +134,7 @@ CYCLES = Layout("CYC", U64, 4, "cyc u64 [B][4]: clock64 cycles per phase of a ro
     Field("evaluate", 2, U64, 1, "rollouts"),
     Field("backup", 3, U64, 1, "backup, up to the end of the wave"),
 ))
-RESULT = Layout("RES", I32, 72, "res int32 [B][72]: finish_trees -> host, a tree's result", (
+RESULT = Layout("RES", I32, 74, "res int32 [B][74]: finish_trees -> host, a tree's result", (
     Field("visits", 0, I32, NUM_ACTIONS, "the root edges' completed simulations"),
     Field("value_sum", 7, F32, NUM_ACTIONS, "the root edges' value sums, for the root's side to move"),
     Field("root_visits", 14, I32, 1, "the root's N"),
@@ -144,11 +146,14 @@ RESULT = Layout("RES", I32, 72, "res int32 [B][72]: finish_trees -> host, a tree
     Field("pv_length", 20, I32, 1, "moves in the principal variation"),
     Field("pv", 21, I32, MAX_DEPTH, "the principal variation's actions, from the root (pv_length used)"),
     Field("cycles", 64, U64, len(CYCLES.fields), "the tree's CYC row: cycles per phase"),
+    Field("outcome", 72, U8, 1 + NUM_ACTIONS,
+          "known results (terminal or proven codes): [0] the root's, [1 + a] root child a's (NOT_TERMINAL: none)"),
 ))
 META = Layout("META", I32, 4, "meta int32 [B*K][4]: mcts_vm_select -> host and mcts_vm_backup_*, per simulation", (
     Field("leaf", 0, I32, 1, "the leaf's slot, -1 where the pool refused it"),
     Field("depth", 1, I32, 1, "edges on the simulation's path"),
-    Field("terminal", 2, I32, 1, "the leaf's terminal code (NOT_TERMINAL: the model evaluates it)"),
+    Field("terminal", 2, I32, 1,
+          "the leaf's known result (NOT_TERMINAL: the model evaluates it; NO_SIMULATION: the root is proven)"),
     Field("leader", 3, I32, 1, "the simulation that evaluates this leaf: the warp's lowest stopping at its edge"),
 ))
 OBS = Layout("OBS", U8, 2 * CELLS, "obs uint8 [B*K][84] = [2][6][7]: mcts_vm_select -> host, a leaf's observation", (
@@ -169,7 +174,7 @@ EDGE_RECORD = Layout("EDGE", I32, 4, "rows[n][a], a < NUM_ACTIONS: int4, edge a 
 ))
 HEADER_RECORD = Layout("HEAD", I32, 4, "rows[n][HEADER]: int4, node n's header", (
     Field("visits", 0, I32, 1, "N: simulations that passed through or ended at n"),
-    Field("terminal", 1, I32, 1, "terminal code"),
+    Field("terminal", 1, I32, 1, "known result: terminal code, or proven by the solver (plain store, once)"),
     Field("parent", 2, I32, 1, "parent slot, -1 for the root"),
     Field("action", 3, I32, 1, "action from the parent, -1 for the root"),
 ))
@@ -208,6 +213,10 @@ CONSTANTS = (
     Constant("NOT_TERMINAL", tr.NOT_TERMINAL, "terminal code: the game goes on"),
     Constant("TERMINAL_LOSS", tr.TERMINAL_LOSS, "terminal code: the side to move lost"),
     Constant("TERMINAL_DRAW", tr.TERMINAL_DRAW, "terminal code: a full board"),
+    Constant("PROVEN_WIN", tr.PROVEN_WIN, "proven by the solver: the side to move wins"),
+    Constant("PROVEN_LOSS", tr.PROVEN_LOSS, "proven by the solver: the side to move loses"),
+    Constant("PROVEN_DRAW", tr.PROVEN_DRAW, "proven by the solver: a draw"),
+    Constant("NO_SIMULATION", NO_SIMULATION, "META terminal: the slot ran no simulation (its tree's root is proven)"),
     Constant("ROW", ROW, "16-byte records per node row: 7 edges + header"),
     Constant("HEADER", HEADER, "the header's record in a node row"),
     Constant("ROWS_BYTES", ROWS_BYTES, "bytes per node of rows (int4 [cap][ROW])"),

@@ -18,7 +18,15 @@ out (``kernels/search.cu`` has the details and the concurrency invariants):
 * Value model: each wave is two launches around a host round trip: the first
   selects, expands and writes the leaves' observations (uint8 [B*K, 2, 6, 7],
   on the device), the evaluator is called once with the wave's distinct
-  unfinished leaves, the second writes the priors and backs up.
+  unfinished leaves, the second writes the priors and backs up. A wave the
+  evaluator cannot value (EvaluationFailed) is taken back out by
+  ``mcts_vm_undo`` instead (virtual losses released, its nodes unlinked),
+  and later waves value their leaves with the reference's Philox rollouts on
+  the host, in the same tree -- or the search answers, past its deadline.
+* MCTS-Solver: every backup kernel proves what it can up the paths whose
+  leaf has a known result (``solve_wave``); a tree whose root is proven runs
+  no more simulations; the result carries the root's and its children's
+  known results, from which :func:`best_action` plays the proof.
 
 Exactness: with one warp per tree (W = 1: K = 1, or K <= G) a tree is
 searched in exactly the reference's order, so root visit counts, values and
@@ -65,12 +73,15 @@ from search_service.games import connect4
 from search_service.games.connect4 import Positions
 from search_service.mcts import tree as tr
 from search_service.mcts.backend import (
+    EvaluationFailed,
     LeafEvaluator,
     SearchParams,
     SearchResult,
+    best_action,
     check_call,
 )
 from search_service.mcts.philox import seed_key
+from search_service.mcts.rollout import rollout_values
 from tandem import nvtx
 
 A = connect4.NUM_ACTIONS
@@ -78,7 +89,6 @@ BACKUPS = ("warp_aggregated", "global_atomic")
 SCALE_TABLE = 1 << 18  # UCT scale(N) = c_uct * sqrt(ln N) from NumPy for N below this (2 MiB)
 _BUDGET_NONE = 1 << 30  # "no simulation budget" (deadline only)
 STOP_SLICE = 1024  # simulations per tree per launch when a stop request must be polled
-_TERMINAL_LOSS = tr.TERMINAL_LOSS
 
 
 class CudaBackend:
@@ -181,7 +191,7 @@ class _Search:
     ``_allocate``) are ``pool`` (uint8 [B, capacity * NODE_BYTES], the trees'
     node pools), ``tree_state`` (int32 [B * 8], the TS rows), ``cycles``
     (uint64 [B * 4], the CYC rows), ``clock_start`` (uint64 [1], the deadline
-    clock's start, ns) and ``result_rows`` (uint8 [B * 288], the RES rows);
+    clock's start, ns) and ``result_rows`` (uint8 [B * 296], the RES rows);
     the rows are :mod:`.abi`'s.
     """
 
@@ -193,7 +203,9 @@ class _Search:
         self.backend = backend
         self.params = params
         self.evaluator = evaluator
-        self.puct = params.evaluator == "value_model"
+        self.puct = params.evaluator == "value_model"  # PUCT selection with priors
+        self.use_model = self.puct  # leaves valued by the model; False after an EvaluationFailed
+        self.failure = ""  # why the model stopped valuing leaves ("" while it does)
         trees = check_call(roots, params, evaluator, trees)
         b = len(roots)
         self.n_trees = b
@@ -223,6 +235,7 @@ class _Search:
         self.warps_per_tree, self.sims_per_warp = backend.split(self.parallel_sims)
         self.phase_ms = dict.fromkeys(abi.PHASES, 0.0)  # wall-clock ms per phase, over the call
         self.waves = 0
+        self.model_simulations = np.zeros(b, np.int64)  # per tree: simulations whose leaf the model valued
 
     # -- set-up --------------------------------------------------------------------
     def _allocate(self) -> None:
@@ -250,7 +263,11 @@ class _Search:
         if self.puct and fresh.any():
             t = time.perf_counter()
             idx = np.flatnonzero(fresh)
-            _, priors = _call_model(self.evaluator, self.roots.current[idx], self.roots.mask[idx])
+            try:
+                _, priors = _call_model(self.evaluator, self.roots.current[idx], self.roots.mask[idx])
+            except EvaluationFailed as exc:
+                self._stop_using_model(exc)  # uniform priors stay; rollouts value the leaves
+                priors = None
             if priors is not None:
                 init["has_priors"][idx] = 1
                 init["priors"][idx] = priors
@@ -372,13 +389,18 @@ class _Search:
         slot = np.arange(n)
         in_wave_of = slot % k_max
         wants_cupy = bool(getattr(self.evaluator, "accepts_cupy", False))
-        done = 0
+        done = np.zeros(b, np.int64)  # simulations completed per tree (the rollouts' Philox counters)
+        live = np.ones(b, bool)  # trees whose root is not proven (as of the last selection)
+        tree_of = slot // k_max
         while True:
-            k = k_max if params.simulations is None else min(k_max, params.simulations - done)
+            if not live.any():
+                return False
+            k = k_max if params.simulations is None else min(k_max, params.simulations - int(done[live][0]))
             if k <= 0:
                 return False
+            # At least one wave runs, unless an undone one already took the time.
             if (
-                params.deadline_ms is not None and self.waves
+                params.deadline_ms is not None and (self.waves or self.failure)
                 and (time.perf_counter() - self.started_at) * 1e3 >= params.deadline_ms
             ):
                 return True
@@ -386,42 +408,43 @@ class _Search:
                 self.stopped = True
                 return False
             t = time.perf_counter()
+            args = (self.pool, np.int64(self.capacity), np.int32(self.node_limit), np.int32(b), np.int32(w),
+                    np.int32(g), np.int32(k_max), np.int32(k))
             with nvtx.span("search.select"):
                 kernel("mcts_vm_select")(
                     grid, block,
-                    (
-                        self.pool, np.int64(self.capacity), np.int32(self.node_limit), np.int32(b), np.int32(w),
-                        np.int32(g), np.int32(k_max), np.int32(k), np.float64(params.c_puct),
-                        np.float64(params.virtual_loss), self.tree_state, meta_dev, paths, obs_dev,
-                    ),
+                    (*args, np.float64(params.c_puct), np.float64(params.virtual_loss), self.tree_state, meta_dev,
+                     paths, obs_dev),
                 )
                 staged = stage.get()
             meta_host, obs_host = abi.carve(staged, *stage_sizes)
             meta = meta_host.view(abi.META.dtype)  # [n]
             t1 = time.perf_counter()
-            active = in_wave_of < k
-            term = np.where(active, meta["terminal"], -1)
-            leader = meta["leader"]
-            rows = np.flatnonzero(active & (term == tr.NOT_TERMINAL) & (leader == slot))
+            ran = (in_wave_of < k) & (meta["terminal"] != abi.NO_SIMULATION)  # slots that ran a simulation
+            live = ran.reshape(b, k_max)[:, 0]
+            if not live.any():
+                return False  # every root is proven
+            term = np.where(ran, meta["terminal"], tr.NOT_TERMINAL)
             vin = np.zeros(n, abi.EVAL.dtype)
-            vin["value"][active & (term == _TERMINAL_LOSS)] = -1.0
+            vin["value"] = np.where(ran, tr.OUTCOME_VALUE[np.maximum(term, 0)], 0.0)  # exact where known
+            open_ = ran & (term == tr.NOT_TERMINAL)
+            planes = obs_host.reshape(n, 2, connect4.ROWS, connect4.COLUMNS)
             has_priors = False
-            if rows.size:
-                planes = obs_host.reshape(n, 2, connect4.ROWS, connect4.COLUMNS)
-                if wants_cupy:
-                    obs = obs_dev[cupy.asarray(rows)].reshape(-1, 2, connect4.ROWS, connect4.COLUMNS)
-                else:
-                    obs = planes[rows]
-                legal = (planes[rows, :, -1, :] == 0).all(axis=1)
-                with nvtx.span("search.evaluate"):
-                    values, priors = _model_answer(self.evaluator, obs, legal)
-                by_slot = np.zeros(n, np.float32)
-                by_slot[rows] = values
-                open_ = active & (term == tr.NOT_TERMINAL)
-                vin["value"][open_] = by_slot[leader[open_]]
-                if priors is not None:
-                    vin["priors"][rows] = priors
-                    has_priors = True
+            used_model = self.use_model
+            try:
+                if self.use_model:
+                    has_priors = self._model_values(vin, planes, obs_dev, open_, meta["leader"], wants_cupy)
+                elif open_.any():
+                    pos = connect4.from_observation(planes[open_])
+                    sims = done[tree_of[open_]] + in_wave_of[open_]
+                    vin["value"][open_] = rollout_values(pos.current, pos.mask, sims, tree_of[open_], params.seed)
+            except EvaluationFailed as exc:
+                with nvtx.span("search.undo"):
+                    kernel("mcts_vm_undo")(grid, block, (*args, self.tree_state, meta_dev, paths))
+                self._stop_using_model(exc)
+                self.phase_ms["select"] += (t1 - t) * 1e3
+                self.phase_ms["evaluate"] += (time.perf_counter() - t1) * 1e3
+                continue
             t2 = time.perf_counter()
             with nvtx.span("search.backup"):
                 vin_dev.set(vin.view(np.float32))
@@ -436,8 +459,38 @@ class _Search:
             self.phase_ms["select"] += (t1 - t) * 1e3
             self.phase_ms["evaluate"] += (t2 - t1) * 1e3
             self.phase_ms["backup"] += (t3 - t2) * 1e3
-            done += k
+            done += np.where(live, k, 0)
+            if used_model:
+                self.model_simulations += np.where(live, k, 0)
             self.waves += 1
+
+    def _model_values(self, vin: np.ndarray, planes: np.ndarray, obs_dev, open_: np.ndarray, leader: np.ndarray,
+                      wants_cupy: bool) -> bool:
+        """Fills the EVAL rows of the wave's open leaves from one model call
+        (each distinct leaf once: its leader's row); returns has_priors.
+
+        Raises:
+            EvaluationFailed: the evaluator could not value the leaves.
+        """
+        n = len(vin)
+        rows = np.flatnonzero(open_ & (leader == np.arange(n)))
+        if rows.size == 0:
+            return False
+        obs = obs_dev[cupy.asarray(rows)].reshape(-1, 2, connect4.ROWS, connect4.COLUMNS) if wants_cupy else planes[rows]
+        legal = (planes[rows, :, -1, :] == 0).all(axis=1)
+        with nvtx.span("search.evaluate"):
+            values, priors = _model_answer(self.evaluator, obs, legal)
+        by_slot = np.zeros(n, np.float32)
+        by_slot[rows] = values
+        vin["value"][open_] = by_slot[leader[open_]]
+        if priors is None:
+            return False
+        vin["priors"][rows] = priors
+        return True
+
+    def _stop_using_model(self, exc: EvaluationFailed) -> None:
+        self.use_model = False
+        self.failure = str(exc) or type(exc).__name__
 
     # -- answer ---------------------------------------------------------------------------
     def _num_nodes(self, res: np.ndarray) -> np.ndarray:
@@ -451,8 +504,12 @@ class _Search:
         value = res["value_sum"].astype(np.float64)
         q = np.where(visits > 0, value / np.maximum(visits, 1), 0.0)
         q32 = q.astype(np.float32)
-        root_value = (value.sum(axis=1) / np.maximum(visits.sum(axis=1), 1)).tolist()
-        action = _best(visits, q).tolist()
+        root_value = value.sum(axis=1) / np.maximum(visits.sum(axis=1), 1)
+        outcome = res["outcome"].astype(np.int8)  # [B, 1 + A]: the root's known result, then its children's
+        proven = outcome[:, 0]
+        root_value = np.where(proven != tr.NOT_TERMINAL, tr.OUTCOME_VALUE[proven], root_value).tolist()
+        action = best_action(visits, q, connect4.legal_bits(self.roots.mask), outcome[:, 1:]).tolist()
+        proven = proven.tolist()
         nodes = self._num_nodes(res).tolist()
         done, depth, exhausted = res["done"].tolist(), res["max_depth"].tolist(), (res["exhausted"] != 0).tolist()
         if deadline_reached is None:
@@ -486,6 +543,9 @@ class _Search:
                 evaluate_ms=ms["evaluate"],
                 backup_ms=ms["backup"],
                 tree_reused=i in self.kept,
+                model_simulations=int(self.model_simulations[i]),
+                evaluation_failure=self.failure,
+                proven=proven[i],
                 extras={"waves": self.waves if self.puct else -(-done[i] // self.parallel_sims), **common},
             )
             for i in range(self.n_trees)
@@ -495,12 +555,6 @@ class _Search:
         nodes = self._num_nodes(res).tolist()
         cur, mask, ev, cap = self.roots.current.tolist(), self.roots.mask.tolist(), self.params.evaluator, self.capacity
         return [pl.CudaTree(self.pool, i, cap, nodes[i], cur[i], mask[i], ev) for i in range(self.n_trees)]
-
-
-def _best(visits: np.ndarray, q: np.ndarray) -> np.ndarray:
-    """int64 [B]: most visits, then higher Q, then lower index (as the reference)."""
-    top = visits == visits.max(axis=1, keepdims=True)
-    return np.argmax(np.where(top, q, -np.inf), axis=1)
 
 
 def _model_answer(evaluator, obs, legal: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:

@@ -306,6 +306,14 @@ def observation(p: Positions) -> np.ndarray:
     return ((planes[:, :, None, None] >> CELL_BIT) & _U64(1)).astype(np.uint8)
 
 
+def from_observation(obs: np.ndarray) -> Positions:
+    """The positions behind observations uint8 [B, 2, 6, 7] (the inverse of
+    :func:`observation`; no legality check)."""
+    bits = (np.asarray(obs).astype(_U64) << CELL_BIT).sum(axis=(2, 3), dtype=_U64)  # [B, 2]: distinct bits
+    current, mask = bits[:, 0], bits[:, 0] | bits[:, 1]
+    return Positions(current, mask, popcount(mask))
+
+
 def same_position(a: Positions, b: Positions) -> bool:
     """Whether two batches hold the same positions, element by element."""
     return len(a) == len(b) and bool(np.all(a.current == b.current) and np.all(a.mask == b.mask))

@@ -289,3 +289,9 @@ def test_draw_string_is_a_draw_for_bitbully():
 
     b = Board("".join(str(int(ch) - 1) for ch in DRAW))
     assert b.is_full() and b.winner() is None
+
+
+def test_from_observation_inverts_observation():
+    p = c4.stack([c4.parse_moves(m) for m in ("", "4", "4453", "1212121")])
+    back = c4.from_observation(c4.observation(p))
+    assert c4.same_position(p, back) and (back.moves == p.moves).all()

@@ -55,15 +55,15 @@ def test_layouts_are_the_ones_the_kernels_were_written_for():
     assert offsets(abi.RESULT) == ({
         "visits": (0, 7), "value_sum": (7, 7), "root_visits": (14, 1), "nodes": (15, 1), "max_depth": (16, 1),
         "done": (17, 1), "exhausted": (18, 1), "deadline": (19, 1), "pv_length": (20, 1), "pv": (21, 42),
-        "cycles": (64, 4),
-    }, 72)
+        "cycles": (64, 4), "outcome": (72, 8),
+    }, 74)
     assert offsets(abi.INIT) == ({
         "current": (0, 1), "mask": (2, 1), "nodes": (4, 1), "fresh": (5, 1), "root_visits": (6, 1),
         "has_priors": (7, 1), "priors": (8, 7),
     }, 16)
     assert offsets(abi.TREE_STATE) == ({
         "started": (0, 1), "done": (1, 1), "nodes": (2, 1), "exhausted": (3, 1), "max_depth": (4, 1),
-        "deadline": (5, 1),
+        "deadline": (5, 1), "wave_base": (6, 1),
     }, 8)
     assert offsets(abi.CYCLES) == ({"select": (0, 1), "expand": (1, 1), "evaluate": (2, 1), "backup": (3, 1)}, 4)
     assert offsets(abi.META) == ({"leaf": (0, 1), "depth": (1, 1), "terminal": (2, 1), "leader": (3, 1)}, 4)
@@ -73,7 +73,7 @@ def test_layouts_are_the_ones_the_kernels_were_written_for():
     assert offsets(abi.HEADER_RECORD) == (
         {"visits": (0, 1), "terminal": (1, 1), "parent": (2, 1), "action": (3, 1)}, 4)
     assert offsets(abi.POSITION) == ({"current": (0, 1), "mask": (1, 1)}, 2)
-    assert [layout.nbytes for layout in abi.LAYOUTS] == [16, 16, 16, 64, 32, 32, 288, 16, 84, 32]
+    assert [layout.nbytes for layout in abi.LAYOUTS] == [16, 16, 16, 64, 32, 32, 296, 16, 84, 32]
     assert (abi.ROW, abi.HEADER, abi.ROWS_BYTES, abi.CHILD_BYTES, abi.POS_BYTES, abi.NODE_BYTES) == (
         8, 7, 128, 32, 16, 176)
     # A node row: 7 edge records, then the header, one 128-byte line.

@@ -320,3 +320,65 @@ def test_node_record_layout():
     h = t.to_host()
     assert np.array_equal(raw[0, :7, 0], h.edge_visits[0, 0])  # visits at byte 0 of each 16-byte record
     assert raw[0, 7, 0] == 50 and raw[0, 7, 2] == -1  # header: N, terminal, parent, action
+
+
+# -- the solver and the anytime value-model search, as the reference -------------------------
+
+
+@pytest.mark.parametrize("backup", BACKUPS)
+@pytest.mark.parametrize("evaluator", ["rollout", "value_model"])
+def test_solver_matches_cpu_reference(backup, evaluator):
+    """Immediate wins (445566 and its mirror, 121212) are proven and played at
+    once, their trees stop while a batch-mate goes on; with one simulation in
+    flight the proofs, trees and results equal the reference's."""
+    roots = roots_of(["445566", "443322", "121212", "4453"])
+    p = params(simulations=300, parallel_sims=1, evaluator=evaluator, seed=11)
+    model = toy_model if evaluator == "value_model" else None
+    gpu = CudaBackend(backup=backup).search(roots, p, model)
+    cpu = CPU.search(roots, p, model)
+    assert_same_search(gpu, cpu)
+    for g, c in zip(gpu[0], cpu[0]):
+        assert (g.proven, g.model_simulations) == (c.proven, c.model_simulations)
+    assert [r.proven for r in gpu[0][:3]] == [tr.PROVEN_WIN] * 3 and gpu[0][3].simulations == 300
+    assert gpu[0][0].action in (2, 6) and gpu[0][1].action in (0, 4) and gpu[0][2].action == 0
+
+
+def test_rollout_endgames_prove_as_the_reference_does():
+    roots = roots_of(pons(16, 5))
+    p = params(simulations=2000, parallel_sims=1, evaluator="rollout", seed=2)
+    gpu, cpu = CudaBackend().search(roots, p), CPU.search(roots, p)
+    assert_same_search(gpu, cpu)
+    assert [g.proven for g in gpu[0]] == [c.proven for c in cpu[0]]
+
+
+def test_a_failed_wave_is_undone_as_in_the_reference():
+    """The model fails on its 4th call: the wave is undone on the device, the
+    search goes on in the same tree with the reference's host rollouts."""
+    from test_anytime import FailingModel
+
+    roots = roots_of(["4453", "3344"])
+    p = params(simulations=40, parallel_sims=1, evaluator="value_model", seed=5)
+    gpu = CudaBackend().search(roots, p, FailingModel(works=3))
+    cpu = CPU.search(roots, p, FailingModel(works=3))
+    assert_same_search(gpu, cpu)
+    for g, c in zip(gpu[0], cpu[0]):
+        assert g.model_simulations == c.model_simulations == 2 and g.simulations == 40
+        assert g.evaluation_failure and c.evaluation_failure
+    for t in gpu[1]:
+        check_invariants(t.to_host(), max_nodes=1 << 20)
+
+
+def test_the_undone_wave_leaves_the_tree_as_before_it_on_the_device():
+    from test_anytime import FailingModel
+
+    roots = roots_of(["4453"])
+    model = FailingModel(works=3)
+    p = params(simulations=12, parallel_sims=4, evaluator="value_model", seed=5)
+    _, undone = CudaBackend().search(roots, p, model, should_stop=lambda: model.calls > model.works)
+    _, good = CudaBackend().search(roots, params(simulations=8, parallel_sims=4, evaluator="value_model", seed=5),
+                                   toy_model)
+    a, b = good[0].to_host(), undone[0].to_host()
+    n = int(a.num_nodes[0])
+    assert int(b.num_nodes[0]) == n
+    for name in FIELDS:
+        assert np.array_equal(getattr(a, name)[0, :n], getattr(b, name)[0, :n]), name

@@ -18,6 +18,61 @@
 //    warp there is nothing to combine; its path is then split over the lanes
 //    (lane l updates depths l and l + 32) so the whole path's atomics issue at once.
 
+// The known-result word of node `node`'s header (HEAD_TERMINAL).
+__device__ __forceinline__ int* node_code(const TreeView& t, int node) {
+  return (int*)(t.rows + (long long)node * ROW + HEADER) + HEAD_TERMINAL;
+}
+
+// MCTS-Solver (Winands, Bjornsson & Saito 2008) at one node: what its
+// children's known results prove of it -- PROVEN_WIN if a child's side to
+// move has lost, else, once every legal child's result is known, the best of
+// them for the node; NOT_TERMINAL otherwise (the CPU reference's tree.solve).
+__device__ int solve_node(const TreeView& t, int node) {
+  bool known = true, any = false;
+  float best = -2.0f;
+  for (int a = 0; a < NUM_ACTIONS; ++a) {
+    const int c = __ldcg(t.child + (long long)node * ROW + a);
+    if (c == ILLEGAL) continue;
+    any = true;
+    const int code = c >= 0 ? __ldcg(node_code(t, c)) : NOT_TERMINAL;
+    if (code == NOT_TERMINAL) {
+      known = false;
+      continue;
+    }
+    const float mine = -outcome_value(code);
+    if (mine > 0.0f) return PROVEN_WIN;
+    best = fmaxf(best, mine);
+  }
+  if (!known || !any) return NOT_TERMINAL;
+  return best < 0.0f ? PROVEN_LOSS : PROVEN_DRAW;
+}
+
+// The solver's pass after a wave's backup: a simulation whose leaf has a
+// known result proves what it can up its path, deepest node first, and stops
+// at the first node it cannot prove (nothing above it changed). Lane i < g
+// holds simulation i (its path at path + i * MAX_DEPTH, its depth and leaf
+// code). The warp's simulations take turns, in simulation order, so each
+// sees the codes the earlier ones wrote: with one warp per tree the tree
+// reaches the CPU reference's fixpoint (it solves every path after the wave).
+__device__ void solve_wave(const TreeView& t, const int* path, int lane, int g, int depth, int leaf_code) {
+  __threadfence();
+  __syncwarp();
+  for (int i = 0; i < g; ++i) {
+    if (lane == i && leaf_code != NOT_TERMINAL) {
+      const int* p = path + i * MAX_DEPTH;
+      for (int d = depth - 1; d >= 0; --d) {
+        const int node = p[d] / ROW;
+        if (__ldcg(node_code(t, node)) != NOT_TERMINAL) break;  // proven already, by another warp
+        const int proven = solve_node(t, node);
+        if (proven == NOT_TERMINAL) break;
+        *(volatile int*)node_code(t, node) = proven;
+        __threadfence();
+      }
+    }
+    __syncwarp();
+  }
+}
+
 // The N word of node `node`'s header (backup's atomicAdd target).
 __device__ __forceinline__ int* node_visits(const TreeView& t, int node) {
   return (int*)(t.rows + (long long)node * ROW + HEADER) + HEAD_VISITS;

@@ -47,7 +47,12 @@
 //                    simulation only; selection reads priors in a later launch).
 //   header .x N      only int atomicAdd at backup (+1 per simulation through
 //                    or ending at the node); init stores before publication.
-//   header .y/.z/.w  written once by init_node, before publication.
+//   header .z/.w     written once by init_node, before publication.
+//   header .y        the known result: written by init_node (terminal code),
+//                    then at most once more, NOT_TERMINAL -> PROVEN_*, by the
+//                    solver (backup.cu: solve_wave) with a plain store. Racing
+//                    solvers write the same code: a proven result is a fact of
+//                    the game, whoever derives it from whichever children.
 //   child[a]         UNEXPANDED -> EXPANDING by atomicCAS (one winner per edge
 //                    in the grid), EXPANDING -> slot or back to UNEXPANDED by
 //                    the winner's atomicExch after a __threadfence() that
@@ -60,6 +65,9 @@
 //   TS_STARTED       atomicCAS only (claims never pass the budget).
 //   TS_DONE          atomicAdd at the end of each wave.
 //   TS_MAX_DEPTH     atomicMax.  TS_EXHAUSTED, TS_DEADLINE: plain stores of 1.
+//   TS_WAVE_BASE     value model only: plain stores between launches
+//                    (init_trees; vm_backup and vm_undo, warp 0 of the tree,
+//                    while no warp claims slots).
 //
 // Benign races: a selection reads records while other warps' backups and
 // virtual losses land, so it may score a slightly stale snapshot (as in any
@@ -72,6 +80,13 @@
 // the search equal to the CPU reference's.
 
 typedef unsigned long long u64;
+
+// The value of a known result (terminal or proven code) for the node's side
+// to move: the CPU reference's tree.OUTCOME_VALUE.
+__host__ __device__ __forceinline__ float outcome_value(int code) {
+  if (code == TERMINAL_LOSS || code == PROVEN_LOSS) return -1.0f;
+  return code == PROVEN_WIN ? 1.0f : 0.0f;
+}
 typedef unsigned int u32;
 
 #define HD __host__ __device__ __forceinline__

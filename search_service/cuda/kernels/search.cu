@@ -26,7 +26,8 @@
 // checked by lane 0 before each claim against %globaltimer, from one start
 // time per launch (the first warp to read the timer stores it by atomicCAS),
 // and stops a warp only once its tree has claimed a wave (at least one wave
-// per tree always runs).
+// per tree always runs). A tree whose root the solver has proven claims no
+// more simulations (backup.cu: solve_wave).
 
 // Fills a tree's root (fresh trees) and its search state (TS row) from its
 // INIT row (u32 [B][INIT_WORDS]; the u64 bitboards as (low, high) words).
@@ -44,6 +45,7 @@ extern "C" __global__ void init_trees(unsigned char* pool, long long cap, int n_
 #pragma unroll
   for (int p = 0; p < CYC_WORDS; ++p) cyc[(long long)b * CYC_WORDS + p] = 0ull;
   ts[TS_NODES] = (int)in[INIT_NODES];
+  ts[TS_WAVE_BASE] = (int)in[INIT_NODES];
   if (!in[INIT_FRESH]) return;
   const u64 cur = (u64)in[INIT_CURRENT] | ((u64)in[INIT_CURRENT + 1] << 32);
   const u64 mask = (u64)in[INIT_MASK] | ((u64)in[INIT_MASK + 1] << 32);
@@ -112,7 +114,7 @@ __device__ void rollout_search(unsigned char* pool, long long cap, int limit, in
       s0 = *(volatile int*)(ts + TS_STARTED);
       if (deadline_ns > 0 && (long long)(global_timer_ns() - start) >= deadline_ns && s0 > 0) {
         ts[TS_DEADLINE] = 1;
-      } else {
+      } else if (__ldcg(node_code(t, 0)) == NOT_TERMINAL) {
         while (s0 < budget) {  // claim min(G_w, budget - s0) indices; never past the budget
           const int want = min(job.sims, budget - s0);
           const int old = atomicCAS(ts + TS_STARTED, s0, s0 + want);
@@ -138,12 +140,12 @@ __device__ void rollout_search(unsigned char* pool, long long cap, int limit, in
     const long long c2 = clock64();
     float v = 0.0f;
     if (active) {
-      if (term == TERMINAL_LOSS) v = -1.0f;
-      else if (term == TERMINAL_DRAW) v = 0.0f;
-      else v = rollout_value(cur, msk, (u32)(s0 + lane), (u32)job.b, k0, k1, table);
+      v = term != NOT_TERMINAL ? outcome_value(term)  // terminal or proven: exact
+                               : rollout_value(cur, msk, (u32)(s0 + lane), (u32)job.b, k0, k1, table);
     }
     const long long c3 = clock64();
     backup_wave<AGG>(t, ts, path, vals, deps, lane, g, mine.depth, v, leaf);
+    solve_wave(t, path, lane, g, mine.depth, term);
     __threadfence();
     __syncwarp();
     if (lane == 0) atomicAdd(ts + TS_DONE, g);
@@ -180,6 +182,8 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS_PER_BLOCK) mcts_rollout_
 // META row (leaf slot, depth, terminal code, the q of the simulation that
 // evaluates this leaf), paths[q][0..depth) its path, and its OBS row (the
 // side to move's stones, then the opponent's) where the leaf is unfinished.
+// A tree whose root is proven runs no simulation: its slots' META rows say
+// NO_SIMULATION (terminal), depth 0, leaf -1.
 extern "C" __global__ void __launch_bounds__(32 * WARPS_PER_BLOCK) mcts_vm_select(
     unsigned char* pool, long long cap, int limit, int n_trees, int W, int G, int K, int k_wave, double c,
     double vl, int* tsa, int* meta, int* paths, unsigned char* obs) {
@@ -191,6 +195,10 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS_PER_BLOCK) mcts_vm_selec
   const TreeView t = tree_view(pool, cap, job.b);
   int* ts = tsa + (long long)job.b * TS_WORDS;
   const long long q0 = (long long)job.b * K + job.first;
+  if (__ldcg(node_code(t, 0)) != NOT_TERMINAL) {
+    if (lane < g) ((int4*)meta)[q0 + lane] = make_int4(-1, 0, NO_SIMULATION, (int)(q0 + lane));
+    return;
+  }
   int* path = paths + q0 * MAX_DEPTH;
   const SelectParams sp = {1, c, vl, nullptr, 0};
   Descent mine;
@@ -237,7 +245,8 @@ __device__ void vm_backup(unsigned char* pool, long long cap, int n_trees, int W
   const TreeView t = tree_view(pool, cap, job.b);
   int* ts = tsa + (long long)job.b * TS_WORDS;
   const long long q0 = (long long)job.b * K + job.first;
-  int depth = 0, leaf = -1;
+  if (((const int4*)meta)[q0].z == NO_SIMULATION) return;  // the root is proven: nothing ran
+  int depth = 0, leaf = -1, code = NOT_TERMINAL;
   float v = 0.0f;
   if (lane < g) {
     const long long q = q0 + lane;
@@ -245,6 +254,7 @@ __device__ void vm_backup(unsigned char* pool, long long cap, int n_trees, int W
     *(int4*)m = ((const int4*)meta)[q];
     leaf = m[META_LEAF];
     depth = m[META_DEPTH];
+    code = m[META_TERMINAL];
     const float* ev = vin + q * EVAL_WORDS;
     v = ev[EVAL_VALUE];
     if (has_priors && m[META_LEADER] == (int)q && leaf >= 0 && m[META_TERMINAL] == NOT_TERMINAL) {
@@ -252,9 +262,45 @@ __device__ void vm_backup(unsigned char* pool, long long cap, int n_trees, int W
     }
   }
   backup_wave<AGG>(t, ts, paths + q0 * MAX_DEPTH, s_vals[warp], s_deps[warp], lane, g, depth, v, leaf);
+  solve_wave(t, paths + q0 * MAX_DEPTH, lane, g, depth, code);
   __threadfence();
   __syncwarp();
   if (lane == 0) atomicAdd(ts + TS_DONE, g);
+  // No warp claims slots during a backup launch, so TS_NODES is the next wave's base.
+  if (lane == 0 && job.first == 0) ts[TS_WAVE_BASE] = __ldcg(ts + TS_NODES);
+}
+
+// Value model, instead of the backup when the wave's evaluation failed (the
+// reward service failed, or could not answer by the deadline): takes the
+// wave back out of the trees -- every simulation's virtual losses released,
+// the nodes the wave created (slots TS_WAVE_BASE .. TS_NODES, below the
+// limit) unlinked from their parents, TS_NODES back to the base. Nothing is
+// backed up. The same grid as mcts_vm_select; warp 0 of a tree unlinks.
+extern "C" __global__ void __launch_bounds__(32 * WARPS_PER_BLOCK) mcts_vm_undo(
+    unsigned char* pool, long long cap, int limit, int n_trees, int W, int G, int K, int k_wave, int* tsa,
+    const int* meta, const int* paths) {
+  WarpJob job;
+  if (!warp_job(n_trees, W, G, K, job)) return;
+  const int lane = threadIdx.x & 31;
+  const int g = min(job.sims, k_wave - job.first);
+  if (g <= 0) return;
+  const TreeView t = tree_view(pool, cap, job.b);
+  int* ts = tsa + (long long)job.b * TS_WORDS;
+  const long long q0 = (long long)job.b * K + job.first;
+  if (((const int4*)meta)[q0].z == NO_SIMULATION) return;
+  if (lane < g) {
+    const int depth = ((const int4*)meta)[q0 + lane].y;
+    const int* p = paths + (q0 + lane) * MAX_DEPTH;
+    for (int d = 0; d < depth; ++d) atomicAdd((unsigned long long*)(t.rows + p[d]), (u64)0 - VLOSS_ONE);
+  }
+  if (job.first != 0) return;
+  const int base = ts[TS_WAVE_BASE], top = min(ts[TS_NODES], limit);
+  for (int s = base + lane; s < top; s += 32) {
+    const int4 h = t.rows[(long long)s * ROW + HEADER];  // .z parent, .w action
+    t.child[(long long)h.z * ROW + h.w] = UNEXPANDED;
+  }
+  __syncwarp();
+  if (lane == 0) ts[TS_NODES] = base;
 }
 
 extern "C" __global__ void __launch_bounds__(32 * WARPS_PER_BLOCK) mcts_vm_backup_global(
@@ -287,11 +333,14 @@ extern "C" __global__ void finish_trees(unsigned char* pool, long long cap, int 
     const int4 r = __ldcg(t.rows + (long long)node * ROW + e);
     const int ch = __ldcg(t.child + (long long)node * ROW + e);
     if (step == 0 && lane < ROW) {
+      unsigned char* outcome = (unsigned char*)(out + RES_OUTCOME);
       if (e < NUM_ACTIONS) {
         out[RES_VISITS + e] = r.x;
         out[RES_VALUE_SUM + e] = r.z;
+        outcome[1 + e] = (unsigned char)(ch >= 0 ? __ldcg(node_code(t, ch)) : NOT_TERMINAL);
       } else {
         out[RES_ROOT_VISITS] = r.x;
+        outcome[0] = (unsigned char)r.y;
       }
     }
     int vis = e < NUM_ACTIONS ? r.x : -1;
