@@ -133,12 +133,15 @@ def test_invariants_with_many_warps_per_tree(backup, k, spw):
         roots_of(texts), params(simulations=700, parallel_sims=k, seed=9)
     )
     for text, r, t in zip(texts, results, trees):
-        assert r.simulations == 700 and int(r.visit_counts.sum()) == 700
+        # A tree whose root the solver proves stops claiming simulations (the warps finish their waves).
+        n = r.simulations
+        assert (n == 700 if not r.proven else 0 < n <= 700) and int(r.visit_counts.sum()) == n
         assert r.extras["warps_per_tree"] == -(-k // spw)
         h = t.to_host()
         check_invariants(h, 200_000)  # virtual loss back to zero, child slots inside the pool, ...
-        assert h.node_visits[0, 0] == 700 and r.tree_nodes == int(h.num_nodes[0]) <= 701
-        assert r.action == r.principal_variation[0] and r.visit_counts[r.action] == r.visit_counts.max()
+        assert h.node_visits[0, 0] == n and r.tree_nodes == int(h.num_nodes[0]) <= n + 1
+        if not r.proven:
+            assert r.action == r.principal_variation[0] and r.visit_counts[r.action] == r.visit_counts.max()
         c4.parse_moves(text + c4.moves_to_text(r.principal_variation))  # the PV is a legal line
 
 
