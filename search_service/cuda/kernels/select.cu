@@ -71,7 +71,10 @@ __device__ Descent select_one(const TreeView& t, const SelectParams& sp, int* pa
     const int ch = __ldcg(t.child + node * ROW + e);
     const int n_node = __shfl_sync(FULL_MASK, r.x, HEADER);
     const int term = __shfl_sync(FULL_MASK, r.y, HEADER);
-    if (term != NOT_TERMINAL) {  // an existing finished child (never the root)
+    // An existing child with a known result (terminal or proven). Never the
+    // root: a tree whose root is proven claims no more simulations, and one
+    // claimed before another warp proved it descends as usual.
+    if (node != 0 && term != NOT_TERMINAL) {
       out.tnode = node;
       out.tcode = term;
       break;
