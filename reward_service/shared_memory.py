@@ -40,11 +40,12 @@ The region table's invariants:
   released. A mapping is therefore never closed under a request reading or
   writing it; such a request fails with FAILED_PRECONDITION instead of
   writing outputs into memory its client has given up.
-* A NumPy array over a system mapping may outlive its request (the batcher's
-  worker keeps its last batch until the next one). Closing then raises
-  ``BufferError`` and unmaps nothing: the mapping waits in ``_deferred`` and
-  the reaper closes it once the last array is gone. No array ever points into
-  unmapped memory.
+* A NumPy array over a system mapping may outlive its request: the batcher's
+  worker keeps its last batch until the next one, and a request whose
+  deadline passes while its batch runs returns (releasing its lease) before
+  the model is done reading. Closing then raises ``BufferError`` and unmaps
+  nothing: the mapping waits in ``_deferred`` and the reaper closes it once
+  the last array is gone. No array ever points into unmapped memory.
 * The lease: every use of a region (acquire and release) and every status
   call of its client renews it to ``lease_ttl_ms`` from now; the reaper thread
   unregisters a region whose lease ran out while no request used it.
