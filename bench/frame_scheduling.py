@@ -13,6 +13,7 @@ drawn again where matplotlib is installed (the GPU machine lacks it).
 
     python -m bench.frame_scheduling                 # GPU run (bench/run_scheduling_gpu.sh)
     python -m bench.frame_scheduling --quick         # seconds, on the CPU
+    python -m bench.frame_scheduling --background-transport shm   # the trainer's frames through shared memory
     python -m bench.frame_scheduling --plot-only bench/results   # PNG from the latencies file
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ import json
 from pathlib import Path
 
 from bench import common
+from loadtest.background import TRANSPORTS
 from loadtest.frame_scheduling import ROW_FIELDS, SCENARIOS, FrameTest, run_scenario
 
 QUICK = FrameTest(engines=1, fps=10.0, simulations=16, warmup_s=0.5, seconds=1.5, background_batch=2,
@@ -38,6 +40,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--simulations", type=int, default=None, help="search budget per frame")
     parser.add_argument("--seconds", type=float, default=None, help="measured seconds per scenario")
     parser.add_argument("--background-batch", type=int, default=None)
+    parser.add_argument("--background-transport", choices=TRANSPORTS, default=None,
+                        help="how the background trainer sends its frames: grpc (bytes in each message, the default) "
+                             "or shm (shared-memory regions registered with the reward service)")
     parser.add_argument("--logs", type=Path, default=None, help="keep each scenario's server logs here")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
     parser.add_argument("--free-ports", action="store_true",
@@ -51,7 +56,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     test = QUICK if args.quick else FrameTest()
     overrides = {"engines": args.engines, "fps": args.fps, "simulations": args.simulations,
-                 "seconds": args.seconds, "background_batch": args.background_batch}
+                 "seconds": args.seconds, "background_batch": args.background_batch,
+                 "background_transport": args.background_transport}
     test = dataclasses.replace(test, **{k: v for k, v in overrides.items() if v is not None})
     scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
     rows, latencies = [], {}

@@ -6,7 +6,8 @@ with :class:`~loadtest.generator.OpenLoopGenerator` (each frame: one
 ``Search`` of a real position with a fixed simulation budget, the frame
 deadline only as a cap, plus one ``Evaluate`` of the rendered 224x224 frame
 on ``frame_reward``) while :class:`~loadtest.background.BackgroundProcess`
-saturates the reward service with large bulk batches. It measures after a
+saturates the reward service with large bulk batches, sent as bytes or
+through shared memory (``background_transport``). It measures after a
 warm-up and stops the stack.
 
 Scenarios (the ``policy`` column of ``bench/results/frame_scheduling.json``):
@@ -54,6 +55,9 @@ class FrameTest:
     seconds: float = 20.0  # measured
     background_batch: int = 64  # frames per background Evaluate
     background_workers: int = 2  # background calls in flight
+    # How the background trainer sends its frames: "grpc" (bytes in each message) or
+    # "shm" (shared-memory regions it registers with the reward service; loadtest/background.py).
+    background_transport: str = "grpc"
     timeout_s: float = 2.0  # gRPC deadline of each frame request
 
     @property
@@ -124,7 +128,7 @@ def _play(scenario: str, test: FrameTest, cfg) -> tuple[dict, list[float]]:
     try:
         if background_on:
             bg = BackgroundProcess(cfg.reward.address, cfg, batch=test.background_batch,
-                                   workers=test.background_workers)
+                                   workers=test.background_workers, transport=test.background_transport)
             bg.start()
         if frames_on:
             gen = OpenLoopGenerator(LoadSpec(

@@ -2,9 +2,13 @@
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import logging
 import threading
 import time
+import traceback
+from contextlib import contextmanager
+from urllib.parse import unquote
 
 import grpc
 import numpy as np
@@ -14,8 +18,9 @@ from tandem.v1 import reward_pb2, reward_pb2_grpc, scheduler_pb2
 
 from reward_service.batcher import Batcher, BatcherClosed, BatcherError, DeadlineExceeded, QueueFull
 from reward_service.session import InputError, ModelSession
+from reward_service.shared_memory import Lease, RegionStatus, RegionTable, SharedMemoryError
 from tandem import pools, tensors
-from tandem.config import TandemConfig
+from tandem.config import SharedMemoryConfig, TandemConfig
 from tandem.service import Service, start_service
 
 log = logging.getLogger(__name__)
@@ -25,11 +30,16 @@ IN_FLIGHT = Gauge("tandem_reward_requests_in_flight", "Evaluate calls being serv
 STREAM_PRIORITY = Gauge("tandem_reward_stream_priority", "CUDA stream priority assigned by the scheduler.")
 QUEUE_DEPTH = Gauge("tandem_reward_queue_depth", "Requests waiting in the models' batchers.")
 POOL_LIMIT = Gauge("tandem_reward_pool_limit_bytes", "ONNX Runtime arena limit over all sessions (0 = none).")
+SHM_REGIONS = Gauge("tandem_reward_shared_memory_regions", "Shared-memory regions registered.")
+SHM_BYTES = Gauge("tandem_reward_shared_memory_bytes", "Bytes of the shared-memory regions registered.")
 
 
 class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
     """Evaluate / ModelMetadata / ListModels over a dict of ModelSessions, each
-    behind its own dynamic batcher (reward_service/batcher.py).
+    behind its own dynamic batcher (reward_service/batcher.py), and the
+    shared-memory calls (Register / Unregister / SharedMemoryStatus) over a
+    region table (reward_service/shared_memory.py), whose regions Evaluate's
+    tensors may name instead of carrying bytes.
 
     Evaluate validates a request completely (model, tensors, output names,
     deadline) on the gRPC thread before it is queued, so a bad request is
@@ -39,15 +49,20 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
     before the request ran: it is not run), RESOURCE_EXHAUSTED (the model's
     queue is full, a critical request displaced this bulk one, or the run
     needed more than the fixed memory pool),
-    UNAVAILABLE (stopping), INTERNAL (the model run failed).
+    UNAVAILABLE (stopping), INTERNAL (the model run failed); with shared
+    memory also FAILED_PRECONDITION (another client's region, or one
+    unregistered while the request used it).
 
-    Thread safety: the batchers are thread-safe; the only other shared
-    mutable state is the load counters, guarded by ``_lock``.
+    Thread safety: the batchers and the region table are thread-safe; the only
+    other shared mutable state is the load counters, guarded by ``_lock``.
     """
 
-    def __init__(self, sessions: dict[str, ModelSession], batchers: dict[str, Batcher]):
+    def __init__(self, sessions: dict[str, ModelSession], batchers: dict[str, Batcher],
+                 shared_memory: SharedMemoryConfig | None = None):
         self.sessions = sessions
         self.batchers = batchers
+        self.shared_memory = shared_memory or SharedMemoryConfig()
+        self.regions = RegionTable(self.shared_memory)
         self._lock = threading.Lock()
         self._in_flight = 0  # guarded by _lock
         self._served = 0  # guarded by _lock
@@ -66,45 +81,92 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             self._in_flight += 1
         IN_FLIGHT.inc()
         try:
-            try:
-                feeds = session.decode(list(request.inputs))
-                names = session.check_output_names(list(request.output_names))
-            except InputError as exc:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            remaining = context.time_remaining()
-            # A call without a deadline reports None or an "infinite" remaining time (years).
-            deadline = None if remaining is None or remaining > NO_DEADLINE_S else time.monotonic() + remaining
-            request_class = _request_class(request.request_class)
-            rows = len(next(iter(feeds.values())))
-            try:
-                done = self.batchers[session.name].evaluate(feeds, rows, request_class, deadline, names)
-                outputs = done.result()
-            except DeadlineExceeded as exc:
-                context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"model {session.name!r}: {exc}; not run")
-            except QueueFull as exc:
-                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-            except BatcherClosed as exc:
-                context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-            except BatcherError as exc:  # pragma: no cover - every batcher error is mapped above
-                context.abort(grpc.StatusCode.INTERNAL, str(exc))
-            except Exception as exc:  # the model run failed (logged by the batcher)
-                if pools.is_out_of_memory(exc):  # beyond the fixed arena (gpu_mem_limit)
-                    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"model {session.name!r}: memory pool full: {exc}")
-                context.abort(grpc.StatusCode.INTERNAL, f"model {session.name!r}: run failed: {exc}")
-            return reward_pb2.EvaluateResponse(
-                model=session.name,
-                outputs=[tensors.to_proto(n, a) for n, a in outputs.items()],
-                execution_provider=session.execution_provider,
-                queue_ms=done.queue_ms,
-                compute_ms=done.compute_ms,
-                batch_size=done.batch_rows,
-                padded_batch_size=done.bucket,
-            )
+            with _shared_memory_status(context), self.regions.acquire(request.client_id, _region_names(request)) as lease:
+                try:
+                    return self._evaluate(session, request, lease, context)
+                except BaseException as exc:
+                    # The failed call's frames would keep its arrays over shared memory (and so
+                    # the mappings of regions unregistered meanwhile) until a garbage collection.
+                    traceback.clear_frames(exc.__traceback__)
+                    raise
         finally:
             IN_FLIGHT.dec()
             with self._lock:
                 self._in_flight -= 1
                 self._served += 1
+
+    def _evaluate(self, session: ModelSession, request, lease: Lease, context):
+        """Evaluate with the request's regions held by ``lease`` (raises
+        SharedMemoryError, which the caller answers)."""
+        try:
+            feeds = session.decode([lease.input(t) if t.WhichOneof("contents") == "shared_memory" else t
+                                    for t in request.inputs])
+            names = session.check_output_names(list(request.output_names))
+            rows = len(next(iter(feeds.values())))
+            output_refs = _output_refs(session, request, names, rows, lease)
+        except InputError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        remaining = context.time_remaining()
+        # A call without a deadline reports None or an "infinite" remaining time (years).
+        deadline = None if remaining is None or remaining > NO_DEADLINE_S else time.monotonic() + remaining
+        request_class = _request_class(request.request_class)
+        try:
+            done = self.batchers[session.name].evaluate(feeds, rows, request_class, deadline, names)
+            outputs = done.result()
+        except DeadlineExceeded as exc:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"model {session.name!r}: {exc}; not run")
+        except QueueFull as exc:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except BatcherClosed as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except BatcherError as exc:  # pragma: no cover - every batcher error is mapped above
+            context.abort(grpc.StatusCode.INTERNAL, str(exc))
+        except Exception as exc:  # the model run failed (logged by the batcher)
+            if pools.is_out_of_memory(exc):  # beyond the fixed arena (gpu_mem_limit)
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"model {session.name!r}: memory pool full: {exc}")
+            context.abort(grpc.StatusCode.INTERNAL, f"model {session.name!r}: run failed: {exc}")
+        lease.check_live()  # a region unregistered meanwhile gets nothing written
+        dtypes = {s.name: s.dtype for s in session.outputs}
+        return reward_pb2.EvaluateResponse(
+            model=session.name,
+            outputs=[lease.write_output(n, output_refs[n], a, dtypes[n]) if n in output_refs else tensors.to_proto(n, a)
+                     for n, a in outputs.items()],
+            execution_provider=session.execution_provider,
+            queue_ms=done.queue_ms,
+            compute_ms=done.compute_ms,
+            batch_size=done.batch_rows,
+            padded_batch_size=done.bucket,
+        )
+
+    # -- shared memory (reward_service/shared_memory.py) ---------------------------
+
+    def RegisterSharedMemory(self, request, context):
+        with _shared_memory_status(context):
+            if self.shared_memory.local_clients_only and not _is_local_peer(context.peer()):
+                raise SharedMemoryError(grpc.StatusCode.PERMISSION_DENIED,
+                                        f"peer {context.peer()}: shared memory is for clients on the server's host "
+                                        f"(reward.shared_memory.local_clients_only)")
+            kind = request.WhichOneof("memory")
+            if kind == "system":
+                self.regions.register_system(request.client_id, request.name, request.byte_size,
+                                             request.system.key, request.system.offset)
+            elif kind == "cuda":
+                self.regions.register_cuda(request.client_id, request.name, request.byte_size,
+                                           request.cuda.raw_handle, request.cuda.device_id)
+            else:
+                raise SharedMemoryError(grpc.StatusCode.INVALID_ARGUMENT, "memory: set system or cuda")
+        return reward_pb2.RegisterSharedMemoryResponse(lease_ttl_ms=self.shared_memory.lease_ttl_ms)
+
+    def UnregisterSharedMemory(self, request, context):
+        with _shared_memory_status(context):
+            names = self.regions.unregister(request.client_id, request.name)
+        return reward_pb2.UnregisterSharedMemoryResponse(names=names)
+
+    def SharedMemoryStatus(self, request, context):
+        with _shared_memory_status(context):
+            regions = self.regions.status(request.client_id, request.name)
+        return reward_pb2.SharedMemoryStatusResponse(regions=[_region_status(r) for r in regions],
+                                                     lease_ttl_ms=self.shared_memory.lease_ttl_ms)
 
     def ModelMetadata(self, request, context):
         s = self._session(request.model, context)
@@ -146,6 +208,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
     def close(self) -> None:
         for b in self.batchers.values():
             b.close()
+        self.regions.close()
 
 
 def _request_class(value: int) -> int:
@@ -153,6 +216,67 @@ def _request_class(value: int) -> int:
     bulk for everything else (UNSPECIFIED and values this build does not know)."""
     critical = value == reward_pb2.REQUEST_CLASS_CRITICAL
     return reward_pb2.REQUEST_CLASS_CRITICAL if critical else reward_pb2.REQUEST_CLASS_BULK
+
+
+@contextmanager
+def _shared_memory_status(context):
+    """Answers a SharedMemoryError with its status and message."""
+    try:
+        yield
+    except SharedMemoryError as exc:
+        context.abort(exc.code, str(exc))
+
+
+def _region_names(request) -> set[str]:
+    """The regions an EvaluateRequest names, inputs and outputs."""
+    names = {t.shared_memory.region for t in request.inputs if t.WhichOneof("contents") == "shared_memory"}
+    return names | {ref.region for ref in request.output_shared_memory.values()}
+
+
+def _output_refs(session: ModelSession, request, names: tuple[str, ...], rows: int, lease: Lease) -> dict:
+    """The request's output_shared_memory (output name -> SharedMemoryRef),
+    each checked before the request is queued.
+
+    Raises:
+        InputError: an output the model lacks or the request does not ask for.
+        SharedMemoryError: INVALID_ARGUMENT: a ref outside its region, misaligned or too small.
+    """
+    refs = dict(request.output_shared_memory)
+    specs = {s.name: s for s in session.outputs}
+    for name, ref in refs.items():
+        field = f"output_shared_memory[{name!r}]"
+        if name not in specs:
+            raise InputError(f"{field}: model {session.name!r} has no output {name!r} (outputs: {list(specs)})")
+        if names and name not in names:
+            raise InputError(f"{field}: not among the requested output_names {list(names)}")
+        spec = specs[name]
+        row = spec.shape[1:]  # the first dimension is the batch
+        static = all(d >= 0 for d in row)
+        nbytes = rows * int(np.prod(row, dtype=np.int64)) * tensors.numpy_dtype(spec.dtype).itemsize if static else None
+        lease.check_output(name, ref, spec.dtype, nbytes)
+    return refs
+
+
+def _is_local_peer(peer: str) -> bool:
+    """Whether a gRPC peer ("ipv4:127.0.0.1:5000", "ipv6:%5B::1%5D:5000",
+    "unix:/path") is on this host: a loopback address or a Unix socket."""
+    scheme, _, rest = unquote(peer).partition(":")
+    if scheme.startswith("unix"):
+        return True
+    host = rest.rpartition(":")[0].strip("[]")
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:127.0.0.1
+    return address.is_loopback or bool(mapped and mapped.is_loopback)
+
+
+def _region_status(r: RegionStatus) -> reward_pb2.SharedMemoryRegionStatus:
+    memory = ({"system": reward_pb2.SystemSharedMemory(**r.memory)} if r.kind == "system"
+              else {"cuda": reward_pb2.CudaSharedMemory(**r.memory)})
+    return reward_pb2.SharedMemoryRegionStatus(name=r.name, byte_size=r.byte_size, in_flight=r.in_flight,
+                                               expires_in_ms=r.expires_in_ms, **memory)
 
 
 class _WarmUpContext:
@@ -206,10 +330,14 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True) -> Service:
         off = {k: v for k, v in s.runtime.items() if v.startswith("off")}
         if off:
             log.warning("model %s: GPU features off: %s", s.name, "; ".join(f"{k} {v}" for k, v in off.items()))
-    servicer = RewardServicer(sessions, {name: _batcher(s, cfg) for name, s in sessions.items()})
+    servicer = RewardServicer(sessions, {name: _batcher(s, cfg) for name, s in sessions.items()},
+                              cfg.reward.shared_memory)
     QUEUE_DEPTH.set_function(lambda: sum(b.stats()["queued"] for b in servicer.batchers.values()))
+    SHM_REGIONS.set_function(lambda: servicer.regions.stats()["regions"])
+    SHM_BYTES.set_function(lambda: servicer.regions.stats()["bytes"])
     POOL_LIMIT.set(cfg.reward.memory_pool_bytes)
     _warm_up(servicer)
+    servicer.regions.start()
     held = sorted({p for s in sessions.values() for p in s.stream_priorities}, reverse=True) or [0]
 
     def register(server):

@@ -102,6 +102,25 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class SharedMemoryConfig:
+    """Shared-memory tensors of the reward service (reward_service/shared_memory.py,
+    after Triton Inference Server's shared-memory extension): regions a client
+    registers once and Evaluate then names instead of carrying bytes. Passing
+    a limit: RESOURCE_EXHAUSTED."""
+
+    # A region neither used by an Evaluate nor renewed by its client's
+    # SharedMemoryStatus (the heartbeat) for this long is unregistered and closed:
+    # how a client that went away without unregistering is cleaned up.
+    lease_ttl_ms: float = 60_000.0
+    max_regions_per_client: int = 16  # regions one client_id may hold
+    max_bytes_per_client: int = 4 * 1024**3  # their byte_size summed (mapped, not copied)
+    max_regions: int = 256  # all clients together (each holds a mapping and a file descriptor)
+    # Registration only from the server's own host (loopback or Unix-socket peers):
+    # a region names memory on this host, which a remote caller has no business mapping.
+    local_clients_only: bool = True
+
+
+@dataclass(frozen=True)
 class RewardConfig:
     address: str = "127.0.0.1:50051"
     metrics_port: int = 9451
@@ -136,6 +155,7 @@ class RewardConfig:
             cuda_graph=True,
         ),
     )
+    shared_memory: SharedMemoryConfig = field(default_factory=SharedMemoryConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
 
 

@@ -24,37 +24,61 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/reward.proto\x12\ttandem.v1\"W\n\x06Tensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\"\n\x05\x64type\x18\x02 \x01(\x0e\x32\x13.tandem.v1.DataType\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"M\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\"\n\x05\x64type\x18\x02 \x01(\x0e\x32\x13.tandem.v1.DataType\x12\r\n\x05shape\x18\x03 \x03(\x03\"\x89\x01\n\x0f\x45valuateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12!\n\x06inputs\x18\x02 \x03(\x0b\x32\x11.tandem.v1.Tensor\x12.\n\rrequest_class\x18\x03 \x01(\x0e\x32\x17.tandem.v1.RequestClass\x12\x14\n\x0coutput_names\x18\x04 \x03(\t\"\xb6\x01\n\x10\x45valuateResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\"\n\x07outputs\x18\x02 \x03(\x0b\x32\x11.tandem.v1.Tensor\x12\x1a\n\x12\x65xecution_provider\x18\x03 \x01(\t\x12\x10\n\x08queue_ms\x18\x04 \x01(\x01\x12\x12\n\ncompute_ms\x18\x05 \x01(\x01\x12\x12\n\nbatch_size\x18\x06 \x01(\r\x12\x19\n\x11padded_batch_size\x18\x07 \x01(\r\"%\n\x14ModelMetadataRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\xdb\x02\n\x15ModelMetadataResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x03 \x01(\t\x12%\n\x06inputs\x18\x04 \x03(\x0b\x32\x15.tandem.v1.TensorSpec\x12&\n\x07outputs\x18\x05 \x03(\x0b\x32\x15.tandem.v1.TensorSpec\x12\x1a\n\x12\x65xecution_provider\x18\x06 \x01(\t\x12\x1b\n\x13\x61vailable_providers\x18\x07 \x03(\t\x12\x16\n\x0emax_batch_size\x18\x08 \x01(\r\x12>\n\x07runtime\x18\t \x03(\x0b\x32-.tandem.v1.ModelMetadataResponse.RuntimeEntry\x1a.\n\x0cRuntimeEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x13\n\x11ListModelsRequest\"$\n\x12ListModelsResponse\x12\x0e\n\x06models\x18\x01 \x03(\t*\xd1\x01\n\x08\x44\x61taType\x12\x19\n\x15\x44\x41TA_TYPE_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x44\x41TA_TYPE_BOOL\x10\x01\x12\x13\n\x0f\x44\x41TA_TYPE_UINT8\x10\x02\x12\x12\n\x0e\x44\x41TA_TYPE_INT8\x10\x03\x12\x13\n\x0f\x44\x41TA_TYPE_INT32\x10\x04\x12\x13\n\x0f\x44\x41TA_TYPE_INT64\x10\x05\x12\x15\n\x11\x44\x41TA_TYPE_FLOAT16\x10\x06\x12\x15\n\x11\x44\x41TA_TYPE_FLOAT32\x10\x07\x12\x15\n\x11\x44\x41TA_TYPE_FLOAT64\x10\x08*a\n\x0cRequestClass\x12\x1d\n\x19REQUEST_CLASS_UNSPECIFIED\x10\x00\x12\x1a\n\x16REQUEST_CLASS_CRITICAL\x10\x01\x12\x16\n\x12REQUEST_CLASS_BULK\x10\x02\x32\xf3\x01\n\rRewardService\x12\x43\n\x08\x45valuate\x12\x1a.tandem.v1.EvaluateRequest\x1a\x1b.tandem.v1.EvaluateResponse\x12R\n\rModelMetadata\x12\x1f.tandem.v1.ModelMetadataRequest\x1a .tandem.v1.ModelMetadataResponse\x12I\n\nListModels\x12\x1c.tandem.v1.ListModelsRequest\x1a\x1d.tandem.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/reward.proto\x12\ttandem.v1\"D\n\x0fSharedMemoryRef\x12\x0e\n\x06region\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x11\n\tbyte_size\x18\x03 \x01(\x04\"\x9a\x01\n\x06Tensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\"\n\x05\x64type\x18\x02 \x01(\x0e\x32\x13.tandem.v1.DataType\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x04\x64\x61ta\x18\x04 \x01(\x0cH\x00\x12\x33\n\rshared_memory\x18\x05 \x01(\x0b\x32\x1a.tandem.v1.SharedMemoryRefH\x00\x42\n\n\x08\x63ontents\"M\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\"\n\x05\x64type\x18\x02 \x01(\x0e\x32\x13.tandem.v1.DataType\x12\r\n\x05shape\x18\x03 \x03(\x03\"\xc5\x02\n\x0f\x45valuateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12!\n\x06inputs\x18\x02 \x03(\x0b\x32\x11.tandem.v1.Tensor\x12.\n\rrequest_class\x18\x03 \x01(\x0e\x32\x17.tandem.v1.RequestClass\x12\x14\n\x0coutput_names\x18\x04 \x03(\t\x12P\n\x14output_shared_memory\x18\x05 \x03(\x0b\x32\x32.tandem.v1.EvaluateRequest.OutputSharedMemoryEntry\x12\x11\n\tclient_id\x18\x06 \x01(\t\x1aU\n\x17OutputSharedMemoryEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12)\n\x05value\x18\x02 \x01(\x0b\x32\x1a.tandem.v1.SharedMemoryRef:\x02\x38\x01\"\xb6\x01\n\x10\x45valuateResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\"\n\x07outputs\x18\x02 \x03(\x0b\x32\x11.tandem.v1.Tensor\x12\x1a\n\x12\x65xecution_provider\x18\x03 \x01(\t\x12\x10\n\x08queue_ms\x18\x04 \x01(\x01\x12\x12\n\ncompute_ms\x18\x05 \x01(\x01\x12\x12\n\nbatch_size\x18\x06 \x01(\r\x12\x19\n\x11padded_batch_size\x18\x07 \x01(\r\"%\n\x14ModelMetadataRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\xdb\x02\n\x15ModelMetadataResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x03 \x01(\t\x12%\n\x06inputs\x18\x04 \x03(\x0b\x32\x15.tandem.v1.TensorSpec\x12&\n\x07outputs\x18\x05 \x03(\x0b\x32\x15.tandem.v1.TensorSpec\x12\x1a\n\x12\x65xecution_provider\x18\x06 \x01(\t\x12\x1b\n\x13\x61vailable_providers\x18\x07 \x03(\t\x12\x16\n\x0emax_batch_size\x18\x08 \x01(\r\x12>\n\x07runtime\x18\t \x03(\x0b\x32-.tandem.v1.ModelMetadataResponse.RuntimeEntry\x1a.\n\x0cRuntimeEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x13\n\x11ListModelsRequest\"$\n\x12ListModelsResponse\x12\x0e\n\x06models\x18\x01 \x03(\t\"1\n\x12SystemSharedMemory\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\"9\n\x10\x43udaSharedMemory\x12\x12\n\nraw_handle\x18\x01 \x01(\x0c\x12\x11\n\tdevice_id\x18\x02 \x01(\x05\"\xb9\x01\n\x1bRegisterSharedMemoryRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\tbyte_size\x18\x03 \x01(\x04\x12/\n\x06system\x18\x04 \x01(\x0b\x32\x1d.tandem.v1.SystemSharedMemoryH\x00\x12+\n\x04\x63uda\x18\x05 \x01(\x0b\x32\x1b.tandem.v1.CudaSharedMemoryH\x00\x42\x08\n\x06memory\"4\n\x1cRegisterSharedMemoryResponse\x12\x14\n\x0clease_ttl_ms\x18\x01 \x01(\x01\"@\n\x1dUnregisterSharedMemoryRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\"/\n\x1eUnregisterSharedMemoryResponse\x12\r\n\x05names\x18\x01 \x03(\t\"<\n\x19SharedMemoryStatusRequest\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\"\xcd\x01\n\x18SharedMemoryRegionStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\tbyte_size\x18\x02 \x01(\x04\x12/\n\x06system\x18\x03 \x01(\x0b\x32\x1d.tandem.v1.SystemSharedMemoryH\x00\x12+\n\x04\x63uda\x18\x04 \x01(\x0b\x32\x1b.tandem.v1.CudaSharedMemoryH\x00\x12\x11\n\tin_flight\x18\x05 \x01(\r\x12\x15\n\rexpires_in_ms\x18\x06 \x01(\x01\x42\x08\n\x06memory\"h\n\x1aSharedMemoryStatusResponse\x12\x34\n\x07regions\x18\x01 \x03(\x0b\x32#.tandem.v1.SharedMemoryRegionStatus\x12\x14\n\x0clease_ttl_ms\x18\x02 \x01(\x01*\xd1\x01\n\x08\x44\x61taType\x12\x19\n\x15\x44\x41TA_TYPE_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x44\x41TA_TYPE_BOOL\x10\x01\x12\x13\n\x0f\x44\x41TA_TYPE_UINT8\x10\x02\x12\x12\n\x0e\x44\x41TA_TYPE_INT8\x10\x03\x12\x13\n\x0f\x44\x41TA_TYPE_INT32\x10\x04\x12\x13\n\x0f\x44\x41TA_TYPE_INT64\x10\x05\x12\x15\n\x11\x44\x41TA_TYPE_FLOAT16\x10\x06\x12\x15\n\x11\x44\x41TA_TYPE_FLOAT32\x10\x07\x12\x15\n\x11\x44\x41TA_TYPE_FLOAT64\x10\x08*a\n\x0cRequestClass\x12\x1d\n\x19REQUEST_CLASS_UNSPECIFIED\x10\x00\x12\x1a\n\x16REQUEST_CLASS_CRITICAL\x10\x01\x12\x16\n\x12REQUEST_CLASS_BULK\x10\x02\x32\xae\x04\n\rRewardService\x12\x43\n\x08\x45valuate\x12\x1a.tandem.v1.EvaluateRequest\x1a\x1b.tandem.v1.EvaluateResponse\x12R\n\rModelMetadata\x12\x1f.tandem.v1.ModelMetadataRequest\x1a .tandem.v1.ModelMetadataResponse\x12I\n\nListModels\x12\x1c.tandem.v1.ListModelsRequest\x1a\x1d.tandem.v1.ListModelsResponse\x12g\n\x14RegisterSharedMemory\x12&.tandem.v1.RegisterSharedMemoryRequest\x1a\'.tandem.v1.RegisterSharedMemoryResponse\x12m\n\x16UnregisterSharedMemory\x12(.tandem.v1.UnregisterSharedMemoryRequest\x1a).tandem.v1.UnregisterSharedMemoryResponse\x12\x61\n\x12SharedMemoryStatus\x12$.tandem.v1.SharedMemoryStatusRequest\x1a%.tandem.v1.SharedMemoryStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.reward_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_EVALUATEREQUEST_OUTPUTSHAREDMEMORYENTRY']._loaded_options = None
+  _globals['_EVALUATEREQUEST_OUTPUTSHAREDMEMORYENTRY']._serialized_options = b'8\001'
   _globals['_MODELMETADATARESPONSE_RUNTIMEENTRY']._loaded_options = None
   _globals['_MODELMETADATARESPONSE_RUNTIMEENTRY']._serialized_options = b'8\001'
-  _globals['_DATATYPE']._serialized_start=979
-  _globals['_DATATYPE']._serialized_end=1188
-  _globals['_REQUESTCLASS']._serialized_start=1190
-  _globals['_REQUESTCLASS']._serialized_end=1287
-  _globals['_TENSOR']._serialized_start=37
-  _globals['_TENSOR']._serialized_end=124
-  _globals['_TENSORSPEC']._serialized_start=126
-  _globals['_TENSORSPEC']._serialized_end=203
-  _globals['_EVALUATEREQUEST']._serialized_start=206
-  _globals['_EVALUATEREQUEST']._serialized_end=343
-  _globals['_EVALUATERESPONSE']._serialized_start=346
-  _globals['_EVALUATERESPONSE']._serialized_end=528
-  _globals['_MODELMETADATAREQUEST']._serialized_start=530
-  _globals['_MODELMETADATAREQUEST']._serialized_end=567
-  _globals['_MODELMETADATARESPONSE']._serialized_start=570
-  _globals['_MODELMETADATARESPONSE']._serialized_end=917
-  _globals['_MODELMETADATARESPONSE_RUNTIMEENTRY']._serialized_start=871
-  _globals['_MODELMETADATARESPONSE_RUNTIMEENTRY']._serialized_end=917
-  _globals['_LISTMODELSREQUEST']._serialized_start=919
-  _globals['_LISTMODELSREQUEST']._serialized_end=938
-  _globals['_LISTMODELSRESPONSE']._serialized_start=940
-  _globals['_LISTMODELSRESPONSE']._serialized_end=976
-  _globals['_REWARDSERVICE']._serialized_start=1290
-  _globals['_REWARDSERVICE']._serialized_end=1533
+  _globals['_DATATYPE']._serialized_start=2148
+  _globals['_DATATYPE']._serialized_end=2357
+  _globals['_REQUESTCLASS']._serialized_start=2359
+  _globals['_REQUESTCLASS']._serialized_end=2456
+  _globals['_SHAREDMEMORYREF']._serialized_start=37
+  _globals['_SHAREDMEMORYREF']._serialized_end=105
+  _globals['_TENSOR']._serialized_start=108
+  _globals['_TENSOR']._serialized_end=262
+  _globals['_TENSORSPEC']._serialized_start=264
+  _globals['_TENSORSPEC']._serialized_end=341
+  _globals['_EVALUATEREQUEST']._serialized_start=344
+  _globals['_EVALUATEREQUEST']._serialized_end=669
+  _globals['_EVALUATEREQUEST_OUTPUTSHAREDMEMORYENTRY']._serialized_start=584
+  _globals['_EVALUATEREQUEST_OUTPUTSHAREDMEMORYENTRY']._serialized_end=669
+  _globals['_EVALUATERESPONSE']._serialized_start=672
+  _globals['_EVALUATERESPONSE']._serialized_end=854
+  _globals['_MODELMETADATAREQUEST']._serialized_start=856
+  _globals['_MODELMETADATAREQUEST']._serialized_end=893
+  _globals['_MODELMETADATARESPONSE']._serialized_start=896
+  _globals['_MODELMETADATARESPONSE']._serialized_end=1243
+  _globals['_MODELMETADATARESPONSE_RUNTIMEENTRY']._serialized_start=1197
+  _globals['_MODELMETADATARESPONSE_RUNTIMEENTRY']._serialized_end=1243
+  _globals['_LISTMODELSREQUEST']._serialized_start=1245
+  _globals['_LISTMODELSREQUEST']._serialized_end=1264
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1266
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1302
+  _globals['_SYSTEMSHAREDMEMORY']._serialized_start=1304
+  _globals['_SYSTEMSHAREDMEMORY']._serialized_end=1353
+  _globals['_CUDASHAREDMEMORY']._serialized_start=1355
+  _globals['_CUDASHAREDMEMORY']._serialized_end=1412
+  _globals['_REGISTERSHAREDMEMORYREQUEST']._serialized_start=1415
+  _globals['_REGISTERSHAREDMEMORYREQUEST']._serialized_end=1600
+  _globals['_REGISTERSHAREDMEMORYRESPONSE']._serialized_start=1602
+  _globals['_REGISTERSHAREDMEMORYRESPONSE']._serialized_end=1654
+  _globals['_UNREGISTERSHAREDMEMORYREQUEST']._serialized_start=1656
+  _globals['_UNREGISTERSHAREDMEMORYREQUEST']._serialized_end=1720
+  _globals['_UNREGISTERSHAREDMEMORYRESPONSE']._serialized_start=1722
+  _globals['_UNREGISTERSHAREDMEMORYRESPONSE']._serialized_end=1769
+  _globals['_SHAREDMEMORYSTATUSREQUEST']._serialized_start=1771
+  _globals['_SHAREDMEMORYSTATUSREQUEST']._serialized_end=1831
+  _globals['_SHAREDMEMORYREGIONSTATUS']._serialized_start=1834
+  _globals['_SHAREDMEMORYREGIONSTATUS']._serialized_end=2039
+  _globals['_SHAREDMEMORYSTATUSRESPONSE']._serialized_start=2041
+  _globals['_SHAREDMEMORYSTATUSRESPONSE']._serialized_end=2145
+  _globals['_REWARDSERVICE']._serialized_start=2459
+  _globals['_REWARDSERVICE']._serialized_end=3017
 # @@protoc_insertion_point(module_scope)

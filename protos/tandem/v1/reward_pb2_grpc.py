@@ -49,6 +49,21 @@ class RewardServiceStub:
                 request_serializer=tandem_dot_v1_dot_reward__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_reward__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
+        self.RegisterSharedMemory = channel.unary_unary(
+                '/tandem.v1.RewardService/RegisterSharedMemory',
+                request_serializer=tandem_dot_v1_dot_reward__pb2.RegisterSharedMemoryRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_reward__pb2.RegisterSharedMemoryResponse.FromString,
+                _registered_method=True)
+        self.UnregisterSharedMemory = channel.unary_unary(
+                '/tandem.v1.RewardService/UnregisterSharedMemory',
+                request_serializer=tandem_dot_v1_dot_reward__pb2.UnregisterSharedMemoryRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_reward__pb2.UnregisterSharedMemoryResponse.FromString,
+                _registered_method=True)
+        self.SharedMemoryStatus = channel.unary_unary(
+                '/tandem.v1.RewardService/SharedMemoryStatus',
+                request_serializer=tandem_dot_v1_dot_reward__pb2.SharedMemoryStatusRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_reward__pb2.SharedMemoryStatusResponse.FromString,
+                _registered_method=True)
 
 
 class RewardServiceServicer:
@@ -65,6 +80,11 @@ class RewardServiceServicer:
         DEADLINE_EXCEEDED: the call's deadline passed before it ran (not run).
         RESOURCE_EXHAUSTED: the model's queue is full (a critical request may
         displace a queued bulk one, which gets this status).
+        Shared-memory tensors add: NOT_FOUND (no region of that name),
+        INVALID_ARGUMENT (offset or byte_size outside the region, a byte_size
+        that does not fit the tensor, a misaligned offset, no client_id),
+        FAILED_PRECONDITION (a region of another client, or one unregistered
+        while this request used it: the request fails, nothing is written).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -79,6 +99,41 @@ class RewardServiceServicer:
 
     def ListModels(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RegisterSharedMemory(self, request, context):
+        """Maps a shared-memory region for Evaluate to name, leased to client_id for
+        reward.shared_memory.lease_ttl_ms, renewed by every use and status call.
+        INVALID_ARGUMENT: empty client_id or name, byte_size 0, offset + byte_size
+        beyond the object or allocation, a malformed, stale or foreign CUDA handle.
+        NOT_FOUND: no shared-memory object of that key.
+        ALREADY_EXISTS: a region of that name is registered (by anyone).
+        FAILED_PRECONDITION: a CUDA region on a server without a GPU, or on
+        another device than the server's.
+        PERMISSION_DENIED: the caller is not on the server's host (loopback or a
+        Unix socket) while reward.shared_memory.local_clients_only is on.
+        RESOURCE_EXHAUSTED: the client's regions or bytes, or the server's regions,
+        would pass their limits (reward.shared_memory).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnregisterSharedMemory(self, request, context):
+        """Frees a region (or all of client_id's); one in use by a request in flight
+        is closed when that request ends, which then fails with FAILED_PRECONDITION.
+        NOT_FOUND: no such region. FAILED_PRECONDITION: another client's region.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SharedMemoryStatus(self, request, context):
+        """client_id's regions, and a heartbeat: renews their leases.
+        NOT_FOUND / FAILED_PRECONDITION as UnregisterSharedMemory for a named region.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -100,6 +155,21 @@ def add_RewardServiceServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=tandem_dot_v1_dot_reward__pb2.ListModelsRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_reward__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'RegisterSharedMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterSharedMemory,
+                    request_deserializer=tandem_dot_v1_dot_reward__pb2.RegisterSharedMemoryRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_reward__pb2.RegisterSharedMemoryResponse.SerializeToString,
+            ),
+            'UnregisterSharedMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnregisterSharedMemory,
+                    request_deserializer=tandem_dot_v1_dot_reward__pb2.UnregisterSharedMemoryRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_reward__pb2.UnregisterSharedMemoryResponse.SerializeToString,
+            ),
+            'SharedMemoryStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.SharedMemoryStatus,
+                    request_deserializer=tandem_dot_v1_dot_reward__pb2.SharedMemoryStatusRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_reward__pb2.SharedMemoryStatusResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -183,6 +253,87 @@ class RewardService:
             '/tandem.v1.RewardService/ListModels',
             tandem_dot_v1_dot_reward__pb2.ListModelsRequest.SerializeToString,
             tandem_dot_v1_dot_reward__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterSharedMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.RewardService/RegisterSharedMemory',
+            tandem_dot_v1_dot_reward__pb2.RegisterSharedMemoryRequest.SerializeToString,
+            tandem_dot_v1_dot_reward__pb2.RegisterSharedMemoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnregisterSharedMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.RewardService/UnregisterSharedMemory',
+            tandem_dot_v1_dot_reward__pb2.UnregisterSharedMemoryRequest.SerializeToString,
+            tandem_dot_v1_dot_reward__pb2.UnregisterSharedMemoryResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SharedMemoryStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.RewardService/SharedMemoryStatus',
+            tandem_dot_v1_dot_reward__pb2.SharedMemoryStatusRequest.SerializeToString,
+            tandem_dot_v1_dot_reward__pb2.SharedMemoryStatusResponse.FromString,
             options,
             channel_credentials,
             insecure,
