@@ -11,14 +11,18 @@
 #   bash bench/run_stack_gpu.sh                 # GPU tests + play
 #   TESTS="" bash bench/run_stack_gpu.sh        # play only
 #   FRAMES=600 VALUE_FRAMES=600 bash bench/run_stack_gpu.sh
+#   BENCH="first_request mcts_latency" bash bench/run_stack_gpu.sh   # then these benchmarks (GPU rows)
 #
 # Writes into $OUT (else runs/stack_gpu): pytest_gpu.log, play_rollout.json,
-# play_value_model.json, status.txt and the servers' logs; prints a table last.
+# play_value_model.json, status.txt and each benchmark's result file (the
+# servers' logs go to $LOGS, default /tmp/stack_gpu_logs: the device tool
+# returns at most 8 files); prints a table last.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 t0=$(date +%s)
 OUTDIR=${OUT:-runs/stack_gpu}
-mkdir -p "$OUTDIR/logs"
+LOGS=${LOGS:-/tmp/stack_gpu_logs}
+mkdir -p "$OUTDIR" "$LOGS"
 W=/root/onnxruntime_gpu-1.31.1-cp312-cp312-manylinux_2_28_x86_64.whl  # pip needs a valid wheel name
 if [ -d /root/ortparts ]; then
   cat /root/ortparts/part* > $W && python3 -m pip install -q --no-index --no-deps --no-compile --target /root/ortsite $W 2>&1 | tail -2
@@ -39,7 +43,7 @@ if [ -n "$TESTS" ]; then
   echo "tests done at $(( $(date +%s) - t0 )) s"
 fi
 
-$TANDEM up --log-dir "$OUTDIR/logs" > "$OUTDIR/logs/up.log" 2>&1 &
+$TANDEM up --log-dir "$LOGS" > "$LOGS/up.log" 2>&1 &
 UP=$!
 for _ in $(seq 120); do $TANDEM health 127.0.0.1:50052 >/dev/null 2>&1 && break; sleep 1; done
 $TANDEM status > "$OUTDIR/status.txt" 2>&1; head -20 "$OUTDIR/status.txt"
@@ -48,7 +52,10 @@ $TANDEM play --evaluator value_model --frames 120 --report "$OUTDIR/play_value_w
 $TANDEM play --evaluator value_model --frames "${VALUE_FRAMES:-240}" --report "$OUTDIR/play_value_model.json" \
   > "$OUTDIR/play_value_model.txt" 2>&1
 kill -TERM $UP; wait $UP; echo "tandem up exited $?"
-tail -3 "$OUTDIR/logs/up.log"
+for b in ${BENCH:-}; do
+  timeout 240 python3 -m "bench.$b" --backend gpu --out "$OUTDIR" 2>&1 | tail -12
+done
+tail -3 "$LOGS/up.log"
 python3 - "$OUTDIR" <<'PY'
 import json, sys, pathlib
 out = pathlib.Path(sys.argv[1])

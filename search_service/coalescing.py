@@ -79,7 +79,8 @@ class CoalescingEvaluator:
                 raise EvaluationFailed("leaf evaluator closed")
             self._queue.append(req)
             self._wake.notify()
-        timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        # A far deadline (a call with no gRPC deadline) must not overflow the wait.
+        timeout = None if deadline is None else min(max(deadline - time.monotonic(), 0.0), threading.TIMEOUT_MAX)
         if not req.done.wait(timeout):
             raise EvaluationFailed("reward service: DEADLINE_EXCEEDED (waiting for a coalesced model call)")
         if req.error is not None:

@@ -177,3 +177,13 @@ def test_concurrent_value_model_searches_share_calls_and_the_cache():
     finally:
         search.stop()
         reward.stop()
+
+
+def test_a_far_deadline_waits_like_none():
+    """A search with no gRPC deadline gets a deadline far away; the wait must not overflow."""
+    ev = CoalescingEvaluator(Model())
+    try:
+        v, _ = ev(observations("4"), time.monotonic() + 1e12)
+        np.testing.assert_array_equal(v, expected(observations("4"))[0])
+    finally:
+        ev.close()

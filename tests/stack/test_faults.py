@@ -119,7 +119,9 @@ def test_kill_each_server_under_load(tmp_path):
     data = {name: {"address": f"127.0.0.1:{free_port()}", "metrics_port": 0} for name in ("scheduler", "reward", "search")}
     data["scheduler"].update(report_interval_ms=100, lease_ttl_ms=1000)
     data["reward"]["execution_provider"] = "cpu"
-    data["search"].update(backend="cpu", evaluator="value_model")
+    # No evaluation cache: with it, repeated positions are answered from cached model
+    # values while the reward service is down, and this test counts who valued the leaves.
+    data["search"].update(backend="cpu", evaluator="value_model", evaluation_cache_bytes=0)
     config = tmp_path / "faults.yaml"
     config.write_text(yaml.safe_dump(data))
     cfg = load_config(config)
