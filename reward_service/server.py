@@ -321,7 +321,7 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True) -> Service:
         RuntimeError: a model cannot be loaded, or the address cannot be bound.
     """
     models = cfg.reward.models
-    # The memory pool is split evenly over every session (models x stream priorities).
+    # The memory pool is split evenly over every session (models x stream priorities x batch buckets).
     per_session = cfg.reward.memory_pool_bytes // max(len(models) * len(cfg.reward.stream_priorities), 1)
     sessions = {m.name: ModelSession(m, cfg.reward, pool_bytes=per_session, warm=False) for m in models}
     providers = sorted({s.execution_provider for s in sessions.values()})

@@ -199,28 +199,39 @@ class _Slot:
     dev_in: dict
     host_out: dict
     dev_out: dict
+    session: ort.InferenceSession  # this bucket's own session: its input shapes never change
     binding: object
     run_options: ort.RunOptions
     dirty_rows: int = 0  # device input rows [0, dirty_rows) may hold an earlier batch's data
 
 
 class _BoundRunner:
-    """IO binding to preallocated buffers per bucket, optionally a CUDA graph per bucket.
+    """One session per bucket, IO-bound to preallocated buffers, optionally
+    with a CUDA graph.
+
+    Why a session per bucket: ONNX Runtime's CUDA convolutions keep the cuDNN
+    algorithm found for the input shape they saw last, and searched again on
+    every change of shape (with EXHAUSTIVE: 80-185 ms per switch on the H200,
+    measured by bench/first_request.py, 2026-11-30, with one session for all
+    buckets). A session that only ever sees one shape searches once, at warm-up.
 
     Not thread-safe: called by the model's batcher worker only (or by a
     benchmark with no batcher), one batch at a time.
+
+    Args:
+        make_session: returns a fresh session (on ``device``'s stream), one per bucket.
     """
 
-    def __init__(self, session, device, inputs: tuple[Spec, ...], outputs: tuple[Spec, ...], buckets: tuple[int, ...],
-                 graphs: bool):
-        self.session, self.device, self.buckets, self.graphs = session, device, buckets, graphs
+    def __init__(self, make_session: Callable[[], ort.InferenceSession], device, inputs: tuple[Spec, ...],
+                 outputs: tuple[Spec, ...], buckets: tuple[int, ...], graphs: bool):
+        self.device, self.buckets, self.graphs = device, buckets, graphs
         self.stream_priority = device.stream_priority
         self._inputs, self._outputs = inputs, outputs
-        self._slots = {b: self._bind(b, i) for i, b in enumerate(buckets)}
-        self.warmed = False
+        self._slots = {b: self._bind(make_session(), b) for b in buckets}
+        self.session = self._slots[buckets[0]].session  # one of them, for its provider options
 
-    def _bind(self, bucket: int, index: int) -> _Slot:
-        dev, binding = self.device, self.session.io_binding()
+    def _bind(self, session: ort.InferenceSession, bucket: int) -> _Slot:
+        dev, binding = self.device, session.io_binding()
         host_in, dev_in, host_out, dev_out = {}, {}, {}, {}
         for spec in self._inputs:
             shape, dtype = (bucket, *spec.shape[1:]), tensors.numpy_dtype(spec.dtype)
@@ -233,9 +244,7 @@ class _BoundRunner:
         run_options = ort.RunOptions()
         # The output copy is queued on the same stream after the run: one sync per batch, ours.
         run_options.add_run_config_entry("disable_synchronize_execution_providers", "1")
-        if self.graphs:
-            run_options.add_run_config_entry("gpu_graph_id", str(index))
-        return _Slot(host_in, dev_in, host_out, dev_out, binding, run_options)
+        return _Slot(host_in, dev_in, host_out, dev_out, session, binding, run_options)
 
     def _run_slot(self, bucket: int, rows: int, fill: Callable[[dict], None]) -> dict[str, np.ndarray]:
         slot, dev = self._slots[bucket], self.device
@@ -245,7 +254,7 @@ class _BoundRunner:
             if slot.dirty_rows > rows:  # padding rows: zeros, never an earlier request's data
                 dev.zero(d, rows, slot.dirty_rows)
         slot.dirty_rows = rows
-        self.session.run_with_iobinding(slot.binding, slot.run_options)
+        slot.session.run_with_iobinding(slot.binding, slot.run_options)
         for name, d in slot.dev_out.items():
             dev.download(slot.host_out[name], d, rows)
         dev.synchronize()
@@ -268,12 +277,11 @@ class _BoundRunner:
         return {n: np.concatenate([p[n] for p in parts]) for n in parts[0]}
 
     def warm_up(self, inputs) -> None:
-        if self.warmed:
-            return
+        """Runs every bucket WARM_UP_RUNS times on the calling thread (the
+        first run of a graph session captures its graph; later warm-ups replay)."""
         for bucket in self.buckets:
             for _ in range(WARM_UP_RUNS):
                 self._run_slot(bucket, bucket, lambda bufs: [b.fill(0) for b in bufs.values()])
-        self.warmed = True
 
 
 # -- sessions ---------------------------------------------------------------------
@@ -455,8 +463,9 @@ class ModelSession:
         sets ``stream_priorities`` and the runtime notes."""
         on_gpu = self.execution_provider == CUDA
         self.buckets = tuple(b for b in model.batch_buckets if b <= self.max_batch_size) or (self.max_batch_size,)
+        factory.pool_bytes //= len(self.buckets)  # the model's share, split over its per-bucket sessions
         graphs = model.cuda_graph and on_gpu
-        graph_note = "on (one graph per bucket)" if graphs else (
+        graph_note = "on (one graph per bucket: a session per bucket)" if graphs else (
             "off: not requested" if not model.cuda_graph else "off: CPU execution provider")
         devices = [_CupyDevice(cupy, p) for p in cfg.stream_priorities] if on_gpu else [_HostDevice()]
         self._runners = []
@@ -478,7 +487,7 @@ class ModelSession:
         if on_gpu:
             self.runtime["layout"] = "nhwc preferred" if model.prefer_nhwc else "nchw"
             self.runtime["cudnn_conv_algo_search"] = cfg.cudnn_conv_algo_search
-            self.runtime["gpu_mem_limit_bytes"] = str(factory.pool_bytes) if factory.pool_bytes else "none"
+            self.runtime["gpu_mem_limit_bytes"] = str(factory.pool_bytes) if factory.pool_bytes else "none"  # per session
 
     def _bound_runner(self, factory: _SessionFactory, device, graphs: bool) -> tuple[_BoundRunner, str]:
         """A runner bound to ``device``'s buffers (and stream), with a CUDA graph
@@ -490,15 +499,15 @@ class ModelSession:
         failure = ""
         if graphs:
             try:
-                runner = _BoundRunner(factory.cuda(device.stream_handle, graphs=True), device, self.inputs,
+                runner = _BoundRunner(lambda: factory.cuda(device.stream_handle, graphs=True), device, self.inputs,
                                       self.outputs, self.buckets, True)
                 runner.warm_up(self.inputs)
                 return runner, ""
             except Exception as exc:  # capture needs every node on the CUDA provider
                 failure = f"off: capture failed ({str(exc).splitlines()[0][:200]})"
                 log.warning("model %s: CUDA graphs off: %s", self.name, exc)
-        session = factory.cuda(device.stream_handle) if device.ort_device == "cuda" else factory.cpu()
-        return _BoundRunner(session, device, self.inputs, self.outputs, self.buckets, False), failure
+        make = (lambda: factory.cuda(device.stream_handle)) if device.ort_device == "cuda" else factory.cpu
+        return _BoundRunner(make, device, self.inputs, self.outputs, self.buckets, False), failure
 
     def warm_up(self) -> None:
         """Runs every bucket of every runner (cuDNN algorithm search, arena

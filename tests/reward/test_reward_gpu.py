@@ -128,9 +128,10 @@ def test_memory_limit_and_algo_search_are_applied(cuda_ready):
     s = session(VALUE, graph=False, stream_priorities=(0,), memory_pool_bytes=256 << 20,
                 cudnn_conv_algo_search="HEURISTIC")
     assert s.runtime["cudnn_conv_algo_search"] == "HEURISTIC"
-    assert s.runtime["gpu_mem_limit_bytes"] == str(256 << 20)
+    # The model's pool, split over its per-bucket sessions (4 buckets).
+    assert s.runtime["gpu_mem_limit_bytes"] == str(64 << 20)
     opts = s._runners[0].session.get_provider_options()["CUDAExecutionProvider"]
-    assert opts["gpu_mem_limit"] == str(256 << 20) and opts["cudnn_conv_algo_search"] == "HEURISTIC"
+    assert opts["gpu_mem_limit"] == str(64 << 20) and opts["cudnn_conv_algo_search"] == "HEURISTIC"
     assert opts["arena_extend_strategy"] == "kSameAsRequested"
     assert opts["has_user_compute_stream"] == "1"
 
