@@ -79,7 +79,12 @@ def _client(address: str, conn) -> None:
         out["malformed"] = _register(stub, "gpu-client", "short", handle[:10], 1 << 20)
         out["foreign"] = _register(stub, "gpu-client", "foreign", os.urandom(len(handle)), 1 << 20)
         del small  # cudaFree: the handle is stale from here on
-        out["stale"] = _register(stub, "gpu-client", "stale", handle, 1 << 20)
+        # CUDA does not promise to detect a freed allocation's handle (seen on the H200:
+        # it opened): either a clear refusal, or a region that unregisters like any other.
+        out["stale"] = _register(stub, "gpu-client", "stale", handle, 1 << 20) or ("REGISTERED", "")
+        if out["stale"][0] == "REGISTERED":
+            stub.UnregisterSharedMemory(reward_pb2.UnregisterSharedMemoryRequest(client_id="gpu-client", name="stale"),
+                                        timeout=30)
     except Exception as exc:  # reported, so the test fails with it rather than by a timeout
         out["error"] = f"{type(exc).__name__}: {exc}"
     conn.send(out)
@@ -110,12 +115,16 @@ def test_a_cuda_region_round_trip_matches_the_bytes_path(from_another_process):
     ("other_device", "FAILED_PRECONDITION", "cuda.device_id: 1, but this server runs on device 0"),
     ("malformed", "INVALID_ARGUMENT", "cuda.raw_handle: 10 bytes; a cudaIpcMemHandle_t has 64"),
     ("foreign", "INVALID_ARGUMENT", "cuda.raw_handle: cannot be opened"),
-    ("stale", "INVALID_ARGUMENT", "cuda.raw_handle: cannot be opened"),
 ])
 def test_a_bad_cuda_handle_gets_a_clear_status(from_another_process, case, code, message):
     refused = from_another_process[case]
     assert refused is not None, f"{case}: registered"
     assert refused[0] == code and message in refused[1], refused
+
+
+def test_a_stale_handle_is_refused_or_registers_cleanly(from_another_process):
+    code, details = from_another_process["stale"]
+    assert code == "REGISTERED" or (code == "INVALID_ARGUMENT" and "cannot be opened" in details), (code, details)
 
 
 def test_a_handle_exported_by_the_servers_own_process_is_refused_and_it_serves_on(gpu_server, from_another_process):
