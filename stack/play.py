@@ -71,6 +71,10 @@ class _Tally:
     errors: dict[str, int] = field(default_factory=dict)  # failed frames by the first failure's code
     backends: set[str] = field(default_factory=set)
     evaluators: set[str] = field(default_factory=set)
+    model_simulations: list[int] = field(default_factory=list)  # of simulations, those the value model valued
+    model_failures: int = 0  # searches whose value model failed (answered from the tree or with rollouts)
+    proven: int = 0  # searches whose root the solver proved
+    proven_right: int = 0  # ... with the solver's result (win, loss or draw)
 
     def score(self, pos: LabelledPosition, frame: SentFrame) -> bool:
         """Adds one frame's answers (or its failure); True if it was answered."""
@@ -84,6 +88,11 @@ class _Tally:
         self.search_ms.append(s_reply.latency.total_ms)
         self.backends.add(s_reply.backend)
         self.evaluators.add(search_pb2.Evaluator.Name(s_reply.evaluator))
+        self.model_simulations.append(s_reply.model_simulations)
+        self.model_failures += bool(s_reply.evaluation_failure)
+        if s_reply.proven:
+            self.proven += 1
+            self.proven_right += _PROVEN_SIGN[s_reply.proven] == int(np.sign(pos.score))
         if pos.score >= 0:
             self.not_lost += 1
             self.kept += pos.keeps_result(s_reply.action)
@@ -91,6 +100,9 @@ class _Tally:
         value = float(tensors.from_proto(e_reply.outputs[0]).reshape(-1)[0])
         self.agree += _outcome(value) == int(np.sign(pos.score))
         return True
+
+
+_PROVEN_SIGN = {search_pb2.PROVEN_RESULT_WIN: 1, search_pb2.PROVEN_RESULT_LOSS: -1, search_pb2.PROVEN_RESULT_DRAW: 0}
 
 
 def play(opts: PlayOptions, cfg=None, log=print) -> dict:
@@ -151,6 +163,9 @@ def _report(opts: PlayOptions, t: _Tally, reward_execution_provider: str) -> dic
             "p50": percentiles(t.simulations, 50)[0],
             "min": int(min(t.simulations)) if t.simulations else None,
         },
+        "model_simulations_per_frame": round(float(np.mean(t.model_simulations)), 1) if t.model_simulations else None,
+        "value_model_failures": t.model_failures,
+        "proven": {"frames": t.proven, "solver_agrees": t.proven_right},
         "errors": t.errors,
         "backends": {
             "search": sorted(t.backends),
@@ -173,7 +188,9 @@ def print_report(report: dict) -> None:
                 f"value_sign_agreement   {report['value_sign_agreement']}",
                 f"frame_latency_ms       p50 {lat['p50']}  p99 {lat['p99']}  mean {lat['mean']}  max {lat['max']}",
                 f"missed_frames          {report['missed_frames']}",
-                f"simulations per frame  mean {report['simulations_per_frame']['mean']}  min {report['simulations_per_frame']['min']}",
+                f"simulations per frame  mean {report['simulations_per_frame']['mean']}  min {report['simulations_per_frame']['min']}"
+                f"  (value model: {report['model_simulations_per_frame']}; its failures {report['value_model_failures']})",
+                f"proven by the search   {report['proven']['frames']} frames, {report['proven']['solver_agrees']} as the solver",
                 f"backends               search {', '.join(report['backends']['search'])} "
                 f"({', '.join(report['backends']['evaluator'])}), reward {report['backends']['reward_execution_provider']}",
                 f"errors                 {report['errors'] or 'none'}",
