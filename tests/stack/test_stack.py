@@ -98,6 +98,7 @@ def test_up_status_play_and_stop(config_file, tmp_path):
         assert report["frames"] == report["frames_answered"] == 20
         assert report["backends"]["search"] == ["cpu_reference"]
         assert report["simulations_per_frame"]["min"] >= 1
+        assert report["proven"]["solver_agrees"] == report["proven"]["frames"]  # every proof is the solver's result
         for key in ("optimal_move_rate", "best_score_move_rate", "value_sign_agreement", "missed_frames"):
             assert key in report
         assert report["frame_latency_ms"]["p50"] > 0
