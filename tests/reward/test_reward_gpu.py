@@ -191,5 +191,7 @@ def test_the_first_request_at_every_bucket_costs_at_most_twice_its_p50(cuda_read
     rows = measure(cfg, repeats=15)
     assert {r["model"] for r in rows} == {m.name for m in shipped.models}
     assert len({r["stream_priority"] for r in rows}) == len(shipped.stream_priorities)
-    slow = [r for r in rows if r["first_ms"] > 2 * r["p50_ms"]]
+    # The service's own time (queue + model): what warm-up governs. The client's round
+    # trip adds gRPC's first large message on a fresh connection (bench/first_request.py reports it).
+    slow = [r for r in rows if r["server_first_ms"] > 2 * r["server_p50_ms"]]
     assert not slow, slow
