@@ -12,6 +12,7 @@
 #   TESTS="" bash bench/run_stack_gpu.sh        # play only
 #   FRAMES=600 VALUE_FRAMES=600 bash bench/run_stack_gpu.sh
 #   BENCH="first_request mcts_latency" bash bench/run_stack_gpu.sh   # then these benchmarks (GPU rows)
+#   (pass TANDEM_COMMIT=<commit>: the device copy's .git may be older than its work tree)
 #
 # Writes into $OUT (else runs/stack_gpu): pytest_gpu.log, play_rollout.json,
 # play_value_model.json, status.txt and each benchmark's result file (the
