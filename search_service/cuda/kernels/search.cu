@@ -177,6 +177,28 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS_PER_BLOCK) mcts_rollout_
   rollout_search<1>(pool, cap, limit, n_trees, W, G, K, budget, deadline_ns, t0, tsa, cyc, c, vl, scale, n_scale, k0, k1);
 }
 
+// A warp's share of a value-model wave: its tree, its simulations g (0: none
+// this wave) and the META/path row q0 of its first one.
+struct VmWarp {
+  WarpJob job;
+  int lane, g;
+  TreeView t;
+  int* ts;
+  long long q0;
+};
+
+__device__ __forceinline__ bool vm_warp(unsigned char* pool, long long cap, int n_trees, int W, int G, int K,
+                                        int k_wave, int* tsa, VmWarp& v) {
+  if (!warp_job(n_trees, W, G, K, v.job)) return false;
+  v.lane = threadIdx.x & 31;
+  v.g = min(v.job.sims, k_wave - v.job.first);
+  if (v.g <= 0) return false;
+  v.t = tree_view(pool, cap, v.job.b);
+  v.ts = tsa + (long long)v.job.b * TS_WORDS;
+  v.q0 = (long long)v.job.b * K + v.job.first;
+  return true;
+}
+
 // Value model, first half of a wave: selection and expansion for k_wave
 // simulations per tree. Per simulation slot q = b * K + j (j < k_wave): its
 // META row (leaf slot, depth, terminal code, the q of the simulation that
@@ -187,14 +209,12 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS_PER_BLOCK) mcts_rollout_
 extern "C" __global__ void __launch_bounds__(32 * WARPS_PER_BLOCK) mcts_vm_select(
     unsigned char* pool, long long cap, int limit, int n_trees, int W, int G, int K, int k_wave, double c,
     double vl, int* tsa, int* meta, int* paths, unsigned char* obs) {
-  WarpJob job;
-  if (!warp_job(n_trees, W, G, K, job)) return;
-  const int lane = threadIdx.x & 31;
-  const int g = min(job.sims, k_wave - job.first);
-  if (g <= 0) return;
-  const TreeView t = tree_view(pool, cap, job.b);
-  int* ts = tsa + (long long)job.b * TS_WORDS;
-  const long long q0 = (long long)job.b * K + job.first;
+  VmWarp v;
+  if (!vm_warp(pool, cap, n_trees, W, G, K, k_wave, tsa, v)) return;
+  const int lane = v.lane, g = v.g;
+  const TreeView& t = v.t;
+  int* ts = v.ts;
+  const long long q0 = v.q0;
   if (__ldcg(node_code(t, 0)) != NOT_TERMINAL) {
     if (lane < g) ((int4*)meta)[q0 + lane] = make_int4(-1, 0, NO_SIMULATION, (int)(q0 + lane));
     return;
@@ -237,14 +257,13 @@ __device__ void vm_backup(unsigned char* pool, long long cap, int n_trees, int W
                           const int* meta, const int* paths, const float* vin, int has_priors) {
   __shared__ float s_vals[WARPS_PER_BLOCK][32];
   __shared__ int s_deps[WARPS_PER_BLOCK][32];
-  WarpJob job;
-  if (!warp_job(n_trees, W, G, K, job)) return;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int g = min(job.sims, k_wave - job.first);
-  if (g <= 0) return;
-  const TreeView t = tree_view(pool, cap, job.b);
-  int* ts = tsa + (long long)job.b * TS_WORDS;
-  const long long q0 = (long long)job.b * K + job.first;
+  VmWarp vw;
+  if (!vm_warp(pool, cap, n_trees, W, G, K, k_wave, tsa, vw)) return;
+  const int lane = vw.lane, g = vw.g, warp = threadIdx.x >> 5;
+  const TreeView& t = vw.t;
+  int* ts = vw.ts;
+  const long long q0 = vw.q0;
+  const WarpJob& job = vw.job;
   if (((const int4*)meta)[q0].z == NO_SIMULATION) return;  // the root is proven: nothing ran
   int depth = 0, leaf = -1, code = NOT_TERMINAL;
   float v = 0.0f;
@@ -279,21 +298,19 @@ __device__ void vm_backup(unsigned char* pool, long long cap, int n_trees, int W
 extern "C" __global__ void __launch_bounds__(32 * WARPS_PER_BLOCK) mcts_vm_undo(
     unsigned char* pool, long long cap, int limit, int n_trees, int W, int G, int K, int k_wave, int* tsa,
     const int* meta, const int* paths) {
-  WarpJob job;
-  if (!warp_job(n_trees, W, G, K, job)) return;
-  const int lane = threadIdx.x & 31;
-  const int g = min(job.sims, k_wave - job.first);
-  if (g <= 0) return;
-  const TreeView t = tree_view(pool, cap, job.b);
-  int* ts = tsa + (long long)job.b * TS_WORDS;
-  const long long q0 = (long long)job.b * K + job.first;
+  VmWarp v;
+  if (!vm_warp(pool, cap, n_trees, W, G, K, k_wave, tsa, v)) return;
+  const int lane = v.lane, g = v.g;
+  const TreeView& t = v.t;
+  int* ts = v.ts;
+  const long long q0 = v.q0;
   if (((const int4*)meta)[q0].z == NO_SIMULATION) return;
   if (lane < g) {
     const int depth = ((const int4*)meta)[q0 + lane].y;
     const int* p = paths + (q0 + lane) * MAX_DEPTH;
     for (int d = 0; d < depth; ++d) atomicAdd((unsigned long long*)(t.rows + p[d]), (u64)0 - VLOSS_ONE);
   }
-  if (job.first != 0) return;
+  if (v.job.first != 0) return;
   const int base = ts[TS_WAVE_BASE], top = min(ts[TS_NODES], limit);
   for (int s = base + lane; s < top; s += 32) {
     const int4 h = t.rows[(long long)s * ROW + HEADER];  // .z parent, .w action
