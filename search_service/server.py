@@ -146,7 +146,7 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
         return SearchParams(
             simulations=sims or None,
             deadline_ms=deadline or None,
-            parallel_sims=cfg.parallel_sims,
+            parallel_sims=cfg.value_model_parallel_sims if evaluator == "value_model" else cfg.parallel_sims,
             evaluator=evaluator,
             c_uct=cfg.c_uct,
             c_puct=cfg.c_puct,

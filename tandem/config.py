@@ -168,6 +168,9 @@ class SearchConfig:
     reward_address: str = ""  # reward service for the value model; empty = reward.address
     value_model: str = "connect4_value"  # model name on the reward service
     parallel_sims: int = 16  # simulations in flight per tree in one wave (virtual loss)
+    # The same for value-model searches: a wave is one model call (a round trip to the reward
+    # service), so wider waves buy more simulations per frame at the cost of more virtual loss.
+    value_model_parallel_sims: int = 32
     c_uct: float = 1.4  # UCT exploration constant (rollout evaluator)
     c_puct: float = 1.5  # PUCT exploration constant (value-model evaluator)
     max_nodes: int = 200_000  # node pool per tree

@@ -159,7 +159,7 @@ def test_a_failed_call_fails_every_search_in_it_and_closing_fails_the_rest():
 
 
 def test_concurrent_value_model_searches_share_calls_and_the_cache():
-    cfg = loopback_config(search={"backend": "cpu", "parallel_sims": 8})
+    cfg = loopback_config(search={"backend": "cpu", "value_model_parallel_sims": 8})
     reward = reward_server.start(cfg, follow_scheduler=False)
     search = search_server.start(cfg, follow_scheduler=False)
     try:
