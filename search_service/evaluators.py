@@ -43,6 +43,12 @@ class RewardServiceEvaluator:
         self.timeout_s = timeout_s
         self._input: str | None = None
         self._has_policy = False
+        # Totals over the calls so far, for benchmarks: the reward service's own time
+        # (queue + model, ms) and the leaves sent. Written by the calling thread; read
+        # between searches (the serving path calls from one dispatcher thread).
+        self.calls = 0
+        self.server_ms = 0.0
+        self.leaves = 0
 
     def _metadata(self, timeout: float) -> None:
         meta = self._stub.ModelMetadata(reward_pb2.ModelMetadataRequest(model=self.model), timeout=timeout)
@@ -80,6 +86,9 @@ class RewardServiceEvaluator:
             )
         except grpc.RpcError as exc:
             raise EvaluatorUnavailable(f"reward service: {exc.code().name}: {exc.details()}") from None
+        self.calls += 1
+        self.server_ms += reply.queue_ms + reply.compute_ms
+        self.leaves += len(observations)
         by_name = {t.name: tensors.from_proto(t) for t in reply.outputs}
         values = by_name["value"].reshape(-1).astype(np.float32)
         logits = by_name.get("policy_logits")

@@ -1,0 +1,179 @@
+"""neural_search: the value model inside the search, across the two services.
+
+Starts the reward service in this process (the shipped config's models, a
+free loopback port) and searches with the CUDA backend (``--backend``'s GPU
+variant; the CPU reference where no GPU runs it) whose leaves go to the reward
+service as the search service sends them: one ``Evaluate`` per wave
+(``handoff`` = "grpc"; the IPC hand-off is not built yet).
+
+Three kinds of row (``kind``):
+
+* ``latency``: 1000 simulations of one tree from the empty board, value model,
+  waves of ``wave`` leaves (32, 64, 128, 256); p50/p99 of ``--repeats`` calls;
+  per call the time split into kernels (select + backup), hand-off (the
+  evaluate step's wall time less the reward service's own queue + model
+  time) and model (that service time), per wave in µs; ``evals_per_s`` the
+  leaves valued per second of search.
+* ``throughput``: the value model's evaluated positions per second through
+  one ``Evaluate`` of ``batch`` boards (64 .. 4096), as a client sees it.
+* ``search_quality``: ``optimal_move_rate`` with a 16 ms deadline per
+  position (each its own search, as served: the cache and the coalescing of
+  the serving path in front of the reward service), value model against
+  rollouts in the same run, on every bundled Pons set (``--positions`` per set).
+
+Row fields: kind, handoff, simulations, wave, latency_ms_p50, latency_ms_p99,
+kernel_ms, handoff_us_per_wave, model_us_per_wave, waves, evals_per_s; batch;
+position_set, evaluator, budget_ms, positions, optimal_move_rate,
+simulations_mean.
+
+Command (full): ``python3 -m bench.neural_search``
+Smoke test:     ``python3 -m bench.neural_search --quick`` (CPU reference, small sizes)
+"""
+from __future__ import annotations
+
+import socket
+import time
+from dataclasses import replace
+
+import numpy as np
+
+from bench import common
+from stack.stats import percentiles
+from tandem.config import load_config
+
+BENCHMARK = "neural_search"
+COLUMNS = ("kind", "wave", "batch", "position_set", "evaluator", "latency_ms_p50", "kernel_ms", "handoff_us_per_wave",
+           "model_us_per_wave", "evals_per_s", "optimal_move_rate", "simulations_mean")
+SETS = ("Test_L1_R1", "Test_L1_R2", "Test_L2_R1", "Test_L3_R1")
+
+
+def _free_address() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def latency(backend, evaluator, wave: int, simulations: int, repeats: int) -> dict | None:
+    """One ``latency`` row: ``repeats`` searches of the empty board."""
+    params = common.search_params(simulations=simulations, parallel_sims=wave, evaluator="value_model")
+    if params is None:
+        return None
+    root = common.positions([""])
+    backend.search(root, params, evaluator)  # warm-up: kernels, the reward session's buckets
+    ms, kernel, handoff, model, waves = [], [], [], [], []
+    for seed in range(repeats):
+        calls, server = evaluator.calls, evaluator.server_ms
+        t = time.perf_counter()
+        (r,), _ = backend.search(root, replace(params, seed=seed + 1), evaluator)
+        common.sync_cuda()
+        ms.append((time.perf_counter() - t) * 1e3)
+        n, server_ms = evaluator.calls - calls, evaluator.server_ms - server
+        kernel.append(r.select_ms + r.expand_ms + r.backup_ms)
+        handoff.append((r.evaluate_ms - server_ms) * 1e3 / max(n, 1))
+        model.append(server_ms * 1e3 / max(n, 1))
+        waves.append(n)
+    p50, p99 = percentiles(ms, 50, 99)
+    return dict(kind="latency", handoff="grpc", simulations=simulations, wave=wave, latency_ms_p50=p50,
+                latency_ms_p99=p99, kernel_ms=float(np.median(kernel)), handoff_us_per_wave=float(np.median(handoff)),
+                model_us_per_wave=float(np.median(model)), waves=float(np.median(waves)),
+                evals_per_s=simulations / (p50 / 1e3), repeats=repeats)
+
+
+def throughput(stub, batch: int, repeats: int) -> dict:
+    """One ``throughput`` row: ``Evaluate`` of ``batch`` boards, round trips per second x batch."""
+    from tandem.v1 import reward_pb2
+
+    from tandem import tensors
+
+    boards = np.random.default_rng(batch).integers(0, 2, (batch, 2, 6, 7)).astype(np.uint8)
+    request = reward_pb2.EvaluateRequest(model="connect4_value", inputs=[tensors.to_proto("board", boards)],
+                                         request_class=reward_pb2.REQUEST_CLASS_BULK)
+    stub.Evaluate(request, timeout=60)
+    ms = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        stub.Evaluate(request, timeout=60)
+        ms.append((time.perf_counter() - t) * 1e3)
+    (p50,) = percentiles(ms, 50)
+    return dict(kind="throughput", handoff="grpc", batch=batch, latency_ms_p50=p50, evals_per_s=batch / (p50 / 1e3),
+                repeats=repeats)
+
+
+def quality(backend, evaluator, set_name: str, limit: int, name: str, wave: int, budget_ms: float) -> dict | None:
+    """One ``search_quality`` row: each position of the set its own ``budget_ms`` search."""
+    from bench.search_quality import scored_positions
+    from search_service.games import connect4
+
+    ev = "value_model" if name == "value_model" else "rollout"
+    params = common.search_params(simulations=None, deadline_ms=budget_ms, parallel_sims=wave, evaluator=ev)
+    if params is None:
+        return None
+    recs, roots = scored_positions(set_name, limit)
+    model = evaluator if ev == "value_model" else None
+    actions, sims = [], []
+    for i in range(len(recs)):
+        # Bound the model calls by the search's deadline, as the search server does.
+        leaf = model.until(time.monotonic() + budget_ms / 1e3) if model is not None else None
+        (r,), _ = backend.search(connect4.take(roots, i), replace(params, seed=i + 1), leaf)
+        actions.append(r.action)
+        sims.append(r.simulations)
+    rate = float(np.mean([rec.keeps_result(int(a)) for rec, a in zip(recs, actions)]))
+    return dict(kind="search_quality", handoff="grpc" if model is not None else None, position_set=set_name,
+                evaluator=name, budget_ms=budget_ms, wave=wave, positions=len(recs), optimal_move_rate=rate,
+                simulations_mean=float(np.mean(sims)))
+
+
+def main() -> None:
+    parser = common.make_parser(__doc__)
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--positions", type=int, default=200, help="positions per set for the quality rows")
+    args = parser.parse_args()
+    from tandem.v1 import reward_pb2_grpc
+
+    from reward_service import server as reward_server
+    from search_service.coalescing import CoalescingEvaluator
+    from search_service.evaluators import RewardServiceEvaluator
+    from search_service.leaf_cache import CachedEvaluator, EvaluationCache
+    from tandem.server import channel
+
+    cfg = load_config()
+    cfg = replace(cfg, reward=replace(cfg.reward, address=_free_address(), metrics_port=0,
+                                      **({"execution_provider": "cpu"} if args.quick else {})))
+    variant = (common.chosen_variants(args.backend, args.quick) or [common.CPU_VARIANT])[-1]
+    backend = common.make_backend(variant)
+    common.note(f"search backend: {variant}")
+    service = reward_server.start(cfg, follow_scheduler=False)
+    rows = []
+    try:
+        with channel(cfg.reward.address, cfg) as ch:
+            direct = RewardServiceEvaluator(ch, "connect4_value", timeout_s=30)
+            for wave in (8,) if args.quick else (32, 64, 128, 256):
+                row = common.attempt(f"latency wave {wave}", latency, backend, direct, wave,
+                                     64 if args.quick else 1000, 2 if args.quick else args.repeats)
+                if row:
+                    common.progress(row)
+                    rows.append(row)
+            stub = reward_pb2_grpc.RewardServiceStub(ch)
+            for batch in (64,) if args.quick else (64, 256, 1024, 4096):
+                rows.append(throughput(stub, batch, 3 if args.quick else args.repeats))
+                common.progress(rows[-1])
+            serving = CoalescingEvaluator(RewardServiceEvaluator(ch, "connect4_value"))
+            try:
+                for set_name in SETS:
+                    cached = CachedEvaluator(serving, EvaluationCache(cfg.search.evaluation_cache_bytes))
+                    for name, wave in (("value_model", cfg.search.value_model_parallel_sims),
+                                       ("rollout", 256 if variant != common.CPU_VARIANT else cfg.search.parallel_sims)):
+                        row = common.attempt(f"quality {set_name} {name}", quality, backend, cached, set_name,
+                                             8 if args.quick else args.positions, name, wave, 16.0)
+                        if row:
+                            common.progress(row)
+                            rows.append(row)
+            finally:
+                serving.close()
+    finally:
+        service.stop()
+    common.finish(BENCHMARK, rows, args.out, COLUMNS)
+
+
+if __name__ == "__main__":
+    main()
