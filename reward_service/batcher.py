@@ -1,33 +1,39 @@
 """Dynamic batcher: merges queued Evaluate requests of one model into batches.
 
 Pure Python threading, no GPU: the model run is a callback (``run``) that
-gets a :class:`Batch` and returns its outputs. One :class:`Batcher` per model,
-one worker thread per batcher.
+gets a :class:`Batch` and returns its outputs. One :class:`Batcher` per model;
+per batcher two **lanes**, one per request class, each with its own queue and
+its own long-lived worker thread, running side by side.
 
 Policy
 ------
 * Two request classes, the proto's ``tandem.v1.RequestClass`` values:
-  ``REQUEST_CLASS_CRITICAL`` (a search waiting inside a game frame) before
-  ``REQUEST_CLASS_BULK`` (throughput work). Within a class, first in, first
-  out. (Request classes order the queue; they are not CUDA stream
-  priorities.)
+  ``REQUEST_CLASS_CRITICAL`` (a game frame, a search's wave of leaves) and
+  ``REQUEST_CLASS_BULK`` (throughput work). Each class has its own lane: a
+  queue (first in, first out) and a worker thread. Lanes never mix: a batch
+  holds requests of one class only (:attr:`Batch.lane`), and a critical
+  request never waits for a bulk batch to finish -- the critical worker runs
+  beside the bulk one. (The run callback decides what each lane runs on: the
+  reward service gives the critical lane its own ONNX Runtime sessions on the
+  most urgent CUDA stream priority the model holds, reward_service/session.py.)
 * A batch holds up to ``max_rows`` rows (``min(max_batch_size, largest
   bucket)``). It is padded to the smallest bucket that holds it (fixed shapes
   that a GPU session replays as CUDA graphs); a single request larger than
-  every bucket runs alone, unpadded.
-* Critical requests never wait for company: when the worker is free and a
-  critical request is queued, a batch is formed at once from the queued
-  critical requests; queued bulk requests then ride along only in the rows
-  the padding would waste (the critical batch's bucket does not grow).
+  every bucket runs alone, unpadded. Padding rows are zeros, never another
+  lane's requests.
+* Critical requests never wait for company: when the critical worker is free
+  and a critical request is queued, a batch is formed at once from the
+  queued critical requests.
 * Bulk requests wait up to ``max_queue_delay_us`` (from the oldest one's
   arrival) for more to merge with, unless ``max_rows`` rows are queued.
 * Deadlines: a request whose deadline (``time.monotonic()`` seconds) has
   passed is never run; it completes with :class:`DeadlineExceeded` (at
-  submit, or when the worker next forms a batch).
-* Bounded queue: at most ``max_queue_size`` requests wait. A full queue sheds:
-  a bulk request is refused (:class:`QueueFull`); a critical one displaces
-  the newest queued bulk request (which completes with QueueFull) or, when
-  none is queued, is refused.
+  submit, or when its lane's worker next forms a batch).
+* Bounded queue: at most ``max_queue_size`` requests wait, over both lanes
+  together. A full queue sheds: a bulk request is refused
+  (:class:`QueueFull`); a critical one displaces the newest queued bulk
+  request (which completes with QueueFull) or, when none is queued, is
+  refused.
 * Requests are validated before they are submitted (the servicer decodes and
   checks them), so a batch fails only if the model run itself fails; then
   every request in that batch gets the error.
@@ -36,23 +42,35 @@ Policy
 
 Concurrency invariants
 ----------------------
-* ``_lock`` guards ``_queues``, ``_queued`` (requests waiting), ``_closed``,
-  the counters in ``_stats``, and every :attr:`Request.state` change.
-  ``_wake`` is a Condition on ``_lock``: submit and close notify it; the
-  worker waits on it.
+* One lock, ``_lock``, for the whole batcher (both lanes: the queue bound and
+  shedding span them). It guards every lane's ``queue`` and ``stats``,
+  ``_queued`` (requests waiting, both lanes), ``_closed``, and every
+  :attr:`Request.state` change. Each lane has its own Condition on
+  ``_lock``, ``wake``: a submit notifies only its own lane's worker; close
+  notifies both. A worker waits only on its own lane's condition.
 * A request's state goes QUEUED -> RUNNING -> DONE or QUEUED -> DONE, only
-  under ``_lock``; exactly one party (the worker, a shedding submit, or a
-  cancelling waiter) moves it to DONE, and that party writes its result
+  under ``_lock``; exactly one party (its lane's worker, a shedding submit, or
+  a cancelling waiter) moves it to DONE, and that party writes its result
   fields *before* setting ``_done``. Waiters read the result only after
   ``_done`` is set (Event.set/wait order the writes before the reads).
-* ``run`` is called from the worker thread only, never concurrently with
-  itself, and never under ``_lock`` (submitters are not blocked by a model
-  run). So a run callback may reuse preallocated buffers without a lock.
-  Running a request on the submitting gRPC thread when the batcher is idle
-  would spare two thread hand-offs (~0.17 ms p50 on the H200), but ONNX
-  Runtime's CUDA execution provider keeps per-thread state (cuBLAS/cuDNN
-  handles, workspaces): the first run on each new gRPC thread took 6.5 ms
-  there (2026-11-30), so runs stay on this one thread.
+* A lane's worker is the only thread that takes requests from that lane's
+  queue and the only one that calls ``run`` with that lane's batches. So
+  ``run`` is never called concurrently with itself *for one lane*, but the
+  two lanes' calls do overlap: a run callback may reuse preallocated buffers
+  without a lock only if each lane has its own (``batch.lane`` says which).
+  ``run`` is never called under ``_lock`` (submitters and the other lane are
+  not blocked by a model run).
+* ``warm_up(lane)`` runs on that lane's worker thread, before the thread
+  takes any request: the critical lane's first, then the bulk lane's, one
+  after the other (the constructor waits for each), never two at once --
+  cuDNN's algorithm search times candidate kernels and would time them
+  against the other warm-up's kernels.
+* Why a long-lived thread per lane, not the submitting gRPC thread: running
+  a request on the gRPC thread when the batcher is idle would spare two
+  thread hand-offs (~0.17 ms p50 on the H200), but ONNX Runtime's CUDA
+  execution provider keeps per-thread state (cuBLAS/cuDNN handles,
+  workspaces): the first run on each new gRPC thread took 6.5 ms there
+  (2026-11-30), so each lane's runs stay on its one thread, forever.
 """
 from __future__ import annotations
 
@@ -68,7 +86,8 @@ from tandem.v1 import reward_pb2
 
 log = logging.getLogger(__name__)
 
-_CLASSES = (reward_pb2.REQUEST_CLASS_CRITICAL, reward_pb2.REQUEST_CLASS_BULK)  # queue order: critical first
+CRITICAL, BULK = reward_pb2.REQUEST_CLASS_CRITICAL, reward_pb2.REQUEST_CLASS_BULK
+LANES = {CRITICAL: "critical", BULK: "bulk"}  # request class -> lane name (thread names, stats, metrics)
 
 QUEUED, RUNNING, DONE = "queued", "running", "done"
 _MAX_WAIT_S = 3600.0  # longest single Event.wait (a deadline days away is waited for in steps)
@@ -144,7 +163,8 @@ class Request:
 
 @dataclass(eq=False)
 class Batch:
-    """Requests merged into one model run: ``rows`` real rows, padded to ``bucket``.
+    """Requests of one lane merged into one model run: ``rows`` real rows,
+    padded to ``bucket``; ``lane`` is their request class.
 
     Request ``i`` holds rows ``offsets[i] : offsets[i] + requests[i].rows``.
     """
@@ -153,6 +173,7 @@ class Batch:
     rows: int
     bucket: int
     offsets: list[int]
+    lane: int = BULK  # the request class of every request in it (lanes never mix)
 
     @property
     def names(self) -> list[str]:
@@ -188,26 +209,63 @@ def bucket_for(rows: int, buckets: Sequence[int]) -> int:
     return rows
 
 
+class _Lane:
+    """One request class's queue and worker thread.
+
+    ``queue``, ``stats`` and the worker's taking of requests are guarded by
+    the owning :class:`Batcher`'s ``_lock``; ``wake`` is a Condition on that
+    lock which only this lane's worker waits on. ``thread``, ``warmed`` and
+    ``warm_up_error`` are written once, before the constructor returns
+    (``warm_up_error`` before ``warmed`` is set, read after).
+    """
+
+    def __init__(self, request_class: int, lock: threading.Lock):
+        self.request_class = request_class
+        self.name = LANES[request_class]
+        self.queue: collections.deque[Request] = collections.deque()  # guarded by Batcher._lock
+        self.stats: collections.Counter = collections.Counter()  # guarded by Batcher._lock
+        self.wake = threading.Condition(lock)
+        self.thread: threading.Thread | None = None
+        self.warmed = threading.Event()
+        self.warm_up_error: BaseException | None = None
+
+    def oldest_age_ms(self, now: float) -> float:
+        """Age of the oldest queued request (ms; 0 when none). Under Batcher._lock."""
+        return (now - self.queue[0].enqueued) * 1e3 if self.queue else 0.0
+
+
+_COUNTERS = ("submitted", "batches", "expired", "shed", "refused")
+
+
 class Batcher:
-    """Queues requests for one model and runs them in merged batches.
+    """Queues requests for one model and runs them in merged batches, one
+    lane (queue and worker thread) per request class.
 
     Args:
         run: ``run(batch) -> {output name: array of >= batch.rows rows}``;
-            called from the worker thread only. Arrays it returns must not be
-            reused by later runs (requests keep views of them).
+            called from the worker thread of ``batch.lane`` only, so the two
+            lanes' calls may overlap (see the module's invariants). Arrays it
+            returns must not be reused by later runs (requests keep views of them).
         buckets: ascending batch sizes to pad to; empty: no padding.
         max_batch_size: most rows in one batch (merging stops there).
         max_queue_delay_us: how long bulk requests wait for company (µs).
-        max_queue_size: most requests waiting (running ones not counted).
-        name: for the worker thread's name and logs.
+        max_queue_size: most requests waiting, both lanes together (running
+            ones not counted).
+        name: for the worker threads' names (``batcher-<name>-critical``,
+            ``batcher-<name>-bulk``) and logs.
         clock: ``time.monotonic`` (tests may pass another monotonic clock).
-        warm_up: called once on the worker thread before it takes any request
-            (the model's warm-up: ONNX Runtime's CUDA execution provider keeps
-            per-thread state); the constructor returns when it is done.
+        merge: False: one request per batch (models whose requests cannot be
+            concatenated).
+        warm_up: ``warm_up(lane)`` (``lane``: ``REQUEST_CLASS_CRITICAL`` or
+            ``REQUEST_CLASS_BULK``), called once on each lane's worker thread
+            before it takes any request -- the critical lane's first, then the
+            bulk lane's, never both at once (the model's warm-up: ONNX
+            Runtime's CUDA execution provider keeps per-thread state); the
+            constructor returns when both are done.
 
     Raises:
         ValueError: a non-positive size, a negative delay, unsorted buckets.
-        Exception: whatever ``warm_up`` raised (the worker has then stopped).
+        Exception: whatever ``warm_up`` raised (every worker has then stopped).
     """
 
     def __init__(
@@ -221,7 +279,7 @@ class Batcher:
         name: str = "model",
         clock: Callable[[], float] = time.monotonic,
         merge: bool = True,
-        warm_up: Callable[[], None] | None = None,
+        warm_up: Callable[[int], None] | None = None,
     ):
         buckets = tuple(int(b) for b in buckets)
         if list(buckets) != sorted(set(buckets)) or any(b <= 0 for b in buckets):
@@ -239,19 +297,23 @@ class Batcher:
         self.name = name
         self._clock = clock
         self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
-        self._queues = {c: collections.deque() for c in _CLASSES}  # guarded by _lock
-        self._queued = 0  # guarded by _lock
+        self._lanes = {c: _Lane(c, self._lock) for c in LANES}  # the dict itself never changes
+        self._queued = 0  # guarded by _lock: requests waiting in both lanes
         self._closed = False  # guarded by _lock
-        self._stats = collections.Counter()  # guarded by _lock
         self._warm_up = warm_up
-        self._warm_up_error: BaseException | None = None
-        self._warmed = threading.Event()
-        self._worker = threading.Thread(target=self._loop, name=f"batcher-{name}", daemon=True)
-        self._worker.start()
-        self._warmed.wait()
-        if self._warm_up_error is not None:
-            raise self._warm_up_error
+        for lane in self._lanes.values():  # one warm-up at a time: critical, then bulk
+            lane.thread = threading.Thread(target=self._loop, args=(lane,), name=f"batcher-{name}-{lane.name}",
+                                           daemon=True)
+            lane.thread.start()
+            lane.warmed.wait()
+            if lane.warm_up_error is not None:
+                self.close()  # stops the lanes already serving
+                raise lane.warm_up_error
+
+    @property
+    def threads(self) -> dict[str, threading.Thread]:
+        """Lane name -> its worker thread."""
+        return {lane.name: lane.thread for lane in self._lanes.values()}
 
     # -- the submitting side (gRPC threads) ------------------------------------
 
@@ -259,11 +321,12 @@ class Batcher:
         self,
         feeds: dict[str, np.ndarray],
         rows: int,
-        request_class: int = reward_pb2.REQUEST_CLASS_BULK,
+        request_class: int = BULK,
         deadline: float | None = None,
         output_names: Sequence[str] = (),
     ) -> Request:
-        """Queues a validated request and returns it (wait on it for the result).
+        """Queues a validated request in its class's lane and returns it (wait
+        on it for the result).
 
         ``request_class``: ``reward_pb2.REQUEST_CLASS_CRITICAL`` or
         ``REQUEST_CLASS_BULK`` (the servicer maps UNSPECIFIED to bulk).
@@ -276,51 +339,53 @@ class Batcher:
         """
         if rows < 1:
             raise ValueError("rows must be >= 1")
-        if request_class not in _CLASSES:
+        if request_class not in self._lanes:
             raise ValueError(
                 f"request_class: expected REQUEST_CLASS_CRITICAL or REQUEST_CLASS_BULK, got {request_class}"
             )
+        lane = self._lanes[request_class]
         now = self._clock()
         req = Request(feeds, rows, request_class, deadline, tuple(output_names), enqueued=now)
         if deadline is not None and deadline <= now:
             with self._lock:
-                self._stats["expired"] += 1
+                lane.stats["expired"] += 1
             raise DeadlineExceeded("deadline passed before the request was queued")
         victim = None
         with self._lock:
             if self._closed:
                 raise BatcherClosed(f"model {self.name!r}: the reward service is stopping")
             if self._queued >= self.max_queue_size:
-                bulk = self._queues[reward_pb2.REQUEST_CLASS_BULK]
-                if request_class != reward_pb2.REQUEST_CLASS_CRITICAL or not bulk:
-                    self._stats["refused"] += 1
+                bulk = self._lanes[BULK]
+                if request_class != CRITICAL or not bulk.queue:
+                    lane.stats["refused"] += 1
                     raise QueueFull(
                         f"model {self.name!r}: queue full ({self.max_queue_size} requests waiting); retry later"
                     )
-                victim = bulk.pop()  # the newest bulk request makes room for a critical one
+                victim = bulk.queue.pop()  # the newest bulk request makes room for a critical one
                 victim.state = DONE
                 victim.error = QueueFull(f"model {self.name!r}: queue full; shed for a critical request")
                 self._queued -= 1
-                self._stats["shed"] += 1
-            self._queues[request_class].append(req)
+                bulk.stats["shed"] += 1
+            lane.queue.append(req)
             self._queued += 1
-            self._stats["submitted"] += 1
-            self._wake.notify()
+            lane.stats["submitted"] += 1
+            lane.wake.notify()
         if victim is not None:
             victim._done.set()
         return req
 
     def cancel(self, req: Request) -> bool:
-        """Takes a still-queued request out of the queue (its waiter gave up):
-        it completes with DeadlineExceeded. False when it is running or done."""
+        """Takes a still-queued request out of its lane's queue (its waiter gave
+        up): it completes with DeadlineExceeded. False when it is running or done."""
+        lane = self._lanes[req.request_class]
         with self._lock:
             if req.state != QUEUED:
                 return False
-            self._queues[req.request_class].remove(req)
+            lane.queue.remove(req)
             self._queued -= 1
             req.state = DONE
             req.error = DeadlineExceeded("deadline passed while queued")
-            self._stats["expired"] += 1
+            lane.stats["expired"] += 1
         req._done.set()
         return True
 
@@ -328,7 +393,7 @@ class Batcher:
         self,
         feeds: dict[str, np.ndarray],
         rows: int,
-        request_class: int = reward_pb2.REQUEST_CLASS_BULK,
+        request_class: int = BULK,
         deadline: float | None = None,
         output_names: Sequence[str] = (),
     ) -> Request:
@@ -353,103 +418,104 @@ class Batcher:
                 return req
 
     def stats(self) -> dict:
-        """``queued`` (requests waiting), ``oldest_age_ms`` (0 when none) and
-        the counters ``submitted``, ``batches``, ``expired``, ``shed``, ``refused``."""
+        """Both lanes together: ``queued`` (requests waiting), ``oldest_age_ms``
+        (0 when none) and the counters ``submitted``, ``batches``, ``expired``,
+        ``shed``, ``refused``; and the same per lane under ``lanes``
+        (``{"critical": {...}, "bulk": {...}}``; a shed request counts in the
+        lane it was queued in, the bulk one)."""
         with self._lock:
-            heads = [q[0].enqueued for q in self._queues.values() if q]
-            age = (self._clock() - min(heads)) * 1e3 if heads else 0.0
-            return {"queued": self._queued, "oldest_age_ms": age, **dict(self._stats)}
+            now = self._clock()
+            lanes = {
+                lane.name: {"queued": len(lane.queue), "oldest_age_ms": lane.oldest_age_ms(now),
+                            **{k: lane.stats[k] for k in _COUNTERS}}
+                for lane in self._lanes.values()
+            }
+            queued = self._queued
+        total = {k: sum(v[k] for v in lanes.values()) for k in _COUNTERS}
+        return {"queued": queued, "oldest_age_ms": max(v["oldest_age_ms"] for v in lanes.values()), **total,
+                "lanes": lanes}
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Refuses new requests, lets the worker run what is queued, joins it."""
+        """Refuses new requests, lets each lane's worker run what is queued in
+        its lane, joins both (``timeout_s`` each)."""
         with self._lock:
             self._closed = True
-            self._wake.notify_all()
-        self._worker.join(timeout_s)
+            for lane in self._lanes.values():
+                lane.wake.notify_all()
+        for lane in self._lanes.values():
+            if lane.thread is not None and lane.thread is not threading.current_thread():
+                lane.thread.join(timeout_s)
 
-    # -- the worker ------------------------------------------------------------
+    # -- the workers, one per lane ----------------------------------------------
 
-    def _loop(self) -> None:
+    def _loop(self, lane: _Lane) -> None:
         try:
             if self._warm_up is not None:
-                self._warm_up()
+                self._warm_up(lane.request_class)
         except BaseException as exc:  # handed to the constructor, which raises it
-            self._warm_up_error = exc
+            lane.warm_up_error = exc
             return
         finally:
-            self._warmed.set()
+            lane.warmed.set()
         while True:
             with self._lock:
                 while True:
-                    if self._queued == 0:
+                    if not lane.queue:
                         if self._closed:
                             return
-                        self._wake.wait()
+                        lane.wake.wait()
                         continue
-                    wait_s = self._merge_wait_locked()
+                    wait_s = self._merge_wait_locked(lane)
                     if wait_s <= 0:
                         break
-                    self._wake.wait(wait_s)
-                expired, batch = self._take_locked()
+                    lane.wake.wait(wait_s)
+                expired, batch = self._take_locked(lane)
             for req in expired:
                 req._done.set()
             if batch is not None:
                 self._execute(batch)
+            # Let go of the answered requests now, not when the next batch comes: their
+            # arrays may map a client's shared memory, which is closed once unreferenced.
+            expired = batch = None
 
-    def _merge_wait_locked(self) -> float:
-        """Seconds to wait for more bulk requests; <= 0: form a batch now."""
-        if self._closed or self._queues[reward_pb2.REQUEST_CLASS_CRITICAL]:
+    def _merge_wait_locked(self, lane: _Lane) -> float:
+        """Seconds ``lane``'s worker waits for more requests to merge with; <= 0:
+        form a batch now (critical requests never wait)."""
+        if self._closed or lane.request_class == CRITICAL:
             return 0.0
-        bulk = self._queues[reward_pb2.REQUEST_CLASS_BULK]
-        if sum(r.rows for r in bulk) >= self.max_rows:
+        if sum(r.rows for r in lane.queue) >= self.max_rows:
             return 0.0
-        return bulk[0].enqueued + self.max_queue_delay_s - self._clock()
+        return lane.queue[0].enqueued + self.max_queue_delay_s - self._clock()
 
-    def _take_locked(self) -> tuple[list[Request], Batch | None]:
-        """Drops expired requests (returned, marked DONE) and takes the next batch."""
+    def _take_locked(self, lane: _Lane) -> tuple[list[Request], Batch | None]:
+        """Drops ``lane``'s expired requests (returned, marked DONE) and takes its next batch."""
         now = self._clock()
-        expired = []
-        for c in _CLASSES:
-            q = self._queues[c]
-            if any(r.deadline is not None and r.deadline <= now for r in q):
-                keep = collections.deque()
-                for r in q:
-                    if r.deadline is not None and r.deadline <= now:
-                        r.state = DONE
-                        r.error = DeadlineExceeded("deadline passed while queued")
-                        expired.append(r)
-                    else:
-                        keep.append(r)
-                self._queues[c] = keep
-        self._queued -= len(expired)
-        self._stats["expired"] += len(expired)
+        expired = [r for r in lane.queue if r.deadline is not None and r.deadline <= now]
+        if expired:
+            lane.queue = collections.deque(r for r in lane.queue if r.deadline is None or r.deadline > now)
+            for r in expired:
+                r.state = DONE
+                r.error = DeadlineExceeded("deadline passed while queued")
+            self._queued -= len(expired)
+            lane.stats["expired"] += len(expired)
         taken: list[Request] = []
         rows = 0
-        cap = self.max_rows
-        for c in _CLASSES:
-            q = self._queues[c]
-            if taken and not self.merge:
-                break
-            while q and (not taken or (self.merge and rows + q[0].rows <= cap)):
-                req = q.popleft()
-                taken.append(req)
-                rows += req.rows
-                if rows > cap:  # a lone request larger than every bucket
-                    break
-            if c == reward_pb2.REQUEST_CLASS_CRITICAL and taken:
-                # Bulk rides along only in rows the padding would waste.
-                cap = min(cap, bucket_for(rows, self.buckets))
-            if rows >= cap:
+        q = lane.queue
+        while q and (not taken or (self.merge and rows + q[0].rows <= self.max_rows)):
+            req = q.popleft()
+            taken.append(req)
+            rows += req.rows
+            if rows > self.max_rows:  # a lone request larger than every bucket
                 break
         if not taken:
             return expired, None
         for req in taken:
             req.state = RUNNING
         self._queued -= len(taken)
-        self._stats["batches"] += 1
+        lane.stats["batches"] += 1
         offsets = np.cumsum([0] + [r.rows for r in taken[:-1]]).tolist()
         bucket = bucket_for(rows, self.buckets) if rows <= self.max_rows else rows
-        return expired, Batch(taken, rows, bucket, offsets)
+        return expired, Batch(taken, rows, bucket, offsets, lane.request_class)
 
     def _execute(self, batch: Batch) -> None:
         start = self._clock()
@@ -457,7 +523,7 @@ class Batcher:
             outputs = self._run(batch)
             error = None
         except Exception as exc:  # the model run failed: every request in it gets the error
-            log.exception("model %s: batch of %d rows failed", self.name, batch.rows)
+            log.exception("model %s: %s batch of %d rows failed", self.name, LANES[batch.lane], batch.rows)
             outputs, error = None, exc
         compute_ms = (self._clock() - start) * 1e3
         for req, off in zip(batch.requests, batch.offsets):

@@ -16,8 +16,8 @@ import onnxruntime as ort
 from prometheus_client import Gauge
 from tandem.v1 import reward_pb2, reward_pb2_grpc, scheduler_pb2
 
-from reward_service.batcher import Batcher, BatcherClosed, BatcherError, DeadlineExceeded, QueueFull
-from reward_service.session import InputError, ModelSession
+from reward_service.batcher import LANES, Batcher, BatcherClosed, BatcherError, DeadlineExceeded, QueueFull
+from reward_service.session import InputError, ModelSession, runners_per_model
 from reward_service.shared_memory import Lease, RegionStatus, RegionTable, SharedMemoryError
 from tandem import pools, tensors
 from tandem.config import SharedMemoryConfig, TandemConfig
@@ -29,6 +29,8 @@ NO_DEADLINE_S = 1e7  # remaining times beyond this (~4 months) mean "no deadline
 IN_FLIGHT = Gauge("tandem_reward_requests_in_flight", "Evaluate calls being served.")
 STREAM_PRIORITY = Gauge("tandem_reward_stream_priority", "CUDA stream priority assigned by the scheduler.")
 QUEUE_DEPTH = Gauge("tandem_reward_queue_depth", "Requests waiting in the models' batchers.")
+LANE_QUEUE_DEPTH = Gauge("tandem_reward_lane_queue_depth", "Requests waiting in the models' batchers, per lane.",
+                         ["lane"])
 POOL_LIMIT = Gauge("tandem_reward_pool_limit_bytes", "ONNX Runtime arena limit over all sessions (0 = none).")
 SHM_REGIONS = Gauge("tandem_reward_shared_memory_regions", "Shared-memory regions registered.")
 SHM_BYTES = Gauge("tandem_reward_shared_memory_bytes", "Bytes of the shared-memory regions registered.")
@@ -36,7 +38,8 @@ SHM_BYTES = Gauge("tandem_reward_shared_memory_bytes", "Bytes of the shared-memo
 
 class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
     """Evaluate / ModelMetadata / ListModels over a dict of ModelSessions, each
-    behind its own dynamic batcher (reward_service/batcher.py), and the
+    behind its own dynamic batcher (reward_service/batcher.py: a critical and a
+    bulk lane, each with its own worker thread and runners), and the
     shared-memory calls (Register / Unregister / SharedMemoryStatus) over a
     region table (reward_service/shared_memory.py), whose regions Evaluate's
     tensors may name instead of carrying bytes.
@@ -179,7 +182,10 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             execution_provider=s.execution_provider,
             available_providers=ort.get_available_providers(),
             max_batch_size=s.max_batch_size,
+            # stream_priority_in_use: the bulk lane's, the one the assignment moves (as before lanes).
             runtime={**s.runtime, "stream_priority_in_use": str(s.active_stream_priority),
+                     "stream_priority_bulk_lane": str(s.active_stream_priority),
+                     "stream_priority_critical_lane": str(s.critical_stream_priority),
                      "stream_priority_assigned": str(self.assigned_stream_priority)},
         )
 
@@ -188,8 +194,9 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
 
     def set_stream_priority(self, stream_priority: int) -> None:
         """The scheduler's assignment (a CUDA stream priority; lower is more
-        urgent): every model switches to its session on the held stream
-        :func:`tandem.stream_priority.nearest_allowed` picks. On a CPU host no
+        urgent): every model's bulk lane switches to its runner on the held
+        stream :func:`tandem.stream_priority.nearest_allowed` picks (critical
+        lanes stay on the greatest held stream priority). On a CPU host no
         stream is held: the assignment is only recorded."""
         self.assigned_stream_priority = stream_priority
         for s in self.sessions.values():
@@ -290,8 +297,9 @@ class _WarmUpContext:
 
 
 def _warm_up(servicer: RewardServicer) -> None:
-    """One Evaluate per model through the servicer (decode, batcher, encode),
-    so the first client request finds every Python path and thread warm."""
+    """One Evaluate per model and lane (a critical and a bulk one) through the
+    servicer (decode, batcher, encode), so the first client request finds
+    every Python path and both lanes' threads warm."""
     for s in servicer.sessions.values():
         inputs = [tensors.to_proto(x.name, np.zeros([1 if d == -1 else d for d in x.shape], tensors.numpy_dtype(x.dtype)))
                   for x in s.inputs]
@@ -309,21 +317,23 @@ def _batcher(session: ModelSession, cfg: TandemConfig) -> Batcher:
         max_queue_size=cfg.reward.max_queue_size,
         name=session.name,
         merge=session.mergeable,
-        warm_up=session.warm_up,  # on the worker thread, which runs every request
+        warm_up=session.warm_up,  # warm_up(lane), on each lane's worker thread, which runs that lane's requests
     )
 
 
 def start(cfg: TandemConfig, follow_scheduler: bool = True) -> Service:
     """Loads every configured model (sessions, warm-up), starts a batcher per
-    model and serves on ``cfg.reward.address``.
+    model (two lanes: each lane's worker thread warms that lane's runners up
+    before the service serves) and serves on ``cfg.reward.address``.
 
     Raises:
         RuntimeError: a model cannot be loaded, or the address cannot be bound.
     """
     models = cfg.reward.models
-    # The memory pool is split evenly over every session (models x stream priorities x batch buckets).
-    per_session = cfg.reward.memory_pool_bytes // max(len(models) * len(cfg.reward.stream_priorities), 1)
-    sessions = {m.name: ModelSession(m, cfg.reward, pool_bytes=per_session, warm=False) for m in models}
+    # The memory pool is split evenly over every runner (models x (stream priorities + the critical
+    # lane's own)), and each runner's share over its sessions (one per batch bucket).
+    per_runner = cfg.reward.memory_pool_bytes // max(len(models) * runners_per_model(cfg.reward), 1)
+    sessions = {m.name: ModelSession(m, cfg.reward, pool_bytes=per_runner, warm=False) for m in models}
     providers = sorted({s.execution_provider for s in sessions.values()})
     log.warning("reward service: execution provider(s) in use: %s", ", ".join(providers))
     for s in sessions.values():
@@ -333,6 +343,9 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True) -> Service:
     servicer = RewardServicer(sessions, {name: _batcher(s, cfg) for name, s in sessions.items()},
                               cfg.reward.shared_memory)
     QUEUE_DEPTH.set_function(lambda: sum(b.stats()["queued"] for b in servicer.batchers.values()))
+    for lane in LANES.values():
+        LANE_QUEUE_DEPTH.labels(lane=lane).set_function(
+            lambda lane=lane: sum(b.stats()["lanes"][lane]["queued"] for b in servicer.batchers.values()))
     SHM_REGIONS.set_function(lambda: servicer.regions.stats()["regions"])
     SHM_BYTES.set_function(lambda: servicer.regions.stats()["bytes"])
     POOL_LIMIT.set(cfg.reward.memory_pool_bytes)

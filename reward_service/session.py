@@ -1,34 +1,51 @@
 """ONNX Runtime session(s) for one model, and the checks of what a client
 sends against the model's declared inputs.
 
-On a GPU (CUDA execution provider and CuPy) a model gets:
+A model is served by two lanes (reward_service/batcher.py), each with its own
+worker thread and its own runner(s) -- a runner being a set of sessions and
+the buffers bound to them:
 
-* one ONNX Runtime session per CUDA stream priority the service may be
-  assigned (``reward.stream_priorities``), each bound to a CuPy stream of
-  that stream priority through ``user_compute_stream``; the scheduler's
-  assignment picks which one runs (:meth:`ModelSession.set_stream_priority`);
-* per batch bucket (``batch_buckets``) and session: preallocated device input
-  and output buffers bound once with IO binding, and pinned host staging
-  buffers: request bytes are copied once into pinned memory, uploaded
-  asynchronously on the session's stream, and the outputs come back the same
-  way, with one stream synchronisation per batch;
+* the **critical** lane (frames, a search's leaves): one runner of its own,
+  on the most urgent (greatest) CUDA stream priority the model holds
+  (``min(reward.stream_priorities)``), whatever the scheduler assigns;
+* the **bulk** lane: one runner per CUDA stream priority the service may be
+  assigned (``reward.stream_priorities``); the scheduler's assignment picks
+  which one runs (:meth:`ModelSession.set_stream_priority`,
+  :func:`tandem.stream_priority.nearest_allowed`).
+
+So a model holds ``len(stream_priorities) + 1`` runners on the GPU: when the
+bulk lane is assigned the greatest stream priority it runs on its own runner
+at that priority, never on the critical lane's (see :class:`ModelSession`
+for who owns what, and the memory this costs).
+
+On a GPU (CUDA execution provider and CuPy) each runner has:
+
+* one ONNX Runtime session per batch bucket (``batch_buckets``), each bound
+  to the runner's CuPy stream (of its stream priority) through
+  ``user_compute_stream``;
+* per bucket: preallocated device input and output buffers bound once with
+  IO binding, and pinned host staging buffers: request bytes are copied once
+  into pinned memory, uploaded asynchronously on the runner's stream, and the
+  outputs come back the same way, with one stream synchronisation per batch;
 * with ``cuda_graph``, one CUDA graph per bucket (``enable_cuda_graph``, run
-  option ``gpu_graph_id`` = the bucket's index), captured at warm-up and
+  option ``gpu_graph_id`` = the bucket's index), captured at construction and
   replayed afterwards; a batch larger than the largest bucket runs as
   bucket-sized chunks, so every run replays a captured graph;
 * ``gpu_mem_limit`` with ``arena_extend_strategy: kSameAsRequested``, so the
   sessions live in the configured memory pool, and ``cudnn_conv_algo_search``
   as configured;
-* warm-up at start: every bucket of every session runs three times (cuDNN
-  algorithm search, arena growth, graph capture), so the first request pays
-  none of it.
+* warm-up at start, on the thread of the lane that owns the runner: every
+  bucket runs three times (cuDNN algorithm search, arena growth, graph
+  capture), so the first request pays none of it.
 
 On the CPU (no GPU, no CUDA build, or ``execution_provider: cpu``) the model
 runs through ``InferenceSession.run`` on host arrays: no device buffers, no
-pinned staging, no graphs, no padding to buckets, one session. The same holds
-with the CUDA provider but without CuPy. Each model says which features are
-off and why in :attr:`ModelSession.runtime` (served in ``ModelMetadata``) and
-in the log.
+pinned staging, no graphs, no padding to buckets, one session, which both
+lanes' threads share (``InferenceSession.run`` is thread-safe and that
+runner keeps no buffers). The same holds with the CUDA provider but without
+CuPy. Each model says which features are off and why, and which stream
+priority each lane runs on, in :attr:`ModelSession.runtime` (served in
+``ModelMetadata``) and in the log.
 """
 from __future__ import annotations
 
@@ -43,7 +60,7 @@ import numpy as np
 import onnxruntime as ort
 from tandem.v1 import reward_pb2
 
-from reward_service.batcher import Batch, Request, bucket_for
+from reward_service.batcher import BULK, CRITICAL, LANES, Batch, Request, bucket_for
 from tandem import nvtx, tensors
 from tandem.config import ModelConfig, RewardConfig, resolve_path
 from tandem.gpu import cuda_device_count, cupy_module
@@ -174,7 +191,11 @@ class _HostDevice:
 
 
 class _PlainRunner:
-    """``InferenceSession.run`` on host arrays (the CPU path)."""
+    """``InferenceSession.run`` on host arrays (the CPU path).
+
+    Thread-safe: it keeps no buffers and ``InferenceSession.run`` may be
+    called from several threads at once, so both lanes' workers share one.
+    """
 
     stream_priority = 0  # no stream: CUDA's least urgent level, as a GPU's default stream
 
@@ -215,8 +236,9 @@ class _BoundRunner:
     measured by bench/first_request.py, 2026-11-30, with one session for all
     buckets). A session that only ever sees one shape searches once, at warm-up.
 
-    Not thread-safe: called by the model's batcher worker only (or by a
-    benchmark with no batcher), one batch at a time.
+    Not thread-safe: its buffers, IO bindings and ``dirty_rows`` belong to
+    the one lane's worker thread that owns the runner (or to a benchmark with
+    no batcher), one batch at a time; no other thread ever runs it.
 
     Args:
         make_session: returns a fresh session (on ``device``'s stream), one per bucket.
@@ -332,7 +354,8 @@ class _SessionFactory:
 
 
 class ModelSession:
-    """One configured model: its session(s), input checks and batch runs.
+    """One configured model: its session(s), input checks and batch runs, for
+    the two lanes of its batcher.
 
     Attributes:
         name, description, max_batch_size, precision: from the config.
@@ -343,20 +366,24 @@ class ModelSession:
         buckets: batch sizes the batcher pads to (empty: no padding, the CPU path).
         mergeable: whether requests can be concatenated along the batch (every
             other dimension of every tensor is fixed).
-        stream_priorities: CUDA stream priorities with a session bound to a
-            stream of that stream priority (empty where streams are not used).
+        stream_priorities: CUDA stream priorities the bulk lane holds a runner
+            bound to a stream of (the configured ones; empty where streams are
+            not used). The critical lane runs on the greatest (most urgent) of them.
         runtime: feature -> how it runs here, or why it is off (ModelMetadata.runtime).
-        warm_up_ms: time the start-up warm-up took (ms).
+        warm_up_ms: time the start-up warm-ups took, every lane's together (ms).
 
     Args:
         model, cfg: the model's and the reward service's configuration.
-        pool_bytes: ``gpu_mem_limit`` of each of this model's sessions
-            (bytes; 0 = no limit); default ``cfg.memory_pool_bytes``.
+        pool_bytes: ``gpu_mem_limit`` of each of this model's runners, split
+            evenly over the runner's per-bucket sessions (bytes; 0 = no
+            limit); default ``cfg.memory_pool_bytes``. A model has
+            :func:`runners_per_model` runners.
         host_binding: run the IO-binding path over host buffers and the CPU
             provider (tests of that path without a GPU).
-        warm: warm up now, on this thread (:meth:`warm_up`). The server passes
-            False and has each model's batcher worker -- the one thread that
-            runs its requests -- warm it up before the service reports SERVING:
+        warm: warm up every runner now, on this thread (:meth:`warm_up`). The
+            server passes False and has each lane's batcher worker -- the one
+            thread that runs that lane's requests -- warm that lane's runners
+            up before the service reports SERVING:
             ONNX Runtime's CUDA execution provider keeps per-thread state, so a
             warm-up on another thread left the first request at each bucket
             paying for it (80-130 ms with cuDNN's EXHAUSTIVE search, on the H200).
@@ -364,6 +391,47 @@ class ModelSession:
     Raises (constructor):
         RuntimeError: ``cuda`` was required but the session did not get it;
             the model cannot be loaded; ``fp16`` without onnxconverter-common.
+
+    Runners and threads (the invariants; reward_service/batcher.py has the lanes')
+    ------------------------------------------------------------------------------
+    * ``_runners``: the bulk lane's runners, one per configured stream
+      priority (config order). Run by the bulk lane's worker thread only
+      (:meth:`warm_up` with ``BULK``, :meth:`run_batch` of a bulk batch).
+    * ``_critical``: the critical lane's own runner, on the greatest held
+      stream priority. Run by the critical lane's worker thread only
+      (:meth:`warm_up` with ``CRITICAL``, :meth:`run_batch` of a critical
+      batch). On the bound paths it is never one of ``_runners``: when the
+      scheduler assigns the bulk lane the greatest stream priority, the bulk
+      lane runs on its own runner at that priority, so no runner's IO-bound
+      buffers (or ``dirty_rows``) are ever touched by two threads. On the
+      plain path (CPU) it is the same :class:`_PlainRunner` as
+      ``_runners[0]``, shared by both threads: it keeps no buffers and
+      ``InferenceSession.run`` is thread-safe.
+    * ``_active``: which of ``_runners`` the bulk lane runs next. Written by
+      :meth:`set_stream_priority` (the scheduler client's thread) as one
+      reference assignment, read once per bulk batch by the bulk worker; no
+      lock is needed because every runner it can point at belongs to the bulk
+      worker anyway. A switch takes effect from the next bulk batch.
+    * ``runtime`` and ``warm_up_ms`` are written at construction and by the
+      lanes' warm-ups, which the batcher runs one after the other before the
+      service serves; afterwards they are only read (ModelMetadata), except
+      the per-lane warm-up entry each :meth:`warm_up` call rewrites.
+    * :meth:`run` (unbatched, tools and benchmarks) uses the bulk lane's
+      runner: never while a batcher serves the model.
+
+    Memory: the critical lane's dedicated runner is a whole extra runner --
+    one more ONNX Runtime session per bucket (its own copy of the weights, its
+    own arena up to the per-runner ``gpu_mem_limit``, cuDNN workspace), its
+    own device and pinned staging buffers per bucket, and with ``cuda_graph``
+    its own graph per bucket. A model's GPU memory is so ``(n + 1) / n`` times
+    what ``n`` bulk runners alone take (1.5x with the default stream
+    priorities (0, -5)), and under a fixed ``reward.memory_pool_bytes`` the
+    server splits the pool over ``n + 1`` runners per model (each runner's
+    arena limit shrinks to match). Warm-up takes one runner's warm-up longer.
+    Sharing the bulk lane's runner at the greatest stream priority instead
+    would need a lock between the lanes, and put a critical request back
+    behind a running bulk batch whenever the bulk lane is assigned that
+    stream priority.
     """
 
     def __init__(self, model: ModelConfig, cfg: RewardConfig, *, pool_bytes: int | None = None,
@@ -392,6 +460,7 @@ class ModelSession:
             del probe  # its arena is released before the bound sessions allocate theirs
             self._build_bound_runners(factory, model, cfg, cupy)
         self._active = self._runners[0]  # swapped by set_stream_priority (one reference write)
+        self._warm_up_ms: dict[str, float] = {}  # lane name (or "all") -> ms of its last warm-up
         self.warm_up_ms = 0.0
         if warm:
             self.warm_up()
@@ -451,38 +520,52 @@ class ModelSession:
 
     def _build_plain_runner(self, probe: ort.InferenceSession, why: str, graphs_requested: bool) -> None:
         """The CPU path: one runner over ``InferenceSession.run`` on the probe
-        session; every GPU feature's runtime note says ``why`` it is off."""
+        session, which both lanes share (thread-safe, no buffers); every GPU
+        feature's runtime note says ``why`` it is off."""
         self._runners = [_PlainRunner(probe, [s.name for s in self.outputs])]
+        self._critical = self._runners[0]
         self.runtime.update(io_binding=why, cuda_graph=why if graphs_requested else "off: not requested",
-                            batch_buckets="off: no padding without bound buffers", stream_priorities=why)
+                            batch_buckets="off: no padding without bound buffers", stream_priorities=why,
+                            lanes="critical and bulk: a worker thread each, sharing the one session "
+                                  "(InferenceSession.run is thread-safe); no streams")
 
     def _build_bound_runners(self, factory: _SessionFactory, model: ModelConfig, cfg: RewardConfig, cupy) -> None:
-        """The IO-binding path: ``buckets`` from the config; one runner per
-        configured CUDA stream priority on the GPU (one over host buffers
-        otherwise), with a CUDA graph per bucket where asked for and capturable;
-        sets ``stream_priorities`` and the runtime notes."""
+        """The IO-binding path: ``buckets`` from the config; for the bulk lane
+        one runner per configured CUDA stream priority on the GPU (one over
+        host buffers otherwise), and one more for the critical lane on the
+        greatest of them; each with a CUDA graph per bucket where asked for
+        and capturable. Sets ``stream_priorities`` and the runtime notes."""
         on_gpu = self.execution_provider == CUDA
         self.buckets = tuple(b for b in model.batch_buckets if b <= self.max_batch_size) or (self.max_batch_size,)
         factory.pool_bytes //= len(self.buckets)  # the model's share, split over its per-bucket sessions
         graphs = model.cuda_graph and on_gpu
         graph_note = "on (one graph per bucket: a session per bucket)" if graphs else (
             "off: not requested" if not model.cuda_graph else "off: CPU execution provider")
-        devices = [_CupyDevice(cupy, p) for p in cfg.stream_priorities] if on_gpu else [_HostDevice()]
-        self._runners = []
-        for device in devices:
+        bulk_devices = [_CupyDevice(cupy, p) for p in cfg.stream_priorities] if on_gpu else [_HostDevice()]
+        # The critical lane's own device: its own stream (and buffers), never a bulk runner's.
+        critical_device = _CupyDevice(cupy, min(cfg.stream_priorities)) if on_gpu else _HostDevice()
+        runners = []
+        for device in [*bulk_devices, critical_device]:
             runner, failure = self._bound_runner(factory, device, graphs)
             if failure:  # the sessions after this one run without graphs too
                 graphs, graph_note = False, failure
-            self._runners.append(runner)
-        if not graphs and any(r.graphs for r in self._runners):
-            graph_note += "; graphs on for stream priorities " + ",".join(
-                str(r.stream_priority) for r in self._runners if r.graphs)
+            runners.append(runner)
+        *self._runners, self._critical = runners
+        if not graphs and any(r.graphs for r in runners):
+            graph_note += "; graphs on for " + ", ".join(
+                f"{'the critical lane' if r is self._critical else 'bulk'} at stream priority {r.stream_priority}"
+                for r in runners if r.graphs)
         self.stream_priorities = tuple(r.stream_priority for r in self._runners) if on_gpu else ()
+        held = ",".join(map(str, self.stream_priorities))
         self.runtime.update(
             io_binding="device buffers, pinned host staging" if on_gpu else "host buffers (CPU test path)",
             cuda_graph=graph_note,
             batch_buckets=",".join(map(str, self.buckets)),
-            stream_priorities=",".join(map(str, self.stream_priorities)) if on_gpu else "off: CPU execution provider",
+            stream_priorities=held if on_gpu else "off: CPU execution provider",
+            lanes=(f"critical: own worker thread and sessions at stream priority {self._critical.stream_priority} "
+                   f"(the greatest held); bulk: own worker thread and sessions at {held}, "
+                   "the scheduler's assignment picks" if on_gpu else
+                   "critical and bulk: a worker thread and host-bound sessions each; no streams"),
         )
         if on_gpu:
             self.runtime["layout"] = "nhwc preferred" if model.prefer_nhwc else "nchw"
@@ -509,14 +592,29 @@ class ModelSession:
         make = (lambda: factory.cuda(device.stream_handle)) if device.ort_device == "cuda" else factory.cpu
         return _BoundRunner(make, device, self.inputs, self.outputs, self.buckets, False), failure
 
-    def warm_up(self) -> None:
-        """Runs every bucket of every runner (cuDNN algorithm search, arena
-        growth, graph capture) on the calling thread, so that the first request
-        run on this thread pays none of it; sets ``warm_up_ms`` (ms)."""
+    def lane_runners(self, lane: int | None = None) -> list:
+        """The runners ``lane`` (``CRITICAL`` or ``BULK``) runs on; None: every
+        runner, each once (the CPU's shared one too)."""
+        if lane == CRITICAL:
+            return [self._critical]
+        if lane == BULK:
+            return list(self._runners)
+        if lane is None:
+            return list(self._runners) + ([] if any(r is self._critical for r in self._runners) else [self._critical])
+        raise ValueError(f"lane: expected REQUEST_CLASS_CRITICAL or REQUEST_CLASS_BULK, got {lane}")
+
+    def warm_up(self, lane: int | None = None) -> None:
+        """Runs every bucket of ``lane``'s runners (None: every runner) --
+        cuDNN algorithm search, arena growth, graph capture -- on the calling
+        thread, so that the first request run on this thread pays none of it.
+        The batcher calls it on each lane's worker thread with that lane
+        (``warm_up=session.warm_up``). Sets ``warm_up_ms`` (ms, every lane's
+        last warm-up together)."""
         start = time.perf_counter()
-        for runner in self._runners:
+        for runner in self.lane_runners(lane):
             runner.warm_up(self.inputs)
-        self.warm_up_ms = (time.perf_counter() - start) * 1e3
+        self._warm_up_ms["all" if lane is None else LANES[lane]] = (time.perf_counter() - start) * 1e3
+        self.warm_up_ms = sum(self._warm_up_ms.values())
         self.runtime["warm_up_ms"] = f"{self.warm_up_ms:.0f}"
 
     # -- requests -------------------------------------------------------------
@@ -586,13 +684,17 @@ class ModelSession:
     # -- runs -----------------------------------------------------------------
 
     def run_batch(self, batch: Batch) -> dict[str, np.ndarray]:
-        """The batcher's callback: runs a merged batch on the active session.
+        """The batcher's callback: runs a merged batch on its lane's runner --
+        a critical batch on the critical lane's own runner (the greatest held
+        stream priority), a bulk batch on the bulk runner the scheduler's
+        assignment picked.
 
         Returns output name -> array of >= ``batch.rows`` rows, not reused later.
-        Called from the batcher's worker thread only.
+        Called from the worker thread of ``batch.lane`` only.
         """
-        with nvtx.span(f"model.{self.name}"):
-            return self._active.run(batch)
+        runner = self._critical if batch.lane == CRITICAL else self._active
+        with nvtx.span(f"model.{self.name}.{LANES[batch.lane]}"):  # the lane, on the Nsight timeline
+            return runner.run(batch)
 
     def run(self, feeds: dict[str, np.ndarray], output_names: list[str] | None = None) -> tuple[dict[str, np.ndarray], float]:
         """Runs the model once, unbatched (tools and benchmarks). Returns the
@@ -612,19 +714,33 @@ class ModelSession:
         return {n: outputs[n][:rows] for n in (names or outputs)}, ms
 
     def set_stream_priority(self, stream_priority: int) -> int:
-        """Switches to the session bound to the held stream that
+        """Switches the bulk lane to its runner bound to the held stream that
         :func:`tandem.stream_priority.nearest_allowed` picks for the assigned
         CUDA ``stream_priority`` (the rule the search service follows too).
-        Returns the stream priority now in use (0 on the CPU, which holds no
-        stream). Takes effect from the next batch."""
+        Returns the stream priority the bulk lane now uses (0 on the CPU,
+        which holds no stream). Takes effect from the next bulk batch. The
+        critical lane is not moved: it stays on the greatest held stream priority."""
         chosen = nearest_allowed(stream_priority, [r.stream_priority for r in self._runners])
         self._active = next(r for r in self._runners if r.stream_priority == chosen)
         return chosen
 
     @property
     def active_stream_priority(self) -> int:
-        """The CUDA stream priority the next batch runs at (0 on the CPU)."""
+        """The CUDA stream priority the next bulk batch runs at (0 on the CPU)."""
         return self._active.stream_priority
+
+    @property
+    def critical_stream_priority(self) -> int:
+        """The CUDA stream priority every critical batch runs at: the greatest
+        held (0 on the CPU)."""
+        return self._critical.stream_priority
+
+
+def runners_per_model(cfg: RewardConfig) -> int:
+    """Runners a model holds on the GPU: one per configured stream priority
+    for the bulk lane, plus the critical lane's own (the memory pool is split
+    over them)."""
+    return len(cfg.stream_priorities) + 1
 
 
 def _to_fp16(raw: bytes, name: str) -> bytes:

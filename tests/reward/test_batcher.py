@@ -1,5 +1,6 @@
 """The dynamic batcher on its own (no model, no GPU): merging, bucket padding,
-request classes, deadlines, the bounded queue, failures and concurrency."""
+request classes and their lanes (a worker thread each, side by side),
+deadlines, the bounded queue, failures and concurrency."""
 from __future__ import annotations
 
 import threading
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 from tandem.v1 import reward_pb2
 
 from reward_service.batcher import (
+    LANES,
     Batch,
     Batcher,
     BatcherClosed,
@@ -24,36 +26,55 @@ CRITICAL, BULK = reward_pb2.REQUEST_CLASS_CRITICAL, reward_pb2.REQUEST_CLASS_BUL
 
 
 class Model:
-    """A fake model run: y = 2x + row tag; records every batch; can be held."""
+    """A fake model run: y = 2x + row tag; records every batch, the thread
+    that ran it and how many runs of each lane overlapped; can be held.
+
+    ``hold(*lanes)`` makes runs of those lanes (default: both) wait at
+    ``gate`` until it is set; ``wait_inside(n)`` waits until ``n`` runs wait there.
+    """
 
     def __init__(self, fail_on=None):
         self.batches: list[Batch] = []
         self.gate = threading.Event()
         self.gate.set()
-        self.entered = threading.Event()
         self.fail_on = fail_on
         self.threads: list[str] = []  # the thread that ran each batch
-        self._running = 0
-        self.most_running = 0  # runs at once, at most (the batcher promises 1)
-        self._count = threading.Lock()
+        self.held_lanes: tuple[int, ...] = ()
+        self._cv = threading.Condition()
+        self._inside = 0  # runs waiting at the gate; guarded by _cv
+        self._running = {CRITICAL: 0, BULK: 0}  # guarded by _cv
+        self.most_running = {CRITICAL: 0, BULK: 0}  # runs of one lane at once, at most (the batcher promises 1)
+        self.most_running_total = 0  # runs of both lanes at once, at most
 
-    def hold(self):
+    def hold(self, *lanes):
+        self.held_lanes = lanes or (CRITICAL, BULK)
         self.gate.clear()
-        self.entered.clear()
+
+    def wait_inside(self, n: int, timeout: float = 5.0) -> bool:
+        with self._cv:
+            return self._cv.wait_for(lambda: self._inside >= n, timeout)
 
     def __call__(self, batch: Batch) -> dict:
-        with self._count:
-            self._running += 1
-            self.most_running = max(self.most_running, self._running)
+        with self._cv:
+            self._running[batch.lane] += 1
+            self.most_running[batch.lane] = max(self.most_running[batch.lane], self._running[batch.lane])
+            self.most_running_total = max(self.most_running_total, sum(self._running.values()))
         try:
             return self._run(batch)
         finally:
-            with self._count:
-                self._running -= 1
+            with self._cv:
+                self._running[batch.lane] -= 1
 
     def _run(self, batch: Batch) -> dict:
-        self.entered.set()
-        assert self.gate.wait(10)
+        if batch.lane in self.held_lanes and not self.gate.is_set():
+            with self._cv:
+                self._inside += 1
+                self._cv.notify_all()
+            try:
+                assert self.gate.wait(10)
+            finally:
+                with self._cv:
+                    self._inside -= 1
         self.batches.append(batch)
         self.threads.append(threading.current_thread().name)
         x = batch.feeds()["x"]
@@ -61,6 +82,10 @@ class Model:
         if self.fail_on is not None and (x[: batch.rows] == self.fail_on).any():
             raise RuntimeError("model run failed")
         return {"y": x * 2, "z": x.sum(axis=1, keepdims=True)}
+
+    def ran(self, lane=None) -> list:
+        """(batch, thread name) of every run batch (of ``lane``)."""
+        return [(b, t) for b, t in zip(self.batches, self.threads) if lane is None or b.lane == lane]
 
 
 def rows_of(value: float, n: int) -> dict:
@@ -75,12 +100,16 @@ def make(model, **kw) -> Batcher:
     return Batcher(model, **kw)
 
 
-def block(model: Model, b: Batcher):
-    """Occupies the worker with one request until model.gate is set."""
-    model.hold()
-    first = b.submit(rows_of(-1, 1), 1)
-    assert model.entered.wait(5)
-    return first
+def block(model: Model, b: Batcher, *lanes) -> list:
+    """Occupies the worker of each of ``lanes`` (default: the bulk lane's) with
+    one request until model.gate is set; returns those requests."""
+    lanes = lanes or (BULK,)
+    model.hold(*lanes)
+    blockers = []
+    for i, lane in enumerate(lanes):
+        blockers.append(b.submit(rows_of(-1, 1), 1, lane))
+        assert model.wait_inside(i + 1)
+    return blockers
 
 
 def test_bucket_for():
@@ -152,58 +181,86 @@ def test_merging_stops_at_the_largest_bucket_and_a_large_request_runs_alone_unpa
     b.close()
 
 
-def test_critical_goes_first_and_bulk_rides_only_in_the_padding():
+def test_a_critical_request_completes_while_a_bulk_batch_is_held_running():
+    """The issue's case: a trainer's 64-row bulk batch is running (held inside
+    the model) when a frame's critical request arrives; the critical lane runs
+    it at once on its own thread, while the bulk batch still runs."""
+    model = Model()
+    b = make(model, buckets=(1, 2, 4, 8, 16, 32, 64))
+    model.hold(BULK)
+    bulk = b.submit(rows_of(1, 64), 64, BULK)
+    assert model.wait_inside(1)
+    crit = b.evaluate(rows_of(3, 1), 1, CRITICAL, deadline=time.monotonic() + 10)
+    assert (crit.result()["y"] == 6).all()
+    assert not bulk.done() and model.wait_inside(1, timeout=0)  # the bulk batch is still running
+    assert model.ran(CRITICAL)[0][1] == "batcher-model-critical"
+    assert model.most_running_total == 2  # the two lanes ran side by side
+    model.gate.set()
+    assert bulk.wait(5) and bulk.result()["y"].shape == (64, 3)
+    assert model.ran(BULK)[0][1] == "batcher-model-bulk"
+    b.close()
+
+
+def test_lanes_never_mix_and_critical_padding_is_zeros():
     model = Model()
     b = make(model, buckets=(1, 2, 4, 8))
-    block(model, b)
+    blockers = block(model, b, CRITICAL, BULK)
     bulk_a = b.submit(rows_of(1, 1), 1, BULK)
     bulk_b = b.submit(rows_of(2, 4), 4, BULK)
-    crit = b.submit(rows_of(3, 3), 3, CRITICAL)  # bucket 4: one padding row free
+    crit_a = b.submit(rows_of(3, 2), 2, CRITICAL)
+    crit_b = b.submit(rows_of(4, 1), 1, CRITICAL)  # 3 critical rows: bucket 4, one padding row
     model.gate.set()
-    for r in (bulk_a, bulk_b, crit):
+    for r in (bulk_a, bulk_b, crit_a, crit_b):
         assert r.wait(5) and r.error is None
-    second, third = model.batches[1], model.batches[2]
-    assert [r.request_class for r in second.requests] == [CRITICAL, BULK]
-    assert (second.rows, second.bucket) == (4, 4)  # the critical bucket did not grow
-    assert second.requests[1] is bulk_a
-    assert third.requests == [bulk_b]
+    batches = [batch for batch in model.batches if not set(batch.requests) & set(blockers)]
+    crit_batch = next(x for x in batches if x.lane == CRITICAL)
+    bulk_batch = next(x for x in batches if x.lane == BULK)
+    assert crit_batch.requests == [crit_a, crit_b] and (crit_batch.rows, crit_batch.bucket) == (3, 4)
+    assert crit_batch.feeds()["x"][3:].tolist() == [[0, 0, 0]]  # padding: zeros, never a bulk request
+    assert bulk_batch.requests == [bulk_a, bulk_b] and (bulk_batch.rows, bulk_batch.bucket) == (5, 8)
+    for batch, thread in model.ran():
+        assert {r.request_class for r in batch.requests} == {batch.lane}
+        assert thread == f"batcher-model-{LANES[batch.lane]}"
     b.close()
 
 
 def test_critical_does_not_wait_but_bulk_waits_for_company():
+    """No timing assertion a slow machine could fail: the merge delay is a
+    minute, so a request that waited for company would not be answered within
+    the test's waits, and a bulk one is surely still waiting after 0.2 s."""
     model = Model()
-    b = make(model, max_queue_delay_us=300_000)  # 0.3 s
-    t = time.monotonic()
-    b.evaluate(rows_of(1, 1), 1, CRITICAL).result()
-    assert time.monotonic() - t < 0.25
-    t = time.monotonic()
+    b = make(model, max_queue_delay_us=60_000_000)
+    b.evaluate(rows_of(1, 1), 1, CRITICAL, deadline=time.monotonic() + 10).result()
     r1 = b.submit(rows_of(1, 1), 1, BULK)
     r2 = b.submit(rows_of(2, 1), 1, BULK)
-    assert r1.wait(5) and r2.wait(5)
-    assert time.monotonic() - t >= 0.25  # waited for company
-    assert model.batches[-1].requests == [r1, r2]
-    # A full batch's worth of rows does not wait.
-    t = time.monotonic()
-    b.evaluate(rows_of(1, 8), 8, BULK).result()
-    assert time.monotonic() - t < 0.25
+    time.sleep(0.2)
+    assert not r1.done() and not r2.done()  # waiting for company
+    b.evaluate(rows_of(1, 1), 1, CRITICAL, deadline=time.monotonic() + 10).result()  # not behind them
+    assert not r1.done()
+    r3 = b.submit(rows_of(3, 6), 6, BULK)  # 8 rows: a full batch's worth does not wait
+    assert r1.wait(5) and r2.wait(5) and r3.wait(5)
+    assert model.ran(BULK)[-1][0].requests == [r1, r2, r3]
     b.close()
 
 
-def test_a_passed_deadline_is_refused_at_submit():
+@pytest.mark.parametrize("lane", [CRITICAL, BULK])
+def test_a_passed_deadline_is_refused_at_submit(lane):
     model = Model()
     b = make(model)
     with pytest.raises(DeadlineExceeded):
-        b.submit(rows_of(1, 1), 1, deadline=time.monotonic() - 0.001)
-    assert b.stats()["expired"] == 1 and not model.batches
+        b.submit(rows_of(1, 1), 1, lane, deadline=time.monotonic() - 0.001)
+    s = b.stats()
+    assert s["expired"] == 1 and s["lanes"][LANES[lane]]["expired"] == 1 and not model.batches
     b.close()
 
 
-def test_a_request_that_expires_in_the_queue_is_never_run():
+@pytest.mark.parametrize("lane", [CRITICAL, BULK])
+def test_a_request_that_expires_in_the_queue_is_never_run(lane):
     model = Model()
     b = make(model)
-    block(model, b)
-    doomed = b.submit(rows_of(5, 1), 1, deadline=time.monotonic() + 0.05)
-    kept = b.submit(rows_of(6, 1), 1, deadline=time.monotonic() + 10)
+    block(model, b, lane)
+    doomed = b.submit(rows_of(5, 1), 1, lane, deadline=time.monotonic() + 0.05)
+    kept = b.submit(rows_of(6, 1), 1, lane, deadline=time.monotonic() + 10)
     time.sleep(0.1)
     model.gate.set()
     assert doomed.wait(5) and kept.wait(5)
@@ -212,26 +269,30 @@ def test_a_request_that_expires_in_the_queue_is_never_run():
     assert (kept.result()["y"] == 12).all()
     ran = [r for batch in model.batches for r in batch.requests]
     assert doomed not in ran
+    assert b.stats()["lanes"][LANES[lane]]["expired"] == 1
     b.close()
 
 
-def test_evaluate_gives_up_at_the_deadline_and_cancels():
+@pytest.mark.parametrize("lane", [CRITICAL, BULK])
+def test_evaluate_gives_up_at_the_deadline_and_cancels(lane):
     model = Model()
     b = make(model)
-    block(model, b)
+    block(model, b, lane)
     with pytest.raises(DeadlineExceeded):
-        b.evaluate(rows_of(5, 1), 1, deadline=time.monotonic() + 0.05)
+        b.evaluate(rows_of(5, 1), 1, lane, deadline=time.monotonic() + 0.05)
     assert b.stats()["queued"] == 0
     model.gate.set()
-    b.evaluate(rows_of(1, 1), 1).result()
+    b.evaluate(rows_of(1, 1), 1, lane).result()
     assert all(r.feeds["x"][0, 0] != 5 for batch in model.batches for r in batch.requests)
     b.close()
 
 
 def test_full_queue_refuses_bulk_and_sheds_bulk_for_critical():
+    """The bound spans both lanes: a critical request displaces the newest
+    queued bulk one, and is refused only when no bulk request is queued."""
     model = Model()
     b = make(model, max_queue_size=2)
-    block(model, b)
+    block(model, b, CRITICAL, BULK)  # both workers busy: what is submitted stays queued
     q1 = b.submit(rows_of(1, 1), 1, BULK)
     q2 = b.submit(rows_of(2, 1), 1, BULK)
     with pytest.raises(QueueFull, match="queue full"):
@@ -240,19 +301,37 @@ def test_full_queue_refuses_bulk_and_sheds_bulk_for_critical():
     assert q2.done()
     with pytest.raises(QueueFull):
         q2.result()
-    crit2_refused = None
-    try:
-        b.submit(rows_of(5, 1), 1, CRITICAL)  # q1 is shed now
-    except QueueFull as exc:
-        crit2_refused = exc
-    assert crit2_refused is None and q1.done()
+    crit2 = b.submit(rows_of(5, 1), 1, CRITICAL)  # sheds q1
+    assert q1.done() and q1.error is not None
     with pytest.raises(QueueFull):  # nothing bulk left to shed
         b.submit(rows_of(6, 1), 1, CRITICAL)
-    assert b.stats()["queued"] == 2
-    model.gate.set()
-    assert crit.wait(5) and (crit.result()["y"] == 8).all()
+    with pytest.raises(QueueFull):  # critical requests fill the bound for bulk too
+        b.submit(rows_of(7, 1), 1, BULK)
     s = b.stats()
-    assert s["shed"] == 2 and s["refused"] == 2
+    assert s["queued"] == 2 and s["lanes"]["critical"]["queued"] == 2 and s["lanes"]["bulk"]["queued"] == 0
+    model.gate.set()
+    assert crit.wait(5) and (crit.result()["y"] == 8).all() and crit2.wait(5)
+    s = b.stats()
+    assert s["shed"] == 2 and s["refused"] == 3
+    assert s["lanes"]["bulk"]["shed"] == 2 and s["lanes"]["bulk"]["refused"] == 2
+    assert s["lanes"]["critical"]["shed"] == 0 and s["lanes"]["critical"]["refused"] == 1
+    assert all(batch.lane == CRITICAL for batch in model.batches if crit in batch.requests)
+    b.close()
+
+
+def test_a_full_queue_does_not_stop_the_critical_lane_running():
+    """Bulk requests filling the queue behind a held bulk batch do not keep a
+    critical request from running at once (it displaces one of them)."""
+    model = Model()
+    b = make(model, max_queue_size=3)
+    block(model, b, BULK)
+    queued = [b.submit(rows_of(i, 1), 1, BULK) for i in range(3)]
+    crit = b.evaluate(rows_of(9, 1), 1, CRITICAL, deadline=time.monotonic() + 10)
+    assert (crit.result()["y"] == 18).all()
+    assert queued[-1].done() and isinstance(queued[-1].error, QueueFull)
+    assert not any(r.done() for r in queued[:2])
+    model.gate.set()
+    assert all(r.wait(5) for r in queued)
     b.close()
 
 
@@ -270,19 +349,21 @@ def test_a_failing_run_fails_its_batch_only():
     b.close()
 
 
-def test_close_runs_what_is_queued_then_refuses():
+def test_close_runs_what_is_queued_in_both_lanes_then_refuses():
     model = Model()
     b = make(model)
-    block(model, b)
-    queued = b.submit(rows_of(1, 1), 1)
+    block(model, b, CRITICAL, BULK)
+    queued = [b.submit(rows_of(1, 1), 1, BULK), b.submit(rows_of(2, 1), 1, CRITICAL)]
     closer = threading.Thread(target=b.close)
     closer.start()
     time.sleep(0.05)
-    with pytest.raises(BatcherClosed):
-        b.submit(rows_of(1, 1), 1)
+    for lane in (CRITICAL, BULK):
+        with pytest.raises(BatcherClosed):
+            b.submit(rows_of(1, 1), 1, lane)
     model.gate.set()
     closer.join(5)
-    assert queued.done() and queued.error is None
+    assert all(r.done() and r.error is None for r in queued)
+    assert not any(t.is_alive() for t in b.threads.values())
 
 
 def test_bad_arguments():
@@ -308,7 +389,7 @@ def test_bad_arguments():
 def test_every_request_gets_exactly_its_own_rows(specs, buckets):
     model = Model()
     b = make(model, buckets=buckets, max_batch_size=16)
-    block(model, b)
+    blockers = block(model, b, CRITICAL, BULK)
     reqs = []
     for i, (n, request_class) in enumerate(specs):
         x = np.arange(n * 3, dtype=np.float32).reshape(n, 3) + 1000 * i
@@ -318,12 +399,17 @@ def test_every_request_gets_exactly_its_own_rows(specs, buckets):
         assert r.wait(5)
         np.testing.assert_array_equal(r.result()["y"], 2 * x)
     limit = min(16, buckets[-1]) if buckets else 16
-    for batch in model.batches[1:]:
+    for batch, thread in model.ran():
+        if set(batch.requests) & set(blockers):
+            continue
         assert batch.rows <= limit or len(batch.requests) == 1
         assert batch.bucket == bucket_for(batch.rows, buckets) if batch.rows <= limit else batch.bucket == batch.rows
-        # critical requests of one batch come before its bulk ones
-        classes = [r.request_class for r in batch.requests]
-        assert classes == sorted(classes, key=lambda c: c != CRITICAL)
+        # one lane per batch, run by that lane's worker; first in, first out within it
+        assert {r.request_class for r in batch.requests} == {batch.lane}
+        assert thread == f"batcher-model-{LANES[batch.lane]}"
+    for lane in (CRITICAL, BULK):
+        order = [r for batch, _ in model.ran(lane) for r in batch.requests if r not in blockers]
+        assert order == [r for r, _ in reqs if r.request_class == lane]
     b.close()
 
 
@@ -350,8 +436,14 @@ def test_many_threads_at_once():
         t.join(30)
     assert not errors
     assert len(model.batches) < 8 * 30  # some requests were merged
-    assert model.most_running == 1  # never two runs at once
-    assert set(model.threads) == {"batcher-model"}  # all on the worker (see the module docstring)
+    assert model.most_running == {CRITICAL: 1, BULK: 1}  # never two runs of one lane at once
+    # Each lane's runs all on its one worker thread (see the module docstring), never the other's requests.
+    for lane in (CRITICAL, BULK):
+        assert {t for _, t in model.ran(lane)} == {f"batcher-model-{LANES[lane]}"}
+        assert all(r.request_class == lane for batch, _ in model.ran(lane) for r in batch.requests)
+    s = b.stats()
+    assert s["lanes"]["critical"]["submitted"] == 8 * 10 and s["lanes"]["bulk"]["submitted"] == 8 * 20
+    assert s["lanes"]["critical"]["batches"] + s["lanes"]["bulk"]["batches"] == s["batches"] == len(model.batches)
     b.close()
 
 
@@ -393,21 +485,41 @@ def test_a_failure_after_the_run_answers_the_requests_and_keeps_the_worker():
         b.close()
 
 
-def test_warm_up_runs_on_the_worker_thread_before_any_request():
-    model, warmed_on = Model(), []
-    b = make(model, warm_up=lambda: warmed_on.append(threading.current_thread().name))
+def test_warm_up_runs_on_both_lanes_threads_one_at_a_time_before_the_constructor_returns():
+    model, warmed_on, active, most = Model(), [], [0], [0]
+    lock = threading.Lock()
+
+    def warm_up(lane):
+        with lock:
+            active[0] += 1
+            most[0] = max(most[0], active[0])
+        time.sleep(0.05)  # a slow warm-up: the other lane's would overlap it if they ran at once
+        warmed_on.append((lane, threading.current_thread().name))
+        with lock:
+            active[0] -= 1
+
+    b = make(model, warm_up=warm_up)
     try:
-        assert warmed_on == [f"batcher-{b.name}"]  # done by the time the constructor returns
-        r = b.submit(rows_of(1, 2), 2)
-        assert r.wait(5) and r.result()["y"].shape == (2, 3)
-        assert model.threads == warmed_on  # the thread that warmed up runs the requests
+        # Done by the time the constructor returns: the critical lane's, then the bulk lane's.
+        assert warmed_on == [(CRITICAL, "batcher-model-critical"), (BULK, "batcher-model-bulk")]
+        assert most[0] == 1
+        for lane in (CRITICAL, BULK):
+            r = b.submit(rows_of(1, 2), 2, lane)
+            assert r.wait(5) and r.result()["y"].shape == (2, 3)
+        # The thread that warmed a lane up runs its requests.
+        assert [(batch.lane, t) for batch, t in model.ran()] == warmed_on
+        assert {k: t.name for k, t in b.threads.items()} == {"critical": "batcher-model-critical",
+                                                            "bulk": "batcher-model-bulk"}
     finally:
         b.close()
 
 
-def test_a_failed_warm_up_fails_the_constructor():
-    def broken():
-        raise RuntimeError("cuDNN: out of memory")
+@pytest.mark.parametrize("failing", [CRITICAL, BULK])
+def test_a_failed_warm_up_fails_the_constructor_and_stops_every_lane(failing):
+    def warm_up(lane):
+        if lane == failing:
+            raise RuntimeError("cuDNN: out of memory")
 
     with pytest.raises(RuntimeError, match="out of memory"):
-        make(Model(), warm_up=broken)
+        make(Model(), warm_up=warm_up, name=f"broken-{failing}")
+    assert not [t for t in threading.enumerate() if t.name.startswith(f"batcher-broken-{failing}-")]

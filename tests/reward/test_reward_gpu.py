@@ -1,6 +1,6 @@
 """The reward service's GPU paths (CUDA execution provider, CuPy): IO binding
 to device buffers with pinned staging, CUDA graphs per bucket, one session per
-stream priority, FP16, and the gRPC service on the GPU. Marked ``gpu``:
+stream priority (and the critical lane's own), FP16, and the gRPC service on the GPU. Marked ``gpu``:
 skipped where no CUDA GPU is visible (tests/conftest.py)."""
 from __future__ import annotations
 
@@ -97,6 +97,31 @@ def test_padding_rows_never_leak_into_results(cpu_reference):
     got = s.run({"frame": x[:5]})[0]["value"]  # bucket 8, 3 padding rows
     np.testing.assert_allclose(got, want[:5], atol=1e-3)
     assert not s._active._slots[8].dev_in["frame"][5:].any()
+
+
+def test_the_critical_lane_has_its_own_runner_and_stream_at_the_greatest_stream_priority(cpu_reference):
+    """The critical lane's runner is none of the bulk lane's: its own stream
+    (at -5), graphs and buffers; with the bulk lane assigned -5 too, both run
+    batches and agree with the CPU."""
+    import cupy
+
+    from reward_service.batcher import BULK, CRITICAL, Batch, Request
+
+    x, want = cpu_reference
+    s = session()
+    crit = s._critical
+    assert crit.stream_priority == -5 and s.critical_stream_priority == -5 and crit.graphs
+    assert all(crit is not r for r in s._runners)
+    assert crit.device.stream.ptr not in {r.device.stream.ptr for r in s._runners}
+    assert crit._slots[8].dev_in["frame"].data.ptr not in {r._slots[8].dev_in["frame"].data.ptr for r in s._runners}
+    rt = cupy.cuda.runtime
+    if hasattr(rt, "streamGetPriority"):
+        assert rt.streamGetPriority(crit.device.stream.ptr) == -5
+    assert s.set_stream_priority(-5) == -5 and s._active is not crit
+    for lane in (CRITICAL, BULK):
+        batch = Batch([Request({"frame": x[:3]}, 3, lane)], 3, 4, [0], lane)
+        np.testing.assert_allclose(s.run_batch(batch)["value"][:3], want[:3], atol=1e-3)
+    assert s.runtime["lanes"].startswith("critical: own worker thread and sessions at stream priority -5")
 
 
 def test_fp16_on_the_gpu_keeps_fp32_outputs_and_agrees(cpu_reference):

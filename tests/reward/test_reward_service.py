@@ -175,13 +175,16 @@ def batched(tmp_path_factory):
 
 
 @contextmanager
-def held(service, model):
-    """Holds the model's batcher worker inside a run until the block ends;
-    yields the list of batches that run (recorded as they start)."""
+def held(service, model, lane=reward_pb2.REQUEST_CLASS_BULK):
+    """Holds the worker of the model's ``lane`` (default: the bulk lane) inside
+    a run until the block ends; the other lane runs on. Yields the list of
+    that lane's batches that run (recorded as they start)."""
     batcher = service.servicer.batchers[model]
     original, gate, entered, seen = batcher._run, threading.Event(), threading.Event(), []
 
     def run(batch):
+        if batch.lane != lane:
+            return original(batch)
         seen.append(batch)
         entered.set()
         gate.wait(20)
@@ -283,12 +286,41 @@ def test_a_full_queue_sheds_with_resource_exhausted(batched):
     assert service.servicer.batchers["mean"].stats()["queued"] == 0
 
 
+def test_a_critical_evaluate_is_answered_while_a_bulk_batch_is_held_running(batched):
+    """Critical work never waits behind bulk work: with the bulk lane held
+    inside a run of a 64-board batch (and more bulk queued behind it), a
+    critical Evaluate over gRPC is answered, run by the critical lane's thread."""
+    service, stub = batched
+    ran_on = []
+    batcher = service.servicer.batchers[MODEL]
+    with held(service, MODEL) as (pool, entered, seen):
+        bulk = pool.submit(_call, stub, boards(64))
+        assert entered.wait(10)
+        queued = pool.submit(_call, stub, boards(2))
+        inner = batcher._run
+
+        def record(batch):
+            ran_on.append((batch.lane, threading.current_thread().name))
+            return inner(batch)
+
+        batcher._run = record
+        reply = _call(stub, boards(3), request_class=reward_pb2.REQUEST_CLASS_CRITICAL)
+        assert not isinstance(reply, grpc.RpcError), reply
+        assert tensors.from_proto(reply.outputs[0]).shape == (3, 1)
+        assert not bulk.done() and not queued.done()  # the bulk lane is still held
+    assert not isinstance(bulk.result(), grpc.RpcError) and not isinstance(queued.result(), grpc.RpcError)
+    assert ran_on[0] == (reward_pb2.REQUEST_CLASS_CRITICAL, f"batcher-{MODEL}-critical")
+    assert all(b.lane == reward_pb2.REQUEST_CLASS_BULK for b in seen)
+
+
 def test_metadata_runtime_says_how_the_model_runs(batched):
     service, stub = batched
     meta = stub.ModelMetadata(reward_pb2.ModelMetadataRequest(model=MODEL))
     rt = dict(meta.runtime)
     assert rt["precision"] == "fp32" and int(rt["warm_up_ms"]) >= 0
-    assert {"io_binding", "cuda_graph", "batch_buckets", "stream_priorities", "stream_priority_in_use"} <= set(rt)
+    assert {"io_binding", "cuda_graph", "batch_buckets", "stream_priorities", "stream_priority_in_use",
+            "lanes", "stream_priority_critical_lane", "stream_priority_bulk_lane"} <= set(rt)
+    assert rt["lanes"].startswith("critical")
     if meta.execution_provider == "CPUExecutionProvider":
         assert rt["io_binding"].startswith("off: CPU") and rt["cuda_graph"].startswith("off")
 
@@ -345,3 +377,97 @@ def test_cuda_only_features_degrade_on_the_cpu():
     assert plain.runtime["cuda_graph"] == "off: CPU execution provider"
     assert plain.runtime["stream_priorities"].startswith("off") and plain.stream_priorities == ()
     assert plain.set_stream_priority(-5) == 0  # nothing to switch to, nothing breaks
+
+
+# -- the two lanes' runners and threads ------------------------------------------------------
+
+
+def _recording(runner, log):
+    """Wraps ``runner``'s run and warm_up (on the instance) to log (runner, thread name)."""
+    run, warm_up = runner.run, runner.warm_up
+
+    def recorded_run(batch):
+        log.append((runner, threading.current_thread().name))
+        return run(batch)
+
+    def recorded_warm_up(inputs):
+        log.append((runner, threading.current_thread().name))
+        return warm_up(inputs)
+
+    runner.run, runner.warm_up = recorded_run, recorded_warm_up
+
+
+@pytest.mark.parametrize("binding", ["plain", "host-bound"])
+def test_each_lane_warms_up_and_runs_its_runners_on_its_own_thread_only(binding):
+    """A session behind a batcher, real threads: each lane's runner(s) are
+    warmed up and run by that lane's worker thread only. Host-bound (the
+    IO-binding path, buffers per runner): the critical lane owns a runner of
+    its own. Plain (the CPU): both lanes share the one thread-safe runner."""
+    from reward_service.batcher import Batcher
+
+    plain, bound = _sessions()
+    session = bound if binding == "host-bound" else plain
+    crit, bulk = session.lane_runners(reward_pb2.REQUEST_CLASS_CRITICAL), session.lane_runners(
+        reward_pb2.REQUEST_CLASS_BULK)
+    if binding == "host-bound":
+        assert len(crit) == 1 and not any(r is crit[0] for r in bulk)
+        assert not set(map(id, crit[0]._slots[8].dev_in.values())) & set(map(id, bulk[0]._slots[8].dev_in.values()))
+    else:
+        assert crit == bulk  # one InferenceSession; its run() is thread-safe
+    x = boards(5)
+    want, _ = plain.run({"board": x})
+    log = []
+    for runner in session.lane_runners():
+        _recording(runner, log)
+    b = Batcher(session.run_batch, buckets=session.buckets, max_batch_size=64, name="lanes",
+                warm_up=session.warm_up)
+    try:
+        warmed = list(log)
+        assert {(id(r), t) for r, t in warmed} == {(id(crit[0]), "batcher-lanes-critical")} | {
+            (id(r), "batcher-lanes-bulk") for r in bulk}
+        for request_class in (reward_pb2.REQUEST_CLASS_CRITICAL, reward_pb2.REQUEST_CLASS_BULK) * 2:
+            got = b.evaluate({"board": x}, 5, request_class, deadline=time.monotonic() + 10).result()
+            np.testing.assert_allclose(got["value"], want["value"], atol=1e-5)
+    finally:
+        b.close()
+    ran = log[len(warmed):]
+    assert len(ran) == 4
+    for runner, thread in ran:
+        if binding == "host-bound":
+            assert thread == ("batcher-lanes-critical" if runner is crit[0] else "batcher-lanes-bulk")
+    assert {t for _, t in ran} == {"batcher-lanes-critical", "batcher-lanes-bulk"}
+    assert int(session.runtime["warm_up_ms"]) >= 0 and session.runtime["lanes"].startswith("critical")
+
+
+def test_the_assignment_moves_the_bulk_lane_only():
+    """Held (0, -5) as on the GPU (stand-in runners: only a GPU builds real
+    ones): the critical lane always runs on its own runner at -5; the bulk
+    lane follows the assignment, onto its own runner at -5 when assigned -5,
+    never the critical lane's."""
+    from types import SimpleNamespace
+
+    from reward_service.batcher import Batch, Request
+    from reward_service.session import ModelSession
+
+    def runner(p):
+        return SimpleNamespace(stream_priority=p, run=lambda batch: {"ran_at": np.full((batch.rows, 1), p)})
+
+    session = object.__new__(ModelSession)
+    session.name = MODEL
+    session._runners = [runner(0), runner(-5)]
+    session._critical = runner(-5)
+    session._active = session._runners[0]
+
+    def run(lane):
+        req = Request({"board": boards(1)}, 1, lane)
+        return session.run_batch(Batch([req], 1, 1, [0], lane))["ran_at"]
+
+    critical, bulk = reward_pb2.REQUEST_CLASS_CRITICAL, reward_pb2.REQUEST_CLASS_BULK
+    for assigned, bulk_at in ((0, 0), (-3, 0), (-5, -5), (-7, -5), (0, 0)):
+        assert session.set_stream_priority(assigned) == bulk_at
+        assert session._active is not session._critical
+        assert (session.active_stream_priority, session.critical_stream_priority) == (bulk_at, -5)
+        assert run(bulk).item() == bulk_at and run(critical).item() == -5
+    assert session.lane_runners(critical) == [session._critical]
+    assert session.lane_runners(bulk) == session._runners
+    assert session.lane_runners() == [*session._runners, session._critical]
