@@ -4,16 +4,17 @@ that bucket's p50, through the reward service as it is served.
 Starts the reward service in this process with the config's models
 (``deploy/config/tandem.yaml`` unless ``--config``), waits until it is up
 (every bucket of every session warmed, on its batcher's worker thread), then,
-for each model, stream priority the service holds and bucket: one critical
-``Evaluate`` of ``bucket`` rows (the first at that shape), then ``--repeats``
-more. A bucket whose first request cost more than 2x its p50 means some
+for each model, lane and bucket -- the critical lane (its own runner at the
+greatest held stream priority) and the bulk lane at each stream priority the
+scheduler may assign -- one ``Evaluate`` of that request class and ``bucket``
+rows (the first at that shape), then ``--repeats`` more. A bucket whose first request cost more than 2x its p50 means some
 per-shape or per-thread work (cuDNN's algorithm search, a graph capture, an
 allocation) is still on the request path.
 
 Units: ms, gRPC round trip on loopback as a client sees it; ``server_ms_*``
 are the service's own queue + model time of the same calls.
 
-Row fields: model, stream_priority, bucket, first_ms, p50_ms, first_over_p50,
+Row fields: model, lane, stream_priority, bucket, first_ms, p50_ms, first_over_p50,
 server_first_ms, server_p50_ms, start_s (the service's start-up, warm-up
 included; the same in every row), repeats.
 
@@ -28,17 +29,19 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+from tandem.v1 import reward_pb2
 
 from bench import common
 from stack.stats import percentiles
 from tandem.config import load_config
 
 BENCHMARK = "first_request"
-COLUMNS = ("model", "stream_priority", "bucket", "first_ms", "p50_ms", "first_over_p50", "server_first_ms",
+_CLASSES = {"critical": reward_pb2.REQUEST_CLASS_CRITICAL, "bulk": reward_pb2.REQUEST_CLASS_BULK}
+COLUMNS = ("model", "lane", "stream_priority", "bucket", "first_ms", "p50_ms", "first_over_p50", "server_first_ms",
            "server_p50_ms", "start_s")
 
 
-def _request(session, rows: int):
+def _request(session, rows: int, request_class: int):
     from tandem.v1 import reward_pb2
 
     from tandem import tensors
@@ -50,13 +53,23 @@ def _request(session, rows: int):
         dtype = tensors.numpy_dtype(spec.dtype)
         x = rng.integers(0, 2, shape).astype(dtype) if dtype.kind in "ui" else rng.random(shape).astype(dtype)
         inputs.append(tensors.to_proto(spec.name, x))
-    return reward_pb2.EvaluateRequest(model=session.name, inputs=inputs,
-                                      request_class=reward_pb2.REQUEST_CLASS_CRITICAL)
+    return reward_pb2.EvaluateRequest(model=session.name, inputs=inputs, request_class=request_class)
+
+
+def _lanes(service):
+    """(session, lane, stream priority) for every runner a request can run on:
+    the critical lane's (the greatest held stream priority), then the bulk
+    lane's at each stream priority the scheduler may assign."""
+    for session in service.servicer.sessions.values():
+        held = session.stream_priorities or (0,)
+        yield session, "critical", min(held)
+        for stream_priority in held:
+            yield session, "bulk", stream_priority
 
 
 def measure(cfg, repeats: int) -> list[dict]:
     """Rows for every model x held stream priority x bucket of the service ``cfg`` describes."""
-    from tandem.v1 import reward_pb2, reward_pb2_grpc
+    from tandem.v1 import reward_pb2_grpc
 
     from reward_service import server as reward_server
     from tandem.server import channel
@@ -70,25 +83,25 @@ def measure(cfg, repeats: int) -> list[dict]:
             stub = reward_pb2_grpc.RewardServiceStub(ch)
             # The connection first: a client connects once, not per bucket.
             stub.ListModels(reward_pb2.ListModelsRequest(), timeout=30)
-            for session in service.servicer.sessions.values():
-                for stream_priority in session.stream_priorities or (0,):
+            for session, lane, stream_priority in _lanes(service):
+                if lane == "bulk":
                     service.servicer.set_stream_priority(stream_priority)
-                    for bucket in session.buckets or (1,):
-                        request = _request(session, bucket)
-                        calls = []
-                        for _ in range(repeats + 1):
-                            t0 = time.perf_counter()
-                            reply = stub.Evaluate(request, timeout=30)
-                            calls.append(((time.perf_counter() - t0) * 1e3, reply.queue_ms + reply.compute_ms))
-                        (first, server_first), rest = calls[0], calls[1:]
-                        (p50,) = percentiles([c[0] for c in rest], 50)
-                        (server_p50,) = percentiles([c[1] for c in rest], 50)
-                        row = dict(model=session.name, stream_priority=stream_priority, bucket=bucket,
-                                   first_ms=round(first, 3), p50_ms=round(p50, 3),
-                                   first_over_p50=round(first / p50, 2), server_first_ms=round(server_first, 3),
-                                   server_p50_ms=round(server_p50, 3), start_s=round(start_s, 2), repeats=repeats)
-                        common.progress(row)
-                        rows.append(row)
+                for bucket in session.buckets or (1,):
+                    request = _request(session, bucket, _CLASSES[lane])
+                    calls = []
+                    for _ in range(repeats + 1):
+                        t0 = time.perf_counter()
+                        reply = stub.Evaluate(request, timeout=30)
+                        calls.append(((time.perf_counter() - t0) * 1e3, reply.queue_ms + reply.compute_ms))
+                    (first, server_first), rest = calls[0], calls[1:]
+                    (p50,) = percentiles([c[0] for c in rest], 50)
+                    (server_p50,) = percentiles([c[1] for c in rest], 50)
+                    row = dict(model=session.name, lane=lane, stream_priority=stream_priority, bucket=bucket,
+                               first_ms=round(first, 3), p50_ms=round(p50, 3),
+                               first_over_p50=round(first / p50, 2), server_first_ms=round(server_first, 3),
+                               server_p50_ms=round(server_p50, 3), start_s=round(start_s, 2), repeats=repeats)
+                    common.progress(row)
+                    rows.append(row)
     finally:
         service.stop()
     return rows

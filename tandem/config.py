@@ -138,8 +138,9 @@ class RewardConfig:
     cudnn_conv_algo_search: str = "EXHAUSTIVE"
     # CUDA stream priorities the service may be assigned by the scheduler (0 = least
     # urgent, down to -5 on an H200): one ONNX Runtime session per model, priority and batch bucket,
-    # each bound to a CuPy stream of that priority (user_compute_stream). memory_pool_bytes
-    # is split evenly over all sessions.
+    # each bound to a CuPy stream of that priority (user_compute_stream), for the bulk lane;
+    # the critical lane has one more set at the greatest of them (reward_service/batcher.py).
+    # memory_pool_bytes is split evenly over all sessions.
     stream_priorities: tuple[int, ...] = (0, -5)
     models: tuple[ModelConfig, ...] = (
         ModelConfig(
