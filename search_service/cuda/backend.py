@@ -564,19 +564,20 @@ def _model_answer(evaluator, obs, legal: np.ndarray) -> tuple[np.ndarray, np.nda
     None -- the CPU reference's rules.
 
     Raises:
-        ValueError: values or priors of the wrong shape.
+        EvaluationFailed: values or priors of the wrong shape (the model cannot value
+            these leaves: the search undoes the wave and goes on without it).
     """
     m = len(legal)
     values, priors = evaluator(obs)
     values = np.asarray(cupy.asnumpy(values) if isinstance(values, cupy.ndarray) else values, np.float32).reshape(-1)
     if values.shape != (m,):
-        raise ValueError(f"evaluator returned {values.shape} values for {m} leaves")
+        raise EvaluationFailed(f"the value model returned {values.shape} values for {m} leaves")
     values = np.clip(np.nan_to_num(values), -1.0, 1.0)
     if priors is None:
         return values, None
     priors = np.asarray(cupy.asnumpy(priors) if isinstance(priors, cupy.ndarray) else priors, np.float32)
     if priors.shape != (m, A):
-        raise ValueError(f"evaluator returned priors of shape {priors.shape}, expected {(m, A)}")
+        raise EvaluationFailed(f"the value model returned priors of shape {priors.shape}, expected {(m, A)}")
     p = np.where(legal & np.isfinite(priors), np.maximum(priors, 0), 0)
     total = p.sum(axis=1, keepdims=True)
     uniform = legal / np.maximum(legal.sum(axis=1, keepdims=True), 1)

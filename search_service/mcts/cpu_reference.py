@@ -461,13 +461,13 @@ class _Search:
         values, priors = self.evaluator(connect4.observation(pos))
         values = np.asarray(values, np.float32).reshape(-1)
         if values.shape != (len(pos),):
-            raise ValueError(f"evaluator returned {values.shape} values for {len(pos)} leaves")
+            raise EvaluationFailed(f"the value model returned {values.shape} values for {len(pos)} leaves")
         values = np.clip(np.nan_to_num(values), -1.0, 1.0)
         if priors is None:
             return values, None
         priors = np.asarray(priors, np.float32)
         if priors.shape != (len(pos), A):
-            raise ValueError(f"evaluator returned priors of shape {priors.shape}, expected {(len(pos), A)}")
+            raise EvaluationFailed(f"the value model returned priors of shape {priors.shape}, expected {(len(pos), A)}")
         legal = connect4.legal_bits(mask)
         p = np.where(legal & np.isfinite(priors), np.maximum(priors, 0), 0)
         total = p.sum(axis=1, keepdims=True)
