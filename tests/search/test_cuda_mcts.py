@@ -311,8 +311,9 @@ def test_bad_requests_raise():
     _, (t,) = be.search(roots_of(["4"]), params(simulations=10))
     with pytest.raises(ValueError, match="another position"):
         be.search(roots_of(["5"]), params(simulations=10), trees=[t])
-    with pytest.raises(ValueError, match="values for"):
-        be.search(roots_of([""]), params(simulations=4, evaluator="value_model"), lambda o: (np.zeros(3), None))
+    # A model answering the wrong shape fails its evaluation: the search goes on with rollouts and says why.
+    (r,), _ = be.search(roots_of([""]), params(simulations=4, evaluator="value_model"), lambda o: (np.zeros(3), None))
+    assert r.simulations == 4 and r.model_simulations == 0 and "values for" in r.evaluation_failure
     with pytest.raises(ValueError, match="backup"):
         CudaBackend("shared_memory")
     with pytest.raises(ValueError, match="sims_per_warp"):
