@@ -187,7 +187,9 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
                           f"search memory pool full ({self.cfg.memory_pool_bytes or 'no'} byte limit): {exc}")
         r = results[0]
         if r.evaluation_failure:
-            log.warning("value model stopped after %d of %d simulations (%s): %s",
+            # A wave cut off by the deadline is the anytime search working (debug); a model
+            # that failed while time was left is worth a warning.
+            (log.debug if r.deadline_reached else log.warning)("value model stopped after %d of %d simulations (%s): %s",
                         r.model_simulations, r.simulations, r.evaluation_failure,
                         "answered from the tree" if r.deadline_reached else "went on with rollouts")
         if not context.is_active():

@@ -138,7 +138,11 @@ def cmd_demo(args) -> int:
 
 
 def cmd_convert_fp16(args) -> int:
-    from training import fp16_report
+    try:
+        from training import fp16_report
+    except ImportError as exc:
+        print(f"tandem convert-fp16 needs the fp16 extra (pip install -e '.[fp16]'): {exc}", file=sys.stderr)
+        return 2
 
     return fp16_report.main(args)
 

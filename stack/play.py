@@ -190,7 +190,7 @@ def print_report(report: dict) -> None:
                 f"missed_frames          {report['missed_frames']}",
                 f"simulations per frame  mean {report['simulations_per_frame']['mean']}  min {report['simulations_per_frame']['min']}"
                 f"  (value model: {report['model_simulations_per_frame']}; its failures {report['value_model_failures']})",
-                f"proven by the search   {report['proven']['frames']} frames, {report['proven']['solver_agrees']} as the solver",
+                f"proven by the search   {report['proven']['frames']} of the frames, {report['proven']['solver_agrees']} as the solver",
                 f"backends               search {', '.join(report['backends']['search'])} "
                 f"({', '.join(report['backends']['evaluator'])}), reward {report['backends']['reward_execution_provider']}",
                 f"errors                 {report['errors'] or 'none'}",

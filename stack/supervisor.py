@@ -209,7 +209,7 @@ def run_until_signalled(stack: Stack) -> int:
             stack.stop()
             return 1
         time.sleep(0.1)
-    print("stopping: draining the three servers", flush=True)
+    print(f"stopping: draining the {len(stack.procs)} server processes", flush=True)
     codes = stack.stop()
     print("stopped: " + ", ".join(f"{n} exit {c}" for n, c in codes.items()), flush=True)
     return int(any(codes.values()))

@@ -70,8 +70,8 @@ class SchedulerConfig:
     mps: str = "auto"
     mps_pipe_directory: str = ""  # empty: $CUDA_MPS_PIPE_DIRECTORY, else /tmp/nvidia-mps
     mps_log_directory: str = ""  # empty: $CUDA_MPS_LOG_DIRECTORY, else /tmp/nvidia-log
-    # Urgency weights, hysteresis thresholds and the static partition (scheduler/policy.py,
-    # UrgencyWeights: names, units and rules there); any subset may be given.
+    # Urgency weights, hysteresis thresholds and the static partition (tandem/urgency_weights.py,
+    # UrgencyWeights: names; the formula in scheduler/policy.py, units and rules there); any subset may be given.
     urgency: UrgencyWeights = field(default_factory=UrgencyWeights)
     server: ServerConfig = field(default_factory=ServerConfig)
 

@@ -22,6 +22,7 @@ import onnx
 from onnx import TensorProto
 
 from reward_service.precision import convert_fp16, head_nodes, with_node_names
+from tandem.gpu import cuda_device_count
 
 
 def _spec(model: onnx.ModelProto):
@@ -93,7 +94,8 @@ def report(fp32: onnx.ModelProto, fp16: onnx.ModelProto, *, providers=None, batc
     """
     import onnxruntime as ort
 
-    providers = providers or ort.get_available_providers()
+    if providers is None:  # the CUDA provider only where the driver sees a GPU (tandem/gpu.py)
+        providers = ort.get_available_providers() if cuda_device_count() else ["CPUExecutionProvider"]
     if "CUDAExecutionProvider" in providers and hasattr(ort, "preload_dlls"):
         ort.preload_dlls()
     s32 = ort.InferenceSession(fp32.SerializeToString(), providers=providers)
@@ -143,7 +145,7 @@ def main(args) -> int:
           f"max |diff| {r['max_abs_diff']:.2e}")
     for b in r["latency_ms_p50"]["fp32"]:
         print(f"batch {b:4d}: fp32 {r['latency_ms_p50']['fp32'][b]:.3f} ms  fp16 {r['latency_ms_p50']['fp16'][b]:.3f} ms  "
-              f"({100 * r['latency_reduction'][b]:.0f} % less)")
+              f"(FP16 {abs(100 * r['latency_reduction'][b]):.0f} % {'faster' if r['latency_reduction'][b] >= 0 else 'slower'})")
     if args.report:
         Path(args.report).write_text(json.dumps(r, indent=2) + "\n")
     return 0
