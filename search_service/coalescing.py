@@ -33,7 +33,7 @@ CALL_SEARCHES = Histogram("tandem_search_coalesced_requests", "Searches' request
                           buckets=(1, 2, 4, 8, 16, 32, 64))
 
 
-@dataclass(eq=False)  # compared by identity
+@dataclass(eq=False)  # compared by identity, never by its arrays
 class _Request:
     obs: np.ndarray  # uint8 [M, 2, 6, 7]
     deadline: float | None  # time.monotonic() seconds
@@ -114,9 +114,11 @@ class CoalescingEvaluator:
     def _dispatch(self) -> None:
         while (taken := self._take()) is not None:
             now = time.monotonic()
-            live = [r for r in taken if r.deadline is None or r.deadline > now]
+            live = []
             for r in taken:
-                if r not in live:
+                if r.deadline is None or r.deadline > now:
+                    live.append(r)
+                else:  # its caller has given up waiting: answer it, never send it
                     r.error = EvaluationFailed("reward service: DEADLINE_EXCEEDED (before the call)")
                     r.done.set()
             if live:

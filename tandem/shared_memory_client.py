@@ -26,6 +26,7 @@ a GPU; its outputs are CuPy arrays).
 """
 from __future__ import annotations
 
+import abc
 import logging
 import threading
 import uuid
@@ -108,7 +109,7 @@ def required_bytes(meta: reward_pb2.ModelMetadataResponse, inputs: dict, output_
     return _layout(meta, inputs, output_names)[2]
 
 
-class SharedMemoryRegion:
+class SharedMemoryRegion(abc.ABC):
     """A region registered with the reward service for ``client_id``; the
     subclasses provide its memory. One request at a time (a lock keeps it so).
 
@@ -146,8 +147,9 @@ class SharedMemoryRegion:
 
     # -- memory: the subclasses' part ------------------------------------------------
 
+    @abc.abstractmethod
     def _view(self, offset: int, dtype: np.dtype, shape: tuple[int, ...]):
-        raise NotImplementedError
+        """An array of ``dtype`` and ``shape`` over the region's bytes from ``offset``."""
 
     def _write(self, slot: _Slot, array) -> None:
         self._view(slot.offset, tensors.numpy_dtype(slot.dtype), slot.shape)[...] = array
@@ -155,8 +157,9 @@ class SharedMemoryRegion:
     def _flush(self) -> None:
         """Makes what was written visible to the server before it reads."""
 
+    @abc.abstractmethod
     def _free(self) -> None:
-        raise NotImplementedError
+        """Releases this process's memory behind the region (after unregistering)."""
 
     # -- requests ----------------------------------------------------------------------
 

@@ -79,6 +79,7 @@ from search_service.mcts.backend import (
     SearchResult,
     best_action,
     check_call,
+    model_answer,
 )
 from search_service.mcts.philox import seed_key
 from search_service.mcts.rollout import rollout_values
@@ -558,30 +559,16 @@ class _Search:
 
 
 def _model_answer(evaluator, obs, legal: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-    """Calls the evaluator on observations (uint8 [M, 2, 6, 7]); returns values
-    float32 [M] clipped to [-1, 1] and priors float32 [M, A] masked to ``legal``
-    (bool [M, A]) and renormalised (uniform where nothing legal is left), or
-    None -- the CPU reference's rules.
+    """Calls the evaluator on observations (uint8 [M, 2, 6, 7], NumPy or CuPy)
+    and applies :func:`model_answer` (the reference's rules; ``legal`` bool
+    [M, A]) to its answer, brought to the host.
 
     Raises:
-        EvaluationFailed: values or priors of the wrong shape (the model cannot value
-            these leaves: the search undoes the wave and goes on without it).
+        EvaluationFailed: the evaluator failed, or answered the wrong shape.
     """
-    m = len(legal)
     values, priors = evaluator(obs)
-    values = np.asarray(cupy.asnumpy(values) if isinstance(values, cupy.ndarray) else values, np.float32).reshape(-1)
-    if values.shape != (m,):
-        raise EvaluationFailed(f"the value model returned {values.shape} values for {m} leaves")
-    values = np.clip(np.nan_to_num(values), -1.0, 1.0)
-    if priors is None:
-        return values, None
-    priors = np.asarray(cupy.asnumpy(priors) if isinstance(priors, cupy.ndarray) else priors, np.float32)
-    if priors.shape != (m, A):
-        raise EvaluationFailed(f"the value model returned priors of shape {priors.shape}, expected {(m, A)}")
-    p = np.where(legal & np.isfinite(priors), np.maximum(priors, 0), 0)
-    total = p.sum(axis=1, keepdims=True)
-    uniform = legal / np.maximum(legal.sum(axis=1, keepdims=True), 1)
-    return values, np.where(total > 0, p / np.where(total > 0, total, 1), uniform).astype(np.float32)
+    return model_answer(cupy.asnumpy(values) if isinstance(values, cupy.ndarray) else values,
+                        cupy.asnumpy(priors) if isinstance(priors, cupy.ndarray) else priors, legal)
 
 
 def _call_model(evaluator, current: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:

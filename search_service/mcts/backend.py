@@ -141,6 +141,32 @@ class SearchBackend(Protocol):
         ...
 
 
+def model_answer(values, priors, legal: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """The rules both backends apply to a value model's answer for M leaves:
+    values float32 [M], NaN as 0, clipped to [-1, 1]; priors float32 [M, A]
+    masked to ``legal`` (bool [M, A]), negatives and non-finite as 0, and
+    renormalised (uniform over the legal moves where nothing is left), or None.
+
+    Raises:
+        EvaluationFailed: values or priors of the wrong shape (the model cannot
+            value these leaves: the search undoes the wave and goes on without it).
+    """
+    m, a = legal.shape
+    values = np.asarray(values, np.float32).reshape(-1)
+    if values.shape != (m,):
+        raise EvaluationFailed(f"the value model returned {values.shape} values for {m} leaves")
+    values = np.clip(np.nan_to_num(values), -1.0, 1.0)
+    if priors is None:
+        return values, None
+    priors = np.asarray(priors, np.float32)
+    if priors.shape != (m, a):
+        raise EvaluationFailed(f"the value model returned priors of shape {priors.shape}, expected {(m, a)}")
+    p = np.where(legal & np.isfinite(priors), np.maximum(priors, 0), 0)
+    total = p.sum(axis=1, keepdims=True)
+    uniform = legal / np.maximum(legal.sum(axis=1, keepdims=True), 1)
+    return values, np.where(total > 0, p / np.where(total > 0, total, 1), uniform).astype(np.float32)
+
+
 def best_action(visits: np.ndarray, q: np.ndarray, legal: np.ndarray | None = None,
                 child_codes: np.ndarray | None = None) -> np.ndarray:
     """int64 [B]: the move to play, per row of [B, A]: the most visits, then

@@ -83,6 +83,7 @@ from search_service.mcts.backend import (
     SearchResult,
     best_action,
     check_call,
+    model_answer,
 )
 from search_service.mcts.rollout import rollout_values
 from tandem import nvtx
@@ -459,20 +460,7 @@ class _Search:
         """Values float32 [M] and masked, renormalised priors float32 [M, A] (or None)."""
         pos = Positions(current, mask, connect4.popcount(mask))
         values, priors = self.evaluator(connect4.observation(pos))
-        values = np.asarray(values, np.float32).reshape(-1)
-        if values.shape != (len(pos),):
-            raise EvaluationFailed(f"the value model returned {values.shape} values for {len(pos)} leaves")
-        values = np.clip(np.nan_to_num(values), -1.0, 1.0)
-        if priors is None:
-            return values, None
-        priors = np.asarray(priors, np.float32)
-        if priors.shape != (len(pos), A):
-            raise EvaluationFailed(f"the value model returned priors of shape {priors.shape}, expected {(len(pos), A)}")
-        legal = connect4.legal_bits(mask)
-        p = np.where(legal & np.isfinite(priors), np.maximum(priors, 0), 0)
-        total = p.sum(axis=1, keepdims=True)
-        uniform = legal / np.maximum(legal.sum(axis=1, keepdims=True), 1)
-        return values, np.where(total > 0, p / np.where(total > 0, total, 1), uniform).astype(np.float32)
+        return model_answer(values, priors, connect4.legal_bits(mask))
 
     def _evaluate_fresh_roots(self) -> None:
         fresh = np.flatnonzero(self.tree.node_visits[:, 0] == 0)
