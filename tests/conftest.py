@@ -19,10 +19,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+_HANDED_OUT: set[int] = set()  # ports free_port returned in this test process
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free loopback port, never one handed out before in this process: the
+    kernel may offer a just-released port again, and two servers of one config
+    (an address and a metrics port) must not get the same one."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def loopback_config(**sections) -> TandemConfig:
