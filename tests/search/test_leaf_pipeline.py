@@ -169,11 +169,15 @@ def test_concurrent_value_model_searches_share_calls_and_the_cache():
                                            evaluator=search_pb2.EVALUATOR_VALUE_MODEL, seed=1)
             calls = [stub.Search.future(req, timeout=60) for _ in range(6)]
             replies = [c.result() for c in calls]
-        assert all(r.model_simulations == r.simulations == 64 for r in replies)
-        cached = search.servicer.evaluator
+            cached = search.servicer.evaluator
+            made, hits = cached.inner.calls, cached.cache.hits
+            again = stub.Search(req, timeout=60)  # the same search once more, alone
+        assert all(r.model_simulations == r.simulations == 64 for r in replies + [again])
         waves = 6 * (1 + 64 // 8)  # each search: the fresh root, then its waves
-        assert cached.inner.calls < waves  # coalesced and/or answered from the cache
-        assert cached.cache.hits > 0  # six searches of one position meet the same leaves
+        # However the six overlapped, each wave was coalesced with another's or answered from the cache.
+        assert made < waves
+        # The repeat meets only leaves already valued: all from the cache, no model call.
+        assert cached.inner.calls == made and cached.cache.hits > hits
     finally:
         search.stop()
         reward.stop()
