@@ -25,35 +25,35 @@ _sym_db = _symbol_database.Default()
 from tandem.v1 import search_pb2 as tandem_dot_v1_dot_search__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19tandem/v1/scheduler.proto\x12\ttandem.v1\x1a\x16tandem/v1/search.proto\"\x98\x01\n\x0fRegisterRequest\x12$\n\x04kind\x18\x01 \x01(\x0e\x32\x16.tandem.v1.ServiceKind\x12\x10\n\x08instance\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x19\n\x11stream_priorities\x18\x04 \x03(\x05\x12\x14\n\x0cmemory_bytes\x18\x05 \x01(\x04\x12\x0b\n\x03pid\x18\x06 \x01(\r\")\n\x05Lease\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x0e\n\x06ttl_ms\x18\x02 \x01(\x01\"\xc2\x01\n\nAssignment\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x17\n\x0fstream_priority\x18\x03 \x01(\x05\x12\x19\n\x11memory_pool_bytes\x18\x04 \x01(\x04\x12\x0e\n\x06policy\x18\x05 \x01(\t\x12 \n\x18\x61\x63tive_thread_percentage\x18\x06 \x01(\r\x12\x17\n\x0f\x64\x65\x63ided_unix_ms\x18\x07 \x01(\x01\x12\x0f\n\x07urgency\x18\x08 \x01(\x01\"^\n\x10RegisterResponse\x12\x1f\n\x05lease\x18\x01 \x01(\x0b\x32\x10.tandem.v1.Lease\x12)\n\nassignment\x18\x02 \x01(\x0b\x32\x15.tandem.v1.Assignment\"+\n\x17WatchAssignmentsRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"\xd2\x01\n\nLoadReport\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12#\n\x05phase\x18\x02 \x01(\x0e\x32\x14.tandem.v1.GamePhase\x12\x14\n\x0csearch_depth\x18\x03 \x01(\r\x12\x19\n\x11\x64\x65\x61\x64line_slack_ms\x18\x04 \x01(\x01\x12\x14\n\x0cqueue_age_ms\x18\x05 \x01(\x01\x12\x13\n\x0bqueue_depth\x18\x06 \x01(\r\x12\x16\n\x0erequests_per_s\x18\x07 \x01(\x01\x12\x19\n\x11memory_used_bytes\x18\x08 \x01(\x04\"5\n\x12ReportLoadResponse\x12\x1f\n\x05lease\x18\x01 \x01(\x0b\x32\x10.tandem.v1.Lease\"\x0f\n\rStatusRequest\"\xfc\x01\n\rServiceStatus\x12$\n\x04kind\x18\x01 \x01(\x0e\x32\x16.tandem.v1.ServiceKind\x12\x10\n\x08instance\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x1f\n\x05lease\x18\x04 \x01(\x0b\x32\x10.tandem.v1.Lease\x12)\n\nassignment\x18\x05 \x01(\x0b\x32\x15.tandem.v1.Assignment\x12(\n\tlast_load\x18\x06 \x01(\x0b\x32\x15.tandem.v1.LoadReport\x12\x1b\n\x13lease_expires_in_ms\x18\x07 \x01(\x01\x12\x0f\n\x07urgency\x18\x08 \x01(\x01\"\xe5\x01\n\x0eStatusResponse\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12\x12\n\nmps_active\x18\x02 \x01(\x08\x12\x13\n\x0bmps_message\x18\x03 \x01(\t\x12\x1b\n\x13priorities_enforced\x18\x04 \x01(\x08\x12*\n\x08services\x18\x05 \x03(\x0b\x32\x18.tandem.v1.ServiceStatus\x12\x16\n\x0eleast_priority\x18\x06 \x01(\x05\x12\x19\n\x11greatest_priority\x18\x07 \x01(\x05\x12\x0b\n\x03gpu\x18\x08 \x01(\t\x12\x11\n\tdecisions\x18\t \x01(\x04*]\n\x0bServiceKind\x12\x1c\n\x18SERVICE_KIND_UNSPECIFIED\x10\x00\x12\x17\n\x13SERVICE_KIND_SEARCH\x10\x01\x12\x17\n\x13SERVICE_KIND_REWARD\x10\x02\x32\xa4\x02\n\tScheduler\x12\x43\n\x08Register\x12\x1a.tandem.v1.RegisterRequest\x1a\x1b.tandem.v1.RegisterResponse\x12O\n\x10WatchAssignments\x12\".tandem.v1.WatchAssignmentsRequest\x1a\x15.tandem.v1.Assignment0\x01\x12\x42\n\nReportLoad\x12\x15.tandem.v1.LoadReport\x1a\x1d.tandem.v1.ReportLoadResponse\x12=\n\x06Status\x12\x18.tandem.v1.StatusRequest\x1a\x19.tandem.v1.StatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19tandem/v1/scheduler.proto\x12\ttandem.v1\x1a\x16tandem/v1/search.proto\"\x98\x01\n\x0fRegisterRequest\x12$\n\x04kind\x18\x01 \x01(\x0e\x32\x16.tandem.v1.ServiceKind\x12\x10\n\x08instance\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x19\n\x11stream_priorities\x18\x04 \x03(\x05\x12\x14\n\x0cmemory_bytes\x18\x05 \x01(\x04\x12\x0b\n\x03pid\x18\x06 \x01(\r\")\n\x05Lease\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x0e\n\x06ttl_ms\x18\x02 \x01(\x01\"\xf6\x01\n\nAssignment\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\x17\n\x0fstream_priority\x18\x03 \x01(\x05\x12\x19\n\x11memory_pool_bytes\x18\x04 \x01(\x04\x12\x0e\n\x06policy\x18\x05 \x01(\t\x12 \n\x18\x61\x63tive_thread_percentage\x18\x06 \x01(\r\x12\x17\n\x0f\x64\x65\x63ided_unix_ms\x18\x07 \x01(\x01\x12\x0f\n\x07urgency\x18\x08 \x01(\x01\x12\x1a\n\x12\x62ulk_share_percent\x18\t \x01(\r\x12\x16\n\x0e\x66rames_at_risk\x18\n \x01(\x08\"^\n\x10RegisterResponse\x12\x1f\n\x05lease\x18\x01 \x01(\x0b\x32\x10.tandem.v1.Lease\x12)\n\nassignment\x18\x02 \x01(\x0b\x32\x15.tandem.v1.Assignment\"+\n\x17WatchAssignmentsRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"\xef\x01\n\nLoadReport\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12#\n\x05phase\x18\x02 \x01(\x0e\x32\x14.tandem.v1.GamePhase\x12\x14\n\x0csearch_depth\x18\x03 \x01(\r\x12\x19\n\x11\x64\x65\x61\x64line_slack_ms\x18\x04 \x01(\x01\x12\x14\n\x0cqueue_age_ms\x18\x05 \x01(\x01\x12\x13\n\x0bqueue_depth\x18\x06 \x01(\r\x12\x16\n\x0erequests_per_s\x18\x07 \x01(\x01\x12\x19\n\x11memory_used_bytes\x18\x08 \x01(\x04\x12\x1b\n\x13\x63ritical_latency_ms\x18\t \x01(\x01\"5\n\x12ReportLoadResponse\x12\x1f\n\x05lease\x18\x01 \x01(\x0b\x32\x10.tandem.v1.Lease\"\x0f\n\rStatusRequest\"\xfc\x01\n\rServiceStatus\x12$\n\x04kind\x18\x01 \x01(\x0e\x32\x16.tandem.v1.ServiceKind\x12\x10\n\x08instance\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x1f\n\x05lease\x18\x04 \x01(\x0b\x32\x10.tandem.v1.Lease\x12)\n\nassignment\x18\x05 \x01(\x0b\x32\x15.tandem.v1.Assignment\x12(\n\tlast_load\x18\x06 \x01(\x0b\x32\x15.tandem.v1.LoadReport\x12\x1b\n\x13lease_expires_in_ms\x18\x07 \x01(\x01\x12\x0f\n\x07urgency\x18\x08 \x01(\x01\"\xe5\x01\n\x0eStatusResponse\x12\x0e\n\x06policy\x18\x01 \x01(\t\x12\x12\n\nmps_active\x18\x02 \x01(\x08\x12\x13\n\x0bmps_message\x18\x03 \x01(\t\x12\x1b\n\x13priorities_enforced\x18\x04 \x01(\x08\x12*\n\x08services\x18\x05 \x03(\x0b\x32\x18.tandem.v1.ServiceStatus\x12\x16\n\x0eleast_priority\x18\x06 \x01(\x05\x12\x19\n\x11greatest_priority\x18\x07 \x01(\x05\x12\x0b\n\x03gpu\x18\x08 \x01(\t\x12\x11\n\tdecisions\x18\t \x01(\x04*]\n\x0bServiceKind\x12\x1c\n\x18SERVICE_KIND_UNSPECIFIED\x10\x00\x12\x17\n\x13SERVICE_KIND_SEARCH\x10\x01\x12\x17\n\x13SERVICE_KIND_REWARD\x10\x02\x32\xa4\x02\n\tScheduler\x12\x43\n\x08Register\x12\x1a.tandem.v1.RegisterRequest\x1a\x1b.tandem.v1.RegisterResponse\x12O\n\x10WatchAssignments\x12\".tandem.v1.WatchAssignmentsRequest\x1a\x15.tandem.v1.Assignment0\x01\x12\x42\n\nReportLoad\x12\x15.tandem.v1.LoadReport\x1a\x1d.tandem.v1.ReportLoadResponse\x12=\n\x06Status\x12\x18.tandem.v1.StatusRequest\x1a\x19.tandem.v1.StatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.scheduler_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SERVICEKIND']._serialized_start=1372
-  _globals['_SERVICEKIND']._serialized_end=1465
+  _globals['_SERVICEKIND']._serialized_start=1453
+  _globals['_SERVICEKIND']._serialized_end=1546
   _globals['_REGISTERREQUEST']._serialized_start=65
   _globals['_REGISTERREQUEST']._serialized_end=217
   _globals['_LEASE']._serialized_start=219
   _globals['_LEASE']._serialized_end=260
   _globals['_ASSIGNMENT']._serialized_start=263
-  _globals['_ASSIGNMENT']._serialized_end=457
-  _globals['_REGISTERRESPONSE']._serialized_start=459
-  _globals['_REGISTERRESPONSE']._serialized_end=553
-  _globals['_WATCHASSIGNMENTSREQUEST']._serialized_start=555
-  _globals['_WATCHASSIGNMENTSREQUEST']._serialized_end=598
-  _globals['_LOADREPORT']._serialized_start=601
-  _globals['_LOADREPORT']._serialized_end=811
-  _globals['_REPORTLOADRESPONSE']._serialized_start=813
-  _globals['_REPORTLOADRESPONSE']._serialized_end=866
-  _globals['_STATUSREQUEST']._serialized_start=868
-  _globals['_STATUSREQUEST']._serialized_end=883
-  _globals['_SERVICESTATUS']._serialized_start=886
-  _globals['_SERVICESTATUS']._serialized_end=1138
-  _globals['_STATUSRESPONSE']._serialized_start=1141
-  _globals['_STATUSRESPONSE']._serialized_end=1370
-  _globals['_SCHEDULER']._serialized_start=1468
-  _globals['_SCHEDULER']._serialized_end=1760
+  _globals['_ASSIGNMENT']._serialized_end=509
+  _globals['_REGISTERRESPONSE']._serialized_start=511
+  _globals['_REGISTERRESPONSE']._serialized_end=605
+  _globals['_WATCHASSIGNMENTSREQUEST']._serialized_start=607
+  _globals['_WATCHASSIGNMENTSREQUEST']._serialized_end=650
+  _globals['_LOADREPORT']._serialized_start=653
+  _globals['_LOADREPORT']._serialized_end=892
+  _globals['_REPORTLOADRESPONSE']._serialized_start=894
+  _globals['_REPORTLOADRESPONSE']._serialized_end=947
+  _globals['_STATUSREQUEST']._serialized_start=949
+  _globals['_STATUSREQUEST']._serialized_end=964
+  _globals['_SERVICESTATUS']._serialized_start=967
+  _globals['_SERVICESTATUS']._serialized_end=1219
+  _globals['_STATUSRESPONSE']._serialized_start=1222
+  _globals['_STATUSRESPONSE']._serialized_end=1451
+  _globals['_SCHEDULER']._serialized_start=1549
+  _globals['_SCHEDULER']._serialized_end=1841
 # @@protoc_insertion_point(module_scope)

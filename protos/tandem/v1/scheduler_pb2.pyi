@@ -42,7 +42,7 @@ class Lease(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ..., ttl_ms: _Optional[float] = ...) -> None: ...
 
 class Assignment(_message.Message):
-    __slots__ = ("generation", "lease_id", "stream_priority", "memory_pool_bytes", "policy", "active_thread_percentage", "decided_unix_ms", "urgency")
+    __slots__ = ("generation", "lease_id", "stream_priority", "memory_pool_bytes", "policy", "active_thread_percentage", "decided_unix_ms", "urgency", "bulk_share_percent", "frames_at_risk")
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     STREAM_PRIORITY_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +51,8 @@ class Assignment(_message.Message):
     ACTIVE_THREAD_PERCENTAGE_FIELD_NUMBER: _ClassVar[int]
     DECIDED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     URGENCY_FIELD_NUMBER: _ClassVar[int]
+    BULK_SHARE_PERCENT_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_AT_RISK_FIELD_NUMBER: _ClassVar[int]
     generation: int
     lease_id: str
     stream_priority: int
@@ -59,7 +61,9 @@ class Assignment(_message.Message):
     active_thread_percentage: int
     decided_unix_ms: float
     urgency: float
-    def __init__(self, generation: _Optional[int] = ..., lease_id: _Optional[str] = ..., stream_priority: _Optional[int] = ..., memory_pool_bytes: _Optional[int] = ..., policy: _Optional[str] = ..., active_thread_percentage: _Optional[int] = ..., decided_unix_ms: _Optional[float] = ..., urgency: _Optional[float] = ...) -> None: ...
+    bulk_share_percent: int
+    frames_at_risk: bool
+    def __init__(self, generation: _Optional[int] = ..., lease_id: _Optional[str] = ..., stream_priority: _Optional[int] = ..., memory_pool_bytes: _Optional[int] = ..., policy: _Optional[str] = ..., active_thread_percentage: _Optional[int] = ..., decided_unix_ms: _Optional[float] = ..., urgency: _Optional[float] = ..., bulk_share_percent: _Optional[int] = ..., frames_at_risk: _Optional[bool] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("lease", "assignment")
@@ -76,7 +80,7 @@ class WatchAssignmentsRequest(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("lease_id", "phase", "search_depth", "deadline_slack_ms", "queue_age_ms", "queue_depth", "requests_per_s", "memory_used_bytes")
+    __slots__ = ("lease_id", "phase", "search_depth", "deadline_slack_ms", "queue_age_ms", "queue_depth", "requests_per_s", "memory_used_bytes", "critical_latency_ms")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     SEARCH_DEPTH_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +89,7 @@ class LoadReport(_message.Message):
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_PER_S_FIELD_NUMBER: _ClassVar[int]
     MEMORY_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CRITICAL_LATENCY_MS_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     phase: _search_pb2.GamePhase
     search_depth: int
@@ -93,7 +98,8 @@ class LoadReport(_message.Message):
     queue_depth: int
     requests_per_s: float
     memory_used_bytes: int
-    def __init__(self, lease_id: _Optional[str] = ..., phase: _Optional[_Union[_search_pb2.GamePhase, str]] = ..., search_depth: _Optional[int] = ..., deadline_slack_ms: _Optional[float] = ..., queue_age_ms: _Optional[float] = ..., queue_depth: _Optional[int] = ..., requests_per_s: _Optional[float] = ..., memory_used_bytes: _Optional[int] = ...) -> None: ...
+    critical_latency_ms: float
+    def __init__(self, lease_id: _Optional[str] = ..., phase: _Optional[_Union[_search_pb2.GamePhase, str]] = ..., search_depth: _Optional[int] = ..., deadline_slack_ms: _Optional[float] = ..., queue_age_ms: _Optional[float] = ..., queue_depth: _Optional[int] = ..., requests_per_s: _Optional[float] = ..., memory_used_bytes: _Optional[int] = ..., critical_latency_ms: _Optional[float] = ...) -> None: ...
 
 class ReportLoadResponse(_message.Message):
     __slots__ = ("lease",)
