@@ -18,7 +18,10 @@ Scenarios (the ``policy`` column of ``bench/results/frame_scheduling.json``):
 * ``default``, ``dynamic``, ``static`` -- both, under that policy. Under
   ``static`` the stack starts each service with ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``
   (the static policy's share per kind, stack/supervisor.py), which MPS reads
-  when the process creates its CUDA context.
+  when the process creates its CUDA context. The policy also sets the bulk
+  share (scheduler/policy.py, "The lever over bulk work"): none under
+  ``default``, a fixed one under ``static``, the live one under ``dynamic``;
+  a :class:`LeverSampler` reads it from the scheduler every 100 ms.
 
 Everything measured is in ms (latencies from each frame's *scheduled* time)
 or per second.
@@ -28,19 +31,67 @@ from __future__ import annotations
 import dataclasses
 import socket
 import tempfile
+import threading
 import time
 from pathlib import Path
 
+import grpc
 import yaml
+from tandem.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 from loadtest.background import BackgroundProcess
 from loadtest.generator import LoadSpec, OpenLoopGenerator
 from stack.supervisor import Stack
 from tandem.config import load_config
+from tandem.server import channel
 
 SCENARIOS = ("uncontended", "background_alone", "default", "dynamic", "static")
-ROW_FIELDS = ("policy", "clients", "fps", "frame_ms_avg", "frame_ms_p50", "frame_ms_p99", "missed_frame_share",
-              "background_per_s", "simulations_per_frame")
+ROW_FIELDS = ("policy", "background_transport", "clients", "fps", "frame_ms_avg", "frame_ms_p50", "frame_ms_p99",
+              "missed_frame_share", "background_per_s", "simulations_per_frame", "critical_queue_ms_p99",
+              "critical_model_ms_p99", "bulk_share_mean_percent", "frames_at_risk_share")
+
+
+class LeverSampler:
+    """Samples the scheduler's bulk lever every ``interval_s`` on a thread:
+    the reward service's bulk share (percent) and whether frames were at risk.
+
+    Args:
+        address: the scheduler's address; ``cfg``: for the channel (TLS, token).
+    """
+
+    def __init__(self, address: str, cfg, interval_s: float = 0.1):
+        self._channel = channel(address, cfg)
+        self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
+        self._interval_s = interval_s
+        self._samples: list[tuple[float, bool]] = []  # (bulk share %, at risk); appended by the thread only
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="lever-sampler", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            try:
+                st = self._stub.Status(scheduler_pb2.StatusRequest(), timeout=1.0)
+            except grpc.RpcError:
+                continue  # a missed sample; the figures say how many were taken
+            shares = [s.assignment.bulk_share_percent or 100 for s in st.services
+                      if s.kind == scheduler_pb2.SERVICE_KIND_REWARD]
+            if shares:
+                self._samples.append((min(shares), st.frames_at_risk))
+
+    def stop(self) -> dict:
+        """Stops sampling; returns ``bulk_share_mean_percent``, ``frames_at_risk_share``
+        (0-1) and ``samples`` (None figures without samples)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(5.0)
+        self._channel.close()  # idempotent: stop() may be called again on the way out
+        n = len(self._samples)
+        return {"bulk_share_mean_percent": round(sum(s for s, _ in self._samples) / n, 1) if n else None,
+                "frames_at_risk_share": round(sum(r for _, r in self._samples) / n, 3) if n else None,
+                "samples": n}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +176,7 @@ def _play(scenario: str, test: FrameTest, cfg) -> tuple[dict, list[float]]:
     frames_on = scenario != "background_alone"
     background_on = scenario != "uncontended"
     gen = bg = None
+    lever = LeverSampler(cfg.scheduler.address, cfg)
     try:
         if background_on:
             bg = BackgroundProcess(cfg.reward.address, cfg, batch=test.background_batch,
@@ -137,11 +189,13 @@ def _play(scenario: str, test: FrameTest, cfg) -> tuple[dict, list[float]]:
                 timeout_s=test.timeout_s), cfg)
             gen.start(test.warmup_s + test.seconds)
         time.sleep(test.warmup_s)
+        lever.start()
         since = time.monotonic()
         bg_before = bg.report()["frames"] if bg else 0
         time.sleep(test.seconds)
         until = time.monotonic()
         bg_frames = (bg.report()["frames"] - bg_before) if bg else 0
+        lever_figures = lever.stop()
         if gen:
             gen.stop()
         if bg:
@@ -149,11 +203,14 @@ def _play(scenario: str, test: FrameTest, cfg) -> tuple[dict, list[float]]:
         report = gen.report(since=since, until=until) if gen else None
         latencies = gen.frame_latencies_ms(since=since, until=until) if gen else []
     finally:
+        lever.stop()
         for client in (gen, bg):
             if client is not None:
                 client.close()
+    evaluate = report["requests"]["evaluate"] if report else {}
     row = {
         "policy": scenario,
+        "background_transport": test.background_transport if background_on else None,
         "clients": test.engines if frames_on else 0,
         "fps": test.fps if frames_on else None,
         "frame_ms_avg": report["frame_latency_ms"]["mean"] if report else None,
@@ -162,6 +219,12 @@ def _play(scenario: str, test: FrameTest, cfg) -> tuple[dict, list[float]]:
         "missed_frame_share": report["missed_frame_share"] if report else None,
         "background_per_s": round(bg_frames / (until - since), 1) if bg else None,
         "simulations_per_frame": report["simulations_per_frame"] if report else None,
+        # The frame's critical Evaluate as the reward service timed it (server queue, model run).
+        "critical_queue_ms_p99": evaluate.get("server_queue_ms", {}).get("p99"),
+        "critical_model_ms_p99": evaluate.get("server_compute_ms", {}).get("p99"),
+        "bulk_share_mean_percent": lever_figures["bulk_share_mean_percent"],
+        "frames_at_risk_share": lever_figures["frames_at_risk_share"],
+        "lever_samples": lever_figures["samples"],
         "simulations_budget": test.simulations,
         "search_cap_ms": round(test.cap_ms, 3),
         "seconds": test.seconds,

@@ -26,6 +26,12 @@ Policy
   queued critical requests.
 * Bulk requests wait up to ``max_queue_delay_us`` (from the oldest one's
   arrival) for more to merge with, unless ``max_rows`` rows are queued.
+* Bulk share (the scheduler's lever over bulk work, scheduler/policy.py):
+  the bulk lane may run batches only ``bulk_share`` percent of wall time. After
+  a bulk batch that ran t seconds, the bulk worker forms no batch for
+  ``t * (100 / bulk_share - 1)`` seconds (none at 100 %, the default). A new
+  share applies at once, also to the idle time already begun. The critical
+  lane is never held back.
 * Deadlines: a request whose deadline (``time.monotonic()`` seconds) has
   passed is never run; it completes with :class:`DeadlineExceeded` (at
   submit, or when its lane's worker next forms a batch).
@@ -44,7 +50,8 @@ Concurrency invariants
 ----------------------
 * One lock, ``_lock``, for the whole batcher (both lanes: the queue bound and
   shedding span them). It guards every lane's ``queue`` and ``stats``,
-  ``_queued`` (requests waiting, both lanes), ``_closed``, and every
+  ``_queued`` (requests waiting, both lanes), ``_closed``, ``_bulk_share``,
+  each lane's ``last_busy_s``/``last_end``, and every
   :attr:`Request.state` change. Each lane has its own Condition on
   ``_lock``, ``wake``: a submit notifies only its own lane's worker; close
   notifies both. A worker waits only on its own lane's condition.
@@ -226,6 +233,11 @@ class _Lane:
         self.stats: collections.Counter = collections.Counter()  # guarded by Batcher._lock
         self.wake = threading.Condition(lock)
         self.thread: threading.Thread | None = None
+        self.last_busy_s = 0.0  # guarded by Batcher._lock: how long the last batch ran (s)
+        self.last_end = 0.0  # guarded by Batcher._lock: when it ended (clock seconds)
+        # guarded by Batcher._lock: queue + model ms of the requests answered since the last
+        # take_latencies() (bounded: only the latest are kept between two load reports)
+        self.latencies_ms: collections.deque[float] = collections.deque(maxlen=_LATENCY_WINDOW)
         self.warmed = threading.Event()
         self.warm_up_error: BaseException | None = None
 
@@ -234,6 +246,7 @@ class _Lane:
         return (now - self.queue[0].enqueued) * 1e3 if self.queue else 0.0
 
 
+_LATENCY_WINDOW = 4096  # per lane: requests remembered between two load reports (~8 s at 480/s)
 _COUNTERS = ("submitted", "batches", "expired", "shed", "refused")
 
 
@@ -300,6 +313,7 @@ class Batcher:
         self._lanes = {c: _Lane(c, self._lock) for c in LANES}  # the dict itself never changes
         self._queued = 0  # guarded by _lock: requests waiting in both lanes
         self._closed = False  # guarded by _lock
+        self._bulk_share = 100  # guarded by _lock: percent of wall time the bulk lane may run
         self._warm_up = warm_up
         for lane in self._lanes.values():  # one warm-up at a time: critical, then bulk
             lane.thread = threading.Thread(target=self._loop, args=(lane,), name=f"batcher-{name}-{lane.name}",
@@ -374,6 +388,34 @@ class Batcher:
             victim._done.set()
         return req
 
+    def set_bulk_share(self, percent: int) -> None:
+        """The share of wall time (1..100 %; 0 counts as 100) the bulk lane may
+        spend running batches (see the module's "Bulk share").
+
+        Raises:
+            ValueError: ``percent`` outside 0..100.
+        """
+        if not 0 <= percent <= 100:
+            raise ValueError(f"bulk share: expected 0..100 percent, got {percent}")
+        with self._lock:
+            self._bulk_share = percent or 100
+            self._lanes[BULK].wake.notify()  # a larger share may end the idle time at once
+
+    @property
+    def bulk_share(self) -> int:
+        """The bulk lane's share of wall time, percent."""
+        with self._lock:
+            return self._bulk_share
+
+    def take_latencies(self, request_class: int) -> list[float]:
+        """Queue + model time (ms) of each request of ``request_class``'s lane
+        answered since the previous call (at most the latest 4096), and forgets them."""
+        lane = self._lanes[request_class]
+        with self._lock:
+            out = list(lane.latencies_ms)
+            lane.latencies_ms.clear()
+        return out
+
     def cancel(self, req: Request) -> bool:
         """Takes a still-queued request out of its lane's queue (its waiter gave
         up): it completes with DeadlineExceeded. False when it is running or done."""
@@ -422,7 +464,7 @@ class Batcher:
         (0 when none) and the counters ``submitted``, ``batches``, ``expired``,
         ``shed``, ``refused``; and the same per lane under ``lanes``
         (``{"critical": {...}, "bulk": {...}}``; a shed request counts in the
-        lane it was queued in, the bulk one)."""
+        lane it was queued in, the bulk one); ``bulk_share_percent``."""
         with self._lock:
             now = self._clock()
             lanes = {
@@ -430,10 +472,10 @@ class Batcher:
                             **{k: lane.stats[k] for k in _COUNTERS}}
                 for lane in self._lanes.values()
             }
-            queued = self._queued
+            queued, share = self._queued, self._bulk_share
         total = {k: sum(v[k] for v in lanes.values()) for k in _COUNTERS}
         return {"queued": queued, "oldest_age_ms": max(v["oldest_age_ms"] for v in lanes.values()), **total,
-                "lanes": lanes}
+                "lanes": lanes, "bulk_share_percent": share}
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Refuses new requests, lets each lane's worker run what is queued in
@@ -473,7 +515,11 @@ class Batcher:
             for req in expired:
                 req._done.set()
             if batch is not None:
+                start = self._clock()
                 self._execute(batch)
+                end = self._clock()
+                with self._lock:
+                    lane.last_busy_s, lane.last_end = end - start, end
             # Let go of the answered requests now, not when the next batch comes: their
             # arrays may map a client's shared memory, which is closed once unreferenced.
             expired = batch = None
@@ -483,6 +529,10 @@ class Batcher:
         form a batch now (critical requests never wait)."""
         if self._closed or lane.request_class == CRITICAL:
             return 0.0
+        if self._bulk_share < 100:  # the lever: idle in proportion to the last batch's run time
+            idle_until = lane.last_end + lane.last_busy_s * (100.0 / self._bulk_share - 1.0)
+            if idle_until > self._clock():
+                return idle_until - self._clock()
         if sum(r.rows for r in lane.queue) >= self.max_rows:
             return 0.0
         return lane.queue[0].enqueued + self.max_queue_delay_s - self._clock()
@@ -539,8 +589,10 @@ class Batcher:
                     req.error = exc
             else:
                 req.error = error
+        lane = self._lanes[batch.lane]
         with self._lock:
             for req in batch.requests:
                 req.state = DONE
+                lane.latencies_ms.append(req.queue_ms + compute_ms)
         for req in batch.requests:
             req._done.set()

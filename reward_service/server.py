@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 NO_DEADLINE_S = 1e7  # remaining times beyond this (~4 months) mean "no deadline"
 IN_FLIGHT = Gauge("tandem_reward_requests_in_flight", "Evaluate calls being served.")
 STREAM_PRIORITY = Gauge("tandem_reward_stream_priority", "CUDA stream priority assigned by the scheduler.")
+BULK_SHARE = Gauge("tandem_reward_bulk_share_ratio",
+                   "Share of wall time (0-1) each model's bulk lane may run batches (the scheduler's lever).")
 QUEUE_DEPTH = Gauge("tandem_reward_queue_depth", "Requests waiting in the models' batchers.")
 LANE_QUEUE_DEPTH = Gauge("tandem_reward_lane_queue_depth", "Requests waiting in the models' batchers, per lane.",
                          ["lane"])
@@ -186,7 +188,8 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             runtime={**s.runtime, "stream_priority_in_use": str(s.active_stream_priority),
                      "stream_priority_bulk_lane": str(s.active_stream_priority),
                      "stream_priority_critical_lane": str(s.critical_stream_priority),
-                     "stream_priority_assigned": str(self.assigned_stream_priority)},
+                     "stream_priority_assigned": str(self.assigned_stream_priority),
+                     "bulk_share_percent": str(self.batchers[s.name].bulk_share)},
         )
 
     def ListModels(self, request, context):
@@ -202,15 +205,25 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         for s in self.sessions.values():
             s.set_stream_priority(stream_priority)
 
+    def set_bulk_share(self, percent: int) -> None:
+        """The scheduler's lever over bulk work: every model's bulk lane may run
+        batches ``percent`` (1..100; 0 = 100) of wall time (reward_service/batcher.py)."""
+        for b in self.batchers.values():
+            b.set_bulk_share(percent)
+
     def load(self) -> dict:
         """Load report fields for the scheduler (LoadReport): requests in
-        flight, the age of the oldest queued request (ms) and the rate."""
+        flight, the age of the oldest queued request (ms), the rate, and the
+        95th percentile of critical requests' queue + model time (ms) since the
+        previous report (0 when none ran)."""
         ages = [b.stats()["oldest_age_ms"] for b in self.batchers.values()]
+        critical = [ms for b in self.batchers.values() for ms in b.take_latencies(reward_pb2.REQUEST_CLASS_CRITICAL)]
         with self._lock:
             now = time.monotonic()
             rate = self._served / max(now - self._since, 1e-3)
             self._served, self._since = 0, now
-            return {"queue_depth": self._in_flight, "queue_age_ms": max(ages, default=0.0), "requests_per_s": rate}
+            return {"queue_depth": self._in_flight, "queue_age_ms": max(ages, default=0.0), "requests_per_s": rate,
+                    "critical_latency_ms": float(np.percentile(critical, 95)) if critical else 0.0}
 
     def close(self) -> None:
         for b in self.batchers.values():
@@ -359,7 +372,9 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True) -> Service:
 
     def on_assignment(a):
         STREAM_PRIORITY.set(a.stream_priority)
+        BULK_SHARE.set((a.bulk_share_percent or 100) / 100.0)
         servicer.set_stream_priority(a.stream_priority)
+        servicer.set_bulk_share(a.bulk_share_percent)
 
     try:
         service = start_service(

@@ -120,6 +120,7 @@ class LeaseEntry:
     generation: int = 0
     elevated: bool = False  # policy state fed back to the next decision
     on_top: bool = False
+    bulk_share_percent: int = 100  # reward services: the lever over bulk work (policy.next_bulk_share)
     watchers: list[Watcher] = field(default_factory=list)
 
 

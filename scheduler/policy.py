@@ -51,12 +51,33 @@ Each policy maps the live services onto CUDA stream priorities of the device
 A service may only use the priorities it registered streams for; the chosen
 level is mapped onto the most urgent of those that does not exceed it
 (:func:`nearest_allowed`).
+
+The lever over bulk work
+------------------------
+Stream priorities decide which *waiting* thread blocks an SM takes next; they
+do not stop a bulk batch that already fills the GPU, and a critical kernel
+still waits for the bulk blocks in front of it. So the scheduler also sets
+the **bulk share**: the share of wall time (1..100 %) each reward model's bulk
+lane may spend running batches (the lane idles after a batch that took t ms
+for ``t * (100 / share - 1)`` ms, reward_service/batcher.py).
+
+* ``default`` -- 100 % (no lever: the baseline).
+* ``static`` -- ``static_bulk_share_percent``, always.
+* ``dynamic`` -- additive increase, multiplicative decrease (as TCP's
+  congestion control, Chiu & Jain 1989) driven by :func:`frames_at_risk`: on
+  each load report of a reward service, its share is multiplied by
+  ``bulk_decrease_factor`` while frames are at risk (not below
+  ``bulk_min_share_percent``), and grows by ``bulk_increase_percent`` (up to
+  100) while they are not. Frames are at risk once a reward service's critical
+  queue + model p95 reaches ``bulk_raise_critical_ms`` or a search overruns its
+  deadline; they stay so until every critical p95 is below
+  ``bulk_lower_critical_ms`` and no search overran (hysteresis).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 from tandem.v1 import scheduler_pb2
 
@@ -190,6 +211,45 @@ def decide_dynamic(services: Sequence[ServiceInput], prange: PriorityRange,
             nearest_allowed(target, s.allowed_priorities), 100, elevated[s.key], on_top[s.key]
         )
     return out
+
+
+def frames_at_risk(loads: Iterable[tuple[int, scheduler_pb2.LoadReport | None]], was_at_risk: bool,
+                   w: UrgencyWeights = DEFAULT_WEIGHTS) -> bool:
+    """Whether frames are at risk, from every live service's latest report.
+
+    ``loads``: (``ServiceKind``, latest ``LoadReport`` or None) per service.
+    At risk when a search's reported ``deadline_slack_ms`` is below
+    ``-bulk_raise_overrun_ms`` (0 means "not reported"), or the largest reward
+    ``critical_latency_ms`` (ms) reaches ``bulk_raise_critical_ms`` -- or, when
+    ``was_at_risk``, is still at or above ``bulk_lower_critical_ms``. NaN counts
+    as not reported.
+    """
+    worst_critical_ms, overrun = 0.0, False
+    for kind, load in loads:
+        if load is None:
+            continue
+        if kind == REWARD:
+            worst_critical_ms = max(worst_critical_ms, _finite_or(load.critical_latency_ms, 0.0))
+        elif kind == SEARCH:
+            slack = _finite_or(load.deadline_slack_ms, 0.0)
+            overrun = overrun or (slack != 0.0 and slack < -w.bulk_raise_overrun_ms)
+    threshold = w.bulk_lower_critical_ms if was_at_risk else w.bulk_raise_critical_ms
+    return overrun or worst_critical_ms >= threshold
+
+
+def next_bulk_share(policy: str, previous_percent: int, at_risk: bool, w: UrgencyWeights = DEFAULT_WEIGHTS) -> int:
+    """A reward service's next bulk share (percent of wall time, 1..100) under ``policy``.
+
+    Called once per load report of that service (and with 100 and False at
+    registration). Unknown policies get 100.
+    """
+    if policy == "static":
+        return w.static_bulk_share_percent
+    if policy != "dynamic":
+        return 100
+    if at_risk:
+        return max(w.bulk_min_share_percent, int(previous_percent * w.bulk_decrease_factor))
+    return min(100, previous_percent + w.bulk_increase_percent)
 
 
 _POLICIES = {"default": decide_default, "dynamic": decide_dynamic, "static": decide_static}

@@ -68,6 +68,11 @@ ASSIGNED_PRIORITY = Gauge(
 )
 URGENCY = Gauge("tandem_scheduler_urgency", "Latest urgency of a service instance.", ["instance"])
 DECISIONS = Counter("tandem_scheduler_decisions", "Assignments issued (every new generation).")
+BULK_SHARE = Gauge("tandem_scheduler_bulk_share_ratio",
+                   "Share of wall time (0-1) a reward service's bulk lanes may run batches.", ["instance"])
+BULK_CHANGES = Counter("tandem_scheduler_bulk_share_changes", "Changes of a bulk share, by direction.",
+                       ["direction"])
+FRAMES_AT_RISK = Gauge("tandem_scheduler_frames_at_risk", "1 while the dynamic policy sees frames at risk.")
 
 _KINDS = {scheduler_pb2.SERVICE_KIND_SEARCH, scheduler_pb2.SERVICE_KIND_REWARD}
 _HOST = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.\-]+)$")
@@ -149,6 +154,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self._max_watches = max(1, cfg.server.max_workers - RESERVED_UNARY_WORKERS)
         self._watch_count = 0
         self._decisions = 0
+        self._bulk_changes = 0
+        self._at_risk = False  # guarded by the table lock: policy.frames_at_risk's last answer
         self._closed = False
         self._reaper = Reaper(self._table, self._on_expired)
         self._reaper.start()
@@ -199,6 +206,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 self._forget(replaced, f"lease replaced: instance {_short(replaced.instance)} registered again")
                 log.info("instance %s re-registered (pid %d -> %d)", entry.instance, replaced.pid, entry.pid)
             entry.urgency = policy.urgency(entry.kind, None, self._weights)
+            if entry.kind == policy.REWARD:
+                entry.bulk_share_percent = policy.next_bulk_share(self._policy, 100, False, self._weights)
             self._redecide()
             SERVICES_REGISTERED.set(len(self._table))
             log.info("registered %s (%s, pid %d, %d bytes) as lease %s",
@@ -252,6 +261,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             entry.last_load = load
             entry.urgency = policy.urgency(entry.kind, load, self._weights)
             URGENCY.labels(entry.instance).set(entry.urgency)
+            self._step_bulk_lever(entry)
             self._redecide()
             return scheduler_pb2.ReportLoadResponse(lease=self._lease_pb(entry))
 
@@ -271,7 +281,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 )
                 for e in self._table.entries()
             ]
-            decisions = self._decisions
+            decisions, at_risk, bulk_changes = self._decisions, self._at_risk, self._bulk_changes
         device = self._device
         return scheduler_pb2.StatusResponse(
             policy=self._policy,
@@ -283,12 +293,35 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             greatest_priority=self._prange.greatest,
             gpu=device.gpu_name,
             decisions=decisions,
+            frames_at_risk=at_risk,
+            bulk_share_changes=bulk_changes,
         )
 
     # -- helpers (table lock held) -------------------------------------------------------------
 
     def _lease_pb(self, entry: LeaseEntry) -> scheduler_pb2.Lease:
         return scheduler_pb2.Lease(lease_id=entry.lease_id, ttl_ms=self._table.ttl_ms)
+
+    def _step_bulk_lever(self, reporter: LeaseEntry) -> None:
+        """Re-reads the risk from every live report; on a reward service's own
+        report, steps its bulk share once (policy.next_bulk_share)."""
+        loads = [(e.kind, e.last_load) for e in self._table.entries() if self._table.get(e.lease_id) is not None]
+        was = self._at_risk
+        self._at_risk = policy.frames_at_risk(loads, was, self._weights)
+        FRAMES_AT_RISK.set(int(self._at_risk))
+        if self._at_risk != was:
+            log.info("frames %s (critical p95 %s ms)", "at risk" if self._at_risk else "safe again",
+                     ", ".join(f"{l.critical_latency_ms:.2f}" for k, l in loads if k == policy.REWARD and l))
+        if reporter.kind != policy.REWARD:
+            return
+        old = reporter.bulk_share_percent
+        new = policy.next_bulk_share(self._policy, old, self._at_risk, self._weights)
+        if new != old:
+            reporter.bulk_share_percent = new
+            self._bulk_changes += 1
+            BULK_CHANGES.labels("down" if new < old else "up").inc()
+            log.info("%s: bulk share %d%% -> %d%% (frames %s, critical p95 %.2f ms)", reporter.instance, old, new,
+                     "at risk" if self._at_risk else "safe", reporter.last_load.critical_latency_ms)
 
     def _redecide(self) -> None:
         """Re-runs the policy over every live lease; issues and pushes changed assignments."""
@@ -301,10 +334,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         for entry in entries:
             d = decisions[entry.lease_id]
             entry.elevated, entry.on_top = d.elevated, d.on_top
-            pool = entry.memory_bytes
+            pool, bulk = entry.memory_bytes, entry.bulk_share_percent
             last = entry.assignment
-            if last is not None and (last.stream_priority, last.active_thread_percentage,
-                                     last.memory_pool_bytes) == (d.stream_priority, d.active_thread_percentage, pool):
+            if last is not None and (last.stream_priority, last.active_thread_percentage, last.memory_pool_bytes,
+                                     last.bulk_share_percent) == (d.stream_priority, d.active_thread_percentage,
+                                                                  pool, bulk):
                 continue
             entry.generation += 1
             entry.assignment = scheduler_pb2.Assignment(
@@ -316,17 +350,21 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 active_thread_percentage=d.active_thread_percentage,
                 decided_unix_ms=self._wall_ms(),
                 urgency=entry.urgency,
+                bulk_share_percent=bulk,
+                frames_at_risk=self._at_risk,
             )
             self._decisions += 1
             DECISIONS.inc()
             ASSIGNED_PRIORITY.labels(entry.instance).set(d.stream_priority)
             URGENCY.labels(entry.instance).set(entry.urgency)
+            if entry.kind == policy.REWARD:
+                BULK_SHARE.labels(entry.instance).set(bulk / 100.0)
             for watcher in entry.watchers:
                 watcher.push(entry.assignment)
             if last is not None:
-                log.info("%s: stream priority %d -> %d, threads %d%% (urgency %.2f, generation %d)",
+                log.info("%s: stream priority %d -> %d, threads %d%%, bulk share %d%% (urgency %.2f, generation %d)",
                          entry.instance, last.stream_priority, d.stream_priority,
-                         d.active_thread_percentage, entry.urgency, entry.generation)
+                         d.active_thread_percentage, bulk, entry.urgency, entry.generation)
 
     def _close_watchers(self, entry: LeaseEntry, code: str, message: str) -> None:
         for watcher in entry.watchers:
@@ -335,7 +373,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def _forget(self, entry: LeaseEntry, why: str) -> None:
         """Ends ``entry``'s watch streams with NOT_FOUND and drops its metrics (already removed)."""
         self._close_watchers(entry, "NOT_FOUND", why)
-        for gauge in (ASSIGNED_PRIORITY, URGENCY):
+        for gauge in (ASSIGNED_PRIORITY, URGENCY, BULK_SHARE):
             try:
                 gauge.remove(entry.instance)
             except KeyError:

@@ -28,6 +28,8 @@ def print_status(cfg: TandemConfig) -> int:
             print(f"scheduler: {exc.code().name}: {exc.details()}")
             return 1
     print(f"scheduler: policy {st.policy}, {st.decisions} decisions, GPU {st.gpu or 'none'}")
+    print(f"  bulk lever: frames {'AT RISK' if st.frames_at_risk else 'safe'}, "
+          f"{st.bulk_share_changes} bulk share changes")
     gpu = nvml.sample()  # this host's GPU 0, where NVML answers
     if gpu is not None:
         print(f"  GPU utilisation {gpu['gpu_util_percent']:.0f} %, {gpu['memory_used_bytes'] / 2**30:.1f} of "
@@ -43,9 +45,11 @@ def print_status(cfg: TandemConfig) -> int:
         print("  no services registered")
     for s in st.services:
         a, load = s.assignment, s.last_load
+        bulk = (f"  bulk share {a.bulk_share_percent or 100} %  critical p95 {load.critical_latency_ms:.2f} ms"
+                if s.kind == scheduler_pb2.SERVICE_KIND_REWARD else "")
         print(
             f"  {_kind(s.kind):<7} {s.instance:<28} {s.address:<22} priority {a.stream_priority:>2}  "
             f"pool {load.memory_used_bytes / 2**20:.0f}/{a.memory_pool_bytes / 2**20:.0f} MiB  urgency {s.urgency:.2f}  "
-            f"lease {s.lease_expires_in_ms:.0f} ms  queue {load.queue_depth}  {load.requests_per_s:.1f} req/s"
+            f"lease {s.lease_expires_in_ms:.0f} ms  queue {load.queue_depth}  {load.requests_per_s:.1f} req/s{bulk}"
         )
     return 0

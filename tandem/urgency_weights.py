@@ -45,6 +45,22 @@ class UrgencyWeights:
     # "static": MPS active-thread percentage per kind.
     static_search_percentage: int = 50
     static_reward_percentage: int = 50
+    # The lever over bulk work: the share of wall time (1..100 %) each reward
+    # model's bulk lane may run batches. "static": a fixed share. "dynamic":
+    # frames are at risk once a reward service's critical queue + model p95
+    # reaches bulk_raise_critical_ms or a search overruns its deadline by more
+    # than bulk_raise_overrun_ms; they stay at risk until every critical p95 is
+    # below bulk_lower_critical_ms and no search overran (hysteresis). At risk,
+    # each reward report multiplies the share by bulk_decrease_factor (not below
+    # bulk_min_share_percent); otherwise it adds bulk_increase_percent, up to
+    # 100 (additive increase, multiplicative decrease, as TCP's congestion control).
+    static_bulk_share_percent: int = 50
+    bulk_raise_critical_ms: float = 1.0
+    bulk_lower_critical_ms: float = 0.6
+    bulk_raise_overrun_ms: float = 0.0
+    bulk_decrease_factor: float = 0.5
+    bulk_increase_percent: int = 10
+    bulk_min_share_percent: int = 10
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
@@ -58,7 +74,17 @@ class UrgencyWeights:
                 "UrgencyWeights.lower_threshold: must be below raise_threshold "
                 f"({self.lower_threshold} >= {self.raise_threshold})"
             )
-        for name in ("static_search_percentage", "static_reward_percentage"):
+        if self.bulk_lower_critical_ms >= self.bulk_raise_critical_ms:
+            raise ValueError(
+                "UrgencyWeights.bulk_lower_critical_ms: must be below bulk_raise_critical_ms "
+                f"({self.bulk_lower_critical_ms} >= {self.bulk_raise_critical_ms})"
+            )
+        if not 0 < self.bulk_decrease_factor < 1:
+            raise ValueError(
+                f"UrgencyWeights.bulk_decrease_factor: must lie in (0, 1), got {self.bulk_decrease_factor}"
+            )
+        for name in ("static_search_percentage", "static_reward_percentage", "static_bulk_share_percent",
+                     "bulk_increase_percent", "bulk_min_share_percent"):
             value = getattr(self, name)
             if not isinstance(value, int) or not 1 <= value <= 100:
                 raise ValueError(f"UrgencyWeights.{name}: must be an integer in 1..100, got {value!r}")

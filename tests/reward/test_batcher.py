@@ -523,3 +523,71 @@ def test_a_failed_warm_up_fails_the_constructor_and_stops_every_lane(failing):
     with pytest.raises(RuntimeError, match="out of memory"):
         make(Model(), warm_up=warm_up, name=f"broken-{failing}")
     assert not [t for t in threading.enumerate() if t.name.startswith(f"batcher-broken-{failing}-")]
+
+
+# -- the bulk share (the scheduler's lever over bulk work) --------------------------------------
+
+
+def test_a_small_bulk_share_holds_the_next_bulk_batch_but_never_a_critical_one():
+    """Share 1 %: after a bulk batch that ran >= 0.2 s the bulk lane idles
+    >= 19.8 s; a critical request is answered meanwhile, and raising the share
+    to 100 % lets the queued bulk request run at once."""
+    model = Model()
+    b = make(model)
+    b.set_bulk_share(1)
+    assert b.bulk_share == 1 and b.stats()["bulk_share_percent"] == 1
+    model.hold(BULK)
+    first = b.submit(rows_of(1, 1), 1, BULK)
+    assert model.wait_inside(1)
+    time.sleep(0.2)  # the batch runs at least this long
+    second = b.submit(rows_of(2, 1), 1, BULK)
+    model.gate.set()
+    assert first.wait(10)
+    crit = b.evaluate(rows_of(3, 1), 1, CRITICAL, deadline=time.monotonic() + 10)
+    assert (crit.result()["y"] == 6).all()
+    assert not second.done()  # still idling out the bulk lane's share
+    b.set_bulk_share(100)
+    assert second.wait(10) and (second.result()["y"] == 4).all()
+    b.close()
+
+
+def test_the_bulk_lane_idles_in_proportion_to_its_last_batch():
+    """Share 50 %: the gap before the next bulk batch is at least as long as
+    the previous one ran (a lower bound: a slower machine only adds to it)."""
+    starts, ends = [], []
+
+    def run(batch):
+        starts.append(time.monotonic())
+        time.sleep(0.2)
+        ends.append(time.monotonic())
+        return {"y": batch.feeds()["x"] * 2}
+
+    b = make(run)
+    b.set_bulk_share(50)
+    reqs = [b.submit(rows_of(i, 1), 1, BULK) for i in range(2)]
+    time.sleep(0.05)  # both queued before the first batch ends
+    assert all(r.wait(10) for r in reqs)
+    if len(starts) == 1:  # the two merged into one batch: queue two more, one at a time
+        reqs = [b.submit(rows_of(5, 1), 1, BULK)]
+        assert reqs[0].wait(10)
+        reqs.append(b.submit(rows_of(6, 1), 1, BULK))
+        assert reqs[1].wait(10)
+        starts, ends = starts[1:], ends[1:]
+    assert starts[1] - ends[0] >= (ends[0] - starts[0]) * (100 / 50 - 1) - 1e-3
+    with pytest.raises(ValueError, match="bulk share"):
+        b.set_bulk_share(101)
+    b.set_bulk_share(0)  # 0 (an older scheduler's assignment) means no limit
+    assert b.bulk_share == 100
+    b.close()
+
+
+def test_take_latencies_gives_each_answered_request_of_a_lane_once():
+    model = Model()
+    b = make(model)
+    for lane in (CRITICAL, CRITICAL, BULK):
+        b.evaluate(rows_of(1, 1), 1, lane, deadline=time.monotonic() + 10)
+    critical = b.take_latencies(CRITICAL)
+    assert len(critical) == 2 and all(ms >= 0 for ms in critical)
+    assert len(b.take_latencies(BULK)) == 1
+    assert b.take_latencies(CRITICAL) == [] and b.take_latencies(BULK) == []
+    b.close()

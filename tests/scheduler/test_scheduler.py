@@ -26,6 +26,7 @@ from tandem.device import NOMINAL_PRIORITY_RANGE, cpu_only, probe
 from tandem.paths import REPO_ROOT
 from tandem.scheduler_client import SchedulerClient
 from tandem.stream_priority import stream_priority_range
+from tandem.urgency_weights import DEFAULT_WEIGHTS
 
 SEARCH = scheduler_pb2.SERVICE_KIND_SEARCH
 REWARD = scheduler_pb2.SERVICE_KIND_REWARD
@@ -196,6 +197,53 @@ def test_dynamic_pushes_the_greatest_priority_to_the_watcher(launch):
     assert (calm.stream_priority, calm.generation) == (0, 3)
     assert watch.items.empty()
     watch.call.cancel()
+
+
+def test_dynamic_lowers_the_bulk_share_while_frames_are_at_risk_and_gives_it_back(launch):
+    """The lever over bulk work: a reward service reporting a critical p95 over
+    the raise threshold has its bulk share halved on each of its reports
+    (pushed to its watcher, shown in Status); calm again, it grows back."""
+    _, stub = launch(policy="dynamic")
+    search = register(stub, instance="search-0", kind=SEARCH).lease
+    reward = register(stub, instance="reward-0", kind=REWARD, address="127.0.0.1:50051").lease
+    watch = Watch(stub, reward.lease_id)
+    assert watch.next()[1].bulk_share_percent == 100
+
+    def report(critical_ms: float) -> None:
+        stub.ReportLoad(scheduler_pb2.LoadReport(lease_id=reward.lease_id, critical_latency_ms=critical_ms),
+                        timeout=WAIT_S)
+
+    report(5.0)
+    report(5.0)
+    first, second = watch.next()[1], watch.next()[1]
+    assert (first.bulk_share_percent, second.bulk_share_percent) == (50, 25)
+    assert first.frames_at_risk and second.frames_at_risk
+    status = stub.Status(scheduler_pb2.StatusRequest(), timeout=WAIT_S)
+    assert status.frames_at_risk and status.bulk_share_changes == 2
+    # A search's report re-reads the risk but never steps a reward service's share.
+    stub.ReportLoad(scheduler_pb2.LoadReport(lease_id=search.lease_id, deadline_slack_ms=3.0), timeout=WAIT_S)
+    assert stub.Status(scheduler_pb2.StatusRequest(), timeout=WAIT_S).bulk_share_changes == 2
+    report(0.1)
+    calm = watch.next()[1]
+    assert calm.bulk_share_percent == 25 + DEFAULT_WEIGHTS.bulk_increase_percent and not calm.frames_at_risk
+    status = stub.Status(scheduler_pb2.StatusRequest(), timeout=WAIT_S)
+    assert not status.frames_at_risk and status.bulk_share_changes == 3
+    row = {s.instance: s for s in status.services}["reward-0"]
+    assert row.assignment.bulk_share_percent == calm.bulk_share_percent
+    assert row.last_load.critical_latency_ms == pytest.approx(0.1)
+    watch.call.cancel()
+
+
+@pytest.mark.parametrize("policy_name, share", [("default", 100), ("static", DEFAULT_WEIGHTS.static_bulk_share_percent)])
+def test_default_applies_no_bulk_lever_and_static_a_fixed_one(launch, policy_name, share):
+    _, stub = launch(policy=policy_name)
+    registered = register(stub, instance="reward-0", kind=REWARD, address="127.0.0.1:50051")
+    assert registered.assignment.bulk_share_percent == share
+    for _ in range(3):
+        stub.ReportLoad(scheduler_pb2.LoadReport(lease_id=registered.lease.lease_id, critical_latency_ms=50.0),
+                        timeout=WAIT_S)
+    status = stub.Status(scheduler_pb2.StatusRequest(), timeout=WAIT_S)
+    assert status.services[0].assignment.bulk_share_percent == share and status.bulk_share_changes == 0
 
 
 # -- bad input ------------------------------------------------------------------------------------

@@ -230,3 +230,53 @@ def test_dynamic_state_never_changes_inside_the_band(urgencies, start_elevated):
         d = decide("dynamic", [ServiceInput("s", SEARCH, u, (), prev.elevated)], H200)["s"]
         assert d.elevated == start_elevated
         prev = ServiceInput("s", SEARCH, u, (), d.elevated)
+
+
+# -- the lever over bulk work ---------------------------------------------------------------------
+
+def _reward(critical_ms: float) -> tuple[int, scheduler_pb2.LoadReport]:
+    return REWARD, scheduler_pb2.LoadReport(critical_latency_ms=critical_ms)
+
+
+def _search(slack_ms: float) -> tuple[int, scheduler_pb2.LoadReport]:
+    return SEARCH, scheduler_pb2.LoadReport(deadline_slack_ms=slack_ms)
+
+
+def test_frames_at_risk_rises_at_the_raise_threshold_and_falls_below_the_lower_one():
+    raise_ms, lower_ms = W.bulk_raise_critical_ms, W.bulk_lower_critical_ms
+    assert not policy.frames_at_risk([_reward(raise_ms - 0.01)], False)
+    assert policy.frames_at_risk([_reward(raise_ms)], False)
+    between = (raise_ms + lower_ms) / 2
+    assert policy.frames_at_risk([_reward(between)], True)  # hysteresis: stays at risk
+    assert not policy.frames_at_risk([_reward(between)], False)
+    assert not policy.frames_at_risk([_reward(lower_ms - 0.01)], True)
+    # The worst reward service counts; a search that overran its deadline puts frames at risk on its own.
+    assert policy.frames_at_risk([_reward(0.1), _reward(raise_ms + 1)], False)
+    assert policy.frames_at_risk([_reward(0.1), _search(-0.5)], False)
+    assert not policy.frames_at_risk([_search(3.0), (SEARCH, None), (REWARD, None)], False)
+    # 0 slack means "not reported"; NaN counts as not reported.
+    assert not policy.frames_at_risk([_search(0.0), _reward(math.nan)], False)
+
+
+def test_bulk_share_default_none_static_fixed_dynamic_aimd():
+    assert policy.next_bulk_share("default", 30, True) == 100
+    assert policy.next_bulk_share("static", 100, False) == W.static_bulk_share_percent
+    assert policy.next_bulk_share("static", 10, True) == W.static_bulk_share_percent
+    share, seen = 100, []
+    for _ in range(6):  # at risk: halves each report, down to the floor
+        share = policy.next_bulk_share("dynamic", share, True)
+        seen.append(share)
+    assert seen == [50, 25, 12, W.bulk_min_share_percent, W.bulk_min_share_percent, W.bulk_min_share_percent]
+    for _ in range(20):  # safe again: grows by a fixed step, up to 100
+        share = policy.next_bulk_share("dynamic", share, False)
+    assert share == 100
+    assert policy.next_bulk_share("dynamic", 40, False) == 40 + W.bulk_increase_percent
+
+
+def test_bulk_weights_are_checked_naming_the_field():
+    for fields, name in [(dict(bulk_lower_critical_ms=2.0), "bulk_lower_critical_ms"),
+                         (dict(bulk_decrease_factor=1.0), "bulk_decrease_factor"),
+                         (dict(static_bulk_share_percent=0), "static_bulk_share_percent"),
+                         (dict(bulk_min_share_percent=101), "bulk_min_share_percent")]:
+        with pytest.raises(ValueError, match=name):
+            UrgencyWeights(**fields)

@@ -7,34 +7,52 @@ import json
 import pytest
 
 from bench import frame_scheduling
+from loadtest.background import TRANSPORTS
 from loadtest.frame_scheduling import ROW_FIELDS, SCENARIOS, run_scenario, write_config
 from stack.supervisor import Stack
 from tandem.config import load_config
 
 
 @pytest.mark.slow
-def test_quick_run_writes_a_row_per_policy_and_a_plot(tmp_path):
+def test_quick_run_writes_a_row_per_policy_and_transport_and_a_plot(tmp_path):
     frame_scheduling.main(["--quick", "--out", str(tmp_path)])
     doc = json.loads((tmp_path / "frame_scheduling.json").read_text())
     assert doc["benchmark"] == "frame_scheduling"
-    rows = {r["policy"]: r for r in doc["rows"]}
-    assert list(rows) == list(SCENARIOS)
+    rows = {(r["policy"], r["background_transport"]): r for r in doc["rows"]}
+    with_trainer = [s for s in SCENARIOS if s != "uncontended"]
+    assert list(rows) == [("uncontended", None)] + [(s, t) for t in TRANSPORTS for s in with_trainer]
     for r in doc["rows"]:
         assert set(ROW_FIELDS) <= set(r)
-    for name in ("uncontended", "default", "dynamic", "static"):
-        r = rows[name]
+    for (name, transport), r in rows.items():
+        if name == "background_alone":
+            assert r["frame_ms_p50"] is None and r["clients"] == 0
+            continue
         assert r["clients"] == 1 and r["fps"] == 10.0
         assert 0 < r["frame_ms_p50"] <= r["frame_ms_p99"] and r["frame_ms_avg"] > 0
         assert 0 <= r["missed_frame_share"] <= 1
         assert r["simulations_per_frame"] == 16  # the fixed budget, completed (the cap is a whole frame)
         assert r["requests"]["evaluate"]["answered"] == r["requests"]["evaluate"]["sent"] > 0
-    assert rows["uncontended"]["background_per_s"] is None
-    for name in ("background_alone", "default", "dynamic", "static"):
-        assert rows[name]["background_per_s"] > 0 and not rows[name]["background"]["refused"]
-    assert rows["background_alone"]["frame_ms_p50"] is None and rows["background_alone"]["clients"] == 0
+        assert r["critical_queue_ms_p99"] >= 0 and r["critical_model_ms_p99"] > 0
+        # The bulk lever as sampled from the scheduler: none under default, the fixed share under static,
+        # the live one (between its floor and 100) under dynamic. Whether frames were at risk depends on the
+        # machine's speed: only its range is checked.
+        if r["lever_samples"]:
+            expected = {"default": 100, "static": 50}.get(name)
+            if expected is not None:
+                assert r["bulk_share_mean_percent"] == expected
+            assert 10 <= r["bulk_share_mean_percent"] <= 100 and 0 <= r["frames_at_risk_share"] <= 1
+    assert rows[("uncontended", None)]["background_per_s"] is None
+    for key, r in rows.items():
+        if key[0] != "uncontended":
+            assert r["background_per_s"] > 0 and not r["background"]["refused"]
+            assert r["background"]["transport"] == key[1]
     lat = json.loads((tmp_path / "frame_scheduling_latencies.json").read_text())
-    assert lat["fps"] == 10.0 and set(lat["latencies_ms"]) == set(SCENARIOS)
-    assert lat["latencies_ms"]["background_alone"] == [] and len(lat["latencies_ms"]["dynamic"]) >= 10
+    assert lat["fps"] == 10.0 and set(lat["latencies_ms"]) == set(TRANSPORTS)
+    for transport in TRANSPORTS:
+        panel = lat["latencies_ms"][transport]
+        assert set(panel) == set(SCENARIOS)
+        assert panel["background_alone"] == [] and len(panel["dynamic"]) >= 10
+        assert panel["uncontended"] == lat["latencies_ms"][TRANSPORTS[0]]["uncontended"]  # one run, every panel
     try:
         import matplotlib  # noqa: F401 - the loadtest extra
     except ImportError:
@@ -44,6 +62,12 @@ def test_quick_run_writes_a_row_per_policy_and_a_plot(tmp_path):
     png.unlink()
     frame_scheduling.main(["--plot-only", str(tmp_path)])  # again, from the latencies file alone
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_an_unknown_transport_is_refused_in_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        frame_scheduling.main(["--quick", "--background-transport", "grpc,pigeon"])
+    assert exit_info.value.code == 2 and "--background-transport" in capsys.readouterr().err
 
 
 def test_static_starts_each_server_with_its_mps_thread_share(tmp_path):

@@ -89,6 +89,7 @@ def test_up_status_play_and_stop(config_file, tmp_path):
             time.sleep(0.1)
         assert status.returncode == 0, status.stdout + status.stderr
         assert "search" in status.stdout and "reward" in status.stdout and "NOT ENFORCED" in status.stdout
+        assert "bulk lever: frames" in status.stdout and "bulk share 100 %" in status.stdout  # default: no lever
         assert "co_located: true" in status.stdout  # the way out without MPS, named
 
         report_path = tmp_path / "report.json"

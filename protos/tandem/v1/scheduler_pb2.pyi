@@ -132,7 +132,7 @@ class ServiceStatus(_message.Message):
     def __init__(self, kind: _Optional[_Union[ServiceKind, str]] = ..., instance: _Optional[str] = ..., address: _Optional[str] = ..., lease: _Optional[_Union[Lease, _Mapping]] = ..., assignment: _Optional[_Union[Assignment, _Mapping]] = ..., last_load: _Optional[_Union[LoadReport, _Mapping]] = ..., lease_expires_in_ms: _Optional[float] = ..., urgency: _Optional[float] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("policy", "mps_active", "mps_message", "priorities_enforced", "services", "least_priority", "greatest_priority", "gpu", "decisions")
+    __slots__ = ("policy", "mps_active", "mps_message", "priorities_enforced", "services", "least_priority", "greatest_priority", "gpu", "decisions", "frames_at_risk", "bulk_share_changes")
     POLICY_FIELD_NUMBER: _ClassVar[int]
     MPS_ACTIVE_FIELD_NUMBER: _ClassVar[int]
     MPS_MESSAGE_FIELD_NUMBER: _ClassVar[int]
@@ -142,6 +142,8 @@ class StatusResponse(_message.Message):
     GREATEST_PRIORITY_FIELD_NUMBER: _ClassVar[int]
     GPU_FIELD_NUMBER: _ClassVar[int]
     DECISIONS_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_AT_RISK_FIELD_NUMBER: _ClassVar[int]
+    BULK_SHARE_CHANGES_FIELD_NUMBER: _ClassVar[int]
     policy: str
     mps_active: bool
     mps_message: str
@@ -151,4 +153,6 @@ class StatusResponse(_message.Message):
     greatest_priority: int
     gpu: str
     decisions: int
-    def __init__(self, policy: _Optional[str] = ..., mps_active: _Optional[bool] = ..., mps_message: _Optional[str] = ..., priorities_enforced: _Optional[bool] = ..., services: _Optional[_Iterable[_Union[ServiceStatus, _Mapping]]] = ..., least_priority: _Optional[int] = ..., greatest_priority: _Optional[int] = ..., gpu: _Optional[str] = ..., decisions: _Optional[int] = ...) -> None: ...
+    frames_at_risk: bool
+    bulk_share_changes: int
+    def __init__(self, policy: _Optional[str] = ..., mps_active: _Optional[bool] = ..., mps_message: _Optional[str] = ..., priorities_enforced: _Optional[bool] = ..., services: _Optional[_Iterable[_Union[ServiceStatus, _Mapping]]] = ..., least_priority: _Optional[int] = ..., greatest_priority: _Optional[int] = ..., gpu: _Optional[str] = ..., decisions: _Optional[int] = ..., frames_at_risk: _Optional[bool] = ..., bulk_share_changes: _Optional[int] = ...) -> None: ...
