@@ -21,14 +21,7 @@ export PYTHONUNBUFFERED=1
 t0=$(date +%s)
 OUTDIR=${OUT:-bench/results}
 mkdir -p "$OUTDIR"
-W=/root/onnxruntime_gpu-1.31.1-cp312-cp312-manylinux_2_28_x86_64.whl  # pip needs a valid wheel name
-if [ -d /root/ortparts ]; then
-  cat /root/ortparts/part* > $W && python3 -m pip install -q --no-index --no-deps --no-compile --target /root/ortsite $W 2>&1 | tail -2
-fi
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-  .whl/onnxconverter_common-*.whl .whl/grpcio_health_checking-*.whl .whl/grpcio_reflection-*.whl 2>&1 | tail -2
-export PYTHONPATH=/root/ortsite:/tmp/site:$PWD
-python3 -c "import onnxruntime as o; print('ort', o.__version__, o.get_available_providers())" 2>&1 | tail -1
+source bench/gpu_setup.sh
 echo "setup $(( $(date +%s) - t0 )) s"
 if [ -z "${BENCH_ONLY:-}" ]; then
 # The checks: MPS (started here for the doctor, stopped after), priorities across processes, memory, copies.

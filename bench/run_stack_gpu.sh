@@ -24,18 +24,7 @@ t0=$(date +%s)
 OUTDIR=${OUT:-runs/stack_gpu}
 LOGS=${LOGS:-/tmp/stack_gpu_logs}
 mkdir -p "$OUTDIR" "$LOGS"
-W=/root/onnxruntime_gpu-1.31.1-cp312-cp312-manylinux_2_28_x86_64.whl  # pip needs a valid wheel name
-if [ -d /root/ortparts ]; then
-  cat /root/ortparts/part* > $W && python3 -m pip install -q --no-index --no-deps --no-compile --target /root/ortsite $W 2>&1 | tail -2
-  rm -rf /root/ortparts
-fi
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl 2>&1 | tail -2
-export PYTHONPATH=/root/ortsite:/tmp/site:$PWD
-# The `tandem` command, as a user gets it (no registry there: no deps, no build isolation).
-python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null 2>&1 || true
-TANDEM="tandem"; command -v tandem >/dev/null || TANDEM="python3 -m stack"
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-python3 -c "import onnxruntime as o, cupy; print('ort', o.__version__, o.get_available_providers()[:2], 'cupy', cupy.__version__)"
+source bench/gpu_setup.sh
 echo "setup $(( $(date +%s) - t0 )) s; tandem = $TANDEM"
 
 TESTS=${TESTS-tests}

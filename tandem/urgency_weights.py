@@ -55,8 +55,8 @@ class UrgencyWeights:
     # bulk_min_share_percent); otherwise it adds bulk_increase_percent, up to
     # 100 (additive increase, multiplicative decrease, as TCP's congestion control).
     static_bulk_share_percent: int = 50
-    bulk_raise_critical_ms: float = 1.0
-    bulk_lower_critical_ms: float = 0.6
+    bulk_raise_critical_ms: float = 4.0  # a quarter of a 60 FPS frame
+    bulk_lower_critical_ms: float = 2.0
     bulk_raise_overrun_ms: float = 0.0
     bulk_decrease_factor: float = 0.5
     bulk_increase_percent: int = 10

@@ -274,7 +274,7 @@ def test_bulk_share_default_none_static_fixed_dynamic_aimd():
 
 
 def test_bulk_weights_are_checked_naming_the_field():
-    for fields, name in [(dict(bulk_lower_critical_ms=2.0), "bulk_lower_critical_ms"),
+    for fields, name in [(dict(bulk_lower_critical_ms=5.0), "bulk_lower_critical_ms"),
                          (dict(bulk_decrease_factor=1.0), "bulk_decrease_factor"),
                          (dict(static_bulk_share_percent=0), "static_bulk_share_percent"),
                          (dict(bulk_min_share_percent=101), "bulk_min_share_percent")]:

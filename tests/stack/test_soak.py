@@ -60,3 +60,20 @@ def test_soak_refuses_nothing_at_this_load(report):
         assert r["sent"] >= 0.9 * SECONDS * 4 * 15, r  # the generator kept its schedule
         assert r["refused"] == {} and r["answered"] == r["sent"], (kind, r)
     assert req["search"]["evaluators"] == {"EVALUATOR_VALUE_MODEL": req["search"]["answered"]}
+
+
+def test_a_short_soak_beside_a_trainer_under_dynamic_loses_nothing(tmp_path):
+    """The soak's trainer form (issue 12, part 5) in brief on the CPU: engines
+    and a shared-memory trainer at once under the dynamic policy; nothing is
+    lost, the trainer's batches are all answered, the lever is sampled. (The
+    10-minute run on the GPU is docs/reliability.md's figure.)"""
+    report = run_soak(seconds=8.0, engines=2, fps=10.0, simulations=16, evaluator="rollout", frames=True,
+                      policy="dynamic", trainer="shm", log_dir=tmp_path / "logs")
+    for kind, r in report["load"]["requests"].items():
+        assert r["lost"] == 0 and r["answered"] + sum(r["refused"].values()) == r["sent"] > 0, (kind, r)
+    assert report["server_exited_during_soak"] is None and set(report["exit_codes"].values()) == {0}
+    assert report["policy"] == "dynamic"
+    trainer = report["trainer"]
+    assert trainer["transport"] == "shm" and trainer["batches"] > 0 and not trainer["refused"], trainer
+    lever = report["bulk_lever"]
+    assert lever["samples"] > 0 and 10 <= lever["bulk_share_mean_percent"] <= 100

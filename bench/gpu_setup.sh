@@ -1,0 +1,21 @@
+# Sourced by the GPU run scripts (bench/run_*_gpu.sh) on the GPU machine, from
+# the repository root: installs what was carried there and sets PYTHONPATH.
+#   - onnxruntime-gpu, carried in parts into /root/ortparts (the team's
+#     ort-gpu-parts.sh: `prepare` once, then per part `stage N` + a device call
+#     copying .ortgpu/current to /root/ortparts/$(cat .ortgpu/name)), joined
+#     and installed into /root/ortsite once;
+#   - the wheels carried in .whl (grpcio-health-checking, grpcio-reflection,
+#     onnxconverter-common: the machine has no registry) into /tmp/site;
+#   - the `tandem` command, as a user gets it ($TANDEM; no deps, no build isolation).
+# Prints the GPU, ONNX Runtime's providers and CuPy's version.
+W=/root/onnxruntime_gpu-1.31.1-cp312-cp312-manylinux_2_28_x86_64.whl  # pip needs a valid wheel name
+if [ -d /root/ortparts ]; then
+  cat /root/ortparts/part* > $W && python3 -m pip install -q --no-index --no-deps --no-compile --target /root/ortsite $W 2>&1 | tail -2
+  rm -rf /root/ortparts
+fi
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl 2>&1 | tail -2
+export PYTHONPATH=/root/ortsite:/tmp/site:$PWD
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null 2>&1 || true
+TANDEM="tandem"; command -v tandem >/dev/null || TANDEM="python3 -m stack"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+python3 -c "import onnxruntime as o, cupy; print('ort', o.__version__, o.get_available_providers()[:2], 'cupy', cupy.__version__)"
