@@ -328,7 +328,8 @@ def test_metadata_runtime_says_how_the_model_runs(batched):
 def test_load_report_includes_queue_age(batched):
     service, _ = batched
     load = service.servicer.load()
-    assert set(load) == {"queue_depth", "queue_age_ms", "requests_per_s"} and load["queue_age_ms"] >= 0
+    assert set(load) == {"queue_depth", "queue_age_ms", "requests_per_s", "critical_latency_ms"}
+    assert load["queue_age_ms"] >= 0 and load["critical_latency_ms"] >= 0
 
 
 # -- the IO-binding path, over host buffers on the CPU provider --------------------------------
