@@ -10,8 +10,9 @@
   :class:`SchedulerHandle` with ``.port`` and ``.stop()``.
 
 Prometheus metrics (defined in :mod:`scheduler.server`):
-``tandem_scheduler_services``, ``tandem_scheduler_stream_priority{instance}``,
-``tandem_scheduler_urgency{instance}``, ``tandem_scheduler_decisions_total``,
+``tandem_scheduler_services``, ``tandem_scheduler_stream_priority{service_instance}``,
+``tandem_scheduler_urgency{service_instance}``, ``tandem_scheduler_decisions_total``,
+``tandem_scheduler_mps_active`` (0/1),
 plus the per-RPC latency histogram every tandem server has.
 """
 from __future__ import annotations
