@@ -3,6 +3,7 @@ called with Triton's own client, ``tritonclient.grpc``, against a real reward
 server on loopback with the shipped model."""
 from __future__ import annotations
 
+import grpc
 import numpy as np
 import pytest
 from conftest import loopback_config
@@ -12,9 +13,12 @@ from reward_service import server as reward_server
 from tandem import tensors
 from tandem.server import channel
 
-grpcclient = pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc] (the oip extra) is not installed")
-from tritonclient.grpc import service_pb2, service_pb2_grpc  # noqa: E402
-from tritonclient.utils import InferenceServerException  # noqa: E402
+try:
+    import tritonclient.grpc as grpcclient
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+    from tritonclient.utils import InferenceServerException
+except (ImportError, RuntimeError):  # tritonclient.grpc raises RuntimeError when its grpc part is missing
+    pytest.fail("tritonclient[grpc] is not installed: pip install -e '.[test]'", pytrace=False)
 
 MODEL = "connect4_value"
 
@@ -179,8 +183,6 @@ BAD = [
 @pytest.mark.parametrize("why, request_, code, message", BAD, ids=[b[0] for b in BAD])
 def test_bad_input_gets_the_protocol_status_naming_the_field(served, why, request_, code, message):
     client, _, _, oip_stub = served
-    import grpc
-
     with pytest.raises(grpc.RpcError) as info:
         oip_stub.ModelInfer(request_, timeout=30)
     assert info.value.code().name == code, info.value.details()
@@ -213,8 +215,24 @@ def test_expired_timeout_parameter_is_deadline_exceeded_and_not_run(served):
 
 def test_parts_not_served_answer_unimplemented(served):
     *_, oip_stub = served
-    import grpc
-
     with pytest.raises(grpc.RpcError) as info:
         oip_stub.SystemSharedMemoryStatus(service_pb2.SystemSharedMemoryStatusRequest(), timeout=30)
     assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_without_tritonclient_the_server_serves_reward_service_alone(monkeypatch, caplog):
+    from reward_service import oip
+
+    def missing():
+        raise ImportError("No module named 'tritonclient'")
+
+    monkeypatch.setattr(oip, "_load", missing)
+    with caplog.at_level("WARNING", logger="reward_service.oip"):
+        assert oip.registrar(object(), serving=lambda: True) is None
+    assert "Open Inference Protocol not served" in caplog.text and "tandem[oip]" in caplog.text
+
+
+def test_oip_is_listed_by_reflection_beside_reward_service(served):
+    _, service, *_ = served
+    assert "inference.GRPCInferenceService" in service.running.services
+    assert "tandem.v1.RewardService" in service.running.services
