@@ -23,6 +23,7 @@ from reward_service.session import InputError, ModelSession, runners_per_model
 from reward_service.shared_memory import Lease, RegionStatus, RegionTable, SharedMemoryError
 from tandem import pools, tensors
 from tandem.config import SharedMemoryConfig, TandemConfig
+from tandem.gpu import cuda_device_count
 from tandem.service import Service, start_service
 
 log = logging.getLogger(__name__)
@@ -438,6 +439,7 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True) -> Service:
             stream_priorities=held,
             memory_bytes=cfg.reward.memory_pool_bytes,
             follow_scheduler=follow_scheduler,
+            capabilities=_capabilities(oip_register is not None),
         )
     except BaseException:
         servicer.close()
@@ -452,6 +454,16 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True) -> Service:
 
     service.on_close = close
     return service
+
+
+def _capabilities(open_inference_protocol: bool) -> list[str]:
+    """What this reward server offers beyond RewardService's base calls (Handshake)."""
+    out = ["reward.request_classes", "reward.shared_memory.system"]
+    if cuda_device_count() > 0:
+        out.append("reward.shared_memory.cuda")
+    if open_inference_protocol:
+        out.append("reward.open_inference_protocol")
+    return out
 
 
 def serve(cfg: TandemConfig) -> None:

@@ -107,7 +107,8 @@ def start(cfg: TandemConfig, *, device: DeviceInfo | None = None,
     sched = cfg.scheduler
     servicer = SchedulerServicer(sched, device, weights or sched.urgency)
     try:
-        running = build_server(sched.address, sched.server, cfg, register=[add_to_server(servicer)])
+        running = build_server(sched.address, sched.server, cfg, register=[add_to_server(servicer)],
+                               capabilities=["scheduler.leases", "scheduler.watch_assignments"])
     except BaseException:
         servicer.close()
         raise
