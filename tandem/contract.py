@@ -19,8 +19,8 @@ from tandem.v1 import contract_pb2, contract_pb2_grpc
 log = logging.getLogger(__name__)
 
 API_VERSION = "tandem.v1"
-#: 1: the first release (protos/baseline/tandem-v1.binpb); 2: ContractService,
-#: Assignment.bulk_share_percent / frames_at_risk, LoadReport.critical_latency_ms.
+#: 1: the first release, as committed in protos/baseline/tandem-v1.binpb;
+#: 2: ContractService (this Handshake).
 API_REVISION = 2
 SERVICE_NAME = contract_pb2.DESCRIPTOR.services_by_name["ContractService"].full_name
 
