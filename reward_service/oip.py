@@ -7,9 +7,11 @@ the ``oip`` extra; without it the reward server serves RewardService alone
 and logs why (:func:`registrar`).
 
 Served: ServerLive, ServerReady, ServerMetadata, ModelReady, ModelMetadata,
-ModelInfer, and Triton's ModelConfig and ModelStatistics (what perf_analyzer
-and Model Analyzer read). Everything else (streaming, the model repository,
-shared memory, trace and log settings) answers UNIMPLEMENTED.
+ModelInfer, Triton's ModelConfig and ModelStatistics (what perf_analyzer and
+Model Analyzer read), and Triton's system and CUDA shared-memory calls
+(Register / Status / Unregister), mapped onto RewardService's region table
+(reward_service/shared_memory.py). Everything else (streaming, the model
+repository, trace and log settings) answers UNIMPLEMENTED.
 
 ModelInfer is translated into an EvaluateRequest and answered by
 :meth:`RewardServicer.Evaluate`, so validation, batching, deadlines, status
@@ -23,7 +25,15 @@ codes and the per-model metrics are RewardService's own:
   and ``timeout`` (µs, a server-side deadline; the call's gRPC deadline
   applies too); any other parameter is INVALID_ARGUMENT, named;
 * ``model_version``: empty, or the model's version (the sha256 prefix of its
-  file, as RewardService's ModelMetadata reports); another is NOT_FOUND.
+  file, as RewardService's ModelMetadata reports); another is NOT_FOUND;
+* shared memory: an input or requested output may name a region with the
+  parameters ``shared_memory_region``, ``shared_memory_byte_size`` and
+  ``shared_memory_offset`` (Triton's); such an input has no
+  ``raw_input_contents`` entry, such an output an empty one. OIP clients have
+  no identity, so their regions all belong to one client of the region table,
+  :data:`OIP_CLIENT`, and are leased like RewardService's: every use or
+  status call renews a region, one left unused for
+  ``reward.shared_memory.lease_ttl_ms`` is unregistered.
 """
 from __future__ import annotations
 
@@ -54,7 +64,10 @@ _NAMES = {code: name for name, code in DATATYPES.items()}
 PRIORITY_LEVELS = {1: reward_pb2.REQUEST_CLASS_CRITICAL, 2: reward_pb2.REQUEST_CLASS_BULK}
 DEFAULT_PRIORITY_LEVEL = 2
 REQUEST_PARAMETERS = ("priority", "timeout")
-EXTENSIONS = ("model_configuration", "statistics", "schedule_policy", "parameters")
+EXTENSIONS = ("model_configuration", "statistics", "schedule_policy", "parameters", "system_shared_memory",
+              "cuda_shared_memory")
+OIP_CLIENT = "open-inference-protocol"  # the region table's client for every OIP region
+SHM_PARAMETERS = ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset")
 PLATFORM = "onnxruntime_onnx"
 
 
@@ -157,15 +170,98 @@ def make_servicer(reward, serving, model_config_pb2, service_pb2, service_pb2_gr
             reply = reward.Evaluate(evaluate, _DeadlineContext(context, timeout_s))
             return pb.ModelInferResponse(
                 model_name=s.name, model_version=s.version, id=request.id,
-                outputs=[pb.ModelInferResponse.InferOutputTensor(name=t.name, datatype=_NAMES[t.dtype], shape=t.shape)
+                outputs=[pb.ModelInferResponse.InferOutputTensor(name=t.name, datatype=_NAMES[t.dtype], shape=t.shape,
+                                                                 parameters=_output_parameters(pb, t))
                          for t in reply.outputs],
+                # One entry per output (clients index them so): empty for one written to shared memory.
                 raw_output_contents=[t.data for t in reply.outputs],
                 parameters={"queue_ms": pb.InferParameter(double_param=reply.queue_ms),
                             "compute_ms": pb.InferParameter(double_param=reply.compute_ms),
                             "batch_size": pb.InferParameter(int64_param=reply.batch_size)},
             )
 
+        # -- shared memory: Triton's calls over RewardService's (validation, leases, limits)
+
+        def SystemSharedMemoryRegister(self, request, context):
+            reward.RegisterSharedMemory(reward_pb2.RegisterSharedMemoryRequest(
+                client_id=OIP_CLIENT, name=request.name, byte_size=request.byte_size,
+                system=reward_pb2.SystemSharedMemory(key=request.key, offset=request.offset)), context)
+            return pb.SystemSharedMemoryRegisterResponse()
+
+        def SystemSharedMemoryStatus(self, request, context):
+            Status = pb.SystemSharedMemoryStatusResponse.RegionStatus
+            return pb.SystemSharedMemoryStatusResponse(regions={
+                r.name: Status(name=r.name, key=r.system.key, offset=r.system.offset, byte_size=r.byte_size)
+                for r in _regions(reward, "system", request.name, context)})
+
+        def SystemSharedMemoryUnregister(self, request, context):
+            _unregister(reward, "system", request.name, context)
+            return pb.SystemSharedMemoryUnregisterResponse()
+
+        def CudaSharedMemoryRegister(self, request, context):
+            reward.RegisterSharedMemory(reward_pb2.RegisterSharedMemoryRequest(
+                client_id=OIP_CLIENT, name=request.name, byte_size=request.byte_size,
+                cuda=reward_pb2.CudaSharedMemory(raw_handle=request.raw_handle, device_id=request.device_id)), context)
+            return pb.CudaSharedMemoryRegisterResponse()
+
+        def CudaSharedMemoryStatus(self, request, context):
+            Status = pb.CudaSharedMemoryStatusResponse.RegionStatus
+            return pb.CudaSharedMemoryStatusResponse(regions={
+                r.name: Status(name=r.name, device_id=r.cuda.device_id, byte_size=r.byte_size)
+                for r in _regions(reward, "cuda", request.name, context)})
+
+        def CudaSharedMemoryUnregister(self, request, context):
+            _unregister(reward, "cuda", request.name, context)
+            return pb.CudaSharedMemoryUnregisterResponse()
+
     return OpenInferenceServicer()
+
+
+def _regions(reward, kind: str, name: str, context) -> list:
+    """The OIP regions of ``kind`` ("system" or "cuda"), or the one named
+    ``name`` (NOT_FOUND when it is of the other kind: Triton keeps the two apart)."""
+    regions = reward.SharedMemoryStatus(reward_pb2.SharedMemoryStatusRequest(client_id=OIP_CLIENT, name=name),
+                                        context).regions
+    mine = [r for r in regions if r.WhichOneof("memory") == kind]
+    if name and not mine:
+        context.abort(grpc.StatusCode.NOT_FOUND, f"name: no {kind} shared-memory region named {name[:80]!r}")
+    return mine
+
+
+def _unregister(reward, kind: str, name: str, context) -> None:
+    """Unregisters the OIP region ``name`` of ``kind`` (empty: every one of that kind)."""
+    for r in _regions(reward, kind, name, context):
+        reward.UnregisterSharedMemory(reward_pb2.UnregisterSharedMemoryRequest(client_id=OIP_CLIENT, name=r.name),
+                                      context)
+
+
+def _output_parameters(pb, tensor) -> dict:
+    """An output written to shared memory names its region and the bytes written (Triton's parameters)."""
+    if tensor.WhichOneof("contents") != "shared_memory":
+        return {}
+    ref = tensor.shared_memory
+    return {"shared_memory_region": pb.InferParameter(string_param=ref.region),
+            "shared_memory_byte_size": pb.InferParameter(int64_param=ref.byte_size),
+            "shared_memory_offset": pb.InferParameter(int64_param=ref.offset)}
+
+
+def _shared_memory_ref(field: str, parameters, refuse) -> reward_pb2.SharedMemoryRef | None:
+    """The region a tensor's parameters name (None: none), refusing unknown
+    parameters and values of the wrong type, naming them."""
+    values = {}
+    for key, p in parameters.items():
+        if key not in SHM_PARAMETERS:
+            refuse(f"{field}.parameters: unknown parameter {key[:80]!r} (known: {list(SHM_PARAMETERS)})")
+        values[key] = _parameter_value(p)
+    if not values:
+        return None
+    region, size, offset = (values.get(k) for k in SHM_PARAMETERS)
+    if not isinstance(region, str) or not region:
+        refuse(f"{field}.parameters['shared_memory_region']: a region name is needed with {sorted(values)}")
+    for key, v in (("shared_memory_byte_size", size), ("shared_memory_offset", offset or 0)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            refuse(f"{field}.parameters[{key!r}]: {v!r} is not a byte count (an integer >= 0)")
+    return reward_pb2.SharedMemoryRef(region=region, offset=offset or 0, byte_size=size)
 
 
 def _version() -> str:
@@ -217,26 +313,31 @@ def _evaluate_request(session, request, context) -> tuple[reward_pb2.EvaluateReq
             timeout_s = value / 1e6 if value else None  # Triton: 0 is no timeout
         else:
             refuse(f"parameters[{key[:80]!r}]: unknown parameter (known: {list(REQUEST_PARAMETERS)})")
-    if len(request.raw_input_contents) != len(request.inputs):
-        refuse(f"raw_input_contents: {len(request.raw_input_contents)} entries for {len(request.inputs)} inputs "
-               f"(send every input's bytes there, in the order of inputs)")
+    refs = [_shared_memory_ref(f"inputs[{i}] ({t.name[:80]!r})", t.parameters, refuse)
+            for i, t in enumerate(request.inputs)]
+    raw_inputs = [t for t, ref in zip(request.inputs, refs) if ref is None]
+    if len(request.raw_input_contents) != len(raw_inputs):
+        refuse(f"raw_input_contents: {len(request.raw_input_contents)} entries for {len(raw_inputs)} inputs "
+               f"not in shared memory (send their bytes there, in the order of inputs)")
+    raw = iter(request.raw_input_contents)
     inputs = []
-    for i, (t, data) in enumerate(zip(request.inputs, request.raw_input_contents)):
+    for i, (t, ref) in enumerate(zip(request.inputs, refs)):
         field = f"inputs[{i}] ({t.name[:80]!r})"
         if t.HasField("contents"):
             refuse(f"{field}.contents: typed contents are not served; send raw_input_contents")
-        if t.parameters:
-            refuse(f"{field}.parameters: unknown parameter {sorted(t.parameters)[0][:80]!r} "
-                   f"(inputs take none; shared memory is not served over this protocol)")
         if t.datatype not in DATATYPES:
             refuse(f"{field}.datatype: {t.datatype[:20]!r} is not served (datatypes: {list(DATATYPES)})")
-        inputs.append(reward_pb2.Tensor(name=t.name, dtype=DATATYPES[t.datatype], shape=t.shape, data=data))
+        where = {"shared_memory": ref} if ref is not None else {"data": next(raw)}
+        inputs.append(reward_pb2.Tensor(name=t.name, dtype=DATATYPES[t.datatype], shape=t.shape, **where))
+    output_refs = {}
     for i, o in enumerate(request.outputs):
-        if o.parameters:
-            refuse(f"outputs[{i}] ({o.name[:80]!r}).parameters: unknown parameter {sorted(o.parameters)[0][:80]!r} "
-                   f"(outputs take none)")
+        ref = _shared_memory_ref(f"outputs[{i}] ({o.name[:80]!r})", o.parameters, refuse)
+        if ref is not None:
+            output_refs[o.name] = ref
+    shared = output_refs or any(ref is not None for ref in refs)
     evaluate = reward_pb2.EvaluateRequest(model=session.name, inputs=inputs, request_class=request_class,
-                                          output_names=[o.name for o in request.outputs])
+                                          output_names=[o.name for o in request.outputs],
+                                          output_shared_memory=output_refs, client_id=OIP_CLIENT if shared else "")
     return evaluate, timeout_s
 
 

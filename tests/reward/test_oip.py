@@ -173,8 +173,18 @@ BAD = [
      "parameters['priority']"),
     ("negative timeout", _raw(parameters={"timeout": P(int64_param=-1)}), "INVALID_ARGUMENT",
      "parameters['timeout']"),
-    ("input parameter", _raw(tensor={"parameters": {"shared_memory_region": P(string_param="r")}}),
-     "INVALID_ARGUMENT", "inputs[0] ('board').parameters: unknown parameter 'shared_memory_region'"),
+    ("input parameter", _raw(tensor={"parameters": {"classification": P(int64_param=3)}}),
+     "INVALID_ARGUMENT", "inputs[0] ('board').parameters: unknown parameter 'classification'"),
+    ("output parameter", _raw(outputs=[service_pb2.ModelInferRequest.InferRequestedOutputTensor(
+        name="value", parameters={"classification": P(int64_param=3)})]),
+     "INVALID_ARGUMENT", "outputs[0] ('value').parameters: unknown parameter 'classification'"),
+    ("region without byte size", _raw(tensor={"parameters": {"shared_memory_region": P(string_param="r")}},
+                                      raw_input_contents=[]),
+     "INVALID_ARGUMENT", "inputs[0] ('board').parameters['shared_memory_byte_size']"),
+    ("unknown region", _raw(tensor={"parameters": {"shared_memory_region": P(string_param="nowhere"),
+                                                   "shared_memory_byte_size": P(int64_param=84)}},
+                            raw_input_contents=[]),
+     "NOT_FOUND", "nowhere"),
     ("unknown output", _raw(outputs=[service_pb2.ModelInferRequest.InferRequestedOutputTensor(name="q")]),
      "INVALID_ARGUMENT", "output_names: model 'connect4_value' has no output 'q'"),
 ]
@@ -216,7 +226,7 @@ def test_expired_timeout_parameter_is_deadline_exceeded_and_not_run(served):
 def test_parts_not_served_answer_unimplemented(served):
     *_, oip_stub = served
     with pytest.raises(grpc.RpcError) as info:
-        oip_stub.SystemSharedMemoryStatus(service_pb2.SystemSharedMemoryStatusRequest(), timeout=30)
+        oip_stub.RepositoryIndex(service_pb2.RepositoryIndexRequest(), timeout=30)
     assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
@@ -236,3 +246,67 @@ def test_oip_is_listed_by_reflection_beside_reward_service(served):
     _, service, *_ = served
     assert "inference.GRPCInferenceService" in service.running.services
     assert "tandem.v1.RewardService" in service.running.services
+
+
+def test_system_shared_memory_inputs_and_outputs(served):
+    """Triton's own shared-memory helpers (POSIX shm) for an input and an
+    output, registered, used, listed and unregistered over the protocol."""
+    import tritonclient.utils.shared_memory as shm
+
+    client, *_ = served
+    b = boards(4, seed=9)
+    want = infer(client, b).as_numpy("value")
+    inp = shm.create_shared_memory_region("oip_in", "/tandem_oip_in", b.nbytes)
+    out = shm.create_shared_memory_region("oip_out", "/tandem_oip_out", 4 * 4)
+    try:
+        shm.set_shared_memory_region(inp, [b])
+        client.register_system_shared_memory("oip_in", "/tandem_oip_in", b.nbytes)
+        client.register_system_shared_memory("oip_out", "/tandem_oip_out", 16)
+        regions = client.get_system_shared_memory_status().regions
+        assert {name: (r.key, r.byte_size) for name, r in regions.items()} == {
+            "oip_in": ("/tandem_oip_in", b.nbytes), "oip_out": ("/tandem_oip_out", 16)}
+        x = grpcclient.InferInput("board", list(b.shape), "UINT8")
+        x.set_shared_memory("oip_in", b.nbytes)
+        value = grpcclient.InferRequestedOutput("value")
+        value.set_shared_memory("oip_out", 16)
+        result = client.infer(MODEL, [x], outputs=[value], client_timeout=30)
+        output = result.get_output("value")
+        assert output.parameters["shared_memory_region"].string_param == "oip_out"
+        assert output.parameters["shared_memory_byte_size"].int64_param == 16
+        got = shm.get_contents_as_numpy(out, np.float32, [4, 1])
+        np.testing.assert_allclose(got, want, atol=1e-5)
+        with pytest.raises(InferenceServerException) as info:  # the name is taken
+            client.register_system_shared_memory("oip_in", "/tandem_oip_in", b.nbytes)
+        assert info.value.status() == "StatusCode.ALREADY_EXISTS"
+        with pytest.raises(InferenceServerException) as info:  # a system region is no CUDA one
+            client.get_cuda_shared_memory_status("oip_in")
+        assert info.value.status() == "StatusCode.NOT_FOUND" and "no cuda shared-memory region" in info.value.message()
+        client.unregister_system_shared_memory("oip_in")
+        assert list(client.get_system_shared_memory_status().regions) == ["oip_out"]
+        client.unregister_system_shared_memory()
+        assert not client.get_system_shared_memory_status().regions
+    finally:
+        for handle in (inp, out):
+            shm.destroy_shared_memory_region(handle)
+
+
+def test_system_shared_memory_register_errors(served):
+    client, *_ = served
+    with pytest.raises(InferenceServerException) as info:
+        client.register_system_shared_memory("ghost", "/tandem_no_such_object", 64)
+    assert info.value.status() == "StatusCode.NOT_FOUND" and "tandem_no_such_object" in info.value.message()
+    with pytest.raises(InferenceServerException) as info:
+        client.unregister_system_shared_memory("ghost")
+    assert info.value.status() == "StatusCode.NOT_FOUND"
+
+
+def test_cuda_shared_memory_without_a_gpu_is_a_failed_precondition(served):
+    from tandem.gpu import cuda_device_count
+
+    if cuda_device_count() > 0:
+        pytest.skip("this host has a GPU: the CUDA path is tested in test_shared_memory_gpu.py")
+    client, *_ = served
+    with pytest.raises(InferenceServerException) as info:
+        client.register_cuda_shared_memory("gpu_in", bytes(64), 0, 1024)
+    assert info.value.status() == "StatusCode.FAILED_PRECONDITION"
+    assert not client.get_cuda_shared_memory_status().regions
