@@ -37,7 +37,6 @@ codes and the per-model metrics are RewardService's own:
 """
 from __future__ import annotations
 
-import importlib.metadata
 import logging
 from typing import Callable
 
@@ -45,6 +44,7 @@ import grpc
 from tandem.v1 import reward_pb2
 
 from reward_service.batcher import LANES
+from tandem import contract
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,8 @@ def make_servicer(reward, serving, model_config_pb2, service_pb2, service_pb2_gr
             return pb.ServerReadyResponse(ready=serving())
 
         def ServerMetadata(self, request, context):
-            return pb.ServerMetadataResponse(name="tandem", version=_version(), extensions=list(EXTENSIONS))
+            return pb.ServerMetadataResponse(name="tandem", version=contract.server_version(),
+                                             extensions=list(EXTENSIONS))
 
         def ModelReady(self, request, context):
             # As Triton: an unknown model or version is not ready (no error).
@@ -262,13 +263,6 @@ def _shared_memory_ref(field: str, parameters, refuse) -> reward_pb2.SharedMemor
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             refuse(f"{field}.parameters[{key!r}]: {v!r} is not a byte count (an integer >= 0)")
     return reward_pb2.SharedMemoryRef(region=region, offset=offset or 0, byte_size=size)
-
-
-def _version() -> str:
-    try:
-        return importlib.metadata.version("tandem")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
 
 
 def _session(reward, name: str, version: str, context):

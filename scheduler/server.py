@@ -71,7 +71,7 @@ URGENCY = Gauge("tandem_scheduler_urgency", "Latest urgency of a service instanc
 MPS_ACTIVE = Gauge("tandem_scheduler_mps_active", "1 when an MPS control daemon answers for the GPU, else 0.")
 DECISIONS = Counter("tandem_scheduler_decisions", "Assignments issued (every new generation).")
 BULK_SHARE = Gauge("tandem_scheduler_bulk_share_ratio",
-                   "Share of wall time (0-1) a reward service's bulk lanes may run batches.", ["instance"])
+                   "Share of wall time (0-1) a reward service's bulk lanes may run batches.", ["service_instance"])
 BULK_CHANGES = Counter("tandem_scheduler_bulk_share_changes", "Changes of a bulk share, by direction.",
                        ["direction"])
 FRAMES_AT_RISK = Gauge("tandem_scheduler_frames_at_risk", "1 while the dynamic policy sees frames at risk.")
