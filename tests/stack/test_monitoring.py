@@ -119,6 +119,7 @@ def stack(tmp_path_factory):
 
 # ================================================================ what the servers export
 
+@pytest.mark.slow
 def test_per_model_request_counters_count_the_calls(stack):
     _, m, _ = stack
     r = m["reward"]
@@ -134,6 +135,7 @@ def test_per_model_request_counters_count_the_calls(stack):
                  code="NOT_FOUND") == 1
 
 
+@pytest.mark.slow
 def test_per_model_histograms_and_pending_gauge(stack):
     _, m, _ = stack
     r = m["reward"]
@@ -152,6 +154,7 @@ def test_per_model_histograms_and_pending_gauge(stack):
         assert le_inf == successes
 
 
+@pytest.mark.slow
 def test_scheduler_exports_mps_decisions_and_assignments(stack):
     _, _, m = stack
     s = m["scheduler"]
@@ -162,6 +165,7 @@ def test_scheduler_exports_mps_decisions_and_assignments(stack):
     assert len(instances) == 2 and None not in instances
 
 
+@pytest.mark.slow
 def test_services_hold_their_lease(stack):
     _, _, m = stack
     for name in ("reward", "search"):
@@ -169,6 +173,7 @@ def test_services_hold_their_lease(stack):
         assert value(m[name], "tandem_scheduler_client_leases_lost_total") == 0
 
 
+@pytest.mark.slow
 def test_search_and_frame_latency_families(stack):
     _, _, m = stack
     assert value(m["search"], "tandem_rpc_latency_seconds_count", method="/tandem.v1.SearchService/Search",
@@ -177,6 +182,7 @@ def test_search_and_frame_latency_families(stack):
     assert steps
 
 
+@pytest.mark.slow
 def test_names_follow_prometheus_conventions_and_leave_instance_alone(stack):
     _, _, m = stack
     for server, families in m.items():
@@ -212,6 +218,7 @@ def parse_promql(expr: str):
     return promql_parser.parse(expr.replace("$__rate_interval", "1m"))  # Grafana's variable -> a real range
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where, expr", [("dashboard", e) for e in exprs_of_dashboard()]
                          + [("alerts", r["expr"]) for r in alert_rules()])
 def test_every_expression_parses_and_names_exported_metrics(stack, where, expr):
