@@ -3,6 +3,8 @@ called with Triton's own client, ``tritonclient.grpc``, against a real reward
 server on loopback with the shipped model."""
 from __future__ import annotations
 
+import base64
+
 import grpc
 import numpy as np
 import pytest
@@ -307,6 +309,6 @@ def test_cuda_shared_memory_without_a_gpu_is_a_failed_precondition(served):
         pytest.skip("this host has a GPU: the CUDA path is tested in test_shared_memory_gpu.py")
     client, *_ = served
     with pytest.raises(InferenceServerException) as info:
-        client.register_cuda_shared_memory("gpu_in", bytes(64), 0, 1024)
+        client.register_cuda_shared_memory("gpu_in", base64.b64encode(bytes(64)), 0, 1024)  # tritonclient decodes it
     assert info.value.status() == "StatusCode.FAILED_PRECONDITION"
     assert not client.get_cuda_shared_memory_status().regions
