@@ -16,11 +16,14 @@ import onnxruntime as ort
 from prometheus_client import Gauge
 from tandem.v1 import reward_pb2, reward_pb2_grpc, scheduler_pb2
 
+from reward_service import oip
 from reward_service.batcher import LANES, Batcher, BatcherClosed, BatcherError, DeadlineExceeded, QueueFull
+from reward_service.model_metrics import ModelMetrics
 from reward_service.session import InputError, ModelSession, runners_per_model
 from reward_service.shared_memory import Lease, RegionStatus, RegionTable, SharedMemoryError
 from tandem import pools, tensors
 from tandem.config import SharedMemoryConfig, TandemConfig
+from tandem.gpu import cuda_device_count
 from tandem.service import Service, start_service
 
 log = logging.getLogger(__name__)
@@ -63,8 +66,9 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
     """
 
     def __init__(self, sessions: dict[str, ModelSession], batchers: dict[str, Batcher],
-                 shared_memory: SharedMemoryConfig | None = None):
+                 shared_memory: SharedMemoryConfig | None = None, metrics: ModelMetrics | None = None):
         self.sessions = sessions
+        self.metrics = metrics or ModelMetrics(list(sessions))  # per-model figures (reward_service/model_metrics.py)
         self.batchers = batchers
         self.shared_memory = shared_memory or SharedMemoryConfig()
         self.regions = RegionTable(self.shared_memory)
@@ -73,6 +77,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         self._served = 0  # guarded by _lock
         self._since = time.monotonic()  # guarded by _lock
         self.assigned_stream_priority = 0  # the scheduler's last assignment (one int write; read anywhere)
+        self.closed = False  # set by close (one bool write; read anywhere)
 
     def _session(self, name: str, context) -> ModelSession:
         session = self.sessions.get(name)
@@ -82,18 +87,31 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
 
     def Evaluate(self, request, context):
         session = self._session(request.model, context)
+        lane = LANES[_request_class(request.request_class)]
+        self.metrics.requested(session.name, lane)
+        start = time.perf_counter()
         with self._lock:
             self._in_flight += 1
         IN_FLIGHT.inc()
         try:
-            with _shared_memory_status(context), self.regions.acquire(request.client_id, _region_names(request)) as lease:
-                try:
-                    return self._evaluate(session, request, lease, context)
-                except BaseException as exc:
-                    # The failed call's frames would keep its arrays over shared memory (and so
-                    # the mappings of regions unregistered meanwhile) until a garbage collection.
-                    traceback.clear_frames(exc.__traceback__)
-                    raise
+            try:
+                with self.regions.acquire(request.client_id, _region_names(request)) as lease:
+                    try:
+                        reply, rows = self._evaluate(session, request, lease, context)
+                    except BaseException as exc:
+                        # The failed call's frames would keep its arrays over shared memory (and so
+                        # the mappings of regions unregistered meanwhile) until a garbage collection.
+                        traceback.clear_frames(exc.__traceback__)
+                        raise
+            except SharedMemoryError as exc:
+                refusal = _Refusal(exc.code, "shared_memory", str(exc))
+            except _Refusal as exc:
+                refusal = exc
+            else:
+                self.metrics.succeeded(session.name, lane, rows, time.perf_counter() - start, reply.queue_ms / 1e3)
+                return reply
+            self.metrics.failed(session.name, lane, refusal.reason, time.perf_counter() - start)
+            context.abort(refusal.code, refusal.message)
         finally:
             IN_FLIGHT.dec()
             with self._lock:
@@ -101,8 +119,9 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
                 self._served += 1
 
     def _evaluate(self, session: ModelSession, request, lease: Lease, context):
-        """Evaluate with the request's regions held by ``lease`` (raises
-        SharedMemoryError, which the caller answers)."""
+        """Evaluate with the request's regions held by ``lease``: the reply and
+        the request's rows. Raises _Refusal, or SharedMemoryError (the caller
+        answers both)."""
         try:
             feeds = session.decode([lease.input(t) if t.WhichOneof("contents") == "shared_memory" else t
                                     for t in request.inputs])
@@ -110,7 +129,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             rows = len(next(iter(feeds.values())))
             output_refs = _output_refs(session, request, names, rows, lease)
         except InputError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, "invalid_input", str(exc)) from None
         remaining = context.time_remaining()
         # A call without a deadline reports None or an "infinite" remaining time (years).
         deadline = None if remaining is None or remaining > NO_DEADLINE_S else time.monotonic() + remaining
@@ -119,17 +138,19 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             done = self.batchers[session.name].evaluate(feeds, rows, request_class, deadline, names)
             outputs = done.result()
         except DeadlineExceeded as exc:
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"model {session.name!r}: {exc}; not run")
+            raise _Refusal(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline_exceeded",
+                           f"model {session.name!r}: {exc}; not run") from None
         except QueueFull as exc:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            raise _Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue_full", str(exc)) from None
         except BatcherClosed as exc:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            raise _Refusal(grpc.StatusCode.UNAVAILABLE, "unavailable", str(exc)) from None
         except BatcherError as exc:  # pragma: no cover - every batcher error is mapped above
-            context.abort(grpc.StatusCode.INTERNAL, str(exc))
+            raise _Refusal(grpc.StatusCode.INTERNAL, "run_failed", str(exc)) from None
         except Exception as exc:  # the model run failed (logged by the batcher)
             if pools.is_out_of_memory(exc):  # beyond the fixed arena (gpu_mem_limit)
-                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"model {session.name!r}: memory pool full: {exc}")
-            context.abort(grpc.StatusCode.INTERNAL, f"model {session.name!r}: run failed: {exc}")
+                raise _Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, "out_of_memory",
+                               f"model {session.name!r}: memory pool full: {exc}") from None
+            raise _Refusal(grpc.StatusCode.INTERNAL, "run_failed", f"model {session.name!r}: run failed: {exc}") from None
         lease.check_live()  # a region unregistered meanwhile gets nothing written
         dtypes = {s.name: s.dtype for s in session.outputs}
         return reward_pb2.EvaluateResponse(
@@ -141,7 +162,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             compute_ms=done.compute_ms,
             batch_size=done.batch_rows,
             padded_batch_size=done.bucket,
-        )
+        ), rows
 
     # -- shared memory (reward_service/shared_memory.py) ---------------------------
 
@@ -226,9 +247,19 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
                     "critical_latency_ms": float(np.percentile(critical, 95)) if critical else 0.0}
 
     def close(self) -> None:
+        self.closed = True
         for b in self.batchers.values():
             b.close()
         self.regions.close()
+
+
+class _Refusal(Exception):
+    """A request answered with ``code`` and ``message``; ``reason`` is its
+    failure reason in the per-model metrics (model_metrics.REASONS)."""
+
+    def __init__(self, code: grpc.StatusCode, reason: str, message: str):
+        super().__init__(message)
+        self.code, self.reason, self.message = code, reason, message
 
 
 def _request_class(value: int) -> int:
@@ -321,9 +352,16 @@ def _warm_up(servicer: RewardServicer) -> None:
             servicer.Evaluate(request, _WarmUpContext())
 
 
-def _batcher(session: ModelSession, cfg: TandemConfig) -> Batcher:
+def _batcher(session: ModelSession, cfg: TandemConfig, metrics: ModelMetrics) -> Batcher:
+    def run(batch):
+        start = time.perf_counter()
+        try:
+            return session.run_batch(batch)
+        finally:  # a failed run is an execution too
+            metrics.executed(session.name, LANES[batch.lane], batch.rows, batch.bucket, time.perf_counter() - start)
+
     return Batcher(
-        session.run_batch,
+        run,
         buckets=session.buckets,
         max_batch_size=session.max_batch_size,
         max_queue_delay_us=cfg.reward.max_queue_delay_us,
@@ -353,8 +391,12 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True) -> Service:
         off = {k: v for k, v in s.runtime.items() if v.startswith("off")}
         if off:
             log.warning("model %s: GPU features off: %s", s.name, "; ".join(f"{k} {v}" for k, v in off.items()))
-    servicer = RewardServicer(sessions, {name: _batcher(s, cfg) for name, s in sessions.items()},
-                              cfg.reward.shared_memory)
+    metrics = ModelMetrics(list(sessions))
+    servicer = RewardServicer(sessions, {name: _batcher(s, cfg, metrics) for name, s in sessions.items()},
+                              cfg.reward.shared_memory, metrics)
+    for name, b in servicer.batchers.items():
+        for lane in LANES.values():
+            metrics.watch_pending(name, lane, lambda b=b, lane=lane: b.stats()["lanes"][lane]["queued"])
     QUEUE_DEPTH.set_function(lambda: sum(b.stats()["queued"] for b in servicer.batchers.values()))
     for lane in LANES.values():
         LANE_QUEUE_DEPTH.labels(lane=lane).set_function(
@@ -363,12 +405,16 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True) -> Service:
     SHM_BYTES.set_function(lambda: servicer.regions.stats()["bytes"])
     POOL_LIMIT.set(cfg.reward.memory_pool_bytes)
     _warm_up(servicer)
+    metrics.start()  # the warm-up's requests are not counted
     servicer.regions.start()
     held = sorted({p for s in sessions.values() for p in s.stream_priorities}, reverse=True) or [0]
 
     def register(server):
         reward_pb2_grpc.add_RewardServiceServicer_to_server(servicer, server)
         return reward_pb2.DESCRIPTOR.services_by_name["RewardService"].full_name
+
+    # The Open Inference Protocol beside RewardService, where tritonclient is installed (reward_service/oip.py).
+    oip_register = oip.registrar(servicer, serving=lambda: not servicer.closed)
 
     def on_assignment(a):
         STREAM_PRIORITY.set(a.stream_priority)
@@ -387,12 +433,13 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True) -> Service:
             # request classes and the bounded queue would not apply.
             server_cfg=dataclasses.replace(cfg.reward.server, max_workers=max(
                 cfg.reward.server.max_workers, cfg.reward.server.max_concurrent_rpcs)),
-            register=[register],
+            register=[register] + ([oip_register] if oip_register else []),
             load_fn=servicer.load,
             on_assignment=on_assignment,
             stream_priorities=held,
             memory_bytes=cfg.reward.memory_pool_bytes,
             follow_scheduler=follow_scheduler,
+            capabilities=_capabilities(oip_register is not None),
         )
     except BaseException:
         servicer.close()
@@ -407,6 +454,16 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True) -> Service:
 
     service.on_close = close
     return service
+
+
+def _capabilities(open_inference_protocol: bool) -> list[str]:
+    """What this reward server offers beyond RewardService's base calls (Handshake)."""
+    out = ["reward.request_classes", "reward.shared_memory.system"]
+    if cuda_device_count() > 0:
+        out.append("reward.shared_memory.cuda")
+    if open_inference_protocol:
+        out.append("reward.open_inference_protocol")
+    return out
 
 
 def serve(cfg: TandemConfig) -> None:

@@ -10,8 +10,9 @@
   :class:`SchedulerHandle` with ``.port`` and ``.stop()``.
 
 Prometheus metrics (defined in :mod:`scheduler.server`):
-``tandem_scheduler_services``, ``tandem_scheduler_stream_priority{instance}``,
-``tandem_scheduler_urgency{instance}``, ``tandem_scheduler_decisions_total``,
+``tandem_scheduler_services``, ``tandem_scheduler_stream_priority{service_instance}``,
+``tandem_scheduler_urgency{service_instance}``, ``tandem_scheduler_decisions_total``,
+``tandem_scheduler_mps_active`` (0/1),
 plus the per-RPC latency histogram every tandem server has.
 """
 from __future__ import annotations
@@ -106,7 +107,8 @@ def start(cfg: TandemConfig, *, device: DeviceInfo | None = None,
     sched = cfg.scheduler
     servicer = SchedulerServicer(sched, device, weights or sched.urgency)
     try:
-        running = build_server(sched.address, sched.server, cfg, register=[add_to_server(servicer)])
+        running = build_server(sched.address, sched.server, cfg, register=[add_to_server(servicer)],
+                               capabilities=["scheduler.leases", "scheduler.watch_assignments"])
     except BaseException:
         servicer.close()
         raise

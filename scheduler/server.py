@@ -63,13 +63,15 @@ RESERVED_UNARY_WORKERS = 4
 WATCH_LIVENESS_CHECK_S = 1.0
 
 SERVICES_REGISTERED = Gauge("tandem_scheduler_services", "Services holding a live lease.")
+# ``service_instance``, not ``instance``: Prometheus gives every scraped series an ``instance`` label (the target).
 ASSIGNED_PRIORITY = Gauge(
-    "tandem_scheduler_stream_priority", "CUDA stream priority assigned to a service instance.", ["instance"]
+    "tandem_scheduler_stream_priority", "CUDA stream priority assigned to a service instance.", ["service_instance"]
 )
-URGENCY = Gauge("tandem_scheduler_urgency", "Latest urgency of a service instance.", ["instance"])
+URGENCY = Gauge("tandem_scheduler_urgency", "Latest urgency of a service instance.", ["service_instance"])
+MPS_ACTIVE = Gauge("tandem_scheduler_mps_active", "1 when an MPS control daemon answers for the GPU, else 0.")
 DECISIONS = Counter("tandem_scheduler_decisions", "Assignments issued (every new generation).")
 BULK_SHARE = Gauge("tandem_scheduler_bulk_share_ratio",
-                   "Share of wall time (0-1) a reward service's bulk lanes may run batches.", ["instance"])
+                   "Share of wall time (0-1) a reward service's bulk lanes may run batches.", ["service_instance"])
 BULK_CHANGES = Counter("tandem_scheduler_bulk_share_changes", "Changes of a bulk share, by direction.",
                        ["direction"])
 FRAMES_AT_RISK = Gauge("tandem_scheduler_frames_at_risk", "1 while the dynamic policy sees frames at risk.")
@@ -146,6 +148,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             raise ValueError(f"scheduler.policy: must be one of {', '.join(policy.POLICIES)}, got {cfg.policy!r}")
         self._policy = cfg.policy
         self._device = device
+        MPS_ACTIVE.set(1 if device.mps_active else 0)
         self._prange = device.priority_range
         self._weights = weights
         self._wall_ms = wall_ms

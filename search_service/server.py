@@ -323,6 +323,8 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True) -> Service:
         stream_priorities=list(streams.held),
         memory_bytes=cfg.search.memory_pool_bytes,
         follow_scheduler=follow_scheduler,
+        capabilities=("search.sessions", "search.evaluator.rollout", "search.evaluator.value_model",
+                      f"search.backend.{servicer.backend.name}"),
     )
     service.servicer = servicer
     service.on_close = lambda: (coalescer.close(), reward_channel.close())

@@ -73,15 +73,15 @@ def process_memory(index: int = 0) -> dict[int, int] | None:
 
 
 def register_gpu_metrics() -> bool:
-    """Adds ``tandem_scheduler_gpu_utilisation_percent`` and
+    """Adds ``tandem_scheduler_gpu_utilisation_ratio`` (0-1) and
     ``tandem_scheduler_gpu_memory_used_bytes`` (read at each scrape) where NVML
     answers; returns whether they were added (absent elsewhere)."""
     if sample() is None:
         return False
     from prometheus_client import Gauge
 
-    util = Gauge("tandem_scheduler_gpu_utilisation_percent", "GPU 0 utilisation over NVML's last sample period (%).")
+    util = Gauge("tandem_scheduler_gpu_utilisation_ratio", "GPU 0 utilisation over NVML's last sample period (0-1).")
     used = Gauge("tandem_scheduler_gpu_memory_used_bytes", "GPU 0 device memory in use (bytes).")
-    util.set_function(lambda: (sample() or {}).get("gpu_util_percent", float("nan")))
+    util.set_function(lambda: (sample() or {}).get("gpu_util_percent", float("nan")) / 100.0)
     used.set_function(lambda: (sample() or {}).get("memory_used_bytes", float("nan")))
     return True

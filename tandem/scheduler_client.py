@@ -46,6 +46,7 @@ import threading
 from typing import Any, Callable, Iterable
 
 import grpc
+from prometheus_client import Counter, Gauge
 
 from tandem.config import TandemConfig
 from tandem.server import channel as make_channel
@@ -53,6 +54,10 @@ from tandem.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 log = logging.getLogger(__name__)
 
+# This process's lease (one scheduler client per service process).
+LEASE_HELD = Gauge("tandem_scheduler_client_lease_held", "1 while this service holds a scheduler lease, else 0.")
+LEASES_LOST = Counter("tandem_scheduler_client_leases_lost",
+                      "Leases the scheduler no longer knew (expired or replaced); the service registers again.")
 _LOAD_FIELDS = frozenset(f.name for f in scheduler_pb2.LoadReport.DESCRIPTOR.fields) - {"lease_id"}
 # Codes after which the next attempt uses a fresh channel (skipping gRPC's own
 # reconnect backoff, which would otherwise delay noticing a restarted scheduler).
@@ -259,6 +264,7 @@ class SchedulerClient:
         self._failing = False
         with self._lock:
             self._lease_id = response.lease.lease_id
+        LEASE_HELD.set(1)
         self._deliver(response.assignment)
         self._ensure_watch()
         return 0.0  # report at once: the scheduler learns this service's urgency without waiting
@@ -301,6 +307,8 @@ class SchedulerClient:
                 return
             self._lease_id = None
             call = self._watch_call
+        LEASE_HELD.set(0)
+        LEASES_LOST.inc()
         if call is not None:
             call.cancel()
 

@@ -22,7 +22,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import Histogram, start_http_server
 
+from tandem import contract
 from tandem.config import ServerConfig, TandemConfig, resolve_path
+from tandem.v1 import contract_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -142,11 +144,13 @@ def build_server(
     server_cfg: ServerConfig,
     cfg: TandemConfig,
     register: Iterable[Callable[[grpc.Server], str]],
+    capabilities: Iterable[str] = (),
 ) -> RunningServer:
     """Builds and starts a server on ``address`` ("host:port"; port 0 picks one).
 
     ``register`` holds functions that add one servicer and return its full
-    service name (for health and reflection). Health starts NOT_SERVING: the
+    service name (for health and reflection); ContractService (its Handshake
+    names them and ``capabilities``) is added to every server. Health starts NOT_SERVING: the
     caller calls ``set_serving(True)`` once it is ready.
 
     Raises:
@@ -169,6 +173,10 @@ def build_server(
         maximum_concurrent_rpcs=server_cfg.max_concurrent_rpcs,
     )
     names = tuple(add(server) for add in register)
+    contract_pb2_grpc.add_ContractServiceServicer_to_server(contract.ContractServicer(
+        (*names, contract.SERVICE_NAME), capabilities, server_cfg.max_message_bytes,
+        server_cfg.keepalive_min_ping_interval_ms, bool(cfg.auth_token)), server)
+    names += (contract.SERVICE_NAME,)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

@@ -73,13 +73,15 @@ def start_service(
     stream_priorities: list[int],
     memory_bytes: int,
     follow_scheduler: bool = True,
+    capabilities: Iterable[str] = (),
 ) -> Service:
     """Starts a server and (unless ``follow_scheduler`` is false) its scheduler client.
 
     The service is SERVING as soon as it is started: it does not wait for the
     scheduler, which it follows in the background (registering with backoff).
+    ``capabilities`` go to the server's Handshake (tandem/contract.py).
     """
-    running = build_server(address, server_cfg, cfg, register)
+    running = build_server(address, server_cfg, cfg, register, capabilities)
     try:
         start_metrics(metrics_port, address.rpartition(":")[0].strip("[]"))
     except BaseException:

@@ -127,15 +127,18 @@ def k8s_validate(files: list[Path], version: str) -> tuple[bool, str]:
 
 @cache
 def compose_model() -> dict:
-    """The compose file as Compose itself normalises it (loadtest profile on)."""
+    """The compose file as Compose itself normalises it (loadtest and monitoring profiles on)."""
     tmp = Path(tempfile.gettempdir())
-    r = run_compose(COMPOSE_FILE, "config", "--format", "json", tmp=tmp, profiles=("loadtest",))
+    r = run_compose(COMPOSE_FILE, "config", "--format", "json", tmp=tmp, profiles=("loadtest", "monitoring"))
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
 
 
 def k8s_manifest_files() -> list[Path]:
-    return sorted(p for p in K8S.rglob("*.yaml") if p.name != "kustomization.yaml")
+    """Manifests of Kubernetes' own kinds (deploy/k8s/monitoring/ holds the
+    Prometheus Operator's, checked in tests/stack/test_monitoring.py)."""
+    return sorted(p for p in K8S.rglob("*.yaml")
+                  if p.name != "kustomization.yaml" and p.parent.name != "monitoring")
 
 
 def load_docs(path: Path) -> list[dict]:
@@ -481,8 +484,11 @@ def k8s_problems(dep: dict, services: list[dict]) -> list[str]:
         if c.get("args") != want or "command" in c:
             problems.append(f"{name}: args {c.get('args')} != {want} (entrypoint tandem)")
         port = port_of(cfg, name)
-        if [p["containerPort"] for p in c.get("ports", [])] != [port]:
+        if [p["containerPort"] for p in c.get("ports", []) if p["name"].startswith("grpc-")] != [port]:
             problems.append(f"{name}: containerPort must be {port}")
+        metrics = [p["containerPort"] for p in c.get("ports", []) if p["name"].startswith("metrics-")]
+        if metrics != [getattr(cfg, name).metrics_port]:  # scraped by deploy/k8s/monitoring/podmonitor.yaml
+            problems.append(f"{name}: metrics containerPort must be {getattr(cfg, name).metrics_port}")
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             g = c.get(probe, {}).get("grpc")
             if g != {"port": port, "service": health_service_name(name)}:
@@ -693,6 +699,8 @@ def tandem_argv(line: str) -> list[str] | None:
 def all_tandem_commands() -> list[tuple[str, list[str]]]:
     cmds = []
     for name, s in compose_model()["services"].items():
+        if not s.get("command"):  # prometheus, grafana: their images' own entrypoints
+            continue
         cmds.append((f"compose {name} command", list(s["command"])))
         test = s.get("healthcheck", {}).get("test")
         if test:

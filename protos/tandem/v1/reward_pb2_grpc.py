@@ -5,7 +5,7 @@ import warnings
 
 from tandem.v1 import reward_pb2 as tandem_dot_v1_dot_reward__pb2
 
-GRPC_GENERATED_VERSION = '1.84.0'
+GRPC_GENERATED_VERSION = '1.76.0'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -25,7 +25,7 @@ if _version_not_supported:
     )
 
 
-class RewardServiceStub:
+class RewardServiceStub(object):
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -66,7 +66,7 @@ class RewardServiceStub:
                 _registered_method=True)
 
 
-class RewardServiceServicer:
+class RewardServiceServicer(object):
     """Missing associated documentation comment in .proto file."""
 
     def Evaluate(self, request, context):
@@ -179,7 +179,7 @@ def add_RewardServiceServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class RewardService:
+class RewardService(object):
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod

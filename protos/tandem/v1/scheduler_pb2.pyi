@@ -63,7 +63,7 @@ class Assignment(_message.Message):
     urgency: float
     bulk_share_percent: int
     frames_at_risk: bool
-    def __init__(self, generation: _Optional[int] = ..., lease_id: _Optional[str] = ..., stream_priority: _Optional[int] = ..., memory_pool_bytes: _Optional[int] = ..., policy: _Optional[str] = ..., active_thread_percentage: _Optional[int] = ..., decided_unix_ms: _Optional[float] = ..., urgency: _Optional[float] = ..., bulk_share_percent: _Optional[int] = ..., frames_at_risk: _Optional[bool] = ...) -> None: ...
+    def __init__(self, generation: _Optional[int] = ..., lease_id: _Optional[str] = ..., stream_priority: _Optional[int] = ..., memory_pool_bytes: _Optional[int] = ..., policy: _Optional[str] = ..., active_thread_percentage: _Optional[int] = ..., decided_unix_ms: _Optional[float] = ..., urgency: _Optional[float] = ..., bulk_share_percent: _Optional[int] = ..., frames_at_risk: bool = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("lease", "assignment")
@@ -155,4 +155,4 @@ class StatusResponse(_message.Message):
     decisions: int
     frames_at_risk: bool
     bulk_share_changes: int
-    def __init__(self, policy: _Optional[str] = ..., mps_active: _Optional[bool] = ..., mps_message: _Optional[str] = ..., priorities_enforced: _Optional[bool] = ..., services: _Optional[_Iterable[_Union[ServiceStatus, _Mapping]]] = ..., least_priority: _Optional[int] = ..., greatest_priority: _Optional[int] = ..., gpu: _Optional[str] = ..., decisions: _Optional[int] = ..., frames_at_risk: _Optional[bool] = ..., bulk_share_changes: _Optional[int] = ...) -> None: ...
+    def __init__(self, policy: _Optional[str] = ..., mps_active: bool = ..., mps_message: _Optional[str] = ..., priorities_enforced: bool = ..., services: _Optional[_Iterable[_Union[ServiceStatus, _Mapping]]] = ..., least_priority: _Optional[int] = ..., greatest_priority: _Optional[int] = ..., gpu: _Optional[str] = ..., decisions: _Optional[int] = ..., frames_at_risk: bool = ..., bulk_share_changes: _Optional[int] = ...) -> None: ...

@@ -5,7 +5,7 @@ import warnings
 
 from tandem.v1 import search_pb2 as tandem_dot_v1_dot_search__pb2
 
-GRPC_GENERATED_VERSION = '1.84.0'
+GRPC_GENERATED_VERSION = '1.76.0'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -25,7 +25,7 @@ if _version_not_supported:
     )
 
 
-class SearchServiceStub:
+class SearchServiceStub(object):
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -46,7 +46,7 @@ class SearchServiceStub:
                 _registered_method=True)
 
 
-class SearchServiceServicer:
+class SearchServiceServicer(object):
     """Missing associated documentation comment in .proto file."""
 
     def Search(self, request, context):
@@ -86,7 +86,7 @@ def add_SearchServiceServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class SearchService:
+class SearchService(object):
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
