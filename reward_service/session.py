@@ -443,13 +443,16 @@ class ModelSession:
         self._nonfinite_reject = cfg.nonfinite_inputs == "reject"
         self.runtime: dict[str, str] = {}
         path = resolve_path(model.path)
-        raw = self._load(path, model.precision)
         want_cuda = _use_cuda(cfg.execution_provider)
         cupy = cupy_module() if want_cuda else None
         if want_cuda and hasattr(ort, "preload_dlls"):
             ort.preload_dlls()  # CUDA and cuDNN from their pip packages, where installed
-        factory = _SessionFactory(raw, model, cfg, cfg.memory_pool_bytes if pool_bytes is None else pool_bytes)
-        probe = factory.cuda() if want_cuda else factory.cpu()
+        try:
+            raw = self._load(path, model.precision)
+            factory = _SessionFactory(raw, model, cfg, cfg.memory_pool_bytes if pool_bytes is None else pool_bytes)
+            probe = factory.cuda() if want_cuda else factory.cpu()
+        except Exception as exc:  # ONNX Runtime's errors are not RuntimeErrors, and span lines
+            raise RuntimeError(f"model {model.name}: cannot load {path}: {' '.join(str(exc).split())[:300]}") from None
         self._read_signature(probe, cfg.execution_provider)
         self.buckets: tuple[int, ...] = ()
         self.stream_priorities: tuple[int, ...] = ()

@@ -9,6 +9,7 @@ against the repository root (:data:`tandem.paths.REPO_ROOT`).
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -222,6 +223,28 @@ _MAY_BE_ZERO = {"metrics_port", "gpu_memory_bytes", "memory_pool_bytes", "intra_
 _SELF_CHECKED = {"urgency"}
 # Lists of numbers checked by their own rule instead (in _check_list).
 _LISTS = {"batch_buckets", "stream_priorities"}
+# Upper bounds, by field name or by the unit suffix of the name (the first match counts).
+# gRPC takes sizes, counts and intervals as C ints (int32), ports are 16-bit, and a
+# duration past a day is a typo that would overflow timers.
+_INT32_MAX = 2**31 - 1
+_MAX_BY_NAME = {
+    "max_message_bytes": _INT32_MAX,
+    "max_bytes_per_client": 2**62,
+    "max_simulations": 2**32 - 1,  # SearchRequest.simulations is a uint32
+    "parallel_sims": 65536,  # SearchParams' range
+    "value_model_parallel_sims": 65536,
+}
+_MAX_BY_SUFFIX = (("_port", 65535), ("_bytes", 2**62), ("_ms", 86_400_000.0), ("_us", 86_400_000_000.0))
+_MAX_INT = _INT32_MAX  # any other count or size
+
+
+def _upper_bound(name: str, value: int | float) -> int | float | None:
+    if name in _MAX_BY_NAME:
+        return _MAX_BY_NAME[name]
+    for suffix, bound in _MAX_BY_SUFFIX:
+        if name.endswith(suffix):
+            return bound
+    return _MAX_INT if isinstance(value, int) else None
 
 
 def _build(cls: type, data: Any, key: str) -> Any:
@@ -260,19 +283,21 @@ def _convert(hint: Any, raw: Any, key: str) -> Any:
         raise TypeError(f"{key}: union fields are not supported in the schema")
     if hint is bool:
         if not isinstance(raw, bool):
-            raise ConfigError(f"{key}: expected true or false, got {raw!r}")
+            raise ConfigError(f"{key}: expected true or false, got {_quote(raw)}")
         return raw
     if hint is int:
         if isinstance(raw, bool) or not isinstance(raw, int):
-            raise ConfigError(f"{key}: expected an integer, got {raw!r}")
+            raise ConfigError(f"{key}: expected an integer, got {_quote(raw)}")
         return raw
     if hint is float:
         if isinstance(raw, bool) or not isinstance(raw, (int, float)):
-            raise ConfigError(f"{key}: expected a number, got {raw!r}")
+            raise ConfigError(f"{key}: expected a number, got {_quote(raw)}")
+        if not math.isfinite(raw):  # .nan / .inf: a NaN compares false with every bound
+            raise ConfigError(f"{key}: must be a finite number, got {_quote(raw)}")
         return float(raw)
     if hint is str:
         if not isinstance(raw, str):
-            raise ConfigError(f"{key}: expected a string, got {raw!r}")
+            raise ConfigError(f"{key}: expected a string, got {_quote(raw)}")
         return raw
     raise TypeError(f"{key}: unsupported schema type {hint}")
 
@@ -294,13 +319,16 @@ def _check(obj: Any, key: str = "") -> None:
         elif isinstance(value, (int, float)) and not isinstance(value, bool):
             if value < 0 or (value == 0 and f.name not in _MAY_BE_ZERO):
                 raise ConfigError(f"{path}: must be {'>= 0' if f.name in _MAY_BE_ZERO else '> 0'}, got {value}")
+            bound = _upper_bound(f.name, value)
+            if bound is not None and value > bound:
+                raise ConfigError(f"{path}: must be <= {bound}, got {value}")
         choices = _CHOICES.get(path)
         if choices and value not in choices:
-            raise ConfigError(f"{path}: must be one of {', '.join(choices)}, got {value!r}")
+            raise ConfigError(f"{path}: must be one of {', '.join(choices)}, got {_quote(value)}")
         if f.name == "address" and value:
             host, sep, port = str(value).rpartition(":")
             if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise ConfigError(f"{path}: expected HOST:PORT, got {value!r}")
+                raise ConfigError(f"{path}: expected HOST:PORT, got {_quote(value)}")
 
 
 def _check_list(name: str, value: tuple, path: str) -> None:
@@ -362,22 +390,59 @@ def parse_config(data: Any) -> TandemConfig:
     return cfg
 
 
+class _NoAliasLoader(yaml.SafeLoader):
+    """PyYAML's safe loader with anchors and aliases refused: an alias is
+    expanded into a new copy wherever it is used, so nine nested aliases in a
+    few hundred bytes ("billion laughs") become billions of nodes."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            mark = self.peek_event().start_mark
+            raise yaml.YAMLError(f"line {mark.line + 1}: YAML aliases (*name) are not allowed in the config")
+        return super().compose_node(parent, index)
+
+
+def _parse_yaml(text: str) -> Any:
+    """The YAML document in ``text``, aliases refused (raises yaml.YAMLError)."""
+    loader = _NoAliasLoader(text)  # a SafeLoader: plain data only, no Python objects
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
+def _quote(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` cut to ``limit`` characters: messages never echo a large value."""
+    text = repr(value)  # aliases are refused, so a value is never larger than the file
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _one_line(exc: Exception, limit: int = 200) -> str:
+    """The first line of an error message, at most ``limit`` characters."""
+    text = " ".join(str(exc).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def load_config(path: str | Path | None = None) -> TandemConfig:
     """Loads and validates the YAML file at ``path`` (default: ``deploy/config/tandem.yaml``).
 
     Raises:
-        ConfigError: the file is missing, is not YAML, or fails validation.
+        ConfigError: the file is missing, is not UTF-8 YAML, uses YAML aliases
+            (refused: their expansion is unbounded), or fails validation. The
+            message is one line naming the file and the key.
     """
     path = Path(path) if path else DEFAULT_CONFIG
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as exc:
-        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start})") from None
     try:
-        data = yaml.safe_load(text)
+        data = _parse_yaml(text)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+        raise ConfigError(f"{path}: not valid YAML: {_one_line(exc)}") from None
     try:
         return parse_config(data)
     except ConfigError as exc:
-        raise ConfigError(f"{path}: {exc}") from exc
+        raise ConfigError(f"{path}: {exc}") from None

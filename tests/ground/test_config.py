@@ -37,12 +37,51 @@ def test_shipped_config_loads_and_matches_defaults():
         ({"scheduler": {"urgency": {"static_search_percentage": 50.5}}},
          "scheduler.urgency.static_search_percentage: expected an integer"),
         ({"search": {"stream_priorities": [1]}}, "search.stream_priorities: must be distinct CUDA stream priorities"),
+        # Issue 13, kind 5: every number finite and within what its consumer can take.
+        ({"scheduler": {"lease_ttl_ms": float("nan")}}, "scheduler.lease_ttl_ms: must be a finite number"),
+        ({"reward": {"max_queue_delay_us": float("inf")}}, "reward.max_queue_delay_us: must be a finite number"),
+        ({"search": {"c_puct": float("-inf")}}, "search.c_puct: must be a finite number"),
+        ({"scheduler": {"urgency": {"slack_weight": float("nan")}}}, "scheduler.urgency.slack_weight: must be a finite"),
+        ({"reward": {"metrics_port": 70000}}, "reward.metrics_port: must be <= 65535"),
+        ({"reward": {"server": {"max_message_bytes": 4294967296}}},
+         "reward.server.max_message_bytes: must be <= 2147483647"),
+        ({"search": {"max_simulations": 2**32}}, "search.max_simulations: must be <= 4294967295"),
+        ({"search": {"parallel_sims": 70000}}, "search.parallel_sims: must be <= 65536"),
+        ({"search": {"session_ttl_ms": 1e12}}, "search.session_ttl_ms: must be <= 86400000"),
+        ({"search": {"max_sessions": 2**40}}, "search.max_sessions: must be <= 2147483647"),
+        ({"search": {"evaluator": "x" * 10_000}}, "search.evaluator: must be one of"),
     ],
 )
 def test_bad_values_are_refused_naming_the_key(data, key):
     with pytest.raises(ConfigError) as info:
         parse_config(data)
     assert key in str(info.value)
+
+
+def test_messages_are_one_short_line():
+    with pytest.raises(ConfigError) as info:
+        parse_config({"search": {"evaluator": "x" * 10_000}})
+    assert "\n" not in str(info.value) and len(str(info.value)) < 200  # the value quoted, truncated
+
+
+def test_yaml_aliases_are_refused_before_they_expand(tmp_path):
+    """A "billion laughs" document: nine levels of nine aliases, 9**9 strings
+    once expanded. The loader refuses the first alias, so nothing is expanded
+    (asserting the refusal, not a time: the expansion would take minutes and GBs)."""
+    levels = ["a: &a [" + ",".join(['"lol"'] * 9) + "]"]
+    for prev, name in zip("abcdefgh", "bcdefghi"):
+        levels.append(f"{name}: &{name} [" + ",".join([f"*{prev}"] * 9) + "]")
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text("\n".join(levels) + "\n")
+    assert bomb.stat().st_size < 500
+    with pytest.raises(ConfigError) as info:
+        load_config(bomb)
+    message = str(info.value)
+    assert "bomb.yaml: not valid YAML: line 2: YAML aliases" in message
+    assert "\n" not in message and "lol" not in message and len(message) < 300
+    plain = tmp_path / "anchor.yaml"  # an anchor no alias uses expands nothing: it loads
+    plain.write_text("search: &s\n  backend: cpu\n")
+    assert load_config(plain).search.backend == "cpu"
 
 
 def test_missing_and_malformed_files(tmp_path):
@@ -56,6 +95,15 @@ def test_missing_and_malformed_files(tmp_path):
     typo.write_text("search:\n  evaluatr: rollout\n")
     with pytest.raises(ConfigError, match=r"typo.yaml: search.evaluatr: unknown key"):
         load_config(typo)
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"search:\n  backend: \xff\xfe\n")
+    with pytest.raises(ConfigError, match=r"binary.yaml: not UTF-8 text \(byte 19\)"):
+        load_config(binary)
+    multiline = tmp_path / "multiline.yaml"
+    multiline.write_text("search:\n  backend: cpu\n   evaluator: [\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(multiline)
+    assert "not valid YAML" in str(info.value) and "\n" not in str(info.value)
 
 
 def test_urgency_weights_come_from_the_yaml_and_may_be_zero():
