@@ -326,6 +326,9 @@ class _SessionFactory:
         self._options = ort.SessionOptions()
         if cfg.intra_op_threads:
             self._options.intra_op_num_threads = cfg.intra_op_threads
+        spin = "1" if cfg.ort_thread_spinning else "0"  # spinning threads burn a core each between runs
+        for pool in ("intra_op", "inter_op"):
+            self._options.add_session_config_entry(f"session.{pool}.allow_spinning", spin)
         self._options.log_severity_level = 3  # a CUDA fallback is reported by ModelSession, once
 
     def cpu(self) -> ort.InferenceSession:

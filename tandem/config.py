@@ -129,6 +129,10 @@ class RewardConfig:
     nonfinite_inputs: str = "reject"  # NaN/Inf in float inputs: "reject" (INVALID_ARGUMENT) | "pass"
     memory_pool_bytes: int = 0  # ONNX Runtime arena limit (gpu_mem_limit); 0 = no limit
     intra_op_threads: int = 0  # CPU execution provider threads; 0 = ONNX Runtime's default
+    # ONNX Runtime's thread pools busy-wait for work after each run (session.intra_op /
+    # inter_op.allow_spinning) unless told not to: off, an idle or lightly loaded service
+    # costs ~0 CPU (on a 2-core host the search's); on, a run may start a few µs sooner.
+    ort_thread_spinning: bool = False
     # Dynamic batcher (reward_service/batcher.py), one queue per model:
     # how long a bulk request waits for others to merge with (µs; 0 = merge only what is
     # already queued). REQUEST_CLASS_CRITICAL requests never wait for company.
