@@ -24,6 +24,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from tandem.v1 import scheduler_pb2, search_pb2, search_pb2_grpc
 
 from search_service.backends import make_backend
+from search_service.budget import search_deadline_ms
 from search_service.coalescing import CoalescingEvaluator
 from search_service.evaluators import HANDOFF_GRPC, RewardServiceEvaluator
 from search_service.games import GAMES
@@ -52,6 +53,7 @@ POOL_BYTES = Gauge("tandem_search_pool_bytes", "CuPy memory pool: bytes in use a
                    ["what"])
 EXHAUSTED = Counter("tandem_search_pool_exhausted", "Searches refused because the memory pool was full.")
 SESSIONS = Gauge("tandem_search_sessions", "Trees kept for reuse.")
+SESSION_BYTES = Gauge("tandem_search_session_bytes", "Bytes the trees kept for reuse hold (search.max_session_bytes).")
 CANCELLED = Counter(
     "tandem_search_cancelled", "Searches stopped early because their caller went away (cancel or deadline)."
 )
@@ -87,7 +89,7 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
         self.streams = streams or StreamSet(cfg.search.stream_priorities)
         self.backend = backend
         self.evaluator = evaluator
-        self.sessions = SessionStore(cfg.search.max_sessions, cfg.search.session_ttl_ms)
+        self.sessions = SessionStore(cfg.search.max_sessions, cfg.search.session_ttl_ms, cfg.search.max_session_bytes)
         self._lock = threading.Lock()
         self._load = {"phase": 0, "search_depth": 0, "deadline_slack_ms": 0.0, "served": 0}  # guarded by _lock
         self._since = time.monotonic()  # guarded by _lock
@@ -133,19 +135,14 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"deadline_ms: {deadline} exceeds the limit of {cfg.max_deadline_ms}"
             )
-        remaining = context.time_remaining()
-        if remaining is not None:  # never search past the caller's own gRPC deadline
-            # The deadline is checked between waves, so the last wave and the
-            # reply come after it: leave them 10 % of the time left (1..25 ms).
-            left_ms = remaining * 1e3
-            cap = max(left_ms - min(max(0.1 * left_ms, 1.0), 25.0), 0.1)
-            deadline = min(deadline, cap) if deadline else cap
+        # Never open-ended, never past the caller's own gRPC deadline (search_service/budget.py).
+        deadline = search_deadline_ms(deadline, context.time_remaining(), cfg.max_deadline_ms)
         if request.evaluator not in (search_pb2.EVALUATOR_UNSPECIFIED, *_EVALUATORS):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"evaluator: unknown value {request.evaluator}")
         evaluator = _EVALUATORS.get(request.evaluator, cfg.evaluator)
         return SearchParams(
             simulations=sims or None,
-            deadline_ms=deadline or None,
+            deadline_ms=deadline,
             parallel_sims=cfg.value_model_parallel_sims if evaluator == "value_model" else cfg.parallel_sims,
             evaluator=evaluator,
             c_uct=cfg.c_uct,
@@ -201,8 +198,10 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
                      r.simulations, r.extras.get("waves", -1))
             context.abort(grpc.StatusCode.CANCELLED, "the caller went away")
         if reuse:
-            self.sessions.put(request.session_id, request.moves, trees[0])
+            if not self.sessions.put(request.session_id, request.moves, trees[0]):
+                log.debug("session tree not kept: larger than search.max_session_bytes")
             SESSIONS.set(len(self.sessions))
+            SESSION_BYTES.set(self.sessions.nbytes)
         total_ms = (time.perf_counter() - received) * 1e3
         self._observe(request, r, total_ms)
         return search_pb2.SearchResponse(

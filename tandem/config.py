@@ -181,8 +181,13 @@ class SearchConfig:
     c_puct: float = 1.5  # PUCT exploration constant (value-model evaluator)
     max_nodes: int = 200_000  # node pool per tree
     max_simulations: int = 10_000_000  # larger budgets: INVALID_ARGUMENT
-    max_deadline_ms: float = 60_000.0  # longer deadlines: INVALID_ARGUMENT
+    # The longest any search runs (ms): longer deadline_ms: INVALID_ARGUMENT; a search
+    # without deadline_ms (simulations only) stops here and answers (deadline_reached).
+    max_deadline_ms: float = 60_000.0
     max_sessions: int = 1024  # trees kept for reuse; the least recently used goes first
+    # ... and the bytes those trees hold together (node pools: ~166 bytes a slot on the CPU,
+    # 176 on the GPU); the least recently used go first, a larger tree alone is not kept.
+    max_session_bytes: int = 256 << 20
     session_ttl_ms: float = 60_000.0  # a session's tree is dropped after this long unused
     # CUDA stream priorities the scheduler may assign (0 = least urgent, down to -5 on an
     # H200): one CuPy stream per priority, created on first use (search_service/streams.py).

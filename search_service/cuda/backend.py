@@ -77,6 +77,7 @@ from search_service.mcts.backend import (
     LeafEvaluator,
     SearchParams,
     SearchResult,
+    WaveClock,
     best_action,
     check_call,
     model_answer,
@@ -393,22 +394,22 @@ class _Search:
         done = np.zeros(b, np.int64)  # simulations completed per tree (the rollouts' Philox counters)
         live = np.ones(b, bool)  # trees whose root is not proven (as of the last selection)
         tree_of = slot // k_max
+        clock = WaveClock(params.deadline_ms, self.started_at)
         while True:
             if not live.any():
                 return False
             k = k_max if params.simulations is None else min(k_max, params.simulations - int(done[live][0]))
             if k <= 0:
                 return False
-            # At least one wave runs, unless an undone one already took the time.
-            if (
-                params.deadline_ms is not None and (self.waves or self.failure)
-                and (time.perf_counter() - self.started_at) * 1e3 >= params.deadline_ms
-            ):
+            # At least one wave runs, unless an undone one already took the time; none
+            # starts that is expected to end past the deadline.
+            if (self.waves or self.failure) and clock.out_of_time():
                 return True
             if self.should_stop is not None and self.waves and self.should_stop():
                 self.stopped = True
                 return False
             t = time.perf_counter()
+            clock.begin_wave()
             args = (self.pool, np.int64(self.capacity), np.int32(self.node_limit), np.int32(b), np.int32(w),
                     np.int32(g), np.int32(k_max), np.int32(k))
             with nvtx.span("search.select"):
@@ -445,6 +446,7 @@ class _Search:
                 self._stop_using_model(exc)
                 self.phase_ms["select"] += (t1 - t) * 1e3
                 self.phase_ms["evaluate"] += (time.perf_counter() - t1) * 1e3
+                clock.end_wave()
                 continue
             t2 = time.perf_counter()
             with nvtx.span("search.backup"):
@@ -464,6 +466,7 @@ class _Search:
             if used_model:
                 self.model_simulations += np.where(live, k, 0)
             self.waves += 1
+            clock.end_wave()
 
     def _model_values(self, vin: np.ndarray, planes: np.ndarray, obs_dev, open_: np.ndarray, leader: np.ndarray,
                       wants_cupy: bool) -> bool:

@@ -8,6 +8,8 @@ passed back (``trees=[...]``) for the next search of that game.
 """
 from __future__ import annotations
 
+import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Protocol
 
@@ -38,7 +40,7 @@ class SearchParams:
     """
 
     simulations: int | None  # simulations per tree; None = no simulation budget
-    deadline_ms: float | None  # wall-clock budget (ms), checked between waves; None = none
+    deadline_ms: float | None  # wall-clock budget (ms), checked between waves (WaveClock); None = none
     parallel_sims: int = 1  # simulations in flight per tree per wave (virtual loss)
     evaluator: str = "rollout"  # "rollout" (UCT, random rollouts) or "value_model" (PUCT)
     c_uct: float = 1.4  # UCT exploration constant
@@ -67,6 +69,44 @@ class SearchParams:
             raise ValueError(f"max_nodes must be an int >= 1, got {self.max_nodes!r}")
         if not isinstance(self.seed, (int, np.integer)) or not 0 <= self.seed < 1 << 64:
             raise ValueError(f"seed must be an int in [0, 2**64), got {self.seed!r}")
+
+
+class WaveClock:
+    """When a search with a deadline stops: before a wave it expects to end
+    past the deadline, so the answer is sent by then rather than one wave
+    after. A wave is expected to take as long as the longest of the last
+    ``window`` waves (undone ones included: they took the time too); before
+    the first there is nothing to expect, so the caller always runs one.
+
+    Args:
+        deadline_ms: the search's deadline (ms from ``started_at``); None: none.
+        started_at: ``time.perf_counter()`` when the search began (s).
+
+    Not thread-safe: one search's loop owns it.
+    """
+
+    def __init__(self, deadline_ms: float | None, started_at: float, window: int = 4):
+        self.deadline_ms = deadline_ms
+        self.started_at = started_at
+        self._recent: deque[float] = deque(maxlen=window)  # ms of the last waves
+        self._wave_began = started_at
+
+    def begin_wave(self) -> None:
+        self._wave_began = time.perf_counter()
+
+    def end_wave(self) -> None:
+        self._recent.append((time.perf_counter() - self._wave_began) * 1e3)
+
+    def expected_wave_ms(self) -> float:
+        """The next wave's expected duration (ms): the longest recent one, 0 before any."""
+        return max(self._recent, default=0.0)
+
+    def out_of_time(self) -> bool:
+        """True once the deadline has passed or the next wave would end past it."""
+        if self.deadline_ms is None:
+            return False
+        elapsed_ms = (time.perf_counter() - self.started_at) * 1e3
+        return elapsed_ms + self.expected_wave_ms() >= self.deadline_ms
 
 
 class EvaluationFailed(RuntimeError):

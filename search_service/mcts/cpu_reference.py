@@ -61,7 +61,8 @@ With ``parallel_sims = 1`` this is plain sequential MCTS; with a fixed seed the
 search is deterministic for any ``parallel_sims``. The budget is checked
 between waves: the last wave is cut short so exactly ``simulations`` run, and
 a ``deadline_ms`` (counted from the call, tree set-up included) ends the
-search after the wave that passes it (at least one wave always runs), and so
+search before a wave expected to end past it (:class:`WaveClock`: as long as
+the longest of the last four; at least one wave always runs), and so
 does ``should_stop()`` returning true (the caller went away: the server passes
 "the RPC is no longer active"). For PUCT a fresh root is evaluated first (for
 its priors; not a simulation).
@@ -81,6 +82,7 @@ from search_service.mcts.backend import (
     LeafEvaluator,
     SearchParams,
     SearchResult,
+    WaveClock,
     best_action,
     check_call,
     model_answer,
@@ -145,6 +147,7 @@ class _Search:
     def __init__(self, roots: Positions, params: SearchParams, evaluator: LeafEvaluator | None, trees,
                  should_stop: Callable[[], bool] | None = None):
         self.t0 = time.perf_counter()
+        self.clock = WaveClock(params.deadline_ms, self.t0)
         self.p = params
         self.should_stop = should_stop
         self.stopped = False
@@ -220,7 +223,7 @@ class _Search:
             if k <= 0:
                 break
             # At least one wave runs, unless an undone one already took the time.
-            if p.deadline_ms is not None and (self.waves or self.failure) and self._past_deadline():
+            if (self.waves or self.failure) and self.clock.out_of_time():
                 deadline_reached = True
                 break
             if self.should_stop is not None and self.waves and self.should_stop():
@@ -229,16 +232,16 @@ class _Search:
             self._ensure_capacity(k)
             ks = np.where(live, k, 0)
             used_model = self.use_model
-            if not self._wave(ks, done):
+            self.clock.begin_wave()
+            completed = self._wave(ks, done)
+            self.clock.end_wave()
+            if not completed:
                 continue  # undone: the loop goes on with rollouts, or ends at the deadline
             done += ks
             if used_model:
                 self.model_simulations += ks
             self.waves += 1
         return self._results(done, deadline_reached), tr.split(self.tree)
-
-    def _past_deadline(self) -> bool:
-        return (time.perf_counter() - self.t0) * 1e3 >= self.p.deadline_ms
 
     def _wave(self, ks: np.ndarray, done: np.ndarray) -> bool:
         """One wave of ``ks[b]`` simulations in tree b (int64 [B]; ``done``:

@@ -1,0 +1,38 @@
+"""The time one search may take (ms): what the request asks, capped by the
+caller's gRPC deadline less a reply margin and by the service's own limit.
+
+Every search ends by this time, with the best move found so far (``deadline_reached``):
+a request without ``deadline_ms`` is not open-ended (``search.max_deadline_ms``
+bounds it), and one whose gRPC deadline is nearer than its ``deadline_ms``
+stops early enough for its answer to arrive in time. The backends do not start
+a wave they expect to end past it (``search_service.mcts.backend.WaveClock``).
+"""
+from __future__ import annotations
+
+# The answer still has to be built, sent and decoded after the search stops:
+# leave that a share of the time left, within these bounds (ms).
+REPLY_MARGIN_SHARE = 0.1
+REPLY_MARGIN_MIN_MS = 1.0
+REPLY_MARGIN_MAX_MS = 25.0
+MIN_SEARCH_MS = 0.1  # a deadline already (nearly) passed still answers: at most one wave
+
+
+def reply_margin_ms(left_ms: float) -> float:
+    """Time kept back for the reply when ``left_ms`` remain before the gRPC deadline (ms)."""
+    return min(max(REPLY_MARGIN_SHARE * left_ms, REPLY_MARGIN_MIN_MS), REPLY_MARGIN_MAX_MS)
+
+
+def search_deadline_ms(requested_ms: float, grpc_remaining_s: float | None, max_ms: float) -> float:
+    """The search's own deadline (ms from now), > 0.
+
+    Args:
+        requested_ms: ``SearchRequest.deadline_ms`` (0: none asked; checked
+            finite and >= 0 by the caller).
+        grpc_remaining_s: ``context.time_remaining()`` (s; None: no gRPC deadline).
+        max_ms: ``search.max_deadline_ms``, the longest any search runs.
+    """
+    deadline = min(requested_ms, max_ms) if requested_ms else max_ms
+    if grpc_remaining_s is not None:
+        left_ms = grpc_remaining_s * 1e3
+        deadline = min(deadline, max(left_ms - reply_margin_ms(left_ms), MIN_SEARCH_MS))
+    return deadline

@@ -1,0 +1,118 @@
+"""Every search ends in time and keeps bounded state (issue 13, kinds 2 and 3):
+a search answers OK with its best move by the caller's gRPC deadline (the
+search's own deadline is that less a reply margin, and no wave starts that is
+expected to end past it), a search without a deadline stops at
+``search.max_deadline_ms``, and the trees kept for reuse hold at most
+``search.max_session_bytes``. Nothing here depends on the machine's speed:
+budgets of millions of simulations against deadlines of seconds."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from conftest import loopback_config
+from tandem.v1 import search_pb2, search_pb2_grpc
+
+from search_service import server as search_server
+from search_service.budget import REPLY_MARGIN_MAX_MS, search_deadline_ms
+from search_service.mcts.backend import WaveClock
+from search_service.sessions import SessionStore, tree_bytes
+from tandem.server import channel
+
+HUGE = 10_000_000  # simulations: hours of CPU search if nothing stopped it
+
+
+# -- the search's own deadline -------------------------------------------------------------------
+
+@pytest.mark.parametrize("requested_ms, remaining_s, expected_ms", [
+    (0.0, None, 60_000.0),  # no deadline anywhere: the service's limit
+    (500.0, None, 500.0),  # the request's own
+    (0.0, 2.0, 2000.0 - REPLY_MARGIN_MAX_MS),  # the gRPC deadline less the margin (25 ms at most)
+    (0.0, 0.1, 90.0),  # ... 10 % of a short one
+    (0.0, 0.0167, 16.7 - 1.67),
+    (0.0, 0.005, 4.0),  # ... and at least 1 ms
+    (100.0, 10.0, 100.0),  # the nearer of the two
+    (0.0, -1.0, 0.1),  # already past: one wave, then the answer
+    (0.0, 1e9, 60_000.0),  # "no deadline" reported as years left
+])
+def test_search_deadline_is_the_nearest_bound_less_a_reply_margin(requested_ms, remaining_s, expected_ms):
+    assert search_deadline_ms(requested_ms, remaining_s, 60_000.0) == pytest.approx(expected_ms)
+
+
+def test_wave_clock_stops_before_a_wave_that_would_end_past_the_deadline():
+    clock = WaveClock(10_000.0, time.perf_counter())
+    assert not clock.out_of_time() and clock.expected_wave_ms() == 0.0
+    clock.begin_wave()
+    time.sleep(0.05)
+    clock.end_wave()
+    assert clock.expected_wave_ms() >= 50.0
+    assert not clock.out_of_time()  # ~50 ms used of 10 s
+    late = WaveClock(10_000.0, time.perf_counter() - 9.96)  # 40 ms left: less than the wave it expects
+    late.begin_wave()
+    time.sleep(0.05)
+    late.end_wave()
+    assert late.out_of_time()
+    assert not WaveClock(None, 0.0).out_of_time()  # no deadline: only the budget ends the search
+
+
+# -- end to end ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def served():
+    cfg = loopback_config(search={"backend": "cpu", "max_deadline_ms": 1500, "max_session_bytes": 1 << 20})
+    service = search_server.start(cfg, follow_scheduler=False)
+    ch = channel(cfg.search.address)
+    yield search_pb2_grpc.SearchServiceStub(ch), service
+    ch.close()
+    service.stop()
+
+
+def test_a_search_bounded_only_by_its_grpc_deadline_answers_ok_in_time(served):
+    stub, _ = served
+    for timeout_s in (1.0, 2.0):
+        began = time.monotonic()
+        r = stub.Search(search_pb2.SearchRequest(game="connect4", moves="44", simulations=HUGE), timeout=timeout_s)
+        assert time.monotonic() - began < timeout_s
+        assert r.deadline_reached and 0 < r.simulations < HUGE and r.visit_counts[r.action] == max(r.visit_counts)
+
+
+def test_a_search_without_a_deadline_stops_at_max_deadline_ms(served):
+    stub, _ = served
+    r = stub.Search(search_pb2.SearchRequest(game="connect4", moves="4", simulations=HUGE), timeout=120)
+    assert r.deadline_reached and 0 < r.simulations < HUGE
+    assert r.latency.total_ms < 60_000  # stopped near its 1.5 s, not at the 120 s gRPC deadline
+
+
+def test_session_trees_are_kept_within_max_session_bytes(served):
+    stub, service = served
+    sessions = service.servicer.sessions
+    for game in range(6):
+        r = stub.Search(search_pb2.SearchRequest(game="connect4", moves="4", simulations=2000, seed=1,
+                                                 session_id=f"game-{game}"), timeout=60)
+        assert r.simulations == 2000
+        assert 0 < sessions.nbytes <= 1 << 20
+    assert len(sessions) < 6  # the oldest went to stay within the bound
+    # The most recent game is still kept and reused.
+    r = stub.Search(search_pb2.SearchRequest(game="connect4", moves="44", simulations=100, session_id="game-5"),
+                    timeout=60)
+    assert r.tree_reused
+
+
+# -- the store ------------------------------------------------------------------------------------
+
+class _Tree:
+    def __init__(self, nbytes: int):
+        self.pool = np.zeros(nbytes, np.uint8)
+
+
+def test_session_store_bounds_bytes_least_recently_used_first():
+    store = SessionStore(max_sessions=100, ttl_ms=60_000, max_bytes=2500)
+    assert tree_bytes(_Tree(1000)) == 1000
+    for name in "abc":
+        assert store.put(name, "4", _Tree(1000))
+    assert len(store) == 2 and store.nbytes == 2000  # "a" went for "c"
+    assert store.take("a", "4", lambda t, a: t) is None
+    assert store.take("b", "4", lambda t, a: t) is not None and store.nbytes == 1000
+    assert not store.put("big", "4", _Tree(3000))  # larger than the bound alone: not kept
+    assert len(store) == 1 and store.nbytes == 1000
