@@ -39,6 +39,7 @@ REASONS = (
     "invalid_input",  # INVALID_ARGUMENT: tensors, output names, parameters
     "deadline_exceeded",  # the deadline passed before it ran
     "queue_full",  # RESOURCE_EXHAUSTED: refused or shed by the bounded queue
+    "bytes_in_flight",  # RESOURCE_EXHAUSTED: reward.max_bytes_in_flight (reward_service/admission.py)
     "out_of_memory",  # RESOURCE_EXHAUSTED: the fixed memory pool
     "unavailable",  # the service is stopping
     "shared_memory",  # a shared-memory region could not be used

@@ -17,6 +17,7 @@ from prometheus_client import Gauge
 from tandem.v1 import reward_pb2, reward_pb2_grpc, scheduler_pb2
 
 from reward_service import oip
+from reward_service.admission import ByteBudget, OverBudget
 from reward_service.batcher import LANES, Batcher, BatcherClosed, BatcherError, DeadlineExceeded, QueueFull
 from reward_service.model_metrics import ModelMetrics
 from reward_service.session import InputError, ModelSession, runners_per_model
@@ -30,6 +31,7 @@ log = logging.getLogger(__name__)
 
 NO_DEADLINE_S = 1e7  # remaining times beyond this (~4 months) mean "no deadline"
 IN_FLIGHT = Gauge("tandem_reward_requests_in_flight", "Evaluate calls being served.")
+BYTES_IN_FLIGHT = Gauge("tandem_reward_bytes_in_flight", "Bytes of the Evaluate calls being served (serialized).")
 STREAM_PRIORITY = Gauge("tandem_reward_stream_priority", "CUDA stream priority assigned by the scheduler.")
 BULK_SHARE = Gauge("tandem_reward_bulk_share_ratio",
                    "Share of wall time (0-1) each model's bulk lane may run batches (the scheduler's lever).")
@@ -55,8 +57,9 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
     with. Status codes: NOT_FOUND (unknown model), INVALID_ARGUMENT (bad
     tensors or output names), DEADLINE_EXCEEDED (the gRPC deadline passed
     before the request ran: it is not run), RESOURCE_EXHAUSTED (the model's
-    queue is full, a critical request displaced this bulk one, or the run
-    needed more than the fixed memory pool),
+    queue is full, a critical request displaced this bulk one, the requests
+    in flight hold ``reward.max_bytes_in_flight`` bytes (reward_service/admission.py),
+    or the run needed more than the fixed memory pool),
     UNAVAILABLE (stopping), INTERNAL (the model run failed); with shared
     memory also FAILED_PRECONDITION (another client's region, or one
     unregistered while the request used it).
@@ -66,10 +69,12 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
     """
 
     def __init__(self, sessions: dict[str, ModelSession], batchers: dict[str, Batcher],
-                 shared_memory: SharedMemoryConfig | None = None, metrics: ModelMetrics | None = None):
+                 shared_memory: SharedMemoryConfig | None = None, metrics: ModelMetrics | None = None,
+                 max_bytes_in_flight: int = 0):
         self.sessions = sessions
         self.metrics = metrics or ModelMetrics(list(sessions))  # per-model figures (reward_service/model_metrics.py)
         self.batchers = batchers
+        self.budget = ByteBudget(max_bytes_in_flight)  # reward_service/admission.py
         self.shared_memory = shared_memory or SharedMemoryConfig()
         self.regions = RegionTable(self.shared_memory)
         self._lock = threading.Lock()
@@ -95,7 +100,8 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         IN_FLIGHT.inc()
         try:
             try:
-                with self.regions.acquire(request.client_id, _region_names(request)) as lease:
+                with self.budget.admit(request.ByteSize(), lane == LANES[reward_pb2.REQUEST_CLASS_CRITICAL]), \
+                        self.regions.acquire(request.client_id, _region_names(request)) as lease:
                     try:
                         reply, rows = self._evaluate(session, request, lease, context)
                     except BaseException as exc:
@@ -103,6 +109,8 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
                         # the mappings of regions unregistered meanwhile) until a garbage collection.
                         traceback.clear_frames(exc.__traceback__)
                         raise
+            except OverBudget as exc:  # reward.max_bytes_in_flight (reward_service/admission.py)
+                refusal = _Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, "bytes_in_flight", f"model {session.name!r}: {exc}")
             except SharedMemoryError as exc:
                 refusal = _Refusal(exc.code, "shared_memory", str(exc))
             except _Refusal as exc:
@@ -125,7 +133,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         try:
             feeds = session.decode([lease.input(t) if t.WhichOneof("contents") == "shared_memory" else t
                                     for t in request.inputs])
-            names = session.check_output_names(list(request.output_names))
+            names = session.check_output_names(request.output_names)  # counted before any copy
             rows = len(next(iter(feeds.values())))
             output_refs = _output_refs(session, request, names, rows, lease)
         except InputError as exc:
@@ -393,7 +401,8 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True) -> Service:
             log.warning("model %s: GPU features off: %s", s.name, "; ".join(f"{k} {v}" for k, v in off.items()))
     metrics = ModelMetrics(list(sessions))
     servicer = RewardServicer(sessions, {name: _batcher(s, cfg, metrics) for name, s in sessions.items()},
-                              cfg.reward.shared_memory, metrics)
+                              cfg.reward.shared_memory, metrics, cfg.reward.max_bytes_in_flight)
+    BYTES_IN_FLIGHT.set_function(lambda: servicer.budget.held)
     for name, b in servicer.batchers.items():
         for lane in LANES.values():
             metrics.watch_pending(name, lane, lambda b=b, lane=lane: b.stats()["lanes"][lane]["queued"])

@@ -636,14 +636,15 @@ class ModelSession:
                 across inputs; NaN/Inf where rejected.
         """
         by_name: dict[str, reward_pb2.Tensor] = {}
+        expected = {s.name for s in self.inputs}
+        # Each tensor known and new, or the loop ends: at most one more pass than the
+        # model has inputs, however many tensors the client sent.
         for t in inputs:
+            if t.name not in expected:
+                raise InputError(f"inputs: model {self.name!r} has no input {t.name[:64]!r} (inputs: {sorted(expected)})")
             if t.name in by_name:
                 raise InputError(f"inputs: tensor {t.name!r} given twice")
             by_name[t.name] = t
-        expected = {s.name for s in self.inputs}
-        unknown = sorted(set(by_name) - expected)
-        if unknown:
-            raise InputError(f"inputs: model {self.name!r} has no input {unknown[0]!r} (inputs: {sorted(expected)})")
         feeds, batch = {}, None
         for spec in self.inputs:
             t = by_name.get(spec.name)
@@ -654,8 +655,11 @@ class ModelSession:
                     f"inputs[{spec.name!r}].dtype: expected {tensors.dtype_name(spec.dtype)}, "
                     f"got {tensors.dtype_name(t.dtype)}"
                 )
+            if len(t.shape) != len(spec.shape):
+                raise InputError(f"inputs[{spec.name!r}].shape: expected {list(spec.shape)} (-1: any), "
+                                 f"got {len(t.shape)} dimensions")
             shape = tuple(t.shape)
-            if len(shape) != len(spec.shape) or any(e != -1 and e != g for e, g in zip(spec.shape, shape)):
+            if any(e != -1 and e != g for e, g in zip(spec.shape, shape)):
                 raise InputError(f"inputs[{spec.name!r}].shape: expected {list(spec.shape)} (-1: any), got {list(shape)}")
             if shape[0] == 0:
                 raise InputError(f"inputs[{spec.name!r}].shape: empty batch")
@@ -679,12 +683,18 @@ class ModelSession:
         """The requested output names (empty: all), checked.
 
         Raises:
-            InputError: an unknown output name.
+            InputError: more names than the model has outputs (checked first,
+                in O(1)), an unknown name or one given twice.
         """
         known = [s.name for s in self.outputs]
-        for n in output_names:
+        if len(output_names) > len(known):  # before any per-name work: the count is the client's
+            raise InputError(f"output_names: {len(output_names)} names, but model {self.name!r} has "
+                             f"{len(known)} outputs ({known})")
+        for i, n in enumerate(output_names):
             if n not in known:
-                raise InputError(f"output_names: model {self.name!r} has no output {n!r} (outputs: {known})")
+                raise InputError(f"output_names: model {self.name!r} has no output {n[:64]!r} (outputs: {known})")
+            if n in output_names[:i]:
+                raise InputError(f"output_names: {n!r} given twice")
         return tuple(output_names)
 
     # -- runs -----------------------------------------------------------------

@@ -138,6 +138,10 @@ class RewardConfig:
     # already queued). REQUEST_CLASS_CRITICAL requests never wait for company.
     max_queue_delay_us: float = 100.0
     max_queue_size: int = 256  # requests waiting per model; more: RESOURCE_EXHAUSTED (bulk is shed first)
+    # Bytes of the Evaluate requests being served together (serialized size), all models;
+    # more: RESOURCE_EXHAUSTED. Bulk requests may fill 3/4 of it, the rest is for critical
+    # ones; a request that finds nothing in flight is always admitted. 0 = no bound.
+    max_bytes_in_flight: int = 256 << 20
     # cuDNN convolution algorithm choice: "EXHAUSTIVE" (benchmark all, at warm-up),
     # "HEURISTIC" (cuDNN's guess, faster start) or "DEFAULT" (a fixed algorithm).
     cudnn_conv_algo_search: str = "EXHAUSTIVE"
@@ -227,7 +231,7 @@ _CHOICES = {
 }
 # Fields that may be zero (meaning "off" or "default"); every other number must be positive.
 _MAY_BE_ZERO = {"metrics_port", "gpu_memory_bytes", "memory_pool_bytes", "intra_op_threads", "max_queue_delay_us",
-                "evaluation_cache_bytes"}
+                "evaluation_cache_bytes", "max_bytes_in_flight"}
 # Sections that validate themselves (their dataclass's __post_init__), where zero may be meaningful.
 _SELF_CHECKED = {"urgency"}
 # Lists of numbers checked by their own rule instead (in _check_list).
