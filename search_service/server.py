@@ -12,6 +12,7 @@ to its end). A search that needs more device memory than the fixed pool
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import math
@@ -135,8 +136,9 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"deadline_ms: {deadline} exceeds the limit of {cfg.max_deadline_ms}"
             )
-        # Never open-ended, never past the caller's own gRPC deadline (search_service/budget.py).
-        deadline = search_deadline_ms(deadline, context.time_remaining(), cfg.max_deadline_ms)
+        # Never open-ended (search_service/budget.py); the gRPC deadline is applied at the
+        # start of the search itself (_started_by), so the time spent until then counts.
+        deadline = search_deadline_ms(deadline, None, cfg.max_deadline_ms)
         if request.evaluator not in (search_pb2.EVALUATOR_UNSPECIFIED, *_EVALUATORS):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"evaluator: unknown value {request.evaluator}")
         evaluator = _EVALUATORS.get(request.evaluator, cfg.evaluator)
@@ -163,6 +165,8 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
         params = self._params(request, context)
         reuse = request.session_id and request.moves and not request.HasField("board")
         tree = self.sessions.take(request.session_id, request.moves, self.backend.reroot) if reuse else None
+        params = dataclasses.replace(params, deadline_ms=search_deadline_ms(
+            params.deadline_ms, context.time_remaining(), self.cfg.max_deadline_ms))  # the caller's deadline, now
         started = time.monotonic()
         deadline = started + params.deadline_ms / 1e3 if params.deadline_ms else None
         evaluator = None

@@ -229,10 +229,10 @@ class _Search:
             if self.should_stop is not None and self.waves and self.should_stop():
                 self.stopped = True
                 break
+            self.clock.begin_wave()  # a pool that grows counts in its wave's time
             self._ensure_capacity(k)
             ks = np.where(live, k, 0)
             used_model = self.use_model
-            self.clock.begin_wave()
             completed = self._wave(ks, done)
             self.clock.end_wave()
             if not completed:
