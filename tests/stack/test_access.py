@@ -333,7 +333,7 @@ def _unsafe(path: Path) -> list[str]:
 def test_no_pickle_or_eval_in_serving_code():
     """A guard: nothing that serves requests can deserialise code or objects.
     Requests are protobuf, tensors raw bytes (np.frombuffer), the config YAML
-    (yaml.safe_load)."""
+    (a yaml.SafeLoader that also refuses aliases)."""
     files = [p for d in SERVING_CODE for p in (REPO_ROOT / d).rglob("*.py")
              if "training" not in p.parts and p.name != "make_resnet18.py"]
     assert len(files) > 20
