@@ -16,7 +16,9 @@ from tandem.v1 import search_pb2, search_pb2_grpc
 
 from search_service import server as search_server
 from search_service.budget import REPLY_MARGIN_MAX_MS, search_deadline_ms
-from search_service.mcts.backend import WaveClock
+from search_service.games import connect4
+from search_service.mcts.backend import SearchParams, WaveClock
+from search_service.mcts.cpu_reference import CpuReferenceBackend
 from search_service.sessions import SessionStore, tree_bytes
 from tandem.server import channel
 
@@ -56,6 +58,31 @@ def test_wave_clock_stops_before_a_wave_that_would_end_past_the_deadline():
     assert not WaveClock(None, 0.0).out_of_time()  # no deadline: only the budget ends the search
 
 
+class _SlowModel:
+    """A leaf evaluator whose every call takes ``seconds`` (a value model on a
+    slow link): waves long against the deadline, so when the search stops is
+    visible at a scale no machine's speed blurs."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def __call__(self, obs):
+        time.sleep(self.seconds)
+        return np.zeros(len(obs), np.float32), None
+
+
+def test_no_wave_starts_that_would_end_past_the_deadline():
+    """Root valued at ~0.4 s, waves end at ~0.8, 1.2, 1.6 s; a fourth would end
+    at ~2.0 s, past the 1.9 s deadline, so the search answers at ~1.6 s (it
+    used to start that wave and answer at ~2.0 s)."""
+    params = SearchParams(simulations=HUGE, deadline_ms=1900.0, parallel_sims=4, evaluator="value_model")
+    began = time.perf_counter()
+    (r,), _ = CpuReferenceBackend().search(connect4.parse_moves("44"), params, _SlowModel(0.4), [None])
+    elapsed_ms = (time.perf_counter() - began) * 1e3
+    assert r.deadline_reached and r.extras["waves"] >= 1 and r.model_simulations == r.simulations
+    assert elapsed_ms < 1900.0, elapsed_ms
+
+
 # -- end to end ----------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -75,6 +102,23 @@ def test_a_search_bounded_only_by_its_grpc_deadline_answers_ok_in_time(served):
         r = stub.Search(search_pb2.SearchRequest(game="connect4", moves="44", simulations=HUGE), timeout=timeout_s)
         assert time.monotonic() - began < timeout_s
         assert r.deadline_reached and 0 < r.simulations < HUGE and r.visit_counts[r.action] == max(r.visit_counts)
+
+
+def test_a_value_model_search_with_slow_waves_answers_ok_by_its_grpc_deadline(served):
+    """Each model call takes 0.4 s: root valued at ~0.4 s, a wave ends at ~0.8 s;
+    the next would end at ~1.2 s, past the 1 s gRPC deadline, so the search
+    answers OK at ~0.8 s (it used to start that wave: DEADLINE_EXCEEDED)."""
+    stub, service = served
+    evaluator, service.servicer.evaluator = service.servicer.evaluator, _SlowModel(0.4)
+    try:
+        began = time.monotonic()
+        r = stub.Search(search_pb2.SearchRequest(game="connect4", moves="44", simulations=HUGE,
+                                                 evaluator=search_pb2.EVALUATOR_VALUE_MODEL), timeout=1.0)
+        assert time.monotonic() - began < 1.0
+        assert r.deadline_reached and r.model_simulations == r.simulations > 0
+        assert r.evaluator == search_pb2.EVALUATOR_VALUE_MODEL
+    finally:
+        service.servicer.evaluator = evaluator
 
 
 def test_a_search_without_a_deadline_stops_at_max_deadline_ms(served):
