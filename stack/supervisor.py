@@ -1,6 +1,8 @@
 """``tandem up``: the three servers as separate processes, started in order,
-each awaited until its health service reports SERVING, and all stopped
-together (SIGTERM, drain, then SIGKILL) so that none is left orphaned."""
+each awaited until its health service reports SERVING, started again when one
+exits (with backoff and a budget, stack/restarts.py) while the others keep
+serving, and all stopped together (SIGTERM, drain, then SIGKILL) so that none
+is left orphaned."""
 from __future__ import annotations
 
 import ctypes
@@ -14,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from stack.restarts import ChildRecord, RestartPolicy, record_path, write_record
 from tandem import device
 from tandem.config import TandemConfig
 from tandem.pools import mps_memory_env
@@ -117,22 +120,36 @@ class Stack:
             raise RuntimeError(f"already in use (is another tandem up running?): {', '.join(busy)}")
         try:
             for name in self.processes():
-                cmd = [sys.executable, "-m", "stack", "serve", name]
-                if self.config_path:
-                    cmd += ["--config", str(self.config_path)]
-                out = None
-                if self.log_dir:
-                    self.log_dir.mkdir(parents=True, exist_ok=True)
-                    out = open(self.log_dir / f"{name}.log", "ab")
-                self.procs[name] = subprocess.Popen(
-                    cmd, stdout=out, stderr=subprocess.STDOUT if out else None,
-                    env={**os.environ, **self._env(name), PARENT_ENV: str(os.getpid())},
-                )
+                self.spawn(name)
                 for server in self._serves(name):
                     wait_serving(getattr(self.cfg, server).address, self.cfg, timeout_s, self.procs[name])
         except BaseException:
             self.stop()
             raise
+
+    def spawn(self, name: str) -> subprocess.Popen:
+        """Starts (or starts again) process ``name`` without waiting for it to serve.
+
+        It gets a session of its own: a Ctrl-C in the terminal reaches only the
+        supervisor, which then stops the servers in order (a server that had
+        the SIGINT too would be stopping already when the SIGTERM came).
+        """
+        cmd = [sys.executable, "-m", "stack", "serve", name]
+        if self.config_path:
+            cmd += ["--config", str(self.config_path)]
+        out = None
+        if self.log_dir:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            out = open(self.log_dir / f"{name}.log", "ab")
+        try:
+            self.procs[name] = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True,
+                env={**os.environ, **self._env(name), PARENT_ENV: str(os.getpid())},
+            )
+        finally:
+            if out:
+                out.close()  # the child has its own copy
+        return self.procs[name]
 
     def _env(self, name: str) -> dict[str, str]:
         """The server's extra environment: the shared MPS directories, its MPS
@@ -197,20 +214,62 @@ class Stack:
         self.stop()
 
 
-def run_until_signalled(stack: Stack) -> int:
-    """Blocks until SIGINT/SIGTERM or until a server exits; stops all. Exit status for the CLI."""
+def run_until_signalled(stack: Stack, policy: RestartPolicy = RestartPolicy()) -> int:
+    """Supervises the started ``stack`` until SIGINT/SIGTERM: a server that exits
+    is started again under ``policy`` while the others keep serving (the record
+    ``tandem status`` prints is kept at :func:`~stack.restarts.record_path`).
+
+    Returns the exit status for the CLI: 0 when stopped on request with every
+    server stopping cleanly; 1 when a server used up its restarts (all are
+    stopped) or a server did not stop cleanly.
+    """
     stopping = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda s, _f: stopping.append(s))
-    while not stopping:
-        dead = stack.failed()
-        if dead:
-            log.error("%s exited (status %s): stopping the others", dead, stack.procs[dead].returncode)
-            stack.stop()
-            return 1
-        time.sleep(0.1)
-    print(f"stopping: draining the {len(stack.procs)} server processes", flush=True)
-    codes = stack.stop()
-    print("stopped: " + ", ".join(f"{n} exit {c}" for n, c in codes.items()), flush=True)
-    return int(any(codes.values()))
+    children = {name: ChildRecord(proc.pid) for name, proc in stack.procs.items()}
+    path = record_path(stack.cfg)
+    write_record(path, children)
+    try:
+        while not stopping:
+            if _supervise_once(stack, children, policy, time.monotonic()):
+                write_record(path, children)
+            time.sleep(0.1)
+        print(f"stopping: draining the {len(stack.procs)} server processes", flush=True)
+        codes = stack.stop()
+        print("stopped: " + ", ".join(f"{n} exit {c}" for n, c in codes.items()), flush=True)
+        return int(any(codes.values()))
+    except _GaveUp as exc:
+        log.error("%s", exc)
+        stack.stop()
+        return 1
+    finally:
+        path.unlink(missing_ok=True)
 
+
+class _GaveUp(Exception):
+    """A server exited more often than the restart policy allows."""
+
+
+def _supervise_once(stack: Stack, children: dict[str, ChildRecord], policy: RestartPolicy, now: float) -> bool:
+    """Notes servers that exited and starts those whose delay has passed; True if anything changed.
+
+    Raises:
+        _GaveUp: a server exited with its restarts used up.
+    """
+    changed = False
+    for name, child in children.items():
+        proc = stack.procs[name]
+        if child.restart_at is None and proc.poll() is not None:
+            if child.exited(proc.returncode, now, policy) is None:
+                raise _GaveUp(
+                    f"{name} exited (status {proc.returncode}) after {child.recent()} restarts within "
+                    f"{policy.window_s:.0f} s: giving up, stopping the others")
+            log.error("%s exited (status %s): restarting it in %.1f s (restart %d of %d within %.0f s); "
+                      "the others keep serving", name, proc.returncode, child.restart_at - now,
+                      child.recent() + 1, policy.max_restarts, policy.window_s)
+            changed = True
+        elif child.restart_at is not None and now >= child.restart_at:
+            child.restarted(stack.spawn(name).pid, now)
+            log.warning("%s started again (pid %d, restart %d)", name, child.pid, child.restarts)
+            changed = True
+    return changed
