@@ -7,11 +7,17 @@
   tandem play [...]                  the sample game engine against a running stack
   tandem demo [...]                  up + play on the bundled positions + report + stop
   tandem convert-fp16 MODEL.onnx     FP16 model with an FP32 last layer, + latency/accuracy report
+
+Exit codes: 0 done (up: stopped on request, every server cleanly); 1 failed (a
+server could not start or used up its restarts, a service is unreachable, a
+frame went unanswered); 2 a bad argument or config (one line on stderr); 130
+interrupted by Ctrl-C (up: Ctrl-C is how it stops, 0).
 """
 from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 import time
@@ -19,6 +25,7 @@ from pathlib import Path
 
 import grpc
 
+from stack import interrupt
 from tandem.config import ConfigError, TandemConfig, load_config
 
 SERVE = {
@@ -53,14 +60,16 @@ def _print_endpoints(cfg: TandemConfig) -> None:
 
 
 def cmd_up(args) -> int:
+    from stack.restarts import RestartPolicy
     from stack.supervisor import Stack, run_until_signalled
 
     cfg = _config(args)
+    policy = RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window_s)
     stack = Stack(cfg, args.config, log_dir=args.log_dir)
     stack.start()
     print("tandem is up:", flush=True)
     _print_endpoints(cfg)
-    return run_until_signalled(stack)
+    return run_until_signalled(stack, policy)
 
 
 def cmd_status(args) -> int:
@@ -104,10 +113,23 @@ def _play_options(args, cfg: TandemConfig):
     )
 
 
+def _check_reachable(opts, cfg: TandemConfig) -> None:
+    """Raises RuntimeError naming every service that ``tandem play`` needs and that is not SERVING."""
+    from tandem.server import health_status
+
+    down = [f"{name} service at {address}: {status}"
+            for name, address in (("search", opts.search_address), ("reward", opts.reward_address))
+            if (status := health_status(address, cfg, timeout_s=2.0)) != "SERVING"]
+    if down:
+        raise RuntimeError(f"cannot play: {'; '.join(down)} (is tandem up running?)")
+
+
 def _run_play(args, cfg: TandemConfig) -> int:
     from stack.play import play, print_report, write_report
 
-    report = play(_play_options(args, cfg), cfg)
+    opts = _play_options(args, cfg)
+    _check_reachable(opts, cfg)
+    report = play(opts, cfg)
     print_report(report)
     if args.report:
         write_report(report, args.report)
@@ -147,18 +169,55 @@ def cmd_convert_fp16(args) -> int:
     return fp16_report.main(args)
 
 
+def _number(kind: type, low: float, strict: bool = True):
+    """An argparse type: a finite ``kind`` above ``low`` (at least ``low`` when not ``strict``)."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, got {text!r}")
+        if not math.isfinite(value) or (value <= low if strict else value < low):
+            raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} {low:g}, got {text!r}")
+        return value
+    return parse
+
+
+def _position_set(text: str) -> str:
+    """An argparse type: a bundled position set's name or a readable JSONL file of labelled positions."""
+    from tandem.positions import PONS_DIR, load_set
+
+    try:
+        if not load_set(text):
+            raise ValueError("no positions in it")
+    except FileNotFoundError:
+        names = ", ".join(sorted(p.stem for p in PONS_DIR.glob("*.jsonl")))
+        raise argparse.ArgumentTypeError(f"no position set or file {text[:200]!r} (bundled sets: {names})")
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        raise argparse.ArgumentTypeError(f"{text[:200]!r}: {exc}")
+    return text
+
+
+class _Parser(argparse.ArgumentParser):
+    """Bad arguments get one line on stderr (no usage block) and exit code 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def _add_play_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--frames", type=int, default=600, help="frames to play (default 600)")
-    p.add_argument("--fps", type=float, default=60.0, help="target frame rate (default 60)")
-    p.add_argument("--positions", action="append", help="position set name or JSONL path (repeatable)")
-    p.add_argument("--simulations", type=int, default=0, help="simulations per search; 0 = frame deadline only")
+    p.add_argument("--frames", type=_number(int, 0), default=600, help="frames to play (default 600)")
+    p.add_argument("--fps", type=_number(float, 0), default=60.0, help="target frame rate (default 60)")
+    p.add_argument("--positions", action="append", type=_position_set,
+                   help="position set name or JSONL path (repeatable)")
+    p.add_argument("--simulations", type=_number(int, 0, strict=False), default=0,
+                   help="simulations per search; 0 = frame deadline only")
     p.add_argument("--evaluator", choices=("rollout", "value_model"), default="rollout")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--report", help="write the report as JSON here")
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="tandem", description=__doc__.split("\n\n")[0])
+    ap = _Parser(prog="tandem", description=__doc__.split("\n\n")[0])
     ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = ap.add_subparsers(dest="command", required=True)
 
@@ -172,13 +231,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("name", choices=sorted(SERVE))
     p = command("up", cmd_up, "start scheduler, reward and search services")
     p.add_argument("--log-dir", type=Path, help="write each server's log here")
+    p.add_argument("--max-restarts", type=_number(int, 0, strict=False), default=5,
+                   help="restarts of one server within --restart-window-s before all stop (default 5; 0: none)")
+    p.add_argument("--restart-window-s", type=_number(float, 0), default=60.0, help="(default 60)")
     command("status", cmd_status, "print what the scheduler knows")
     p = command("doctor", cmd_doctor, "check this host for MPS, priorities, memory, copies, clocks; print fixes")
     p.add_argument("--deep", action="store_true", help="also time priorities across two processes (GPU, ~10 s)")
     p = command("health", cmd_health, "check one server's gRPC health")
     p.add_argument("address", help="HOST:PORT")
     p.add_argument("--service", default="", help="service name (default: the whole server)")
-    p.add_argument("--timeout-s", type=float, default=2.0)
+    p.add_argument("--timeout-s", type=_number(float, 0), default=2.0)
     p = command("play", cmd_play, "the sample game engine, against a running stack")
     p.add_argument("--search", help="search service address (default: from the config)")
     p.add_argument("--reward", help="reward service address (default: from the config)")
@@ -191,14 +253,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="FP32 ONNX model")
     p.add_argument("--out", help="output path (default MODEL.fp16.onnx beside it)")
     p.add_argument("--report", help="also write the latency/accuracy report as JSON here")
-    p.add_argument("--limit", type=int, help="held-out positions per set (default all)")
-    p.add_argument("--repeats", type=int, default=20, help="timed runs per batch size (default 20)")
+    p.add_argument("--limit", type=_number(int, 0), help="held-out positions per set (default all)")
+    p.add_argument("--repeats", type=_number(int, 0), default=20, help="timed runs per batch size (default 20)")
     p.add_argument("--no-report", action="store_true", help="convert only")
     p.set_defaults(fn=cmd_convert_fp16)
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
+    interrupt.install()
     args = parser().parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
@@ -210,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tandem: config error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        return 130
+        print(f"tandem {args.command}: interrupted", file=sys.stderr, flush=True)
+        return interrupt.EXIT_INTERRUPTED
     except RuntimeError as exc:
         print(f"tandem: {exc}", file=sys.stderr)
         return 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import grpc
 from tandem.v1 import scheduler_pb2, scheduler_pb2_grpc
 
+from stack.restarts import read_record
 from stack.supervisor import SERVICES
 from tandem import nvml
 from tandem.config import TandemConfig
@@ -16,11 +17,16 @@ def _kind(k: int) -> str:
 
 
 def print_status(cfg: TandemConfig) -> int:
-    """Prints the status; returns 0 if the scheduler answered, else 1."""
+    """Prints the status; returns 0 if every server reports SERVING and the
+    scheduler answered, else 1 (all of it is printed either way)."""
     print("health:")
+    healthy = True
     for name in SERVICES:
         address = getattr(cfg, name).address
-        print(f"  {name:<10} {address:<22} {health_status(address, cfg)}")
+        health = health_status(address, cfg)
+        healthy &= health == "SERVING"
+        print(f"  {name:<10} {address:<22} {health}")
+    _print_restarts(cfg)
     with channel(cfg.scheduler.address, cfg) as ch:
         try:
             st = scheduler_pb2_grpc.SchedulerStub(ch).Status(scheduler_pb2.StatusRequest(), timeout=2)
@@ -52,4 +58,15 @@ def print_status(cfg: TandemConfig) -> int:
             f"pool {load.memory_used_bytes / 2**20:.0f}/{a.memory_pool_bytes / 2**20:.0f} MiB  urgency {s.urgency:.2f}  "
             f"lease {s.lease_expires_in_ms:.0f} ms  queue {load.queue_depth}  {load.requests_per_s:.1f} req/s{bulk}"
         )
-    return 0
+    return 0 if healthy else 1
+
+
+def _print_restarts(cfg: TandemConfig) -> None:
+    """The restarts of each server under the ``tandem up`` of this config, where one runs."""
+    record = read_record(cfg)
+    if record is None:
+        return
+    print(f"supervisor: tandem up (pid {record['supervisor_pid']})")
+    for name, child in record["servers"].items():
+        last = f" (last exit {child['last_exit']})" if child["last_exit"] is not None else ""
+        print(f"  {name:<10} pid {child['pid']:<8} {child['state']}, {child['restarts']} restarts{last}")

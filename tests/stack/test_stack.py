@@ -143,7 +143,8 @@ def test_health_command(config_file):
 def test_play_without_a_stack_says_so_in_one_line(config_file):
     result = _tandem("play", "--config", str(config_file), "--frames", "1")
     assert result.returncode == 1
-    assert result.stderr.strip().startswith("tandem: UNAVAILABLE") and "Traceback" not in result.stderr
+    assert result.stderr.strip().startswith("tandem: cannot play: search service at") and "Traceback" not in result.stderr
+    assert len(result.stderr.splitlines()) == 1
 
 
 def test_servers_die_with_a_killed_supervisor(config_file):

@@ -1,0 +1,39 @@
+"""Ctrl-C for the command line: the first one raises ``KeyboardInterrupt`` (the
+command stops its servers, closes its channels and exits 130) and makes sure
+the process is gone ``deadline_s`` later even if a library thread holds its
+exit up; a second one exits at once."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
+DEADLINE_S = 20.0  # > a demo's drain of its servers (Stack.stop: 10 s grace, then SIGKILL)
+
+_interrupted = threading.Event()
+
+
+def _exit_later(deadline_s: float) -> None:
+    time.sleep(deadline_s)
+    os.write(2, f"tandem: not stopped {deadline_s:.0f} s after Ctrl-C: exiting\n".encode())
+    os._exit(EXIT_INTERRUPTED)
+
+
+def _on_sigint(deadline_s: float):
+    def handler(_signum, _frame):
+        if _interrupted.is_set():
+            os.write(2, b"tandem: interrupted again: exiting now\n")
+            os._exit(EXIT_INTERRUPTED)
+        _interrupted.set()
+        threading.Thread(target=_exit_later, args=(deadline_s,), name="exit-deadline", daemon=True).start()
+        raise KeyboardInterrupt
+
+    return handler
+
+
+def install(deadline_s: float = DEADLINE_S) -> None:
+    """Installs the SIGINT handler (in the main thread; commands that serve
+    install their own, which replaces it)."""
+    signal.signal(signal.SIGINT, _on_sigint(deadline_s))
