@@ -214,15 +214,17 @@ class Stack:
         self.stop()
 
 
-def run_until_signalled(stack: Stack, policy: RestartPolicy = RestartPolicy()) -> int:
+def run_until_signalled(stack: Stack, policy: RestartPolicy | None = None) -> int:
     """Supervises the started ``stack`` until SIGINT/SIGTERM: a server that exits
-    is started again under ``policy`` while the others keep serving (the record
-    ``tandem status`` prints is kept at :func:`~stack.restarts.record_path`).
+    is started again under ``policy`` (None: the default :class:`RestartPolicy`)
+    while the others keep serving (the record ``tandem status`` prints is kept
+    at :func:`~stack.restarts.record_path`).
 
     Returns the exit status for the CLI: 0 when stopped on request with every
     server stopping cleanly; 1 when a server used up its restarts (all are
     stopped) or a server did not stop cleanly.
     """
+    policy = policy or RestartPolicy()
     stopping = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda s, _f: stopping.append(s))

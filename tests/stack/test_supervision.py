@@ -125,7 +125,7 @@ def _search(cfg, evaluator=search_pb2.EVALUATOR_VALUE_MODEL) -> search_pb2.Searc
 
 
 def _tandem(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*TANDEM, *args], capture_output=True, text=True, timeout=120)
+    return subprocess.run([*TANDEM, *args], capture_output=True, text=True, timeout=120, check=False)
 
 
 def test_a_killed_server_is_restarted_and_the_others_keep_serving(config_file, tmp_path):
@@ -154,7 +154,7 @@ def test_a_killed_server_is_restarted_and_the_others_keep_serving(config_file, t
         assert f"reward     pid {after['reward']:<8} running, 1 restarts (last exit -9)" in status.stdout
         assert "search     pid" in status.stdout and "running, 0 restarts" in status.stdout
 
-        code, took = up.ctrl_c()
+        code, _ = up.ctrl_c()
         assert code == 0, up.output
         assert "stopped: scheduler exit 0, reward exit 0, search exit 0" in up.output
         assert _poll(lambda: not any(_alive(p) for p in after.values()), 15), "orphaned servers"
