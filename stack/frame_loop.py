@@ -266,5 +266,7 @@ class FrameClient:
         return frame
 
     def close(self) -> None:
-        self._search_ch.close()
-        self._reward_ch.close()
+        try:
+            self._search_ch.close()
+        finally:  # a Ctrl-C in the first close must not leave the second channel open
+            self._reward_ch.close()
