@@ -3,7 +3,7 @@ restarted, and the stack shows what it promises.
 
 Three real processes (``tandem serve NAME --config``) on loopback, two engines
 at 20 FPS from ``loadtest.generator`` (each frame one value-model Search and
-one Evaluate, every call with a 2-s deadline), for the whole test:
+one Evaluate, every call with a 10-s deadline), for the whole test:
 
 * scheduler killed: search and reward keep serving every request (they run on
   their last assignment); restarted on its port, both services register again
@@ -133,7 +133,7 @@ def test_kill_each_server_under_load(tmp_path):
             s.start()
         _wait(lambda: _registered(cfg) == {scheduler_pb2.SERVICE_KIND_SEARCH, scheduler_pb2.SERVICE_KIND_REWARD})
         gen = OpenLoopGenerator(LoadSpec(cfg.search.address, cfg.reward.address, engines=2, fps=20.0, simulations=16,
-                                         evaluator="value_model", timeout_s=2.0), cfg)
+                                         evaluator="value_model", timeout_s=10.0), cfg)  # slack for a busy host
         gen.start()
         time.sleep(1.5)
 
