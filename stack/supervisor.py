@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +54,16 @@ def die_with_supervisor() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != int(parent):  # the supervisor died before the prctl
         os.kill(os.getpid(), signal.SIGTERM)
+    # And a watch on the parent: once, under load, a server outlived a SIGKILLed supervisor
+    # without ever getting the death signal (tests/stack/test_stack.py). Reparented = orphaned.
+    threading.Thread(target=_watch_parent, args=(int(parent),), name="supervisor-watch", daemon=True).start()
+
+
+def _watch_parent(parent: int, interval_s: float = 1.0) -> None:
+    while os.getppid() == parent:
+        time.sleep(interval_s)
+    log.warning("the supervisor (pid %d) is gone: stopping", parent)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def wait_serving(address: str, cfg: TandemConfig, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
