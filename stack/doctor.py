@@ -78,8 +78,9 @@ def check_libraries(found: dict) -> list[Finding]:
     elif found.get("ort_session_providers", [""])[0] != CUDA_EP:
         ort = Finding(check, FAIL, f"onnxruntime-gpu {version} fell back to {found.get('ort_session_providers')}: "
                       "its CUDA libraries (CUDA runtime, cuBLAS, cuDNN) did not load; the reward service runs on "
-                      f"the CPU ({found.get('ort_fallback_reason') or 'no reason logged'})", "install the CUDA and cuDNN versions this onnxruntime-gpu release names, or run "
-                      "the image of deploy/Dockerfile")
+                      f"the CPU ({found.get('ort_fallback_reason') or 'no reason logged'})",
+                      "install the CUDA and cuDNN versions this onnxruntime-gpu release names, or run the image "
+                      "of deploy/Dockerfile")
     else:
         ort = Finding(check, OK, f"onnxruntime-gpu {version}: a session runs on {CUDA_EP}")
     if "cupy_error" in found:

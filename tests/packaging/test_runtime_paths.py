@@ -36,7 +36,8 @@ def test_bundled_files_are_the_checkouts_through_the_package_links():
     assert DEFAULT_CONFIG.resolve() == (REPO_ROOT / "deploy" / "config" / "tandem.yaml").resolve()
     assert PONS_DIR.resolve() == (REPO_ROOT / "data" / "connect4" / "pons").resolve()
     assert bundled("positions", "Test_L3_R1.jsonl").is_file()
-    assert package_path("tandem", "v1", "reward_pb2.py").resolve() == (REPO_ROOT / "protos/tandem/v1/reward_pb2.py").resolve()
+    contract = package_path("tandem", "v1", "reward_pb2.py")
+    assert contract.resolve() == (REPO_ROOT / "protos" / "tandem" / "v1" / "reward_pb2.py").resolve()
 
 
 def test_config_paths_under_a_package_are_package_data(tmp_path, monkeypatch):

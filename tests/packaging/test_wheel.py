@@ -71,7 +71,8 @@ def test_installed_tandem_help_and_version(venv: Venv, tmp_path: Path):
 
 
 def test_installed_tandem_up_and_play_60_frames(venv: Venv, tmp_path: Path):
-    data = {name: {"address": f"127.0.0.1:{free_port()}", "metrics_port": 0} for name in ("scheduler", "reward", "search")}
+    data = {name: {"address": f"127.0.0.1:{free_port()}", "metrics_port": 0}
+            for name in ("scheduler", "reward", "search")}
     data["search"]["backend"] = "cpu"
     config = tmp_path / "tandem.yaml"
     config.write_text(yaml.safe_dump(data))

@@ -39,8 +39,9 @@ def test_version(capsys):
                          ids=["converter", "converter-and-onnx"])
 def test_convert_fp16_without_the_extra_names_it(tmp_path, missing):
     # A module set to None in sys.modules cannot be imported: as if not installed.
+    out = str(tmp_path / "x.onnx")
     code = (f"import sys\nfor m in {missing!r}: sys.modules[m] = None\n"
-            f"from stack.cli import main\nsys.exit(main(['convert-fp16', {MODEL!r}, '--out', {str(tmp_path / 'x.onnx')!r}]))")
+            f"from stack.cli import main\nsys.exit(main(['convert-fp16', {MODEL!r}, '--out', {out!r}]))")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 2, res.stdout + res.stderr
     assert "pip install 'tandem[fp16]'" in res.stderr and "Traceback" not in res.stderr, res.stderr
