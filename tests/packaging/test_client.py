@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from conftest import loopback_config
-from pip_env import checked, pip
+from pip_env import REPO, checked, pip
 from venvs import Venv, build_wheel, requirements_closure, wheel_requirements
 
 from reward_service import server as reward_server
@@ -53,10 +53,10 @@ def client_env(tmp_path_factory) -> tuple[Venv, Path]:
 def test_client_wheel_holds_only_the_client_modules(client_env):
     _, wheel = client_env
     modules = sorted(n for n in zipfile.ZipFile(wheel).namelist() if ".dist-info/" not in n)
+    stems = [p.stem for p in (REPO / "protos" / "tandem" / "v1").glob("*.proto")]
+    contract = [f"tandem/v1/{stem}{suffix}" for stem in stems for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")]
     assert modules == sorted(["tandem/__init__.py", "tandem/tensors.py", "tandem/channel_options.py",
-                              *(f"tandem/v1/{n}" for n in ("__init__.py", *(f"{stem}{suffix}"
-                                for stem in ("reward", "scheduler", "search")
-                                for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py"))))])
+                              "tandem/engine_client.py", "tandem/v1/__init__.py", *contract])
     assert wheel_requirements(wheel) == ["grpcio", "protobuf", "numpy"]
 
 
@@ -65,6 +65,8 @@ def test_client_venv_has_its_dependencies_and_nothing_of_the_server(client_env, 
     checked(pip("--python", env.python, "check"))  # every declared requirement is there
     res = env.run(env.python, "-c", "import onnxruntime", cwd=tmp_path)
     assert res.returncode != 0 and "No module named 'onnxruntime'" in res.stderr
+    helped = env.run(env.python, "-m", "tandem.engine_client", "--help", cwd=tmp_path)  # the reference client
+    assert helped.returncode == 0 and "--search" in helped.stdout, helped.stderr
 
 
 def test_client_evaluates_on_a_real_reward_service(client_env, tmp_path):

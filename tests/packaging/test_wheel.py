@@ -13,12 +13,13 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import free_port, lines_until
+from pip_env import REPO
 from venvs import Venv, build_wheel
 
 pytestmark = pytest.mark.slow
 
 PACKAGE_DATA = [
-    *(f"tandem/v1/{stem}{suffix}" for stem in ("reward", "scheduler", "search")
+    *(f"tandem/v1/{p.stem}{suffix}" for p in (REPO / "protos" / "tandem" / "v1").glob("*.proto")
       for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")),
     "tandem/bundled/tandem.yaml",
     "tandem/bundled/positions/Test_L3_R1.jsonl",
