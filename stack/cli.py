@@ -60,10 +60,12 @@ def _print_endpoints(cfg: TandemConfig) -> None:
 
 
 def cmd_up(args) -> int:
+    from stack.compute import describe as describe_compute
     from stack.restarts import RestartPolicy
     from stack.supervisor import Stack, run_until_signalled
 
     cfg = _config(args)
+    print(describe_compute(cfg), flush=True)
     policy = RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window_s)
     stack = Stack(cfg, args.config, log_dir=args.log_dir)
     stack.start()
@@ -142,9 +144,11 @@ def cmd_play(args) -> int:
 
 
 def cmd_demo(args) -> int:
+    from stack.compute import describe as describe_compute
     from stack.supervisor import Stack
 
     cfg = _config(args)
+    print(describe_compute(cfg), flush=True)
     started = time.perf_counter()
     stack = Stack(cfg, args.config, log_dir=args.log_dir)
     stack.start()
@@ -161,9 +165,12 @@ def cmd_demo(args) -> int:
 
 def cmd_convert_fp16(args) -> int:
     try:
+        import onnxconverter_common  # noqa: F401  (the conversion imports it on first use: ask up front)
+
         from training import fp16_report
     except ImportError as exc:
-        print(f"tandem convert-fp16 needs the fp16 extra (pip install -e '.[fp16]'): {exc}", file=sys.stderr)
+        print(f"tandem convert-fp16 needs the fp16 extra: pip install 'tandem[fp16]' "
+              f"(in a checkout: pip install -e '.[fp16]'); {exc}", file=sys.stderr)
         return 2
 
     return fp16_report.main(args)
@@ -211,42 +218,54 @@ def _add_play_args(p: argparse.ArgumentParser) -> None:
                    help="position set name or JSONL path (repeatable)")
     p.add_argument("--simulations", type=_number(int, 0, strict=False), default=0,
                    help="simulations per search; 0 = frame deadline only")
-    p.add_argument("--evaluator", choices=("rollout", "value_model"), default="rollout")
-    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--evaluator", choices=("rollout", "value_model"), default="rollout",
+                   help="leaf evaluation: random rollouts, or the value model on the reward service (default rollout)")
+    p.add_argument("--seed", type=int, default=1, help="seed of the position order and the searches (default 1)")
     p.add_argument("--report", help="write the report as JSON here")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("tandem")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "(not installed)"
 
 
 def parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="tandem", description=__doc__.split("\n\n")[0])
     ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = ap.add_subparsers(dest="command", required=True)
+    ap.add_argument("--version", action="version", version=f"tandem {_version()}", help="print the version and exit")
+    sub = ap.add_subparsers(dest="command", required=True, help="what to do (`tandem COMMAND --help` for its options)")
 
     def command(name, fn, help):
         p = sub.add_parser(name, help=help)
-        p.add_argument("--config", help="YAML config (default deploy/config/tandem.yaml)")
+        p.add_argument("--config", help="YAML config (default: the bundled one, deploy/config/tandem.yaml)")
         p.set_defaults(fn=fn)
         return p
 
     p = command("serve", cmd_serve, "run one server in the foreground")
-    p.add_argument("name", choices=sorted(SERVE))
+    p.add_argument("name", choices=sorted(SERVE), help="which server: " + ", ".join(sorted(SERVE)))
     p = command("up", cmd_up, "start scheduler, reward and search services")
     p.add_argument("--log-dir", type=Path, help="write each server's log here")
     p.add_argument("--max-restarts", type=_number(int, 0, strict=False), default=5,
                    help="restarts of one server within --restart-window-s before all stop (default 5; 0: none)")
-    p.add_argument("--restart-window-s", type=_number(float, 0), default=60.0, help="(default 60)")
+    p.add_argument("--restart-window-s", type=_number(float, 0), default=60.0,
+                   help="seconds over which --max-restarts counts (default 60)")
     command("status", cmd_status, "print what the scheduler knows")
     p = command("doctor", cmd_doctor, "check this host for MPS, priorities, memory, copies, clocks; print fixes")
     p.add_argument("--deep", action="store_true", help="also time priorities across two processes (GPU, ~10 s)")
     p = command("health", cmd_health, "check one server's gRPC health")
     p.add_argument("address", help="HOST:PORT")
     p.add_argument("--service", default="", help="service name (default: the whole server)")
-    p.add_argument("--timeout-s", type=_number(float, 0), default=2.0)
+    p.add_argument("--timeout-s", type=_number(float, 0), default=2.0, help="seconds to wait for the answer (default 2)")
     p = command("play", cmd_play, "the sample game engine, against a running stack")
     p.add_argument("--search", help="search service address (default: from the config)")
     p.add_argument("--reward", help="reward service address (default: from the config)")
     _add_play_args(p)
     p = command("demo", cmd_demo, "up, play on the bundled positions, report, stop")
-    p.add_argument("--log-dir", type=Path, default=None)
+    p.add_argument("--log-dir", type=Path, default=None, help="write each server's log here (default: this terminal)")
     p.set_defaults(search=None, reward=None)
     _add_play_args(p)
     p = sub.add_parser("convert-fp16", help="write an FP16 model whose last layer and outputs stay FP32, and report")

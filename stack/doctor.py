@@ -5,6 +5,8 @@ Checks (GPU measurements run in child processes, :mod:`stack.doctor_gpu`,
 so the doctor holds no CUDA context):
 
 * GPU present (the driver, asked directly);
+* the GPU builds load: ONNX Runtime's CUDA execution provider and CuPy
+  (:mod:`stack.doctor_libraries`); on a GPU host either one missing is a FAIL;
 * MPS: a control daemon answers in the configured pipe directory;
 * stream priority range (the policies need at least two levels);
 * free device memory against the fixed pools in the config;
@@ -33,6 +35,8 @@ GPU_CHECKS = ("stream priority range", "free memory and pools", "copy bandwidth 
               "clocks and utilisation", "priorities enforced (--deep)")
 CHILD_TIMEOUT_S = 120.0
 ENFORCED_P99_RATIO = 2.0  # chain p99 under load within this factor of alone: priorities act
+CUDA_EP = "CUDAExecutionProvider"
+INSTALL_GPU = "pip install 'tandem[gpu]' (make demo and make test pick it where nvidia-smi lists a GPU)"
 PRIORITY_GAIN = 0.5  # or: the high-priority chain's p99 at most this share of the same chain at the load's priority
 
 
@@ -44,14 +48,14 @@ class Finding:
     fix: str = ""
 
 
-def _child(args: list[str], env: dict[str, str]) -> dict:
-    """JSON printed by ``python -m stack.doctor_gpu ARGS``.
+def _child(args: list[str], env: dict[str, str], module: str = "stack.doctor_gpu") -> dict:
+    """JSON printed by ``python -m MODULE ARGS``.
 
     Raises:
         RuntimeError: the child failed or timed out (its last stderr line in the message).
     """
     try:
-        done = subprocess.run([sys.executable, "-m", "stack.doctor_gpu", *args], capture_output=True, text=True,
+        done = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
                               timeout=CHILD_TIMEOUT_S, env={**os.environ, **env})
     except subprocess.TimeoutExpired:
         raise RuntimeError(f"timed out after {CHILD_TIMEOUT_S:.0f} s") from None
@@ -59,6 +63,34 @@ def _child(args: list[str], env: dict[str, str]) -> dict:
         lines = done.stderr.strip().splitlines()
         raise RuntimeError(lines[-1] if lines else f"exit {done.returncode}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def check_libraries(found: dict) -> list[Finding]:
+    """ONNX Runtime's CUDA provider and CuPy, from :func:`stack.doctor_libraries.probe`'s
+    answer: on a GPU host, each that does not load is a FAIL (the service would run on the CPU)."""
+    version, providers = found.get("ort_version", ""), found.get("ort_providers", [])
+    check = "ONNX Runtime CUDA provider"
+    if "ort_error" in found:
+        ort = Finding(check, FAIL, f"onnxruntime does not load: {found['ort_error']}", INSTALL_GPU)
+    elif CUDA_EP not in providers:
+        ort = Finding(check, FAIL, f"onnxruntime {version} is the CPU build ({', '.join(providers)}): "
+                      "the reward service runs on the CPU", f"pip uninstall -y onnxruntime; {INSTALL_GPU}")
+    elif found.get("ort_session_providers", [""])[0] != CUDA_EP:
+        ort = Finding(check, FAIL, f"onnxruntime-gpu {version} fell back to {found.get('ort_session_providers')}: "
+                      "its CUDA libraries (CUDA runtime, cuBLAS, cuDNN) did not load; the reward service runs on "
+                      f"the CPU ({found.get('ort_fallback_reason') or 'no reason logged'})",
+                      "install the CUDA and cuDNN versions this onnxruntime-gpu release names, or run the image "
+                      "of deploy/Dockerfile")
+    else:
+        ort = Finding(check, OK, f"onnxruntime-gpu {version}: a session runs on {CUDA_EP}")
+    if "cupy_error" in found:
+        missing = found["cupy_error"].startswith(("ModuleNotFoundError", "ImportError"))
+        cupy = Finding("CuPy", FAIL, f"CuPy does not work: {found['cupy_error']}; the search runs on the CPU "
+                       "(the NumPy reference)", INSTALL_GPU if missing else
+                       "the CuPy wheel of the driver's CUDA major (cupy-cuda13x for CUDA 13, cupy-cuda12x for 12)")
+    else:
+        cupy = Finding("CuPy", OK, f"CuPy {found['cupy_version']}: kernels compile and run")
+    return [ort, cupy]
 
 
 def check_mps(cfg: TandemConfig, has_gpu: bool) -> Finding:
@@ -148,6 +180,10 @@ def run(cfg: TandemConfig, deep: bool = False) -> list[Finding]:
         findings += [Finding(c, UNKNOWN, "no GPU: cannot check") for c in GPU_CHECKS]
         return findings
     env = device.mps_client_env(*device.mps_directories(cfg.scheduler)) if cfg.scheduler.mps == "auto" else {}
+    try:
+        findings += check_libraries(_child([], env, module="stack.doctor_libraries"))
+    except (RuntimeError, ValueError) as exc:
+        findings.append(Finding("GPU libraries", FAIL, f"probe failed: {exc}", INSTALL_GPU))
     try:
         findings += check_facts(cfg, _child(["facts"], env))
     except (RuntimeError, ValueError, KeyError) as exc:

@@ -1,10 +1,6 @@
 """tandem: real-time decision service for game AI on one GPU.
 
-The gRPC contract's generated modules live beside their sources in
-``protos/tandem/v1``; extending this package's path makes them importable as
-``tandem.v1`` (the proto package name), which is also what the generated
-modules themselves import.
+The gRPC contract's generated modules are ``tandem.v1`` (the proto package name,
+which the generated modules import themselves too); in the checkout they are kept
+beside their sources in ``protos/tandem/v1``, and ``tandem/v1`` links there.
 """
-from pathlib import Path as _Path
-
-__path__.append(str(_Path(__file__).resolve().parent.parent / "protos" / "tandem"))

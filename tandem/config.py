@@ -3,8 +3,10 @@
 The schema is the dataclasses below: every field has a default, durations and
 sizes carry their unit in the name (``_ms``, ``_us``, ``_bytes``), and loading
 refuses unknown keys and bad values with a :class:`ConfigError` that names the
-key (``reward.models[0].path: file not found``). Relative paths are resolved
-against the repository root (:data:`tandem.paths.REPO_ROOT`).
+key (``reward.models[0].path: file not found``). A relative path whose first part
+names one of tandem's packages (``reward_service/models/frame_reward.onnx``) is
+that package's bundled file, wherever tandem is installed; other relative paths
+are from the working directory (:func:`resolve_path`).
 """
 from __future__ import annotations
 
@@ -18,10 +20,10 @@ from typing import Any
 
 import yaml
 
-from tandem.paths import REPO_ROOT
+from tandem.paths import PACKAGES, bundled, package_path
 from tandem.urgency_weights import UrgencyWeights
 
-DEFAULT_CONFIG = REPO_ROOT / "deploy" / "config" / "tandem.yaml"
+DEFAULT_CONFIG = bundled("tandem.yaml")  # deploy/config/tandem.yaml in the checkout
 
 
 class ConfigError(ValueError):
@@ -386,9 +388,16 @@ def _check_models(cfg: TandemConfig) -> None:
 
 
 def resolve_path(path: str) -> Path:
-    """Absolute path for a config path (relative ones are under the repository root)."""
+    """Absolute path for a config path: a relative one under one of tandem's packages
+    (first part ``reward_service``, ``tandem``, ...; :data:`tandem.paths.PACKAGES`)
+    is that package's file, read through importlib.resources; any other relative
+    one is from the working directory."""
     p = Path(path)
-    return p if p.is_absolute() else REPO_ROOT / p
+    if p.is_absolute():
+        return p
+    if p.parts and p.parts[0] in PACKAGES:
+        return package_path(p.parts[0], *p.parts[1:])
+    return Path.cwd() / p
 
 
 def parse_config(data: Any) -> TandemConfig:
@@ -437,7 +446,8 @@ def _one_line(exc: Exception, limit: int = 200) -> str:
 
 
 def load_config(path: str | Path | None = None) -> TandemConfig:
-    """Loads and validates the YAML file at ``path`` (default: ``deploy/config/tandem.yaml``).
+    """Loads and validates the YAML file at ``path`` (default: the bundled
+    ``tandem/bundled/tandem.yaml``, which is ``deploy/config/tandem.yaml``).
 
     Raises:
         ConfigError: the file is missing, is not UTF-8 YAML, uses YAML aliases

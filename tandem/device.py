@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tandem.gpu import cupy_module
-from tandem.paths import REPO_ROOT
+from tandem.paths import import_root
 from tandem.stream_priority import PriorityRange, stream_priority_range
 
 log = logging.getLogger(__name__)
@@ -122,10 +122,10 @@ def _probe_gpu(timeout_s: float = 60.0) -> tuple[str, int, PriorityRange] | None
     holds a CUDA context (device memory, and an MPS client slot it has no use for).
     """
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+        p for p in (str(import_root()), os.environ.get("PYTHONPATH", "")) if p)}
     try:
         done = subprocess.run([sys.executable, "-m", "tandem.device"], capture_output=True, text=True,
-                              timeout=timeout_s, env=env, cwd=str(REPO_ROOT))
+                              timeout=timeout_s, env=env, cwd=str(import_root()))
         facts = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 and done.stdout else None
     except (OSError, subprocess.TimeoutExpired, ValueError, IndexError) as exc:
         log.warning("GPU probe failed: %s", exc)

@@ -11,9 +11,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from tandem.paths import DATA_DIR
+from tandem.paths import bundled
 
-PONS_DIR = DATA_DIR / "connect4" / "pons"
+PONS_DIR = bundled("positions")  # package data; data/connect4/pons in the checkout
 DEFAULT_SETS = ("Test_L3_R1", "Test_L2_R1")
 
 

@@ -23,6 +23,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import Histogram, start_http_server
 
 from tandem import contract
+from tandem.channel_options import CHANNEL_OPTIONS
 from tandem.config import ServerConfig, TandemConfig, resolve_path
 from tandem.v1 import contract_pb2_grpc
 
@@ -252,9 +253,7 @@ def channel(address: str, cfg: TandemConfig | None = None) -> grpc.Channel:
     host, _, port = address.rpartition(":")
     if host in ("0.0.0.0", "[::]"):
         address = f"127.0.0.1:{port}"
-    options = [("grpc.max_receive_message_length", 64 * 1024 * 1024),
-               ("grpc.max_send_message_length", 64 * 1024 * 1024),
-               *RECONNECT_OPTIONS]
+    options = [*CHANNEL_OPTIONS, *RECONNECT_OPTIONS]
     if cfg is None or not cfg.tls.cert_path:
         ch = grpc.insecure_channel(address, options=options)
     else:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import socket
+import time
 
 import pytest
 
@@ -43,6 +44,21 @@ def loopback_config(**sections) -> TandemConfig:
         for name in ("scheduler", "reward", "search")
     }
     return parse_config(data)
+
+
+def lines_until(proc, prefix: str, timeout_s: float = 180.0) -> list[str]:
+    """The lines a process prints on its (text) stdout up to and including the first
+    that starts with ``prefix``, e.g. ``tandem up``'s "tandem is up"; fails the test
+    when the process closes its output first or ``timeout_s`` passes."""
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        assert line, f"{proc.args} exited early:\n" + "".join(lines)
+        lines.append(line)
+        if line.startswith(prefix):
+            return lines
+    raise AssertionError(f"no line starting {prefix!r} within {timeout_s} s:\n" + "".join(lines))
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ NVRTC compiles) can be built and checked on a machine without it.
 from __future__ import annotations
 
 import threading
-from pathlib import Path
+from importlib.resources import files
 from typing import TYPE_CHECKING
 
 from search_service.cuda import abi
@@ -22,7 +22,7 @@ from search_service.cuda import abi
 if TYPE_CHECKING:
     import cupy
 
-KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
+KERNEL_DIR = files("search_service.cuda") / "kernels"  # package data
 HEADER_NAME = "abi.h"  # the generated header's name in #line directives and compile errors
 KERNEL_FILES = (
     "common.cu",  # types, device constants, the node-pool layout

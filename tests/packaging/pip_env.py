@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -17,12 +18,14 @@ _OFFLINE = ("NewConnectionError", "Network is unreachable", "Temporary failure i
             "Name or service not known", "ProxyError", "ConnectTimeout")
 
 
-def pip(*args: str, python: str = sys.executable, timeout_s: float = 900,
-        cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """``python -m pip ARGS``; output captured as text."""
-    env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_NO_INPUT": "1"}
+def pip(*args: str, python: str = sys.executable, timeout_s: float = 900) -> subprocess.CompletedProcess:
+    """``python -m pip ARGS``; output captured as text. Run outside the checkout and
+    without PYTHONPATH: pip must not take the checkout's ``tandem.egg-info`` (an
+    editable install's) for an installed tandem, in this environment or a venv."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    env.update(PIP_DISABLE_PIP_VERSION_CHECK="1", PIP_NO_INPUT="1")
     return subprocess.run([python, "-m", "pip", *args], capture_output=True, text=True,
-                          timeout=timeout_s, env=env, cwd=cwd)
+                          timeout=timeout_s, env=env, cwd=tempfile.gettempdir())
 
 
 def checked(result: subprocess.CompletedProcess, *, index_needed: bool = False) -> subprocess.CompletedProcess:

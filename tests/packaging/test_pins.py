@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from pip_env import REPO, checked, pip
+from venvs import build_wheel
 
 pytestmark = pytest.mark.slow
 
@@ -26,10 +27,15 @@ print(google.protobuf.__version__)
 """
 
 
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    return build_wheel(".", tmp_path_factory.mktemp("pins"))
+
+
 def _resolve(*requirements: str, extra_args: tuple[str, ...] = ()) -> dict[str, str]:
     """What pip would install for ``requirements`` (resolution only): name -> version."""
-    res = checked(pip("install", "--dry-run", "--quiet", "--ignore-installed", "--no-build-isolation",
-                      "--report", "-", *extra_args, *requirements, cwd=REPO), index_needed=True)
+    res = checked(pip("install", "--dry-run", "--quiet", "--ignore-installed", "--report", "-",
+                      *extra_args, *requirements), index_needed=True)
     report = json.loads(res.stdout)
     return {item["metadata"]["name"].lower(): item["metadata"]["version"] for item in report["install"]}
 
@@ -52,8 +58,8 @@ def test_generated_modules_import_under_protobuf_6_and_7(tmp_path: Path, spec: s
     assert major == spec.split("==")[-1].split(">=")[-1][0], f"{spec} wanted, {res.stdout.strip()} imported"
 
 
-def test_tandem_resolves_beside_tritonclient_grpc():
-    found = _resolve(f"{REPO}[cpu]", "tritonclient[grpc]>=2.73")
+def test_tandem_resolves_beside_tritonclient_grpc(wheel: Path):
+    found = _resolve(f"tandem[cpu] @ {wheel.as_uri()}", "tritonclient[grpc]>=2.73")
     assert "tandem" in found and "tritonclient" in found, found
     assert found["protobuf"].split(".")[0] == "6", f"tritonclient needs protobuf < 7, got {found['protobuf']}"
     assert "onnxruntime" in found and "onnxruntime-gpu" not in found, found
@@ -61,12 +67,9 @@ def test_tandem_resolves_beside_tritonclient_grpc():
 
 # ids without "gpu": that keyword would mark the test as needing a GPU (conftest).
 @pytest.mark.parametrize("extra", ["cpu", "gpu"], ids=["cpu-extra", "cuda-extra"])
-def test_every_dependency_has_a_python_3_13_wheel(tmp_path: Path, extra: str):
+def test_every_dependency_has_a_python_3_13_wheel(wheel: Path, tmp_path: Path, extra: str):
     """No upper cap on Python: the extras resolve to binary wheels for CPython 3.13
     on Linux (where python3.13 itself is missing, this is the check that can run)."""
-    wheel_dir = tmp_path / "wheel"
-    checked(pip("wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w", str(wheel_dir), str(REPO)))
-    wheel = next(wheel_dir.glob("tandem-*.whl"))
     found = _resolve(f"tandem[{extra}] @ {wheel.as_uri()}", extra_args=(
         "--only-binary=:all:", "--python-version", "3.13", "--implementation", "cp",
         *_platforms("manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_27_x86_64",
@@ -75,11 +78,8 @@ def test_every_dependency_has_a_python_3_13_wheel(tmp_path: Path, extra: str):
     assert ("onnxruntime-gpu" if extra == "gpu" else "onnxruntime") in found, found
 
 
-def test_cpu_extra_resolves_for_macos(tmp_path: Path):
+def test_cpu_extra_resolves_for_macos(wheel: Path, tmp_path: Path):
     """The base dependencies and the CPU extra have macOS wheels (onnxruntime-gpu has none)."""
-    wheel_dir = tmp_path / "wheel"
-    checked(pip("wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w", str(wheel_dir), str(REPO)))
-    wheel = next(wheel_dir.glob("tandem-*.whl"))
     found = _resolve(f"tandem[cpu] @ {wheel.as_uri()}", extra_args=(
         "--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
         *_platforms(*(f"macosx_{v}_0_arm64" for v in range(11, 15))), "--target", str(tmp_path / "t")))

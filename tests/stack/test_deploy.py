@@ -565,7 +565,7 @@ def test_dockerfile():
     assert re.fullmatch(r"nvidia/cuda:13\.\d+\.\d+-cudnn-runtime-ubuntu24\.04", image), image
     run = " ".join(df.all("RUN"))
     assert "python3.12 -m venv" in run
-    assert "pip install -e '.[gpu]'" in run, "install as CI does: pip install -e '.[gpu]' in a venv"
+    assert "pip install '.[gpu]'" in run, "install the wheel with the gpu extra: pip install '.[gpu]' in a venv"
     users = df.all("USER")
     assert users and users[-1] not in ("root", "0"), "the image must not run as root"
     assert json.loads(df.all("ENTRYPOINT")[-1]) == ["tandem"]
@@ -626,7 +626,10 @@ def test_dockerignore_keeps_what_the_image_needs():
     needed = ["pyproject.toml", "README.md", "tandem/__init__.py", "tandem/config.py",
               "protos/tandem/v1/search_pb2.py", "scheduler/__init__.py",
               "reward_service/__init__.py", "search_service/__init__.py", "loadtest/__init__.py",
-              "data/connect4/README.md", "deploy/config/tandem.container.yaml"]
+              "data/connect4/README.md", "deploy/config/tandem.container.yaml",
+              # package data, through the links under tandem/ (tandem/paths.py)
+              "tandem/bundled/tandem.yaml", "deploy/config/tandem.yaml", "data/connect4/pons/Test_L3_R1.jsonl",
+              "search_service/cuda/kernels/search.cu"]
     needed += [m.path for m in container_config().reward.models if not Path(m.path).is_absolute()]
     kept_out = [p for p in needed if dockerignored(p, pats)]
     assert kept_out == [], f".dockerignore keeps these out of the image: {kept_out}"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import free_port
+from conftest import free_port, lines_until
 
 from tandem.config import load_config
 from tandem.server import health_status
@@ -64,14 +64,7 @@ def test_up_status_play_and_stop(config_file, tmp_path):
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
-        lines = []
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            line = up.stdout.readline()
-            assert line, "tandem up exited early:\n" + "".join(lines)
-            lines.append(line)
-            if line.startswith("tandem is up"):
-                break
+        lines = lines_until(up, "tandem is up", timeout_s=120)
         for _ in range(3):
             lines.append(up.stdout.readline())
         text = "".join(lines)

@@ -1,0 +1,1 @@
+../../../tandem/channel_options.py

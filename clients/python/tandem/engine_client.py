@@ -1,0 +1,1 @@
+../../../tandem/engine_client.py
