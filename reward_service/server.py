@@ -1,7 +1,6 @@
 """RewardService: serves the configured ONNX models over gRPC."""
 from __future__ import annotations
 
-import dataclasses
 import ipaddress
 import logging
 import threading
@@ -382,11 +381,10 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True) -> Service:
             kind=scheduler_pb2.SERVICE_KIND_REWARD,
             address=cfg.reward.address,
             metrics_port=cfg.reward.metrics_port,
-            # Every Evaluate holds a gRPC thread while it waits in the batcher. With a
-            # thread per admitted RPC, none waits in gRPC's FIFO executor, where
-            # request classes and the bounded queue would not apply.
-            server_cfg=dataclasses.replace(cfg.reward.server, max_workers=max(
-                cfg.reward.server.max_workers, cfg.reward.server.max_concurrent_rpcs)),
+            # Every Evaluate holds a gRPC thread while it waits in the batcher; the shared
+            # server gives every admitted RPC a thread, so none waits in gRPC's FIFO
+            # executor, where request classes and the bounded queue would not apply.
+            server_cfg=cfg.reward.server,
             register=[register],
             load_fn=servicer.load,
             on_assignment=on_assignment,
