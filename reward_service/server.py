@@ -20,6 +20,7 @@ from reward_service.session import InputError, ModelSession, runners_per_model
 from reward_service.shared_memory import Lease, RegionStatus, RegionTable, SharedMemoryError
 from tandem import pools, tensors
 from tandem.config import SharedMemoryConfig, TandemConfig
+from tandem.errors import quote
 from tandem.service import Service, start_service
 
 log = logging.getLogger(__name__)
@@ -76,7 +77,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
     def _session(self, name: str, context) -> ModelSession:
         session = self.sessions.get(name)
         if session is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"model: no model named {name!r} (models: {sorted(self.sessions)})")
+            context.abort(grpc.StatusCode.NOT_FOUND, f"model: no model named {quote(name)} (models: {sorted(self.sessions)})")
         return session
 
     def Evaluate(self, request, context):
@@ -263,9 +264,9 @@ def _output_refs(session: ModelSession, request, names: tuple[str, ...], rows: i
     refs = dict(request.output_shared_memory)
     specs = {s.name: s for s in session.outputs}
     for name, ref in refs.items():
-        field = f"output_shared_memory[{name!r}]"
+        field = f"output_shared_memory[{quote(name)}]"
         if name not in specs:
-            raise InputError(f"{field}: model {session.name!r} has no output {name!r} (outputs: {list(specs)})")
+            raise InputError(f"{field}: model {session.name!r} has no output {quote(name)} (outputs: {list(specs)})")
         if names and name not in names:
             raise InputError(f"{field}: not among the requested output_names {list(names)}")
         spec = specs[name]

@@ -63,6 +63,7 @@ from tandem.v1 import reward_pb2
 from reward_service.batcher import BULK, CRITICAL, LANES, Batch, Request, bucket_for
 from tandem import nvtx, tensors
 from tandem.config import ModelConfig, RewardConfig, resolve_path
+from tandem.errors import quote
 from tandem.gpu import cuda_device_count, cupy_module
 from tandem.stream_priority import nearest_allowed
 
@@ -632,12 +633,12 @@ class ModelSession:
         by_name: dict[str, reward_pb2.Tensor] = {}
         for t in inputs:
             if t.name in by_name:
-                raise InputError(f"inputs: tensor {t.name!r} given twice")
+                raise InputError(f"inputs: tensor {quote(t.name)} given twice")
             by_name[t.name] = t
         expected = {s.name for s in self.inputs}
         unknown = sorted(set(by_name) - expected)
         if unknown:
-            raise InputError(f"inputs: model {self.name!r} has no input {unknown[0]!r} (inputs: {sorted(expected)})")
+            raise InputError(f"inputs: model {self.name!r} has no input {quote(unknown[0])} (inputs: {sorted(expected)})")
         feeds, batch = {}, None
         for spec in self.inputs:
             t = by_name.get(spec.name)
@@ -678,7 +679,7 @@ class ModelSession:
         known = [s.name for s in self.outputs]
         for n in output_names:
             if n not in known:
-                raise InputError(f"output_names: model {self.name!r} has no output {n!r} (outputs: {known})")
+                raise InputError(f"output_names: model {self.name!r} has no output {quote(n)} (outputs: {known})")
         return tuple(output_names)
 
     # -- runs -----------------------------------------------------------------

@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-import time
 from concurrent import futures
 from dataclasses import dataclass
 from typing import Callable, Iterable
