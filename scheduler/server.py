@@ -31,6 +31,7 @@ import logging
 import re
 import time
 from typing import Callable, Iterator
+from urllib.parse import unquote
 
 import grpc
 from prometheus_client import Counter, Gauge
@@ -431,7 +432,7 @@ def peer_host(peer: str) -> str:
     """The host part of a gRPC peer ("ipv4:10.0.0.7:5123" -> "ipv4:10.0.0.7",
     "ipv6:[::1]:5123" -> "ipv6:[::1]"; "unix:/path" as it is): the unit of
     the per-peer limits."""
-    scheme, _, rest = peer.partition(":")
+    scheme, _, rest = unquote(peer).partition(":")  # gRPC writes "ipv6:%5B::1%5D:5123"
     if scheme in ("ipv4", "ipv6"):
         return f"{scheme}:{rest.rpartition(':')[0]}"
     return peer

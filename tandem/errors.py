@@ -29,4 +29,5 @@ def cap(details: str, limit: int = MAX_DETAILS_CHARS) -> str:
     """``details`` cut to ``limit`` characters (a status message the client can always read)."""
     if details is None or len(details) <= limit:
         return details
-    return details[: limit - 16] + f"... ({len(details)} chars)"
+    suffix = f"... ({len(details)} chars)"
+    return details[: limit - len(suffix)] + suffix
