@@ -159,8 +159,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         capacity = cfg.gpu_memory_bytes or device.total_memory_bytes
         self._table = LeaseTable(cfg.lease_ttl_ms, capacity, MAX_LEASES)
         self._max_watches = max(1, cfg.server.max_workers - RESERVED_UNARY_WORKERS)
-        # No one peer host may take more than half of the slots (all of them when there is one).
-        self._max_watches_per_peer = max(1, self._max_watches // 2)
+        # No one peer host may take more than half of the slots (but always two: a service's
+        # stream and its replacement).
+        self._max_watches_per_peer = max(2, self._max_watches // 2)
         self._watch_count = 0
         self._watches_by_peer: dict[str, int] = {}  # guarded by the table lock
         self._decisions = 0
