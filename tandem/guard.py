@@ -259,7 +259,7 @@ class Guard(grpc.ServerInterceptor):
         elif handler.response_streaming:
             def behavior(raw_requests, raw_context):
                 context, argument = prologue(raw_requests, raw_context)
-                return _stream(context, method, lambda: call(context, argument), admission)
+                return _Responses(context, method, lambda: inner(argument, context), admission)
         else:
             timed = handler.unary_unary is not None
 
@@ -284,17 +284,43 @@ class Guard(grpc.ServerInterceptor):
         return make(behavior, request_deserializer=None, response_serializer=handler.response_serializer)
 
 
-def _stream(context: _Context, method: str, start: Callable[[], Iterator], admission: Admission | None):
-    """The responses of a blocking response-streaming handler; its admission
-    place is given back when the stream ends (or is dropped, client gone)."""
-    try:
+class _Responses:
+    """The responses of a blocking response-streaming handler, started at the
+    first ``next``. Its admission place is given back when the stream ends,
+    fails, or is dropped unread (client gone: gRPC lets go of the iterator,
+    which then closes the handler's generator too)."""
+
+    def __init__(self, context: _Context, method: str, start: Callable[[], Iterator], admission: Admission | None):
+        self._context, self._method, self._start, self._admission = context, method, start, admission
+        self._inner: Iterator | None = None
+        self._released = False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
         try:
-            yield from start()
+            if self._inner is None:
+                self._inner = iter(self._start())
+            return next(self._inner)
+        except StopIteration:
+            self._release()
+            raise
         except Exception as exc:
-            _internal(context, method, exc)
-    finally:
-        if admission is not None:
-            admission.leave()
+            self._release()
+            _internal(self._context, self._method, exc)
+
+    def _release(self) -> None:
+        if not self._released:
+            self._released = True
+            if self._admission is not None:
+                self._admission.leave()
+
+    def __del__(self):
+        close = getattr(self._inner, "close", None)
+        if close is not None:
+            close()
+        self._release()
 
 
 def _internal(context: _Context, method: str, exc: Exception) -> None:

@@ -64,6 +64,7 @@ class RunningServer:
     health: health.HealthServicer
     port: int
     services: tuple[str, ...]
+    admission: Admission | None = None  # the application calls in flight (tandem/guard.py)
 
     def set_serving(self, serving: bool) -> None:
         status = (
@@ -131,7 +132,7 @@ def build_server(
         port = server.add_insecure_port(address)
     if port == 0:
         raise RuntimeError(f"could not bind {address}")
-    running = RunningServer(server, health_servicer, port, names)
+    running = RunningServer(server, health_servicer, port, names, admission)
     running.set_serving(False)
     server.start()
     return running

@@ -262,3 +262,28 @@ def test_a_short_search_does_not_wait_behind_long_ones(search):
     finally:
         for f in long:
             f.cancel()
+
+
+def test_streams_give_their_admission_place_back_when_cancelled():
+    """A scheduler taking 2 calls: 6 watch streams in turn, each cancelled after
+    its first assignment, leave both places free (nothing leaks)."""
+    cfg = loopback_config(scheduler={"server": {"max_workers": 8, "max_concurrent_rpcs": 2}})
+    handle = start_scheduler(cfg, device=cpu_only())
+    ch = grpc.insecure_channel(cfg.scheduler.address)
+    stub = scheduler_pb2_grpc.SchedulerStub(ch)
+    try:
+        lease_id = stub.Register(scheduler_pb2.RegisterRequest(
+            kind=scheduler_pb2.SERVICE_KIND_SEARCH, instance="s", address="127.0.0.1:1", pid=1),
+            timeout=PROBE_S).lease.lease_id
+        for _ in range(6):
+            watch = stub.WatchAssignments(scheduler_pb2.WatchAssignmentsRequest(lease_id=lease_id), timeout=30)
+            assert next(watch).lease_id == lease_id
+            watch.cancel()
+        deadline = time.monotonic() + 10
+        while handle.running.admission.in_flight and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert handle.running.admission.in_flight == 0 and handle.servicer.open_watches == 0
+        assert len(stub.Status(scheduler_pb2.StatusRequest(), timeout=PROBE_S).services) == 1
+    finally:
+        ch.close()
+        handle.stop(grace_ms=0)
