@@ -300,7 +300,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     address=e.address,
                     lease=scheduler_pb2.Lease(ttl_ms=self._table.ttl_ms),  # the id is the holder's secret
                     assignment=_without_lease_id(e.assignment),
-                    last_load=e.last_load,
+                    last_load=_without_lease_id(e.last_load),
                     lease_expires_in_ms=self._table.expires_in_ms(e),
                     urgency=e.urgency,
                 )
@@ -419,12 +419,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             self._on_expired(expired)
 
 
-def _without_lease_id(assignment: scheduler_pb2.Assignment | None) -> scheduler_pb2.Assignment | None:
-    """A copy of ``assignment`` for ``Status``, whose readers must not learn the lease id."""
-    if assignment is None:
+def _without_lease_id(message):
+    """A copy of ``message`` (an Assignment or a LoadReport, or None) for
+    ``Status``, whose readers must not learn the lease id."""
+    if message is None:
         return None
-    public = scheduler_pb2.Assignment()
-    public.CopyFrom(assignment)
+    public = type(message)()
+    public.CopyFrom(message)
     public.lease_id = ""
     return public
 

@@ -54,9 +54,11 @@ def scheduler():
 def test_status_shows_no_lease_id(scheduler):
     stub = scheduler()
     held = _register(stub, "search-0", os.getpid())
+    stub.ReportLoad(scheduler_pb2.LoadReport(lease_id=held.lease.lease_id, search_depth=3), timeout=WAIT_S)
     status = stub.Status(scheduler_pb2.StatusRequest(), timeout=WAIT_S)
     (service,) = status.services
-    assert service.instance == "search-0" and service.lease.ttl_ms > 0 and service.assignment.generation == 1
+    assert service.instance == "search-0" and service.lease.ttl_ms > 0 and service.assignment.generation >= 1
+    assert service.last_load.search_depth == 3
     assert held.lease.lease_id.encode() not in status.SerializeToString()  # in no field at all
 
 
