@@ -1,7 +1,6 @@
 """RewardService: serves the configured ONNX models over gRPC."""
 from __future__ import annotations
 
-import dataclasses
 import ipaddress
 import logging
 import threading
@@ -24,6 +23,7 @@ from reward_service.session import InputError, ModelSession, runners_per_model
 from reward_service.shared_memory import Lease, RegionStatus, RegionTable, SharedMemoryError
 from tandem import pools, tensors
 from tandem.config import SharedMemoryConfig, TandemConfig
+from tandem.errors import quote
 from tandem.gpu import cuda_device_count
 from tandem.service import Service, start_service
 
@@ -87,7 +87,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
     def _session(self, name: str, context) -> ModelSession:
         session = self.sessions.get(name)
         if session is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"model: no model named {name!r} (models: {sorted(self.sessions)})")
+            context.abort(grpc.StatusCode.NOT_FOUND, f"model: no model named {quote(name)} (models: {sorted(self.sessions)})")
         return session
 
     def Evaluate(self, request, context):
@@ -303,9 +303,9 @@ def _output_refs(session: ModelSession, request, names: tuple[str, ...], rows: i
     refs = dict(request.output_shared_memory)
     specs = {s.name: s for s in session.outputs}
     for name, ref in refs.items():
-        field = f"output_shared_memory[{name!r}]"
+        field = f"output_shared_memory[{quote(name)}]"
         if name not in specs:
-            raise InputError(f"{field}: model {session.name!r} has no output {name!r} (outputs: {list(specs)})")
+            raise InputError(f"{field}: model {session.name!r} has no output {quote(name)} (outputs: {list(specs)})")
         if names and name not in names:
             raise InputError(f"{field}: not among the requested output_names {list(names)}")
         spec = specs[name]
@@ -437,11 +437,10 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True) -> Service:
             kind=scheduler_pb2.SERVICE_KIND_REWARD,
             address=cfg.reward.address,
             metrics_port=cfg.reward.metrics_port,
-            # Every Evaluate holds a gRPC thread while it waits in the batcher. With a
-            # thread per admitted RPC, none waits in gRPC's FIFO executor, where
-            # request classes and the bounded queue would not apply.
-            server_cfg=dataclasses.replace(cfg.reward.server, max_workers=max(
-                cfg.reward.server.max_workers, cfg.reward.server.max_concurrent_rpcs)),
+            # Every Evaluate holds a gRPC thread while it waits in the batcher; the shared
+            # server gives every admitted RPC a thread, so none waits in gRPC's FIFO
+            # executor, where request classes and the bounded queue would not apply.
+            server_cfg=cfg.reward.server,
             register=[register] + ([oip_register] if oip_register else []),
             load_fn=servicer.load,
             on_assignment=on_assignment,

@@ -63,6 +63,7 @@ from tandem.v1 import reward_pb2
 from reward_service.batcher import BULK, CRITICAL, LANES, Batch, Request, bucket_for
 from tandem import nvtx, tensors
 from tandem.config import ModelConfig, RewardConfig, resolve_path
+from tandem.errors import quote
 from tandem.gpu import cuda_device_count, cupy_module
 from tandem.stream_priority import nearest_allowed
 
@@ -641,9 +642,9 @@ class ModelSession:
         # model has inputs, however many tensors the client sent.
         for t in inputs:
             if t.name not in expected:
-                raise InputError(f"inputs: model {self.name!r} has no input {t.name[:64]!r} (inputs: {sorted(expected)})")
+                raise InputError(f"inputs: model {self.name!r} has no input {quote(t.name)} (inputs: {sorted(expected)})")
             if t.name in by_name:
-                raise InputError(f"inputs: tensor {t.name!r} given twice")
+                raise InputError(f"inputs: tensor {quote(t.name)} given twice")
             by_name[t.name] = t
         feeds, batch = {}, None
         for spec in self.inputs:
@@ -692,9 +693,9 @@ class ModelSession:
                              f"{len(known)} outputs ({known})")
         for i, n in enumerate(output_names):
             if n not in known:
-                raise InputError(f"output_names: model {self.name!r} has no output {n[:64]!r} (outputs: {known})")
+                raise InputError(f"output_names: model {self.name!r} has no output {quote(n)} (outputs: {known})")
             if n in output_names[:i]:
-                raise InputError(f"output_names: {n!r} given twice")
+                raise InputError(f"output_names: {quote(n)} given twice")
         return tuple(output_names)
 
     # -- runs -----------------------------------------------------------------

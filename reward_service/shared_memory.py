@@ -76,6 +76,7 @@ from tandem.v1 import reward_pb2
 
 from tandem import tensors
 from tandem.config import SharedMemoryConfig
+from tandem.errors import quote
 from tandem.gpu import cupy_module
 
 log = logging.getLogger(__name__)
@@ -110,15 +111,15 @@ def _open_object(key: str) -> int:
     """
     name = key.lstrip("/")
     if not name or "/" in name or "\0" in name:
-        raise _error(grpc.StatusCode.INVALID_ARGUMENT, f"system.key: {key!r} is not a POSIX shared-memory name")
+        raise _error(grpc.StatusCode.INVALID_ARGUMENT, f"system.key: {quote(key)} is not a POSIX shared-memory name")
     try:
         return _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
     except FileNotFoundError:
-        raise _error(grpc.StatusCode.NOT_FOUND, f"system.key: no shared-memory object {key!r} on the server's host") from None
+        raise _error(grpc.StatusCode.NOT_FOUND, f"system.key: no shared-memory object {quote(key)} on the server's host") from None
     except PermissionError:
-        raise _error(grpc.StatusCode.PERMISSION_DENIED, f"system.key: the server may not open {key!r} read-write") from None
+        raise _error(grpc.StatusCode.PERMISSION_DENIED, f"system.key: the server may not open {quote(key)} read-write") from None
     except OSError as exc:
-        raise _error(grpc.StatusCode.INVALID_ARGUMENT, f"system.key: cannot open {key!r}: {exc.strerror}") from None
+        raise _error(grpc.StatusCode.INVALID_ARGUMENT, f"system.key: cannot open {quote(key)}: {exc.strerror}") from None
 
 
 class _SystemMemory:
@@ -141,7 +142,7 @@ class _SystemMemory:
             size = os.fstat(self._fd).st_size
             if offset + byte_size > size:
                 raise _error(grpc.StatusCode.INVALID_ARGUMENT,
-                             f"system: offset {offset} + byte_size {byte_size} exceeds the object {key!r} ({size} bytes)")
+                             f"system: offset {offset} + byte_size {byte_size} exceeds the object {quote(key)} ({size} bytes)")
             self._mmap = mmap.mmap(self._fd, offset + byte_size)
         except BaseException:
             os.close(self._fd)
@@ -153,7 +154,7 @@ class _SystemMemory:
         size = os.fstat(self._fd).st_size
         if size < self.offset + self.byte_size:
             raise _error(grpc.StatusCode.FAILED_PRECONDITION,
-                         f"region {region!r}: its object {self.key!r} shrank to {size} bytes, below the "
+                         f"region {quote(region)}: its object {quote(self.key)} shrank to {size} bytes, below the "
                          f"registered offset {self.offset} + byte_size {self.byte_size}; register it again")
 
     def _window(self, offset: int, nbytes: int) -> memoryview:
@@ -376,17 +377,17 @@ class RegionTable:
 
     def _admit_locked(self, client_id: str, name: str, byte_size: int) -> None:
         if name in self._regions:
-            raise _error(grpc.StatusCode.ALREADY_EXISTS, f"name: a region {name!r} is already registered")
+            raise _error(grpc.StatusCode.ALREADY_EXISTS, f"name: a region {quote(name)} is already registered")
         cfg = self.cfg
         mine = [r for r in self._regions.values() if r.client_id == client_id]
         if len(mine) >= cfg.max_regions_per_client:
             raise _error(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                         f"client {client_id!r} holds {len(mine)} regions, the most "
+                         f"client {quote(client_id)} holds {len(mine)} regions, the most "
                          f"reward.shared_memory.max_regions_per_client allows")
         held = sum(r.byte_size for r in mine)
         if held + byte_size > cfg.max_bytes_per_client:
             raise _error(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                         f"byte_size: client {client_id!r} holds {held} bytes; {byte_size} more passes "
+                         f"byte_size: client {quote(client_id)} holds {held} bytes; {byte_size} more passes "
                          f"reward.shared_memory.max_bytes_per_client ({cfg.max_bytes_per_client})")
         if len(self._regions) >= cfg.max_regions:
             raise _error(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -395,10 +396,10 @@ class RegionTable:
     def _owned_locked(self, client_id: str, name: str) -> Region:
         region = self._regions.get(name)
         if region is None:
-            raise _error(grpc.StatusCode.NOT_FOUND, f"region {name!r}: not registered")
+            raise _error(grpc.StatusCode.NOT_FOUND, f"region {quote(name)}: not registered")
         if region.client_id != client_id:
             raise _error(grpc.StatusCode.FAILED_PRECONDITION,
-                         f"region {name!r}: registered by another client, not by client_id {client_id!r}")
+                         f"region {quote(name)}: registered by another client, not by client_id {quote(client_id)}")
         return region
 
     def unregister(self, client_id: str, name: str = "") -> list[str]:
@@ -577,7 +578,7 @@ class Lease:
         if ref.offset + ref.byte_size > region.byte_size:
             raise _error(grpc.StatusCode.INVALID_ARGUMENT,
                          f"{field}: offset {ref.offset} + byte_size {ref.byte_size} exceeds region "
-                         f"{ref.region!r} ({region.byte_size} bytes)")
+                         f"{quote(ref.region)} ({region.byte_size} bytes)")
         if ref.offset % itemsize:
             raise _error(grpc.StatusCode.INVALID_ARGUMENT,
                          f"{field}: offset {ref.offset} is not a multiple of the dtype's {itemsize} bytes")
@@ -594,7 +595,7 @@ class Lease:
                 misaligned, or byte_size is not prod(shape) * itemsize.
         """
         ref, shape = tensor.shared_memory, tuple(tensor.shape)
-        field = f"inputs[{tensor.name!r}].shared_memory"
+        field = f"inputs[{quote(tensor.name)}].shared_memory"
         try:
             dtype = tensors.numpy_dtype(tensor.dtype)
         except ValueError:
@@ -616,7 +617,7 @@ class Lease:
         Raises:
             SharedMemoryError: INVALID_ARGUMENT: outside the region, misaligned, or too small.
         """
-        field = f"output_shared_memory[{name!r}]"
+        field = f"output_shared_memory[{quote(name)}]"
         self._span(field, ref, tensors.numpy_dtype(dtype).itemsize)
         if nbytes is not None and ref.byte_size < nbytes:
             raise _error(grpc.StatusCode.INVALID_ARGUMENT,
@@ -632,7 +633,7 @@ class Lease:
             gone = sorted(n for n, r in self._regions.items() if r.unregistered)
         if gone:
             raise _error(grpc.StatusCode.FAILED_PRECONDITION,
-                         f"region {gone[0]!r}: unregistered while this request used it; no outputs written")
+                         f"region {quote(gone[0])}: unregistered while this request used it; no outputs written")
 
     def write_output(self, name: str, ref: reward_pb2.SharedMemoryRef, array: np.ndarray, dtype: int) -> reward_pb2.Tensor:
         """Writes output ``name`` into ``ref`` and returns its response tensor
@@ -644,7 +645,7 @@ class Lease:
         array = np.ascontiguousarray(array, dtype=tensors.numpy_dtype(dtype))
         if array.nbytes > ref.byte_size:
             raise _error(grpc.StatusCode.INVALID_ARGUMENT,
-                         f"output_shared_memory[{name!r}].byte_size: {ref.byte_size}, but the output "
+                         f"output_shared_memory[{quote(name)}].byte_size: {ref.byte_size}, but the output "
                          f"{list(array.shape)} needs {array.nbytes}")
         self._regions[ref.region].memory.write(ref.offset, array)
         written = reward_pb2.SharedMemoryRef(region=ref.region, offset=ref.offset, byte_size=array.nbytes)

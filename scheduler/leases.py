@@ -25,11 +25,13 @@ import collections
 import logging
 import threading
 import time
-import uuid
+import secrets
 from dataclasses import dataclass, field
 from typing import Callable
 
 from tandem.v1 import scheduler_pb2
+
+from tandem.errors import quote
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +41,8 @@ WATCH_QUEUE_LIMIT = 64
 
 
 class AlreadyExists(Exception):
-    """The instance holds a live lease under the same pid."""
+    """The instance holds a live lease (whatever the pid: a lease belongs to
+    whoever registered it, and only lapses or is given up by its holder)."""
 
 
 class Exhausted(Exception):
@@ -185,22 +188,24 @@ class LeaseTable:
             stream_priorities: tuple[int, ...], memory_bytes: int) -> tuple[LeaseEntry, LeaseEntry | None]:
         """Registers ``instance``; returns (new entry, the entry it replaced or None).
 
-        A live lease of the same instance under another pid is replaced (the
-        process restarted), as is an expired one the reaper has not reached;
-        the replaced entry's memory is freed, its watchers are the caller's to
-        close. Nothing changes on error.
+        A live lease is never taken over, whatever the pid: the instance name
+        is public (``Status``), the lease id is the holder's secret. A
+        restarted process registers once its old lease has lapsed (after at
+        most ``ttl_ms``); an expired lease the reaper has not reached yet is
+        replaced, its memory freed, its watchers the caller's to close.
+        Nothing changes on error.
 
         Raises:
-            AlreadyExists: the instance holds a live lease under the same pid.
+            AlreadyExists: the instance holds a live lease.
             Exhausted: ``memory_bytes`` exceeds what is left, or the table is full.
         """
         now = self.clock()
         current = self._by_instance.get(instance)
-        live = current is not None and current.expires_at > now
-        if live and current.pid == pid:
+        if current is not None and current.expires_at > now:
+            held = "this pid" if current.pid == pid else "another pid"
             raise AlreadyExists(
-                f"instance: {instance!r} already holds a live lease (pid {pid}); "
-                f"it expires in {self.expires_in_ms(current):.0f} ms unless renewed"
+                f"instance: {quote(instance)} already holds a live lease ({held}); "
+                f"it expires in {self.expires_in_ms(current):.0f} ms unless renewed by its holder"
             )
         left = self.memory_left(current.memory_bytes if current is not None else 0)
         if left is not None and memory_bytes > left:
@@ -211,9 +216,9 @@ class LeaseTable:
         if current is None and len(self._by_id) >= self.max_leases:
             raise Exhausted(f"instance: the scheduler holds {len(self._by_id)} leases, the most it takes")
         if current is not None:
-            self.remove(current)  # a restarted process (other pid), or expired but not reaped yet
+            self.remove(current)  # expired, not reaped yet
         entry = LeaseEntry(
-            lease_id=uuid.uuid4().hex,
+            lease_id=secrets.token_hex(16),  # a secret: it alone proves the lease is the caller's
             kind=kind,
             instance=instance,
             address=address,

@@ -20,6 +20,10 @@ Concurrency invariants
   (INVALID_ARGUMENT naming the field), load reports are sanitised rather
   than refused (see :func:`scheduler.policy.urgency`), and echoed client
   text is cut short (``tests/scheduler/test_scheduler.py`` fuzzes every field).
+* A lease is its holder's: the lease id is a secret that only Register's
+  answer carries (``Status`` shows none), a live lease is never taken over by
+  another Register, and watch streams are limited per lease and per peer host
+  (``tests/scheduler/test_lease_ownership.py``).
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ import logging
 import re
 import time
 from typing import Callable, Iterator
+from urllib.parse import unquote
 
 import grpc
 from prometheus_client import Counter, Gauge
@@ -44,6 +49,7 @@ from scheduler.leases import (
 )
 from tandem.config import SchedulerConfig
 from tandem.device import DeviceInfo
+from tandem.errors import quote
 from tandem.stream_priority import PriorityRange
 from tandem.urgency_weights import DEFAULT_WEIGHTS, UrgencyWeights
 
@@ -58,6 +64,9 @@ MAX_LEASES = 1024
 #: Watch streams each hold a server thread (sync gRPC); keep this many threads
 #: free for unary RPCs however many streams are open.
 RESERVED_UNARY_WORKERS = 4
+#: Watch streams one lease may hold at once (a client replacing its stream
+#: briefly holds two).
+MAX_WATCHES_PER_LEASE = 2
 #: A blocked watch stream re-checks that its RPC is alive this often (s). A
 #: safety net only: pushes, expiry, cancellation and shutdown all wake it at once.
 WATCH_LIVENESS_CHECK_S = 1.0
@@ -84,9 +93,7 @@ class InvalidArgument(ValueError):
     """A request field is wrong; the message starts with the field's name."""
 
 
-def _short(text: str, limit: int = 64) -> str:
-    """``repr`` of client-supplied text, cut to ``limit`` characters for error messages."""
-    return repr(text if len(text) <= limit else text[:limit] + "...")
+_short = quote  # client-supplied text in error messages, cut short
 
 
 def check_address(address: str, field: str = "address") -> None:
@@ -155,7 +162,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         capacity = cfg.gpu_memory_bytes or device.total_memory_bytes
         self._table = LeaseTable(cfg.lease_ttl_ms, capacity, MAX_LEASES)
         self._max_watches = max(1, cfg.server.max_workers - RESERVED_UNARY_WORKERS)
+        # No one peer host may take more than half of the slots (but always two: a service's
+        # stream and its replacement).
+        self._max_watches_per_peer = max(2, self._max_watches // 2)
         self._watch_count = 0
+        self._watches_by_peer: dict[str, int] = {}  # guarded by the table lock
         self._decisions = 0
         self._bulk_changes = 0
         self._at_risk = False  # guarded by the table lock: policy.frames_at_risk's last answer
@@ -205,9 +216,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
             except Exhausted as exc:
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-            if replaced is not None:
+            if replaced is not None:  # had expired, not reaped yet
                 self._forget(replaced, f"lease replaced: instance {_short(replaced.instance)} registered again")
-                log.info("instance %s re-registered (pid %d -> %d)", entry.instance, replaced.pid, entry.pid)
+                log.info("instance %s registered again after its lease expired (pid %d -> %d)",
+                         entry.instance, replaced.pid, entry.pid)
             entry.urgency = policy.urgency(entry.kind, None, self._weights)
             if entry.kind == policy.REWARD:
                 entry.bulk_share_percent = policy.next_bulk_share(self._policy, 100, False, self._weights)
@@ -220,16 +232,26 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     def WatchAssignments(self, request, context) -> Iterator[scheduler_pb2.Assignment]:
         watcher = Watcher()
+        peer = peer_host(context.peer())
         with self._table.lock:
             entry = self._table.get(request.lease_id)
             if entry is None:
                 context.abort(grpc.StatusCode.NOT_FOUND, f"lease_id: unknown or expired lease {_short(request.lease_id)}")
             if self._closed:
                 context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler is shutting down")
+            if len(entry.watchers) >= MAX_WATCHES_PER_LEASE:
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"lease_id: {len(entry.watchers)} watch streams are open on this lease, "
+                              f"the most one lease may hold")
+            if self._watches_by_peer.get(peer, 0) >= self._max_watches_per_peer:
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"lease_id: {self._watches_by_peer[peer]} watch streams are open from {_short(peer)}, "
+                              f"the most one peer host may hold")
             if self._watch_count >= self._max_watches:
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                               f"lease_id: {self._watch_count} watch streams are open, the most this scheduler serves")
             self._watch_count += 1
+            self._watches_by_peer[peer] = self._watches_by_peer.get(peer, 0) + 1
             entry.watchers.append(watcher)
             watcher.push(entry.assignment)  # the current assignment, at once
         if not context.add_callback(lambda: watcher.close("CANCELLED", "the client went away")):
@@ -250,6 +272,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         finally:
             with self._table.lock:
                 self._watch_count -= 1
+                left = self._watches_by_peer.pop(peer) - 1
+                if left:
+                    self._watches_by_peer[peer] = left
                 if watcher in entry.watchers:
                     entry.watchers.remove(watcher)
 
@@ -276,9 +301,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     kind=e.kind,
                     instance=e.instance,
                     address=e.address,
-                    lease=self._lease_pb(e),
-                    assignment=e.assignment,
-                    last_load=e.last_load,
+                    lease=scheduler_pb2.Lease(ttl_ms=self._table.ttl_ms),  # the id is the holder's secret
+                    assignment=_without_lease_id(e.assignment),
+                    last_load=_without_lease_id(e.last_load),
                     lease_expires_in_ms=self._table.expires_in_ms(e),
                     urgency=e.urgency,
                 )
@@ -395,6 +420,27 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         expired = self._table.pop_expired()
         if expired:
             self._on_expired(expired)
+
+
+def _without_lease_id(message):
+    """A copy of ``message`` (an Assignment or a LoadReport, or None) for
+    ``Status``, whose readers must not learn the lease id."""
+    if message is None:
+        return None
+    public = type(message)()
+    public.CopyFrom(message)
+    public.lease_id = ""
+    return public
+
+
+def peer_host(peer: str) -> str:
+    """The host part of a gRPC peer ("ipv4:10.0.0.7:5123" -> "ipv4:10.0.0.7",
+    "ipv6:[::1]:5123" -> "ipv6:[::1]"; "unix:/path" as it is): the unit of
+    the per-peer limits."""
+    scheme, _, rest = unquote(peer).partition(":")  # gRPC writes "ipv6:%5B::1%5D:5123"
+    if scheme in ("ipv4", "ipv6"):
+        return f"{scheme}:{rest.rpartition(':')[0]}"
+    return peer
 
 
 def add_to_server(servicer: SchedulerServicer) -> Callable[[grpc.Server], str]:

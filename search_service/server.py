@@ -36,6 +36,7 @@ from search_service.sessions import SessionStore
 from search_service.streams import StreamSet
 from tandem import nvtx, pools
 from tandem.config import TandemConfig
+from tandem.errors import quote
 from tandem.gpu import cupy_module
 from tandem.server import LATENCY_BUCKETS_S, channel
 from tandem.service import Service, start_service
@@ -158,7 +159,7 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
         received = time.perf_counter()
         game = GAMES.get(request.game)
         if game is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"game: unknown game {request.game!r} (games: {sorted(GAMES)})")
+            context.abort(grpc.StatusCode.NOT_FOUND, f"game: unknown game {quote(request.game)} (games: {sorted(GAMES)})")
         if len(request.session_id) > MAX_SESSION_ID_CHARS:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"session_id: longer than {MAX_SESSION_ID_CHARS} characters")
         position = self._position(request, game, context)

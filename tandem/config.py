@@ -48,10 +48,15 @@ class TlsConfig:
 class ServerConfig:
     """What every gRPC server shares."""
 
-    # Threads serving RPCs. The reward service runs at least max_concurrent_rpcs: each
-    # waiting Evaluate holds one, so its batcher (priorities, bounded queue) orders them.
+    # Threads serving RPCs: at least max_concurrent_rpcs, so that every admitted call has
+    # its own at once (none waits in the executor's queue; tandem/guard.py). The scheduler
+    # also sizes its watch-stream slots from it.
     max_workers: int = 16
-    max_concurrent_rpcs: int = 256  # more in flight: RESOURCE_EXHAUSTED at once
+    # Application calls in flight at once (health checks apart); more: RESOURCE_EXHAUSTED at once.
+    max_concurrent_rpcs: int = 256
+    # A call whose request message has not arrived this long after the call did (for a
+    # client stream: after the previous message) is cancelled, freeing its thread.
+    request_message_timeout_ms: float = 10_000.0
     max_message_bytes: int = 64 * 1024 * 1024  # receive and send limit per message
     grace_period_ms: float = 5000.0  # drain time on SIGTERM before in-flight RPCs are cancelled
     # Clients may ping an idle connection this often (game engines ping every ~45 s);

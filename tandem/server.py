@@ -3,16 +3,16 @@
 :func:`build_server` makes a ``grpc.server`` with the standard health service
 (``grpc.health.v1``), server reflection, size and concurrency limits, keepalive
 settings that accept idle pinging game engines, optional TLS / mutual TLS, an
-optional bearer-token check, and per-RPC Prometheus latency histograms.
+optional bearer-token check, and per-RPC Prometheus latency histograms. What a
+call passes before a thread serves it (token, admission, health apart, the
+request-message timeout, capped status messages) is :mod:`tandem.guard`.
 :func:`serve_until_signalled` runs it until SIGINT/SIGTERM and then drains.
 """
 from __future__ import annotations
 
-import hmac
 import logging
 import signal
 import threading
-import time
 from concurrent import futures
 from dataclasses import dataclass
 from typing import Callable, Iterable
@@ -25,6 +25,7 @@ from prometheus_client import Histogram, start_http_server
 from tandem import contract
 from tandem.channel_options import CHANNEL_OPTIONS
 from tandem.config import ServerConfig, TandemConfig, resolve_path
+from tandem.guard import HEALTH_WORKERS, REFUSAL_WORKERS, Admission, Guard
 from tandem.v1 import contract_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -56,71 +57,8 @@ KEEPALIVE_OPTIONS = (
 )
 
 
-class _MetricsAndAuth(grpc.ServerInterceptor):
-    """Refuses calls without the token; decodes requests itself, so that bytes
-    that are not a valid message (or hold invalid UTF-8 in a string field) get
-    INVALID_ARGUMENT rather than gRPC's INTERNAL "Exception deserializing
-    request!"; times every unary RPC into RPC_LATENCY."""
-
-    def __init__(self, token: str):
-        self._expected = f"Bearer {token}".encode() if token else b""
-
-    def _authorized(self, details) -> bool:
-        metadata = dict(details.invocation_metadata or ())
-        got = metadata.get("authorization", "")
-        got = got.encode("utf-8", "replace") if isinstance(got, str) else bytes(got)
-        return hmac.compare_digest(got, self._expected)  # constant time
-
-    def intercept_service(self, continuation, details):
-        if self._expected and not details.method.startswith("/grpc.health.v1.Health/"):
-            if not self._authorized(details):
-                return _deny
-        handler = continuation(details)
-        if handler is None or handler.request_streaming:
-            return handler
-        method, deserialize = details.method, handler.request_deserializer
-
-        def decode(raw, context):
-            if deserialize is None:
-                return raw
-            try:
-                return deserialize(raw)
-            except Exception as exc:  # DecodeError: corrupt wire format, bad UTF-8, ...
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: not a valid message for {method} ({exc})")
-
-        if handler.unary_stream is not None:
-            stream = handler.unary_stream
-
-            def decoded_stream(raw, context):
-                return stream(decode(raw, context), context)
-
-            return grpc.unary_stream_rpc_method_handler(
-                decoded_stream, request_deserializer=None, response_serializer=handler.response_serializer
-            )
-        inner = handler.unary_unary
-
-        def timed(raw, context):
-            start = time.perf_counter()
-            try:
-                return inner(decode(raw, context), context)
-            finally:
-                code = context.code() if hasattr(context, "code") else None
-                RPC_LATENCY.labels(method, (code or grpc.StatusCode.OK).name).observe(
-                    time.perf_counter() - start
-                )
-
-        return grpc.unary_unary_rpc_method_handler(
-            timed,
-            request_deserializer=None,
-            response_serializer=handler.response_serializer,
-        )
-
-
-def _deny_call(request, context):
-    context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong authorization token")
-
-
-_deny = grpc.unary_unary_rpc_method_handler(_deny_call)
+def _observe_latency(method: str, code: str, seconds: float) -> None:
+    RPC_LATENCY.labels(method, code).observe(seconds)
 
 
 @dataclass
@@ -129,6 +67,7 @@ class RunningServer:
     health: health.HealthServicer
     port: int
     services: tuple[str, ...]
+    admission: Admission | None = None  # the application calls in flight (tandem/guard.py)
 
     def set_serving(self, serving: bool) -> None:
         status = (
@@ -167,11 +106,17 @@ def build_server(
             for key, value in KEEPALIVE_OPTIONS
         ),
     ]
+    # A thread for every admitted call (none waits in the executor's queue), a few
+    # more to answer refusals; threads are made on demand (tandem/guard.py).
+    admission = Admission(server_cfg.max_concurrent_rpcs)
+    workers = max(server_cfg.max_workers, server_cfg.max_concurrent_rpcs) + REFUSAL_WORKERS
+    health_pool = futures.ThreadPoolExecutor(max_workers=HEALTH_WORKERS, thread_name_prefix="grpc-health")
+    guard = Guard(cfg.auth_token, admission, server_cfg.request_message_timeout_ms / 1000.0, health_pool,
+                  _observe_latency)
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=server_cfg.max_workers),
-        interceptors=[_MetricsAndAuth(cfg.auth_token)],
+        futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grpc-worker"),
+        interceptors=[guard],
         options=options,
-        maximum_concurrent_rpcs=server_cfg.max_concurrent_rpcs,
     )
     names = tuple(add(server) for add in register)
     contract_pb2_grpc.add_ContractServiceServicer_to_server(contract.ContractServicer(
@@ -196,7 +141,7 @@ def build_server(
         port = server.add_insecure_port(address)
     if port == 0:
         raise RuntimeError(f"could not bind {address}")
-    running = RunningServer(server, health_servicer, port, names)
+    running = RunningServer(server, health_servicer, port, names, admission)
     running.set_serving(False)
     server.start()
     return running

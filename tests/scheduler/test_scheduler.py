@@ -172,7 +172,8 @@ def test_status_lists_services_and_device(launch):
     assert by_name["reward-0"].kind == REWARD and by_name["reward-0"].address == "localhost:50051"
     assert by_name["reward-0"].last_load.queue_depth == 4 and by_name["reward-0"].urgency > 0
     assert by_name["search-0"].assignment.active_thread_percentage == 50
-    assert by_name["search-0"].lease.lease_id and by_name["search-0"].lease_expires_in_ms > 0
+    assert not by_name["search-0"].lease.lease_id and by_name["search-0"].lease_expires_in_ms > 0  # ids are secret
+    assert not by_name["search-0"].assignment.lease_id and by_name["search-0"].lease.ttl_ms == 3000.0
     assert status.decisions == 2
 
 
@@ -288,27 +289,37 @@ def test_ipv6_and_hostname_addresses_are_accepted(launch):
     assert register(stub, "b", address="search.internal:50052").lease.lease_id
 
 
-def test_same_instance_same_pid_is_already_exists_other_pid_replaces(launch):
-    _, stub = launch(gpu_memory_bytes=1000)
+def test_a_live_lease_is_never_taken_over_and_lapses_to_a_restarted_process(launch):
+    _, stub = launch(gpu_memory_bytes=1000, lease_ttl_ms=400.0)
     first = register(stub, "search-0", memory_bytes=600, pid=100)
     watch = Watch(stub, first.lease.lease_id)
     watch.next()
-    err = rpc_error(lambda: register(stub, "search-0", memory_bytes=600, pid=100))
-    assert err.code() == grpc.StatusCode.ALREADY_EXISTS and err.details().startswith("instance")
-    # The process restarted: the old lease goes (and its memory with it).
-    second = register(stub, "search-0", memory_bytes=600, pid=101)
+    for pid in (100, 101):  # the same process (a lost answer) or another one: the lease is the holder's
+        err = rpc_error(lambda: register(stub, "search-0", memory_bytes=600, pid=pid))
+        assert err.code() == grpc.StatusCode.ALREADY_EXISTS and err.details().startswith("instance")
+    # The holder went (a restarted process has lost its lease id): once the lease has lapsed,
+    # the instance registers again, and the old lease's memory is free.
+    second = wait_until(lambda: _try_register(stub, "search-0", memory_bytes=600, pid=101))
     assert second.lease.lease_id != first.lease.lease_id
-    assert watch.wait_end() == grpc.StatusCode.NOT_FOUND and "replaced" in watch.details
+    assert watch.wait_end() == grpc.StatusCode.NOT_FOUND and "expired" in watch.details
     err = rpc_error(lambda: stub.ReportLoad(scheduler_pb2.LoadReport(lease_id=first.lease.lease_id)))
     assert err.code() == grpc.StatusCode.NOT_FOUND
     status = stub.Status(scheduler_pb2.StatusRequest(), timeout=WAIT_S)
-    assert [(s.instance, s.lease.lease_id) for s in status.services] == [("search-0", second.lease.lease_id)]
+    assert [s.instance for s in status.services] == ["search-0"]
+
+
+def _try_register(stub, instance, **fields):
+    try:
+        return register(stub, instance, **fields)
+    except grpc.RpcError as exc:
+        assert exc.code() == grpc.StatusCode.ALREADY_EXISTS
+        return None
 
 
 def test_a_cancelled_watch_frees_its_server_thread(launch):
     handle, stub = launch()
-    lease_id = register(stub).lease.lease_id
-    watches = [Watch(stub, lease_id) for _ in range(3)]
+    leases = [register(stub, f"search-{i}").lease.lease_id for i in range(2)]
+    watches = [Watch(stub, lease_id) for lease_id in (*leases, leases[0])]
     for w in watches:
         w.next()
     assert handle.servicer.open_watches == 3
@@ -488,7 +499,9 @@ def test_client_follows_and_survives_a_scheduler_restart(launch):
         wait_until(lambda: client.lease_id not in (None, lease_before))
         status = stub2.Status(scheduler_pb2.StatusRequest(), timeout=WAIT_S)
         assert [s.instance for s in status.services] == ["search-0"]
-        assert status.services[0].lease.lease_id == client.lease_id
+        assert not status.services[0].lease.lease_id  # the holder's secret, not shown
+        with handle2.servicer.table.lock:
+            assert handle2.servicer.table.get(client.lease_id) is not None
         wait_until(lambda: client.current.lease_id == client.lease_id and client.current.stream_priority == -5)
         generations = [(a.lease_id, a.generation) for a in got]
         assert len(generations) == len(set(generations))  # each (lease, generation) delivered once

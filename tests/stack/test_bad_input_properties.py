@@ -266,10 +266,11 @@ _pids = itertools.count(1000)
 
 
 def _live_lease(stack: Stack, instance: str) -> str:
-    """A fresh lease (a new pid replaces the instance's previous one)."""
+    """A fresh lease, of a new instance (a live lease is never taken over; the old ones lapse)."""
+    pid = next(_pids)
     return stack.sched_stub.Register(scheduler_pb2.RegisterRequest(
-        kind=scheduler_pb2.SERVICE_KIND_SEARCH, instance=instance, address="127.0.0.1:1",
-        stream_priorities=[0], pid=next(_pids)), timeout=TIMEOUT_S).lease.lease_id
+        kind=scheduler_pb2.SERVICE_KIND_SEARCH, instance=f"{instance}-{pid}", address="127.0.0.1:1",
+        stream_priorities=[0], pid=pid), timeout=TIMEOUT_S).lease.lease_id
 
 
 @PROPS

@@ -13,6 +13,7 @@ import pytest
 from loadtest.reliability_figures import SoakFigures, save_figures
 from loadtest.soak import run_soak
 from tandem.config import ServerConfig
+from tandem.guard import HEALTH_WORKERS, REFUSAL_WORKERS
 
 pytestmark = pytest.mark.slow
 
@@ -21,10 +22,12 @@ STRICT = os.environ.get("TANDEM_SOAK_STRICT") == "1"
 RSS_GROWTH_MIB = 16.0  # per server, after the warm-up, over the run
 RSS_SLOPE_MIB_PER_MIN = 8.0
 FD_GROWTH = 2
-# gRPC's thread pool starts its workers lazily, up to server.max_workers, so a
-# late burst may add some after the warm-up; more than the pool holds is a leak.
-# (The reward server's pool holds one per admitted RPC: max_concurrent_rpcs.)
-THREAD_GROWTH = {"reward": max(ServerConfig().max_workers, ServerConfig().max_concurrent_rpcs)}
+# gRPC's thread pools start their workers lazily, so a late burst may add some
+# after the warm-up; more than the pools hold is a leak. Every server's pool holds
+# one per admitted RPC (max_concurrent_rpcs) and a few for refusals, the health
+# pool its own few, plus the request watchdog (tandem/guard.py).
+THREAD_GROWTH = max(ServerConfig().max_workers, ServerConfig().max_concurrent_rpcs) + REFUSAL_WORKERS \
+    + HEALTH_WORKERS + 1
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +48,7 @@ def test_soak_loses_nothing_and_stays_flat(report):
     for name, s in report["servers"].items():
         assert s["rss_growth_mib"] <= RSS_GROWTH_MIB, (name, s)
         assert s["rss_slope_mib_per_min"] <= RSS_SLOPE_MIB_PER_MIN, (name, s)
-        threads = THREAD_GROWTH.get(name, ServerConfig().max_workers)
-        assert s["fds_growth"] <= FD_GROWTH and s["threads_growth"] <= threads, (name, s)
+        assert s["fds_growth"] <= FD_GROWTH and s["threads_growth"] <= THREAD_GROWTH, (name, s)
 
 
 @pytest.mark.skipif(not STRICT, reason="capacity figure: set TANDEM_SOAK_STRICT=1 on an unloaded machine")
