@@ -12,6 +12,7 @@
 #   TESTS="" bash bench/run_stack_gpu.sh        # play only
 #   FRAMES=600 VALUE_FRAMES=600 bash bench/run_stack_gpu.sh
 #   BENCH="first_request mcts_latency" bash bench/run_stack_gpu.sh   # then these benchmarks (GPU rows)
+#   KILL_REWARD=1 ...   # then kill -9 the reward server, check the restart, play 120 value-model frames
 #   (pass TANDEM_COMMIT=<commit>: the device copy's .git may be older than its work tree)
 #
 # Writes into $OUT (else runs/stack_gpu): pytest_gpu.log, play_rollout.json,
@@ -41,6 +42,12 @@ $TANDEM play --frames "${FRAMES:-600}" --report "$OUTDIR/play_rollout.json" > "$
 $TANDEM play --evaluator value_model --frames 120 --report "$OUTDIR/play_value_warm.json" > /dev/null 2>&1
 $TANDEM play --evaluator value_model --frames "${VALUE_FRAMES:-240}" --report "$OUTDIR/play_value_model.json" \
   > "$OUTDIR/play_value_model.txt" 2>&1
+if [ -n "${KILL_REWARD:-}" ]; then  # supervision on the GPU: kill -9 the reward server, tandem up restarts it
+  pkill -9 -f "stack serve reward" && echo "reward server killed"
+  sleep 2; for _ in $(seq 60); do $TANDEM health 127.0.0.1:50051 >/dev/null 2>&1 && break; sleep 1; done
+  $TANDEM status 2>&1 | grep -i -E "restart|reward " | head -4
+  $TANDEM play --evaluator value_model --frames 120 --report "$OUTDIR/play_after_restart.json" 2>&1 | tail -3
+fi
 kill -TERM $UP; wait $UP; echo "tandem up exited $?"
 for b in ${BENCH:-}; do
   timeout 240 python3 -m "bench.$b" --backend gpu --out "$OUTDIR" 2>&1 | tail -12

@@ -324,9 +324,13 @@ class _Responses:
 
 
 def _internal(context: _Context, method: str, exc: Exception) -> None:
-    """Re-raises an abort or a gRPC error; answers anything else INTERNAL."""
+    """Re-raises an abort or a gRPC error; answers NotImplementedError UNIMPLEMENTED
+    (gRPC's generated base classes raise it for every method not overridden) and
+    anything else INTERNAL."""
     if context.aborted or isinstance(exc, grpc.RpcError):
         raise exc
+    if isinstance(exc, NotImplementedError):  # a generated servicer base's method this server does not serve
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{method}: not served here")
     log.exception("%s failed", method)
     context.abort(grpc.StatusCode.INTERNAL, f"{method}: internal error ({type(exc).__name__}: {exc})")
 
