@@ -19,7 +19,6 @@ from pathlib import Path
 
 import grpc
 import numpy as np
-import pydantic
 import pytest
 import yaml
 from conftest import free_port
@@ -30,6 +29,8 @@ from tandem import tensors
 from tandem.config import load_config
 from tandem.paths import REPO_ROOT
 from tandem.server import channel
+
+pydantic = pytest.importorskip("pydantic", reason="the test extra (deploy validation) is not installed")
 
 MONITORING = REPO_ROOT / "deploy" / "monitoring"
 DASHBOARD = MONITORING / "grafana" / "dashboards" / "tandem.json"
