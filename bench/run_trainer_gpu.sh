@@ -6,6 +6,9 @@
 #                                         # then starts the 10-minute soak detached (setsid) and returns
 #   bash bench/run_trainer_gpu.sh wait    # waits for the soak (next calls, back to back) and returns it
 #
+# Make each `wait` call at once after the previous one returns: the device machine is given back after
+# 30 s idle, and the detached soak goes with it (2026-11-30: lost so, after 13 of its minutes).
+#
 # The soak: 8 engines at 60 FPS (1000 rollout simulations and a rendered frame's critical Evaluate per
 # frame) beside a shared-memory trainer, dynamic policy, python -m loadtest.soak. It runs alone on the
 # GPU: nothing else is started until `wait` has returned it. Setup as bench/gpu_setup.sh says (carry
