@@ -61,6 +61,9 @@ def _observe_latency(method: str, code: str, seconds: float) -> None:
     RPC_LATENCY.labels(method, code).observe(seconds)
 
 
+HEALTH_UPDATE_TIMEOUT_S = 1.0  # how long set_serving waits for Watch streams to take an update
+
+
 @dataclass
 class RunningServer:
     server: grpc.Server
@@ -69,14 +72,32 @@ class RunningServer:
     services: tuple[str, ...]
     admission: Admission | None = None  # the application calls in flight (tandem/guard.py)
 
-    def set_serving(self, serving: bool) -> None:
+    def set_serving(self, serving: bool, timeout_s: float = HEALTH_UPDATE_TIMEOUT_S) -> None:
+        """Sets the health status of the server and of each service.
+
+        grpc's ``HealthServicer.set`` pushes the new status down every open
+        ``Watch`` stream and waits for each write, under its lock; a stream its
+        client does not read can hold it for ever (seen: a scheduler's stop hung
+        behind 24 such streams). So the update runs on its own thread, and this
+        waits at most ``timeout_s`` for it: a stop goes on, and stopping the
+        server then cancels the streams, which frees the update.
+        """
         status = (
             health_pb2.HealthCheckResponse.SERVING
             if serving
             else health_pb2.HealthCheckResponse.NOT_SERVING
         )
-        for name in ("", *self.services):
-            self.health.set(name, status)
+        done = threading.Event()
+
+        def update() -> None:
+            for name in ("", *self.services):
+                self.health.set(name, status)
+            done.set()
+
+        threading.Thread(target=update, name="health-update", daemon=True).start()
+        if not done.wait(timeout_s):
+            log.warning("health: the update to %s is held up by a Watch stream; going on",
+                        health_pb2.HealthCheckResponse.ServingStatus.Name(status))
 
 
 def build_server(

@@ -58,3 +58,28 @@ def test_channel_reconnects_within_a_second_or_two_of_the_server_restarting():
         finally:
             running.server.stop(0)
     assert took < RECONNECTED_WITHIN_S, f"reconnected {took:.2f} s after the server was back"
+
+
+def test_set_serving_is_not_held_by_a_stuck_watch_stream():
+    """grpc's HealthServicer.set waits for every Watch stream's write under its lock;
+    a stream that never drains once hung a scheduler's stop. set_serving waits a bounded
+    time and goes on; the update lands once the stream lets go. (A health servicer whose
+    watcher is stuck: the real hang needs unlucky timing.)"""
+    import threading
+
+    from grpc_health.v1 import health, health_pb2
+
+    from tandem.server import RunningServer
+
+    servicer = health.HealthServicer()
+    release = threading.Event()
+    servicer._send_response_callbacks[""] = [lambda response: release.wait(30)]  # a watcher whose write is stuck
+    running = RunningServer(server=None, health=servicer, port=0, services=())
+    began = time.monotonic()
+    running.set_serving(False, timeout_s=0.2)
+    assert time.monotonic() - began < 20  # bounded, not held for the stuck write's 30 s
+    release.set()
+    deadline = time.monotonic() + 10
+    while servicer._server_status.get("") != health_pb2.HealthCheckResponse.NOT_SERVING:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
