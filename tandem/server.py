@@ -61,13 +61,35 @@ def _observe_latency(method: str, code: str, seconds: float) -> None:
     RPC_LATENCY.labels(method, code).observe(seconds)
 
 
+class HealthServicer(health.HealthServicer):
+    """grpc's health servicer, with ``set`` writing to the ``Watch`` streams
+    outside its lock.
+
+    grpc's ``set`` holds the servicer's lock while it waits for each stream's
+    write to complete; the server's polling thread takes the same lock when a
+    ``Watch`` stream closes, and it is the thread that completes the writes.
+    A stream closing during an update so deadlocked the server: its stop hung
+    for good (a fresh-clone CI run, the starvation test's 24 streams). Here
+    the lock guards only the tables; the writes follow, without it.
+    """
+
+    def set(self, service: str, status: int) -> None:
+        with self._lock:
+            if self._gracefully_shutting_down:
+                return
+            self._server_status[service] = status
+            callbacks = list(self._send_response_callbacks.get(service, ()))
+        for send_response in callbacks:
+            send_response(health_pb2.HealthCheckResponse(status=status))
+
+
 HEALTH_UPDATE_TIMEOUT_S = 1.0  # how long set_serving waits for Watch streams to take an update
 
 
 @dataclass
 class RunningServer:
     server: grpc.Server
-    health: health.HealthServicer
+    health: HealthServicer
     port: int
     services: tuple[str, ...]
     admission: Admission | None = None  # the application calls in flight (tandem/guard.py)
@@ -75,12 +97,11 @@ class RunningServer:
     def set_serving(self, serving: bool, timeout_s: float = HEALTH_UPDATE_TIMEOUT_S) -> None:
         """Sets the health status of the server and of each service.
 
-        grpc's ``HealthServicer.set`` pushes the new status down every open
-        ``Watch`` stream and waits for each write, under its lock; a stream its
-        client does not read can hold it for ever (seen: a scheduler's stop hung
-        behind 24 such streams). So the update runs on its own thread, and this
-        waits at most ``timeout_s`` for it: a stop goes on, and stopping the
-        server then cancels the streams, which frees the update.
+        The update pushes the new status down every open ``Watch`` stream and
+        waits for each write (:class:`HealthServicer`); a stream whose client
+        does not read can hold a write. So the update runs on its own thread,
+        and this waits at most ``timeout_s`` for it: a stop goes on, and
+        stopping the server then cancels the streams, which frees the update.
         """
         status = (
             health_pb2.HealthCheckResponse.SERVING
@@ -144,7 +165,7 @@ def build_server(
         (*names, contract.SERVICE_NAME), capabilities, server_cfg.max_message_bytes,
         server_cfg.keepalive_min_ping_interval_ms, bool(cfg.auth_token)), server)
     names += (contract.SERVICE_NAME,)
-    health_servicer = health.HealthServicer()
+    health_servicer = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (*names, health.SERVICE_NAME, reflection.SERVICE_NAME), server
