@@ -9,6 +9,9 @@ project's Python, which has ``bitbully`` and ``bitbully-databases``)::
     python data/make_positions.py uci --source DIR
     # (c) generate solver-labelled middle/end-game positions -> solver/
     python data/make_positions.py solver [--count 28000] [--seed 20261130]
+    # (d) generate solver-labelled positions from the empty board -> walks/
+    python data/make_positions.py walks --stones 5-11 --count 50000 \
+        --seed 20261201 --out walks_05-11.jsonl.gz   (see data/README.md)
 
 ``DIR`` is a folder laid out like the public originals (``DIR/pons/Test_*``,
 ``DIR/uci/connect-4.shared90.csv``, ``DIR/uci/connect-4.names``); see
@@ -48,6 +51,7 @@ DATA_DIR = REPO_DIR / "data" / "connect4"
 PONS_DIR = DATA_DIR / "pons"
 UCI_DIR = DATA_DIR / "uci"
 SOLVER_DIR = DATA_DIR / "solver"
+WALKS_DIR = DATA_DIR / "walks"
 
 # sha256 of the public originals (from the source README): a copy that differs
 # is refused, so the shipped files always match the cited sources.
@@ -248,34 +252,31 @@ def random_walk(rng: random.Random, start: str, stones: int) -> str | None:
     return "".join(moves)
 
 
-def cmd_solver(args) -> None:
-    """Generate ``count`` distinct positions by random walks from UCI openings
-    and label them with bitbully.
+def generate(agent, rng: random.Random, count: int, stones: tuple[int, int], start,
+             excluded: set, max_tries: int = 0) -> tuple[list[dict], int, int, float]:
+    """Draw ``count`` new positions by random walks and label them with ``agent``.
 
-    For each position: draw a target stone count uniformly in 10..38, then
-    draw UCI rows (8 stones) and walk until one walk reaches the target
-    without ending the game and gives a position that is new and not in any
-    Pons set (positions and mirror images both count)."""
-    from bitbully import BitBully
-
-    uci_rows = list(csv.DictReader(io.StringIO(
-        gzip.decompress((UCI_DIR / f"{UCI_CSV}.gz").read_bytes()).decode("utf-8"))))
-    excluded = set()
-    for path in sorted(PONS_DIR.glob("*.jsonl")):
-        excluded.update(canonical_key(r["moves"]) for r in read_jsonl(path))
-    if not excluded:
-        fail(f"no Pons JSONL files in {PONS_DIR}: run the pons step first")
-
-    rng = random.Random(args.seed)
-    agent = BitBully()
+    For each position: draw a target stone count uniformly in ``stones``
+    (inclusive), then draw a start (``start(rng)``, a move string) and walk
+    until one walk reaches the target without ending the game and gives a
+    position that is neither in ``excluded`` nor already drawn (canonical
+    keys: mirror images count as the same position). With ``max_tries`` > 0 a
+    target that gives no new position in that many walks is drawn again (the
+    few positions with 5-6 stones run out). Returns (records, walks,
+    skipped, seconds spent labelling)."""
     records, seen = [], set()
     walks = skipped = 0
     t_solve, t0 = 0.0, time.perf_counter()
-    while len(records) < args.count:
-        target = rng.randint(SOLVER_MIN_STONES, SOLVER_MAX_STONES)
+    while len(records) < count:
+        target = rng.randint(*stones)
+        tries = 0
         while True:
             walks += 1
-            moves = random_walk(rng, rng.choice(uci_rows)["moves"], target)
+            tries += 1
+            if max_tries and tries > max_tries:
+                moves = None
+                break
+            moves = random_walk(rng, start(rng), target)
             if moves is None:
                 continue
             key = canonical_key(moves)
@@ -283,21 +284,91 @@ def cmd_solver(args) -> None:
                 skipped += 1
                 continue
             break
+        if moves is None:
+            continue
         seen.add(key)
         t = time.perf_counter()
         records.append(label(agent, moves))
         t_solve += time.perf_counter() - t
         if len(records) % 2000 == 0:
             print(f"  {len(records)} positions, {time.perf_counter() - t0:.0f} s", flush=True)
+    return records, walks, skipped, t_solve
 
-    SOLVER_DIR.mkdir(parents=True, exist_ok=True)
-    out = SOLVER_DIR / args.out
+
+def pons_keys() -> set:
+    """Canonical keys of every Pons position; SystemExit if none are shipped."""
+    keys = set()
+    for path in sorted(PONS_DIR.glob("*.jsonl")):
+        keys.update(canonical_key(r["moves"]) for r in read_jsonl(path))
+    if not keys:
+        fail(f"no Pons JSONL files in {PONS_DIR}: run the pons step first")
+    return keys
+
+
+def read_uci_rows() -> list[dict]:
+    """Rows of the shipped compressed UCI CSV (header names as keys)."""
+    return list(csv.DictReader(io.StringIO(
+        gzip.decompress((UCI_DIR / f"{UCI_CSV}.gz").read_bytes()).decode("utf-8"))))
+
+
+def write_records(out: Path, records: list[dict], walks: int, skipped: int, t_solve: float,
+                  t0: float) -> None:
+    """Write labelled records as deterministic gzip JSONL and print a summary."""
+    out.parent.mkdir(parents=True, exist_ok=True)
     write_gzip_text(out, "".join(json.dumps(r) + "\n" for r in records))
     w, d, l = outcome_counts(r["score"] for r in records)
     print(f"{show(out)}: {len(records)} positions, win/draw/loss "
-          f"{w}/{d}/{l}; {walks} walks, {skipped} duplicates or Pons positions skipped; "
-          f"labelling {1000 * t_solve / len(records):.2f} ms/position "
+          f"{w}/{d}/{l}; {walks} walks, {skipped} duplicates or excluded positions skipped; "
+          f"labelling {1000 * t_solve / max(len(records), 1):.2f} ms/position "
           f"({t_solve:.0f} s), total {time.perf_counter() - t0:.0f} s")
+
+
+def cmd_solver(args) -> None:
+    """Generate ``count`` distinct positions (10..38 stones) by random walks
+    from UCI openings and label them with bitbully; none is a Pons position."""
+    from bitbully import BitBully
+
+    uci_rows = read_uci_rows()
+    t0 = time.perf_counter()
+    records, walks, skipped, t_solve = generate(
+        BitBully(), random.Random(args.seed), args.count, (SOLVER_MIN_STONES, SOLVER_MAX_STONES),
+        lambda rng: rng.choice(uci_rows)["moves"], pons_keys())
+    write_records(SOLVER_DIR / args.out, records, walks, skipped, t_solve, t0)
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    """'A-B' -> (A, B) with 1 <= A <= B <= 41; argparse.ArgumentTypeError otherwise."""
+    try:
+        lo, hi = (int(x) for x in text.split("-"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"stone range must look like 12-17, got {text!r}") from None
+    if not 1 <= lo <= hi <= 41:
+        raise argparse.ArgumentTypeError(f"stone range must lie in 1-41, got {text!r}")
+    return lo, hi
+
+
+def cmd_walks(args) -> None:
+    """Generate ``count`` positions with a stone count in ``--stones`` by random
+    walks from the empty board, label them with bitbully, write
+    ``walks/<out>``. Excluded: every Pons position (the test sets), every UCI
+    opening, every position of ``solver/*.jsonl.gz`` and of the
+    ``walks/*.jsonl.gz`` files whose names sort before ``out`` (so no two files
+    overlap and the bytes depend only on those files; mirror images count as
+    the same position)."""
+    from bitbully import BitBully
+
+    out = WALKS_DIR / args.out
+    excluded = pons_keys()
+    excluded.update(canonical_key(r["moves"]) for r in read_uci_rows())
+    earlier = sorted(SOLVER_DIR.glob("*.jsonl.gz")) + [
+        path for path in sorted(WALKS_DIR.glob("*.jsonl.gz")) if path.name < out.name]
+    for path in earlier:
+        excluded.update(canonical_key(r["moves"]) for r in read_jsonl(path))
+    t0 = time.perf_counter()
+    records, walks, skipped, t_solve = generate(
+        BitBully(), random.Random(args.seed), args.count, args.stones, lambda rng: "", excluded,
+        max_tries=200)
+    write_records(out, records, walks, skipped, t_solve, t0)
 
 
 # ---------------------------------------------------------------- main
@@ -316,6 +387,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=SOLVER_SEED)
     p.add_argument("--out", default=SOLVER_FILE, help="file name inside data/connect4/solver/")
     p.set_defaults(func=cmd_solver)
+    p = sub.add_parser("walks", help="generate walks/<out> from random walks from the empty board")
+    p.add_argument("--stones", type=parse_range, required=True, help="stone-count range, e.g. 12-17")
+    p.add_argument("--count", type=int, required=True)
+    p.add_argument("--seed", type=int, required=True)
+    p.add_argument("--out", required=True, help="file name inside data/connect4/walks/ (*.jsonl.gz)")
+    p.set_defaults(func=cmd_walks)
     args = parser.parse_args(argv)
     args.func(args)
 

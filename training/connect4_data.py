@@ -2,8 +2,9 @@
 
 Sources (formats in ``data/README.md``): the UCI compact CSV
 (``uci/connect-4.shared90.csv.gz``, 8-stone openings), Pascal Pons' test sets
-(``pons/Test_*.jsonl``) and the bitbully-labelled random-walk positions
-(``solver/*.jsonl.gz``). Every record carries a Pons-convention score for the
+(``pons/Test_*.jsonl``), the bitbully-labelled random-walk positions from UCI
+openings (``solver/*.jsonl.gz``) and from the empty board
+(``walks/*.jsonl.gz``, loaded only on request). Every record carries a Pons-convention score for the
 side to move and per-column move scores (1-indexed columns in the files,
 0-indexed here).
 
@@ -34,6 +35,7 @@ DATA_DIR = _DATA / "connect4"
 UCI_CSV_GZ = DATA_DIR / "uci" / "connect-4.shared90.csv.gz"
 PONS_DIR = DATA_DIR / "pons"
 SOLVER_DIR = DATA_DIR / "solver"
+WALKS_DIR = DATA_DIR / "walks"
 
 # Training sources and the benchmark sets that must stay out of training.
 TRAIN_PONS = ("Test_L1_R1", "Test_L1_R2")
@@ -130,14 +132,18 @@ def read_uci(path: Path = UCI_CSV_GZ) -> list:
                 for r in csv.DictReader(f)]
 
 
-def load_sources(data_dir: Path = DATA_DIR) -> dict:
-    """All shipped sets by name: 'uci', 'solver', and each Pons file name.
+def load_sources(data_dir: Path = DATA_DIR, walks: bool = False) -> dict:
+    """All shipped sets by name: 'uci', 'solver', each Pons file name, and
+    with ``walks`` 'walks'.
 
     Returns ``{name: PositionSet}``; 'solver' concatenates every
-    ``solver/*.jsonl.gz`` in name order."""
+    ``solver/*.jsonl.gz`` in name order, 'walks' every ``walks/*.jsonl.gz``
+    (about 170,000 positions, a few seconds more to load)."""
     out = {"uci": from_records(read_uci(data_dir / "uci" / "connect-4.shared90.csv.gz"))}
-    solver = sorted((data_dir / "solver").glob("*.jsonl.gz"))
-    out["solver"] = from_records([r for p in solver for r in read_jsonl(p)])
+    dirs = ("solver", "walks") if walks else ("solver",)
+    for name in dirs:
+        files = sorted((data_dir / name).glob("*.jsonl.gz"))
+        out[name] = from_records([r for p in files for r in read_jsonl(p)])
     for name in TRAIN_PONS + BENCHMARK_PONS:
         out[name] = from_records(read_jsonl(data_dir / "pons" / f"{name}.jsonl"))
     return out

@@ -20,6 +20,9 @@ DATA = Path(__file__).resolve().parents[2] / "data"
 C4 = DATA / "connect4"
 PONS = ("Test_L3_R1", "Test_L2_R1", "Test_L1_R1", "Test_L1_R2")
 SOLVER_FILE = C4 / "solver" / "uci_random_walks.jsonl.gz"
+# Random walks from the empty board: file -> inclusive stone-count range.
+WALKS = {"walks/walks_05-11.jsonl.gz": (5, 11), "walks/walks_12-17.jsonl.gz": (12, 17),
+         "walks/walks_18-41.jsonl.gz": (18, 41)}
 ROWS, COLS = 6, 7
 
 
@@ -96,6 +99,8 @@ def sets() -> dict:
     out = {f"pons/{n}.jsonl": read_jsonl(C4 / "pons" / f"{n}.jsonl") for n in PONS}
     out["uci/connect-4.shared90.csv.gz"] = [uci_as_record(r) for r in read_uci()]
     out["solver/uci_random_walks.jsonl.gz"] = read_jsonl(SOLVER_FILE)
+    for path in WALKS:
+        out[path] = read_jsonl(C4 / path)
     return out
 
 
@@ -138,6 +143,8 @@ def test_uci_names_unchanged():
 @pytest.mark.slow
 def test_labels_self_consistent(sets):
     for path, records in sets.items():
+        if path in WALKS:  # 174,000 records: a seeded sample keeps the test to seconds
+            records = random.Random(path).sample(records, min(len(records), 4000))
         for r in records:
             grid = replay(r["moves"])
             assert not has_four(grid), (path, r["moves"])
@@ -174,12 +181,32 @@ def test_solver_positions_are_new_and_in_range(sets):
         assert r["moves"][:8] in uci_openings
 
 
+@pytest.mark.slow
+def test_walks_are_new_and_in_range(sets):
+    """Each walks file: stone counts in its range, no position twice (up to
+    mirroring), and none that is a Pons test position, a UCI opening, a
+    solver/ position or in another walks file."""
+    pons = {key(r["moves"]) for n in PONS for r in sets[f"pons/{n}.jsonl"]}
+    others = {key(r["moves"]) for name in ("uci/connect-4.shared90.csv.gz", "solver/uci_random_walks.jsonl.gz")
+              for r in sets[name]}
+    seen = set()
+    for path, (lo, hi) in WALKS.items():
+        keys = [key(r["moves"]) for r in sets[path]]
+        assert len(set(keys)) == len(keys), f"{path}: duplicate positions (up to mirroring)"
+        assert not pons.intersection(keys), f"{path}: a Pons test position (or its mirror)"
+        assert not others.intersection(keys), f"{path}: a UCI or solver/ position"
+        assert not seen.intersection(keys), f"{path}: a position of another walks file"
+        seen.update(keys)
+        assert all(lo <= len(r["moves"]) <= hi for r in sets[path]), path
+
+
 def test_sample_matches_bitbully(sets):
     """Re-solve a seeded sample of positions with >= 20 stones (fast to solve)."""
     bitbully = pytest.importorskip("bitbully")
     agent = bitbully.BitBully()
-    pool = [r for name in ("solver/uci_random_walks.jsonl.gz", "pons/Test_L2_R1.jsonl",
-                           "pons/Test_L3_R1.jsonl") for r in sets[name] if len(r["moves"]) >= 20]
+    pool = [r for name in ("solver/uci_random_walks.jsonl.gz", "walks/walks_18-41.jsonl.gz",
+                           "pons/Test_L2_R1.jsonl", "pons/Test_L3_R1.jsonl")
+            for r in sets[name] if len(r["moves"]) >= 20]
     for r in random.Random(7).sample(pool, 40):
         scores = agent.score_all_moves(bitbully.Board([int(ch) - 1 for ch in r["moves"]]))
         assert {str(c + 1): scores.get(c) for c in range(COLS)} == r["move_scores"], r["moves"]
