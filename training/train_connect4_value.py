@@ -3,14 +3,16 @@
     python -m training.train_connect4_value \
         --out reward_service/models/connect4_value.onnx
 
-Steps: load the shipped solver-labelled positions (``connect4_data``); hold out
-a seeded 10 % of the training sources and all of Pons Test_L2_R1 / Test_L3_R1
-(the search benchmark sets, never trained on); train a small residual CNN
+Steps: load the shipped solver-labelled positions (``connect4_data``, with the
+random walks from the empty board); hold out a seeded 10 % of the training
+sources and all four Pons test sets (the search benchmark sets, never trained
+on; ``--train-pons`` puts Test_L1_* back into training); train a small residual CNN
 (``connect4_model``) on CPU with left-right mirroring; export ONNX (opset 17,
 dynamic batch); check the file with ``onnx.checker`` and against the torch
 outputs in ONNX Runtime; evaluate the exported file on every held-out set;
 write the model card beside it (``<out>.md`` with the ``.onnx`` suffix
-replaced).
+replaced). With ``--compare PREVIOUS.onnx`` the card also compares the new file
+with the previous model on the positions neither trained on.
 
 Metrics (computed with ONNX Runtime on the shipped file):
   value accuracy    the value's outcome class equals the solver's: v >= 1/3
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import sys
 import time
 from pathlib import Path
@@ -50,27 +53,48 @@ DRAW_BAND = 1.0 / 3.0  # |v| below this reads as a draw
 
 # ---------------------------------------------------------------- data
 
-def split_sources(sources: dict, seed: int) -> tuple:
+def split_sources(sources: dict, seed: int, train_names: tuple = ("uci", "solver"),
+                  train_pons: tuple = TRAIN_PONS) -> tuple:
     """(train PositionSet, source name per training row, {held-out name: PositionSet}).
 
-    Training sources are 'uci', 'solver' and the Pons L1 sets, each minus its
-    seeded held-out 10 %; the Pons benchmark sets are held out whole. Raises
-    SystemExit if a benchmark position (or its mirror) is in the training set."""
+    Training sources are ``train_names`` (keys of ``sources``) and the Pons
+    sets ``train_pons``, each minus its seeded held-out 10 %; every other Pons
+    set is held out whole. A training position (or its mirror) that is in a
+    held-out Test_L1 set is dropped from training (the UCI rows hold some
+    8-stone L1 positions). Raises SystemExit if a benchmark position
+    (Test_L2_R1, Test_L3_R1) is in the training set: no source may hold one."""
     train_parts, train_source, held = [], [], {}
-    for name in ("uci", "solver") + TRAIN_PONS:
+    for name in tuple(train_names) + tuple(train_pons):
         s = sources[name]
         mask = heldout_mask(s.boards, seed)
         train_parts.append(s.subset(~mask))
         train_source += [name] * int((~mask).sum())
         held[f"{name} (held-out 10 %)"] = s.subset(mask)
     train = PositionSet.concat(train_parts)
-    train_keys = set(canonical_keys(train.boards))
+    train_source = np.array(train_source)
+    train_keys = canonical_keys(train.boards)
+    dropped = set()
+    for name in TRAIN_PONS:
+        if name not in train_pons:
+            dropped.update(canonical_keys(sources[name].boards))
+            held[name] = sources[name]
+    if dropped:
+        keep = np.array([k not in dropped for k in train_keys])
+        train, train_source = train.subset(keep), train_source[keep]
+        train_keys = [k for k, kept in zip(train_keys, keep) if kept]
+    train_keys = set(train_keys)
     for name in BENCHMARK_PONS:
         s = sources[name]
         if train_keys.intersection(canonical_keys(s.boards)):
             raise SystemExit(f"benchmark set {name} overlaps the training set")
         held[name] = s
-    return train, np.array(train_source), held
+    return train, train_source, held
+
+
+def by_stones(s: PositionSet, ranges: tuple) -> dict:
+    """{"A-B stones": subset} of ``s`` for each inclusive (A, B) in ``ranges``."""
+    stones = np.array([len(m) for m in s.moves])
+    return {f"{lo}-{hi} stones": s.subset((stones >= lo) & (stones <= hi)) for lo, hi in ranges}
 
 
 # ---------------------------------------------------------------- training
@@ -163,22 +187,75 @@ def evaluate(value: np.ndarray, logits: np.ndarray, s: PositionSet) -> dict:
     return out
 
 
+PREVIOUS_SEED = 1995  # the previous model's split seed (its held-out 10 % of the L1 sets)
+
+
+def compare(previous: Path, current: Path, held: dict, seed: int = PREVIOUS_SEED) -> dict:
+    """{set name: (previous metrics, current metrics)} on the positions neither
+    model trained on.
+
+    The previous model (the card of 2026-11-30) trained on the UCI rows, the
+    UCI random walks and 90 % of Test_L1_R1 / Test_L1_R2, split by the same
+    keyed hash with ``seed``: so on the L1 sets only its held-out 10 % count,
+    and every other held-out set here is unseen by both."""
+    out = {}
+    for name, s in held.items():
+        if name in TRAIN_PONS:
+            s = s.subset(heldout_mask(s.boards, seed))
+            name = f"{name} (the 10 % both never saw)"
+        if len(s) == 0:
+            continue
+        out[name] = tuple(evaluate(*run_onnx(path, s.boards), s) for path in (previous, current))
+    return out
+
+
 # ---------------------------------------------------------------- model card
 
 def pct(x) -> str:
     return "—" if x is None else f"{100 * x:.1f} %"
 
 
-def write_card(path: Path, *, command: str, params: int, config: dict, args, counts: dict,
-               metrics: dict, diff: float, size: int, train_s: float) -> None:
-    """Write the Markdown model card."""
-    rows = "\n".join(
+def metric_rows(metrics: dict) -> str:
+    """Markdown rows of the held-out metrics table."""
+    return "\n".join(
         f"| {name} | {m['positions']} | {m['stones']} | {m['win/draw/loss']} | "
         f"{pct(m['value_accuracy'])} | {pct(m['value_accuracy_win'])} | "
         f"{pct(m['value_accuracy_draw'])} | {pct(m['value_accuracy_loss'])} | "
         f"{pct(m['good_move_rate'])} | {pct(m['best_move_rate'])} |"
         for name, m in metrics.items())
+
+
+def comparison_section(comparison: dict | None, previous: str) -> str:
+    """The card's previous-vs-new section ('' without a comparison)."""
+    if not comparison:
+        return ""
+    rows = "\n".join(
+        f"| {name} | {old['positions']} | {pct(old['value_accuracy'])} → {pct(new['value_accuracy'])} | "
+        f"{pct(old['value_accuracy_draw'])} → {pct(new['value_accuracy_draw'])} | "
+        f"{pct(old['good_move_rate'])} → {pct(new['good_move_rate'])} | "
+        f"{pct(old['best_move_rate'])} → {pct(new['best_move_rate'])} |"
+        for name, (old, new) in comparison.items())
+    return f"""
+## Against the previous model
+
+The previous file ({previous}: 158,720 parameters, trained on 81,611 positions:
+UCI rows, UCI random walks, 90 % of Test_L1_R1 / Test_L1_R2) against this one, on
+the held-out positions neither trained on (on the L1 sets: the previous model's
+held-out 10 %). Previous → new:
+
+| held-out set | positions | value acc. | on draws | good move | best move |
+| --- | --- | --- | --- | --- | --- |
+{rows}
+"""
+
+
+def write_card(path: Path, *, command: str, params: int, config: dict, args, counts: dict,
+               metrics: dict, diff: float, size: int, train_s: float,
+               comparison: dict | None = None, previous: str = "") -> None:
+    """Write the Markdown model card."""
     train_rows = "\n".join(f"| {k} | {v} |" for k, v in counts.items())
+    pons_note = (", ".join(args.train_pons) + " (90 % each) are trained on; the other Pons sets are"
+                 if args.train_pons else "All four Pons sets are")
     import onnxruntime
     import torch
     text = f"""# connect4_value.onnx — Connect Four value and policy network
@@ -197,9 +274,10 @@ edit by hand: re-run the command below).
 | output `value` | float32 | [N, 1] | tanh; expected outcome for the side to move: +1 win, 0 draw, −1 loss |
 | output `policy_logits` | float32 | [N, 7] | logits over columns 0..6, not masked (mask full columns before a softmax) |
 
-ONNX opset {OPSET}, one file ({size:,} bytes), no external data. The input is cast to
-float inside the model. The encoding equals `search_service.games.connect4.observation`
-and `training.connect4_encoding.encode_moves`.
+ONNX opset {OPSET}, one file ({size:,} bytes), no external data, FP32 (the reward
+service serves it as is; `tandem convert-fp16` makes the FP16-body / FP32-head
+variant). The input is cast to float inside the model. The encoding equals
+`search_service.games.connect4.observation` and `training.connect4_encoding.encode_moves`.
 
 ## Architecture
 
@@ -226,26 +304,31 @@ Exact game-theoretic labels (Pons' score convention; see `data/README.md`):
   with move scores from the bitbully solver.
 * Random-walk positions (10–38 stones) from UCI openings, labelled with the
   bitbully solver (Markus Thill, AGPL-3.0): `data/connect4/solver/`.
-* Pascal Pons' test sets Test_L1_R1 and Test_L1_R2 (4–14 stones), from
-  "Solving Connect 4: how to build a perfect AI",
+* Random-walk positions from the empty board (5–41 stones), labelled with
+  bitbully: `data/connect4/walks/` (commands in `data/README.md`).
+* {pons_note} never trained on: Pascal Pons' test sets, from "Solving Connect 4:
+  how to build a perfect AI",
   http://blog.gamesolver.org/solving-connect-four/02-test-protocol/, via GitHub
   `mbarbin/c4solver` commit 39cd6353a09418b36f864b9e3763b7aaa7df7c69.
 
 Targets: value = sign of the solver score for the side to move; policy = uniform
 over the moves that keep the solver's result (sign of the move score equals the
 sign of the score; in a lost position, the slowest losses, `best_moves`).
-Each random-walk position is visited {args.solver_repeat}× per epoch (the 8-stone UCI
-rows would otherwise dominate). Augmentation: each sample mirrored left-right with
+Each `solver/` position is visited {args.solver_repeat}× per epoch, every other
+position once. Augmentation: each sample mirrored left-right with
 probability ½. Loss: MSE(value)
 + cross-entropy(policy). AdamW (weight decay 1e-4), one-cycle learning rate
 (max {args.lr}), batch {args.batch}, {args.epochs} epochs, seed {args.seed};
-{train_s:.0f} s wall time on a shared CPU ({torch.get_num_threads()} threads).
+{train_s:.0f} s wall time on a shared CPU ({torch.get_num_threads()} thread(s), `nice -n 15`).
 
 Held out (never trained on): a seeded 10 % of each training source (chosen per
 position by a keyed hash of the position up to mirroring, seed {args.seed}; so a
-position and its mirror image are on the same side), and all of Pons
-**Test_L2_R1** and **Test_L3_R1**, the search benchmark sets. The script refuses
-to run if a benchmark position or its mirror is in the training set.
+position and its mirror image are on the same side), and the whole of every
+Pons set not trained on. Training positions that are (up to mirroring) in a
+held-out Test_L1 set are dropped (some UCI rows are); the script refuses to
+run if a Test_L2_R1 / Test_L3_R1 position or its mirror is in the training
+set. The `solver/` and `walks/` files exclude every Pons position by
+construction.
 
 ## Held-out metrics
 
@@ -258,11 +341,11 @@ column keeps the solver's result (for lost positions: is a slowest loss).
 
 | held-out set | positions | stones | win/draw/loss | value acc. | on wins | on draws | on losses | good move | best move |
 | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |
-{rows}
+{metric_rows(metrics)}
 
 Export check: `onnx.checker` (full check) passes; ONNX Runtime and PyTorch
 outputs differ by at most {diff:.1e} on 1,024 held-out positions.
-
+{comparison_section(comparison, previous)}
 ## Reproduce
 
 ```
@@ -275,13 +358,10 @@ file needs the same library versions and thread count.
 
 ## Limits
 
-The value is a learned estimate, not a solver. It is weakest on draws and on
-late end-game positions: on Test_L3_R1 (29-41 stones, 43 % draws) it gets about
-half of the outcomes right, because the random-walk training positions seldom
-end drawn (5 %) and stop at 38 stones. Such positions are only a few plies from
-the end of the game, where a search finds the result itself. The policy is
-better there (see the good-move column). Use the network as a search
-heuristic, never as ground truth.
+The value is a learned estimate, not a solver. It is weakest on draws (the
+"on draws" column), which are rare in random-walk positions, and on late
+end-game positions a few plies from the end, where a search finds the result
+itself. Use the network as a search heuristic, never as ground truth.
 """
     path.write_text(text, encoding="utf-8")
 
@@ -291,15 +371,18 @@ heuristic, never as ground truth.
 def main(argv: list | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("reward_service/models/connect4_value.onnx"))
-    parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--epochs", type=int, default=6)
     parser.add_argument("--channels", type=int, default=40)
     parser.add_argument("--blocks", type=int, default=5)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=1995)
-    parser.add_argument("--solver-repeat", type=int, default=2,
-                        help="visits per epoch of each random-walk position (the UCI rows, all "
-                             "8-stone openings, would otherwise dominate)")
+    parser.add_argument("--solver-repeat", type=int, default=1,
+                        help="visits per epoch of each solver/ random-walk position")
+    parser.add_argument("--train-pons", nargs="*", default=[], choices=TRAIN_PONS,
+                        help="Pons sets to train on (90 %%); default none: all four stay held out")
+    parser.add_argument("--compare", type=Path, default=None,
+                        help="the previous model's ONNX file: adds a previous-vs-new table to the card")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     args = parser.parse_args(argv)
 
@@ -312,11 +395,15 @@ def main(argv: list | None = None) -> int:
         sys.argv[1:] if argv is None else argv)
 
     t0 = time.perf_counter()
-    sources = load_sources()
-    train, source, held = split_sources(sources, args.seed)
-    counts = {name.split(" ")[0]: len(sources[name.split(" ")[0]]) - len(s)
-              for name, s in held.items() if "held-out" in name}
+    sources = load_sources(walks=True)
+    train, source, held = split_sources(sources, args.seed, ("uci", "solver", "walks"),
+                                        tuple(args.train_pons))
+    names, sizes = np.unique(source, return_counts=True)
+    counts = {str(k): int(n) for k, n in zip(names, sizes)}
     counts["total"] = len(train)
+    walks = held.pop("walks (held-out 10 %)")
+    for name, part in by_stones(walks, ((5, 11), (12, 17), (18, 28), (29, 41))).items():
+        held[f"walks {name} (held-out 10 %)"] = part
     print(f"data: {len(train)} training positions ({time.perf_counter() - t0:.0f} s); held out: "
           + ", ".join(f"{k} {len(v)}" for k, v in held.items()))
 
@@ -342,9 +429,18 @@ def main(argv: list | None = None) -> int:
         print(f"{name}: value acc {pct(m['value_accuracy'])}, good move {pct(m['good_move_rate'])}, "
               f"best move {pct(m['best_move_rate'])} ({m['positions']} positions)")
 
+    comparison, previous = None, ""
+    if args.compare is not None:
+        previous = f"sha256 {hashlib.sha256(args.compare.read_bytes()).hexdigest()[:16]}…"
+        comparison = compare(args.compare, args.out, held)
+        for name, (old, new) in comparison.items():
+            print(f"{name}: value acc {pct(old['value_accuracy'])} -> {pct(new['value_accuracy'])}, "
+                  f"good move {pct(old['good_move_rate'])} -> {pct(new['good_move_rate'])}")
+
     card = args.out.with_suffix(".md")
     write_card(card, command=command, params=parameter_count(model), config=model.config, args=args,
-               counts=counts, metrics=metrics, diff=diff, size=args.out.stat().st_size, train_s=train_s)
+               counts=counts, metrics=metrics, diff=diff, size=args.out.stat().st_size, train_s=train_s,
+               comparison=comparison, previous=previous)
     print(f"wrote {card}; total {time.perf_counter() - t0:.0f} s")
     return 0
 

@@ -32,9 +32,9 @@ DRAW_BAND = 1.0 / 3.0
 
 # Minimum value accuracy (win/draw/loss class, |v| < 1/3 = draw) per held-out set:
 # a few points under the accuracy measured at training time (model card).
-# Measured: Test_L2_R1 83.1 %, Test_L3_R1 50.4 % (mostly late draws, rare in the
-# training data), UCI held-out 86.0 %.
-MIN_VALUE_ACCURACY = {"Test_L2_R1": 0.80, "Test_L3_R1": 0.47, "uci": 0.83}
+# Measured: Test_L2_R1 83.7 %, Test_L3_R1 72.5 % (the previous model: 50.4 %),
+# UCI held-out 85.1 %.
+MIN_VALUE_ACCURACY = {"Test_L2_R1": 0.80, "Test_L3_R1": 0.69, "uci": 0.82}
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +103,7 @@ def test_policy_prefers_result_keeping_moves(session):
     s = from_records(read_jsonl(PONS_DIR / "Test_L3_R1.jsonl"))
     _, logits = run(session, s.boards)
     top = np.where(s.legal, logits, -np.inf).argmax(axis=1)
-    assert s.good[np.arange(len(s)), top].mean() >= 0.85  # measured 88.2 %
+    assert s.good[np.arange(len(s)), top].mean() >= 0.91  # measured 94.4 %
 
 
 def test_encoding_known_positions():
