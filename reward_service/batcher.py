@@ -530,9 +530,9 @@ class Batcher:
         if self._closed or lane.request_class == CRITICAL:
             return 0.0
         if self._bulk_share < 100:  # the lever: idle in proportion to the last batch's run time
-            idle_until = lane.last_end + lane.last_busy_s * (100.0 / self._bulk_share - 1.0)
-            if idle_until > self._clock():
-                return idle_until - self._clock()
+            idle_s = lane.last_end + lane.last_busy_s * (100.0 / self._bulk_share - 1.0) - self._clock()
+            if idle_s > 0:
+                return idle_s
         if sum(r.rows for r in lane.queue) >= self.max_rows:
             return 0.0
         return lane.queue[0].enqueued + self.max_queue_delay_s - self._clock()
