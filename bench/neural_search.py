@@ -1,10 +1,12 @@
 """neural_search: the value model inside the search, across the two services.
 
-Starts the reward service in this process (the shipped config's models, a
+Starts the reward service in a child process (the shipped config's models, a
 free loopback port) and searches with the CUDA backend (``--backend``'s GPU
 variant; the CPU reference where no GPU runs it) whose leaves go to the reward
-service as the search service sends them: one ``Evaluate`` per wave
-(``handoff`` = "grpc"; the IPC hand-off is not built yet).
+service by each hand-off (``handoff``): ``ipc``, the leaf channel
+(tandem/leaf_channel.py: shared-memory regions, a CUDA IPC input region where
+the reward service runs on the GPU, one Unix-socket message each way per
+wave), and ``grpc``, one ``Evaluate`` per wave; both in one run.
 
 Three kinds of row (``kind``):
 
@@ -15,11 +17,12 @@ Three kinds of row (``kind``):
   time) and model (that service time), per wave in µs; ``evals_per_s`` the
   leaves valued per second of search.
 * ``throughput``: the value model's evaluated positions per second through
-  one ``Evaluate`` of ``batch`` boards (64 .. 4096), as a client sees it.
+  one hand-off of ``batch`` boards (64 .. 4096), as a client sees it.
 * ``search_quality``: ``optimal_move_rate`` with a 16 ms deadline per
   position (each its own search, as served: the cache and the coalescing of
-  the serving path in front of the reward service), value model against
-  rollouts in the same run, on every bundled Pons set (``--positions`` per set).
+  the serving path in front of the reward service, the leaf channel where it
+  attaches), value model against rollouts in the same run, on every bundled
+  Pons set (``--positions`` per set).
 
 Row fields: kind, handoff, simulations, wave, latency_ms_p50, latency_ms_p99,
 kernel_ms, handoff_us_per_wave, model_us_per_wave, waves, evals_per_s; batch;
@@ -31,6 +34,7 @@ Smoke test:     ``python3 -m bench.neural_search --quick`` (CPU reference, small
 """
 from __future__ import annotations
 
+import multiprocessing
 import socket
 import time
 from dataclasses import replace
@@ -42,7 +46,7 @@ from stack.stats import percentiles
 from tandem.config import load_config
 
 BENCHMARK = "neural_search"
-COLUMNS = ("kind", "wave", "batch", "position_set", "evaluator", "latency_ms_p50", "kernel_ms", "handoff_us_per_wave",
+COLUMNS = ("kind", "handoff", "wave", "batch", "position_set", "evaluator", "latency_ms_p50", "kernel_ms", "handoff_us_per_wave",
            "model_us_per_wave", "evals_per_s", "optimal_move_rate", "simulations_mean")
 SETS = ("Test_L1_R1", "Test_L1_R2", "Test_L2_R1", "Test_L3_R1")
 
@@ -73,33 +77,29 @@ def latency(backend, evaluator, wave: int, simulations: int, repeats: int) -> di
         model.append(server_ms * 1e3 / max(n, 1))
         waves.append(n)
     p50, p99 = percentiles(ms, 50, 99)
-    return dict(kind="latency", handoff="grpc", simulations=simulations, wave=wave, latency_ms_p50=p50,
+    return dict(kind="latency", handoff=evaluator.handoff, simulations=simulations, wave=wave, latency_ms_p50=p50,
                 latency_ms_p99=p99, kernel_ms=float(np.median(kernel)), handoff_us_per_wave=float(np.median(handoff)),
                 model_us_per_wave=float(np.median(model)), waves=float(np.median(waves)),
                 evals_per_s=simulations / (p50 / 1e3), repeats=repeats)
 
 
-def throughput(stub, batch: int, repeats: int) -> dict:
-    """One ``throughput`` row: ``Evaluate`` of ``batch`` boards, round trips per second x batch."""
-    from tandem.v1 import reward_pb2
-
-    from tandem import tensors
-
+def throughput(evaluator, batch: int, repeats: int) -> dict:
+    """One ``throughput`` row: ``batch`` boards through ``evaluator``'s hand-off,
+    round trips per second x batch."""
     boards = np.random.default_rng(batch).integers(0, 2, (batch, 2, 6, 7)).astype(np.uint8)
-    request = reward_pb2.EvaluateRequest(model="connect4_value", inputs=[tensors.to_proto("board", boards)],
-                                         request_class=reward_pb2.REQUEST_CLASS_BULK)
-    stub.Evaluate(request, timeout=60)
+    evaluator(boards)
     ms = []
     for _ in range(repeats):
         t = time.perf_counter()
-        stub.Evaluate(request, timeout=60)
+        evaluator(boards)
         ms.append((time.perf_counter() - t) * 1e3)
     (p50,) = percentiles(ms, 50)
-    return dict(kind="throughput", handoff="grpc", batch=batch, latency_ms_p50=p50, evals_per_s=batch / (p50 / 1e3),
-                repeats=repeats)
+    return dict(kind="throughput", handoff=evaluator.handoff, batch=batch, latency_ms_p50=p50,
+                evals_per_s=batch / (p50 / 1e3), repeats=repeats)
 
 
-def quality(backend, evaluator, set_name: str, limit: int, name: str, wave: int, budget_ms: float) -> dict | None:
+def quality(backend, evaluator, set_name: str, limit: int, name: str, wave: int, budget_ms: float,
+            handoff=None) -> dict | None:
     """One ``search_quality`` row: each position of the set its own ``budget_ms`` search."""
     from bench.search_quality import scored_positions
     from search_service.games import connect4
@@ -118,9 +118,33 @@ def quality(backend, evaluator, set_name: str, limit: int, name: str, wave: int,
         actions.append(r.action)
         sims.append(r.simulations)
     rate = float(np.mean([rec.keeps_result(int(a)) for rec, a in zip(recs, actions)]))
-    return dict(kind="search_quality", handoff="grpc" if model is not None else None, position_set=set_name,
+    return dict(kind="search_quality", handoff=handoff.handoff if model is not None else None, position_set=set_name,
                 evaluator=name, budget_ms=budget_ms, wave=wave, positions=len(recs), optimal_move_rate=rate,
                 simulations_mean=float(np.mean(sims)))
+
+
+def _serve_reward(cfg, ready, stop) -> None:
+    """The reward service in a child process: a CUDA IPC handle opens only in
+    another process than the one that made it, as with ``tandem up``."""
+    from reward_service import server as reward_server
+
+    service = reward_server.start(cfg, follow_scheduler=False)
+    ready.set()
+    stop.wait()
+    service.stop()
+
+
+def _leaf_channel(stub):
+    """A leaf-channel evaluator attached to the reward service behind ``stub``."""
+    from tandem.v1 import reward_pb2
+
+    from search_service.evaluators import LeafChannelEvaluator
+    from tandem.leaf_channel import RUNTIME_KEY, LeafChannel
+
+    runtime = stub.ModelMetadata(reward_pb2.ModelMetadataRequest(model="connect4_value"), timeout=30).runtime
+    channel = LeafChannel(stub, runtime[RUNTIME_KEY], "connect4_value", 4096, int(runtime[f"{RUNTIME_KEY}_device"]))
+    common.note(f"leaf channel: {channel.kind} input region")
+    return LeafChannelEvaluator(channel)
 
 
 def main() -> None:
@@ -130,9 +154,8 @@ def main() -> None:
     args = parser.parse_args()
     from tandem.v1 import reward_pb2_grpc
 
-    from reward_service import server as reward_server
     from search_service.coalescing import CoalescingEvaluator
-    from search_service.evaluators import RewardServiceEvaluator
+    from search_service.evaluators import HandoffEvaluator, RewardServiceEvaluator
     from search_service.leaf_cache import CachedEvaluator, EvaluationCache
     from tandem.server import channel
 
@@ -142,36 +165,49 @@ def main() -> None:
     variant = (common.chosen_variants(args.backend, args.quick) or [common.CPU_VARIANT])[-1]
     backend = common.make_backend(variant)
     common.note(f"search backend: {variant}")
-    service = reward_server.start(cfg, follow_scheduler=False)
+    spawn = multiprocessing.get_context("spawn")
+    ready, stop = spawn.Event(), spawn.Event()
+    service = spawn.Process(target=_serve_reward, args=(cfg, ready, stop), daemon=True)
+    service.start()
+    if not ready.wait(300):
+        raise SystemExit("the reward service did not start in 300 s")
     rows = []
     try:
         with channel(cfg.reward.address, cfg) as ch:
-            direct = RewardServiceEvaluator(ch, "connect4_value", timeout_s=30)
-            for wave in (8,) if args.quick else (32, 64, 128, 256):
-                row = common.attempt(f"latency wave {wave}", latency, backend, direct, wave,
-                                     64 if args.quick else 1000, 2 if args.quick else args.repeats)
-                if row:
-                    common.progress(row)
-                    rows.append(row)
             stub = reward_pb2_grpc.RewardServiceStub(ch)
-            for batch in (64,) if args.quick else (64, 256, 1024):
-                rows.append(throughput(stub, batch, 3 if args.quick else args.repeats))
-                common.progress(rows[-1])
-            serving = CoalescingEvaluator(RewardServiceEvaluator(ch, "connect4_value"))
+            ipc = _leaf_channel(stub)
+            hand_offs = (ipc, RewardServiceEvaluator(ch, "connect4_value", timeout_s=30))
+            for direct in hand_offs:
+                for wave in (8,) if args.quick else (32, 64, 128, 256):
+                    row = common.attempt(f"latency {direct.handoff} wave {wave}", latency, backend, direct, wave,
+                                         64 if args.quick else 1000, 2 if args.quick else args.repeats)
+                    if row:
+                        common.progress(row)
+                        rows.append(row)
+            for direct in hand_offs:
+                for batch in (64,) if args.quick else (64, 256, 1024, 4096):
+                    rows.append(throughput(direct, batch, 3 if args.quick else args.repeats))
+                    common.progress(rows[-1])
+            ipc.channel.close()
+            handoff = HandoffEvaluator(ch, "connect4_value", "ipc")
+            common.note(f"serving path: leaf channel attached: {handoff.wait_attached(10.0)}")
+            serving = CoalescingEvaluator(handoff)
             try:
                 for set_name in SETS:
                     cached = CachedEvaluator(serving, EvaluationCache(cfg.search.evaluation_cache_bytes))
                     for name, wave in (("value_model", cfg.search.value_model_parallel_sims),
                                        ("rollout", 256 if variant != common.CPU_VARIANT else cfg.search.parallel_sims)):
                         row = common.attempt(f"quality {set_name} {name}", quality, backend, cached, set_name,
-                                             8 if args.quick else args.positions, name, wave, 16.0)
+                                             8 if args.quick else args.positions, name, wave, 16.0, handoff)
                         if row:
                             common.progress(row)
                             rows.append(row)
             finally:
                 serving.close()
+                handoff.close()
     finally:
-        service.stop()
+        stop.set()
+        service.join(30)
     common.finish(BENCHMARK, rows, args.out, COLUMNS)
 
 

@@ -186,13 +186,21 @@ class Batch:
     def names(self) -> list[str]:
         return list(self.requests[0].feeds)
 
+    @property
+    def on_device(self) -> bool:
+        """Whether every request's feeds are device (CuPy) arrays: a leaf
+        channel's wave in its CUDA region, which a bound runner copies device
+        to device."""
+        return all(on_device(a) for r in self.requests for a in r.feeds.values())
+
     def fill(self, buffers: dict[str, np.ndarray], zero_padding: bool = True) -> None:
         """Copies every request's rows into ``buffers`` (name -> array of at
         least ``bucket`` rows, the inputs' dtypes and row shapes), and zeroes
-        rows ``rows:bucket`` unless ``zero_padding`` is false."""
+        rows ``rows:bucket`` unless ``zero_padding`` is false. Device feeds
+        are copied to the host here."""
         for name, buf in buffers.items():
             for req, off in zip(self.requests, self.offsets):
-                buf[off : off + req.rows] = req.feeds[name]
+                buf[off : off + req.rows] = to_host(req.feeds[name])
             if zero_padding and self.bucket > self.rows:
                 buf[self.rows : self.bucket] = 0
 
@@ -200,12 +208,22 @@ class Batch:
         """Input name -> array of ``bucket`` rows (padding zeroed). A lone,
         unpadded request's own arrays are returned without a copy."""
         if len(self.requests) == 1 and self.bucket == self.rows:
-            return dict(self.requests[0].feeds)
+            return {n: to_host(a) for n, a in self.requests[0].feeds.items()}
         out = {
             name: np.empty((self.bucket, *a.shape[1:]), a.dtype) for name, a in self.requests[0].feeds.items()
         }
         self.fill(out)
         return out
+
+
+def on_device(array) -> bool:
+    """Whether ``array`` is a CUDA device array (CuPy, or any with the CUDA array interface)."""
+    return hasattr(array, "__cuda_array_interface__")
+
+
+def to_host(array) -> np.ndarray:
+    """``array`` as a NumPy array (a device array is copied to the host)."""
+    return array.get() if on_device(array) else array
 
 
 def bucket_for(rows: int, buckets: Sequence[int]) -> int:

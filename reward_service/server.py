@@ -15,16 +15,18 @@ import onnxruntime as ort
 from prometheus_client import Gauge
 from tandem.v1 import reward_pb2, reward_pb2_grpc, scheduler_pb2
 
-from reward_service import oip
+from reward_service import leaf_channel, oip, refusal
 from reward_service.admission import ByteBudget, OverBudget
-from reward_service.batcher import LANES, Batcher, BatcherClosed, BatcherError, DeadlineExceeded, QueueFull
+from reward_service.batcher import LANES, Batcher
 from reward_service.model_metrics import ModelMetrics
+from reward_service.refusal import Refusal
 from reward_service.session import InputError, ModelSession, runners_per_model
 from reward_service.shared_memory import Lease, RegionStatus, RegionTable, SharedMemoryError
-from tandem import pools, tensors
+from tandem import tensors
 from tandem.config import SharedMemoryConfig, TandemConfig
 from tandem.errors import quote
 from tandem.gpu import cuda_device_count
+from tandem.leaf_channel import RUNTIME_KEY as LEAF_CHANNEL_KEY
 from tandem.service import Service, start_service
 
 log = logging.getLogger(__name__)
@@ -83,6 +85,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         self._since = time.monotonic()  # guarded by _lock
         self.assigned_stream_priority = 0  # the scheduler's last assignment (one int write; read anywhere)
         self.closed = False  # set by close (one bool write; read anywhere)
+        self.leaf_channel: leaf_channel.LeafChannelServer | None = None  # set once by start(), before serving
 
     def _session(self, name: str, context) -> ModelSession:
         session = self.sessions.get(name)
@@ -110,16 +113,16 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
                         traceback.clear_frames(exc.__traceback__)
                         raise
             except OverBudget as exc:  # reward.max_bytes_in_flight (reward_service/admission.py)
-                refusal = _Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, "bytes_in_flight", f"model {session.name!r}: {exc}")
+                refused = Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, "bytes_in_flight", f"model {session.name!r}: {exc}")
             except SharedMemoryError as exc:
-                refusal = _Refusal(exc.code, "shared_memory", str(exc))
-            except _Refusal as exc:
-                refusal = exc
+                refused = Refusal(exc.code, "shared_memory", str(exc))
+            except Refusal as exc:
+                refused = exc
             else:
                 self.metrics.succeeded(session.name, lane, rows, time.perf_counter() - start, reply.queue_ms / 1e3)
                 return reply
-            self.metrics.failed(session.name, lane, refusal.reason, time.perf_counter() - start)
-            context.abort(refusal.code, refusal.message)
+            self.metrics.failed(session.name, lane, refused.reason, time.perf_counter() - start)
+            context.abort(refused.code, refused.message)
         finally:
             IN_FLIGHT.dec()
             with self._lock:
@@ -128,7 +131,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
 
     def _evaluate(self, session: ModelSession, request, lease: Lease, context):
         """Evaluate with the request's regions held by ``lease``: the reply and
-        the request's rows. Raises _Refusal, or SharedMemoryError (the caller
+        the request's rows. Raises Refusal, or SharedMemoryError (the caller
         answers both)."""
         try:
             feeds = session.decode([lease.input(t) if t.WhichOneof("contents") == "shared_memory" else t
@@ -137,28 +140,13 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             rows = len(next(iter(feeds.values())))
             output_refs = _output_refs(session, request, names, rows, lease)
         except InputError as exc:
-            raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, "invalid_input", str(exc)) from None
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, "invalid_input", str(exc)) from None
         remaining = context.time_remaining()
         # A call without a deadline reports None or an "infinite" remaining time (years).
         deadline = None if remaining is None or remaining > NO_DEADLINE_S else time.monotonic() + remaining
         request_class = _request_class(request.request_class)
-        try:
-            done = self.batchers[session.name].evaluate(feeds, rows, request_class, deadline, names)
-            outputs = done.result()
-        except DeadlineExceeded as exc:
-            raise _Refusal(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline_exceeded",
-                           f"model {session.name!r}: {exc}; not run") from None
-        except QueueFull as exc:
-            raise _Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue_full", str(exc)) from None
-        except BatcherClosed as exc:
-            raise _Refusal(grpc.StatusCode.UNAVAILABLE, "unavailable", str(exc)) from None
-        except BatcherError as exc:  # pragma: no cover - every batcher error is mapped above
-            raise _Refusal(grpc.StatusCode.INTERNAL, "run_failed", str(exc)) from None
-        except Exception as exc:  # the model run failed (logged by the batcher)
-            if pools.is_out_of_memory(exc):  # beyond the fixed arena (gpu_mem_limit)
-                raise _Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, "out_of_memory",
-                               f"model {session.name!r}: memory pool full: {exc}") from None
-            raise _Refusal(grpc.StatusCode.INTERNAL, "run_failed", f"model {session.name!r}: run failed: {exc}") from None
+        done = refusal.run(self.batchers[session.name], session.name, feeds, rows, request_class, deadline, names)
+        outputs = done.outputs
         lease.check_live()  # a region unregistered meanwhile gets nothing written
         dtypes = {s.name: s.dtype for s in session.outputs}
         return reward_pb2.EvaluateResponse(
@@ -218,8 +206,17 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
                      "stream_priority_bulk_lane": str(s.active_stream_priority),
                      "stream_priority_critical_lane": str(s.critical_stream_priority),
                      "stream_priority_assigned": str(self.assigned_stream_priority),
-                     "bulk_share_percent": str(self.batchers[s.name].bulk_share)},
+                     "bulk_share_percent": str(self.batchers[s.name].bulk_share),
+                     **self._leaf_channel_runtime(s)},
         )
+
+    def _leaf_channel_runtime(self, s: ModelSession) -> dict[str, str]:
+        """Where a search on this host finds the leaf channel (tandem/leaf_channel.py):
+        its socket, and the CUDA device for a CUDA input region (-1: system memory)."""
+        if self.leaf_channel is None:
+            return {}
+        device = 0 if s.execution_provider == "CUDAExecutionProvider" else -1
+        return {LEAF_CHANNEL_KEY: self.leaf_channel.path, f"{LEAF_CHANNEL_KEY}_device": str(device)}
 
     def ListModels(self, request, context):
         return reward_pb2.ListModelsResponse(models=sorted(self.sessions))
@@ -256,18 +253,11 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
 
     def close(self) -> None:
         self.closed = True
+        if self.leaf_channel is not None:
+            self.leaf_channel.close()
         for b in self.batchers.values():
             b.close()
         self.regions.close()
-
-
-class _Refusal(Exception):
-    """A request answered with ``code`` and ``message``; ``reason`` is its
-    failure reason in the per-model metrics (model_metrics.REASONS)."""
-
-    def __init__(self, code: grpc.StatusCode, reason: str, message: str):
-        super().__init__(message)
-        self.code, self.reason, self.message = code, reason, message
 
 
 def _request_class(value: int) -> int:
@@ -416,6 +406,14 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True) -> Service:
     _warm_up(servicer)
     metrics.start()  # the warm-up's requests are not counted
     servicer.regions.start()
+    if cfg.reward.leaf_channel.enabled:
+        try:
+            servicer.leaf_channel = leaf_channel.LeafChannelServer(
+                cfg.reward.leaf_channel, sessions, servicer.batchers, servicer.regions, metrics,
+                cfg.reward.shared_memory.lease_ttl_ms / 1e3)
+            log.warning("reward service: leaf channel on %s", servicer.leaf_channel.path)
+        except OSError as exc:  # searches then send their leaves over gRPC
+            log.warning("reward service: no leaf channel (%s); searches use gRPC", exc)
     held = sorted({p for s in sessions.values() for p in s.stream_priorities}, reverse=True) or [0]
 
     def register(server):
@@ -466,7 +464,7 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True) -> Service:
 
 def _capabilities(open_inference_protocol: bool) -> list[str]:
     """What this reward server offers beyond RewardService's base calls (Handshake)."""
-    out = ["reward.request_classes", "reward.shared_memory.system"]
+    out = ["reward.request_classes", "reward.shared_memory.system", "reward.leaf_channel"]
     if cuda_device_count() > 0:
         out.append("reward.shared_memory.cuda")
     if open_inference_protocol:

@@ -137,6 +137,12 @@ class _CupyDevice:
     def upload(self, dev, host: np.ndarray, rows: int) -> None:
         dev[:rows].set(host[:rows], stream=self.stream)
 
+    def copy_device(self, dev, start: int, src) -> None:
+        """Device to device, on this stream: ``src`` (another process's CUDA
+        IPC memory, already written) into rows ``start:`` of ``dev``."""
+        with self.stream:
+            dev[start : start + len(src)] = src
+
     def zero(self, dev, start: int, stop: int) -> None:
         with self.stream:
             dev[start:stop].fill(0)
@@ -269,11 +275,18 @@ class _BoundRunner:
         run_options.add_run_config_entry("disable_synchronize_execution_providers", "1")
         return _Slot(host_in, dev_in, host_out, dev_out, session, binding, run_options)
 
-    def _run_slot(self, bucket: int, rows: int, fill: Callable[[dict], None]) -> dict[str, np.ndarray]:
+    def _run_slot(self, bucket: int, rows: int, fill: Callable[[dict], None] | None,
+                  device_batch: Batch | None = None) -> dict[str, np.ndarray]:
         slot, dev = self._slots[bucket], self.device
-        fill(slot.host_in)  # rows [0, rows) of the pinned staging buffers
+        if device_batch is not None:  # the inputs are on the device already: no host copy at all
+            for name, d in slot.dev_in.items():
+                for req, off in zip(device_batch.requests, device_batch.offsets):
+                    dev.copy_device(d, off, req.feeds[name])
+        else:
+            fill(slot.host_in)  # rows [0, rows) of the pinned staging buffers
         for name, d in slot.dev_in.items():
-            dev.upload(d, slot.host_in[name], rows)
+            if device_batch is None:
+                dev.upload(d, slot.host_in[name], rows)
             if slot.dirty_rows > rows:  # padding rows: zeros, never an earlier request's data
                 dev.zero(d, rows, slot.dirty_rows)
         slot.dirty_rows = rows
@@ -284,6 +297,8 @@ class _BoundRunner:
         return {name: h[:rows].copy() for name, h in slot.host_out.items()}
 
     def run(self, batch: Batch) -> dict[str, np.ndarray]:
+        if batch.bucket in self._slots and batch.on_device and hasattr(self.device, "copy_device"):
+            return self._run_slot(batch.bucket, batch.rows, None, batch)
         if batch.bucket in self._slots:
             return self._run_slot(batch.bucket, batch.rows, lambda bufs: batch.fill(bufs, zero_padding=False))
         # Larger than every bucket: bucket-sized chunks, so only captured shapes ever run.

@@ -166,6 +166,11 @@ class _SystemMemory:
         """``nbytes`` bytes at ``offset`` of the region, read-only, not copied."""
         return self._window(offset, nbytes).toreadonly()
 
+    def array(self, offset: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+        """A read-only NumPy array over the region's bytes from ``offset``, not copied."""
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        return np.frombuffer(self.read(offset, nbytes), dtype).reshape(shape)
+
     def write(self, offset: int, array: np.ndarray) -> None:
         np.copyto(np.frombuffer(self._window(offset, array.nbytes), array.dtype).reshape(array.shape), array)
 
@@ -246,6 +251,11 @@ class _CudaMemory:
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         memory = cp.cuda.UnownedMemory(self._ptr + offset, nbytes, self, device_id=self.device_id)
         return cp.ndarray(shape, dtype, cp.cuda.MemoryPointer(memory, 0))
+
+    def array(self, offset: int, dtype: np.dtype, shape: tuple[int, ...]):
+        """A CuPy array over the allocation's bytes from ``offset``, not copied."""
+        with self._cp.cuda.Device(self.device_id):
+            return self._view(offset, dtype, shape)
 
     def read(self, offset: int, nbytes: int) -> memoryview:
         """A host copy of ``nbytes`` bytes at ``offset`` (waits for the copy).
@@ -622,6 +632,20 @@ class Lease:
         if nbytes is not None and ref.byte_size < nbytes:
             raise _error(grpc.StatusCode.INVALID_ARGUMENT,
                          f"{field}.byte_size: {ref.byte_size}, but the output needs {nbytes}")
+
+    def describe(self) -> dict[str, tuple[str, int]]:
+        """Region name -> (kind, byte_size) of every region held."""
+        return {n: (r.memory.kind, r.byte_size) for n, r in self._regions.items()}
+
+    def array(self, region: str, offset: int, dtype: np.dtype, shape: tuple[int, ...]):
+        """``shape`` of ``dtype`` at ``offset`` of the held region ``region``, not
+        copied: a read-only NumPy array over a system region, a CuPy array over
+        a CUDA one. The caller has checked the span against the region's size."""
+        return self._regions[region].memory.array(offset, np.dtype(dtype), shape)
+
+    def write(self, region: str, offset: int, array: np.ndarray) -> None:
+        """Copies ``array`` to ``offset`` of the held region ``region`` (span checked by the caller)."""
+        self._regions[region].memory.write(offset, np.ascontiguousarray(array))
 
     def check_live(self) -> None:
         """Refuses to go on once any region of the request was unregistered.

@@ -1,15 +1,26 @@
 """Leaf evaluators backed by the reward service.
 
-:class:`RewardServiceEvaluator` sends one wave's leaf observations (uint8
-``[N, 2, 6, 7]``) to the reward service's value model in one ``Evaluate``
-call with critical priority, and returns values (and priors from the policy
-logits, if the model has them). If the reward service fails, is unreachable
-or cannot answer by the search deadline it raises :class:`EvaluatorUnavailable`
-(an :class:`EvaluationFailed`): the backend undoes that wave and goes on in
-the same tree with rollouts, or answers from it at the deadline.
+Each sends one wave's leaf observations (uint8 ``[N, 2, 6, 7]``) to the
+reward service's value model, critical priority, and returns values (and
+priors from the policy logits, if the model has them), by one of two
+hand-offs:
+
+* :class:`LeafChannelEvaluator` (``ipc``): the leaf channel
+  (tandem/leaf_channel.py): shared-memory regions and one Unix-socket message
+  each way, for a reward service on this host;
+* :class:`RewardServiceEvaluator` (``grpc``): one ``Evaluate`` call per wave,
+  for any reward service.
+
+:class:`HandoffEvaluator` picks between them (``search.handoff``) and says which
+it used. If the reward service fails, is unreachable or cannot answer by the
+search deadline, each raises :class:`EvaluatorUnavailable` (an
+:class:`EvaluationFailed`): the backend undoes that wave and goes on in the
+same tree with rollouts, or answers from it at the deadline.
 """
 from __future__ import annotations
 
+import logging
+import threading
 import time
 
 import grpc
@@ -18,8 +29,12 @@ from tandem.v1 import reward_pb2, reward_pb2_grpc
 
 from search_service.mcts.backend import EvaluationFailed
 from tandem import tensors
+from tandem.leaf_channel import RUNTIME_KEY, LeafChannel, LeafChannelError
+
+log = logging.getLogger(__name__)
 
 HANDOFF_GRPC = "grpc"  # how leaves reach the reward service: one Evaluate call per wave
+HANDOFF_IPC = "ipc"  # the leaf channel: shared memory and a Unix-socket doorbell
 
 
 class EvaluatorUnavailable(EvaluationFailed):
@@ -36,6 +51,8 @@ class RewardServiceEvaluator:
             ``policy_logits`` float32 [N, A].
         timeout_s: per-call deadline (s).
     """
+
+    handoff = HANDOFF_GRPC
 
     def __init__(self, channel: grpc.Channel, model: str, timeout_s: float = 2.0):
         self._stub = reward_pb2_grpc.RewardServiceStub(channel)
@@ -89,11 +106,152 @@ class RewardServiceEvaluator:
         self.calls += 1
         self.server_ms += reply.queue_ms + reply.compute_ms
         self.leaves += len(observations)
-        by_name = {t.name: tensors.from_proto(t) for t in reply.outputs}
-        values = by_name["value"].reshape(-1).astype(np.float32)
-        logits = by_name.get("policy_logits")
-        if logits is None:
-            return values, None
-        z = logits - logits.max(axis=1, keepdims=True)
-        priors = np.exp(z)
-        return values, (priors / priors.sum(axis=1, keepdims=True)).astype(np.float32)
+        return _values_and_priors({t.name: tensors.from_proto(t) for t in reply.outputs})
+
+
+def _values_and_priors(outputs: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray | None]:
+    """Values float32 [N] and priors float32 [N, A] (the softmax of
+    ``policy_logits``; None without it) from the model's outputs by name."""
+    values = outputs["value"].reshape(-1).astype(np.float32)
+    logits = outputs.get("policy_logits")
+    if logits is None:
+        return values, None
+    z = logits - logits.max(axis=1, keepdims=True)
+    priors = np.exp(z)
+    return values, (priors / priors.sum(axis=1, keepdims=True)).astype(np.float32)
+
+
+class LeafChannelEvaluator:
+    """The value model through the leaf channel (tandem/leaf_channel.py).
+
+    Args:
+        channel: an attached :class:`tandem.leaf_channel.LeafChannel`.
+    """
+
+    handoff = HANDOFF_IPC
+
+    def __init__(self, channel: LeafChannel):
+        self.channel = channel
+        self.calls, self.server_ms, self.leaves = 0, 0.0, 0  # as RewardServiceEvaluator's
+
+    def __call__(self, observations: np.ndarray, deadline: float | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+        """As :meth:`RewardServiceEvaluator.__call__`.
+
+        Raises:
+            EvaluatorUnavailable: the server's status, or a broken connection
+                (the channel is closed then).
+        """
+        try:
+            outputs = self.channel.evaluate(observations, deadline)
+        except LeafChannelError as exc:
+            raise EvaluatorUnavailable(f"reward service (leaf channel): {exc}") from None
+        self.calls += 1
+        self.server_ms += self.channel.queue_ms + self.channel.compute_ms
+        self.leaves += len(observations)
+        return _values_and_priors(outputs)
+
+
+class HandoffEvaluator:
+    """The value model by the leaf channel where it can be reached, else by gRPC.
+
+    ``mode`` (``search.handoff``): ``"grpc"`` always calls ``Evaluate``;
+    ``"auto"`` and ``"ipc"`` attach a leaf channel in the background as soon as
+    the reward service offers one (``ModelMetadata.runtime["leaf_channel"]``)
+    and this process can connect to it, and use gRPC until then, or for waves
+    larger than the channel carries. A channel whose connection breaks (the
+    reward service restarted) is dropped: that wave fails
+    (EvaluatorUnavailable, as over gRPC) and a new channel is attached in the
+    background, at most every ``retry_s``. :attr:`handoff` is the hand-off of
+    the last call.
+
+    Thread safety: calls come from one thread (the coalescing dispatcher);
+    ``_lock`` guards the channel that the background attach publishes.
+    """
+
+    def __init__(self, channel: grpc.Channel, model: str, mode: str = "auto", timeout_s: float = 2.0,
+                 max_rows: int = 4096, retry_s: float = 1.0):
+        self.grpc = RewardServiceEvaluator(channel, model, timeout_s)
+        self._stub, self.model, self.mode = reward_pb2_grpc.RewardServiceStub(channel), model, mode
+        self.max_rows, self.retry_s, self.timeout_s = max_rows, retry_s, timeout_s
+        self._lock = threading.Lock()
+        self._ipc: LeafChannelEvaluator | None = None  # guarded by _lock
+        self._attaching = False  # guarded by _lock
+        self._next_attach = 0.0  # time.monotonic() s; guarded by _lock
+        self.handoff = HANDOFF_IPC if mode == HANDOFF_IPC else HANDOFF_GRPC
+        self.why_grpc = "" if mode != HANDOFF_GRPC else "search.handoff: grpc"  # why the last call used gRPC
+
+    def until(self, deadline: float | None):
+        """This evaluator with its calls bound by ``deadline`` (time.monotonic() s)."""
+        return lambda observations: self(observations, deadline)
+
+    def __call__(self, observations: np.ndarray, deadline: float | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+        """As :meth:`RewardServiceEvaluator.__call__`.
+
+        Raises:
+            EvaluatorUnavailable: the hand-off used failed.
+        """
+        ipc = self._channel()
+        if ipc is None or len(observations) > self.max_rows:
+            self.handoff = HANDOFF_GRPC
+            return self.grpc(observations, deadline)
+        self.handoff = HANDOFF_IPC
+        try:
+            return ipc(observations, deadline)
+        except EvaluatorUnavailable:
+            if ipc.channel.closed:  # the connection broke: attach again later
+                with self._lock:
+                    self._ipc = None
+                self.why_grpc = "leaf channel lost"
+            raise
+
+    def wait_attached(self, timeout_s: float) -> bool:
+        """Starts an attach if none is running and waits up to ``timeout_s`` for
+        the leaf channel; True once attached (benchmarks and tests: serving
+        never waits, it uses gRPC meanwhile)."""
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            if self._channel() is not None:
+                return True
+            time.sleep(0.01)
+        return False
+
+    def _channel(self) -> LeafChannelEvaluator | None:
+        """The attached channel, or None (and an attach started in the background)."""
+        if self.mode == HANDOFF_GRPC:
+            return None
+        with self._lock:
+            if self._ipc is not None:
+                return self._ipc
+            if self._attaching or time.monotonic() < self._next_attach:
+                return None
+            self._attaching = True
+            self._next_attach = time.monotonic() + self.retry_s
+        threading.Thread(target=self._attach, name="leaf-channel-attach", daemon=True).start()
+        return None
+
+    def _attach(self) -> None:
+        ipc = None
+        try:
+            meta = self._stub.ModelMetadata(reward_pb2.ModelMetadataRequest(model=self.model), timeout=self.timeout_s)
+            path = meta.runtime.get(RUNTIME_KEY, "")
+            if not path:
+                self.why_grpc = "the reward service offers no leaf channel"
+            else:
+                device = int(meta.runtime.get(f"{RUNTIME_KEY}_device", "-1"))
+                ipc = LeafChannelEvaluator(LeafChannel(self._stub, path, self.model, self.max_rows, device,
+                                                       self.timeout_s))
+                log.warning("search service: leaf channel to the reward service attached (%s input region, %s)",
+                            ipc.channel.kind, path)
+        except (LeafChannelError, grpc.RpcError, OSError, ValueError) as exc:
+            why = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
+            self.why_grpc = f"leaf channel: {why}"
+            log.info("search service: no leaf channel (%s); leaves go over gRPC", why)
+        with self._lock:
+            self._ipc, self._attaching = ipc, False
+
+    def close(self) -> None:
+        """Closes the leaf channel, if attached."""
+        with self._lock:
+            ipc, self._ipc = self._ipc, None
+        if ipc is not None:
+            ipc.channel.close()

@@ -27,7 +27,7 @@ from tandem.v1 import scheduler_pb2, search_pb2, search_pb2_grpc
 from search_service.backends import make_backend
 from search_service.budget import search_deadline_ms
 from search_service.coalescing import CoalescingEvaluator
-from search_service.evaluators import HANDOFF_GRPC, RewardServiceEvaluator
+from search_service.evaluators import HANDOFF_GRPC, HandoffEvaluator
 from search_service.games import GAMES
 from search_service.leaf_cache import CachedEvaluator, EvaluationCache
 from search_service.mcts import tree as tr
@@ -86,8 +86,11 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
     call, ``SessionStore`` guards its own table, and ``_lock`` guards the load
     figures reported to the scheduler."""
 
-    def __init__(self, cfg: TandemConfig, backend, evaluator, streams: StreamSet | None = None):
+    def __init__(self, cfg: TandemConfig, backend, evaluator, streams: StreamSet | None = None, handoff=None):
         self.cfg = cfg.search
+        # What reports the hand-off of the value model's leaves (``handoff``: "ipc" | "grpc"):
+        # the HandoffEvaluator inside the cache and the coalescer.
+        self.handoff = handoff
         self.streams = streams or StreamSet(cfg.search.stream_priorities)
         self.backend = backend
         self.evaluator = evaluator
@@ -230,7 +233,7 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
             pool_exhausted=r.pool_exhausted,
             deadline_reached=r.deadline_reached,
             model_simulations=r.model_simulations,
-            handoff=HANDOFF_GRPC if params.evaluator == "value_model" else "",
+            handoff=(getattr(self.handoff, "handoff", HANDOFF_GRPC) if params.evaluator == "value_model" else ""),
             evaluation_failure=r.evaluation_failure,
             proven=_PROVEN[r.proven],
         )
@@ -304,10 +307,11 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True) -> Service:
     reward_channel = channel(cfg.search.reward_address or cfg.reward.address, cfg)
     streams = StreamSet(cfg.search.stream_priorities, cupy)
     # Leaves: the cache answers what it can, the rest of every search waiting goes in one call.
-    coalescer = CoalescingEvaluator(RewardServiceEvaluator(reward_channel, cfg.search.value_model),
-                                    cfg.search.coalesce_max_rows)
+    handoff = HandoffEvaluator(reward_channel, cfg.search.value_model, cfg.search.handoff,
+                               max_rows=min(cfg.search.coalesce_max_rows, cfg.reward.leaf_channel.max_rows))
+    coalescer = CoalescingEvaluator(handoff, cfg.search.coalesce_max_rows)
     evaluator = CachedEvaluator(coalescer, EvaluationCache(cfg.search.evaluation_cache_bytes))
-    servicer = SearchServicer(cfg, backend, evaluator, streams)
+    servicer = SearchServicer(cfg, backend, evaluator, streams, handoff)
     POOL_BYTES.labels("used").set_function(lambda: pools.cupy_pool_use(cupy)[0])
     POOL_BYTES.labels("limit").set_function(lambda: pools.cupy_pool_use(cupy)[1])
 
@@ -331,7 +335,7 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True) -> Service:
                       f"search.backend.{servicer.backend.name}"),
     )
     service.servicer = servicer
-    service.on_close = lambda: (coalescer.close(), reward_channel.close())
+    service.on_close = lambda: (coalescer.close(), handoff.close(), reward_channel.close())
     return service
 
 

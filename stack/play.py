@@ -71,6 +71,7 @@ class _Tally:
     errors: dict[str, int] = field(default_factory=dict)  # failed frames by the first failure's code
     backends: set[str] = field(default_factory=set)
     evaluators: set[str] = field(default_factory=set)
+    handoffs: dict[str, int] = field(default_factory=dict)  # value-model frames by how the leaves went ("ipc" | "grpc")
     model_simulations: list[int] = field(default_factory=list)  # of simulations, those the value model valued
     model_failures: int = 0  # searches whose value model failed (answered from the tree or with rollouts)
     proven: int = 0  # searches whose root the solver proved
@@ -89,6 +90,8 @@ class _Tally:
         self.backends.add(s_reply.backend)
         self.evaluators.add(search_pb2.Evaluator.Name(s_reply.evaluator))
         self.model_simulations.append(s_reply.model_simulations)
+        if s_reply.handoff:
+            self.handoffs[s_reply.handoff] = self.handoffs.get(s_reply.handoff, 0) + 1
         self.model_failures += bool(s_reply.evaluation_failure)
         if s_reply.proven:
             self.proven += 1
@@ -170,10 +173,15 @@ def _report(opts: PlayOptions, t: _Tally, reward_execution_provider: str) -> dic
         "backends": {
             "search": sorted(t.backends),
             "evaluator": sorted(t.evaluators),
+            "handoff": t.handoffs,
             "reward_execution_provider": reward_execution_provider,
         },
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
+
+
+def _counts(by_name: dict[str, int]) -> str:
+    return ", ".join(f"{name} ({n} frames)" for name, n in sorted(by_name.items()))
 
 
 def print_report(report: dict) -> None:
@@ -192,7 +200,8 @@ def print_report(report: dict) -> None:
                 f"  (value model: {report['model_simulations_per_frame']}; its failures {report['value_model_failures']})",
                 f"proven by the search   {report['proven']['frames']} of the frames, {report['proven']['solver_agrees']} as the solver",
                 f"backends               search {', '.join(report['backends']['search'])} "
-                f"({', '.join(report['backends']['evaluator'])}), reward {report['backends']['reward_execution_provider']}",
+                f"({', '.join(report['backends']['evaluator'])}), reward {report['backends']['reward_execution_provider']}"
+                + (f", leaves by {_counts(report['backends']['handoff'])}" if report["backends"]["handoff"] else ""),
                 f"errors                 {report['errors'] or 'none'}",
             ]
         )

@@ -129,6 +129,19 @@ class SharedMemoryConfig:
 
 
 @dataclass(frozen=True)
+class LeafChannelConfig:
+    """The leaf channel (reward_service/leaf_channel.py, tandem/leaf_channel.py):
+    a search's leaf observations and their values through two shared-memory
+    regions, with one Unix-domain socket message each way per wave. The search
+    service uses it when it reaches this socket (same host), else gRPC."""
+
+    enabled: bool = True
+    socket_dir: str = ""  # where the socket is made; "" = the system's temporary directory
+    max_rows: int = 4096  # most leaves one wave may carry (the regions are sized for it)
+    max_connections: int = 16  # search services attached at once; more: RESOURCE_EXHAUSTED
+
+
+@dataclass(frozen=True)
 class RewardConfig:
     address: str = "127.0.0.1:50051"
     metrics_port: int = 9451
@@ -163,6 +176,8 @@ class RewardConfig:
             name="connect4_value",
             path="reward_service/models/connect4_value.onnx",
             description="Connect Four value and policy network (reward_service/models/connect4_value.md)",
+            batch_buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),  # search waves of up to 1024 leaves
+            cuda_graph=True,
         ),
         ModelConfig(
             name="frame_reward",
@@ -173,6 +188,7 @@ class RewardConfig:
         ),
     )
     shared_memory: SharedMemoryConfig = field(default_factory=SharedMemoryConfig)
+    leaf_channel: LeafChannelConfig = field(default_factory=LeafChannelConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
 
 
@@ -212,6 +228,10 @@ class SearchConfig:
     # Leaves of concurrent searches go to the reward service in one Evaluate per
     # dispatch, up to this many rows (search_service/coalescing.py).
     coalesce_max_rows: int = 4096
+    # How leaves reach the reward service: "auto" (the leaf channel where the reward
+    # service offers one this process can reach -- same host -- else gRPC), "ipc" (the
+    # leaf channel; gRPC only while it cannot connect) or "grpc" (one Evaluate per wave).
+    handoff: str = "auto"
     server: ServerConfig = field(default_factory=ServerConfig)
 
 
@@ -235,6 +255,7 @@ _CHOICES = {
     "reward.cudnn_conv_algo_search": ("EXHAUSTIVE", "HEURISTIC", "DEFAULT"),
     "search.backend": ("auto", "cpu", "cuda"),
     "search.evaluator": ("rollout", "value_model"),
+    "search.handoff": ("auto", "ipc", "grpc"),
 }
 # Fields that may be zero (meaning "off" or "default"); every other number must be positive.
 _MAY_BE_ZERO = {"metrics_port", "gpu_memory_bytes", "memory_pool_bytes", "intra_op_threads", "max_queue_delay_us",

@@ -154,6 +154,17 @@ class SharedMemoryRegion(abc.ABC):
     def _write(self, slot: _Slot, array) -> None:
         self._view(slot.offset, tensors.numpy_dtype(slot.dtype), slot.shape)[...] = array
 
+    def array(self, offset: int, dtype: np.dtype, shape: tuple[int, ...]):
+        """An array (NumPy; CuPy for a CUDA region) of ``dtype`` and ``shape``
+        over the region's bytes from ``offset``: a view, valid until :meth:`close`."""
+        return self._view(offset, np.dtype(dtype), shape)
+
+    def write_rows(self, view, rows) -> None:
+        """Writes ``rows`` (NumPy, or CuPy for a CUDA region) into the first
+        rows of ``view`` (from :meth:`array`), visible to the server once this returns."""
+        view[: len(rows)] = rows
+        self._flush()
+
     def _flush(self) -> None:
         """Makes what was written visible to the server before it reads."""
 
@@ -234,11 +245,13 @@ class SharedMemoryRegion(abc.ABC):
             client_id=self.client_id, name=self.name), timeout=self.timeout_s)
         return reply.regions[0].expires_in_ms
 
-    def close(self) -> None:
+    def close(self, unregister: bool = True) -> None:
         """Unregisters the region and frees its memory. A server that is gone
-        or has already freed the region (its lease ran out) is only logged."""
-        if self._registered:
-            self._registered = False
+        or has already freed the region (its lease ran out) is only logged.
+        ``unregister=False``: only frees this side (the server unregisters it
+        itself, as for a leaf channel's regions when its connection closes)."""
+        registered, self._registered = self._registered, False
+        if registered and unregister:
             try:
                 self.stub.UnregisterSharedMemory(reward_pb2.UnregisterSharedMemoryRequest(
                     client_id=self.client_id, name=self.name), timeout=self.timeout_s)
@@ -324,6 +337,15 @@ class CudaSharedMemoryRegion(SharedMemoryRegion):
     def _flush(self) -> None:
         with self._cp.cuda.Device(self.device_id):
             self._cp.cuda.runtime.deviceSynchronize()  # the server reads from another process and stream
+
+    def write_rows(self, view, rows) -> None:
+        with self._cp.cuda.Device(self.device_id):
+            stream = self._cp.cuda.get_current_stream()
+            if isinstance(rows, np.ndarray):
+                view[: len(rows)].set(np.ascontiguousarray(rows), stream=stream)
+            else:
+                view[: len(rows)] = rows
+            stream.synchronize()  # this stream's copy only: other threads' kernels need not finish
 
     def _free(self) -> None:
         self._memory = None  # cudaFree once no view holds it

@@ -1,0 +1,356 @@
+"""The leaf channel's server: per-wave model runs for search services on this
+host, their tensors in shared-memory regions, their doorbell a Unix-domain
+``SOCK_SEQPACKET`` socket (the protocol and the client: tandem/leaf_channel.py).
+
+The regions are the shared-memory table's (reward_service/shared_memory.py):
+registered by the client with ``RegisterSharedMemory`` like any bulk client's,
+checked the same way (owner, bounds, device), then attached to a connection,
+which renews their lease while it lives and unregisters them when it closes.
+A wave runs in the model's critical lane (reward_service/batcher.py), merged
+with any other critical requests there, under the wave's own deadline. A wave
+in a CUDA region reaches the model device to device (the bound runner copies
+it into its IO-bound buffers on the critical lane's stream: no host copy);
+outputs are written into the output region (system shared memory).
+
+Invariants:
+
+* One thread per connection, long-lived: it reads a message, answers it, and
+  reads the next, so a connection has at most one wave running and answers in
+  order. ``_lock`` guards ``_connections`` and ``_attached`` only.
+* A region is attached to at most one connection (``_attached``): two
+  connections writing one output region would answer each other's waves.
+* Every message gets an answer (``R``/``A`` or ``E`` with a gRPC status); a
+  malformed message closes nothing but the answer; the connection closes only
+  when its client closes it, the server stops, or the socket fails.
+* The socket file is made with mode 0600 in ``reward.leaf_channel.socket_dir``
+  and named after this process, so a stale file from a dead server is never
+  reused; it is removed when the server closes.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+from tandem.v1 import reward_pb2
+
+from reward_service.model_metrics import ModelMetrics
+from reward_service.refusal import Refusal, run
+from reward_service.session import ModelSession
+from reward_service.shared_memory import RegionTable, SharedMemoryError
+from tandem import tensors
+from tandem.config import LeafChannelConfig
+from tandem.errors import quote
+from tandem.leaf_channel import (ATTACH, ERROR, MAX_MESSAGE_BYTES, REPLY, REPLY_FORMAT, WAVE, WAVE_FORMAT, OutputSlot,
+                                 output_layout, pack_error)
+
+log = logging.getLogger(__name__)
+
+CRITICAL = reward_pb2.REQUEST_CLASS_CRITICAL
+
+
+class _Bad(Exception):
+    """A message answered with ``code`` and ``message``; the connection goes on."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class _Attachment:
+    """What one connection's attach settled: the model, its regions and their layout."""
+
+    client_id: str
+    session: ModelSession
+    max_rows: int
+    input_region: str
+    input_row: tuple[int, ...]
+    input_dtype: np.dtype
+    output_region: str
+    outputs: tuple[OutputSlot, ...]
+
+
+class LeafChannelServer:
+    """Listens on its own socket file and serves every connection on a thread of its own.
+
+    Args:
+        cfg: ``reward.leaf_channel``.
+        sessions, batchers, regions, metrics: the reward servicer's.
+        lease_ttl_s: the regions' lease (``reward.shared_memory.lease_ttl_ms``
+            in s): an idle connection renews its regions every quarter of it.
+
+    Raises:
+        OSError: the socket cannot be made.
+    """
+
+    def __init__(self, cfg: LeafChannelConfig, sessions: dict[str, ModelSession], batchers: dict,
+                 regions: RegionTable, metrics: ModelMetrics, lease_ttl_s: float):
+        self.cfg, self.sessions, self.batchers, self.regions, self.metrics = cfg, sessions, batchers, regions, metrics
+        self._renew_s = min(max(lease_ttl_s / 4, 0.01), 10.0)
+        directory = cfg.socket_dir or tempfile.gettempdir()
+        self.path = os.path.join(directory, f"tandem-leaf-{os.getpid()}-{id(self):x}.sock")
+        self._lock = threading.Lock()
+        self._connections: dict[socket.socket, threading.Thread] = {}  # guarded by _lock
+        self._attached: set[str] = set()  # region names; guarded by _lock
+        self._closed = False
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            old = os.umask(0o177)  # the file is made 0600: only this user may connect
+            try:
+                self._listener.bind(self.path)
+            finally:
+                os.umask(old)
+            self._listener.listen(cfg.max_connections)
+        except BaseException:
+            self._listener.close()
+            raise
+        self._accepter = threading.Thread(target=self._accept, name="leaf-channel-accept", daemon=True)
+        self._accepter.start()
+
+    # -- connections ------------------------------------------------------------------
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return  # the listener closed: the server is stopping
+            with self._lock:
+                full = len(self._connections) >= self.cfg.max_connections
+                if not full and not self._closed:
+                    thread = threading.Thread(target=self._serve, args=(conn,), name="leaf-channel", daemon=True)
+                    self._connections[conn] = thread
+            if full:  # answered on a thread of its own, so accepting goes on
+                threading.Thread(target=self._refuse, args=(conn,), name="leaf-channel-refuse", daemon=True).start()
+            elif self._closed:
+                conn.close()
+            else:
+                thread.start()
+
+    def _refuse(self, conn: socket.socket) -> None:
+        """Answers a connection beyond ``max_connections`` with RESOURCE_EXHAUSTED.
+        Its attach is read first: closing a socket with a message unread would
+        reset it, and the client would see a broken connection instead of why."""
+        try:
+            conn.settimeout(1.0)
+            conn.recv(MAX_MESSAGE_BYTES)
+        except OSError:
+            pass
+        self._send(conn, pack_error(0, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                    f"{self.cfg.max_connections} leaf channels are attached, "
+                                    "reward.leaf_channel.max_connections"))
+        conn.close()
+
+    def _serve(self, conn: socket.socket) -> None:
+        attachment = None
+        try:
+            conn.settimeout(self._renew_s)
+            while True:
+                try:
+                    message = conn.recv(MAX_MESSAGE_BYTES)
+                except TimeoutError:
+                    if attachment is not None:  # idle: the connection is the regions' heartbeat
+                        self._renew(attachment)
+                    continue
+                if not message:
+                    return  # the client closed the connection
+                kind = message[:1]
+                if kind == ATTACH and attachment is None:
+                    attachment = self._attach_message(conn, message)
+                elif kind == WAVE and attachment is not None:
+                    self._wave_message(conn, attachment, message)
+                else:
+                    what = "an attach first" if attachment is None else "a wave"
+                    self._send(conn, pack_error(0, grpc.StatusCode.FAILED_PRECONDITION,
+                                                f"message kind {kind!r}: expected {what}"))
+        except OSError:
+            pass  # the connection broke, or the server closed it to stop
+        finally:
+            if attachment is not None:
+                self._detach(attachment)
+            with self._lock:
+                self._connections.pop(conn, None)
+            conn.close()
+
+    @staticmethod
+    def _send(conn: socket.socket, message: bytes) -> None:
+        try:
+            conn.send(message)
+        except OSError:
+            pass  # the client is gone; its thread ends at the next recv
+
+    # -- attach -----------------------------------------------------------------------
+
+    def _attach_message(self, conn: socket.socket, message: bytes) -> _Attachment | None:
+        try:
+            attachment = self._attach(message[1:])
+        except (_Bad, SharedMemoryError) as exc:
+            self._send(conn, pack_error(0, exc.code, str(exc)))
+            return None
+        layout = {"outputs": [{"name": s.name, "row": list(s.row), "offset": s.offset} for s in attachment.outputs],
+                  "execution_provider": attachment.session.execution_provider}
+        self._send(conn, ATTACH + json.dumps(layout).encode())
+        return attachment
+
+    def _attach(self, body: bytes) -> _Attachment:
+        """Checks an attach request and pins its regions to the connection.
+
+        Raises:
+            _Bad: INVALID_ARGUMENT (malformed; max_rows out of range; a region
+                too small or of the wrong kind), NOT_FOUND (no such model),
+                FAILED_PRECONDITION (a model whose signature does not fit the
+                channel), ALREADY_EXISTS (a region attached elsewhere).
+            SharedMemoryError: a region that is not registered or not the client's.
+        """
+        try:
+            req = json.loads(body)
+            client_id, model, max_rows = str(req["client_id"]), str(req["model"]), req["max_rows"]
+            input_region, output_region = str(req["input_region"]), str(req["output_region"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise _Bad(grpc.StatusCode.INVALID_ARGUMENT, f"attach: malformed ({type(exc).__name__}: {exc})") from None
+        session = self.sessions.get(model)
+        if session is None:
+            raise _Bad(grpc.StatusCode.NOT_FOUND, f"model: no model named {quote(model)} (models: {sorted(self.sessions)})")
+        if not isinstance(max_rows, int) or not 1 <= max_rows <= self.cfg.max_rows:
+            raise _Bad(grpc.StatusCode.INVALID_ARGUMENT,
+                       f"max_rows: {quote(str(max_rows))}, must be 1..{self.cfg.max_rows} (reward.leaf_channel.max_rows)")
+        spec, input_row, outputs = self._signature(session)
+        dtype = tensors.numpy_dtype(spec.dtype)
+        slots, out_bytes = output_layout([(o.name, row) for o, row in outputs], max_rows)
+        in_bytes = max_rows * int(np.prod(input_row, dtype=np.int64)) * dtype.itemsize
+        with self.regions.acquire(client_id, [input_region, output_region]) as lease:
+            sizes = lease.describe()
+        for name, kinds, need in ((input_region, ("system", "cuda"), in_bytes), (output_region, ("system",), out_bytes)):
+            kind, size = sizes[name]
+            if kind not in kinds:
+                raise _Bad(grpc.StatusCode.INVALID_ARGUMENT, f"region {quote(name)}: a {kind} region; "
+                           f"this one must be {' or '.join(kinds)}")
+            if size < need:
+                raise _Bad(grpc.StatusCode.INVALID_ARGUMENT, f"region {quote(name)}: {size} bytes, but {max_rows} rows "
+                           f"of model {model!r} need {need}")
+        with self._lock:
+            taken = {input_region, output_region} & self._attached
+            if taken or input_region == output_region:
+                raise _Bad(grpc.StatusCode.ALREADY_EXISTS,
+                           f"region {quote(sorted(taken or {input_region})[0])}: attached to another leaf channel")
+            self._attached |= {input_region, output_region}
+        return _Attachment(client_id, session, max_rows, input_region, input_row, dtype, output_region, tuple(slots))
+
+    @staticmethod
+    def _signature(session: ModelSession):
+        """The model's one input spec and row, and its outputs with their rows.
+
+        Raises:
+            _Bad: FAILED_PRECONDITION: not one input, an output not float32, or a dynamic row.
+        """
+        if len(session.inputs) != 1:
+            raise _Bad(grpc.StatusCode.FAILED_PRECONDITION,
+                       f"model {session.name!r}: {len(session.inputs)} inputs; the leaf channel carries one")
+        spec = session.inputs[0]
+        rows = [(spec, tuple(spec.shape[1:]))] + [(o, tuple(o.shape[1:])) for o in session.outputs]
+        for s, row in rows:
+            if any(d < 0 for d in row):
+                raise _Bad(grpc.StatusCode.FAILED_PRECONDITION,
+                           f"model {session.name!r}: {s.name} has a dynamic row shape {list(row)}")
+        for o in session.outputs:
+            if o.dtype != reward_pb2.DATA_TYPE_FLOAT32:
+                raise _Bad(grpc.StatusCode.FAILED_PRECONDITION,
+                           f"model {session.name!r}: output {o.name} is {tensors.dtype_name(o.dtype)}, not float32")
+        return spec, rows[0][1], rows[1:]
+
+    def _renew(self, a: _Attachment) -> None:
+        try:
+            self.regions.status(a.client_id, a.input_region)
+            self.regions.status(a.client_id, a.output_region)
+        except SharedMemoryError as exc:
+            log.warning("leaf channel of client %r: renewing its regions: %s", a.client_id, exc)
+
+    def _detach(self, a: _Attachment) -> None:
+        with self._lock:
+            self._attached -= {a.input_region, a.output_region}
+        for name in (a.input_region, a.output_region):
+            try:
+                self.regions.unregister(a.client_id, name)
+            except SharedMemoryError:
+                pass  # already gone: unregistered by its client, or reaped
+
+    # -- waves ------------------------------------------------------------------------
+
+    def _wave_message(self, conn: socket.socket, a: _Attachment, message: bytes) -> None:
+        start = time.perf_counter()
+        name, lane = a.session.name, "critical"
+        self.metrics.requested(name, lane)
+        seq = 0
+        try:
+            if len(message) != 1 + WAVE_FORMAT.size:
+                raise _Bad(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"wave: {len(message)} bytes, expected {1 + WAVE_FORMAT.size}")
+            seq, rows, timeout_us = WAVE_FORMAT.unpack_from(message, 1)
+            if not 1 <= rows <= a.max_rows:
+                raise _Bad(grpc.StatusCode.INVALID_ARGUMENT, f"wave: rows {rows} out of range 1..{a.max_rows} "
+                           "(the attached regions' size)")
+            deadline = time.monotonic() + timeout_us / 1e6 if timeout_us > 0 else None
+            done = self._run_wave(a, rows, deadline)
+        except _Bad as exc:
+            self.metrics.failed(name, lane, "invalid_input", time.perf_counter() - start)
+            self._send(conn, pack_error(seq, exc.code, str(exc)))
+        except SharedMemoryError as exc:
+            self.metrics.failed(name, lane, "shared_memory", time.perf_counter() - start)
+            self._send(conn, pack_error(seq, exc.code, str(exc)))
+        except Refusal as exc:
+            self.metrics.failed(name, lane, exc.reason, time.perf_counter() - start)
+            self._send(conn, pack_error(seq, exc.code, exc.message))
+        else:
+            self.metrics.succeeded(name, lane, rows, time.perf_counter() - start, done.queue_ms / 1e3)
+            self._send(conn, REPLY + REPLY_FORMAT.pack(seq, done.bucket, done.queue_ms, done.compute_ms))
+
+    def _run_wave(self, a: _Attachment, rows: int, deadline: float | None):
+        """Runs rows [0, rows) of the input region and writes the outputs.
+
+        Raises:
+            Refusal: as reward_service.refusal.run; INTERNAL for an output
+                whose shape is not the one attached.
+            SharedMemoryError: a region unregistered meanwhile.
+        """
+        with self.regions.acquire(a.client_id, [a.input_region, a.output_region]) as lease:
+            feed = lease.array(a.input_region, 0, a.input_dtype, (rows, *a.input_row))
+            names = tuple(s.name for s in a.outputs)
+            done = run(self.batchers[a.session.name], a.session.name, {a.session.inputs[0].name: feed}, rows,
+                       CRITICAL, deadline, names)
+            lease.check_live()  # a region unregistered meanwhile gets nothing written
+            for slot in a.outputs:
+                out = np.asarray(done.outputs[slot.name], np.float32)
+                if out.shape[1:] != slot.row or len(out) < rows:
+                    raise Refusal(grpc.StatusCode.INTERNAL, "run_failed",
+                                  f"model {a.session.name!r}: output {slot.name} is {list(out.shape)}, "
+                                  f"the leaf channel expects {[rows, *slot.row]}")
+                lease.write(a.output_region, slot.offset, out[:rows])
+            return done
+
+    def close(self) -> None:
+        """Stops accepting, closes every connection (their regions are
+        unregistered as their threads end) and removes the socket file."""
+        with self._lock:
+            self._closed = True
+            connections = dict(self._connections)
+        self._listener.close()
+        for conn in connections:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)  # wakes its thread's recv
+            except OSError:
+                pass
+        for thread in connections.values():
+            thread.join(5.0)
+        self._accepter.join(5.0)
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass

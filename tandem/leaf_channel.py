@@ -1,0 +1,253 @@
+"""The leaf channel: a search's leaf observations to the reward service and its
+values and priors back, through shared memory, with one Unix-domain socket
+message each way per wave instead of a gRPC call.
+
+Why: a gRPC ``Evaluate`` from Python costs ~1.5 ms per wave on the H200 for a
+few kilobytes, which bounds a neural search to a few waves per frame; a Unix
+``SOCK_SEQPACKET`` round trip is ~17 µs p50 (docs/design.md, "Measured
+physics"). The tensors themselves never cross the socket: they lie in two
+regions of the reward service's shared-memory table
+(reward_service/shared_memory.py, registered with ``RegisterSharedMemory``
+like any bulk client's), which the channel pins to its connection:
+
+* the **input region**: a CUDA allocation exported by its IPC handle when the
+  reward service runs on this GPU and CuPy is here (the server copies the
+  wave device to device into its bound buffers), else a POSIX shared-memory
+  object. uint8 ``[max_rows, *row]`` from offset 0.
+* the **output region**: a POSIX shared-memory object (the search builds its
+  backup rows on the host): each output float32 ``[max_rows, *row]``, one
+  after another on 64-byte boundaries (:func:`output_layout`).
+
+The protocol (every message one datagram; the first byte is its kind):
+
+====================  ==========================================================
+client -> server      server -> client
+====================  ==========================================================
+``A`` + JSON attach   ``A`` + JSON layout, or ``E``: the model, the regions and
+                      ``max_rows``; the server checks the regions (owner, size)
+                      and holds them for the connection's life
+``W`` + WAVE          ``R`` + REPLY once the outputs are in the output region,
+                      or ``E`` + ERROR (a gRPC status code and a message)
+====================  ==========================================================
+
+Ordering: the client writes a wave's inputs (and synchronises a CUDA copy)
+before it sends ``W``; the server reads them only after, and writes the
+outputs before it sends ``R``. One wave is in flight per connection; the
+server answers waves in order, so a client that gave up on a wave (its
+deadline) skips replies whose ``seq`` is older than the wave it waits for.
+The connection closing (either side, or a process dying) unregisters its
+regions on the server.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import time
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+from tandem.v1 import reward_pb2, reward_pb2_grpc
+
+from tandem import tensors
+from tandem.shared_memory_client import ALIGN_BYTES, CudaSharedMemoryRegion, SystemSharedMemoryRegion
+from tandem.gpu import cupy_module
+
+ATTACH, WAVE, REPLY, ERROR = b"A", b"W", b"R", b"E"
+WAVE_FORMAT = struct.Struct("<QIq")  # seq, rows, timeout (µs; <= 0: none)
+REPLY_FORMAT = struct.Struct("<QIff")  # seq, padded batch rows, queue ms, model ms
+ERROR_FORMAT = struct.Struct("<QI")  # seq (0: the attach), grpc status code value; then a UTF-8 message
+MAX_MESSAGE_BYTES = 4096  # attach and error messages; a wave is 21 bytes
+RUNTIME_KEY = "leaf_channel"  # ModelMetadata.runtime key holding the server's socket path
+
+
+class LeafChannelError(Exception):
+    """The channel failed: ``code`` is the gRPC status the server answered
+    (INVALID_ARGUMENT, NOT_FOUND, FAILED_PRECONDITION, DEADLINE_EXCEEDED,
+    RESOURCE_EXHAUSTED, ...) or UNAVAILABLE when the connection broke."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN_BYTES) * ALIGN_BYTES
+
+
+@dataclass(frozen=True)
+class OutputSlot:
+    """Where one output lies in the output region: float32 ``[max_rows, *row]`` from ``offset``."""
+
+    name: str
+    row: tuple[int, ...]
+    offset: int
+
+    def nbytes(self, rows: int) -> int:
+        return rows * int(np.prod(self.row, dtype=np.int64)) * 4
+
+
+def output_layout(outputs: list[tuple[str, tuple[int, ...]]], max_rows: int) -> tuple[list[OutputSlot], int]:
+    """The output slots of ``outputs`` ((name, row shape) pairs, float32) for
+    ``max_rows`` rows, and the bytes the output region needs."""
+    slots, offset = [], 0
+    for name, row in outputs:
+        slots.append(OutputSlot(name, tuple(row), offset))
+        offset = _aligned(offset + slots[-1].nbytes(max_rows))
+    return slots, offset
+
+
+def pack_error(seq: int, code: grpc.StatusCode, message: str) -> bytes:
+    body = message.encode("utf-8", "replace")[: MAX_MESSAGE_BYTES - 1 - ERROR_FORMAT.size]
+    return ERROR + ERROR_FORMAT.pack(seq, code.value[0]) + body
+
+
+def unpack_error(message: bytes) -> tuple[int, LeafChannelError]:
+    seq, value = ERROR_FORMAT.unpack_from(message, 1)
+    code = next((c for c in grpc.StatusCode if c.value[0] == value), grpc.StatusCode.UNKNOWN)
+    return seq, LeafChannelError(code, message[1 + ERROR_FORMAT.size :].decode("utf-8", "replace"))
+
+
+def _input_region(stub, byte_size: int, device_id: int, timeout_s: float):
+    """A CUDA region on ``device_id`` where it can be (CuPy here, and the server
+    can open the handle: not in the process that made it, as in a co-located
+    stack), else a system one.
+
+    Raises:
+        grpc.RpcError: the server refused the system region.
+    """
+    if device_id >= 0 and cupy_module() is not None:
+        try:
+            return CudaSharedMemoryRegion(stub, byte_size, device_id=device_id, timeout_s=timeout_s)
+        except grpc.RpcError as exc:
+            if exc.code() not in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
+                raise
+    return SystemSharedMemoryRegion(stub, byte_size, timeout_s=timeout_s)
+
+
+class LeafChannel:
+    """The client's end: regions registered with the reward service, a socket
+    attached to them, then :meth:`evaluate` per wave. One caller at a time
+    (the search service's coalescing dispatcher is its one thread).
+
+    Args:
+        stub: a ``RewardServiceStub`` (registers the regions over gRPC).
+        path: the server's socket (``ModelMetadata.runtime["leaf_channel"]``).
+        model: the model's name; its one input is ``[N, *row]`` of any dtype,
+            its outputs float32 ``[N, *row]`` with static rows.
+        max_rows: the most rows one wave may carry (the regions' size).
+        device_id: the reward service's CUDA device, or -1 (it runs on the
+            CPU): a CUDA input region when it is >= 0, CuPy is here and the
+            server can open its handle; else system shared memory (``kind``).
+        timeout_s: connect, register and attach deadline (s).
+
+    Raises:
+        LeafChannelError: the socket, the registration or the attach failed
+            (UNAVAILABLE when the socket does not answer).
+    """
+
+    def __init__(self, stub: reward_pb2_grpc.RewardServiceStub, path: str, model: str, max_rows: int,
+                 device_id: int = -1, timeout_s: float = 5.0):
+        self.path, self.model, self.max_rows = path, model, max_rows
+        meta = stub.ModelMetadata(reward_pb2.ModelMetadataRequest(model=model), timeout=timeout_s)
+        spec = meta.inputs[0]
+        self.input_name, self.input_row = spec.name, tuple(spec.shape[1:])
+        self.input_dtype = tensors.numpy_dtype(spec.dtype)
+        self._outputs, out_bytes = output_layout([(o.name, tuple(o.shape[1:])) for o in meta.outputs], max_rows)
+        in_bytes = max_rows * int(np.prod(self.input_row, dtype=np.int64)) * self.input_dtype.itemsize
+        self._sock = None
+        self._inputs = self._outputs_region = None
+        self._in_view, self._out_views = None, {}
+        self._attached = False
+        try:
+            self._inputs = _input_region(stub, in_bytes, device_id, timeout_s)
+            self.kind = self._inputs.kind
+            self._outputs_region = SystemSharedMemoryRegion(stub, out_bytes, client_id=self._inputs.client_id,
+                                                            timeout_s=timeout_s)
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            self._sock.settimeout(timeout_s)
+            self._sock.connect(path)
+            self._sock.send(ATTACH + json.dumps({
+                "client_id": self._inputs.client_id, "model": model, "max_rows": max_rows,
+                "input_region": self._inputs.name, "output_region": self._outputs_region.name}).encode())
+            reply = self._sock.recv(MAX_MESSAGE_BYTES)
+        except grpc.RpcError as exc:
+            self.close()
+            raise LeafChannelError(exc.code(), f"registering the regions: {exc.details()}") from None
+        except OSError as exc:
+            self.close()
+            raise LeafChannelError(grpc.StatusCode.UNAVAILABLE, f"socket {path}: {exc}") from None
+        if reply[:1] != ATTACH:
+            self.close()
+            if reply[:1] == ERROR:
+                raise unpack_error(reply)[1]
+            raise LeafChannelError(grpc.StatusCode.UNAVAILABLE, f"socket {path}: closed during the attach")
+        self._attached = True
+        self._seq = 0
+        self._in_view = self._inputs.array(0, self.input_dtype, (max_rows, *self.input_row))
+        self._out_views = {s.name: self._outputs_region.array(s.offset, np.dtype(np.float32), (max_rows, *s.row))
+                           for s in self._outputs}
+        # The server's time of the last wave (ms): queue and model, and its padded rows.
+        self.queue_ms = self.compute_ms = 0.0
+        self.bucket = 0
+
+    def evaluate(self, inputs, deadline: float | None = None) -> dict[str, np.ndarray]:
+        """The model's outputs (name -> float32 ``[N, *row]``, copies) for
+        ``inputs`` (``[N, *row]``, NumPy, or CuPy on a CUDA region; N <= max_rows).
+
+        ``deadline``: ``time.monotonic()`` seconds, or None (no deadline).
+
+        Raises:
+            LeafChannelError: the server's status (DEADLINE_EXCEEDED when the
+                deadline passed first, here or there); UNAVAILABLE once the
+                connection broke (the channel is closed then).
+            ValueError: N out of 1..max_rows (nothing sent).
+        """
+        rows = len(inputs)
+        if not 1 <= rows <= self.max_rows:
+            raise ValueError(f"inputs: {rows} rows, the channel carries 1..{self.max_rows}")
+        if self._sock is None:
+            raise LeafChannelError(grpc.StatusCode.UNAVAILABLE, "leaf channel closed")
+        self._inputs.write_rows(self._in_view, inputs)
+        self._seq += 1
+        timeout_us = 0 if deadline is None else max(int((deadline - time.monotonic()) * 1e6), 1)
+        try:
+            self._sock.send(WAVE + WAVE_FORMAT.pack(self._seq, rows, timeout_us))
+            while True:  # answers to waves given up earlier come first: skipped
+                self._sock.settimeout(None if deadline is None else max(deadline - time.monotonic(), 1e-4))
+                reply = self._sock.recv(MAX_MESSAGE_BYTES)
+                if not reply:
+                    raise OSError("the server closed the connection")
+                seq = (unpack_error(reply)[0] if reply[:1] == ERROR else
+                       REPLY_FORMAT.unpack_from(reply, 1)[0] if reply[:1] == REPLY else self._seq)
+                if seq == self._seq:
+                    break
+        except TimeoutError:
+            raise LeafChannelError(grpc.StatusCode.DEADLINE_EXCEEDED, "no answer by the search's deadline") from None
+        except OSError as exc:
+            self.close()
+            raise LeafChannelError(grpc.StatusCode.UNAVAILABLE, f"socket {self.path}: {exc}") from None
+        if reply[:1] == ERROR:
+            raise unpack_error(reply)[1]
+        if reply[:1] != REPLY:
+            self.close()
+            raise LeafChannelError(grpc.StatusCode.INTERNAL, f"unexpected message kind {reply[:1]!r}")
+        _, self.bucket, self.queue_ms, self.compute_ms = REPLY_FORMAT.unpack_from(reply, 1)
+        return {name: view[:rows].copy() for name, view in self._out_views.items()}
+
+    @property
+    def closed(self) -> bool:
+        return self._sock is None
+
+    def close(self) -> None:
+        """Closes the socket (the server unregisters the regions then) and
+        frees this side's memory. Safe to call twice."""
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        self._in_view, self._out_views = None, {}  # views into the regions: released before they are freed
+        for region in (self._inputs, self._outputs_region):
+            if region is not None:  # attached: the server unregisters them as the socket closes
+                region.close(unregister=not self._attached)
+        self._inputs = self._outputs_region = None

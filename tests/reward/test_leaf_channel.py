@@ -1,0 +1,283 @@
+"""The leaf channel (tandem/leaf_channel.py, reward_service/leaf_channel.py)
+against a real reward service on loopback: the same answers as Evaluate, the
+regions' life, and every bad input answered with its status while the
+connection and the server go on serving."""
+from __future__ import annotations
+
+import json
+import socket
+import time
+from multiprocessing import shared_memory
+
+import grpc
+import numpy as np
+import pytest
+from conftest import loopback_config
+from tandem.v1 import reward_pb2, reward_pb2_grpc
+
+from reward_service import server as reward_server
+from search_service.games import connect4 as c4
+from tandem import tensors
+from tandem.leaf_channel import (ATTACH, ERROR, MAX_MESSAGE_BYTES, REPLY, WAVE, WAVE_FORMAT, LeafChannel,
+                                 LeafChannelError, unpack_error)
+from tandem.server import channel
+from tandem.shared_memory_client import SystemSharedMemoryRegion
+
+MODEL = "connect4_value"
+
+
+@pytest.fixture(scope="module")
+def reward():
+    cfg = loopback_config(reward={"leaf_channel": {"max_rows": 512, "max_connections": 4},
+                                  "shared_memory": {"lease_ttl_ms": 2000}})
+    service = reward_server.start(cfg, follow_scheduler=False)
+    ch = channel(cfg.reward.address, cfg)
+    yield service, reward_pb2_grpc.RewardServiceStub(ch)
+    ch.close()
+    service.stop()
+
+
+def boards(*moves: str) -> np.ndarray:
+    return c4.observation(c4.stack([c4.parse_moves(m) for m in moves]))
+
+
+def held(service, client_id: str) -> int:
+    """Regions the server holds for ``client_id``."""
+    return len(service.servicer.regions.status(client_id))
+
+
+def wait_for(predicate, timeout_s: float = 10.0) -> bool:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
+
+
+def test_the_runtime_names_the_socket_and_the_answers_equal_evaluate(reward):
+    service, stub = reward
+    meta = stub.ModelMetadata(reward_pb2.ModelMetadataRequest(model=MODEL))
+    assert meta.runtime["leaf_channel"] == service.servicer.leaf_channel.path
+    assert meta.runtime["leaf_channel_device"] == "-1"  # the CPU build: a system input region
+    obs = boards("", "4", "44", "4453", "1234567")
+    lc = LeafChannel(stub, meta.runtime["leaf_channel"], MODEL, 64)
+    try:
+        got = lc.evaluate(obs, time.monotonic() + 10)
+        want = stub.Evaluate(reward_pb2.EvaluateRequest(model=MODEL, inputs=[tensors.to_proto("board", obs)],
+                                                        request_class=reward_pb2.REQUEST_CLASS_CRITICAL))
+        by_name = {t.name: tensors.from_proto(t) for t in want.outputs}
+        assert set(got) == set(by_name) == {"value", "policy_logits"}
+        for name in got:
+            np.testing.assert_allclose(got[name], by_name[name], rtol=1e-5, atol=1e-6)
+        # Waves of other sizes, one after another, each its own rows.
+        for n in (1, 3, 64):
+            rows = np.repeat(obs, -(-n // len(obs)), axis=0)[:n]
+            assert lc.evaluate(rows, time.monotonic() + 10)["value"].shape == (n, 1)
+        assert lc.bucket >= 1 and lc.compute_ms > 0
+    finally:
+        lc.close()
+
+
+def test_closing_the_connection_unregisters_its_regions(reward):
+    service, stub = reward
+    lc = LeafChannel(stub, service.servicer.leaf_channel.path, MODEL, 16)
+    client_id = lc._inputs.client_id
+    assert held(service, client_id) == 2
+    lc.close()
+    assert wait_for(lambda: held(service, client_id) == 0)
+
+
+def test_an_idle_connection_keeps_its_regions_past_their_lease(reward):
+    service, stub = reward
+    lc = LeafChannel(stub, service.servicer.leaf_channel.path, MODEL, 16)
+    try:
+        time.sleep(3.0)  # lease_ttl_ms 2000: the connection renews every 0.5 s
+        assert lc.evaluate(boards("4"), time.monotonic() + 10)["value"].shape == (1, 1)
+    finally:
+        lc.close()
+
+
+class RawClient:
+    """The protocol by hand: its own regions and socket, for the bad inputs."""
+
+    def __init__(self, service, stub, max_rows=8, out_bytes=None, client_id=None):
+        self.stub = stub
+        self.inputs = SystemSharedMemoryRegion(stub, max_rows * 84, client_id=client_id)
+        self.outputs = SystemSharedMemoryRegion(stub, out_bytes or 4096, client_id=self.inputs.client_id)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.sock.settimeout(10)
+        self.sock.connect(service.servicer.leaf_channel.path)
+        self.max_rows = max_rows
+
+    def attach(self, **overrides) -> bytes:
+        body = {"client_id": self.inputs.client_id, "model": MODEL, "max_rows": self.max_rows,
+                "input_region": self.inputs.name, "output_region": self.outputs.name, **overrides}
+        return self.ask(ATTACH + json.dumps(body).encode())
+
+    def ask(self, message: bytes) -> bytes:
+        self.sock.send(message)
+        return self.sock.recv(MAX_MESSAGE_BYTES)
+
+    def wave(self, rows: int, seq: int = 1) -> bytes:
+        return self.ask(WAVE + WAVE_FORMAT.pack(seq, rows, 5_000_000))
+
+    def close(self):
+        self.sock.close()
+        self.inputs.close()
+        self.outputs.close()
+
+
+def status(reply: bytes) -> tuple[grpc.StatusCode, str]:
+    assert reply[:1] == ERROR, reply[:40]
+    _, exc = unpack_error(reply)
+    return exc.code, str(exc)
+
+
+@pytest.mark.parametrize("overrides, code, words", [
+    ({"input_region": "no-such-region"}, grpc.StatusCode.NOT_FOUND, "not registered"),
+    ({"model": "no_such_model"}, grpc.StatusCode.NOT_FOUND, "no model named"),
+    ({"max_rows": 0}, grpc.StatusCode.INVALID_ARGUMENT, "max_rows"),
+    ({"max_rows": 100_000}, grpc.StatusCode.INVALID_ARGUMENT, "reward.leaf_channel.max_rows"),
+    ({"max_rows": 64}, grpc.StatusCode.INVALID_ARGUMENT, "need"),  # the input region holds 8 rows
+    ({"client_id": "someone-else"}, grpc.StatusCode.FAILED_PRECONDITION, "another client"),
+])
+def test_a_bad_attach_is_refused_and_the_connection_may_attach_again(reward, overrides, code, words):
+    service, stub = reward
+    c = RawClient(service, stub)
+    try:
+        got_code, message = status(c.attach(**overrides))
+        assert got_code == code and words in message
+        assert c.attach()[:1] == ATTACH  # the same connection, now right
+        assert c.wave(3)[:1] == REPLY
+    finally:
+        c.close()
+
+
+def test_a_malformed_attach_and_a_wave_before_the_attach_are_refused(reward):
+    service, stub = reward
+    c = RawClient(service, stub)
+    try:
+        assert status(c.ask(ATTACH + b"{not json"))[0] == grpc.StatusCode.INVALID_ARGUMENT
+        assert status(c.ask(ATTACH + b'{"model": "connect4_value"}'))[0] == grpc.StatusCode.INVALID_ARGUMENT
+        code, message = status(c.wave(1))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "attach first" in message
+        assert c.attach()[:1] == ATTACH
+    finally:
+        c.close()
+
+
+def test_an_output_region_too_small_for_the_models_outputs_is_refused(reward):
+    service, stub = reward
+    c = RawClient(service, stub, out_bytes=8 * 4)  # room for the values, none for the policy logits
+    try:
+        code, message = status(c.attach())
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and c.outputs.name in message and "need" in message
+    finally:
+        c.close()
+
+
+def test_a_wave_out_of_range_or_malformed_is_refused_and_the_next_one_served(reward):
+    service, stub = reward
+    c = RawClient(service, stub, max_rows=8)
+    try:
+        assert c.attach()[:1] == ATTACH
+        for rows in (0, 9, 2**32 - 1):
+            code, message = status(c.wave(rows, seq=7))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and "out of range 1..8" in message
+            assert c.wave(1, seq=8)[:1] == REPLY
+        assert status(c.ask(WAVE + b"short"))[0] == grpc.StatusCode.INVALID_ARGUMENT
+        assert status(c.ask(b"Zjunk"))[0] == grpc.StatusCode.FAILED_PRECONDITION
+        reply = c.wave(8, seq=9)
+        assert reply[:1] == REPLY
+    finally:
+        c.close()
+
+
+def test_a_region_attached_to_one_connection_cannot_be_attached_to_another(reward):
+    service, stub = reward
+    first = RawClient(service, stub)
+    second = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        assert first.attach()[:1] == ATTACH
+        second.settimeout(10)
+        second.connect(service.servicer.leaf_channel.path)
+        body = {"client_id": first.inputs.client_id, "model": MODEL, "max_rows": 8,
+                "input_region": first.inputs.name, "output_region": first.outputs.name}
+        second.send(ATTACH + json.dumps(body).encode())
+        code, message = status(second.recv(MAX_MESSAGE_BYTES))
+        assert code == grpc.StatusCode.ALREADY_EXISTS and "attached to another" in message
+        assert first.wave(2)[:1] == REPLY
+    finally:
+        second.close()
+        first.close()
+
+
+def test_a_region_unregistered_under_an_attached_channel_fails_its_waves_cleanly(reward):
+    service, stub = reward
+    lc = LeafChannel(stub, service.servicer.leaf_channel.path, MODEL, 16)
+    try:
+        stub.UnregisterSharedMemory(reward_pb2.UnregisterSharedMemoryRequest(
+            client_id=lc._inputs.client_id, name=lc._inputs.name))
+        with pytest.raises(LeafChannelError) as err:
+            lc.evaluate(boards("4"), time.monotonic() + 10)
+        assert err.value.code == grpc.StatusCode.NOT_FOUND and lc._inputs.name in str(err.value)
+    finally:
+        lc.close()
+    again = LeafChannel(stub, service.servicer.leaf_channel.path, MODEL, 16)  # the server serves on
+    try:
+        assert again.evaluate(boards("4"), time.monotonic() + 10)["value"].shape == (1, 1)
+    finally:
+        again.close()
+
+
+def test_connections_beyond_the_limit_are_refused_until_one_closes(reward):
+    service, stub = reward
+    held = [LeafChannel(stub, service.servicer.leaf_channel.path, MODEL, 4) for _ in range(4)]
+    try:
+        with pytest.raises(LeafChannelError) as err:
+            LeafChannel(stub, service.servicer.leaf_channel.path, MODEL, 4)
+        assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_connections" in str(err.value)
+        held.pop().close()
+        assert wait_for(lambda: len(service.servicer.leaf_channel._connections) < 4)
+        held.append(LeafChannel(stub, service.servicer.leaf_channel.path, MODEL, 4))
+    finally:
+        for lc in held:
+            lc.close()
+
+
+def test_a_client_that_dies_without_closing_loses_nothing_on_the_server(reward):
+    """The socket closing is the client going away: its regions are unregistered."""
+    service, stub = reward
+    c = RawClient(service, stub)
+    assert c.attach()[:1] == ATTACH
+    assert held(service, c.inputs.client_id) == 2
+    c.sock.close()  # as a killed process's socket closes; its shared-memory objects stay for the server to drop
+    assert wait_for(lambda: held(service, c.inputs.client_id) == 0)
+    c.inputs.close(unregister=False)
+    c.outputs.close(unregister=False)
+    lc = LeafChannel(stub, service.servicer.leaf_channel.path, MODEL, 4)
+    try:
+        assert lc.evaluate(boards(""), time.monotonic() + 10)["value"].shape == (1, 1)
+    finally:
+        lc.close()
+
+
+def test_no_socket_at_the_path_is_unavailable(tmp_path, reward):
+    _, stub = reward
+    with pytest.raises(LeafChannelError) as err:
+        LeafChannel(stub, str(tmp_path / "none.sock"), MODEL, 4)
+    assert err.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_stale_system_region_key_is_refused_at_registration(reward):
+    """A key whose object is gone (a stale handle) never reaches the channel."""
+    _, stub = reward
+    shm = shared_memory.SharedMemory(create=True, size=4096)
+    key = shm.name
+    shm.close()
+    shm.unlink()
+    with pytest.raises(grpc.RpcError) as err:
+        stub.RegisterSharedMemory(reward_pb2.RegisterSharedMemoryRequest(
+            client_id="stale", name="stale-in", byte_size=4096, system=reward_pb2.SystemSharedMemory(key=key)))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND

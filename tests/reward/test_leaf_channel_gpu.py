@@ -1,0 +1,99 @@
+"""The leaf channel with a CUDA IPC input region (tandem/leaf_channel.py,
+reward_service/leaf_channel.py): the reward service in another process (a
+CUDA IPC handle does not open in the process that made it), its answers equal
+to Evaluate's at every bucket, from NumPy and from CuPy leaves, and a CUDA
+search service whose value-model searches go by it. Marked ``gpu``.
+
+    pytest -m gpu tests/reward/test_leaf_channel_gpu.py
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+import numpy as np
+import pytest
+from conftest import loopback_config
+from tandem.v1 import reward_pb2, reward_pb2_grpc, search_pb2, search_pb2_grpc
+
+from tandem import tensors
+from tandem.gpu import cupy_module
+from tandem.leaf_channel import RUNTIME_KEY, LeafChannel
+from tandem.server import channel
+
+pytestmark = pytest.mark.gpu
+
+MODEL = "connect4_value"
+
+
+def serve_reward(cfg, ready, stop) -> None:
+    from reward_service import server as reward_server
+
+    service = reward_server.start(cfg, follow_scheduler=False)
+    ready.set()
+    stop.wait()
+    service.stop()
+
+
+@pytest.fixture(scope="module")
+def gpu_reward():
+    if cupy_module() is None:
+        pytest.skip("CuPy sees no GPU")
+    cfg = loopback_config(search={"backend": "cuda", "value_model_parallel_sims": 64})
+    spawn = mp.get_context("spawn")
+    ready, stop = spawn.Event(), spawn.Event()
+    child = spawn.Process(target=serve_reward, args=(cfg, ready, stop), daemon=True)
+    child.start()
+    assert ready.wait(300), "the reward service did not start"
+    ch = channel(cfg.reward.address)
+    yield cfg, reward_pb2_grpc.RewardServiceStub(ch)
+    ch.close()
+    stop.set()
+    child.join(30)
+
+
+def random_boards(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 2, (n, 2, 6, 7)).astype(np.uint8)
+
+
+def test_a_cuda_region_answers_as_evaluate_at_every_bucket(gpu_reward):
+    cfg, stub = gpu_reward
+    runtime = stub.ModelMetadata(reward_pb2.ModelMetadataRequest(model=MODEL)).runtime
+    assert runtime[f"{RUNTIME_KEY}_device"] == "0"
+    lc = LeafChannel(stub, runtime[RUNTIME_KEY], MODEL, 1024, 0)
+    cp = cupy_module()
+    try:
+        assert lc.kind == "cuda"
+        for n in (1, 37, 256, 1024):
+            obs = random_boards(n, n)
+            got = lc.evaluate(obs, time.monotonic() + 30)
+            from_device = lc.evaluate(cp.asarray(obs), time.monotonic() + 30)
+            reply = stub.Evaluate(reward_pb2.EvaluateRequest(model=MODEL, inputs=[tensors.to_proto("board", obs)],
+                                                             request_class=reward_pb2.REQUEST_CLASS_CRITICAL))
+            want = {t.name: tensors.from_proto(t) for t in reply.outputs}
+            for name in ("value", "policy_logits"):
+                assert got[name].shape == want[name].shape == (n, *want[name].shape[1:])
+                np.testing.assert_allclose(got[name], want[name], atol=1e-4)
+                np.testing.assert_array_equal(from_device[name], got[name])
+            assert lc.bucket >= n
+    finally:
+        lc.close()
+
+
+def test_a_cuda_search_service_sends_its_leaves_by_the_leaf_channel(gpu_reward):
+    from search_service import server as search_server
+
+    cfg, _ = gpu_reward
+    search = search_server.start(cfg, follow_scheduler=False)
+    try:
+        handoff = search.servicer.handoff
+        assert handoff.wait_attached(30.0)
+        assert handoff._ipc.channel.kind == "cuda"
+        with channel(cfg.search.address) as ch:
+            stub = search_pb2_grpc.SearchServiceStub(ch)
+            reply = stub.Search(search_pb2.SearchRequest(game="connect4", moves="4453", simulations=1000,
+                                                         evaluator=search_pb2.EVALUATOR_VALUE_MODEL), timeout=60)
+        assert reply.handoff == "ipc" and reply.model_simulations == reply.simulations == 1000
+        assert not reply.evaluation_failure
+    finally:
+        search.stop()

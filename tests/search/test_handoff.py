@@ -1,0 +1,100 @@
+"""How a value-model search's leaves reach the reward service (search.handoff):
+the leaf channel on this host, gRPC otherwise or when told, the hand-off
+reported in each answer, and a reward service that dies mid-search: the search
+keeps its tree, goes on with rollouts and says why; a new reward service is
+attached again."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from conftest import loopback_config
+from tandem.v1 import search_pb2, search_pb2_grpc
+
+from reward_service import server as reward_server
+from search_service import server as search_server
+from tandem.server import channel
+
+
+def value_search(moves: str = "4453", **fields) -> search_pb2.SearchRequest:
+    return search_pb2.SearchRequest(game="connect4", moves=moves, seed=1,
+                                    **({"simulations": 64, "evaluator": search_pb2.EVALUATOR_VALUE_MODEL} | fields))
+
+
+@pytest.fixture
+def services(request):
+    """A reward and a search service (CPU) of ``search.handoff`` = the test's parameter (default auto)."""
+    mode = getattr(request, "param", "auto")
+    cfg = loopback_config(search={"backend": "cpu", "value_model_parallel_sims": 8, "handoff": mode,
+                                  "evaluation_cache_bytes": 0})
+    reward = reward_server.start(cfg, follow_scheduler=False)
+    search = search_server.start(cfg, follow_scheduler=False)
+    ch = channel(cfg.search.address)
+    box = {"cfg": cfg, "reward": reward, "search": search, "stub": search_pb2_grpc.SearchServiceStub(ch)}
+    yield box
+    ch.close()
+    search.stop()
+    box["reward"].stop()
+
+
+def test_on_one_host_the_leaves_go_by_the_leaf_channel(services):
+    handoff = services["search"].servicer.handoff
+    assert handoff.wait_attached(10.0)
+    reply = services["stub"].Search(value_search(), timeout=60)
+    assert reply.handoff == "ipc" and reply.model_simulations == reply.simulations == 64
+    assert handoff._ipc.calls > 0 and handoff._ipc.channel.kind == "system"  # the CPU build's regions
+    rollout = services["stub"].Search(value_search(evaluator=search_pb2.EVALUATOR_ROLLOUT), timeout=60)
+    assert rollout.handoff == ""  # no leaves handed off
+
+
+@pytest.mark.parametrize("services", ["grpc"], indirect=True)
+def test_told_grpc_it_never_attaches(services):
+    handoff = services["search"].servicer.handoff
+    assert not handoff.wait_attached(0.5)
+    reply = services["stub"].Search(value_search(), timeout=60)
+    assert reply.handoff == "grpc" and reply.model_simulations == 64
+    assert handoff.why_grpc == "search.handoff: grpc"
+
+
+def test_a_reward_service_without_a_leaf_channel_is_reached_by_grpc():
+    cfg = loopback_config(search={"backend": "cpu", "value_model_parallel_sims": 8},
+                          reward={"leaf_channel": {"enabled": False}})
+    reward = reward_server.start(cfg, follow_scheduler=False)
+    search = search_server.start(cfg, follow_scheduler=False)
+    try:
+        with channel(cfg.search.address) as ch:
+            handoff = search.servicer.handoff
+            assert not handoff.wait_attached(1.0)
+            reply = search_pb2_grpc.SearchServiceStub(ch).Search(value_search(), timeout=60)
+        assert reply.handoff == "grpc" and reply.model_simulations == 64
+        assert handoff.why_grpc == "the reward service offers no leaf channel"
+    finally:
+        search.stop()
+        reward.stop()
+
+
+def test_a_reward_service_killed_mid_search_leaves_the_tree_and_a_reason_and_a_new_one_is_attached(services):
+    handoff = services["search"].servicer.handoff
+    assert handoff.wait_attached(10.0)
+    ipc = handoff._ipc
+    answer = {}
+    long_search = value_search(moves="", simulations=10_000_000, deadline_ms=4000)
+    thread = threading.Thread(target=lambda: answer.setdefault("r", services["stub"].Search(long_search, timeout=60)))
+    calls = ipc.calls
+    thread.start()
+    end = time.monotonic() + 30
+    while ipc.calls < calls + 3 and time.monotonic() < end:  # a few waves valued by the model
+        time.sleep(0.005)
+    assert ipc.calls >= calls + 3
+    services["reward"].stop()  # its leaf channel closes with it
+    thread.join(60)
+    r = answer["r"]
+    assert 0 < r.model_simulations < r.simulations  # the tree built so far was kept, rollouts went on in it
+    assert "leaf channel" in r.evaluation_failure and r.handoff == "ipc"
+    assert r.deadline_reached
+    # A reward service again (a restart: the same address, a new socket): attached again.
+    services["reward"] = reward_server.start(services["cfg"], follow_scheduler=False)
+    assert handoff.wait_attached(10.0) and handoff._ipc is not ipc
+    again = services["stub"].Search(value_search(), timeout=60)
+    assert again.handoff == "ipc" and again.model_simulations == 64 and not again.evaluation_failure
