@@ -76,6 +76,8 @@ class _Attachment:
     input_dtype: np.dtype
     output_region: str
     outputs: tuple[OutputSlot, ...]
+    input_bytes: int  # what ``max_rows`` rows need of each region
+    output_bytes: int
 
 
 class LeafChannelServer:
@@ -195,6 +197,10 @@ class LeafChannelServer:
         except (_Bad, SharedMemoryError) as exc:
             self._send(conn, pack_error(0, exc.code, str(exc)))
             return None
+        except Exception as exc:  # a bug: answered, and the connection goes on (an uncaught one would end it)
+            log.exception("leaf channel: attach failed")
+            self._send(conn, pack_error(0, grpc.StatusCode.INTERNAL, f"attach failed: {type(exc).__name__}: {exc}"))
+            return None
         layout = {"outputs": [{"name": s.name, "row": list(s.row), "offset": s.offset} for s in attachment.outputs],
                   "execution_provider": attachment.session.execution_provider}
         self._send(conn, ATTACH + json.dumps(layout).encode())
@@ -205,44 +211,62 @@ class LeafChannelServer:
 
         Raises:
             _Bad: INVALID_ARGUMENT (malformed; max_rows out of range; a region
-                too small or of the wrong kind), NOT_FOUND (no such model),
-                FAILED_PRECONDITION (a model whose signature does not fit the
-                channel), ALREADY_EXISTS (a region attached elsewhere).
+                too small or of the wrong kind; one region named as both),
+                NOT_FOUND (no such model), FAILED_PRECONDITION (a model whose
+                signature does not fit the channel), ALREADY_EXISTS (a region
+                attached elsewhere).
             SharedMemoryError: a region that is not registered or not the client's.
         """
         try:
             req = json.loads(body)
             client_id, model, max_rows = str(req["client_id"]), str(req["model"]), req["max_rows"]
             input_region, output_region = str(req["input_region"]), str(req["output_region"])
-        except (ValueError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:  # RecursionError: nested too deep
             raise _Bad(grpc.StatusCode.INVALID_ARGUMENT, f"attach: malformed ({type(exc).__name__}: {exc})") from None
+        if input_region == output_region:  # one buffer for both would have outputs overwrite the next wave's inputs
+            raise _Bad(grpc.StatusCode.INVALID_ARGUMENT, f"input_region and output_region: both {quote(input_region)}; "
+                       "the channel needs two regions")
         session = self.sessions.get(model)
         if session is None:
             raise _Bad(grpc.StatusCode.NOT_FOUND, f"model: no model named {quote(model)} (models: {sorted(self.sessions)})")
-        if not isinstance(max_rows, int) or not 1 <= max_rows <= self.cfg.max_rows:
+        if not isinstance(max_rows, int) or isinstance(max_rows, bool) or not 1 <= max_rows <= self.cfg.max_rows:
             raise _Bad(grpc.StatusCode.INVALID_ARGUMENT,
                        f"max_rows: {quote(str(max_rows))}, must be 1..{self.cfg.max_rows} (reward.leaf_channel.max_rows)")
         spec, input_row, outputs = self._signature(session)
         dtype = tensors.numpy_dtype(spec.dtype)
         slots, out_bytes = output_layout([(o.name, row) for o, row in outputs], max_rows)
         in_bytes = max_rows * int(np.prod(input_row, dtype=np.int64)) * dtype.itemsize
+        attachment = _Attachment(client_id, session, max_rows, input_region, input_row, dtype, output_region,
+                                 tuple(slots), in_bytes, out_bytes)
         with self.regions.acquire(client_id, [input_region, output_region]) as lease:
-            sizes = lease.describe()
-        for name, kinds, need in ((input_region, ("system", "cuda"), in_bytes), (output_region, ("system",), out_bytes)):
+            self._check_regions(lease, attachment)
+        with self._lock:
+            taken = {input_region, output_region} & self._attached
+            if taken:
+                raise _Bad(grpc.StatusCode.ALREADY_EXISTS,
+                           f"region {quote(sorted(taken)[0])}: attached to another leaf channel")
+            self._attached |= {input_region, output_region}
+        return attachment
+
+    @staticmethod
+    def _check_regions(lease, a: _Attachment) -> None:
+        """Checks that the held regions are of a kind and size the attachment needs:
+        at the attach, and again at every wave, since a client may unregister a
+        region and register another under its name.
+
+        Raises:
+            _Bad: INVALID_ARGUMENT (a region too small or of the wrong kind).
+        """
+        sizes = lease.describe()
+        for name, kinds, need in ((a.input_region, ("system", "cuda"), a.input_bytes),
+                                  (a.output_region, ("system",), a.output_bytes)):
             kind, size = sizes[name]
             if kind not in kinds:
                 raise _Bad(grpc.StatusCode.INVALID_ARGUMENT, f"region {quote(name)}: a {kind} region; "
                            f"this one must be {' or '.join(kinds)}")
             if size < need:
-                raise _Bad(grpc.StatusCode.INVALID_ARGUMENT, f"region {quote(name)}: {size} bytes, but {max_rows} rows "
-                           f"of model {model!r} need {need}")
-        with self._lock:
-            taken = {input_region, output_region} & self._attached
-            if taken or input_region == output_region:
-                raise _Bad(grpc.StatusCode.ALREADY_EXISTS,
-                           f"region {quote(sorted(taken or {input_region})[0])}: attached to another leaf channel")
-            self._attached |= {input_region, output_region}
-        return _Attachment(client_id, session, max_rows, input_region, input_row, dtype, output_region, tuple(slots))
+                raise _Bad(grpc.StatusCode.INVALID_ARGUMENT, f"region {quote(name)}: {size} bytes, but {a.max_rows} rows "
+                           f"of model {a.session.name!r} need {need}")
 
     @staticmethod
     def _signature(session: ModelSession):
@@ -308,6 +332,10 @@ class LeafChannelServer:
         except Refusal as exc:
             self.metrics.failed(name, lane, exc.reason, time.perf_counter() - start)
             self._send(conn, pack_error(seq, exc.code, exc.message))
+        except Exception as exc:  # a bug: answered, and the connection goes on (an uncaught one would end it)
+            log.exception("leaf channel: wave %d of model %r failed", seq, name)
+            self.metrics.failed(name, lane, "run_failed", time.perf_counter() - start)
+            self._send(conn, pack_error(seq, grpc.StatusCode.INTERNAL, f"wave failed: {type(exc).__name__}: {exc}"))
         else:
             self.metrics.succeeded(name, lane, rows, time.perf_counter() - start, done.queue_ms / 1e3)
             self._send(conn, REPLY + REPLY_FORMAT.pack(seq, done.bucket, done.queue_ms, done.compute_ms))
@@ -319,8 +347,11 @@ class LeafChannelServer:
             Refusal: as reward_service.refusal.run; INTERNAL for an output
                 whose shape is not the one attached.
             SharedMemoryError: a region unregistered meanwhile.
+            _Bad: INVALID_ARGUMENT: a region registered again under its name,
+                too small or of the wrong kind.
         """
         with self.regions.acquire(a.client_id, [a.input_region, a.output_region]) as lease:
+            self._check_regions(lease, a)
             feed = lease.array(a.input_region, 0, a.input_dtype, (rows, *a.input_row))
             names = tuple(s.name for s in a.outputs)
             done = run(self.batchers[a.session.name], a.session.name, {a.session.inputs[0].name: feed}, rows,
