@@ -143,14 +143,18 @@ class LeafChannel:
         timeout_s: connect, register and attach deadline (s).
 
     Raises:
-        LeafChannelError: the socket, the registration or the attach failed
-            (UNAVAILABLE when the socket does not answer).
+        LeafChannelError: the model's metadata, the registration, the socket
+            or the attach failed: the server's status (NOT_FOUND for an
+            unknown model), UNAVAILABLE when the socket does not answer.
     """
 
     def __init__(self, stub: reward_pb2_grpc.RewardServiceStub, path: str, model: str, max_rows: int,
                  device_id: int = -1, timeout_s: float = 5.0):
         self.path, self.model, self.max_rows = path, model, max_rows
-        meta = stub.ModelMetadata(reward_pb2.ModelMetadataRequest(model=model), timeout=timeout_s)
+        try:
+            meta = stub.ModelMetadata(reward_pb2.ModelMetadataRequest(model=model), timeout=timeout_s)
+        except grpc.RpcError as exc:
+            raise LeafChannelError(exc.code(), f"model metadata: {exc.details()}") from None
         spec = meta.inputs[0]
         self.input_name, self.input_row = spec.name, tuple(spec.shape[1:])
         self.input_dtype = tensors.numpy_dtype(spec.dtype)

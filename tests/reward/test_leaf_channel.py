@@ -138,6 +138,7 @@ def status(reply: bytes) -> tuple[grpc.StatusCode, str]:
     ({"input_region": "no-such-region"}, grpc.StatusCode.NOT_FOUND, "not registered"),
     ({"model": "no_such_model"}, grpc.StatusCode.NOT_FOUND, "no model named"),
     ({"max_rows": 0}, grpc.StatusCode.INVALID_ARGUMENT, "max_rows"),
+    ({"max_rows": True}, grpc.StatusCode.INVALID_ARGUMENT, "max_rows"),  # JSON true is no row count
     ({"max_rows": 100_000}, grpc.StatusCode.INVALID_ARGUMENT, "reward.leaf_channel.max_rows"),
     ({"max_rows": 64}, grpc.StatusCode.INVALID_ARGUMENT, "need"),  # the input region holds 8 rows
     ({"client_id": "someone-else"}, grpc.StatusCode.FAILED_PRECONDITION, "another client"),
@@ -281,3 +282,63 @@ def test_a_stale_system_region_key_is_refused_at_registration(reward):
         stub.RegisterSharedMemory(reward_pb2.RegisterSharedMemoryRequest(
             client_id="stale", name="stale-in", byte_size=4096, system=reward_pb2.SystemSharedMemory(key=key)))
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_a_region_registered_again_smaller_under_its_name_is_refused_per_wave(reward):
+    """Attached, then unregistered and registered again under the same name, smaller:
+    each wave checks the spans again, so the server answers instead of reading past
+    the new mapping (a dead connection thread, or on a CUDA region memory not the client's)."""
+    service, stub = reward
+    c = RawClient(service, stub, max_rows=8)
+    small = shared_memory.SharedMemory(create=True, size=84)
+    try:
+        assert c.attach()[:1] == ATTACH
+        stub.UnregisterSharedMemory(reward_pb2.UnregisterSharedMemoryRequest(
+            client_id=c.inputs.client_id, name=c.inputs.name))
+        stub.RegisterSharedMemory(reward_pb2.RegisterSharedMemoryRequest(
+            client_id=c.inputs.client_id, name=c.inputs.name, byte_size=84,
+            system=reward_pb2.SystemSharedMemory(key=small.name)))
+        code, message = status(c.wave(8, seq=3))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and c.inputs.name in message and "84 bytes" in message
+        # The connection goes on: its region registered again at its size, it is served.
+        stub.UnregisterSharedMemory(reward_pb2.UnregisterSharedMemoryRequest(
+            client_id=c.inputs.client_id, name=c.inputs.name))
+        stub.RegisterSharedMemory(reward_pb2.RegisterSharedMemoryRequest(
+            client_id=c.inputs.client_id, name=c.inputs.name, byte_size=8 * 84,
+            system=reward_pb2.SystemSharedMemory(key=c.inputs._shm.name)))
+        assert c.wave(8, seq=4)[:1] == REPLY
+    finally:
+        c.close()
+        small.close()
+        small.unlink()
+
+
+def test_a_deeply_nested_attach_is_invalid_argument_and_the_connection_goes_on(reward):
+    service, stub = reward
+    c = RawClient(service, stub)
+    try:
+        code, message = status(c.ask(ATTACH + b"[" * 3000))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "attach: malformed" in message
+        assert c.attach()[:1] == ATTACH
+        assert c.wave(2)[:1] == REPLY
+    finally:
+        c.close()
+
+
+def test_one_region_as_both_input_and_output_is_invalid_argument(reward):
+    service, stub = reward
+    c = RawClient(service, stub, max_rows=8, out_bytes=8192)
+    try:
+        code, message = status(c.attach(input_region=c.outputs.name))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "input_region" in message and "output_region" in message and c.outputs.name in message
+        assert c.attach()[:1] == ATTACH
+    finally:
+        c.close()
+
+
+def test_an_unknown_model_is_a_leaf_channel_error_naming_it(reward):
+    service, stub = reward
+    with pytest.raises(LeafChannelError) as err:
+        LeafChannel(stub, service.servicer.leaf_channel.path, "no_such_model", 4)
+    assert err.value.code == grpc.StatusCode.NOT_FOUND and "no_such_model" in str(err.value)
