@@ -126,12 +126,14 @@ class LeafChannelEvaluator:
 
     Args:
         channel: an attached :class:`tandem.leaf_channel.LeafChannel`.
+        timeout_s: per-call deadline (s), as RewardServiceEvaluator's: a wave
+            waits at most this long even with no or a later ``deadline``.
     """
 
     handoff = HANDOFF_IPC
 
-    def __init__(self, channel: LeafChannel):
-        self.channel = channel
+    def __init__(self, channel: LeafChannel, timeout_s: float = 2.0):
+        self.channel, self.timeout_s = channel, timeout_s
         self.calls, self.server_ms, self.leaves = 0, 0.0, 0  # as RewardServiceEvaluator's
 
     def __call__(self, observations: np.ndarray, deadline: float | None = None) -> tuple[np.ndarray, np.ndarray | None]:
@@ -141,8 +143,10 @@ class LeafChannelEvaluator:
             EvaluatorUnavailable: the server's status, or a broken connection
                 (the channel is closed then).
         """
+        # As over gRPC: never waits past timeout_s (a reward service that hangs must not hold the search).
+        cap = time.monotonic() + self.timeout_s
         try:
-            outputs = self.channel.evaluate(observations, deadline)
+            outputs = self.channel.evaluate(observations, cap if deadline is None else min(deadline, cap))
         except LeafChannelError as exc:
             raise EvaluatorUnavailable(f"reward service (leaf channel): {exc}") from None
         self.calls += 1
@@ -165,7 +169,9 @@ class HandoffEvaluator:
     the last call.
 
     Thread safety: calls come from one thread (the coalescing dispatcher);
-    ``_lock`` guards the channel that the background attach publishes.
+    ``_lock`` guards the channel that the background attach publishes and
+    ``_closed``: a channel attached after :meth:`close` is closed at once.
+    ``why_grpc`` and ``handoff`` are single writes of strings, read anywhere.
     """
 
     def __init__(self, channel: grpc.Channel, model: str, mode: str = "auto", timeout_s: float = 2.0,
@@ -177,6 +183,7 @@ class HandoffEvaluator:
         self._ipc: LeafChannelEvaluator | None = None  # guarded by _lock
         self._attaching = False  # guarded by _lock
         self._next_attach = 0.0  # time.monotonic() s; guarded by _lock
+        self._closed = False  # guarded by _lock
         self.handoff = HANDOFF_IPC if mode == HANDOFF_IPC else HANDOFF_GRPC
         self.why_grpc = "" if mode != HANDOFF_GRPC else "search.handoff: grpc"  # why the last call used gRPC
 
@@ -220,7 +227,7 @@ class HandoffEvaluator:
         if self.mode == HANDOFF_GRPC:
             return None
         with self._lock:
-            if self._ipc is not None:
+            if self._ipc is not None or self._closed:
                 return self._ipc
             if self._attaching or time.monotonic() < self._next_attach:
                 return None
@@ -239,7 +246,7 @@ class HandoffEvaluator:
             else:
                 device = int(meta.runtime.get(f"{RUNTIME_KEY}_device", "-1"))
                 ipc = LeafChannelEvaluator(LeafChannel(self._stub, path, self.model, self.max_rows, device,
-                                                       self.timeout_s))
+                                                       self.timeout_s), self.timeout_s)
                 log.warning("search service: leaf channel to the reward service attached (%s input region, %s)",
                             ipc.channel.kind, path)
         except (LeafChannelError, grpc.RpcError, OSError, ValueError) as exc:
@@ -247,11 +254,19 @@ class HandoffEvaluator:
             self.why_grpc = f"leaf channel: {why}"
             log.info("search service: no leaf channel (%s); leaves go over gRPC", why)
         with self._lock:
-            self._ipc, self._attaching = ipc, False
+            closed, self._attaching = self._closed, False
+            if not closed:
+                self._ipc = ipc
+        if ipc is not None:
+            if closed:  # closed while attaching: nothing may hold the socket and the regions on
+                ipc.channel.close()
+            else:
+                self.why_grpc = ""  # gRPC again only for waves larger than the channel
 
     def close(self) -> None:
-        """Closes the leaf channel, if attached."""
+        """Closes the leaf channel, if attached, and attaches none again (an
+        attach under way closes its channel as it ends)."""
         with self._lock:
-            ipc, self._ipc = self._ipc, None
+            ipc, self._ipc, self._closed = self._ipc, None, True
         if ipc is not None:
             ipc.channel.close()

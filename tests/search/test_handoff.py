@@ -5,15 +5,19 @@ keeps its tree, goes on with rollouts and says why; a new reward service is
 attached again."""
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
+import numpy as np
 import pytest
 from conftest import loopback_config
-from tandem.v1 import search_pb2, search_pb2_grpc
+from tandem.v1 import reward_pb2_grpc, search_pb2, search_pb2_grpc
 
 from reward_service import server as reward_server
 from search_service import server as search_server
+from search_service.evaluators import EvaluatorUnavailable, HandoffEvaluator, LeafChannelEvaluator
+from tandem.leaf_channel import ATTACH, MAX_MESSAGE_BYTES, LeafChannel
 from tandem.server import channel
 
 
@@ -96,5 +100,77 @@ def test_a_reward_service_killed_mid_search_leaves_the_tree_and_a_reason_and_a_n
     # A reward service again (a restart: the same address, a new socket): attached again.
     services["reward"] = reward_server.start(services["cfg"], follow_scheduler=False)
     assert handoff.wait_attached(10.0) and handoff._ipc is not ipc
+    assert handoff.why_grpc == ""  # attached again: no reason for gRPC left over
     again = services["stub"].Search(value_search(), timeout=60)
     assert again.handoff == "ipc" and again.model_simulations == 64 and not again.evaluation_failure
+
+
+@pytest.fixture
+def reward_only():
+    cfg = loopback_config()
+    reward = reward_server.start(cfg, follow_scheduler=False)
+    ch = channel(cfg.reward.address, cfg)
+    yield reward, ch
+    ch.close()
+    reward.stop()
+
+
+def wait_for(predicate, timeout_s: float = 10.0) -> bool:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
+
+
+def test_a_closed_handoff_drops_the_attach_under_way_and_never_attaches_again(reward_only):
+    reward, ch = reward_only
+    handoff = HandoffEvaluator(ch, "connect4_value")
+    assert handoff._channel() is None  # an attach started in the background
+    handoff.close()  # before it ends (a registration and a connect take far longer than this)
+    assert wait_for(lambda: not handoff._attaching)
+    assert handoff._ipc is None and not handoff.wait_attached(1.0)
+    # Nothing left on the reward service: no connection, no region of the search's.
+    assert wait_for(lambda: not reward.servicer.leaf_channel._connections)
+    assert wait_for(lambda: reward.servicer.regions.stats()["regions"] == 0)
+
+
+def test_a_leaf_channel_that_never_answers_fails_the_wave_by_timeout_s_without_a_deadline(reward_only, tmp_path):
+    """As over gRPC, a wave with no deadline waits ``timeout_s``, not forever."""
+    reward, ch = reward_only
+    path = str(tmp_path / "mute.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path)
+    listener.listen(1)
+    accepted = []
+
+    def answer_the_attach_only():
+        conn, _ = listener.accept()
+        accepted.append(conn)
+        conn.recv(MAX_MESSAGE_BYTES)
+        conn.send(ATTACH + b"{}")
+
+    threading.Thread(target=answer_the_attach_only, daemon=True).start()
+    lc = LeafChannel(reward_pb2_grpc.RewardServiceStub(ch), path, "connect4_value", 4)
+    evaluator = LeafChannelEvaluator(lc, timeout_s=0.3)
+    outcome = {}
+
+    def call():
+        try:
+            evaluator(np.zeros((1, 2, 6, 7), np.uint8))
+        except EvaluatorUnavailable as exc:
+            outcome["error"] = str(exc)
+
+    thread = threading.Thread(target=call, daemon=True)
+    try:
+        thread.start()
+        thread.join(30)
+        assert not thread.is_alive(), "the wave waited past timeout_s"
+        assert "DEADLINE_EXCEEDED" in outcome["error"]
+    finally:
+        for conn in accepted:
+            conn.close()  # the wave's recv, if still waiting, ends with the connection
+        thread.join(10)
+        lc.close()
+        listener.close()
