@@ -130,12 +130,12 @@ class LeafChannelServer:
                 if not full and not self._closed:
                     thread = threading.Thread(target=self._serve, args=(conn,), name="leaf-channel", daemon=True)
                     self._connections[conn] = thread
+                    thread.start()  # under the lock: close() joins every thread it finds, never an unstarted one
+                    continue
             if full:  # answered on a thread of its own, so accepting goes on
                 threading.Thread(target=self._refuse, args=(conn,), name="leaf-channel-refuse", daemon=True).start()
-            elif self._closed:
+            else:  # closed
                 conn.close()
-            else:
-                thread.start()
 
     def _refuse(self, conn: socket.socket) -> None:
         """Answers a connection beyond ``max_connections`` with RESOURCE_EXHAUSTED.
@@ -372,6 +372,10 @@ class LeafChannelServer:
         with self._lock:
             self._closed = True
             connections = dict(self._connections)
+        try:  # wakes the accepting thread (closing alone leaves accept() blocked on Linux)
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self._listener.close()
         for conn in connections:
             try:

@@ -5,7 +5,9 @@ connection and the server go on serving."""
 from __future__ import annotations
 
 import json
+import os
 import socket
+import threading
 import time
 from multiprocessing import shared_memory
 
@@ -15,9 +17,12 @@ import pytest
 from conftest import loopback_config
 from tandem.v1 import reward_pb2, reward_pb2_grpc
 
+from reward_service import leaf_channel as leaf_channel_server
 from reward_service import server as reward_server
+from reward_service.leaf_channel import LeafChannelServer
 from search_service.games import connect4 as c4
 from tandem import tensors
+from tandem.config import LeafChannelConfig
 from tandem.leaf_channel import (ATTACH, ERROR, MAX_MESSAGE_BYTES, REPLY, WAVE, WAVE_FORMAT, LeafChannel,
                                  LeafChannelError, unpack_error)
 from tandem.server import channel
@@ -342,3 +347,70 @@ def test_an_unknown_model_is_a_leaf_channel_error_naming_it(reward):
     with pytest.raises(LeafChannelError) as err:
         LeafChannel(stub, service.servicer.leaf_channel.path, "no_such_model", 4)
     assert err.value.code == grpc.StatusCode.NOT_FOUND and "no_such_model" in str(err.value)
+
+
+def own_server(service) -> LeafChannelServer:
+    """A second leaf channel server over the reward service's own models, batchers and regions."""
+    s = service.servicer
+    return LeafChannelServer(LeafChannelConfig(max_rows=64, max_connections=2), s.sessions, s.batchers, s.regions,
+                             s.metrics, 2.0)
+
+
+def test_closing_the_server_ends_its_threads_unregisters_and_removes_the_socket(reward):
+    service, stub = reward
+    server = own_server(service)
+    lc = LeafChannel(stub, server.path, MODEL, 4)
+    client_id = lc._inputs.client_id
+    try:
+        assert lc.evaluate(boards("4"), time.monotonic() + 10)["value"].shape == (1, 1)
+        threads = list(server._connections.values())
+        server.close()
+        assert not server._accepter.is_alive()  # woken from accept(), not left blocked in it
+        assert not any(t.is_alive() for t in threads)
+        assert held(service, client_id) == 0 and not os.path.exists(server.path)
+        with pytest.raises(LeafChannelError) as err:
+            lc.evaluate(boards("4"), time.monotonic() + 10)
+        assert err.value.code == grpc.StatusCode.UNAVAILABLE
+    finally:
+        lc.close()
+        server.close()  # twice is fine
+
+
+def test_closing_while_a_connection_thread_is_starting_joins_it(reward, monkeypatch):
+    """close() must never find a connection's thread registered but not started
+    (joining it raised RuntimeError, and the reward service's close stopped there)."""
+    service, _ = reward
+    starting, go = threading.Event(), threading.Event()
+
+    class SlowToStart(threading.Thread):
+        def start(self):
+            if self.name == "leaf-channel":
+                starting.set()
+                go.wait(30)
+            super().start()
+
+    monkeypatch.setattr(leaf_channel_server.threading, "Thread", SlowToStart)
+    server = own_server(service)
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    errors = []
+
+    def close():
+        try:
+            server.close()
+        except Exception as exc:  # noqa: BLE001 - the test reports it
+            errors.append(exc)
+
+    closer = threading.Thread(target=close)
+    try:
+        client.connect(server.path)
+        assert starting.wait(10)
+        closer.start()
+        wait_for(lambda: server._closed, 1.0)  # close() is under way (or waits for the start to end)
+        go.set()
+        closer.join(30)
+        assert not closer.is_alive() and errors == []
+        assert wait_for(lambda: not server._connections) and not os.path.exists(server.path)
+    finally:
+        go.set()
+        client.close()
+        server.close()
