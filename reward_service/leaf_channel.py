@@ -120,11 +120,19 @@ class LeafChannelServer:
     # -- connections ------------------------------------------------------------------
 
     def _accept(self) -> None:
+        failing = False
         while True:
             try:
                 conn, _ = self._listener.accept()
-            except OSError:
-                return  # the listener closed: the server is stopping
+            except OSError as exc:
+                if self._closed:
+                    return  # the listener closed: the server is stopping
+                if not failing:  # e.g. out of file descriptors (EMFILE): accepting resumes once some are freed
+                    log.warning("leaf channel: accepting a connection failed (%s); retrying", exc)
+                failing = True
+                time.sleep(0.1)
+                continue
+            failing = False
             with self._lock:
                 full = len(self._connections) >= self.cfg.max_connections
                 if not full and not self._closed:

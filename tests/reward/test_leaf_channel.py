@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import socket
 import threading
 import time
@@ -412,5 +413,47 @@ def test_closing_while_a_connection_thread_is_starting_joins_it(reward, monkeypa
         assert wait_for(lambda: not server._connections) and not os.path.exists(server.path)
     finally:
         go.set()
+        client.close()
+        server.close()
+
+
+def test_running_out_of_file_descriptors_pauses_accepting_and_it_resumes(reward, caplog):
+    """accept() failing (EMFILE) must not end the accepting thread: the socket
+    would still be advertised, and every later search would wait out its attach."""
+    service, stub = reward
+    server = own_server(service)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    client.settimeout(10)
+    filler = []
+    try:
+        # The process out of descriptors for a moment: accept() has none for the connection.
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
+        try:
+            while True:
+                filler.append(os.open(os.devnull, os.O_RDONLY))
+        except OSError:
+            pass
+        with caplog.at_level("WARNING", logger="reward_service.leaf_channel"):
+            client.connect(server.path)  # completes in the backlog; the server's accept() fails
+            wait_for(lambda: "accepting a connection failed" in caplog.text, 3.0)  # accept() has failed
+        for fd in filler:
+            os.close(fd)
+        filler.clear()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        assert server._accepter.is_alive()
+        c = RawClient.__new__(RawClient)  # the same protocol, on the connection made above
+        c.sock, c.max_rows = client, 8
+        c.inputs = SystemSharedMemoryRegion(stub, 8 * 84)
+        c.outputs = SystemSharedMemoryRegion(stub, 4096, client_id=c.inputs.client_id)
+        try:
+            assert c.attach()[:1] == ATTACH  # accepted once descriptors were free again
+            assert c.wave(2)[:1] == REPLY
+        finally:
+            c.close()
+    finally:
+        for fd in filler:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
         client.close()
         server.close()
