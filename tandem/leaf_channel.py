@@ -206,11 +206,15 @@ class LeafChannel:
             LeafChannelError: the server's status (DEADLINE_EXCEEDED when the
                 deadline passed first, here or there); UNAVAILABLE once the
                 connection broke (the channel is closed then).
-            ValueError: N out of 1..max_rows (nothing sent).
+            ValueError: N out of 1..max_rows, or rows not of the model's
+                row shape (nothing sent).
         """
         rows = len(inputs)
         if not 1 <= rows <= self.max_rows:
             raise ValueError(f"inputs: {rows} rows, the channel carries 1..{self.max_rows}")
+        if tuple(inputs.shape[1:]) != self.input_row:  # else a row of another shape could broadcast into place
+            raise ValueError(f"inputs: rows of shape {list(inputs.shape[1:])}, the model "
+                             f"{self.model!r} takes {list(self.input_row)}")
         if self._sock is None:
             raise LeafChannelError(grpc.StatusCode.UNAVAILABLE, "leaf channel closed")
         self._inputs.write_rows(self._in_view, inputs)

@@ -457,3 +457,38 @@ def test_running_out_of_file_descriptors_pauses_accepting_and_it_resumes(reward,
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
         client.close()
         server.close()
+
+
+def test_rows_of_another_shape_are_refused_before_anything_is_sent(reward):
+    """[2, 6, 7] would broadcast into [2, 2, 6, 7]: refused, not valued as something else."""
+    service, stub = reward
+    lc = LeafChannel(stub, service.servicer.leaf_channel.path, MODEL, 8)
+    try:
+        for wrong in (np.zeros((2, 6, 7), np.uint8), np.zeros((1, 1, 6, 7), np.uint8)):
+            with pytest.raises(ValueError, match=r"rows of shape .* takes \[2, 6, 7\]"):
+                lc.evaluate(wrong, time.monotonic() + 10)
+        assert lc._seq == 0  # nothing was sent
+        assert lc.evaluate(boards("4"), time.monotonic() + 10)["value"].shape == (1, 1)
+    finally:
+        lc.close()
+
+
+def test_a_wave_given_up_by_its_deadline_never_answers_a_later_one(reward):
+    """The client skips the late answer to the wave it gave up; the next wave's
+    outputs are its own rows', not the stale wave's."""
+    service, stub = reward
+    lc = LeafChannel(stub, service.servicer.leaf_channel.path, MODEL, 64)
+    try:
+        stale = np.repeat(boards(""), 64, axis=0)
+        with pytest.raises(LeafChannelError) as err:
+            lc.evaluate(stale, time.monotonic() + 1e-6)  # gives up before any answer can come
+        assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        fresh = boards("4453", "1234567", "44")
+        got = lc.evaluate(fresh, time.monotonic() + 10)
+        want = stub.Evaluate(reward_pb2.EvaluateRequest(model=MODEL, inputs=[tensors.to_proto("board", fresh)],
+                                                        request_class=reward_pb2.REQUEST_CLASS_CRITICAL))
+        by_name = {t.name: tensors.from_proto(t) for t in want.outputs}
+        for name in got:
+            np.testing.assert_allclose(got[name], by_name[name], rtol=1e-5, atol=1e-6)
+    finally:
+        lc.close()
