@@ -104,6 +104,13 @@ def pack_error(seq: int, code: grpc.StatusCode, message: str) -> bytes:
 
 
 def unpack_error(message: bytes) -> tuple[int, LeafChannelError]:
+    """The sequence number and the error of an ``E`` message.
+
+    Raises:
+        LeafChannelError: INTERNAL: the message is too short to be one.
+    """
+    if len(message) < 1 + ERROR_FORMAT.size:
+        raise LeafChannelError(grpc.StatusCode.INTERNAL, f"malformed error message ({len(message)} bytes)")
     seq, value = ERROR_FORMAT.unpack_from(message, 1)
     code = next((c for c in grpc.StatusCode if c.value[0] == value), grpc.StatusCode.UNKNOWN)
     return seq, LeafChannelError(code, message[1 + ERROR_FORMAT.size :].decode("utf-8", "replace"))
@@ -205,7 +212,8 @@ class LeafChannel:
         Raises:
             LeafChannelError: the server's status (DEADLINE_EXCEEDED when the
                 deadline passed first, here or there); UNAVAILABLE once the
-                connection broke (the channel is closed then).
+                connection broke, INTERNAL for a message that is not the
+                protocol's (the channel is closed then, in both cases).
             ValueError: N out of 1..max_rows, or rows not of the model's
                 row shape (nothing sent).
         """
@@ -227,6 +235,8 @@ class LeafChannel:
                 reply = self._sock.recv(MAX_MESSAGE_BYTES)
                 if not reply:
                     raise OSError("the server closed the connection")
+                if reply[:1] == REPLY and len(reply) != 1 + REPLY_FORMAT.size:
+                    raise LeafChannelError(grpc.StatusCode.INTERNAL, f"malformed reply ({len(reply)} bytes)")
                 seq = (unpack_error(reply)[0] if reply[:1] == ERROR else
                        REPLY_FORMAT.unpack_from(reply, 1)[0] if reply[:1] == REPLY else self._seq)
                 if seq == self._seq:
@@ -236,6 +246,9 @@ class LeafChannel:
         except OSError as exc:
             self.close()
             raise LeafChannelError(grpc.StatusCode.UNAVAILABLE, f"socket {self.path}: {exc}") from None
+        except LeafChannelError:  # a server that does not speak the protocol: no later answer can be trusted
+            self.close()
+            raise
         if reply[:1] == ERROR:
             raise unpack_error(reply)[1]
         if reply[:1] != REPLY:

@@ -492,3 +492,47 @@ def test_a_wave_given_up_by_its_deadline_never_answers_a_later_one(reward):
             np.testing.assert_allclose(got[name], by_name[name], rtol=1e-5, atol=1e-6)
     finally:
         lc.close()
+
+
+class OneAnswerServer:
+    """A socket that answers the attach with ``attach_reply`` and every wave with
+    ``wave_reply``: a peer that does not speak the protocol."""
+
+    def __init__(self, path: str, attach_reply: bytes, wave_reply: bytes = b""):
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.listener.bind(path)
+        self.listener.listen(1)
+        self.conns = []
+        threading.Thread(target=self._serve, args=(attach_reply, wave_reply), daemon=True).start()
+
+    def _serve(self, attach_reply, wave_reply):
+        conn, _ = self.listener.accept()
+        self.conns.append(conn)
+        try:
+            conn.recv(MAX_MESSAGE_BYTES)
+            conn.send(attach_reply)
+            while conn.recv(MAX_MESSAGE_BYTES):
+                conn.send(wave_reply)
+        except OSError:
+            pass
+
+    def close(self):
+        for conn in self.conns:
+            conn.close()
+        self.listener.close()
+
+
+@pytest.mark.parametrize("attach_reply, wave_reply", [(b"E", b""), (ATTACH + b"{}", REPLY), (ATTACH + b"{}", ERROR + b"x")])
+def test_messages_not_of_the_protocol_are_internal_errors_and_close_the_channel(reward, tmp_path, attach_reply, wave_reply):
+    _, stub = reward
+    peer = OneAnswerServer(str(tmp_path / "peer.sock"), attach_reply, wave_reply)
+    try:
+        with pytest.raises(LeafChannelError) as err:
+            lc = LeafChannel(stub, str(tmp_path / "peer.sock"), MODEL, 4)
+            try:
+                lc.evaluate(boards("4"), time.monotonic() + 10)
+            finally:
+                assert lc.closed
+        assert err.value.code == grpc.StatusCode.INTERNAL and "malformed" in str(err.value)
+    finally:
+        peer.close()
