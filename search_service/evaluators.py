@@ -253,6 +253,9 @@ class HandoffEvaluator:
             why = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
             self.why_grpc = f"leaf channel: {why}"
             log.info("search service: no leaf channel (%s); leaves go over gRPC", why)
+        except Exception as exc:  # anything else (CuPy out of memory...): still gRPC, and a retry later
+            self.why_grpc = f"leaf channel: {type(exc).__name__}: {exc}"
+            log.exception("search service: attaching the leaf channel failed; leaves go over gRPC")
         with self._lock:
             closed, self._attaching = self._closed, False
             if not closed:

@@ -15,6 +15,7 @@ from conftest import loopback_config
 from tandem.v1 import reward_pb2_grpc, search_pb2, search_pb2_grpc
 
 from reward_service import server as reward_server
+from search_service import evaluators
 from search_service import server as search_server
 from search_service.evaluators import EvaluatorUnavailable, HandoffEvaluator, LeafChannelEvaluator
 from tandem.leaf_channel import ATTACH, MAX_MESSAGE_BYTES, LeafChannel
@@ -174,3 +175,28 @@ def test_a_leaf_channel_that_never_answers_fails_the_wave_by_timeout_s_without_a
         thread.join(10)
         lc.close()
         listener.close()
+
+
+def test_an_attach_failing_unexpectedly_is_retried(reward_only, monkeypatch):
+    """An error the attach does not expect (as CuPy's out of memory for the input
+    region) must not leave it marked under way for good: gRPC meanwhile, then attached."""
+    _, ch = reward_only
+    failures = []
+
+    def out_of_memory_once(*args, **kwargs):
+        if not failures:
+            failures.append(1)
+            raise RuntimeError("out of memory allocating the input region")
+        return LeafChannel(*args, **kwargs)
+
+    monkeypatch.setattr(evaluators, "LeafChannel", out_of_memory_once)
+    handoff = HandoffEvaluator(ch, "connect4_value", retry_s=0.1)
+    try:
+        assert handoff._channel() is None  # the first attempt, in the background...
+        assert wait_for(lambda: failures and not handoff._attaching)
+        assert handoff._ipc is None and "out of memory" in handoff.why_grpc  # ...failed
+        assert handoff.wait_attached(10.0)  # a later one attached
+        values, priors = handoff(np.zeros((3, 2, 6, 7), np.uint8), time.monotonic() + 10)
+        assert handoff.handoff == "ipc" and values.shape == (3,) and priors.shape == (3, 7)
+    finally:
+        handoff.close()
