@@ -21,7 +21,9 @@ Invariants:
   connections writing one output region would answer each other's waves.
 * Every message gets an answer (``R``/``A`` or ``E`` with a gRPC status); a
   malformed message closes nothing but the answer; the connection closes only
-  when its client closes it, the server stops, or the socket fails.
+  when its client closes it, the server stops, the socket fails, or it has
+  stayed silent and unattached for a lease (``lease_ttl_s``): it held a slot
+  of ``max_connections`` and nothing else.
 * The socket file is made with mode 0600 in ``reward.leaf_channel.socket_dir``
   and named after this process, so a stale file from a dead server is never
   reused; it is removed when the server closes.
@@ -87,7 +89,8 @@ class LeafChannelServer:
         cfg: ``reward.leaf_channel``.
         sessions, batchers, regions, metrics: the reward servicer's.
         lease_ttl_s: the regions' lease (``reward.shared_memory.lease_ttl_ms``
-            in s): an idle connection renews its regions every quarter of it.
+            in s): an idle connection renews its regions every quarter of it;
+            one that has not attached by then is closed.
 
     Raises:
         OSError: the socket cannot be made.
@@ -97,6 +100,7 @@ class LeafChannelServer:
                  regions: RegionTable, metrics: ModelMetrics, lease_ttl_s: float):
         self.cfg, self.sessions, self.batchers, self.regions, self.metrics = cfg, sessions, batchers, regions, metrics
         self._renew_s = min(max(lease_ttl_s / 4, 0.01), 10.0)
+        self._attach_wait_s = lease_ttl_s  # a connection not attached by then is closed: it only holds a slot
         directory = cfg.socket_dir or tempfile.gettempdir()
         self.path = os.path.join(directory, f"tandem-leaf-{os.getpid()}-{id(self):x}.sock")
         self._lock = threading.Lock()
@@ -161,6 +165,7 @@ class LeafChannelServer:
 
     def _serve(self, conn: socket.socket) -> None:
         attachment = None
+        since = time.monotonic()  # the connection's start, or its last message
         try:
             conn.settimeout(self._renew_s)
             while True:
@@ -169,7 +174,10 @@ class LeafChannelServer:
                 except TimeoutError:
                     if attachment is not None:  # idle: the connection is the regions' heartbeat
                         self._renew(attachment)
+                    elif time.monotonic() - since >= self._attach_wait_s:
+                        return  # never attached (or a failed attach) and silent: its slot goes to another
                     continue
+                since = time.monotonic()
                 if not message:
                     return  # the client closed the connection
                 kind = message[:1]

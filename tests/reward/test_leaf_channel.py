@@ -536,3 +536,27 @@ def test_messages_not_of_the_protocol_are_internal_errors_and_close_the_channel(
         assert err.value.code == grpc.StatusCode.INTERNAL and "malformed" in str(err.value)
     finally:
         peer.close()
+
+
+def test_a_connection_that_never_attaches_is_closed_after_a_lease_and_frees_its_slot(reward):
+    """max_connections silent connections would otherwise lock every search out for good."""
+    service, stub = reward
+    server = own_server(service)  # max_connections 2, lease 2 s
+    silent = [socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(2)]
+    try:
+        for s in silent:
+            s.settimeout(30)
+            s.connect(server.path)
+        assert wait_for(lambda: len(server._connections) == 2)
+        for s in silent:
+            assert s.recv(MAX_MESSAGE_BYTES) == b""  # closed by the server, unanswered: nothing was asked
+        assert wait_for(lambda: not server._connections)
+        lc = LeafChannel(stub, server.path, MODEL, 4)
+        try:
+            assert lc.evaluate(boards("4"), time.monotonic() + 10)["value"].shape == (1, 1)
+        finally:
+            lc.close()
+    finally:
+        for s in silent:
+            s.close()
+        server.close()
