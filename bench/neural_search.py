@@ -144,7 +144,7 @@ def _leaf_channel(stub):
     runtime = stub.ModelMetadata(reward_pb2.ModelMetadataRequest(model="connect4_value"), timeout=30).runtime
     channel = LeafChannel(stub, runtime[RUNTIME_KEY], "connect4_value", 4096, int(runtime[f"{RUNTIME_KEY}_device"]))
     common.note(f"leaf channel: {channel.kind} input region")
-    return LeafChannelEvaluator(channel)
+    return LeafChannelEvaluator(channel, timeout_s=30)  # as the gRPC evaluator it is measured against
 
 
 def main() -> None:
