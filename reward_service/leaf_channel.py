@@ -260,7 +260,7 @@ class LeafChannelServer:
             taken = {input_region, output_region} & self._attached
             if taken:
                 raise _Bad(grpc.StatusCode.ALREADY_EXISTS,
-                           f"region {quote(sorted(taken)[0])}: attached to another leaf channel")
+                           f"region {quote(min(taken))}: attached to another leaf channel")
             self._attached |= {input_region, output_region}
         return attachment
 

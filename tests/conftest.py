@@ -46,6 +46,16 @@ def loopback_config(**sections) -> TandemConfig:
     return parse_config(data)
 
 
+def wait_for(predicate, timeout_s: float = 10.0) -> bool:
+    """Polls ``predicate`` until it is true or ``timeout_s`` passed; its last value."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return bool(predicate())
+
+
 def lines_until(proc, prefix: str, timeout_s: float = 180.0) -> list[str]:
     """The lines a process prints on its (text) stdout up to and including the first
     that starts with ``prefix``, e.g. ``tandem up``'s "tandem is up"; fails the test

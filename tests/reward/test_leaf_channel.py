@@ -15,7 +15,7 @@ from multiprocessing import shared_memory
 import grpc
 import numpy as np
 import pytest
-from conftest import loopback_config
+from conftest import loopback_config, wait_for
 from tandem.v1 import reward_pb2, reward_pb2_grpc
 
 from reward_service import leaf_channel as leaf_channel_server
@@ -51,14 +51,6 @@ def held(service, client_id: str) -> int:
     """Regions the server holds for ``client_id``."""
     return len(service.servicer.regions.status(client_id))
 
-
-def wait_for(predicate, timeout_s: float = 10.0) -> bool:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
 
 
 def test_the_runtime_names_the_socket_and_the_answers_equal_evaluate(reward):
@@ -107,13 +99,15 @@ def test_an_idle_connection_keeps_its_regions_past_their_lease(reward):
 class RawClient:
     """The protocol by hand: its own regions and socket, for the bad inputs."""
 
-    def __init__(self, service, stub, max_rows=8, out_bytes=None, client_id=None):
+    def __init__(self, service, stub, max_rows=8, out_bytes=None, client_id=None, sock=None):
         self.stub = stub
         self.inputs = SystemSharedMemoryRegion(stub, max_rows * 84, client_id=client_id)
         self.outputs = SystemSharedMemoryRegion(stub, out_bytes or 4096, client_id=self.inputs.client_id)
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.sock.settimeout(10)
-        self.sock.connect(service.servicer.leaf_channel.path)
+        if sock is None:  # else a connection made already
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            sock.settimeout(10)
+            sock.connect(service.servicer.leaf_channel.path)
+        self.sock = sock
         self.max_rows = max_rows
 
     def attach(self, **overrides) -> bytes:
@@ -442,10 +436,7 @@ def test_running_out_of_file_descriptors_pauses_accepting_and_it_resumes(reward,
         filler.clear()
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
         assert server._accepter.is_alive()
-        c = RawClient.__new__(RawClient)  # the same protocol, on the connection made above
-        c.sock, c.max_rows = client, 8
-        c.inputs = SystemSharedMemoryRegion(stub, 8 * 84)
-        c.outputs = SystemSharedMemoryRegion(stub, 4096, client_id=c.inputs.client_id)
+        c = RawClient(service, stub, sock=client)  # the protocol on the connection made above
         try:
             assert c.attach()[:1] == ATTACH  # accepted once descriptors were free again
             assert c.wave(2)[:1] == REPLY

@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import loopback_config
+from conftest import loopback_config, wait_for
 from tandem.v1 import reward_pb2_grpc, search_pb2, search_pb2_grpc
 
 from reward_service import server as reward_server
@@ -116,14 +116,6 @@ def reward_only():
     reward.stop()
 
 
-def wait_for(predicate, timeout_s: float = 10.0) -> bool:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
-
 
 def test_a_closed_handoff_drops_the_attach_under_way_and_never_attaches_again(reward_only):
     reward, ch = reward_only
@@ -139,7 +131,7 @@ def test_a_closed_handoff_drops_the_attach_under_way_and_never_attaches_again(re
 
 def test_a_leaf_channel_that_never_answers_fails_the_wave_by_timeout_s_without_a_deadline(reward_only, tmp_path):
     """As over gRPC, a wave with no deadline waits ``timeout_s``, not forever."""
-    reward, ch = reward_only
+    _, ch = reward_only
     path = str(tmp_path / "mute.sock")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(path)
