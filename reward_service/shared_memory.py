@@ -273,6 +273,9 @@ class _CudaMemory:
 
     def close(self) -> None:
         with self._cp.cuda.Device(self.device_id):
+            # A request that gave up at its deadline may have left a copy from this memory
+            # queued on a lane's stream; the mapping goes only once nothing can touch it.
+            self._cp.cuda.runtime.deviceSynchronize()
             self._cp.cuda.runtime.ipcCloseMemHandle(self._ptr)
 
     def describe(self) -> dict:
