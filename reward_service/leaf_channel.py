@@ -26,7 +26,8 @@ Invariants:
   of ``max_connections`` and nothing else.
 * The socket file is made with mode 0600 in ``reward.leaf_channel.socket_dir``
   and named after this process, so a stale file from a dead server is never
-  reused; it is removed when the server closes.
+  reused; it is removed when the server closes, and a dead server's file by
+  the next server started in that directory (:func:`remove_stale_sockets`).
 """
 from __future__ import annotations
 
@@ -82,6 +83,39 @@ class _Attachment:
     output_bytes: int
 
 
+SOCKET_PREFIX = "tandem-leaf-"  # then the server's pid, "-", an id, ".sock"
+
+
+def remove_stale_sockets(directory: str) -> list[str]:
+    """Removes the socket files in ``directory`` of leaf-channel servers whose
+    process is gone (a server killed before its close), and returns their
+    names. A file whose process lives, or that is not ours to judge (not this
+    user's, a name of another form), is left alone."""
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        if not (name.startswith(SOCKET_PREFIX) and name.endswith(".sock")):
+            continue
+        pid = name[len(SOCKET_PREFIX):].split("-", 1)[0]
+        path = os.path.join(directory, name)
+        try:
+            if not pid.isdigit() or os.stat(path).st_uid != os.getuid():
+                continue
+            os.kill(int(pid), 0)  # raises ProcessLookupError once the process is gone
+        except ProcessLookupError:
+            try:
+                os.unlink(path)
+                removed.append(name)
+            except OSError:
+                pass
+        except OSError:  # PermissionError: another user's process lives under that pid
+            continue
+    return removed
+
+
 class LeafChannelServer:
     """Listens on its own socket file and serves every connection on a thread of its own.
 
@@ -102,7 +136,8 @@ class LeafChannelServer:
         self._renew_s = min(max(lease_ttl_s / 4, 0.01), 10.0)
         self._attach_wait_s = lease_ttl_s  # a connection not attached by then is closed: it only holds a slot
         directory = cfg.socket_dir or tempfile.gettempdir()
-        self.path = os.path.join(directory, f"tandem-leaf-{os.getpid()}-{id(self):x}.sock")
+        remove_stale_sockets(directory)
+        self.path = os.path.join(directory, f"{SOCKET_PREFIX}{os.getpid()}-{id(self):x}.sock")
         self._lock = threading.Lock()
         self._connections: dict[socket.socket, threading.Thread] = {}  # guarded by _lock
         self._attached: set[str] = set()  # region names; guarded by _lock
@@ -117,6 +152,8 @@ class LeafChannelServer:
             self._listener.listen(cfg.max_connections)
         except BaseException:
             self._listener.close()
+            if os.path.exists(self.path):  # bound, then listen failed: no file left behind
+                os.unlink(self.path)
             raise
         self._accepter = threading.Thread(target=self._accept, name="leaf-channel-accept", daemon=True)
         self._accepter.start()

@@ -551,3 +551,23 @@ def test_a_connection_that_never_attaches_is_closed_after_a_lease_and_frees_its_
         for s in silent:
             s.close()
         server.close()
+
+
+def test_a_dead_servers_socket_file_is_removed_and_a_live_ones_kept(tmp_path):
+    """A server killed before its close leaves its file; the next server started in
+    that directory removes it (by its pid, gone), never a live server's."""
+    import subprocess
+
+    from reward_service.leaf_channel import SOCKET_PREFIX, remove_stale_sockets
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid no process holds now
+    dead = tmp_path / f"{SOCKET_PREFIX}{gone.pid}-7f00.sock"
+    live = tmp_path / f"{SOCKET_PREFIX}{os.getpid()}-7f01.sock"
+    other = tmp_path / "tandem-leaf-notapid.sock"
+    for path in (dead, live, other):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        s.bind(str(path))
+        s.close()  # the file stays, as a killed server's does
+    assert remove_stale_sockets(str(tmp_path)) == [dead.name]
+    assert not dead.exists() and live.exists() and other.exists()
