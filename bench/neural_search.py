@@ -14,8 +14,12 @@ Three kinds of row (``kind``):
   waves of ``wave`` leaves (32, 64, 128, 256); p50/p99 of ``--repeats`` calls;
   per call the time split into kernels (select + backup), hand-off (the
   evaluate step's wall time less the reward service's own queue + model
-  time) and model (that service time), per wave in µs; ``evals_per_s`` the
-  leaves valued per second of search.
+  time) and model (that service time), per wave in µs; the hand-off split
+  again into ``transport`` (the evaluator's call less the service time:
+  copies, socket or gRPC, the service's own work around its batcher,
+  decoding) and ``bookkeeping`` (the backend's host work on the wave around
+  the call), and the model into ``queue`` and ``compute``; ``evals_per_s``
+  the leaves valued per second of search.
 * ``throughput``: the value model's evaluated positions per second through
   one hand-off of ``batch`` boards (64 .. 4096), as a client sees it.
 * ``search_quality``: ``optimal_move_rate`` with a 16 ms deadline per
@@ -25,7 +29,8 @@ Three kinds of row (``kind``):
   Pons set (``--positions`` per set).
 
 Row fields: kind, handoff, simulations, wave, latency_ms_p50, latency_ms_p99,
-kernel_ms, handoff_us_per_wave, model_us_per_wave, waves, evals_per_s; batch;
+kernel_ms, handoff_us_per_wave, model_us_per_wave, queue_us_per_wave,
+compute_us_per_wave, transport_us_per_wave, bookkeeping_us_per_wave, waves, evals_per_s; batch;
 position_set, evaluator, budget_ms, positions, optimal_move_rate,
 simulations_mean.
 
@@ -34,6 +39,7 @@ Smoke test:     ``python3 -m bench.neural_search --quick`` (CPU reference, small
 """
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import socket
 import time
@@ -64,22 +70,31 @@ def latency(backend, evaluator, wave: int, simulations: int, repeats: int) -> di
         return None
     root = common.positions([""])
     backend.search(root, params, evaluator)  # warm-up: kernels, the reward session's buckets
-    ms, kernel, handoff, model, waves = [], [], [], [], []
+    ms, kernel, waves = [], [], []
+    per_wave = {k: [] for k in ("handoff", "model", "queue", "compute", "call_rest", "bookkeeping")}  # µs
     for seed in range(repeats):
-        calls, server = evaluator.calls, evaluator.server_ms
+        before = dataclasses.replace(evaluator.totals)
         t = time.perf_counter()
         (r,), _ = backend.search(root, replace(params, seed=seed + 1), evaluator)
         common.sync_cuda()
         ms.append((time.perf_counter() - t) * 1e3)
-        n, server_ms = evaluator.calls - calls, evaluator.server_ms - server
+        after = evaluator.totals
+        n = max(after.calls - before.calls, 1)
+        queue, compute = after.queue_ms - before.queue_ms, after.compute_ms - before.compute_ms
+        call = after.call_ms - before.call_ms
         kernel.append(r.select_ms + r.expand_ms + r.backup_ms)
-        handoff.append((r.evaluate_ms - server_ms) * 1e3 / max(n, 1))
-        model.append(server_ms * 1e3 / max(n, 1))
-        waves.append(n)
+        for key, total_ms in (("handoff", r.evaluate_ms - queue - compute), ("model", queue + compute),
+                              ("queue", queue), ("compute", compute), ("call_rest", call - queue - compute),
+                              ("bookkeeping", r.evaluate_ms - call)):
+            per_wave[key].append(total_ms * 1e3 / n)
+        waves.append(after.calls - before.calls)
     p50, p99 = percentiles(ms, 50, 99)
+    med = {k: float(np.median(v)) for k, v in per_wave.items()}
     return dict(kind="latency", handoff=evaluator.handoff, simulations=simulations, wave=wave, latency_ms_p50=p50,
-                latency_ms_p99=p99, kernel_ms=float(np.median(kernel)), handoff_us_per_wave=float(np.median(handoff)),
-                model_us_per_wave=float(np.median(model)), waves=float(np.median(waves)),
+                latency_ms_p99=p99, kernel_ms=float(np.median(kernel)), handoff_us_per_wave=med["handoff"],
+                model_us_per_wave=med["model"], queue_us_per_wave=med["queue"], compute_us_per_wave=med["compute"],
+                transport_us_per_wave=med["call_rest"], bookkeeping_us_per_wave=med["bookkeeping"],
+                waves=float(np.median(waves)),
                 evals_per_s=simulations / (p50 / 1e3), repeats=repeats)
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
 
 import grpc
 import numpy as np
@@ -39,6 +40,29 @@ HANDOFF_IPC = "ipc"  # the leaf channel: shared memory and a Unix-socket doorbel
 
 class EvaluatorUnavailable(EvaluationFailed):
     """The reward service could not evaluate the leaves."""
+
+
+@dataclass
+class CallTotals:
+    """What an evaluator's answered calls add up to, for benchmarks: the time
+    of a wave split into the reward service's queue and model run (as its
+    replies report them) and the rest of the call (the hand-off: copies,
+    transport, decoding). Written by the calling thread; read between searches
+    (the serving path calls from one dispatcher thread)."""
+
+    calls: int = 0
+    leaves: int = 0
+    call_ms: float = 0.0  # wall time inside the evaluator's __call__ (ms)
+    queue_ms: float = 0.0  # the reward service's queue (ms)
+    compute_ms: float = 0.0  # its model runs, copies in and out included (ms)
+
+    def add(self, leaves: int, started: float, queue_ms: float, compute_ms: float) -> None:
+        """One answered call of ``leaves`` rows that began at ``started`` (time.perf_counter() s)."""
+        self.calls += 1
+        self.leaves += leaves
+        self.call_ms += (time.perf_counter() - started) * 1e3
+        self.queue_ms += queue_ms
+        self.compute_ms += compute_ms
 
 
 class RewardServiceEvaluator:
@@ -60,12 +84,7 @@ class RewardServiceEvaluator:
         self.timeout_s = timeout_s
         self._input: str | None = None
         self._has_policy = False
-        # Totals over the calls so far, for benchmarks: the reward service's own time
-        # (queue + model, ms) and the leaves sent. Written by the calling thread; read
-        # between searches (the serving path calls from one dispatcher thread).
-        self.calls = 0
-        self.server_ms = 0.0
-        self.leaves = 0
+        self.totals = CallTotals()
 
     def _metadata(self, timeout: float) -> None:
         meta = self._stub.ModelMetadata(reward_pb2.ModelMetadataRequest(model=self.model), timeout=timeout)
@@ -85,6 +104,7 @@ class RewardServiceEvaluator:
             EvaluatorUnavailable: the reward service failed, is unreachable, or
                 did not answer by ``deadline``.
         """
+        start = time.perf_counter()
         timeout = self.timeout_s
         if deadline is not None:
             timeout = max(min(timeout, deadline - time.monotonic()), 1e-3)
@@ -103,10 +123,9 @@ class RewardServiceEvaluator:
             )
         except grpc.RpcError as exc:
             raise EvaluatorUnavailable(f"reward service: {exc.code().name}: {exc.details()}") from None
-        self.calls += 1
-        self.server_ms += reply.queue_ms + reply.compute_ms
-        self.leaves += len(observations)
-        return _values_and_priors({t.name: tensors.from_proto(t) for t in reply.outputs})
+        answer = _values_and_priors({t.name: tensors.from_proto(t) for t in reply.outputs})
+        self.totals.add(len(observations), start, reply.queue_ms, reply.compute_ms)
+        return answer
 
 
 def _values_and_priors(outputs: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray | None]:
@@ -134,7 +153,7 @@ class LeafChannelEvaluator:
 
     def __init__(self, channel: LeafChannel, timeout_s: float = 2.0):
         self.channel, self.timeout_s = channel, timeout_s
-        self.calls, self.server_ms, self.leaves = 0, 0.0, 0  # as RewardServiceEvaluator's
+        self.totals = CallTotals()
 
     def __call__(self, observations: np.ndarray, deadline: float | None = None) -> tuple[np.ndarray, np.ndarray | None]:
         """As :meth:`RewardServiceEvaluator.__call__`.
@@ -144,15 +163,15 @@ class LeafChannelEvaluator:
                 (the channel is closed then).
         """
         # As over gRPC: never waits past timeout_s (a reward service that hangs must not hold the search).
+        start = time.perf_counter()
         cap = time.monotonic() + self.timeout_s
         try:
             outputs = self.channel.evaluate(observations, cap if deadline is None else min(deadline, cap))
         except LeafChannelError as exc:
             raise EvaluatorUnavailable(f"reward service (leaf channel): {exc}") from None
-        self.calls += 1
-        self.server_ms += self.channel.queue_ms + self.channel.compute_ms
-        self.leaves += len(observations)
-        return _values_and_priors(outputs)
+        answer = _values_and_priors(outputs)
+        self.totals.add(len(observations), start, self.channel.queue_ms, self.channel.compute_ms)
+        return answer
 
 
 class HandoffEvaluator:

@@ -48,7 +48,7 @@ def test_on_one_host_the_leaves_go_by_the_leaf_channel(services):
     assert handoff.wait_attached(10.0)
     reply = services["stub"].Search(value_search(), timeout=60)
     assert reply.handoff == "ipc" and reply.model_simulations == reply.simulations == 64
-    assert handoff._ipc.calls > 0 and handoff._ipc.channel.kind == "system"  # the CPU build's regions
+    assert handoff._ipc.totals.calls > 0 and handoff._ipc.channel.kind == "system"  # the CPU build's regions
     rollout = services["stub"].Search(value_search(evaluator=search_pb2.EVALUATOR_ROLLOUT), timeout=60)
     assert rollout.handoff == ""  # no leaves handed off
 
@@ -86,12 +86,12 @@ def test_a_reward_service_killed_mid_search_leaves_the_tree_and_a_reason_and_a_n
     answer = {}
     long_search = value_search(moves="", simulations=10_000_000, deadline_ms=4000)
     thread = threading.Thread(target=lambda: answer.setdefault("r", services["stub"].Search(long_search, timeout=60)))
-    calls = ipc.calls
+    calls = ipc.totals.calls
     thread.start()
     end = time.monotonic() + 30
-    while ipc.calls < calls + 3 and time.monotonic() < end:  # a few waves valued by the model
+    while ipc.totals.calls < calls + 3 and time.monotonic() < end:  # a few waves valued by the model
         time.sleep(0.005)
-    assert ipc.calls >= calls + 3
+    assert ipc.totals.calls >= calls + 3
     services["reward"].stop()  # its leaf channel closes with it
     thread.join(60)
     r = answer["r"]
