@@ -33,6 +33,16 @@ def _on_sigint(deadline_s: float):
     return handler
 
 
+def raise_if_interrupted() -> None:
+    """Raises KeyboardInterrupt once Ctrl-C was pressed, for loops that must
+    stop even when the signal's exception was lost: the handler raises in
+    whatever the main thread runs, and gRPC's C core, running a Python
+    callback there, only prints it (a demo then played on against its stopped
+    servers until the exit deadline)."""
+    if _interrupted.is_set():
+        raise KeyboardInterrupt
+
+
 def install(deadline_s: float = DEADLINE_S) -> None:
     """Installs the SIGINT handler (in the main thread; commands that serve
     install their own, which replaces it)."""

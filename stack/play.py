@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 from tandem.v1 import search_pb2
 
-from stack import frame_loop
+from stack import frame_loop, interrupt
 from stack.frame_loop import FrameClient, SentFrame
 from stack.stats import percentiles, summary
 from tandem import tensors
@@ -131,6 +131,7 @@ def _play_frames(opts: PlayOptions, client: FrameClient, positions: list[Labelle
     budget_ms = frame_loop.frame_budget_ms(opts.fps)
     tally = _Tally()
     for tick in frame_loop.paced(opts.fps, frames=opts.frames):
+        interrupt.raise_if_interrupted()  # a Ctrl-C whose KeyboardInterrupt gRPC swallowed
         pos = positions[tick.frame % len(positions)]
         obs = frame_loop.board_observation(pos.moves)
         frame = client.send(tick, pos.moves, simulations=opts.simulations, evaluator=opts.evaluator,
