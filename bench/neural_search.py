@@ -151,13 +151,12 @@ def _serve_reward(cfg, ready, stop) -> None:
 
 def _leaf_channel(stub):
     """A leaf-channel evaluator attached to the reward service behind ``stub``."""
-    from tandem.v1 import reward_pb2
-
     from search_service.evaluators import LeafChannelEvaluator
-    from tandem.leaf_channel import RUNTIME_KEY, LeafChannel
+    from tandem.leaf_channel import LeafChannel
 
-    runtime = stub.ModelMetadata(reward_pb2.ModelMetadataRequest(model="connect4_value"), timeout=30).runtime
-    channel = LeafChannel(stub, runtime[RUNTIME_KEY], "connect4_value", 4096, int(runtime[f"{RUNTIME_KEY}_device"]))
+    channel = LeafChannel.offered(stub, "connect4_value", 4096, timeout_s=30)
+    if channel is None:
+        raise SystemExit("the reward service offers no leaf channel (reward.leaf_channel.enabled)")
     common.note(f"leaf channel: {channel.kind} input region")
     return LeafChannelEvaluator(channel, timeout_s=30)  # as the gRPC evaluator it is measured against
 

@@ -284,9 +284,9 @@ class _BoundRunner:
                     dev.copy_device(d, off, req.feeds[name])
         else:
             fill(slot.host_in)  # rows [0, rows) of the pinned staging buffers
-        for name, d in slot.dev_in.items():
-            if device_batch is None:
+            for name, d in slot.dev_in.items():
                 dev.upload(d, slot.host_in[name], rows)
+        for d in slot.dev_in.values():
             if slot.dirty_rows > rows:  # padding rows: zeros, never an earlier request's data
                 dev.zero(d, rows, slot.dirty_rows)
         slot.dirty_rows = rows

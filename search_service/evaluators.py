@@ -30,7 +30,7 @@ from tandem.v1 import reward_pb2, reward_pb2_grpc
 
 from search_service.mcts.backend import EvaluationFailed
 from tandem import tensors
-from tandem.leaf_channel import RUNTIME_KEY, LeafChannel, LeafChannelError
+from tandem.leaf_channel import LeafChannel, LeafChannelError
 
 log = logging.getLogger(__name__)
 
@@ -258,16 +258,13 @@ class HandoffEvaluator:
     def _attach(self) -> None:
         ipc = None
         try:
-            meta = self._stub.ModelMetadata(reward_pb2.ModelMetadataRequest(model=self.model), timeout=self.timeout_s)
-            path = meta.runtime.get(RUNTIME_KEY, "")
-            if not path:
+            channel = LeafChannel.offered(self._stub, self.model, self.max_rows, self.timeout_s)
+            if channel is None:
                 self.why_grpc = "the reward service offers no leaf channel"
             else:
-                device = int(meta.runtime.get(f"{RUNTIME_KEY}_device", "-1"))
-                ipc = LeafChannelEvaluator(LeafChannel(self._stub, path, self.model, self.max_rows, device,
-                                                       self.timeout_s), self.timeout_s)
+                ipc = LeafChannelEvaluator(channel, self.timeout_s)
                 log.warning("search service: leaf channel to the reward service attached (%s input region, %s)",
-                            ipc.channel.kind, path)
+                            channel.kind, channel.path)
         except (LeafChannelError, grpc.RpcError, OSError, ValueError) as exc:
             why = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
             self.why_grpc = f"leaf channel: {why}"

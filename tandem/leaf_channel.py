@@ -51,7 +51,7 @@ import numpy as np
 from tandem.v1 import reward_pb2, reward_pb2_grpc
 
 from tandem import tensors
-from tandem.shared_memory_client import ALIGN_BYTES, CudaSharedMemoryRegion, SystemSharedMemoryRegion
+from tandem.shared_memory_client import CudaSharedMemoryRegion, SystemSharedMemoryRegion, aligned
 from tandem.gpu import cupy_module
 
 ATTACH, WAVE, REPLY, ERROR = b"A", b"W", b"R", b"E"
@@ -72,10 +72,6 @@ class LeafChannelError(Exception):
         self.code = code
 
 
-def _aligned(n: int) -> int:
-    return -(-n // ALIGN_BYTES) * ALIGN_BYTES
-
-
 @dataclass(frozen=True)
 class OutputSlot:
     """Where one output lies in the output region: float32 ``[max_rows, *row]`` from ``offset``."""
@@ -94,7 +90,7 @@ def output_layout(outputs: list[tuple[str, tuple[int, ...]]], max_rows: int) -> 
     slots, offset = [], 0
     for name, row in outputs:
         slots.append(OutputSlot(name, tuple(row), offset))
-        offset = _aligned(offset + slots[-1].nbytes(max_rows))
+        offset = aligned(offset + slots[-1].nbytes(max_rows))
     return slots, offset
 
 
@@ -133,6 +129,18 @@ def _input_region(stub, byte_size: int, device_id: int, timeout_s: float):
     return SystemSharedMemoryRegion(stub, byte_size, timeout_s=timeout_s)
 
 
+def _metadata(stub, model: str, timeout_s: float) -> reward_pb2.ModelMetadataResponse:
+    """``model``'s ModelMetadata.
+
+    Raises:
+        LeafChannelError: the server's status (NOT_FOUND for an unknown model).
+    """
+    try:
+        return stub.ModelMetadata(reward_pb2.ModelMetadataRequest(model=model), timeout=timeout_s)
+    except grpc.RpcError as exc:
+        raise LeafChannelError(exc.code(), f"model metadata: {exc.details()}") from None
+
+
 class LeafChannel:
     """The client's end: regions registered with the reward service, a socket
     attached to them, then :meth:`evaluate` per wave. One caller at a time
@@ -148,6 +156,7 @@ class LeafChannel:
             CPU): a CUDA input region when it is >= 0, CuPy is here and the
             server can open its handle; else system shared memory (``kind``).
         timeout_s: connect, register and attach deadline (s).
+        meta: the model's ModelMetadata, if the caller has it (else asked here).
 
     Raises:
         LeafChannelError: the model's metadata, the registration, the socket
@@ -156,12 +165,10 @@ class LeafChannel:
     """
 
     def __init__(self, stub: reward_pb2_grpc.RewardServiceStub, path: str, model: str, max_rows: int,
-                 device_id: int = -1, timeout_s: float = 5.0):
+                 device_id: int = -1, timeout_s: float = 5.0,
+                 meta: reward_pb2.ModelMetadataResponse | None = None):
         self.path, self.model, self.max_rows = path, model, max_rows
-        try:
-            meta = stub.ModelMetadata(reward_pb2.ModelMetadataRequest(model=model), timeout=timeout_s)
-        except grpc.RpcError as exc:
-            raise LeafChannelError(exc.code(), f"model metadata: {exc.details()}") from None
+        meta = meta or _metadata(stub, model, timeout_s)
         spec = meta.inputs[0]
         self.input_name, self.input_row = spec.name, tuple(spec.shape[1:])
         self.input_dtype = tensors.numpy_dtype(spec.dtype)
@@ -202,6 +209,23 @@ class LeafChannel:
         # The server's time of the last wave (ms): queue and model, and its padded rows.
         self.queue_ms = self.compute_ms = 0.0
         self.bucket = 0
+
+    @classmethod
+    def offered(cls, stub: reward_pb2_grpc.RewardServiceStub, model: str, max_rows: int,
+                timeout_s: float = 5.0) -> LeafChannel | None:
+        """The leaf channel the reward service behind ``stub`` offers for
+        ``model`` (``ModelMetadata.runtime``: its socket and device), attached;
+        None when it offers none.
+
+        Raises:
+            LeafChannelError: as the constructor.
+        """
+        meta = _metadata(stub, model, timeout_s)
+        path = meta.runtime.get(RUNTIME_KEY, "")
+        if not path:
+            return None
+        device = int(meta.runtime.get(f"{RUNTIME_KEY}_device", "-1"))
+        return cls(stub, path, model, max_rows, device, timeout_s, meta)
 
     def evaluate(self, inputs, deadline: float | None = None) -> dict[str, np.ndarray]:
         """The model's outputs (name -> float32 ``[N, *row]``, copies) for

@@ -45,7 +45,8 @@ log = logging.getLogger(__name__)
 ALIGN_BYTES = 64  # every tensor starts on a cache line, so on any dtype's size too
 
 
-def _aligned(offset: int) -> int:
+def aligned(offset: int) -> int:
+    """``offset`` rounded up to the next multiple of :data:`ALIGN_BYTES`."""
     return -(-offset // ALIGN_BYTES) * ALIGN_BYTES
 
 
@@ -80,7 +81,7 @@ def _layout(meta: reward_pb2.ModelMetadataResponse, inputs: dict, output_names=(
         if np.dtype(array.dtype) != dtype:
             raise ValueError(f"inputs[{name!r}]: {array.dtype}, but the model takes {dtype}")
         ins.append(_Slot(name, spec.dtype, tuple(array.shape), offset, array.nbytes))
-        offset = _aligned(offset + array.nbytes)
+        offset = aligned(offset + array.nbytes)
     rows = len(next(iter(inputs.values())))
     outs = []
     for spec in meta.outputs:
@@ -92,7 +93,7 @@ def _layout(meta: reward_pb2.ModelMetadataResponse, inputs: dict, output_names=(
         shape = (rows, *row)
         nbytes = int(np.prod(shape, dtype=np.int64)) * tensors.numpy_dtype(spec.dtype).itemsize
         outs.append(_Slot(spec.name, spec.dtype, shape, offset, nbytes))
-        offset = _aligned(offset + nbytes)
+        offset = aligned(offset + nbytes)
     unknown = set(output_names) - {s.name for s in outs}
     if unknown:
         raise ValueError(f"output_names: model {meta.name!r} has no output {sorted(unknown)[0]!r}")

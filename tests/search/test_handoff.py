@@ -175,13 +175,15 @@ def test_an_attach_failing_unexpectedly_is_retried(reward_only, monkeypatch):
     _, ch = reward_only
     failures = []
 
+    offered = LeafChannel.offered
+
     def out_of_memory_once(*args, **kwargs):
         if not failures:
             failures.append(1)
             raise RuntimeError("out of memory allocating the input region")
-        return LeafChannel(*args, **kwargs)
+        return offered(*args, **kwargs)
 
-    monkeypatch.setattr(evaluators, "LeafChannel", out_of_memory_once)
+    monkeypatch.setattr(evaluators.LeafChannel, "offered", out_of_memory_once)
     handoff = HandoffEvaluator(ch, "connect4_value", retry_s=0.1)
     try:
         assert handoff._channel() is None  # the first attempt, in the background...
