@@ -458,16 +458,16 @@ class ModelSession:
         self.name = model.name
         self.description = model.description
         self.max_batch_size = model.max_batch_size
-        self.precision = model.precision
+        want_cuda = _use_cuda(cfg.execution_provider)
+        self.precision = resolve_precision(model.precision, want_cuda)  # "fp32" or "fp16"
         self._nonfinite_reject = cfg.nonfinite_inputs == "reject"
         self.runtime: dict[str, str] = {}
         path = resolve_path(model.path)
-        want_cuda = _use_cuda(cfg.execution_provider)
         cupy = cupy_module() if want_cuda else None
         if want_cuda and hasattr(ort, "preload_dlls"):
             ort.preload_dlls()  # CUDA and cuDNN from their pip packages, where installed
         try:
-            raw = self._load(path, model.precision)
+            raw = self._load(path, self.precision)
             factory = _SessionFactory(raw, model, cfg, cfg.memory_pool_bytes if pool_bytes is None else pool_bytes)
             probe = factory.cuda() if want_cuda else factory.cpu()
         except Exception as exc:  # ONNX Runtime's errors are not RuntimeErrors, and span lines
@@ -773,6 +773,14 @@ def runners_per_model(cfg: RewardConfig) -> int:
     for the bulk lane, plus the critical lane's own (the memory pool is split
     over them)."""
     return len(cfg.stream_priorities) + 1
+
+
+def resolve_precision(precision: str, cuda: bool) -> str:
+    """``ModelConfig.precision`` made concrete: "auto" is "fp16" where the model
+    is to run on the CUDA execution provider (``cuda``), else "fp32"."""
+    if precision == "auto":
+        return "fp16" if cuda else "fp32"
+    return precision
 
 
 def _to_fp16(raw: bytes, name: str) -> bytes:

@@ -135,9 +135,11 @@ def _values_and_priors(outputs: dict[str, np.ndarray]) -> tuple[np.ndarray, np.n
     logits = outputs.get("policy_logits")
     if logits is None:
         return values, None
-    z = logits - logits.max(axis=1, keepdims=True)
-    priors = np.exp(z)
-    return values, (priors / priors.sum(axis=1, keepdims=True)).astype(np.float32)
+    logits = np.asarray(logits, np.float32)
+    priors = logits - logits.max(axis=1, keepdims=True)  # a new array: changed in place below
+    np.exp(priors, out=priors)
+    priors /= priors.sum(axis=1, keepdims=True)
+    return values, priors
 
 
 class LeafChannelEvaluator:

@@ -481,7 +481,8 @@ class _Search:
         if rows.size == 0:
             return False
         obs = obs_dev[cupy.asarray(rows)].reshape(-1, 2, connect4.ROWS, connect4.COLUMNS) if wants_cupy else planes[rows]
-        legal = (planes[rows, :, -1, :] == 0).all(axis=1)
+        top = planes[rows, :, -1, :]  # uint8 [M, 2, A]: the top row of both stone planes
+        legal = (top[:, 0] | top[:, 1]) == 0
         with nvtx.span("search.evaluate"):
             values, priors = _model_answer(self.evaluator, obs, legal)
         by_slot = np.zeros(n, np.float32)

@@ -195,16 +195,23 @@ def model_answer(values, priors, legal: np.ndarray) -> tuple[np.ndarray, np.ndar
     values = np.asarray(values, np.float32).reshape(-1)
     if values.shape != (m,):
         raise EvaluationFailed(f"the value model returned {values.shape} values for {m} leaves")
-    values = np.clip(np.nan_to_num(values), -1.0, 1.0)
+    # Few whole-array operations, each in place where it can be: this runs once per wave on the host.
+    values = np.where(np.isnan(values), np.float32(0), values)
+    np.clip(values, -1.0, 1.0, out=values)
     if priors is None:
         return values, None
     priors = np.asarray(priors, np.float32)
     if priors.shape != (m, a):
         raise EvaluationFailed(f"the value model returned priors of shape {priors.shape}, expected {(m, a)}")
-    p = np.where(legal & np.isfinite(priors), np.maximum(priors, 0), 0)
-    total = p.sum(axis=1, keepdims=True)
-    uniform = legal / np.maximum(legal.sum(axis=1, keepdims=True), 1)
-    return values, np.where(total > 0, p / np.where(total > 0, total, 1), uniform).astype(np.float32)
+    p = np.where(legal & np.isfinite(priors), priors, np.float32(0))
+    np.maximum(p, 0, out=p)
+    total = p.sum(axis=1)
+    empty = total <= 0
+    if empty.any():  # nothing legal left: uniform over the legal moves (all zeros where none is)
+        p[empty] = legal[empty]
+        total[empty] = np.maximum(legal[empty].sum(axis=1), 1)
+    p /= total[:, None]
+    return values, p
 
 
 def best_action(visits: np.ndarray, q: np.ndarray, legal: np.ndarray | None = None,

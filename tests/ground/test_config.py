@@ -50,6 +50,8 @@ def test_shipped_config_loads_and_matches_defaults():
         ({"search": {"session_ttl_ms": 1e12}}, "search.session_ttl_ms: must be <= 86400000"),
         ({"search": {"max_sessions": 2**40}}, "search.max_sessions: must be <= 2147483647"),
         ({"search": {"evaluator": "x" * 10_000}}, "search.evaluator: must be one of"),
+        ({"reward": {"models": [{"name": "m", "path": "reward_service/models/connect4_value.onnx",
+                                 "precision": "fp8"}]}}, "reward.models[0].precision: must be one of fp32, fp16, auto"),
     ],
 )
 def test_bad_values_are_refused_naming_the_key(data, key):
@@ -110,3 +112,4 @@ def test_urgency_weights_come_from_the_yaml_and_may_be_zero():
     cfg = parse_config({"scheduler": {"urgency": {"slack_weight": 0, "raise_threshold": 3.0, "phase_late": 2}}})
     w = cfg.scheduler.urgency
     assert (w.slack_weight, w.raise_threshold, w.phase_late, w.lower_threshold) == (0.0, 3.0, 2.0, 1.5)
+

@@ -5,6 +5,7 @@ skipped where no CUDA GPU is visible (tests/conftest.py)."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -220,3 +221,24 @@ def test_the_first_request_at_every_bucket_costs_at_most_twice_its_p50(cuda_read
     # trip adds gRPC's first large message on a fresh connection (bench/first_request.py reports it).
     slow = [r for r in rows if r["server_first_ms"] > 2 * r["server_p50_ms"]]
     assert not slow, slow
+
+
+def test_the_shipped_value_model_runs_fp16_on_the_gpu_and_agrees_with_fp32(cuda_ready):
+    """precision: auto -> FP16 body, FP32 head, NHWC: the answers the search
+    uses (value sign, best column) agree with the FP32 model on the CPU."""
+    from reward_service.session import ModelSession
+    from tandem.config import DEFAULT_CONFIG, load_config
+    from tandem.positions import load_set
+    from training.connect4_encoding import encode_moves
+
+    cfg = load_config(DEFAULT_CONFIG).reward
+    shipped = next(m for m in cfg.models if m.name == "connect4_value")
+    boards = np.stack([encode_moves(p.moves) for p in load_set("Test_L2_R1")[:256]]).astype(np.uint8)
+    gpu = ModelSession(replace(shipped, batch_buckets=(256,)), replace(cfg, stream_priorities=(0,)))
+    cpu = ModelSession(replace(shipped, batch_buckets=(256,)), replace(cfg, execution_provider="cpu"))
+    assert gpu.precision == "fp16" and gpu.runtime["precision"].startswith("fp16"), gpu.runtime
+    got, want = gpu.run({"board": boards})[0], cpu.run({"board": boards})[0]
+    assert got["value"].dtype == np.float32 and got["policy_logits"].dtype == np.float32
+    assert np.abs(got["value"] - want["value"]).max() < 2e-2
+    assert (np.sign(got["value"]) == np.sign(want["value"])).mean() >= 0.99
+    assert (got["policy_logits"].argmax(1) == want["policy_logits"].argmax(1)).mean() >= 0.98

@@ -472,3 +472,18 @@ def test_the_assignment_moves_the_bulk_lane_only():
     assert session.lane_runners(critical) == [session._critical]
     assert session.lane_runners(bulk) == session._runners
     assert session.lane_runners() == [*session._runners, session._critical]
+
+
+def test_precision_auto_is_fp32_on_the_cpu_and_fp16_on_cuda():
+    from reward_service.session import ModelSession, resolve_precision
+    from tandem.config import DEFAULT_CONFIG, load_config
+
+    assert [resolve_precision("auto", cuda) for cuda in (True, False)] == ["fp16", "fp32"]
+    assert [resolve_precision(p, True) for p in ("fp32", "fp16")] == ["fp32", "fp16"]  # an explicit choice stays
+    cfg = load_config(DEFAULT_CONFIG).reward
+    shipped = next(m for m in cfg.models if m.name == MODEL)
+    assert shipped.precision == "auto" and shipped.prefer_nhwc
+    from dataclasses import replace
+
+    s = ModelSession(replace(shipped, batch_buckets=(1, 2)), replace(cfg, execution_provider="cpu"))
+    assert s.precision == "fp32" and s.runtime["precision"] == "fp32"
