@@ -199,7 +199,7 @@ def main() -> None:
                         common.progress(row)
                         rows.append(row)
             for direct in hand_offs:
-                for batch in (64,) if args.quick else (64, 256, 1024):
+                for batch in (64,) if args.quick else (64, 256, 1024, 4096):
                     rows.append(throughput(direct, batch, 3 if args.quick else args.repeats))
                     common.progress(rows[-1])
             ipc.channel.close()

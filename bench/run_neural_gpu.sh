@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Issue 11 on the GPU in one device call: the GPU tests of the leaf channel, the
 # search and the reward service; python -m bench.neural_search (both hand-offs in
-# one run); then the stack as a user runs it (bench/run_stack_gpu.sh: tandem up,
+# one run); python -m bench.value_model_runs; then the stack as a user runs it (bench/run_stack_gpu.sh: tandem up,
 # tandem play with rollouts and with the value model, 600 frames each). With
 # SOAK=1 it then starts issue 12's 10-minute soak detached, as
 # `bash bench/run_trainer_gpu.sh table` does (collect it with `bash
 # bench/run_trainer_gpu.sh wait`, at once).
 #
 # Setup as bench/gpu_setup.sh says (carry [".whl"]; pass TANDEM_COMMIT=<commit>).
-# Writes into $OUT: pytest_gpu.log, neural_search.json, play_rollout.json,
+# Writes into $OUT: pytest_gpu.log, neural_search.json, value_model_runs.json, play_rollout.json,
 # play_value_model.json, status.txt; prints a table last.
 set -o pipefail
 export PYTHONUNBUFFERED=1
@@ -23,6 +23,8 @@ echo "tests done at $(( $(date +%s) - t0 )) s"
 timeout 360 python3 -m bench.neural_search --backend gpu --out "$OUTDIR" --repeats "${REPEATS:-30}" \
   --positions "${POSITIONS:-200}" 2>&1 | grep -v " INFO \| WARNING " | tail -32
 echo "bench done at $(( $(date +%s) - t0 )) s"
+timeout 180 python3 -m bench.value_model_runs --out "$OUTDIR" 2>&1 | grep -v " INFO \| WARNING " | tail -18
+echo "value_model_runs done at $(( $(date +%s) - t0 )) s"
 OUT=/tmp/stack_gpu TESTS="" FRAMES=${FRAMES:-600} VALUE_FRAMES=${VALUE_FRAMES:-600} bash bench/run_stack_gpu.sh 2>&1 \
   | grep -v "^setup\|^ort \|^NVIDIA" | tail -24
 cp /tmp/stack_gpu/play_rollout.json /tmp/stack_gpu/play_value_model.json /tmp/stack_gpu/status.txt "$OUTDIR/"

@@ -274,9 +274,10 @@ edit by hand: re-run the command below).
 | output `value` | float32 | [N, 1] | tanh; expected outcome for the side to move: +1 win, 0 draw, −1 loss |
 | output `policy_logits` | float32 | [N, 7] | logits over columns 0..6, not masked (mask full columns before a softmax) |
 
-ONNX opset {OPSET}, one file ({size:,} bytes), no external data, FP32 (the reward
-service serves it as is; `tandem convert-fp16` makes the FP16-body / FP32-head
-variant). The input is cast to float inside the model. The encoding equals
+ONNX opset {OPSET}, one file ({size:,} bytes), no external data, FP32 (the shipped
+config serves it with `precision: auto`: converted at load to an FP16 body
+with an FP32 head on a GPU, with NHWC convolutions, as is on the CPU; `tandem convert-fp16` writes the
+FP16-body / FP32-head variant and reports its accuracy). The input is cast to float inside the model. The encoding equals
 `search_service.games.connect4.observation` and `training.connect4_encoding.encode_moves`.
 
 ## Architecture

@@ -1,0 +1,152 @@
+"""value_model_runs: one run of the value model inside the reward service, by precision and layout.
+
+Where a leaf wave's model time goes, without the services around it: the
+shipped ``connect4_value`` in the reward service's own bound runner (the
+critical lane's: IO binding, one CUDA graph per bucket,
+reward_service/session.py), in this process, on the GPU. One row per
+(``variant``, ``bucket``), all variants in one run:
+
+* ``variant``: ``fp32`` (NCHW, the file as is), ``fp32_nhwc``, ``fp16``
+  (FP16 body, FP32 head), ``fp16_nhwc`` (what ``precision: auto`` +
+  ``prefer_nhwc`` serve on a GPU), ``fp32_heuristic`` (cuDNN's HEURISTIC
+  algorithm choice instead of EXHAUSTIVE);
+* ``run_us``: the runner's whole batch: the device-to-device copy of the
+  wave in, the graph replay, the outputs' copy out, one synchronisation
+  (p50; ``run_us_p99``);
+* ``gpu_us``: the graph replay alone, between two CUDA events on the
+  runner's stream (p50);
+* ``host_call_us``: ``run_with_iobinding``'s own host time (p50);
+* ``copy_in_us`` / ``copy_out_us``: the copies, each with its synchronisation;
+* ``warm_up_s``: the variant's session creation + warm-up (3 buckets).
+
+Two more rows, ``variant: batcher_hop``: a critical request's round trip
+through the dynamic batcher with a model that does nothing (``hop_us``):
+the thread hand-offs every request pays, alone and beside 1,000 idle threads
+(the reward process runs about that many).
+
+Command: ``python3 -m bench.value_model_runs`` (GPU only; no ``--quick``
+variant: without CUDA the rows would measure nothing this file is about).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import replace
+
+import numpy as np
+
+from bench import common
+from tandem.config import load_config
+
+BENCHMARK = "value_model_runs"
+COLUMNS = ("variant", "threads", "bucket", "run_us", "gpu_us", "host_call_us", "copy_in_us", "copy_out_us", "hop_us")
+BUCKETS = (32, 256, 1024)
+REPEATS = 200
+
+
+def _p(samples_us: list[float], q: float) -> float:
+    return float(np.percentile(samples_us[REPEATS // 10 :], q))  # the first tenth: warming caches
+
+
+def _timed(fn, repeats: int = REPEATS) -> list[float]:
+    out = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t) * 1e6)
+    return out
+
+
+def variants(model, cfg):
+    """(name, model config, reward config) of every variant."""
+    buckets = dict(batch_buckets=BUCKETS)
+    exhaustive = replace(cfg, cudnn_conv_algo_search="EXHAUSTIVE")
+    return [
+        ("fp32", replace(model, precision="fp32", prefer_nhwc=False, **buckets), exhaustive),
+        ("fp32_nhwc", replace(model, precision="fp32", prefer_nhwc=True, **buckets), exhaustive),
+        ("fp16", replace(model, precision="fp16", prefer_nhwc=False, **buckets), exhaustive),
+        ("fp16_nhwc", replace(model, precision="fp16", prefer_nhwc=True, **buckets), exhaustive),
+        ("fp32_heuristic", replace(model, precision="fp32", prefer_nhwc=False, **buckets),
+         replace(cfg, cudnn_conv_algo_search="HEURISTIC")),
+    ]
+
+
+def runner_rows(name: str, model, cfg) -> list[dict]:
+    import cupy as cp
+
+    from reward_service.batcher import CRITICAL, Batch, Request
+    from reward_service.session import ModelSession
+
+    t0 = time.perf_counter()
+    session = ModelSession(model, cfg)
+    warm_up_s = time.perf_counter() - t0
+    runner = session._critical  # noqa: SLF001 - the lane's runner, measured alone
+    dev = runner.device
+    rows = []
+    rng = np.random.default_rng(0)
+    for bucket in BUCKETS:
+        wave = cp.asarray(rng.integers(0, 2, (bucket, 2, 6, 7)).astype(np.uint8))
+        batch = Batch([Request({"board": wave}, bucket, CRITICAL)], bucket, bucket, [0], CRITICAL)
+        slot = runner._slots[bucket]  # noqa: SLF001
+        run = _timed(lambda: runner.run(batch))
+        start, end, gpu, host = cp.cuda.Event(), cp.cuda.Event(), [], []
+
+        def replay():
+            start.record(dev.stream)
+            t = time.perf_counter()
+            slot.session.run_with_iobinding(slot.binding, slot.run_options)
+            host.append((time.perf_counter() - t) * 1e6)
+            end.record(dev.stream)
+            end.synchronize()
+            gpu.append(cp.cuda.get_elapsed_time(start, end) * 1e3)
+
+        _timed(replay)
+        copy_in = _timed(lambda: (dev.copy_device(slot.dev_in["board"], 0, wave), dev.synchronize()))
+        copy_out = _timed(lambda: ([dev.download(slot.host_out[n], d, bucket) for n, d in slot.dev_out.items()],
+                                   dev.synchronize()))
+        rows.append(dict(variant=name, bucket=bucket, run_us=_p(run, 50), run_us_p99=_p(run, 99),
+                         gpu_us=_p(gpu, 50), host_call_us=_p(host, 50), copy_in_us=_p(copy_in, 50),
+                         copy_out_us=_p(copy_out, 50), warm_up_s=warm_up_s, repeats=REPEATS))
+        common.progress(rows[-1])
+    return rows
+
+
+def hop_row(label: str) -> dict:
+    from reward_service.batcher import CRITICAL, Batcher
+
+    batcher = Batcher(lambda batch: {"v": np.zeros((batch.bucket, 1), np.float32)}, buckets=(32,), name="hop")
+    feeds = {"x": np.zeros((32, 1), np.float32)}
+    try:
+        hops = _timed(lambda: batcher.evaluate(feeds, 32, CRITICAL, None, ()).result(), repeats=5 * REPEATS)
+    finally:
+        batcher.close()
+    return dict(variant="batcher_hop", threads=label, hop_us=_p(hops, 50), hop_us_p99=_p(hops, 99),
+                repeats=5 * REPEATS)
+
+
+def main() -> None:
+    parser = common.make_parser(__doc__)
+    args = parser.parse_args()
+    cfg = load_config().reward
+    cfg = replace(cfg, stream_priorities=(cfg.stream_priorities[0],), execution_provider="cuda")
+    model = next(m for m in cfg.models if m.name == "connect4_value")
+    rows = []
+    if args.quick or not common.gpu_info()[0]:
+        common.note("no GPU here: only the batcher rows")
+    else:
+        for name, m, c in variants(model, cfg):
+            rows += common.attempt(f"variant {name}", runner_rows, name, m, replace(c, models=(m,))) or []
+    rows.append(hop_row("alone"))
+    idle = threading.Event()
+    threads = [threading.Thread(target=idle.wait, daemon=True) for _ in range(1000)]
+    for t in threads:
+        t.start()
+    try:
+        rows.append(hop_row("1000 idle"))
+    finally:
+        idle.set()
+    common.finish(BENCHMARK, rows, args.out, COLUMNS)
+
+
+if __name__ == "__main__":
+    main()
