@@ -17,7 +17,7 @@ OUTDIR=${OUT:-runs/neural_gpu}
 mkdir -p "$OUTDIR"
 source bench/gpu_setup.sh
 echo "setup $(( $(date +%s) - t0 )) s"
-timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu ${TESTS:-tests/reward tests/search} 2>&1 \
+timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu ${TESTS:-tests/reward tests/search} 2>&1 \
   | tee "$OUTDIR/pytest_gpu.log" | tail -8
 echo "tests done at $(( $(date +%s) - t0 )) s"
 timeout 360 python3 -m bench.neural_search --backend gpu --out "$OUTDIR" --repeats "${REPEATS:-30}" \
