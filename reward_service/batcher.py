@@ -567,11 +567,13 @@ class Batcher:
             self._queued -= len(expired)
             lane.stats["expired"] += len(expired)
         taken: list[Request] = []
+        offsets: list[int] = []  # each request's first row in the batch
         rows = 0
         q = lane.queue
         while q and (not taken or (self.merge and rows + q[0].rows <= self.max_rows)):
             req = q.popleft()
             taken.append(req)
+            offsets.append(rows)
             rows += req.rows
             if rows > self.max_rows:  # a lone request larger than every bucket
                 break
@@ -581,7 +583,6 @@ class Batcher:
             req.state = RUNNING
         self._queued -= len(taken)
         lane.stats["batches"] += 1
-        offsets = np.cumsum([0] + [r.rows for r in taken[:-1]]).tolist()
         bucket = bucket_for(rows, self.buckets) if rows <= self.max_rows else rows
         return expired, Batch(taken, rows, bucket, offsets, lane.request_class)
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import socket
 import tempfile
@@ -44,6 +45,7 @@ import grpc
 import numpy as np
 from tandem.v1 import reward_pb2
 
+from reward_service.batcher import LANES
 from reward_service.model_metrics import ModelMetrics
 from reward_service.refusal import Refusal, run
 from reward_service.session import ModelSession
@@ -57,6 +59,7 @@ from tandem.leaf_channel import (ATTACH, ERROR, MAX_MESSAGE_BYTES, REPLY, REPLY_
 log = logging.getLogger(__name__)
 
 CRITICAL = reward_pb2.REQUEST_CLASS_CRITICAL
+CRITICAL_LANE = LANES[CRITICAL]  # a wave's lane in the per-model metrics
 
 
 class _Bad(Exception):
@@ -81,6 +84,8 @@ class _Attachment:
     outputs: tuple[OutputSlot, ...]
     input_bytes: int  # what ``max_rows`` rows need of each region
     output_bytes: int
+    input_name: str  # the model's one input
+    output_names: tuple[str, ...]  # the outputs' names, in slot order
 
 
 SOCKET_PREFIX = "tandem-leaf-"  # then the server's pid, "-", an id, ".sock"
@@ -288,9 +293,9 @@ class LeafChannelServer:
         spec, input_row, outputs = self._signature(session)
         dtype = tensors.numpy_dtype(spec.dtype)
         slots, out_bytes = output_layout([(o.name, row) for o, row in outputs], max_rows)
-        in_bytes = max_rows * int(np.prod(input_row, dtype=np.int64)) * dtype.itemsize
+        in_bytes = max_rows * math.prod(input_row) * dtype.itemsize
         attachment = _Attachment(client_id, session, max_rows, input_region, input_row, dtype, output_region,
-                                 tuple(slots), in_bytes, out_bytes)
+                                 tuple(slots), in_bytes, out_bytes, spec.name, tuple(s.name for s in slots))
         with self.regions.acquire(client_id, [input_region, output_region]) as lease:
             self._check_regions(lease, attachment)
         with self._lock:
@@ -363,9 +368,7 @@ class LeafChannelServer:
 
     def _wave_message(self, conn: socket.socket, a: _Attachment, message: bytes) -> None:
         start = time.perf_counter()
-        name, lane = a.session.name, "critical"
-        self.metrics.requested(name, lane)
-        seq = 0
+        seq, rows, done, reason = 0, 0, None, None
         try:
             if len(message) != 1 + WAVE_FORMAT.size:
                 raise _Bad(grpc.StatusCode.INVALID_ARGUMENT,
@@ -377,21 +380,27 @@ class LeafChannelServer:
             deadline = time.monotonic() + timeout_us / 1e6 if timeout_us > 0 else None
             done = self._run_wave(a, rows, deadline)
         except _Bad as exc:
-            self.metrics.failed(name, lane, "invalid_input", time.perf_counter() - start)
-            self._send(conn, pack_error(seq, exc.code, str(exc)))
+            reason, reply = "invalid_input", pack_error(seq, exc.code, str(exc))
         except SharedMemoryError as exc:
-            self.metrics.failed(name, lane, "shared_memory", time.perf_counter() - start)
-            self._send(conn, pack_error(seq, exc.code, str(exc)))
+            reason, reply = "shared_memory", pack_error(seq, exc.code, str(exc))
         except Refusal as exc:
-            self.metrics.failed(name, lane, exc.reason, time.perf_counter() - start)
-            self._send(conn, pack_error(seq, exc.code, exc.message))
+            reason, reply = exc.reason, pack_error(seq, exc.code, exc.message)
         except Exception as exc:  # a bug: answered, and the connection goes on (an uncaught one would end it)
-            log.exception("leaf channel: wave %d of model %r failed", seq, name)
-            self.metrics.failed(name, lane, "run_failed", time.perf_counter() - start)
-            self._send(conn, pack_error(seq, grpc.StatusCode.INTERNAL, f"wave failed: {type(exc).__name__}: {exc}"))
+            log.exception("leaf channel: wave %d of model %r failed", seq, a.session.name)
+            reason = "run_failed"
+            reply = pack_error(seq, grpc.StatusCode.INTERNAL, f"wave failed: {type(exc).__name__}: {exc}")
         else:
-            self.metrics.succeeded(name, lane, rows, time.perf_counter() - start, done.queue_ms / 1e3)
-            self._send(conn, REPLY + REPLY_FORMAT.pack(seq, done.bucket, done.queue_ms, done.compute_ms))
+            reply = REPLY + REPLY_FORMAT.pack(seq, done.bucket, done.queue_ms, done.compute_ms)
+        elapsed_s = time.perf_counter() - start
+        self._send(conn, reply)
+        # Recorded once the client has its answer: the client is another process, so this
+        # Python work is off its wait. This connection's next wave is read only after.
+        name = a.session.name
+        self.metrics.requested(name, CRITICAL_LANE)
+        if reason is None:
+            self.metrics.succeeded(name, CRITICAL_LANE, rows, elapsed_s, done.queue_ms / 1e3)
+        else:
+            self.metrics.failed(name, CRITICAL_LANE, reason, elapsed_s)
 
     def _run_wave(self, a: _Attachment, rows: int, deadline: float | None):
         """Runs rows [0, rows) of the input region and writes the outputs.
@@ -406,9 +415,8 @@ class LeafChannelServer:
         with self.regions.acquire(a.client_id, [a.input_region, a.output_region]) as lease:
             self._check_regions(lease, a)
             feed = lease.array(a.input_region, 0, a.input_dtype, (rows, *a.input_row))
-            names = tuple(s.name for s in a.outputs)
-            done = run(self.batchers[a.session.name], a.session.name, {a.session.inputs[0].name: feed}, rows,
-                       CRITICAL, deadline, names)
+            done = run(self.batchers[a.session.name], a.session.name, {a.input_name: feed}, rows,
+                       CRITICAL, deadline, a.output_names)
             lease.check_live()  # a region unregistered meanwhile gets nothing written
             for slot in a.outputs:
                 out = np.asarray(done.outputs[slot.name], np.float32)

@@ -100,12 +100,29 @@ class ModelMetrics:
     Thread-safe: gRPC threads record requests, each lane's worker its runs;
     ``_lock`` guards the totals. Nothing is recorded until :meth:`start` (the
     server's own warm-up requests are not the clients').
+
+    The families' labelled children are looked up once each and kept
+    (``_children``): ``labels()`` takes the family's lock and checks the
+    labels, ~6 µs a call, seven calls per request on the leaf channel's path.
+    A child lives as long as its family (nothing here removes one), and is
+    made at its first record as before, so a series appears when it did.
     """
 
     def __init__(self, models: list[str]):
         self._lock = threading.Lock()
         self._totals = {m: Totals() for m in models}  # guarded by _lock
         self._live = False
+        # (family, labels) -> family.labels(*labels). Not locked: two threads making one child
+        # both get the family's own (labels() returns the child it holds), and a dict store is atomic.
+        self._children: dict[tuple, object] = {}
+
+    def _child(self, family, *labels: str):
+        """``family.labels(*labels)``, kept after the first call."""
+        try:
+            return self._children[family, labels]
+        except KeyError:
+            child = self._children[family, labels] = family.labels(*labels)
+            return child
 
     def start(self) -> None:
         """Counts from now on (called once the server has warmed up)."""
@@ -117,15 +134,15 @@ class ModelMetrics:
 
     def requested(self, model: str, lane: str) -> None:
         if self._live:
-            REQUESTS.labels(model, lane).inc()
+            self._child(REQUESTS, model, lane).inc()
 
     def succeeded(self, model: str, lane: str, rows: int, elapsed_s: float, queue_s: float) -> None:
         """A request of ``rows`` rows answered after ``elapsed_s`` (handler
         entry to reply), of which ``queue_s`` waiting in its lane."""
         if not self._live:
             return
-        SUCCESSES.labels(model, lane).inc()
-        QUEUE_SECONDS.labels(model, lane).observe(queue_s)
+        self._child(SUCCESSES, model, lane).inc()
+        self._child(QUEUE_SECONDS, model, lane).observe(queue_s)
         with self._lock:
             t = self._totals[model]
             t.inference_count += rows
@@ -143,7 +160,7 @@ class ModelMetrics:
             raise ValueError(f"reason: {reason!r} is not one of {REASONS}")
         if not self._live:
             return
-        FAILURES.labels(model, lane, reason).inc()
+        self._child(FAILURES, model, lane, reason).inc()
         with self._lock:
             self._totals[model].fail.add(elapsed_s)
 
@@ -151,10 +168,10 @@ class ModelMetrics:
         """One model run of ``rows`` real rows padded to ``padded_rows``, taking ``compute_s``."""
         if not self._live:
             return
-        EXECUTIONS.labels(model, lane).inc()
-        COMPUTE_SECONDS.labels(model, lane).observe(compute_s)
-        BATCH_SIZE.labels(model, lane).observe(rows)
-        BATCH_FILL.labels(model, lane).observe(rows / max(padded_rows, rows, 1))
+        self._child(EXECUTIONS, model, lane).inc()
+        self._child(COMPUTE_SECONDS, model, lane).observe(compute_s)
+        self._child(BATCH_SIZE, model, lane).observe(rows)
+        self._child(BATCH_FILL, model, lane).observe(rows / max(padded_rows, rows, 1))
         with self._lock:
             t = self._totals[model]
             t.execution_count += 1

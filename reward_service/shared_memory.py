@@ -61,8 +61,10 @@ shrunk under its registration), RESOURCE_EXHAUSTED (the limits of
 from __future__ import annotations
 
 import _posixshmem  # shm_open, as multiprocessing.shared_memory uses it (see _SystemMemory)
+import contextlib
 import ctypes
 import logging
+import math
 import mmap
 import os
 import threading
@@ -168,11 +170,11 @@ class _SystemMemory:
 
     def array(self, offset: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
         """A read-only NumPy array over the region's bytes from ``offset``, not copied."""
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        return np.frombuffer(self.read(offset, nbytes), dtype).reshape(shape)
+        # math.prod, not np.prod: a shape's product in Python ints, without NumPy's per-call overhead
+        return np.ndarray(shape, dtype, self.read(offset, math.prod(shape) * dtype.itemsize))
 
     def write(self, offset: int, array: np.ndarray) -> None:
-        np.copyto(np.frombuffer(self._window(offset, array.nbytes), array.dtype).reshape(array.shape), array)
+        np.copyto(np.ndarray(array.shape, array.dtype, self._window(offset, array.nbytes)), array)
 
     def close(self) -> None:
         """Unmaps and closes the descriptor; raises BufferError (and unmaps
@@ -246,15 +248,24 @@ class _CudaMemory:
     def check(self, region: str) -> None:
         pass  # a CUDA allocation cannot shrink; freeing it is its process's business (the mapping stays valid)
 
+    def _on_device(self):
+        """This allocation's device as the current one: a no-op context when
+        the calling thread is on it already (a lane's worker, a leaf channel's
+        thread: all on the service's device), else ``cupy.cuda.Device``'s, which
+        switches and switches back."""
+        if self._cp.cuda.runtime.getDevice() == self.device_id:
+            return contextlib.nullcontext()
+        return self._cp.cuda.Device(self.device_id)
+
     def _view(self, offset: int, dtype: np.dtype, shape: tuple[int, ...]):
         cp = self._cp
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         memory = cp.cuda.UnownedMemory(self._ptr + offset, nbytes, self, device_id=self.device_id)
         return cp.ndarray(shape, dtype, cp.cuda.MemoryPointer(memory, 0))
 
     def array(self, offset: int, dtype: np.dtype, shape: tuple[int, ...]):
         """A CuPy array over the allocation's bytes from ``offset``, not copied."""
-        with self._cp.cuda.Device(self.device_id):
+        with self._on_device():
             return self._view(offset, dtype, shape)
 
     def read(self, offset: int, nbytes: int) -> memoryview:
@@ -263,11 +274,11 @@ class _CudaMemory:
         The batcher takes host arrays, so this copies device to host; IO binding
         the sessions' inputs straight to this device buffer (reward_service/session.py's
         bound runner) would save the copy and the round trip."""
-        with self._cp.cuda.Device(self.device_id):
+        with self._on_device():
             return memoryview(self._view(offset, np.dtype(np.uint8), (nbytes,)).get())
 
     def write(self, offset: int, array: np.ndarray) -> None:
-        with self._cp.cuda.Device(self.device_id):
+        with self._on_device():
             self._view(offset, array.dtype, array.shape).set(np.ascontiguousarray(array))
             self._cp.cuda.Stream.null.synchronize()  # in place before the reply tells the client
 
@@ -616,7 +627,7 @@ class Lease:
         if any(d < 0 for d in shape):
             return TensorView(tensor.name, tensor.dtype, shape, b"")
         region = self._span(field, ref, dtype.itemsize)
-        expected = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        expected = math.prod(shape) * dtype.itemsize
         if ref.byte_size != expected:
             raise _error(grpc.StatusCode.INVALID_ARGUMENT,
                          f"{field}.byte_size: {ref.byte_size}, but shape {list(shape)} of "
@@ -657,10 +668,10 @@ class Lease:
             SharedMemoryError: FAILED_PRECONDITION naming the region.
         """
         with self._table._lock:  # noqa: SLF001 - ``unregistered`` is guarded by the table's lock
-            gone = sorted(n for n, r in self._regions.items() if r.unregistered)
+            gone = [n for n, r in self._regions.items() if r.unregistered]
         if gone:
             raise _error(grpc.StatusCode.FAILED_PRECONDITION,
-                         f"region {quote(gone[0])}: unregistered while this request used it; no outputs written")
+                         f"region {quote(min(gone))}: unregistered while this request used it; no outputs written")
 
     def write_output(self, name: str, ref: reward_pb2.SharedMemoryRef, array: np.ndarray, dtype: int) -> reward_pb2.Tensor:
         """Writes output ``name`` into ``ref`` and returns its response tensor

@@ -16,6 +16,7 @@ import grpc
 import numpy as np
 import pytest
 from conftest import loopback_config, wait_for
+from prometheus_client import REGISTRY
 from tandem.v1 import reward_pb2, reward_pb2_grpc
 
 from reward_service import leaf_channel as leaf_channel_server
@@ -571,3 +572,48 @@ def test_a_dead_servers_socket_file_is_removed_and_a_live_ones_kept(tmp_path):
         s.close()  # the file stays, as a killed server's does
     assert remove_stale_sockets(str(tmp_path)) == [dead.name]
     assert not dead.exists() and live.exists() and other.exists()
+
+
+def _figures(service) -> dict:
+    """The model's critical-lane metrics and OIP totals that a wave moves."""
+    labels = {"model": MODEL, "lane": "critical"}
+    get = lambda name, **extra: REGISTRY.get_sample_value(name, {**labels, **extra}) or 0.0  # noqa: E731
+    t = service.servicer.metrics.totals(MODEL)
+    return {
+        "requests": get("tandem_reward_model_requests_total"),
+        "successes": get("tandem_reward_model_request_successes_total"),
+        "invalid": get("tandem_reward_model_request_failures_total", reason="invalid_input"),
+        "queue_count": get("tandem_reward_model_queue_seconds_count"),
+        "executions": get("tandem_reward_model_executions_total"),
+        "batch_rows": get("tandem_reward_model_batch_size_sum"),
+        "compute_count": get("tandem_reward_model_compute_seconds_count"),
+        "inference_count": t.inference_count, "success_count": t.success.count, "fail_count": t.fail.count,
+        "queue_totals": t.queue.count, "execution_count": t.execution_count,
+    }
+
+
+def test_waves_are_counted_in_the_models_metrics_once_answered(reward):
+    """A wave's request figures are recorded just after its reply is sent, on
+    its connection's thread, before that thread reads the next message: once
+    the connections are gone, every wave is counted, with the same values as
+    when they were recorded before the reply."""
+    service, stub = reward
+    server = service.servicer.leaf_channel
+    assert wait_for(lambda: not server._connections, 30)  # earlier tests' waves all recorded
+    before = _figures(service)
+    lc = LeafChannel(stub, server.path, MODEL, 16)
+    bad = RawClient(service, stub, max_rows=8)
+    try:
+        for n in (1, 3, 5):
+            assert lc.evaluate(np.repeat(boards("4"), n, axis=0), time.monotonic() + 30)["value"].shape == (n, 1)
+        assert bad.attach()[:1] == ATTACH
+        assert status(bad.wave(0))[0] == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        lc.close()
+        bad.close()
+    assert wait_for(lambda: not server._connections, 30)  # their threads ended: nothing left to record
+    after = _figures(service)
+    delta = {k: after[k] - before[k] for k in before}
+    assert delta == {"requests": 4, "successes": 3, "invalid": 1, "queue_count": 3, "executions": 3,
+                     "batch_rows": 9, "compute_count": 3, "inference_count": 9, "success_count": 3,
+                     "fail_count": 1, "queue_totals": 3, "execution_count": 3}
