@@ -17,6 +17,12 @@ Invariants:
 * One thread per connection, long-lived: it reads a message, answers it, and
   reads the next, so a connection has at most one wave running and answers in
   order. ``_lock`` guards ``_connections`` and ``_attached`` only.
+* A wave's request figures (``requested`` and ``succeeded``/``failed`` of
+  reward_service/model_metrics.py) are recorded on its connection's thread
+  just after its answer is sent -- off the client's wait -- and before the
+  thread reads the next message: a reader may see them a moment after the
+  reply, never lose them. Its run's figures are the batcher's, recorded
+  before the reply.
 * A region is attached to at most one connection (``_attached``): two
   connections writing one output region would answer each other's waves.
 * Every message gets an answer (``R``/``A`` or ``E`` with a gRPC status); a

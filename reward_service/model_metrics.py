@@ -102,8 +102,8 @@ class ModelMetrics:
     server's own warm-up requests are not the clients').
 
     The families' labelled children are looked up once each and kept
-    (``_children``): ``labels()`` takes the family's lock and checks the
-    labels, ~6 µs a call, seven calls per request on the leaf channel's path.
+    (``_children``): ``labels()`` checks the labels and takes the family's
+    lock on every call, seven calls per leaf-channel wave.
     A child lives as long as its family (nothing here removes one), and is
     made at its first record as before, so a series appears when it did.
     """

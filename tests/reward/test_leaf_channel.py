@@ -576,8 +576,9 @@ def test_a_dead_servers_socket_file_is_removed_and_a_live_ones_kept(tmp_path):
 
 def _figures(service) -> dict:
     """The model's critical-lane metrics and OIP totals that a wave moves."""
-    labels = {"model": MODEL, "lane": "critical"}
-    get = lambda name, **extra: REGISTRY.get_sample_value(name, {**labels, **extra}) or 0.0  # noqa: E731
+    def get(name: str, **extra) -> float:
+        return REGISTRY.get_sample_value(name, {"model": MODEL, "lane": "critical", **extra}) or 0.0
+
     t = service.servicer.metrics.totals(MODEL)
     return {
         "requests": get("tandem_reward_model_requests_total"),
