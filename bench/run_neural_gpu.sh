@@ -7,7 +7,8 @@
 # `bash bench/run_trainer_gpu.sh table` does (collect it with `bash
 # bench/run_trainer_gpu.sh wait`, at once).
 #
-# Setup as bench/gpu_setup.sh says (carry [".whl"]; pass TANDEM_COMMIT=<commit>).
+# STEP=tests: the tests and value_model_runs only; STEP=bench: the rest (two calls
+# of under 10 minutes each, back to back); STEP=none: neither (with SOAK=1: the soak only). Setup as bench/gpu_setup.sh says (carry [".whl"]; pass TANDEM_COMMIT=<commit>).
 # Writes into $OUT: pytest_gpu.log, neural_search.json, value_model_runs.json, play_rollout.json,
 # play_value_model.json, status.txt; prints a table last.
 set -o pipefail
@@ -17,17 +18,22 @@ OUTDIR=${OUT:-runs/neural_gpu}
 mkdir -p "$OUTDIR"
 source bench/gpu_setup.sh
 echo "setup $(( $(date +%s) - t0 )) s"
+STEP=${STEP:-all}
+if [ "$STEP" = all ] || [ "$STEP" = tests ]; then
 timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu ${TESTS:-tests/reward tests/search} 2>&1 \
   | tee "$OUTDIR/pytest_gpu.log" | tail -8
 echo "tests done at $(( $(date +%s) - t0 )) s"
+timeout 180 python3 -m bench.value_model_runs --out "$OUTDIR" 2>&1 | grep -v " INFO \| WARNING " | tail -18
+echo "value_model_runs done at $(( $(date +%s) - t0 )) s"
+fi
+if [ "$STEP" = all ] || [ "$STEP" = bench ]; then
 timeout 360 python3 -m bench.neural_search --backend gpu --out "$OUTDIR" --repeats "${REPEATS:-30}" \
   --positions "${POSITIONS:-200}" 2>&1 | grep -v " INFO \| WARNING " | tail -32
 echo "bench done at $(( $(date +%s) - t0 )) s"
-timeout 180 python3 -m bench.value_model_runs --out "$OUTDIR" 2>&1 | grep -v " INFO \| WARNING " | tail -18
-echo "value_model_runs done at $(( $(date +%s) - t0 )) s"
 OUT=/tmp/stack_gpu TESTS="" FRAMES=${FRAMES:-600} VALUE_FRAMES=${VALUE_FRAMES:-600} bash bench/run_stack_gpu.sh 2>&1 \
   | grep -v "^setup\|^ort \|^NVIDIA" | tail -24
 cp /tmp/stack_gpu/play_rollout.json /tmp/stack_gpu/play_value_model.json /tmp/stack_gpu/status.txt "$OUTDIR/"
+fi
 if [ -n "${SOAK:-}" ]; then
   SOAK_DIR=/root/soak; rm -rf "$SOAK_DIR" && mkdir -p "$SOAK_DIR"
   setsid bash -c "python3 -m loadtest.soak --seconds ${SOAK_SECONDS:-600} --engines 8 --fps 60 --simulations 1000 \
