@@ -32,6 +32,7 @@ from typing import Callable
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from reward_service.batcher import LANES
 from tandem.server import LATENCY_BUCKETS_S
 
 #: Why a request for a known model failed (the ``reason`` label).
@@ -60,6 +61,7 @@ COMPUTE_SECONDS = Histogram("tandem_reward_model_compute_seconds", "Time of one 
 BATCH_SIZE = Histogram("tandem_reward_model_batch_size", "Real rows per model run.", _LABELS, buckets=BATCH_BUCKETS)
 BATCH_FILL = Histogram("tandem_reward_model_batch_fill_ratio", "Real rows over padded rows per model run (0-1).",
                        _LABELS, buckets=FILL_BUCKETS)
+PER_LANE = (REQUESTS, SUCCESSES, EXECUTIONS, QUEUE_SECONDS, COMPUTE_SECONDS, BATCH_SIZE, BATCH_FILL)
 PENDING = Gauge("tandem_reward_model_pending_requests", "Requests queued for the model now.", _LABELS)
 
 
@@ -104,8 +106,12 @@ class ModelMetrics:
     The families' labelled children are looked up once each and kept
     (``_children``): ``labels()`` checks the labels and takes the family's
     lock on every call, seven calls per leaf-channel wave.
-    A child lives as long as its family (nothing here removes one), and is
-    made at its first record as before, so a series appears when it did.
+    A child lives as long as its family (nothing here removes one). The
+    series of every served model and lane are made at :meth:`start`, at 0
+    (Prometheus' advice for label values known in advance: a dashboard sees
+    0, not nothing); making them there also keeps the children's creation
+    off the first request's path. Failure series appear at their first
+    failure (their reasons are not known in advance).
     """
 
     def __init__(self, models: list[str]):
@@ -125,7 +131,12 @@ class ModelMetrics:
             return child
 
     def start(self) -> None:
-        """Counts from now on (called once the server has warmed up)."""
+        """Counts from now on (called once the server has warmed up); makes
+        every served model's and lane's series, at 0."""
+        for model in self._totals:
+            for lane in LANES.values():
+                for family in PER_LANE:
+                    self._child(family, model, lane)
         self._live = True
 
     def watch_pending(self, model: str, lane: str, queued: Callable[[], int]) -> None:

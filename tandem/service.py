@@ -3,6 +3,7 @@ scheduler (register, report load, apply assignments) and stops cleanly."""
 from __future__ import annotations
 
 import faulthandler
+import gc
 import logging
 import os
 import socket
@@ -105,6 +106,10 @@ def start_service(
             cfg=cfg,
         )
         client.start()
+    # What start-up made (sessions, kernels, config, modules) lives as long as the server: moved
+    # out of the collector's reach, a full collection while serving walks only what serving makes.
+    gc.collect()
+    gc.freeze()
     running.set_serving(True)
     log.info("serving %s on port %d", ", ".join(running.services), running.port)
     return Service(running, client)

@@ -20,11 +20,13 @@ def model() -> str:
     return f"metrics-{uuid.uuid4().hex[:8]}"  # series of their own: the families are the process's
 
 
-def test_each_record_lands_in_its_series_and_a_series_appears_at_its_first_record(model):
+def test_each_record_lands_in_its_series_made_at_start_failures_at_their_first(model):
     m = ModelMetrics([model])
     m.requested(model, "critical")  # not started: nothing recorded, no series made
     assert sample("tandem_reward_model_requests_total", model=model, lane="critical") is None
     m.start()
+    assert sample("tandem_reward_model_executions_total", model=model, lane="bulk") == 0  # every lane's, at 0
+    assert sample("tandem_reward_model_request_failures_total", model=model, lane="bulk", reason="queue_full") is None
     for _ in range(3):
         m.requested(model, "critical")
     m.requested(model, "bulk")
@@ -37,7 +39,7 @@ def test_each_record_lands_in_its_series_and_a_series_appears_at_its_first_recor
     assert sample("tandem_reward_model_requests_total", **crit) == 3
     assert sample("tandem_reward_model_requests_total", **bulk) == 1
     assert sample("tandem_reward_model_request_successes_total", **crit) == 2
-    assert sample("tandem_reward_model_request_successes_total", **bulk) is None  # never recorded: no series
+    assert sample("tandem_reward_model_request_successes_total", **bulk) == 0  # made at start, never recorded
     assert sample("tandem_reward_model_request_failures_total", **bulk, reason="queue_full") == 1
     assert sample("tandem_reward_model_request_failures_total", **bulk, reason="run_failed") is None
     assert sample("tandem_reward_model_queue_seconds_count", **crit) == 2

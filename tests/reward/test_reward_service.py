@@ -487,3 +487,13 @@ def test_precision_auto_is_fp32_on_the_cpu_and_fp16_on_cuda():
 
     s = ModelSession(replace(shipped, batch_buckets=(1, 2)), replace(cfg, execution_provider="cpu"))
     assert s.precision == "fp32" and s.runtime["precision"] == "fp32"
+
+
+def test_what_start_up_made_is_frozen_out_of_the_collectors_passes(stubs):
+    """tandem/service.py freezes the start-up's objects (gc.freeze) before
+    SERVING: a full collection while serving walks only what serving made."""
+    import gc
+
+    assert gc.get_freeze_count() > 0
+    reply = evaluate(stubs[0], boards(2))  # and the server serves on
+    assert tensors.from_proto(reply.outputs[0]).shape == (2, 1)
