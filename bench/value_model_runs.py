@@ -18,7 +18,18 @@ reward_service/session.py), in this process, on the GPU. One row per
   runner's stream (p50);
 * ``host_call_us``: ``run_with_iobinding``'s own host time (p50);
 * ``copy_in_us`` / ``copy_out_us``: the copies, each with its synchronisation;
-* ``warm_up_s``: the variant's session creation + warm-up (3 buckets).
+* ``warm_up_s``: the variant's session creation + warm-up (3 buckets);
+* ``run_padded_us``: the whole batch of a wave that fills 3/4 of its bucket
+  (the rest zeroed on the device), timed alternating with full ones so that
+  each pads again (p50 of the pair less ``run_us``).
+
+Rows ``variant: served_batcher``: the shipped model (precision auto, NHWC)
+through its critical lane as the service runs it -- the batcher's worker
+thread calling ``ModelSession.run_batch`` -- waves of 3/4 of each bucket in
+device memory submitted from this thread: ``wall_us`` (submit to result),
+``compute_us`` (the run as the batcher times it: the service's
+``compute_ms``), ``queue_us``. Against ``run_us`` of ``fp16_nhwc`` it shows
+what the lane adds to a run, without another process or a socket.
 
 Two more rows, ``variant: batcher_hop``: a critical request's round trip
 through the dynamic batcher with a model that does nothing (``hop_us``):
@@ -40,7 +51,8 @@ from bench import common
 from tandem.config import load_config
 
 BENCHMARK = "value_model_runs"
-COLUMNS = ("variant", "threads", "bucket", "run_us", "gpu_us", "host_call_us", "copy_in_us", "copy_out_us", "hop_us")
+COLUMNS = ("variant", "threads", "bucket", "run_us", "run_padded_us", "gpu_us", "host_call_us", "copy_in_us",
+           "copy_out_us", "wall_us", "compute_us", "queue_us", "hop_us")
 BUCKETS = (32, 256, 1024)
 REPEATS = 200
 
@@ -91,6 +103,9 @@ def runner_rows(name: str, model, cfg) -> list[dict]:
         batch = Batch([Request({"board": wave}, bucket, CRITICAL)], bucket, bucket, [0], CRITICAL)
         slot = runner._slots[bucket]  # noqa: SLF001
         run = _timed(lambda: runner.run(batch))
+        part = bucket * 3 // 4  # a wave that fills 3/4 of its bucket: the rest padded with zeros
+        padded = Batch([Request({"board": wave[:part]}, part, CRITICAL)], part, bucket, [0], CRITICAL)
+        run_padded = _timed(lambda: (runner.run(padded), runner.run(batch)))  # each run pads again
         start, end, gpu, host = cp.cuda.Event(), cp.cuda.Event(), [], []
 
         def replay():
@@ -107,9 +122,46 @@ def runner_rows(name: str, model, cfg) -> list[dict]:
         copy_out = _timed(lambda: ([dev.download(slot.host_out[n], d, bucket) for n, d in slot.dev_out.items()],
                                    dev.synchronize()))
         rows.append(dict(variant=name, bucket=bucket, run_us=_p(run, 50), run_us_p99=_p(run, 99),
+                         run_padded_us=_p(run_padded, 50) - _p(run, 50),
                          gpu_us=_p(gpu, 50), host_call_us=_p(host, 50), copy_in_us=_p(copy_in, 50),
                          copy_out_us=_p(copy_out, 50), warm_up_s=warm_up_s, repeats=REPEATS))
         common.progress(rows[-1])
+    return rows
+
+
+def served_rows(model, cfg) -> list[dict]:
+    """The served variant through its critical lane as the reward service
+    runs it (the batcher's worker thread, ``ModelSession.run_batch``), waves
+    of device arrays submitted from this thread: ``wall_us`` submit to
+    result, ``compute_us`` the run as the batcher times it (the service's
+    ``compute_ms``), ``queue_us`` arrival to run start."""
+    import cupy as cp
+
+    from reward_service.batcher import CRITICAL, Batcher
+    from reward_service.session import ModelSession
+
+    session = ModelSession(model, cfg, warm=False)
+    batcher = Batcher(session.run_batch, buckets=session.buckets, max_batch_size=session.max_batch_size,
+                      name=model.name, warm_up=session.warm_up)
+    rows = []
+    try:
+        rng = np.random.default_rng(1)
+        for bucket in BUCKETS:
+            part = bucket * 3 // 4
+            wave = cp.asarray(rng.integers(0, 2, (part, 2, 6, 7)).astype(np.uint8))
+            done = []
+
+            def one():
+                done.append(batcher.evaluate({"board": wave}, part, CRITICAL, None, ()))
+                done[-1].result()
+
+            wall = _timed(one)
+            rows.append(dict(variant="served_batcher", bucket=bucket, wave_rows=part, wall_us=_p(wall, 50),
+                             compute_us=_p([r.compute_ms * 1e3 for r in done], 50),
+                             queue_us=_p([r.queue_ms * 1e3 for r in done], 50), repeats=REPEATS))
+            common.progress(rows[-1])
+    finally:
+        batcher.close()
     return rows
 
 
@@ -138,6 +190,8 @@ def main() -> None:
     else:
         for name, m, c in variants(model, cfg):
             rows += common.attempt(f"variant {name}", runner_rows, name, m, replace(c, models=(m,))) or []
+        served = replace(model, batch_buckets=BUCKETS)
+        rows += common.attempt("served_batcher", served_rows, served, replace(cfg, models=(served,))) or []
     rows.append(hop_row("alone"))
     idle = threading.Event()
     threads = [threading.Thread(target=idle.wait, daemon=True) for _ in range(1000)]
