@@ -26,7 +26,8 @@ Three kinds of row (``kind``):
   position (each its own search, as served: the cache and the coalescing of
   the serving path in front of the reward service, the leaf channel where it
   attaches), value model against rollouts in the same run, on every bundled
-  Pons set (``--positions`` per set).
+  Pons set (``--positions`` per set); the value model at each ``--value-waves``
+  wave size (default: the config's ``search.value_model_parallel_sims``).
 
 Row fields: kind, handoff, simulations, wave, latency_ms_p50, latency_ms_p99,
 kernel_ms, handoff_us_per_wave, model_us_per_wave, queue_us_per_wave,
@@ -165,6 +166,9 @@ def main() -> None:
     parser = common.make_parser(__doc__)
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--positions", type=int, default=200, help="positions per set for the quality rows")
+    parser.add_argument("--value-waves", type=common.int_list, default=None,
+                        help="comma list: leaves per wave of the value model's quality rows "
+                             "(default: the config's search.value_model_parallel_sims)")
     args = parser.parse_args()
     from tandem.v1 import reward_pb2_grpc
 
@@ -208,9 +212,11 @@ def main() -> None:
             serving = CoalescingEvaluator(handoff)
             try:
                 for set_name in SETS:
-                    cached = CachedEvaluator(serving, EvaluationCache(cfg.search.evaluation_cache_bytes))
-                    for name, wave in (("value_model", cfg.search.value_model_parallel_sims),
-                                       ("rollout", 256 if variant != common.CPU_VARIANT else cfg.search.parallel_sims)):
+                    value_waves = args.value_waves or [cfg.search.value_model_parallel_sims]
+                    for name, wave in [*(("value_model", w) for w in value_waves),
+                                       ("rollout", 256 if variant != common.CPU_VARIANT else cfg.search.parallel_sims)]:
+                        # A cache of its own per row: another row's evaluations of the same positions would be hits.
+                        cached = CachedEvaluator(serving, EvaluationCache(cfg.search.evaluation_cache_bytes))
                         row = common.attempt(f"quality {set_name} {name}", quality, backend, cached, set_name,
                                              8 if args.quick else args.positions, name, wave, 16.0, handoff)
                         if row:
