@@ -49,6 +49,10 @@ class Service:
             self.scheduler.stop()
         if self.on_close:
             self.on_close()
+        # start_service froze what start-up made; a stopped service's objects (sessions, batchers,
+        # threads, in reference cycles) are garbage now, which the collector never frees while
+        # frozen: a process that starts services again (tests, benches) would keep every one.
+        gc.unfreeze()
 
     def serve_forever(self, grace_ms: float) -> None:
         """Blocks until SIGINT/SIGTERM, then drains and stops.
