@@ -474,10 +474,17 @@ class ModelSession:
         cupy = cupy_module() if want_cuda else None
         if want_cuda and hasattr(ort, "preload_dlls"):
             ort.preload_dlls()  # CUDA and cuDNN from their pip packages, where installed
+        pool = cfg.memory_pool_bytes if pool_bytes is None else pool_bytes
         try:
-            raw = self._load(path, self.precision)
-            factory = _SessionFactory(raw, model, cfg, cfg.memory_pool_bytes if pool_bytes is None else pool_bytes)
+            factory = _SessionFactory(self._load(path, self.precision), model, cfg, pool)
             probe = factory.cuda() if want_cuda else factory.cpu()
+            on_cuda = probe.get_providers()[0] == CUDA
+            if self.precision != resolve_precision(model.precision, on_cuda):
+                # "auto" chose fp16 for CUDA, but ONNX Runtime fell back to the CPU (e.g. cuDNN
+                # missing), where FP16 convolutions are emulated: fp32 there, as "auto" says.
+                self.precision = resolve_precision(model.precision, on_cuda)
+                factory = _SessionFactory(self._load(path, self.precision), model, cfg, pool)
+                probe = factory.cpu()
         except Exception as exc:  # ONNX Runtime's errors are not RuntimeErrors, and span lines
             raise RuntimeError(f"model {model.name}: cannot load {path}: {' '.join(str(exc).split())[:300]}") from None
         self._read_signature(probe, cfg.execution_provider)

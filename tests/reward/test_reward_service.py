@@ -497,3 +497,29 @@ def test_what_start_up_made_is_frozen_out_of_the_collectors_passes(stubs):
     assert gc.get_freeze_count() > 0
     reply = evaluate(stubs[0], boards(2))  # and the server serves on
     assert tensors.from_proto(reply.outputs[0]).shape == (2, 1)
+
+
+def test_precision_auto_is_fp32_where_onnx_runtime_falls_back_to_the_cpu(monkeypatch):
+    """execution_provider auto on a host whose driver shows a GPU but where
+    ONNX Runtime's CUDA provider does not load (here: its CUDA libraries are
+    missing): the session falls back to the CPU, and "auto" serves fp32 there,
+    not the FP16 model chosen for CUDA."""
+    import onnxruntime as ort
+
+    from reward_service import session as session_module
+    from tandem.config import DEFAULT_CONFIG, load_config
+    from tandem.gpu import cuda_device_count
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers() or cuda_device_count() > 0:
+        pytest.skip("needs onnxruntime-gpu on a host without a GPU (its CUDA provider then fails to load)")
+    monkeypatch.setattr(session_module, "cuda_device_count", lambda: 1)  # the driver's answer, as on a GPU host
+    cfg = load_config(DEFAULT_CONFIG).reward
+    shipped = next(m for m in cfg.models if m.name == MODEL)
+    from dataclasses import replace
+
+    s = session_module.ModelSession(replace(shipped, batch_buckets=(1, 2)), replace(cfg, execution_provider="auto"))
+    assert s.execution_provider == "CPUExecutionProvider"
+    assert s.precision == "fp32" and s.runtime["precision"] == "fp32", s.runtime
+    fp32 = session_module.ModelSession(replace(shipped, precision="fp32", batch_buckets=(1, 2)),
+                                       replace(cfg, execution_provider="cpu"))
+    assert s.version == fp32.version  # ModelMetadata's version: the FP32 model's
