@@ -16,7 +16,6 @@ from search_service.mcts.backend import model_answer
 
 def old_model_answer(values, priors, legal):
     """model_answer before commit 3b32e78 (the shape checks left out)."""
-    m, a = legal.shape
     values = np.asarray(values, np.float32).reshape(-1)
     values = np.clip(np.nan_to_num(values), -1.0, 1.0)
     if priors is None:
