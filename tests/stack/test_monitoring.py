@@ -122,7 +122,7 @@ def stack(tmp_path_factory):
 
 @pytest.mark.slow
 def test_per_model_request_counters_count_the_calls(stack):
-    _, m, _ = stack
+    cfg, m, _ = stack
     r = m["reward"]
     assert value(r, "tandem_reward_model_requests_total", model=MODEL, lane="critical") == 1
     assert value(r, "tandem_reward_model_requests_total", model=MODEL, lane="bulk") == 3  # two good, one bad
@@ -131,7 +131,9 @@ def test_per_model_request_counters_count_the_calls(stack):
     assert value(r, "tandem_reward_model_request_failures_total", model=MODEL, lane="bulk",
                  reason="invalid_input") == 1
     # The unknown model is not a model label (client text): it is in the RPC histogram's NOT_FOUND.
-    assert {s.labels["model"] for s in r["tandem_reward_model_requests"].samples} == {MODEL}
+    # Every served model's series exist from start-up, at 0 (reward_service/model_metrics.py).
+    assert {s.labels["model"] for s in r["tandem_reward_model_requests"].samples} == {x.name for x in cfg.reward.models}
+    assert value(r, "tandem_reward_model_requests_total", model="frame_reward", lane="bulk") == 0
     assert value(r, "tandem_rpc_latency_seconds_count", method="/tandem.v1.RewardService/Evaluate",
                  code="NOT_FOUND") == 1
 
