@@ -36,7 +36,7 @@ through the dynamic batcher with a model that does nothing (``hop_us``):
 the thread hand-offs every request pays, alone and beside 1,000 idle threads
 (the reward process runs about that many).
 
-Command: ``python3 -m bench.value_model_runs`` (GPU only; no ``--quick``
+Command: ``python3 -m bench.value_model_runs [--variants fp16_nhwc,served_batcher]`` (GPU only; no ``--quick``
 variant: without CUDA the rows would measure nothing this file is about).
 """
 from __future__ import annotations
@@ -180,7 +180,10 @@ def hop_row(label: str) -> dict:
 
 def main() -> None:
     parser = common.make_parser(__doc__)
+    parser.add_argument("--variants", default=None,
+                        help="comma list of the variants to run (default: all, served_batcher included)")
     args = parser.parse_args()
+    chosen = set(args.variants.split(",")) if args.variants else None
     cfg = load_config().reward
     cfg = replace(cfg, stream_priorities=(cfg.stream_priorities[0],), execution_provider="cuda")
     model = next(m for m in cfg.models if m.name == "connect4_value")
@@ -189,9 +192,11 @@ def main() -> None:
         common.note("no GPU here: only the batcher rows")
     else:
         for name, m, c in variants(model, cfg):
-            rows += common.attempt(f"variant {name}", runner_rows, name, m, replace(c, models=(m,))) or []
-        served = replace(model, batch_buckets=BUCKETS)
-        rows += common.attempt("served_batcher", served_rows, served, replace(cfg, models=(served,))) or []
+            if chosen is None or name in chosen:
+                rows += common.attempt(f"variant {name}", runner_rows, name, m, replace(c, models=(m,))) or []
+        if chosen is None or "served_batcher" in chosen:
+            served = replace(model, batch_buckets=BUCKETS)
+            rows += common.attempt("served_batcher", served_rows, served, replace(cfg, models=(served,))) or []
     rows.append(hop_row("alone"))
     idle = threading.Event()
     threads = [threading.Thread(target=idle.wait, daemon=True) for _ in range(1000)]
