@@ -274,7 +274,8 @@ class LeafChannelServer:
         """Checks an attach request and pins its regions to the connection.
 
         Raises:
-            _Bad: INVALID_ARGUMENT (malformed; max_rows out of range; a region
+            _Bad: INVALID_ARGUMENT (malformed; max_rows out of range -- over
+                reward.leaf_channel.max_rows or the model's max_batch_size; a region
                 too small or of the wrong kind; one region named as both),
                 NOT_FOUND (no such model), FAILED_PRECONDITION (a model whose
                 signature does not fit the channel), ALREADY_EXISTS (a region
@@ -293,9 +294,12 @@ class LeafChannelServer:
         session = self.sessions.get(model)
         if session is None:
             raise _Bad(grpc.StatusCode.NOT_FOUND, f"model: no model named {quote(model)} (models: {sorted(self.sessions)})")
-        if not isinstance(max_rows, int) or isinstance(max_rows, bool) or not 1 <= max_rows <= self.cfg.max_rows:
+        # A wave is refused above the model's max_batch_size, as an Evaluate of as many rows is.
+        limit = min(self.cfg.max_rows, session.max_batch_size)
+        if not isinstance(max_rows, int) or isinstance(max_rows, bool) or not 1 <= max_rows <= limit:
             raise _Bad(grpc.StatusCode.INVALID_ARGUMENT,
-                       f"max_rows: {quote(str(max_rows))}, must be 1..{self.cfg.max_rows} (reward.leaf_channel.max_rows)")
+                       f"max_rows: {quote(str(max_rows))}, must be 1..{limit} (reward.leaf_channel.max_rows "
+                       f"{self.cfg.max_rows}, model {quote(model)}'s max_batch_size {session.max_batch_size})")
         spec, input_row, outputs = self._signature(session)
         dtype = tensors.numpy_dtype(spec.dtype)
         slots, out_bytes = output_layout([(o.name, row) for o, row in outputs], max_rows)

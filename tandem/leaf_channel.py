@@ -214,8 +214,9 @@ class LeafChannel:
     def offered(cls, stub: reward_pb2_grpc.RewardServiceStub, model: str, max_rows: int,
                 timeout_s: float = 5.0) -> LeafChannel | None:
         """The leaf channel the reward service behind ``stub`` offers for
-        ``model`` (``ModelMetadata.runtime``: its socket and device), attached;
-        None when it offers none.
+        ``model`` (``ModelMetadata.runtime``: its socket and device), attached
+        for at most ``max_rows`` rows per wave, fewer where the model's
+        ``max_batch_size`` is smaller; None when it offers none.
 
         Raises:
             LeafChannelError: as the constructor.
@@ -225,6 +226,8 @@ class LeafChannel:
         if not path:
             return None
         device = int(meta.runtime.get(f"{RUNTIME_KEY}_device", "-1"))
+        if meta.max_batch_size:  # the server refuses a channel wider than the model's batches
+            max_rows = min(max_rows, meta.max_batch_size)
         return cls(stub, path, model, max_rows, device, timeout_s, meta)
 
     def evaluate(self, inputs, deadline: float | None = None) -> dict[str, np.ndarray]:

@@ -141,6 +141,8 @@ def status(reply: bytes) -> tuple[grpc.StatusCode, str]:
     ({"max_rows": 0}, grpc.StatusCode.INVALID_ARGUMENT, "max_rows"),
     ({"max_rows": True}, grpc.StatusCode.INVALID_ARGUMENT, "max_rows"),  # JSON true is no row count
     ({"max_rows": 100_000}, grpc.StatusCode.INVALID_ARGUMENT, "reward.leaf_channel.max_rows"),
+    # frame_reward's max_batch_size is 256: a wider channel would carry waves Evaluate refuses.
+    ({"model": "frame_reward", "max_rows": 300}, grpc.StatusCode.INVALID_ARGUMENT, "max_batch_size 256"),
     ({"max_rows": 64}, grpc.StatusCode.INVALID_ARGUMENT, "need"),  # the input region holds 8 rows
     ({"client_id": "someone-else"}, grpc.StatusCode.FAILED_PRECONDITION, "another client"),
 ])
@@ -618,3 +620,29 @@ def test_waves_are_counted_in_the_models_metrics_once_answered(reward):
     assert delta == {"requests": 4, "successes": 3, "invalid": 1, "queue_count": 3, "executions": 3,
                      "batch_rows": 9, "compute_count": 3, "inference_count": 9, "success_count": 3,
                      "fail_count": 1, "queue_totals": 3, "execution_count": 3}
+
+
+def test_offered_narrows_the_channel_to_the_models_max_batch_size():
+    """A model that takes at most 16 rows per batch gets a 16-row channel from
+    ``LeafChannel.offered`` (the server refuses a wider attach), and its
+    waves answer as Evaluate does."""
+    models = [{"name": MODEL, "path": "reward_service/models/connect4_value.onnx", "max_batch_size": 16}]
+    cfg = loopback_config(reward={"models": models, "leaf_channel": {"max_rows": 512}})
+    service = reward_server.start(cfg, follow_scheduler=False)
+    ch = channel(cfg.reward.address, cfg)
+    try:
+        stub = reward_pb2_grpc.RewardServiceStub(ch)
+        lc = LeafChannel.offered(stub, MODEL, 512, timeout_s=10)
+        try:
+            assert lc.max_rows == 16
+            obs = boards(*[str(c) for c in range(1, 8)] * 2)  # 14 positions
+            got = lc.evaluate(obs)
+            reply = stub.Evaluate(reward_pb2.EvaluateRequest(model=MODEL, inputs=[tensors.to_proto("board", obs)]))
+            np.testing.assert_allclose(got["value"], tensors.from_proto(reply.outputs[0]), atol=1e-5)
+            with pytest.raises(ValueError, match="1..16"):
+                lc.evaluate(np.zeros((17, 2, 6, 7), np.uint8))
+        finally:
+            lc.close()
+    finally:
+        ch.close()
+        service.stop()
