@@ -31,6 +31,12 @@ device memory submitted from this thread: ``wall_us`` (submit to result),
 ``compute_ms``), ``queue_us``. Against ``run_us`` of ``fp16_nhwc`` it shows
 what the lane adds to a run, without another process or a socket.
 
+Rows ``variant: ipc_source``: the served variant's runner fed 3/4-full waves
+from another process's CUDA allocation opened from its IPC handle (as the
+leaf channel's input region) and, alternating, from this process's memory:
+``run_ipc_us`` / ``run_local_us`` (the whole batch) and ``copy_ipc_us`` /
+``copy_local_us`` (the copy in, with its synchronisation).
+
 Two more rows, ``variant: batcher_hop``: a critical request's round trip
 through the dynamic batcher with a model that does nothing (``hop_us``):
 the thread hand-offs every request pays, alone and beside 1,000 idle threads
@@ -52,7 +58,8 @@ from tandem.config import load_config
 
 BENCHMARK = "value_model_runs"
 COLUMNS = ("variant", "threads", "bucket", "run_us", "run_padded_us", "gpu_us", "host_call_us", "copy_in_us",
-           "copy_out_us", "wall_us", "compute_us", "queue_us", "hop_us")
+           "copy_out_us", "wall_us", "compute_us", "queue_us", "run_local_us", "run_ipc_us", "copy_local_us",
+           "copy_ipc_us", "hop_us")
 BUCKETS = (32, 256, 1024)
 REPEATS = 200
 
@@ -165,6 +172,79 @@ def served_rows(model, cfg) -> list[dict]:
     return rows
 
 
+def _export(conn, nbytes: int) -> None:
+    """In a child process: a CUDA allocation of ``nbytes`` random bytes, its IPC
+    handle sent over ``conn``; kept until ``conn`` says stop (or closes)."""
+    import cupy as cp
+
+    memory = cp.cuda.Memory(nbytes)  # its own cudaMalloc: a handle opens a whole allocation
+    view = cp.ndarray((nbytes,), np.uint8, cp.cuda.MemoryPointer(memory, 0))
+    view[:] = cp.random.randint(0, 2, nbytes, dtype=np.uint8)
+    cp.cuda.runtime.deviceSynchronize()
+    conn.send(cp.cuda.runtime.ipcGetMemHandle(memory.ptr))
+    try:
+        conn.recv()
+    except EOFError:
+        pass
+
+
+def ipc_rows(model, cfg) -> list[dict]:
+    """The served variant's runner fed from another process's CUDA memory
+    (opened from its IPC handle, as the leaf channel's input region) against
+    the same wave in this process's memory, alternating: ``run_local_us`` /
+    ``run_ipc_us`` (the whole batch, 3/4-full waves), ``copy_local_us`` /
+    ``copy_ipc_us`` (the copy into the bound buffer, with its synchronisation)."""
+    import multiprocessing
+
+    import cupy as cp
+
+    from reward_service.batcher import CRITICAL, Batch, Request
+    from reward_service.session import ModelSession
+
+    session = ModelSession(model, cfg)
+    runner = session._critical  # noqa: SLF001 - the lane's runner, measured alone
+    dev = runner.device
+    row_bytes = 2 * 6 * 7
+    nbytes = BUCKETS[-1] * row_bytes
+    spawn = multiprocessing.get_context("spawn")
+    here, there = spawn.Pipe()
+    child = spawn.Process(target=_export, args=(there, nbytes), daemon=True)
+    child.start()
+    rows = []
+    ptr = None
+    try:
+        handle = here.recv()
+        ptr = cp.cuda.runtime.ipcOpenMemHandle(handle)
+        memory = cp.cuda.UnownedMemory(ptr, nbytes, child, device_id=cp.cuda.runtime.getDevice())
+        remote = cp.ndarray((BUCKETS[-1], 2, 6, 7), np.uint8, cp.cuda.MemoryPointer(memory, 0))
+        for bucket in BUCKETS:
+            part = bucket * 3 // 4
+            local = remote[:part].copy()
+            slot = runner._slots[bucket]  # noqa: SLF001
+
+            def batch_of(wave, part=part, bucket=bucket):
+                return Batch([Request({"board": wave}, part, CRITICAL)], part, bucket, [0], CRITICAL)
+
+            from_here, from_there = batch_of(local), batch_of(remote[:part])
+            run_local, run_ipc = [], []
+            for _ in range(REPEATS):
+                run_local += _timed(lambda: runner.run(from_here), repeats=1)
+                run_ipc += _timed(lambda: runner.run(from_there), repeats=1)
+            copy_local = _timed(lambda: (dev.copy_device(slot.dev_in["board"], 0, local), dev.synchronize()))
+            copy_ipc = _timed(lambda: (dev.copy_device(slot.dev_in["board"], 0, remote[:part]), dev.synchronize()))
+            rows.append(dict(variant="ipc_source", bucket=bucket, wave_rows=part, run_local_us=_p(run_local, 50),
+                             run_ipc_us=_p(run_ipc, 50), copy_local_us=_p(copy_local, 50),
+                             copy_ipc_us=_p(copy_ipc, 50), repeats=REPEATS))
+            common.progress(rows[-1])
+    finally:
+        if ptr is not None:
+            cp.cuda.runtime.deviceSynchronize()
+            cp.cuda.runtime.ipcCloseMemHandle(ptr)
+        here.send("stop")
+        child.join(30)
+    return rows
+
+
 def hop_row(label: str) -> dict:
     from reward_service.batcher import CRITICAL, Batcher
 
@@ -194,9 +274,11 @@ def main() -> None:
         for name, m, c in variants(model, cfg):
             if chosen is None or name in chosen:
                 rows += common.attempt(f"variant {name}", runner_rows, name, m, replace(c, models=(m,))) or []
+        served = replace(model, batch_buckets=BUCKETS)
         if chosen is None or "served_batcher" in chosen:
-            served = replace(model, batch_buckets=BUCKETS)
             rows += common.attempt("served_batcher", served_rows, served, replace(cfg, models=(served,))) or []
+        if chosen is None or "ipc_source" in chosen:
+            rows += common.attempt("ipc_source", ipc_rows, served, replace(cfg, models=(served,))) or []
     rows.append(hop_row("alone"))
     idle = threading.Event()
     threads = [threading.Thread(target=idle.wait, daemon=True) for _ in range(1000)]
