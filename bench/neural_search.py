@@ -211,8 +211,8 @@ def main() -> None:
             common.note(f"serving path: leaf channel attached: {handoff.wait_attached(10.0)}")
             serving = CoalescingEvaluator(handoff)
             try:
+                value_waves = args.value_waves or [cfg.search.value_model_parallel_sims]
                 for set_name in SETS:
-                    value_waves = args.value_waves or [cfg.search.value_model_parallel_sims]
                     for name, wave in [*(("value_model", w) for w in value_waves),
                                        ("rollout", 256 if variant != common.CPU_VARIANT else cfg.search.parallel_sims)]:
                         # A cache of its own per row: another row's evaluations of the same positions would be hits.

@@ -69,12 +69,8 @@ def _p(samples_us: list[float], q: float) -> float:
 
 
 def _timed(fn, repeats: int = REPEATS) -> list[float]:
-    out = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        out.append((time.perf_counter() - t) * 1e6)
-    return out
+    """µs of ``repeats`` calls of ``fn()`` (common.time_calls; each call synchronises what it needs itself)."""
+    return (common.time_calls(lambda _: fn(), repeats, warmup=0, sync=lambda: None) * 1e3).tolist()
 
 
 def variants(model, cfg):
