@@ -2,21 +2,24 @@
 
 Runs the load test (loadtest/frame_scheduling.py) once per scenario --
 ``uncontended``, ``background_alone``, ``default``, ``dynamic``, ``static`` --
-and per way the trainer sends its frames (``grpc``: bytes in each message;
-``shm``: shared-memory regions), restarting the three servers each time
+per way the trainer sends its frames (``grpc``: bytes in each message;
+``shm``: shared-memory regions) and per place it sends them (``--bulk-server``
+``on``: the reward service's bulk server, a process of its own; ``off``: the
+reward service itself), starting the stack again for each policy
 (``uncontended`` has no trainer: it runs once). Writes
 ``bench/results/frame_scheduling.json`` (rows: :data:`ROW_FIELDS` of
 loadtest/frame_scheduling.py -- the seed's columns, the critical
-``Evaluate``'s server queue and model p99, the bulk lever's mean share --
-plus the raw reports), ``frame_scheduling.png`` (latency CDF per policy, one
-panel per transport) and every measured frame latency in
-``frame_scheduling_latencies.json`` (``{"fps", "title", "latencies_ms":
-{transport: {policy: [ms, ...]}}}``) so the PNG can be drawn again where
-matplotlib is installed (the GPU machine lacks it).
+``Evaluate``'s server queue and model p99, the bulk lever's mean share,
+``bulk_server`` -- plus the raw reports), ``frame_scheduling.png`` (latency
+CDF per policy, one panel per transport and place) and every measured frame
+latency in ``frame_scheduling_latencies.json`` (``{"fps", "title",
+"latencies_ms": {panel: {policy: [ms, ...]}}}``) so the PNG can be drawn
+again where matplotlib is installed (the GPU machine lacks it).
 
     python -m bench.frame_scheduling                 # GPU run, both transports (bench/run_scheduling_gpu.sh)
     python -m bench.frame_scheduling --quick         # seconds, on the CPU
     python -m bench.frame_scheduling --background-transport shm   # one transport
+    python -m bench.frame_scheduling --bulk-server on              # the trainer at the bulk server only
     python -m bench.frame_scheduling --plot-only bench/results   # PNG from the latencies file
 """
 from __future__ import annotations
@@ -27,7 +30,7 @@ from pathlib import Path
 
 from bench import common
 from loadtest.background import TRANSPORTS
-from loadtest.frame_scheduling import ROW_FIELDS, SCENARIOS, FrameTest, run_scenario
+from loadtest.frame_scheduling import ROW_FIELDS, SCENARIOS, FrameTest, run_scenarios
 
 QUICK = FrameTest(engines=1, fps=10.0, simulations=16, warmup_s=0.5, seconds=1.5, background_batch=2,
                   background_workers=1, timeout_s=5.0)
@@ -46,6 +49,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--background-transport", default=",".join(TRANSPORTS),
                         help="comma list: how the background trainer sends its frames: grpc (bytes in each message) "
                              "and/or shm (shared-memory regions registered with the reward service); default both")
+    parser.add_argument("--bulk-server", default="on,off",
+                        help="comma list: the trainer sends to the reward service's bulk server (on: a process of "
+                             "its own, reward.bulk_server) and/or to the reward service itself (off); default both")
     parser.add_argument("--logs", type=Path, default=None, help="keep each scenario's server logs here")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
     parser.add_argument("--free-ports", action="store_true",
@@ -65,22 +71,26 @@ def main(argv: list[str] | None = None) -> None:
     transports = [t.strip() for t in args.background_transport.split(",") if t.strip()]
     if not transports or any(t not in TRANSPORTS for t in transports):
         parser.error(f"--background-transport: a comma list of {', '.join(TRANSPORTS)}, got {args.background_transport!r}")
-    rows, latencies = [], {t: {} for t in transports}
+    bulk = [b.strip() for b in args.bulk_server.split(",") if b.strip()]
+    if not bulk or any(b not in BULK_CHOICES for b in bulk):
+        parser.error(f"--bulk-server: a comma list of on, off, got {args.bulk_server!r}")
+    rows, latencies, uncontended = [], {}, None
     for transport in transports:
-        for scenario in scenarios:
-            if scenario == "uncontended" and transport != transports[0]:
-                latencies[transport][scenario] = latencies[transports[0]].get(scenario, [])
-                continue  # no trainer: the same run serves every panel
-            label = scenario if scenario == "uncontended" else f"{scenario} ({transport})"
-            logs = args.logs / transport if args.logs else None
-            got = common.attempt(label, run_scenario, scenario, dataclasses.replace(test, background_transport=transport),
-                                 args.config, logs, args.free_ports or args.quick)
-            if got is None:
-                continue
-            row, lat = got
-            common.progress({k: row[k] for k in ROW_FIELDS})
-            rows.append(row)
-            latencies[transport][scenario] = lat
+        for on in (BULK_CHOICES[b] for b in bulk):
+            panel = latencies.setdefault(f"{transport}, {'bulk server' if on else 'one reward process'}", {})
+            todo = [s for s in scenarios if s != "uncontended" or uncontended is None]
+            if "uncontended" in scenarios and uncontended is not None:
+                panel["uncontended"] = uncontended  # no trainer: the first run serves every panel
+            label = f"{','.join(todo)} ({transport}, bulk server {'on' if on else 'off'})"
+            logs = args.logs / f"{transport}-{'bulk' if on else 'one'}" if args.logs else None
+            got = common.attempt(label, run_scenarios, todo, dataclasses.replace(test, background_transport=transport),
+                                 args.config, logs, args.free_ports or args.quick, on) or []
+            for scenario, (row, lat) in zip(todo, got):
+                common.progress({k: row[k] for k in ROW_FIELDS})
+                rows.append(row)
+                panel[scenario] = lat
+                if scenario == "uncontended":
+                    uncontended = lat
     out_dir = Path(args.out if args.out is not None else common.RESULTS_DIR)
     out_dir.mkdir(parents=True, exist_ok=True)
     doc = {"fps": test.fps, "title": f"{test.engines} engines at {test.fps:g} FPS, {test.simulations} simulations/frame",
@@ -92,6 +102,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 LATENCIES_FILE = "frame_scheduling_latencies.json"
+BULK_CHOICES = {"on": True, "off": False}  # --bulk-server: reward.bulk_server.enabled
 
 
 def plot(doc: dict, out_dir: Path) -> None:

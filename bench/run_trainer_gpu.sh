@@ -2,9 +2,13 @@
 # Issue 12 on the GPU: 60 FPS under a trainer's load, in two steps of device calls.
 #
 #   bash bench/run_trainer_gpu.sh table   # the seed's table: python -m bench.frame_scheduling, every
-#                                         # scenario, the trainer on gRPC bytes and on shared memory,
-#                                         # then starts the 10-minute soak detached (setsid) and returns
+#                                         # scenario, the trainer on gRPC bytes and on shared memory, sent
+#                                         # to the bulk server and to the reward service itself (--bulk-server
+#                                         # on,off), then starts the 10-minute soak detached (setsid) and returns
 #   bash bench/run_trainer_gpu.sh wait    # waits for the soak (next calls, back to back) and returns it
+#   TRANSPORT=shm SOAK_SECONDS=0 bash bench/run_trainer_gpu.sh table   # one transport (~6 min), no soak: two
+#       calls of under 10 minutes for both (TRANSPORT=grpc the second; each writes frame_scheduling.json)
+#   TESTS="tests/reward/test_bulk_server.py ..." bash bench/run_trainer_gpu.sh table   # those GPU tests first
 #
 # Make each `wait` call at once after the previous one returns: the device machine is given back after
 # 30 s idle, and the detached soak goes with it (2026-11-30: lost so, after 13 of its minutes).
@@ -25,7 +29,13 @@ source bench/gpu_setup.sh
 echo "setup $(( $(date +%s) - t0 )) s"
 case "${1:-table}" in
 table)
-  timeout 480 python3 -m bench.frame_scheduling --seconds "${SECONDS_PER_SCENARIO:-10}" --no-plot --out "$OUTDIR" \
+  if [ -n "${TESTS:-}" ]; then
+    timeout 240 python3 -m pytest -q -p no:cacheprovider -x $TESTS 2>&1 | tee "$OUTDIR/pytest_gpu.log" | tail -6 \
+      || { echo "tests failed: no table"; exit 1; }
+    echo "tests done at $(( $(date +%s) - t0 )) s"
+  fi
+  timeout 540 python3 -m bench.frame_scheduling --seconds "${SECONDS_PER_SCENARIO:-10}" --no-plot --out "$OUTDIR" \
+    --background-transport "${TRANSPORT:-grpc,shm}" --bulk-server "${BULK:-on,off}" \
     2>&1 | tee "$OUTDIR/bench.log" | grep -v " INFO \| WARNING " | tail -14
   echo "table done at $(( $(date +%s) - t0 )) s"
   if [ -n "${SOAK_SECONDS:-600}" ] && [ "${SOAK_SECONDS:-600}" != 0 ]; then

@@ -125,7 +125,7 @@ def quality_table(rows: list[dict]) -> str:
 def frame_table(rows: list[dict]) -> str:
     """The seed's table: frame latency per policy, plus where each frame's time went
     (the search, the Evaluate, and the reward service's own queue and model time)."""
-    header = ["policy", "engines × FPS", "frame avg / p50 / p99 (ms)", "missed", "background (frames/s)",
+    header = ["policy", "trainer", "engines × FPS", "frame avg / p50 / p99 (ms)", "missed", "background (frames/s)",
               "Search p50 / p99 (ms)", "Evaluate p50 / p99 (ms)", "reward queue + model p50 (ms)"]
 
     def pair(d: dict | None, key: str) -> str:
@@ -141,11 +141,21 @@ def frame_table(rows: list[dict]) -> str:
             server = f"{fmt_ms(ev['server_queue_ms']['p50'])} + {fmt_ms(ev['server_compute_ms']['p50'])}"
         frame = "—" if r["frame_ms_p50"] is None else \
             f"{fmt_ms(r['frame_ms_avg'])} / {fmt_ms(r['frame_ms_p50'])} / {fmt_ms(r['frame_ms_p99'])}"
-        body.append([r["policy"], f"{r['clients']} × {fmt(r['fps'])}" if r["clients"] else "—", frame,
+        body.append([r["policy"], _trainer(r), f"{r['clients']} × {fmt(r['fps'])}" if r["clients"] else "—", frame,
                      fmt_pct(None if r["missed_frame_share"] is None else 100 * r["missed_frame_share"]),
                      fmt(r["background_per_s"]), pair(req.get("search"), "latency_from_schedule_ms"),
                      pair(ev, "latency_from_schedule_ms"), server])
     return markdown(header, body)
+
+
+def _trainer(row: dict) -> str:
+    """How the row's trainer sent its frames, and where: "shm → bulk server" (older files: the transport alone)."""
+    transport = row.get("background_transport")
+    if transport is None:
+        return "—"
+    if "bulk_server" not in row:
+        return transport
+    return f"{transport} → {'bulk server' if row['bulk_server'] else 'reward service'}"
 
 
 def generic_table(rows: list[dict]) -> str:

@@ -40,9 +40,9 @@ import yaml
 from loadtest.background import TRANSPORTS, BackgroundProcess
 from loadtest.frame_scheduling import LeverSampler
 from loadtest.generator import LoadSpec, OpenLoopGenerator
-from stack.supervisor import SERVICES, Stack
+from stack.supervisor import Stack
 from tandem import nvml
-from tandem.config import load_config
+from tandem.config import bulk_address, load_config, loopback_data
 
 
 def _free_port() -> int:
@@ -138,7 +138,7 @@ def soak_config(directory: Path, backend: str = "auto", policy: str = "default",
     """A config for the soak's stack: free loopback ports, no metrics endpoints;
     ``backend`` for both services ("auto": the GPU where there is one), the
     scheduler's ``policy``."""
-    data = {name: {"address": f"127.0.0.1:{_free_port()}", "metrics_port": 0} for name in SERVICES}
+    data = loopback_data(_free_port)  # the trainer goes to the bulk server (tandem.config.bulk_address)
     data["scheduler"]["policy"] = policy
     data["search"].update({"backend": backend, **search})
     data["reward"]["execution_provider"] = backend
@@ -174,7 +174,7 @@ def run_soak(seconds: float = 60.0, engines: int = 4, fps: float = 15.0, simulat
                                              simulations=simulations, evaluator=evaluator, session_ids=True,
                                              frames=frames, model="frame_reward" if frames else "connect4_value"),
                                     cfg)
-            bg = BackgroundProcess(cfg.reward.address, cfg, transport=trainer) if trainer else None
+            bg = BackgroundProcess(bulk_address(cfg), cfg, transport=trainer) if trainer else None
             lever = LeverSampler(cfg.scheduler.address, cfg, interval_s=1.0)
             sampler.start()
             t0 = time.monotonic()

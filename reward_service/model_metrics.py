@@ -44,6 +44,7 @@ REASONS = (
     "out_of_memory",  # RESOURCE_EXHAUSTED: the fixed memory pool
     "unavailable",  # the service is stopping
     "shared_memory",  # a shared-memory region could not be used
+    "wrong_server",  # FAILED_PRECONDITION: a critical request at the bulk server (reward.bulk_server)
     "run_failed",  # INTERNAL: the model run raised
 )
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)

@@ -31,6 +31,7 @@ from tandem.service import Service, start_service
 
 log = logging.getLogger(__name__)
 
+BULK_SERVER_KEY = "bulk_server"  # ModelMetadata.runtime key: the bulk server's address, for bulk clients
 NO_DEADLINE_S = 1e7  # remaining times beyond this (~4 months) mean "no deadline"
 IN_FLIGHT = Gauge("tandem_reward_requests_in_flight", "Evaluate calls being served.")
 BYTES_IN_FLIGHT = Gauge("tandem_reward_bytes_in_flight", "Bytes of the Evaluate calls being served (serialized).")
@@ -66,14 +67,21 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
     memory also FAILED_PRECONDITION (another client's region, or one
     unregistered while the request used it).
 
+    As the bulk server (``critical_address`` set: reward.bulk_server, a
+    process of its own that serves bulk clients) a critical Evaluate is
+    FAILED_PRECONDITION, naming the reward service that serves it.
+
     Thread safety: the batchers and the region table are thread-safe; the only
     other shared mutable state is the load counters, guarded by ``_lock``.
     """
 
     def __init__(self, sessions: dict[str, ModelSession], batchers: dict[str, Batcher],
                  shared_memory: SharedMemoryConfig | None = None, metrics: ModelMetrics | None = None,
-                 max_bytes_in_flight: int = 0):
+                 max_bytes_in_flight: int = 0, critical_address: str = "", bulk_address: str = ""):
         self.sessions = sessions
+        # The bulk server: where critical requests go instead ("" on the reward service itself).
+        self.critical_address = critical_address
+        self.bulk_address = bulk_address  # the reward service: its bulk server's address, if one runs
         self.metrics = metrics or ModelMetrics(list(sessions))  # per-model figures (reward_service/model_metrics.py)
         self.batchers = batchers
         self.budget = ByteBudget(max_bytes_in_flight)  # reward_service/admission.py
@@ -103,6 +111,11 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         IN_FLIGHT.inc()
         try:
             try:
+                if self.critical_address and lane == LANES[reward_pb2.REQUEST_CLASS_CRITICAL]:
+                    raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, "wrong_server",
+                                  f"request_class: this is the reward service's bulk server (reward.bulk_server), "
+                                  f"which serves bulk requests only; send critical ones to the reward service at "
+                                  f"{self.critical_address}")
                 with self.budget.admit(request.ByteSize(), lane == LANES[reward_pb2.REQUEST_CLASS_CRITICAL]), \
                         self.regions.acquire(request.client_id, _region_names(request)) as lease:
                     try:
@@ -207,7 +220,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
                      "stream_priority_critical_lane": str(s.critical_stream_priority),
                      "stream_priority_assigned": str(self.assigned_stream_priority),
                      "bulk_share_percent": str(self.batchers[s.name].bulk_share),
-                     **self._leaf_channel_runtime(s)},
+                     **self._leaf_channel_runtime(s), **self._role_runtime()},
         )
 
     def _leaf_channel_runtime(self, s: ModelSession) -> dict[str, str]:
@@ -217,6 +230,14 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             return {}
         device = 0 if s.execution_provider == "CUDAExecutionProvider" else -1
         return {LEAF_CHANNEL_KEY: self.leaf_channel.path, f"{LEAF_CHANNEL_KEY}_device": str(device)}
+
+    def _role_runtime(self) -> dict[str, str]:
+        """Which server this is, and where its partner is: the reward service
+        names its bulk server (``bulk_server``, where one runs), the bulk
+        server the reward service for critical requests (``critical_server``)."""
+        if self.critical_address:
+            return {"role": "bulk server", "critical_server": self.critical_address}
+        return {"role": "reward service", **({BULK_SERVER_KEY: self.bulk_address} if self.bulk_address else {})}
 
     def ListModels(self, request, context):
         return reward_pb2.ListModelsResponse(models=sorted(self.sessions))
@@ -339,13 +360,14 @@ class _WarmUpContext:
 
 
 def _warm_up(servicer: RewardServicer) -> None:
-    """One Evaluate per model and lane (a critical and a bulk one) through the
-    servicer (decode, batcher, encode), so the first client request finds
-    every Python path and both lanes' threads warm."""
+    """One Evaluate per model and lane (a critical and a bulk one; the bulk
+    server's bulk one) through the servicer (decode, batcher, encode), so the
+    first client request finds every Python path and the lanes' threads warm."""
+    classes = (reward_pb2.REQUEST_CLASS_CRITICAL, reward_pb2.REQUEST_CLASS_BULK)
     for s in servicer.sessions.values():
         inputs = [tensors.to_proto(x.name, np.zeros([1 if d == -1 else d for d in x.shape], tensors.numpy_dtype(x.dtype)))
                   for x in s.inputs]
-        for request_class in (reward_pb2.REQUEST_CLASS_CRITICAL, reward_pb2.REQUEST_CLASS_BULK):
+        for request_class in classes[1:] if servicer.critical_address else classes:
             request = reward_pb2.EvaluateRequest(model=s.name, inputs=inputs, request_class=request_class)
             servicer.Evaluate(request, _WarmUpContext())
 
@@ -370,19 +392,25 @@ def _batcher(session: ModelSession, cfg: TandemConfig, metrics: ModelMetrics) ->
     )
 
 
-def start(cfg: TandemConfig, follow_scheduler: bool = True) -> Service:
+def start(cfg: TandemConfig, follow_scheduler: bool = True, bulk_server: bool = False) -> Service:
     """Loads every configured model (sessions, warm-up), starts a batcher per
     model (two lanes: each lane's worker thread warms that lane's runners up
     before the service serves) and serves on ``cfg.reward.address``.
 
+    With ``bulk_server``: the bulk server instead (``reward.bulk_server``, a
+    process of its own): the same models without critical lanes, no leaf
+    channel, on ``cfg.reward.bulk_server.address``; critical requests there are
+    FAILED_PRECONDITION.
+
     Raises:
         RuntimeError: a model cannot be loaded, or the address cannot be bound.
     """
-    models = cfg.reward.models
+    models, bulk_cfg = cfg.reward.models, cfg.reward.bulk_server
     # The memory pool is split evenly over every runner (models x (stream priorities + the critical
     # lane's own)), and each runner's share over its sessions (one per batch bucket).
-    per_runner = cfg.reward.memory_pool_bytes // max(len(models) * runners_per_model(cfg.reward), 1)
-    sessions = {m.name: ModelSession(m, cfg.reward, pool_bytes=per_runner, warm=False) for m in models}
+    per_runner = cfg.reward.memory_pool_bytes // max(len(models) * runners_per_model(cfg.reward, not bulk_server), 1)
+    sessions = {m.name: ModelSession(m, cfg.reward, pool_bytes=per_runner, warm=False, critical_lane=not bulk_server)
+                for m in models}
     providers = sorted({s.execution_provider for s in sessions.values()})
     log.warning("reward service: execution provider(s) in use: %s", ", ".join(providers))
     for s in sessions.values():
@@ -391,7 +419,9 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True) -> Service:
             log.warning("model %s: GPU features off: %s", s.name, "; ".join(f"{k} {v}" for k, v in off.items()))
     metrics = ModelMetrics(list(sessions))
     servicer = RewardServicer(sessions, {name: _batcher(s, cfg, metrics) for name, s in sessions.items()},
-                              cfg.reward.shared_memory, metrics, cfg.reward.max_bytes_in_flight)
+                              cfg.reward.shared_memory, metrics, cfg.reward.max_bytes_in_flight,
+                              critical_address=cfg.reward.address if bulk_server else "",
+                              bulk_address=bulk_cfg.address if bulk_cfg.enabled and not bulk_server else "")
     BYTES_IN_FLIGHT.set_function(lambda: servicer.budget.held)
     for name, b in servicer.batchers.items():
         for lane in LANES.values():
@@ -406,7 +436,7 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True) -> Service:
     _warm_up(servicer)
     metrics.start()  # the warm-up's requests are not counted
     servicer.regions.start()
-    if cfg.reward.leaf_channel.enabled:
+    if cfg.reward.leaf_channel.enabled and not bulk_server:  # leaves are critical work: not the bulk server's
         try:
             servicer.leaf_channel = leaf_channel.LeafChannelServer(
                 cfg.reward.leaf_channel, sessions, servicer.batchers, servicer.regions, metrics,
@@ -432,9 +462,9 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True) -> Service:
     try:
         service = start_service(
             cfg,
-            kind=scheduler_pb2.SERVICE_KIND_REWARD,
-            address=cfg.reward.address,
-            metrics_port=cfg.reward.metrics_port,
+            kind=scheduler_pb2.SERVICE_KIND_REWARD,  # the bulk server too: the bulk lever reaches it
+            address=bulk_cfg.address if bulk_server else cfg.reward.address,
+            metrics_port=bulk_cfg.metrics_port if bulk_server else cfg.reward.metrics_port,
             # Every Evaluate holds a gRPC thread while it waits in the batcher; the shared
             # server gives every admitted RPC a thread, so none waits in gRPC's FIFO
             # executor, where request classes and the bounded queue would not apply.
@@ -445,7 +475,7 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True) -> Service:
             stream_priorities=held,
             memory_bytes=cfg.reward.memory_pool_bytes,
             follow_scheduler=follow_scheduler,
-            capabilities=_capabilities(oip_register is not None),
+            capabilities=_capabilities(oip_register is not None, servicer),
         )
     except BaseException:
         servicer.close()
@@ -462,9 +492,18 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True) -> Service:
     return service
 
 
-def _capabilities(open_inference_protocol: bool) -> list[str]:
-    """What this reward server offers beyond RewardService's base calls (Handshake)."""
-    out = ["reward.request_classes", "reward.shared_memory.system", "reward.leaf_channel"]
+def _capabilities(open_inference_protocol: bool, servicer: RewardServicer) -> list[str]:
+    """What this reward server offers beyond RewardService's base calls (Handshake):
+    the bulk server names itself (``reward.bulk_only``); the reward service
+    its leaf channel and, where one runs, a bulk server (``reward.bulk_server``:
+    its address in ModelMetadata.runtime["bulk_server"])."""
+    out = ["reward.request_classes", "reward.shared_memory.system"]
+    if servicer.critical_address:
+        out.append("reward.bulk_only")
+    else:
+        out.append("reward.leaf_channel")
+    if servicer.bulk_address:
+        out.append("reward.bulk_server")
     if cuda_device_count() > 0:
         out.append("reward.shared_memory.cuda")
     if open_inference_protocol:
@@ -475,3 +514,8 @@ def _capabilities(open_inference_protocol: bool) -> list[str]:
 def serve(cfg: TandemConfig) -> None:
     """Runs the reward service until SIGINT/SIGTERM."""
     start(cfg).serve_forever(cfg.reward.server.grace_period_ms)
+
+
+def serve_bulk(cfg: TandemConfig) -> None:
+    """Runs the reward service's bulk server (``reward.bulk_server``) until SIGINT/SIGTERM."""
+    start(cfg, bulk_server=True).serve_forever(cfg.reward.server.grace_period_ms)

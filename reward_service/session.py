@@ -407,6 +407,9 @@ class ModelSession:
             :func:`runners_per_model` runners.
         host_binding: run the IO-binding path over host buffers and the CPU
             provider (tests of that path without a GPU).
+        critical_lane: build the critical lane's runner (False: the bulk
+            server's models, which serve bulk batches only: ``lane_runners(CRITICAL)``
+            is empty and a critical batch raises RuntimeError).
         warm: warm up every runner now, on this thread (:meth:`warm_up`). The
             server passes False and has each lane's batcher worker -- the one
             thread that runs that lane's requests -- warm that lane's runners
@@ -425,7 +428,7 @@ class ModelSession:
       priority (config order). Run by the bulk lane's worker thread only
       (:meth:`warm_up` with ``BULK``, :meth:`run_batch` of a bulk batch).
     * ``_critical``: the critical lane's own runner, on the greatest held
-      stream priority. Run by the critical lane's worker thread only
+      stream priority (None on the bulk server: ``critical_lane=False``). Run by the critical lane's worker thread only
       (:meth:`warm_up` with ``CRITICAL``, :meth:`run_batch` of a critical
       batch). On the bound paths it is never one of ``_runners``: when the
       scheduler assigns the bulk lane the greatest stream priority, the bulk
@@ -462,8 +465,9 @@ class ModelSession:
     """
 
     def __init__(self, model: ModelConfig, cfg: RewardConfig, *, pool_bytes: int | None = None,
-                 host_binding: bool = False, warm: bool = True):
+                 host_binding: bool = False, warm: bool = True, critical_lane: bool = True):
         self.name = model.name
+        self.critical_lane = critical_lane
         self.description = model.description
         self.max_batch_size = model.max_batch_size
         want_cuda = _use_cuda(cfg.execution_provider)
@@ -560,11 +564,12 @@ class ModelSession:
         session, which both lanes share (thread-safe, no buffers); every GPU
         feature's runtime note says ``why`` it is off."""
         self._runners = [_PlainRunner(probe, [s.name for s in self.outputs])]
-        self._critical = self._runners[0]
+        self._critical = self._runners[0] if self.critical_lane else None
         self.runtime.update(io_binding=why, cuda_graph=why if graphs_requested else "off: not requested",
                             batch_buckets="off: no padding without bound buffers", stream_priorities=why,
                             lanes="critical and bulk: a worker thread each, sharing the one session "
-                                  "(InferenceSession.run is thread-safe); no streams")
+                                  "(InferenceSession.run is thread-safe); no streams" if self.critical_lane else
+                                  "bulk only (the bulk server): one session on the bulk worker thread; no streams")
 
     def _build_bound_runners(self, factory: _SessionFactory, model: ModelConfig, cfg: RewardConfig, cupy) -> None:
         """The IO-binding path: ``buckets`` from the config; for the bulk lane
@@ -579,15 +584,17 @@ class ModelSession:
         graph_note = "on (one graph per bucket: a session per bucket)" if graphs else (
             "off: not requested" if not model.cuda_graph else "off: CPU execution provider")
         bulk_devices = [_CupyDevice(cupy, p) for p in cfg.stream_priorities] if on_gpu else [_HostDevice()]
-        # The critical lane's own device: its own stream (and buffers), never a bulk runner's.
-        critical_device = _CupyDevice(cupy, min(cfg.stream_priorities)) if on_gpu else _HostDevice()
+        critical_devices = []
+        if self.critical_lane:  # the critical lane's own device: its own stream (and buffers), never a bulk runner's
+            critical_devices.append(_CupyDevice(cupy, min(cfg.stream_priorities)) if on_gpu else _HostDevice())
         runners = []
-        for device in [*bulk_devices, critical_device]:
+        for device in [*bulk_devices, *critical_devices]:
             runner, failure = self._bound_runner(factory, device, graphs)
             if failure:  # the sessions after this one run without graphs too
                 graphs, graph_note = False, failure
             runners.append(runner)
-        *self._runners, self._critical = runners
+        self._runners = runners[: len(bulk_devices)]
+        self._critical = runners[len(bulk_devices)] if self.critical_lane else None
         if not graphs and any(r.graphs for r in runners):
             graph_note += "; graphs on for " + ", ".join(
                 f"{'the critical lane' if r is self._critical else 'bulk'} at stream priority {r.stream_priority}"
@@ -599,15 +606,22 @@ class ModelSession:
             cuda_graph=graph_note,
             batch_buckets=",".join(map(str, self.buckets)),
             stream_priorities=held if on_gpu else "off: CPU execution provider",
-            lanes=(f"critical: own worker thread and sessions at stream priority {self._critical.stream_priority} "
-                   f"(the greatest held); bulk: own worker thread and sessions at {held}, "
-                   "the scheduler's assignment picks" if on_gpu else
-                   "critical and bulk: a worker thread and host-bound sessions each; no streams"),
+            lanes=self._lanes_note(held, on_gpu),
         )
         if on_gpu:
             self.runtime["layout"] = "nhwc preferred" if model.prefer_nhwc else "nchw"
             self.runtime["cudnn_conv_algo_search"] = cfg.cudnn_conv_algo_search
             self.runtime["gpu_mem_limit_bytes"] = str(factory.pool_bytes) if factory.pool_bytes else "none"  # per session
+
+    def _lanes_note(self, held: str, on_gpu: bool) -> str:
+        if not self.critical_lane:
+            return (f"bulk only (the bulk server): own worker thread and sessions at {held}, the scheduler's "
+                    "assignment picks" if on_gpu else "bulk only (the bulk server): host-bound sessions; no streams")
+        if on_gpu:
+            return (f"critical: own worker thread and sessions at stream priority {self._critical.stream_priority} "
+                    f"(the greatest held); bulk: own worker thread and sessions at {held}, "
+                    "the scheduler's assignment picks")
+        return "critical and bulk: a worker thread and host-bound sessions each; no streams"
 
     def _bound_runner(self, factory: _SessionFactory, device, graphs: bool) -> tuple[_BoundRunner, str]:
         """A runner bound to ``device``'s buffers (and stream), with a CUDA graph
@@ -632,12 +646,13 @@ class ModelSession:
     def lane_runners(self, lane: int | None = None) -> list:
         """The runners ``lane`` (``CRITICAL`` or ``BULK``) runs on; None: every
         runner, each once (the CPU's shared one too)."""
+        critical = [] if self._critical is None or any(r is self._critical for r in self._runners) else [self._critical]
         if lane == CRITICAL:
-            return [self._critical]
+            return [] if self._critical is None else [self._critical]
         if lane == BULK:
             return list(self._runners)
         if lane is None:
-            return list(self._runners) + ([] if any(r is self._critical for r in self._runners) else [self._critical])
+            return list(self._runners) + critical
         raise ValueError(f"lane: expected REQUEST_CLASS_CRITICAL or REQUEST_CLASS_BULK, got {lane}")
 
     def warm_up(self, lane: int | None = None) -> None:
@@ -740,6 +755,8 @@ class ModelSession:
         Called from the worker thread of ``batch.lane`` only.
         """
         runner = self._critical if batch.lane == CRITICAL else self._active
+        if runner is None:  # the servicer refuses critical requests first (FAILED_PRECONDITION)
+            raise RuntimeError(f"model {self.name}: no critical lane here (the bulk server)")
         with nvtx.span(f"model.{self.name}.{LANES[batch.lane]}"):  # the lane, on the Nsight timeline
             return runner.run(batch)
 
@@ -779,15 +796,15 @@ class ModelSession:
     @property
     def critical_stream_priority(self) -> int:
         """The CUDA stream priority every critical batch runs at: the greatest
-        held (0 on the CPU)."""
-        return self._critical.stream_priority
+        held (0 on the CPU, and on the bulk server, which has no critical lane)."""
+        return 0 if self._critical is None else self._critical.stream_priority
 
 
-def runners_per_model(cfg: RewardConfig) -> int:
+def runners_per_model(cfg: RewardConfig, critical_lane: bool = True) -> int:
     """Runners a model holds on the GPU: one per configured stream priority
-    for the bulk lane, plus the critical lane's own (the memory pool is split
-    over them)."""
-    return len(cfg.stream_priorities) + 1
+    for the bulk lane, plus the critical lane's own unless ``critical_lane``
+    is False (the bulk server); the memory pool is split over them."""
+    return len(cfg.stream_priorities) + int(critical_lane)
 
 
 def resolve_precision(precision: str, cuda: bool) -> str:

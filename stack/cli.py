@@ -1,7 +1,7 @@
 """tandem: real-time decision service for game AI (command line).
 
   tandem up [--config PATH]          the three servers as processes, until Ctrl-C / SIGTERM
-  tandem serve NAME [--config PATH]  one server (scheduler | reward | search) in the foreground
+  tandem serve NAME [--config PATH]  one server (scheduler | reward | reward_bulk | search) in the foreground
   tandem status [--config PATH]      what the scheduler knows, and each server's health
   tandem health HOST:PORT            exit 0 when the server reports SERVING (container probes)
   tandem play [...]                  the sample game engine against a running stack
@@ -26,13 +26,14 @@ from pathlib import Path
 import grpc
 
 from stack import interrupt
-from tandem.config import ConfigError, TandemConfig, load_config
+from tandem.config import BULK_SERVER, ConfigError, TandemConfig, endpoints, load_config
 
-SERVE = {
-    "scheduler": "scheduler.main",
-    "reward": "reward_service.server",
-    "search": "search_service.server",
-    "colocated": "stack.colocated",  # reward + search in one process (co_located: true)
+SERVE = {  # tandem serve NAME -> (module, its function that serves until SIGINT/SIGTERM)
+    "scheduler": ("scheduler.main", "serve"),
+    "reward": ("reward_service.server", "serve"),
+    BULK_SERVER: ("reward_service.server", "serve_bulk"),  # the reward service's bulk server (reward.bulk_server)
+    "search": ("search_service.server", "serve"),
+    "colocated": ("stack.colocated", "serve"),  # reward + search in one process (co_located: true)
 }
 
 
@@ -48,15 +49,15 @@ def cmd_serve(args) -> int:
     die_with_supervisor()
     cfg = _config(args)
     os.environ.update(mps_env(cfg))  # before any CUDA context: the MPS directories the scheduler uses
-    importlib.import_module(SERVE[args.name]).serve(cfg)
+    module, function = SERVE[args.name]
+    getattr(importlib.import_module(module), function)(cfg)
     return 0
 
 
 def _print_endpoints(cfg: TandemConfig) -> None:
-    for name in ("scheduler", "reward", "search"):
-        section = getattr(cfg, name)
-        metrics = f"  metrics http://127.0.0.1:{section.metrics_port}/metrics" if section.metrics_port else ""
-        print(f"  {name:<10} {section.address:<22} SERVING{metrics}", flush=True)
+    for name, (address, metrics_port) in endpoints(cfg).items():
+        metrics = f"  metrics http://127.0.0.1:{metrics_port}/metrics" if metrics_port else ""
+        print(f"  {name:<10} {address:<22} SERVING{metrics}", flush=True)
 
 
 def cmd_up(args) -> int:

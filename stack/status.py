@@ -6,9 +6,8 @@ import grpc
 from tandem.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 from stack.restarts import read_record
-from stack.supervisor import SERVICES
 from tandem import nvml
-from tandem.config import TandemConfig
+from tandem.config import TandemConfig, endpoints
 from tandem.server import channel, health_status
 
 
@@ -21,8 +20,7 @@ def print_status(cfg: TandemConfig) -> int:
     scheduler answered, else 1 (all of it is printed either way)."""
     print("health:")
     healthy = True
-    for name in SERVICES:
-        address = getattr(cfg, name).address
+    for name, (address, _) in endpoints(cfg).items():
         health = health_status(address, cfg)
         healthy &= health == "SERVING"
         print(f"  {name:<10} {address:<22} {health}")

@@ -1,4 +1,6 @@
-"""``tandem up``: the three servers as separate processes, started in order,
+"""``tandem up``: the servers as separate processes (the scheduler, the
+reward service, its bulk server where ``reward.bulk_server.enabled``, the
+search service), started in order,
 each awaited until its health service reports SERVING, started again when one
 exits (with backoff and a budget, stack/restarts.py) while the others keep
 serving, and all stopped together (SIGTERM, drain, then SIGKILL) so that none
@@ -19,7 +21,7 @@ from pathlib import Path
 
 from stack.restarts import ChildRecord, RestartPolicy, record_path, write_record
 from tandem import device
-from tandem.config import TandemConfig
+from tandem.config import BULK_SERVER, TandemConfig, endpoints
 from tandem.pools import mps_memory_env
 
 
@@ -33,7 +35,7 @@ from tandem.server import health_status
 
 log = logging.getLogger(__name__)
 
-SERVICES = ("scheduler", "reward", "search")  # start order: search follows the other two
+SERVICES = ("scheduler", "reward", "search")  # the config sections of servers; search follows the other two
 COLOCATED = "colocated"  # the one process of reward + search under co_located: true
 _PR_SET_PDEATHSIG = 1
 
@@ -109,14 +111,19 @@ class Stack:
     env: dict[str, dict[str, str]] = field(default_factory=dict)
 
     def addresses(self) -> dict[str, str]:
-        return {name: getattr(self.cfg, name).address for name in SERVICES}
+        return {name: address for name, (address, _) in endpoints(self.cfg).items()}
 
     def processes(self) -> tuple[str, ...]:
-        """The processes to start, in order (``tandem serve`` names)."""
-        return ("scheduler", COLOCATED) if self.cfg.co_located else SERVICES
+        """The processes to start, in order (``tandem serve`` names). The bulk
+        server starts after the reward service, not beside it: two processes
+        warming up at once would time cuDNN's candidate kernels against each other."""
+        bulk = (BULK_SERVER,) if self.cfg.reward.bulk_server.enabled else ()
+        if self.cfg.co_located:
+            return ("scheduler", COLOCATED, *bulk)
+        return ("scheduler", "reward", *bulk, "search")
 
     def _serves(self, process: str) -> tuple[str, ...]:
-        """The servers (config sections) a process serves."""
+        """The servers (:func:`tandem.config.endpoints` names) a process serves."""
         return ("reward", "search") if process == COLOCATED else (process,)
 
     def start(self, timeout_s: float = 120.0) -> None:
@@ -133,7 +140,7 @@ class Stack:
             for name in self.processes():
                 self.spawn(name)
                 for server in self._serves(name):
-                    wait_serving(getattr(self.cfg, server).address, self.cfg, timeout_s, self.procs[name])
+                    wait_serving(self.addresses()[server], self.cfg, timeout_s, self.procs[name])
         except BaseException:
             self.stop()
             raise
@@ -166,7 +173,8 @@ class Stack:
         """The server's extra environment: the shared MPS directories, its MPS
         device memory cap (from its fixed pool, where it has one), its MPS
         active-thread share under policy ``static`` and ``env[name]``."""
-        pools = {"reward": self.cfg.reward.memory_pool_bytes, "search": self.cfg.search.memory_pool_bytes}
+        pools = {"reward": self.cfg.reward.memory_pool_bytes, BULK_SERVER: self.cfg.reward.memory_pool_bytes,
+                 "search": self.cfg.search.memory_pool_bytes}
         pool = sum(pools.get(server, 0) for server in self._serves(name))
         return {**mps_env(self.cfg), **mps_memory_env(pool), **self._partition(name), **self.env.get(name, {})}
 
@@ -174,7 +182,7 @@ class Stack:
         """``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` of a service under policy ``static``
         (``scheduler.urgency.static_*_percentage``): MPS reads it when the process
         creates its CUDA context, so it is fixed for the process's life."""
-        if self.cfg.scheduler.policy != "static" or name not in ("reward", "search"):
+        if self.cfg.scheduler.policy != "static" or name not in ("reward", BULK_SERVER, "search"):
             return {}
         w = self.cfg.scheduler.urgency
         share = w.static_search_percentage if name == "search" else w.static_reward_percentage
@@ -182,12 +190,11 @@ class Stack:
 
     def _ports(self) -> list[tuple[str, str]]:
         out = []
-        for name in SERVICES:
-            section = getattr(self.cfg, name)
-            host = section.address.rpartition(":")[0]
-            out.append((f"{name}.address", section.address))
-            if section.metrics_port:
-                out.append((f"{name}.metrics_port", f"{host}:{section.metrics_port}"))
+        for name, (address, metrics_port) in endpoints(self.cfg).items():
+            key = "reward.bulk_server" if name == BULK_SERVER else name
+            out.append((f"{key}.address", address))
+            if metrics_port:
+                out.append((f"{key}.metrics_port", f"{address.rpartition(':')[0]}:{metrics_port}"))
         return out
 
     def failed(self) -> str | None:

@@ -16,7 +16,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
@@ -147,6 +147,23 @@ class LeafChannelConfig:
 
 
 @dataclass(frozen=True)
+class BulkServerConfig:
+    """The reward service's bulk server (reward_service/server.py, role ``bulk``):
+    a second reward-service process, started by ``tandem up`` after the first,
+    that serves the same models to bulk clients (trainers, offline scoring) on
+    an address of its own. Why a process: gRPC ingest, the batcher and the
+    copies of a bulk client run in Python, and one interpreter runs one thread
+    at a time; beside a trainer a critical request waited for that interpreter,
+    not for the GPU (docs/design.md, "The bulk server"). It serves bulk lanes
+    only (a critical Evaluate there is FAILED_PRECONDITION) and registers with
+    the scheduler as a reward service, so the bulk lever reaches it."""
+
+    enabled: bool = True
+    address: str = "127.0.0.1:50053"
+    metrics_port: int = 9453  # 0 = no metrics endpoint
+
+
+@dataclass(frozen=True)
 class RewardConfig:
     address: str = "127.0.0.1:50051"
     metrics_port: int = 9451
@@ -197,6 +214,7 @@ class RewardConfig:
     )
     shared_memory: SharedMemoryConfig = field(default_factory=SharedMemoryConfig)
     leaf_channel: LeafChannelConfig = field(default_factory=LeafChannelConfig)
+    bulk_server: BulkServerConfig = field(default_factory=BulkServerConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
 
 
@@ -391,6 +409,54 @@ def _check_list(name: str, value: tuple, path: str) -> None:
             raise ConfigError(f"{path}: must be distinct CUDA stream priorities <= 0, got {list(value)}")
 
 
+def _check_endpoints(cfg: TandemConfig) -> None:
+    """Every server of one ``tandem up`` on a port of its own (gRPC and metrics)."""
+    seen: dict[str, str] = {}
+    for name, (address, metrics_port) in endpoints(cfg).items():
+        host = address.rpartition(":")[0]
+        for key, where in ((f"{name}.address", address),
+                           (f"{name}.metrics_port", f"{host}:{metrics_port}" if metrics_port else "")):
+            if where and where in seen:
+                raise ConfigError(f"{key}: {where} is also {seen[where]}")
+            if where:
+                seen[where] = key
+
+
+def endpoints(cfg: TandemConfig) -> dict[str, tuple[str, int]]:
+    """Server name (``tandem serve`` NAME, config section for all but
+    ``reward_bulk``) -> (gRPC address, metrics port; 0 = none), for every
+    server this config runs: the scheduler, the reward service, its bulk
+    server where ``reward.bulk_server.enabled``, and the search service."""
+    out = {name: (getattr(cfg, name).address, getattr(cfg, name).metrics_port) for name in ("scheduler", "reward")}
+    if cfg.reward.bulk_server.enabled:
+        out[BULK_SERVER] = (cfg.reward.bulk_server.address, cfg.reward.bulk_server.metrics_port)
+    out["search"] = (cfg.search.address, cfg.search.metrics_port)
+    return out
+
+
+BULK_SERVER = "reward_bulk"  # the bulk server's name as a process (tandem serve reward_bulk)
+
+
+def loopback_data(port: Callable[[], int], metrics: bool = False, bulk_server: bool = True) -> dict:
+    """Config data (a YAML mapping) putting every server of one stack on a
+    loopback port that ``port()`` picks: the three servers and the reward
+    service's bulk server (``reward.bulk_server.enabled`` = ``bulk_server``);
+    metrics ports from ``port()`` too with ``metrics``, else none. For stacks
+    beside others on one host: tests, load tests, benchmarks."""
+    def where() -> dict:
+        return {"address": f"127.0.0.1:{port()}", "metrics_port": port() if metrics else 0}
+
+    data = {name: where() for name in ("scheduler", "reward", "search")}
+    data["reward"]["bulk_server"] = {**where(), "enabled": bulk_server}
+    return data
+
+
+def bulk_address(cfg: TandemConfig) -> str:
+    """Where bulk clients (trainers) send their work: the bulk server where
+    ``reward.bulk_server.enabled``, else the reward service."""
+    return cfg.reward.bulk_server.address if cfg.reward.bulk_server.enabled else cfg.reward.address
+
+
 def _check_models(cfg: TandemConfig) -> None:
     if not cfg.reward.models:
         raise ConfigError("reward.models: at least one model is needed")
@@ -444,6 +510,7 @@ def parse_config(data: Any) -> TandemConfig:
     cfg = _build(TandemConfig, data, "")
     _check(cfg)
     _check_models(cfg)
+    _check_endpoints(cfg)
     return cfg
 
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tandem.config import TandemConfig, parse_config
+from tandem.config import TandemConfig, loopback_data, parse_config
 from tandem.gpu import cuda_device_count
 
 
@@ -37,12 +37,12 @@ def free_port() -> int:
 
 
 def loopback_config(**sections) -> TandemConfig:
-    """The default config with every server on a free loopback port and no metrics
-    endpoint; ``sections`` override fields, e.g. ``search={"backend": "cpu"}``."""
-    data = {
-        name: {"address": f"127.0.0.1:{free_port()}", "metrics_port": 0, **sections.get(name, {})}
-        for name in ("scheduler", "reward", "search")
-    }
+    """The default config with every server (the reward service's bulk server
+    too) on a free loopback port and no metrics endpoint; ``sections``
+    override fields, e.g. ``search={"backend": "cpu"}``."""
+    data = loopback_data(free_port)
+    for name, fields in sections.items():
+        data.setdefault(name, {}).update(fields)
     return parse_config(data)
 
 

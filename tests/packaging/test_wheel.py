@@ -16,6 +16,8 @@ from conftest import free_port, lines_until
 from pip_env import REPO
 from venvs import Venv, build_wheel
 
+from tandem.config import loopback_data
+
 pytestmark = pytest.mark.slow
 
 PACKAGE_DATA = [
@@ -72,8 +74,7 @@ def test_installed_tandem_help_and_version(venv: Venv, tmp_path: Path):
 
 
 def test_installed_tandem_up_and_play_60_frames(venv: Venv, tmp_path: Path):
-    data = {name: {"address": f"127.0.0.1:{free_port()}", "metrics_port": 0}
-            for name in ("scheduler", "reward", "search")}
+    data = loopback_data(free_port)  # the bulk server too: tandem up's four processes, as shipped
     data["search"]["backend"] = "cpu"
     config = tmp_path / "tandem.yaml"
     config.write_text(yaml.safe_dump(data))

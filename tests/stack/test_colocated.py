@@ -18,7 +18,7 @@ from tandem.v1 import (
 
 from stack import colocated
 from stack.supervisor import Stack
-from tandem.config import load_config
+from tandem.config import load_config, loopback_data
 from tandem.server import channel, health_status
 
 WAIT_S = 10.0
@@ -46,7 +46,7 @@ def test_both_services_serve_from_one_process_and_search_uses_the_reward_model()
 
 
 def test_tandem_up_starts_two_processes_when_co_located(tmp_path):
-    data = {name: {"address": f"127.0.0.1:{free_port()}", "metrics_port": 0} for name in ("scheduler", "reward", "search")}
+    data = loopback_data(free_port, bulk_server=False)
     data["search"]["backend"] = "cpu"
     data["scheduler"]["report_interval_ms"] = 50
     data["co_located"] = True

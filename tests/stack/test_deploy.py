@@ -647,11 +647,13 @@ def test_container_config_loads_and_binds_all_interfaces():
     assert len({port_of(cfg, n) for n in SERVICES}) == 3
 
 
-def test_container_config_is_the_default_but_for_addresses():
+def test_container_config_is_the_default_but_for_addresses_and_the_bulk_server():
     assert DEFAULT_CONFIG.is_file(), f"{DEFAULT_CONFIG} is missing"
     default, container = load_config(DEFAULT_CONFIG), container_config()
+    assert not container.reward.bulk_server.enabled  # the pod and compose run three containers, not four
     addresses = {n: {"address": getattr(default, n).address} for n in SERVICES}
     addresses["search"]["reward_address"] = default.search.reward_address
+    addresses["reward"]["bulk_server"] = default.reward.bulk_server
     same_addresses = dataclasses.replace(
         container, **{n: dataclasses.replace(getattr(container, n), **addresses[n]) for n in SERVICES})
     for name in dataclasses.asdict(default):

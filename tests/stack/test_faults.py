@@ -35,7 +35,7 @@ from tandem.v1 import scheduler_pb2, scheduler_pb2_grpc
 from loadtest.generator import LoadSpec, OpenLoopGenerator
 from loadtest.reliability_figures import FaultFigures, FaultsFigures, LoadFigures, RequestCounts, save_figures
 from stack.supervisor import wait_serving
-from tandem.config import load_config
+from tandem.config import load_config, loopback_data
 from tandem.paths import REPO_ROOT
 from tandem.server import channel
 
@@ -116,7 +116,7 @@ def _counts(r: dict, *also: str) -> RequestCounts:
 
 
 def test_kill_each_server_under_load(tmp_path):
-    data = {name: {"address": f"127.0.0.1:{free_port()}", "metrics_port": 0} for name in ("scheduler", "reward", "search")}
+    data = loopback_data(free_port, bulk_server=False)
     data["scheduler"].update(report_interval_ms=100, lease_ttl_ms=1000)
     data["reward"]["execution_provider"] = "cpu"
     # No evaluation cache: with it, repeated positions are answered from cached model

@@ -10,20 +10,25 @@ from bench import frame_scheduling
 from loadtest.background import TRANSPORTS
 from loadtest.frame_scheduling import ROW_FIELDS, SCENARIOS, run_scenario, write_config
 from stack.supervisor import Stack
-from tandem.config import load_config
+from tandem.config import bulk_address, load_config
+
+
+PANELS = [(t, on) for t in TRANSPORTS for on in (True, False)]  # --bulk-server on,off (the default)
 
 
 @pytest.mark.slow
-def test_quick_run_writes_a_row_per_policy_and_transport_and_a_plot(tmp_path):
+def test_quick_run_writes_a_row_per_policy_transport_and_bulk_server_and_a_plot(tmp_path):
     frame_scheduling.main(["--quick", "--out", str(tmp_path)])
     doc = json.loads((tmp_path / "frame_scheduling.json").read_text())
     assert doc["benchmark"] == "frame_scheduling"
-    rows = {(r["policy"], r["background_transport"]): r for r in doc["rows"]}
+    rows = {(r["policy"], r["background_transport"], r["bulk_server"]): r for r in doc["rows"]}
     with_trainer = [s for s in SCENARIOS if s != "uncontended"]
-    assert list(rows) == [("uncontended", None)] + [(s, t) for t in TRANSPORTS for s in with_trainer]
+    assert list(rows) == [("uncontended", None, True)] + [(s, t, on) for t, on in PANELS for s in with_trainer]
     for r in doc["rows"]:
         assert set(ROW_FIELDS) <= set(r)
-    for (name, transport), r in rows.items():
+        if r["lever_samples"]:  # the bulk server registers with the scheduler as a reward service of its own
+            assert r["reward_services"] == (2 if r["bulk_server"] else 1)
+    for (name, transport, _), r in rows.items():
         if name == "background_alone":
             assert r["frame_ms_p50"] is None and r["clients"] == 0
             continue
@@ -41,18 +46,19 @@ def test_quick_run_writes_a_row_per_policy_and_transport_and_a_plot(tmp_path):
             if expected is not None:
                 assert r["bulk_share_mean_percent"] == expected
             assert 10 <= r["bulk_share_mean_percent"] <= 100 and 0 <= r["frames_at_risk_share"] <= 1
-    assert rows[("uncontended", None)]["background_per_s"] is None
+    assert rows[("uncontended", None, True)]["background_per_s"] is None
     for key, r in rows.items():
         if key[0] != "uncontended":
             assert r["background_per_s"] > 0 and not r["background"]["refused"]
             assert r["background"]["transport"] == key[1]
     lat = json.loads((tmp_path / "frame_scheduling_latencies.json").read_text())
-    assert lat["fps"] == 10.0 and set(lat["latencies_ms"]) == set(TRANSPORTS)
-    for transport in TRANSPORTS:
-        panel = lat["latencies_ms"][transport]
+    names = [f"{t}, {'bulk server' if on else 'one reward process'}" for t, on in PANELS]
+    assert lat["fps"] == 10.0 and list(lat["latencies_ms"]) == names
+    for name in names:
+        panel = lat["latencies_ms"][name]
         assert set(panel) == set(SCENARIOS)
         assert panel["background_alone"] == [] and len(panel["dynamic"]) >= 10
-        assert panel["uncontended"] == lat["latencies_ms"][TRANSPORTS[0]]["uncontended"]  # one run, every panel
+        assert panel["uncontended"] == lat["latencies_ms"][names[0]]["uncontended"]  # one run, every panel
     try:
         import matplotlib  # noqa: F401 - the loadtest extra
     except ImportError:
@@ -70,11 +76,27 @@ def test_an_unknown_transport_is_refused_in_one_line(capsys):
     assert exit_info.value.code == 2 and "--background-transport" in capsys.readouterr().err
 
 
+def test_an_unknown_bulk_server_choice_is_refused_in_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        frame_scheduling.main(["--quick", "--bulk-server", "on,maybe"])
+    assert exit_info.value.code == 2 and "--bulk-server" in capsys.readouterr().err
+
+
+def test_the_trainer_goes_to_the_bulk_server_where_one_runs(tmp_path):
+    on = load_config(write_config(None, "default", tmp_path / "on.yaml", free_ports=True, bulk_server=True))
+    off = load_config(write_config(None, "default", tmp_path / "off.yaml", free_ports=True, bulk_server=False))
+    assert bulk_address(on) == on.reward.bulk_server.address != on.reward.address
+    assert bulk_address(off) == off.reward.address
+    assert Stack(on, None).processes() == ("scheduler", "reward", "reward_bulk", "search")
+    assert Stack(off, None).processes() == ("scheduler", "reward", "search")
+
+
 def test_static_starts_each_server_with_its_mps_thread_share(tmp_path):
     cfg = load_config(write_config(None, "static", tmp_path / "t.yaml"))
     stack = Stack(cfg, None)
     assert stack._env("search")["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
     assert stack._env("reward")["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
+    assert stack._env("reward_bulk")["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"  # the bulk server: reward's share
     assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in stack._env("scheduler")
     dynamic = load_config(write_config(None, "dynamic", tmp_path / "d.yaml"))
     assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in Stack(dynamic, None)._env("search")
@@ -83,7 +105,8 @@ def test_static_starts_each_server_with_its_mps_thread_share(tmp_path):
 def test_config_per_policy_on_free_ports(tmp_path):
     cfg = load_config(write_config(None, "dynamic", tmp_path / "t.yaml", free_ports=True))
     assert cfg.scheduler.policy == "dynamic" and cfg.scheduler.metrics_port == 0
-    assert len({cfg.scheduler.address, cfg.reward.address, cfg.search.address}) == 3
+    assert len({cfg.scheduler.address, cfg.reward.address, cfg.reward.bulk_server.address, cfg.search.address}) == 4
+    assert cfg.reward.bulk_server.metrics_port == 0
 
 
 def test_unknown_scenario_is_refused():

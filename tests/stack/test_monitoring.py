@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tandem.v1 import reward_pb2, reward_pb2_grpc
 
 from tandem import tensors
-from tandem.config import load_config
+from tandem.config import load_config, loopback_data
 from tandem.paths import REPO_ROOT
 from tandem.server import channel
 
@@ -69,8 +69,7 @@ def stack(tmp_path_factory):
     three servers' scrapes taken right after the calls below (before ``play``)
     and after a short ``tandem play``."""
     tmp = tmp_path_factory.mktemp("monitoring")
-    data = {name: {"address": f"127.0.0.1:{free_port()}", "metrics_port": free_port()}
-            for name in ("scheduler", "reward", "search")}
+    data = loopback_data(free_port, metrics=True, bulk_server=False)
     data["search"]["backend"] = "cpu"
     data["scheduler"]["report_interval_ms"] = 100
     path = tmp / "tandem.yaml"

@@ -1,4 +1,5 @@
-"""`tandem up` as a user runs it: three real server processes on loopback,
+"""`tandem up` as a user runs it: four real server processes on loopback (the
+scheduler, the reward service, its bulk server, the search service),
 `tandem status`, a short `tandem play`, and a clean stop with no orphans."""
 from __future__ import annotations
 
@@ -9,12 +10,15 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 from conftest import free_port, lines_until
+from tandem.v1 import reward_pb2, reward_pb2_grpc
 
-from tandem.config import load_config
-from tandem.server import health_status
+from tandem import tensors
+from tandem.config import endpoints, load_config, loopback_data
+from tandem.server import channel, health_status
 
 pytestmark = pytest.mark.slow
 
@@ -42,10 +46,7 @@ def _alive(pid: int) -> bool:
 
 @pytest.fixture
 def config_file(tmp_path) -> Path:
-    data = {
-        name: {"address": f"127.0.0.1:{free_port()}", "metrics_port": free_port()}
-        for name in ("scheduler", "reward", "search")
-    }
+    data = loopback_data(free_port, metrics=True)  # with the bulk server, as the shipped config
     data["search"]["backend"] = "cpu"
     data["scheduler"]["report_interval_ms"] = 100
     path = tmp_path / "tandem.yaml"
@@ -65,23 +66,35 @@ def test_up_status_play_and_stop(config_file, tmp_path):
     )
     try:
         lines = lines_until(up, "tandem is up", timeout_s=120)
-        for _ in range(3):
+        for _ in endpoints(cfg):  # a line per server
             lines.append(up.stdout.readline())
         text = "".join(lines)
-        for name in ("scheduler", "reward", "search"):
-            assert getattr(cfg, name).address in text
-            assert health_status(getattr(cfg, name).address) == "SERVING"
+        assert list(endpoints(cfg)) == ["scheduler", "reward", "reward_bulk", "search"]  # the bulk server too
+        for address, _ in endpoints(cfg).values():
+            assert address in text
+            assert health_status(address) == "SERVING"
         children = _children(up.pid)
-        assert len(children) == 3
+        assert len(children) == 4
 
-        # Both services register with the scheduler within a few report intervals.
+        # The services register with the scheduler within a few report intervals: the bulk server as a
+        # reward service of its own (the bulk lever reaches it).
         for _ in range(50):
             status = _tandem("status", "--config", str(config_file))
-            if status.stdout.count("lease") == 2:
+            if status.stdout.count("lease") == 3:
                 break
             time.sleep(0.1)
         assert status.returncode == 0, status.stdout + status.stderr
-        assert "search" in status.stdout and "reward" in status.stdout and "NOT ENFORCED" in status.stdout
+        assert status.stdout.count("lease") == 3 and cfg.reward.bulk_server.address in status.stdout
+        assert "search" in status.stdout and "reward_bulk" in status.stdout and "NOT ENFORCED" in status.stdout
+        # A trainer's batch at the bulk server gets the reward service's answer; a critical one is sent back there.
+        board = tensors.to_proto("board", np.zeros((4, 2, 6, 7), np.uint8))
+        answers = []
+        for address in (cfg.reward.address, cfg.reward.bulk_server.address):
+            with channel(address, cfg) as ch:
+                reply = reward_pb2_grpc.RewardServiceStub(ch).Evaluate(
+                    reward_pb2.EvaluateRequest(model="connect4_value", inputs=[board]), timeout=30)
+                answers.append(tensors.from_proto(reply.outputs[0]))
+        np.testing.assert_allclose(answers[0], answers[1], atol=1e-6)
         assert "bulk lever: frames" in status.stdout and "bulk share 100 %" in status.stdout  # default: no lever
         assert "co_located: true" in status.stdout  # the way out without MPS, named
 
@@ -149,7 +162,7 @@ def test_servers_die_with_a_killed_supervisor(config_file):
         while not up.stdout.readline().startswith("tandem is up"):
             assert up.poll() is None, "tandem up exited early"
         children = _children(up.pid)
-        assert len(children) == 3
+        assert len(children) == len(endpoints(load_config(config_file))) == 4  # the bulk server's too
         up.kill()  # SIGKILL: no chance to stop the servers itself
         up.wait(timeout=10)
         # Each drains (5 s grace) and exits; an orphan would live on. Generous: the host may be busy.

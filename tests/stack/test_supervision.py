@@ -26,7 +26,7 @@ import yaml
 from conftest import free_port
 from tandem.v1 import search_pb2, search_pb2_grpc
 
-from tandem.config import load_config
+from tandem.config import load_config, loopback_data
 from tandem.server import channel, health_status
 
 pytestmark = pytest.mark.slow
@@ -37,7 +37,7 @@ TANDEM = [sys.executable, "-m", "stack"]
 
 @pytest.fixture
 def config_file(tmp_path) -> Path:
-    data = {name: {"address": f"127.0.0.1:{free_port()}", "metrics_port": 0} for name in ("scheduler", "reward", "search")}
+    data = loopback_data(free_port, bulk_server=False)
     data["search"]["backend"] = "cpu"
     data["scheduler"]["report_interval_ms"] = 100
     path = tmp_path / "tandem.yaml"
