@@ -21,7 +21,7 @@ from pathlib import Path
 
 from stack.restarts import ChildRecord, RestartPolicy, record_path, write_record
 from tandem import device
-from tandem.config import BULK_SERVER, TandemConfig, endpoints
+from tandem.config import BULK_SERVER, TandemConfig, endpoint_key, endpoints
 from tandem.pools import mps_memory_env
 
 
@@ -191,7 +191,7 @@ class Stack:
     def _ports(self) -> list[tuple[str, str]]:
         out = []
         for name, (address, metrics_port) in endpoints(self.cfg).items():
-            key = "reward.bulk_server" if name == BULK_SERVER else name
+            key = endpoint_key(name)
             out.append((f"{key}.address", address))
             if metrics_port:
                 out.append((f"{key}.metrics_port", f"{address.rpartition(':')[0]}:{metrics_port}"))

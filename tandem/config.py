@@ -410,16 +410,39 @@ def _check_list(name: str, value: tuple, path: str) -> None:
 
 
 def _check_endpoints(cfg: TandemConfig) -> None:
-    """Every server of one ``tandem up`` on a port of its own (gRPC and metrics)."""
-    seen: dict[str, str] = {}
+    """Every server of one ``tandem up`` on a port of its own (gRPC and
+    metrics), named by its config key. Two listeners on one port clash where
+    their hosts are one, or either is every interface (``0.0.0.0``, ``[::]``),
+    or one is ``localhost`` (which gRPC binds on 127.0.0.1 and [::1]) and the
+    other a loopback address."""
+    seen: list[tuple[str, int, str]] = []  # (host, port, config key)
     for name, (address, metrics_port) in endpoints(cfg).items():
-        host = address.rpartition(":")[0]
-        for key, where in ((f"{name}.address", address),
-                           (f"{name}.metrics_port", f"{host}:{metrics_port}" if metrics_port else "")):
-            if where and where in seen:
-                raise ConfigError(f"{key}: {where} is also {seen[where]}")
-            if where:
-                seen[where] = key
+        key = endpoint_key(name)
+        host, _, grpc_port = address.rpartition(":")
+        for field_key, port in ((f"{key}.address", int(grpc_port)), (f"{key}.metrics_port", metrics_port)):
+            if not port:
+                continue
+            for other_host, other_port, other_key in seen:
+                if port == other_port and _same_interface(host, other_host):
+                    shown = "" if host == other_host else f" ({other_host}:{other_port})"
+                    raise ConfigError(f"{field_key}: {host}:{port} is also {other_key}{shown}")
+            seen.append((host, port, field_key))
+
+
+_EVERY_INTERFACE = ("0.0.0.0", "[::]", "[::0]")
+_LOOPBACK = ("localhost", "127.0.0.1", "[::1]")  # localhost: gRPC binds both of the others
+
+
+def _same_interface(a: str, b: str) -> bool:
+    """Do listeners on hosts ``a`` and ``b`` (as in HOST:PORT) take one port of this host?"""
+    a, b = a.lower(), b.lower()
+    return (a == b or a in _EVERY_INTERFACE or b in _EVERY_INTERFACE
+            or (a in _LOOPBACK and b in _LOOPBACK and "localhost" in (a, b)))
+
+
+def endpoint_key(name: str) -> str:
+    """The config section of :func:`endpoints` server ``name`` (``reward.bulk_server`` for the bulk server)."""
+    return "reward.bulk_server" if name == BULK_SERVER else name
 
 
 def endpoints(cfg: TandemConfig) -> dict[str, tuple[str, int]]:

@@ -3,6 +3,8 @@ server for bulk clients, beside the reward service; both real gRPC servers on
 loopback (CPU), with the shipped models and real Pons positions."""
 from __future__ import annotations
 
+import re
+
 import grpc
 import numpy as np
 import pytest
@@ -140,14 +142,27 @@ def test_the_shipped_config_runs_a_bulk_server_and_the_container_config_none():
 
 
 @pytest.mark.parametrize("bulk, message", [
-    ({"address": "127.0.0.1:50051"}, "reward_bulk.address: 127.0.0.1:50051 is also reward.address"),
-    ({"metrics_port": 9451}, "reward_bulk.metrics_port: 127.0.0.1:9451 is also reward.metrics_port"),
+    ({"address": "127.0.0.1:50051"}, "reward.bulk_server.address: 127.0.0.1:50051 is also reward.address"),
+    ({"metrics_port": 9451}, "reward.bulk_server.metrics_port: 127.0.0.1:9451 is also reward.metrics_port"),
     ({"address": "no-port"}, "reward.bulk_server.address: expected HOST:PORT"),
     ({"colour": "blue"}, "reward.bulk_server.colour: unknown key"),
+    # One port of this host, however the hosts are spelled (every interface, localhost, leading zeros).
+    ({"address": "0.0.0.0:50051"}, "reward.bulk_server.address: 0.0.0.0:50051 is also reward.address"),
+    ({"address": "localhost:50052"}, "search.address: 127.0.0.1:50052 is also reward.bulk_server.address "
+                                     "(localhost:50052)"),
+    ({"address": "127.0.0.1:050050"}, "reward.bulk_server.address: 127.0.0.1:50050 is also scheduler.address"),
+    ({"address": "[::]:9452"}, "search.metrics_port: 127.0.0.1:9452 is also reward.bulk_server.address ([::]:9452)"),
 ])
 def test_a_bulk_server_on_another_servers_port_or_with_a_bad_key_is_refused_naming_it(bulk, message):
-    with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         parse_config({"reward": {"bulk_server": {"enabled": True, **bulk}}})
+
+
+def test_servers_on_one_port_of_distinct_loopback_addresses_do_not_clash():
+    # 127.0.0.1 and [::1] are two sockets; so are two distinct interfaces.
+    cfg = parse_config({"reward": {"bulk_server": {"address": "[::1]:50051"}}})
+    assert bulk_address(cfg) == "[::1]:50051"
+    parse_config({"reward": {"address": "10.0.0.1:50051", "bulk_server": {"address": "10.0.0.2:50051"}}})
 
 
 def test_a_disabled_bulk_server_takes_no_port():
