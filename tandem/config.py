@@ -414,7 +414,7 @@ def _check_endpoints(cfg: TandemConfig) -> None:
     metrics), named by its config key. Two listeners on one port clash where
     their hosts are one, or either is every interface (``0.0.0.0``, ``[::]``),
     or one is ``localhost`` (which gRPC binds on 127.0.0.1 and [::1]) and the
-    other a loopback address."""
+    other a loopback address. And ``search.reward_address`` is not the bulk server."""
     seen: list[tuple[str, int, str]] = []  # (host, port, config key)
     for name, (address, metrics_port) in endpoints(cfg).items():
         key = endpoint_key(name)
@@ -427,6 +427,11 @@ def _check_endpoints(cfg: TandemConfig) -> None:
                     shown = "" if host == other_host else f" ({other_host}:{other_port})"
                     raise ConfigError(f"{field_key}: {host}:{port} is also {other_key}{shown}")
             seen.append((host, port, field_key))
+    # The value model's leaves are critical requests, which the bulk server refuses (FAILED_PRECONDITION).
+    if cfg.reward.bulk_server.enabled and cfg.search.reward_address == cfg.reward.bulk_server.address:
+        raise ConfigError(f"search.reward_address: {cfg.search.reward_address} is the reward service's bulk server "
+                          f"(reward.bulk_server), which refuses the value model's critical requests; name the "
+                          f"reward service ({cfg.reward.address}) or leave it empty")
 
 
 _EVERY_INTERFACE = ("0.0.0.0", "[::]", "[::0]")

@@ -168,3 +168,11 @@ def test_servers_on_one_port_of_distinct_loopback_addresses_do_not_clash():
 def test_a_disabled_bulk_server_takes_no_port():
     cfg = parse_config({"reward": {"bulk_server": {"enabled": False, "address": "127.0.0.1:50051"}}})
     assert bulk_address(cfg) == cfg.reward.address
+
+
+def test_the_value_model_may_not_call_the_bulk_server():
+    data = {"reward": {"bulk_server": {"address": "127.0.0.1:50053"}}, "search": {"reward_address": "127.0.0.1:50053"}}
+    with pytest.raises(ConfigError, match=r"search\.reward_address: 127\.0\.0\.1:50053 is the reward service's bulk"):
+        parse_config(data)
+    data["reward"]["bulk_server"]["enabled"] = False  # no bulk server: whatever listens there is the user's
+    assert parse_config(data).search.reward_address == "127.0.0.1:50053"
