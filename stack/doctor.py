@@ -113,9 +113,13 @@ def check_facts(cfg: TandemConfig, facts: dict) -> list[Finding]:
     out.append(Finding("stream priority range", OK if levels >= 2 else FAIL,
                        f"least {least}, greatest {greatest} ({levels} levels)",
                        "" if levels >= 2 else "this GPU has one priority: use policy static (MPS thread partition)"))
-    pools = cfg.reward.memory_pool_bytes + cfg.search.memory_pool_bytes
+    # reward.memory_pool_bytes is each reward process's: the bulk server holds one too.
+    reward_processes = 2 if cfg.reward.bulk_server.enabled else 1
+    pools = reward_processes * cfg.reward.memory_pool_bytes + cfg.search.memory_pool_bytes
     free, total = facts["free_bytes"], facts["total_bytes"]
     detail = f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB free; fixed pools {pools / 2**30:.1f} GiB"
+    if reward_processes > 1 and cfg.reward.memory_pool_bytes:
+        detail += " (the reward pool twice: the bulk server holds one too)"
     if pools == 0:
         out.append(Finding("free memory and pools", WARN, detail + " (no pool limit set)",
                            "set reward.memory_pool_bytes and search.memory_pool_bytes so neither service can "

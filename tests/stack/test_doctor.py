@@ -52,6 +52,21 @@ def test_findings_from_gpu_facts_name_their_fix():
     assert by["copy bandwidth (pageable vs pinned)"].status == doctor.WARN
 
 
+def test_the_pools_that_must_fit_count_the_bulk_servers_reward_pool_too():
+    import dataclasses
+
+    base = TandemConfig()
+    reward = dataclasses.replace(base.reward, memory_pool_bytes=40 << 30)
+    cfg = dataclasses.replace(base, reward=reward, search=dataclasses.replace(base.search, memory_pool_bytes=30 << 30))
+    by = {f.check: f for f in doctor.check_facts(cfg, _facts(free_bytes=100 << 30))}
+    # 40 GiB for each reward process (the reward service and its bulk server) and 30 for search: 110 of 100 free.
+    assert by["free memory and pools"].status == doctor.FAIL and "110.0 GiB" in by["free memory and pools"].detail
+    alone = dataclasses.replace(cfg, reward=dataclasses.replace(reward, bulk_server=dataclasses.replace(
+        reward.bulk_server, enabled=False)))
+    by = {f.check: f for f in doctor.check_facts(alone, _facts(free_bytes=100 << 30))}
+    assert by["free memory and pools"].status == doctor.OK and "70.0 GiB" in by["free memory and pools"].detail
+
+
 def test_print_findings_exit_status(capsys):
     assert doctor.print_findings([doctor.Finding("a", doctor.OK, "fine")]) == 0
     assert doctor.print_findings([doctor.Finding("b", doctor.FAIL, "broken", "mend it")]) == 1
