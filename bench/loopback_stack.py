@@ -1,4 +1,4 @@
-"""The three real servers as ``tandem up`` starts them (one process each), on
+"""The real servers as ``tandem up`` starts them (one process each), on
 free loopback ports with no metrics endpoints, for benchmarks that measure the
 services from outside."""
 from __future__ import annotations
@@ -12,29 +12,38 @@ from typing import Iterator
 import yaml
 
 from stack.supervisor import Stack
-from tandem.config import TandemConfig, load_config
+from tandem.config import TandemConfig, load_config, loopback_data
 
 
-def _free_address() -> str:
+def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
+        return s.getsockname()[1]
+
+
+def loopback_stack_data(sections: dict[str, dict] | None = None) -> dict:
+    """The config data of :func:`loopback_stack`: every server (the reward
+    service's bulk server too, which the shipped defaults enable on their own
+    fixed ports) on a free loopback port, metrics off, ``sections`` merged in."""
+    data = loopback_data(_free_port)
+    for name, fields in (sections or {}).items():
+        data.setdefault(name, {}).update(fields)
+    return data
 
 
 @contextlib.contextmanager
 def loopback_stack(sections: dict[str, dict] | None = None) -> Iterator[tuple[TandemConfig, Stack]]:
-    """Starts scheduler, reward and search (each in its own process, waited for
-    until SERVING) from a temporary config: every server on a free loopback
-    port, metrics off, ``sections`` merged in per section (e.g.
+    """Starts scheduler, reward (and its bulk server) and search (each in its
+    own process, waited for until SERVING) from a temporary config
+    (:func:`loopback_stack_data`): every server on a free loopback port,
+    metrics off, ``sections`` merged in per section (e.g.
     ``{"search": {"backend": "cpu"}}``). Yields the loaded config and the
     running :class:`Stack` (``stack.procs[name].pid``); stops it on exit.
 
     Raises:
         RuntimeError: a server did not start.
     """
-    sections = sections or {}
-    data = {name: {"address": _free_address(), "metrics_port": 0, **sections.get(name, {})}
-            for name in ("scheduler", "reward", "search")}
+    data = loopback_stack_data(sections)
     with tempfile.TemporaryDirectory(prefix="tandem-bench-") as tmp:
         path = Path(tmp) / "tandem.yaml"
         path.write_text(yaml.safe_dump(data))

@@ -112,3 +112,16 @@ def test_config_per_policy_on_free_ports(tmp_path):
 def test_unknown_scenario_is_refused():
     with pytest.raises(ValueError, match="scenario"):
         run_scenario("fastest", frame_scheduling.QUICK)
+
+
+def test_the_benchmarks_loopback_stack_puts_the_bulk_server_on_a_free_port_too():
+    from bench.loopback_stack import loopback_stack_data
+    from tandem.config import TandemConfig, endpoints, parse_config
+
+    cfg = parse_config(loopback_stack_data({"reward": {"execution_provider": "cpu"}}))
+    shipped = {address for address, _ in endpoints(TandemConfig()).values()}
+    got = endpoints(cfg)
+    assert "reward_bulk" in got and cfg.reward.execution_provider == "cpu"
+    # Beside a running `tandem up` (the shipped ports, 127.0.0.1:50053 the bulk server's): none of its ports.
+    assert not {address for address, _ in got.values()} & shipped
+    assert {metrics for _, metrics in got.values()} == {0}
