@@ -154,7 +154,7 @@ def make_servicer(reward, serving, model_config_pb2, service_pb2, service_pb2_gr
                 instance_group=[mc.ModelInstanceGroup(
                     name=f"{s.name}_{lane}", count=1,
                     kind=mc.ModelInstanceGroup.KIND_GPU if gpu else mc.ModelInstanceGroup.KIND_CPU)
-                    for lane in LANES.values()],
+                    for request_class, lane in LANES.items() if s.lane_runners(request_class)],  # the bulk server: bulk
                 parameters={k: mc.ModelParameter(string_value=v)
                             for k, v in {**s.runtime, "execution_provider": s.execution_provider}.items()},
             )

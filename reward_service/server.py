@@ -217,7 +217,8 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             # stream_priority_in_use: the bulk lane's, the one the assignment moves (as before lanes).
             runtime={**s.runtime, "stream_priority_in_use": str(s.active_stream_priority),
                      "stream_priority_bulk_lane": str(s.active_stream_priority),
-                     "stream_priority_critical_lane": str(s.critical_stream_priority),
+                     # The bulk server has no critical lane: no priority to name (0 would read as the least).
+                     "stream_priority_critical_lane": str(s.critical_stream_priority) if s.critical_lane else "none",
                      "stream_priority_assigned": str(self.assigned_stream_priority),
                      "bulk_share_percent": str(self.batchers[s.name].bulk_share),
                      **self._leaf_channel_runtime(s), **self._role_runtime()},

@@ -80,6 +80,33 @@ def _wrong_server_failures() -> float:
                                      {"model": MODEL, "lane": "critical", "reason": "wrong_server"}) or 0.0
 
 
+def test_the_open_inference_protocol_at_the_bulk_server_serves_the_bulk_lane_only(servers):
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    cfg = servers[0]
+    boards = pons_boards(2)
+    x = grpcclient.InferInput("board", list(boards.shape), "UINT8")
+    x.set_data_from_numpy(boards)
+    client = grpcclient.InferenceServerClient(cfg.reward.bulk_server.address)
+    try:
+        with pytest.raises(InferenceServerException) as info:  # priority 1: the critical lane
+            client.infer(MODEL, [x], priority=1, client_timeout=30)
+        assert "FAILED_PRECONDITION" in str(info.value.status()) and cfg.reward.address in info.value.message()
+        assert client.infer(MODEL, [x], priority=2, client_timeout=30).as_numpy("value").shape == (2, 1)
+        # Its model config lists the instances it has: the bulk lane's, no critical one.
+        groups = [g.name for g in client.get_model_config(MODEL).config.instance_group]
+        assert groups == [f"{MODEL}_bulk"]
+    finally:
+        client.close()
+    front = grpcclient.InferenceServerClient(cfg.reward.address)
+    try:
+        groups = [g.name for g in front.get_model_config(MODEL).config.instance_group]
+        assert groups == [f"{MODEL}_critical", f"{MODEL}_bulk"]
+    finally:
+        front.close()
+
+
 def test_bad_input_at_the_bulk_server_is_invalid_argument_and_it_keeps_serving(servers):
     _, _, _, (_, bulk), _ = servers
     with pytest.raises(grpc.RpcError) as info:
@@ -99,6 +126,8 @@ def test_each_server_names_the_other_and_only_the_reward_service_has_a_leaf_chan
     assert b["role"] == "bulk server" and b["critical_server"] == cfg.reward.address
     assert "leaf_channel" in f and "leaf_channel" not in b
     assert b["lanes"].startswith("bulk only")
+    # No critical lane, so no priority for it (0 would read as a critical lane at the least priority).
+    assert b["stream_priority_critical_lane"] == "none" and f["stream_priority_critical_lane"].lstrip("-").isdigit()
     assert "reward.bulk_server" in handshake(channels[0], "tandem.v1.RewardService", ()).capabilities
     caps = handshake(channels[1], "tandem.v1.RewardService", ("reward.bulk_only",)).capabilities
     assert "reward.leaf_channel" not in caps and "reward.bulk_server" not in caps
