@@ -404,9 +404,15 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True, bulk_server: bool = 
     FAILED_PRECONDITION.
 
     Raises:
-        RuntimeError: a model cannot be loaded, or the address cannot be bound.
+        RuntimeError: a model cannot be loaded, or the address cannot be bound;
+            the bulk server where ``reward.bulk_server.enabled`` is false.
     """
     models, bulk_cfg = cfg.reward.models, cfg.reward.bulk_server
+    if bulk_server and not bulk_cfg.enabled:
+        # Off in the config, no one would know of it: the reward service names no bulk server, tandem
+        # status shows none, and its ports were never checked against the other servers'.
+        raise RuntimeError(f"reward.bulk_server.enabled is false: this config runs no bulk server (set it to true "
+                           f"to serve one on {bulk_cfg.address})")
     # The memory pool is split evenly over every runner (models x (stream priorities + the critical
     # lane's own)), and each runner's share over its sessions (one per batch bucket).
     per_runner = cfg.reward.memory_pool_bytes // max(len(models) * runners_per_model(cfg.reward, not bulk_server), 1)

@@ -20,7 +20,7 @@ from tandem import tensors
 from tandem.config import ConfigError, bulk_address, load_config, parse_config
 from tandem.engine_client import handshake
 from tandem.positions import load_set
-from tandem.server import channel
+from tandem.server import channel, health_status
 from tandem.shared_memory_client import SystemSharedMemoryRegion
 
 MODEL = "connect4_value"
@@ -205,3 +205,10 @@ def test_the_value_model_may_not_call_the_bulk_server():
         parse_config(data)
     data["reward"]["bulk_server"]["enabled"] = False  # no bulk server: whatever listens there is the user's
     assert parse_config(data).search.reward_address == "127.0.0.1:50053"
+
+
+def test_a_bulk_server_the_config_turns_off_is_not_started():
+    cfg = loopback_config(reward={"bulk_server": {"enabled": False, "address": f"127.0.0.1:{free_port()}"}})
+    with pytest.raises(RuntimeError, match=r"reward\.bulk_server\.enabled is false"):
+        reward_server.start(cfg, follow_scheduler=False, bulk_server=True)
+    assert health_status(cfg.reward.bulk_server.address, cfg, timeout_s=0.5) != "SERVING"
