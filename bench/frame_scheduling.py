@@ -25,12 +25,13 @@ again where matplotlib is installed (the GPU machine lacks it).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 from pathlib import Path
 
 from bench import common
 from loadtest.background import TRANSPORTS
-from loadtest.frame_scheduling import ROW_FIELDS, SCENARIOS, FrameTest, run_scenarios
+from loadtest.frame_scheduling import ROW_FIELDS, SCENARIOS, FrameTest, policy_of, run_scenarios
 
 QUICK = FrameTest(engines=1, fps=10.0, simulations=16, warmup_s=0.5, seconds=1.5, background_batch=2,
                   background_workers=1, timeout_s=5.0)
@@ -81,16 +82,19 @@ def main(argv: list[str] | None = None) -> None:
             todo = [s for s in scenarios if s != "uncontended" or uncontended is None]
             if "uncontended" in scenarios and uncontended is not None:
                 panel["uncontended"] = uncontended  # no trainer: the first run serves every panel
-            label = f"{','.join(todo)} ({transport}, bulk server {'on' if on else 'off'})"
             logs = args.logs / f"{transport}-{'bulk' if on else 'one'}" if args.logs else None
-            got = common.attempt(label, run_scenarios, todo, dataclasses.replace(test, background_transport=transport),
-                                 args.config, logs, args.free_ports or args.quick, on) or []
-            for scenario, (row, lat) in zip(todo, got):
-                common.progress({k: row[k] for k in ROW_FIELDS})
-                rows.append(row)
-                panel[scenario] = lat
-                if scenario == "uncontended":
-                    uncontended = lat
+            # An attempt per start of the stack (a policy's consecutive scenarios): one that fails costs its own rows.
+            for _, group in itertools.groupby(todo, key=policy_of):
+                group = list(group)
+                label = f"{','.join(group)} ({transport}, bulk server {'on' if on else 'off'})"
+                got = common.attempt(label, run_scenarios, group, dataclasses.replace(test, background_transport=transport),
+                                     args.config, logs, args.free_ports or args.quick, on) or []
+                for scenario, (row, lat) in zip(group, got):
+                    common.progress({k: row[k] for k in ROW_FIELDS})
+                    rows.append(row)
+                    panel[scenario] = lat
+                    if scenario == "uncontended":
+                        uncontended = lat
     out_dir = Path(args.out if args.out is not None else common.RESULTS_DIR)
     out_dir.mkdir(parents=True, exist_ok=True)
     doc = {"fps": test.fps, "title": f"{test.engines} engines at {test.fps:g} FPS, {test.simulations} simulations/frame",

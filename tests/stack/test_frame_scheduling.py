@@ -70,6 +70,24 @@ def test_quick_run_writes_a_row_per_policy_transport_and_bulk_server_and_a_plot(
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
+def test_a_stack_that_fails_costs_only_its_own_rows(tmp_path, monkeypatch):
+    """uncontended plays on one stack, dynamic on another, which cannot start: its log
+    directory's name is taken by a file. The uncontended row is written all the same."""
+    monkeypatch.setattr(frame_scheduling.common, "FAILED", [])
+    logs = tmp_path / "logs"
+    (logs / "grpc-one").mkdir(parents=True)
+    (logs / "grpc-one" / "dynamic").write_text("not a directory")
+    with pytest.raises(SystemExit) as exit_info:
+        frame_scheduling.main(["--quick", "--scenarios", "uncontended,dynamic", "--background-transport", "grpc",
+                               "--bulk-server", "off", "--logs", str(logs), "--out", str(tmp_path), "--no-plot"])
+    assert exit_info.value.code == 1 and frame_scheduling.common.FAILED == ["dynamic (grpc, bulk server off)"]
+    rows = json.loads((tmp_path / "frame_scheduling.json").read_text())["rows"]
+    assert [(r["policy"], r["bulk_server"]) for r in rows] == [("uncontended", False)]
+    panel = json.loads((tmp_path / "frame_scheduling_latencies.json").read_text())["latencies_ms"]["grpc, one reward process"]
+    assert set(panel) == {"uncontended"} and panel["uncontended"]
+
+
 def test_an_unknown_transport_is_refused_in_one_line(capsys):
     with pytest.raises(SystemExit) as exit_info:
         frame_scheduling.main(["--quick", "--background-transport", "grpc,pigeon"])
