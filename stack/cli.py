@@ -57,7 +57,7 @@ def cmd_serve(args) -> int:
 def _print_endpoints(cfg: TandemConfig) -> None:
     for name, (address, metrics_port) in endpoints(cfg).items():
         metrics = f"  metrics http://127.0.0.1:{metrics_port}/metrics" if metrics_port else ""
-        print(f"  {name:<10} {address:<22} SERVING{metrics}", flush=True)
+        print(f"  {name:<11} {address:<22} SERVING{metrics}", flush=True)
 
 
 def cmd_up(args) -> int:

@@ -23,7 +23,7 @@ def print_status(cfg: TandemConfig) -> int:
     for name, (address, _) in endpoints(cfg).items():
         health = health_status(address, cfg)
         healthy &= health == "SERVING"
-        print(f"  {name:<10} {address:<22} {health}")
+        print(f"  {name:<11} {address:<22} {health}")
     _print_restarts(cfg)
     with channel(cfg.scheduler.address, cfg) as ch:
         try:
@@ -67,4 +67,4 @@ def _print_restarts(cfg: TandemConfig) -> None:
     print(f"supervisor: tandem up (pid {record['supervisor_pid']})")
     for name, child in record["servers"].items():
         last = f" (last exit {child['last_exit']})" if child["last_exit"] is not None else ""
-        print(f"  {name:<10} pid {child['pid']:<8} {child['state']}, {child['restarts']} restarts{last}")
+        print(f"  {name:<11} pid {child['pid']:<8} {child['state']}, {child['restarts']} restarts{last}")
