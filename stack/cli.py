@@ -1,6 +1,6 @@
 """tandem: real-time decision service for game AI (command line).
 
-  tandem up [--config PATH]          the three servers as processes, until Ctrl-C / SIGTERM
+  tandem up [--config PATH]          the servers as processes (and the bulk server), until Ctrl-C / SIGTERM
   tandem serve NAME [--config PATH]  one server (scheduler | reward | reward_bulk | search) in the foreground
   tandem status [--config PATH]      what the scheduler knows, and each server's health
   tandem health HOST:PORT            exit 0 when the server reports SERVING (container probes)

@@ -26,7 +26,7 @@ from tandem.pools import mps_memory_env
 
 
 def mps_env(cfg: TandemConfig) -> dict[str, str]:
-    """``CUDA_MPS_PIPE_DIRECTORY`` / ``CUDA_MPS_LOG_DIRECTORY`` shared by the three
+    """``CUDA_MPS_PIPE_DIRECTORY`` / ``CUDA_MPS_LOG_DIRECTORY`` shared by all the
     servers (tandem/device.py); {} with ``scheduler.mps: off``."""
     if cfg.scheduler.mps == "off":
         return {}
@@ -100,7 +100,7 @@ def _can_bind(address: str) -> bool:
 
 @dataclass
 class Stack:
-    """The three server processes of one ``tandem up``."""
+    """The server processes of one ``tandem up`` (:meth:`processes`)."""
 
     cfg: TandemConfig
     config_path: Path | None
