@@ -186,7 +186,12 @@ class SentFrame:
         call.add_done_callback(lambda f: self._answer(rec, f))
 
     def _answer(self, rec: Record, f: grpc.Future) -> None:
-        """On gRPC's callback thread: the record's outcome and the reply's own figures."""
+        """On gRPC's callback thread -- or on the sending thread, when the call
+        was done before its callback was added: the record's outcome and the
+        reply's own figures. The record is finished whatever is raised here (a
+        Ctrl-C's KeyboardInterrupt lands in whatever the main thread runs, and
+        gRPC swallows what a callback raises): else the frame's wait never ends."""
+        code = "INTERRUPTED"
         try:
             reply = f.result()
             if rec.kind == "search":
@@ -199,7 +204,8 @@ class SentFrame:
             code = exc.code().name
         except Exception as exc:  # cancelled future
             code = type(exc).__name__
-        self._finish(rec, code)
+        finally:
+            self._finish(rec, code)
 
     def _finish(self, rec: Record, code: str) -> None:
         rec.done = time.monotonic()

@@ -37,6 +37,7 @@ from tandem.positions import DEFAULT_SETS, LabelledPosition
 DRAW_BAND = 1.0 / 3.0  # |value| below this reads as a draw
 # The search's own deadline leaves this share of the frame for the RPCs and Evaluate.
 SEARCH_SHARE_OF_FRAME = 0.6
+INTERRUPT_POLL_S = 0.1  # how often a frame's wait looks for a Ctrl-C (s)
 
 
 @dataclass
@@ -139,7 +140,8 @@ def _play_frames(opts: PlayOptions, client: FrameClient, positions: list[Labelle
                             deadline_ms=budget_ms * SEARCH_SHARE_OF_FRAME,
                             # A late answer is a missed frame, not an error: the gRPC deadline is generous.
                             timeout_s=max(10 * budget_ms / 1000.0, 1.0), evaluate=lambda: obs)
-        frame.wait()
+        while not frame.wait(INTERRUPT_POLL_S):  # a Ctrl-C lost inside a gRPC callback still stops the wait
+            interrupt.raise_if_interrupted()
         if tally.score(pos, frame) and log and (tick.frame + 1) % max(opts.frames // 10, 1) == 0:
             log(f"frame {tick.frame + 1}/{opts.frames}: p50 {percentiles(tally.frame_ms, 50)[0]:.2f} ms")
     return tally

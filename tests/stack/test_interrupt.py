@@ -9,6 +9,7 @@ import threading
 import pytest
 
 from stack import interrupt
+from stack.frame_loop import Record, SentFrame, Tick
 
 
 def test_a_ctrl_c_whose_exception_was_swallowed_still_stops_the_loop(monkeypatch):
@@ -28,3 +29,27 @@ def test_a_ctrl_c_whose_exception_was_swallowed_still_stops_the_loop(monkeypatch
             interrupt.raise_if_interrupted()
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+class _DoneCall:
+    """A call already done when its callback is added, as gRPC then runs the
+    callback at once on the adding thread; its result raises what a Ctrl-C
+    raised in the main thread meanwhile."""
+
+    def result(self):
+        raise KeyboardInterrupt
+
+    def add_done_callback(self, fn):
+        try:
+            fn(self)
+        except BaseException:  # noqa: BLE001 - gRPC logs and drops what a callback raises
+            pass
+
+
+def test_a_frame_whose_answer_was_interrupted_still_ends_its_wait():
+    """A Ctrl-C landing in a frame's answer callback finished no record, and the
+    frame's wait (no timeout) never returned: the demo hung until its exit
+    deadline (seen in CI, 2026-12-01)."""
+    frame = SentFrame(Tick(0, 0, 0.0), expected=1)
+    frame._track(Record("search", 0, 0, 0.0, 0.0), _DoneCall)
+    assert frame.wait(5.0) and frame.failure() == "INTERRUPTED"

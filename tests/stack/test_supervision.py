@@ -151,8 +151,8 @@ def test_a_killed_server_is_restarted_and_the_others_keep_serving(config_file, t
         status = _tandem("status", "--config", str(config_file))
         assert status.returncode == 0, status.stdout + status.stderr
         assert f"supervisor: tandem up (pid {up.proc.pid})" in status.stdout
-        assert f"reward     pid {after['reward']:<8} running, 1 restarts (last exit -9)" in status.stdout
-        assert "search     pid" in status.stdout and "running, 0 restarts" in status.stdout
+        assert f"{'reward':<11} pid {after['reward']:<8} running, 1 restarts (last exit -9)" in status.stdout
+        assert f"{'search':<11} pid" in status.stdout and "running, 0 restarts" in status.stdout
 
         code, _ = up.ctrl_c()
         assert code == 0, up.output
@@ -215,7 +215,7 @@ def test_status_and_play_name_the_service_that_is_down(config_file):
     cfg = load_config(config_file)
     status = _tandem("status", "--config", str(config_file))
     assert status.returncode == 1
-    assert f"search     {cfg.search.address:<22} UNREACHABLE" in status.stdout
+    assert f"{'search':<11} {cfg.search.address:<22} UNREACHABLE" in status.stdout
 
     play = _tandem("play", "--config", str(config_file), "--frames", "1")
     assert play.returncode == 1 and "Traceback" not in play.stderr
@@ -228,7 +228,7 @@ def test_status_and_play_name_the_service_that_is_down(config_file):
     try:
         assert _poll(lambda: health_status(cfg.reward.address, cfg) == "SERVING", START_TIMEOUT_S)
         status = _tandem("status", "--config", str(config_file))
-        assert status.returncode == 1 and f"reward     {cfg.reward.address:<22} SERVING" in status.stdout
+        assert status.returncode == 1 and f"{'reward':<11} {cfg.reward.address:<22} SERVING" in status.stdout
         play = _tandem("play", "--config", str(config_file), "--frames", "5")
         assert play.returncode == 1 and play.stdout == ""
         assert play.stderr.strip() == (f"tandem: cannot play: search service at {cfg.search.address}: UNREACHABLE "
