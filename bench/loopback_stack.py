@@ -25,10 +25,7 @@ def loopback_stack_data(sections: dict[str, dict] | None = None) -> dict:
     """The config data of :func:`loopback_stack`: every server (the reward
     service's bulk server too, which the shipped defaults enable on their own
     fixed ports) on a free loopback port, metrics off, ``sections`` merged in."""
-    data = loopback_data(_free_port)
-    for name, fields in (sections or {}).items():
-        data.setdefault(name, {}).update(fields)
-    return data
+    return loopback_data(_free_port, sections=sections)
 
 
 @contextlib.contextmanager

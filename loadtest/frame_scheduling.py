@@ -26,8 +26,8 @@ Scenarios (the ``policy`` column of ``bench/results/frame_scheduling.json``):
 The trainer sends to the reward service's bulk server where the config runs
 one (``reward.bulk_server``: a process of its own for bulk work,
 :func:`tandem.config.bulk_address`), else to the reward service itself;
-``bulk_server`` in each row says which. Consecutive scenarios under one policy
-share one start of the stack (:func:`run_scenarios`).
+``bulk_server`` in each row says which. Scenarios under one policy can share
+one start of the stack (:func:`run_scenarios`).
 
 Everything measured is in ms (latencies from each frame's *scheduled* time)
 or per second.
@@ -35,7 +35,6 @@ or per second.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import socket
 import tempfile
 import threading
@@ -182,31 +181,30 @@ def run_scenario(scenario: str, test: FrameTest, base_config: Path | None = None
 def run_scenarios(scenarios: list[str], test: FrameTest, base_config: Path | None = None,
                   log_dir: Path | None = None, free_ports: bool = False,
                   bulk_server: bool | None = None) -> list[tuple[dict, list[float]]]:
-    """:func:`run_scenario` for each of ``scenarios``, in order; consecutive ones
-    under one policy (``uncontended``, ``background_alone``, ``default``) play
-    on one start of the stack (each with its own trainer process and
-    generator), saving a start (~40 s on the GPU) per scenario.
+    """:func:`run_scenario` for each of ``scenarios``, in order, on one start of
+    the stack (each with its own trainer process and generator): they must
+    share a policy (``uncontended``, ``background_alone`` and ``default`` do),
+    and one start (~40 s on the GPU) serves them all.
 
     Raises:
-        ValueError: an unknown scenario (before anything starts).
-        RuntimeError: a stack did not start.
+        ValueError: an unknown scenario, or scenarios of several policies (before anything starts).
+        RuntimeError: the stack did not start.
     """
     bad = [s for s in scenarios if s not in SCENARIOS]
     if bad:
         raise ValueError(f"scenario: must be one of {', '.join(SCENARIOS)}, got {bad[0]!r}")
-    out: list[tuple[dict, list[float]]] = []
-    for policy, group in itertools.groupby(scenarios, key=policy_of):
-        group = list(group)
-        with tempfile.TemporaryDirectory(prefix="tandem-frames-") as tmp:
-            path = write_config(base_config, policy, Path(tmp) / "tandem.yaml", free_ports, bulk_server)
-            cfg = load_config(path)
-            stack = Stack(cfg, path, log_dir=log_dir / "-".join(group) if log_dir else None)
-            stack.start()
-            try:
-                out.extend(_play(scenario, test, cfg) for scenario in group)
-            finally:
-                stack.stop()
-    return out
+    policies = {policy_of(s) for s in scenarios}
+    if len(policies) != 1:
+        raise ValueError(f"scenarios: one stack runs one policy, got {sorted(policies)} ({', '.join(scenarios)})")
+    with tempfile.TemporaryDirectory(prefix="tandem-frames-") as tmp:
+        path = write_config(base_config, policies.pop(), Path(tmp) / "tandem.yaml", free_ports, bulk_server)
+        cfg = load_config(path)
+        stack = Stack(cfg, path, log_dir=log_dir / "-".join(scenarios) if log_dir else None)
+        stack.start()
+        try:
+            return [_play(scenario, test, cfg) for scenario in scenarios]
+        finally:
+            stack.stop()
 
 
 def _play(scenario: str, test: FrameTest, cfg) -> tuple[dict, list[float]]:

@@ -646,13 +646,13 @@ class ModelSession:
     def lane_runners(self, lane: int | None = None) -> list:
         """The runners ``lane`` (``CRITICAL`` or ``BULK``) runs on; None: every
         runner, each once (the CPU's shared one too)."""
-        critical = [] if self._critical is None or any(r is self._critical for r in self._runners) else [self._critical]
+        critical = [] if self._critical is None else [self._critical]
         if lane == CRITICAL:
-            return [] if self._critical is None else [self._critical]
+            return critical
         if lane == BULK:
             return list(self._runners)
-        if lane is None:
-            return list(self._runners) + critical
+        if lane is None:  # the CPU's one runner serves both lanes: listed once
+            return list(self._runners) + [r for r in critical if r not in self._runners]
         raise ValueError(f"lane: expected REQUEST_CLASS_CRITICAL or REQUEST_CLASS_BULK, got {lane}")
 
     def warm_up(self, lane: int | None = None) -> None:

@@ -137,10 +137,11 @@ class Stack:
         if busy:
             raise RuntimeError(f"already in use (is another tandem up running?): {', '.join(busy)}")
         try:
+            addresses = self.addresses()
             for name in self.processes():
                 self.spawn(name)
                 for server in self._serves(name):
-                    wait_serving(self.addresses()[server], self.cfg, timeout_s, self.procs[name])
+                    wait_serving(addresses[server], self.cfg, timeout_s, self.procs[name])
         except BaseException:
             self.stop()
             raise

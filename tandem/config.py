@@ -409,12 +409,15 @@ def _check_list(name: str, value: tuple, path: str) -> None:
             raise ConfigError(f"{path}: must be distinct CUDA stream priorities <= 0, got {list(value)}")
 
 
+BULK_SERVER = "reward_bulk"  # the bulk server's name as a process (tandem serve reward_bulk)
+
+
 def _check_endpoints(cfg: TandemConfig) -> None:
     """Every server of one ``tandem up`` on a port of its own (gRPC and
     metrics), named by its config key. Two listeners on one port clash where
     their hosts are one, or either is every interface (``0.0.0.0``, ``[::]``),
     or one is ``localhost`` (which gRPC binds on 127.0.0.1 and [::1]) and the
-    other a loopback address. And ``search.reward_address`` is not the bulk server."""
+    other a loopback address."""
     seen: list[tuple[str, int, str]] = []  # (host, port, config key)
     for name, (address, metrics_port) in endpoints(cfg).items():
         key = endpoint_key(name)
@@ -427,7 +430,11 @@ def _check_endpoints(cfg: TandemConfig) -> None:
                     shown = "" if host == other_host else f" ({other_host}:{other_port})"
                     raise ConfigError(f"{field_key}: {host}:{port} is also {other_key}{shown}")
             seen.append((host, port, field_key))
-    # The value model's leaves are critical requests, which the bulk server refuses (FAILED_PRECONDITION).
+
+
+def _check_value_model_address(cfg: TandemConfig) -> None:
+    """``search.reward_address`` is not the bulk server: the value model's
+    leaves are critical requests, which it refuses (FAILED_PRECONDITION)."""
     if cfg.reward.bulk_server.enabled and cfg.search.reward_address == cfg.reward.bulk_server.address:
         raise ConfigError(f"search.reward_address: {cfg.search.reward_address} is the reward service's bulk server "
                           f"(reward.bulk_server), which refuses the value model's critical requests; name the "
@@ -462,20 +469,22 @@ def endpoints(cfg: TandemConfig) -> dict[str, tuple[str, int]]:
     return out
 
 
-BULK_SERVER = "reward_bulk"  # the bulk server's name as a process (tandem serve reward_bulk)
-
-
-def loopback_data(port: Callable[[], int], metrics: bool = False, bulk_server: bool = True) -> dict:
+def loopback_data(port: Callable[[], int], metrics: bool = False, bulk_server: bool = True,
+                  sections: dict[str, dict] | None = None) -> dict:
     """Config data (a YAML mapping) putting every server of one stack on a
     loopback port that ``port()`` picks: the three servers and the reward
     service's bulk server (``reward.bulk_server.enabled`` = ``bulk_server``);
-    metrics ports from ``port()`` too with ``metrics``, else none. For stacks
-    beside others on one host: tests, load tests, benchmarks."""
+    metrics ports from ``port()`` too with ``metrics``, else none; then
+    ``sections`` merged in, field by field per section (e.g.
+    ``{"search": {"backend": "cpu"}}``). For stacks beside others on one host:
+    tests, load tests, benchmarks."""
     def where() -> dict:
         return {"address": f"127.0.0.1:{port()}", "metrics_port": port() if metrics else 0}
 
     data = {name: where() for name in ("scheduler", "reward", "search")}
     data["reward"]["bulk_server"] = {**where(), "enabled": bulk_server}
+    for name, fields in (sections or {}).items():
+        data.setdefault(name, {}).update(fields)
     return data
 
 
@@ -539,6 +548,7 @@ def parse_config(data: Any) -> TandemConfig:
     _check(cfg)
     _check_models(cfg)
     _check_endpoints(cfg)
+    _check_value_model_address(cfg)
     return cfg
 
 

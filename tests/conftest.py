@@ -40,10 +40,7 @@ def loopback_config(**sections) -> TandemConfig:
     """The default config with every server (the reward service's bulk server
     too) on a free loopback port and no metrics endpoint; ``sections``
     override fields, e.g. ``search={"backend": "cpu"}``."""
-    data = loopback_data(free_port)
-    for name, fields in sections.items():
-        data.setdefault(name, {}).update(fields)
-    return parse_config(data)
+    return parse_config(loopback_data(free_port, sections=sections))
 
 
 def wait_for(predicate, timeout_s: float = 10.0) -> bool:
