@@ -3,10 +3,13 @@
 Starts the reward service in a child process (the shipped config's models, a
 free loopback port) and searches with the CUDA backend (``--backend``'s GPU
 variant; the CPU reference where no GPU runs it) whose leaves go to the reward
-service by each hand-off (``handoff``): ``ipc``, the leaf channel
-(tandem/leaf_channel.py: shared-memory regions, a CUDA IPC input region where
-the reward service runs on the GPU, one Unix-socket message each way per
-wave), and ``grpc``, one ``Evaluate`` per wave; both in one run.
+service by each hand-off (``handoff``), all in one run: ``ipc``, the leaf
+channel (tandem/leaf_channel.py: one Unix-socket message each way per wave)
+with CUDA IPC regions as device waves (the selection kernel writes the leaves
+into the input region, the answer kernel reads the outputs from the output
+region: what a GPU search service does); ``ipc_host``, the same channel with
+the leaves and answers on the host (system regions, or a GPU search without
+device waves); and ``grpc``, one ``Evaluate`` per wave.
 
 Three kinds of row (``kind``):
 
@@ -40,6 +43,7 @@ Smoke test:     ``python3 -m bench.neural_search --quick`` (CPU reference, small
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing
 import socket
@@ -64,19 +68,29 @@ def _free_address() -> str:
         return f"127.0.0.1:{s.getsockname()[1]}"
 
 
-def latency(backend, evaluator, wave: int, simulations: int, repeats: int) -> dict | None:
-    """One ``latency`` row: ``repeats`` searches of the empty board."""
+def latency(backend, evaluator, wave: int, simulations: int, repeats: int, device: bool = False) -> dict | None:
+    """One ``latency`` row: ``repeats`` searches of the empty board; ``device``:
+    the leaf channel's CUDA regions as device waves (handoff ``ipc``; the
+    same channel the host way is ``ipc_host``)."""
     params = common.search_params(simulations=simulations, parallel_sims=wave, evaluator="value_model")
     if params is None:
         return None
     root = common.positions([""])
-    backend.search(root, params, evaluator)  # warm-up: kernels, the reward session's buckets
+    kw = {}
+    if device:
+        from search_service.evaluators import DeviceWaves
+
+        if not DeviceWaves.fits(evaluator.channel):
+            return None
+        kw = {"device_waves": DeviceWaves(evaluator, None)}
+    handoff = "ipc" if device else ("ipc_host" if evaluator.handoff == "ipc" else evaluator.handoff)
+    backend.search(root, params, evaluator, **kw)  # warm-up: kernels, the reward session's buckets
     ms, kernel, waves = [], [], []
     per_wave = {k: [] for k in ("handoff", "model", "queue", "compute", "call_rest", "bookkeeping")}  # µs
     for seed in range(repeats):
         before = dataclasses.replace(evaluator.totals)
         t = time.perf_counter()
-        (r,), _ = backend.search(root, replace(params, seed=seed + 1), evaluator)
+        (r,), _ = backend.search(root, replace(params, seed=seed + 1), evaluator, **kw)
         common.sync_cuda()
         ms.append((time.perf_counter() - t) * 1e3)
         after = evaluator.totals
@@ -91,7 +105,7 @@ def latency(backend, evaluator, wave: int, simulations: int, repeats: int) -> di
         waves.append(after.calls - before.calls)
     p50, p99 = percentiles(ms, 50, 99)
     med = {k: float(np.median(v)) for k, v in per_wave.items()}
-    return dict(kind="latency", handoff=evaluator.handoff, simulations=simulations, wave=wave, latency_ms_p50=p50,
+    return dict(kind="latency", handoff=handoff, simulations=simulations, wave=wave, latency_ms_p50=p50,
                 latency_ms_p99=p99, kernel_ms=float(np.median(kernel)), handoff_us_per_wave=med["handoff"],
                 model_us_per_wave=med["model"], queue_us_per_wave=med["queue"], compute_us_per_wave=med["compute"],
                 transport_us_per_wave=med["call_rest"], bookkeeping_us_per_wave=med["bookkeeping"],
@@ -99,18 +113,32 @@ def latency(backend, evaluator, wave: int, simulations: int, repeats: int) -> di
                 evals_per_s=simulations / (p50 / 1e3), repeats=repeats)
 
 
-def throughput(evaluator, batch: int, repeats: int) -> dict:
+def throughput(evaluator, batch: int, repeats: int, device: bool = False) -> dict | None:
     """One ``throughput`` row: ``batch`` boards through ``evaluator``'s hand-off,
-    round trips per second x batch."""
+    round trips per second x batch; ``device``: boards already in the CUDA
+    input region, answers left in the output region (``ipc``; host arrays
+    both ways through the same channel: ``ipc_host``)."""
     boards = np.random.default_rng(batch).integers(0, 2, (batch, 2, 6, 7)).astype(np.uint8)
-    evaluator(boards)
+    call, handoff = (lambda: evaluator(boards)), evaluator.handoff
+    if evaluator.handoff == "ipc":
+        handoff = "ipc_host"
+        if device:
+            from search_service.evaluators import DeviceWaves
+
+            if not DeviceWaves.fits(evaluator.channel) or batch > evaluator.channel.max_rows:
+                return None
+            waves = DeviceWaves(evaluator, None)
+            waves.inputs[:batch].set(boards)
+            common.sync_cuda()
+            call, handoff = (lambda: waves.evaluate(batch)), "ipc"
+    call()
     ms = []
     for _ in range(repeats):
         t = time.perf_counter()
-        evaluator(boards)
+        call()
         ms.append((time.perf_counter() - t) * 1e3)
     (p50,) = percentiles(ms, 50)
-    return dict(kind="throughput", handoff=evaluator.handoff, batch=batch, latency_ms_p50=p50,
+    return dict(kind="throughput", handoff=handoff, batch=batch, latency_ms_p50=p50,
                 evals_per_s=batch / (p50 / 1e3), repeats=repeats)
 
 
@@ -127,10 +155,14 @@ def quality(backend, evaluator, set_name: str, limit: int, name: str, wave: int,
     recs, roots = scored_positions(set_name, limit)
     model = evaluator if ev == "value_model" else None
     actions, sims = [], []
+    lend = getattr(handoff, "lend", None) if model is not None and backend.name.startswith("cuda") else None
     for i in range(len(recs)):
-        # Bound the model calls by the search's deadline, as the search server does.
-        leaf = model.until(time.monotonic() + budget_ms / 1e3) if model is not None else None
-        (r,), _ = backend.search(connect4.take(roots, i), replace(params, seed=i + 1), leaf)
+        # Bound the model calls by the search's deadline, and lend device waves, as the search server does.
+        deadline = time.monotonic() + budget_ms / 1e3
+        leaf = model.until(deadline) if model is not None else None
+        with lend(deadline) if lend else contextlib.nullcontext() as waves:
+            kw = {"device_waves": waves} if waves is not None else {}
+            (r,), _ = backend.search(connect4.take(roots, i), replace(params, seed=i + 1), leaf, **kw)
         actions.append(r.action)
         sims.append(r.simulations)
     rate = float(np.mean([rec.keeps_result(int(a)) for rec, a in zip(recs, actions)]))
@@ -195,20 +227,25 @@ def main() -> None:
             stub = reward_pb2_grpc.RewardServiceStub(ch)
             ipc = _leaf_channel(stub)
             hand_offs = (ipc, RewardServiceEvaluator(ch, "connect4_value", timeout_s=30))
-            for direct in hand_offs:
+            ways = [(ipc, True), (ipc, False), (hand_offs[1], False)]  # device waves, the host way, gRPC
+            for direct, device in ways:
                 for wave in (8,) if args.quick else (32, 64, 128, 256):
-                    row = common.attempt(f"latency {direct.handoff} wave {wave}", latency, backend, direct, wave,
-                                         64 if args.quick else 1000, 2 if args.quick else args.repeats)
+                    row = common.attempt(f"latency {direct.handoff} device={device} wave {wave}", latency, backend,
+                                         direct, wave, 64 if args.quick else 1000, 2 if args.quick else args.repeats,
+                                         device)
                     if row:
                         common.progress(row)
                         rows.append(row)
-            for direct in hand_offs:
+            for direct, device in ways:
                 for batch in (64,) if args.quick else (64, 256, 1024, 4096):
-                    rows.append(throughput(direct, batch, 3 if args.quick else args.repeats))
-                    common.progress(rows[-1])
+                    row = throughput(direct, batch, 3 if args.quick else args.repeats, device)
+                    if row:
+                        common.progress(row)
+                        rows.append(row)
             ipc.channel.close()
             handoff = HandoffEvaluator(ch, "connect4_value", "ipc")
-            common.note(f"serving path: leaf channel attached: {handoff.wait_attached(10.0)}")
+            common.note(f"serving path: leaf channel attached: {handoff.wait_attached(10.0)}, device channels: "
+                        f"{handoff.wait_device_channels(10.0)}")
             serving = CoalescingEvaluator(handoff)
             try:
                 value_waves = args.value_waves or [cfg.search.value_model_parallel_sims]

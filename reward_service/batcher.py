@@ -126,6 +126,12 @@ class Request:
     ``reward_pb2.REQUEST_CLASS_CRITICAL`` or ``REQUEST_CLASS_BULK``.
     ``deadline``: ``time.monotonic()`` seconds, or None for none.
 
+    ``targets``: output name -> device array of ``rows`` rows (a leaf
+    channel's CUDA output region), or None: where a bound runner that runs
+    the request from device inputs writes its outputs, device to device, before
+    the batch's one synchronisation; it then sets ``targets_written`` and the
+    request's ``outputs`` are empty (the caller writes them otherwise).
+
     Filled in when done: ``outputs`` (name -> array with ``rows`` rows) or
     ``error``; ``queue_ms`` (arrival to run start, ms), ``compute_ms`` (the
     batch's run, ms), ``batch_rows`` (real rows of the batch it ran in) and
@@ -138,6 +144,8 @@ class Request:
     deadline: float | None = None
     output_names: tuple[str, ...] = ()
     enqueued: float = 0.0
+    targets: dict | None = None
+    targets_written: bool = False
     state: str = QUEUED  # guarded by Batcher._lock
     outputs: dict[str, np.ndarray] | None = None
     error: BaseException | None = None
@@ -356,12 +364,14 @@ class Batcher:
         request_class: int = BULK,
         deadline: float | None = None,
         output_names: Sequence[str] = (),
+        targets: dict | None = None,
     ) -> Request:
         """Queues a validated request in its class's lane and returns it (wait
         on it for the result).
 
         ``request_class``: ``reward_pb2.REQUEST_CLASS_CRITICAL`` or
         ``REQUEST_CLASS_BULK`` (the servicer maps UNSPECIFIED to bulk).
+        ``targets``: see :class:`Request`.
 
         Raises:
             DeadlineExceeded: ``deadline`` has passed already.
@@ -377,7 +387,7 @@ class Batcher:
             )
         lane = self._lanes[request_class]
         now = self._clock()
-        req = Request(feeds, rows, request_class, deadline, tuple(output_names), enqueued=now)
+        req = Request(feeds, rows, request_class, deadline, tuple(output_names), enqueued=now, targets=targets)
         if deadline is not None and deadline <= now:
             with self._lock:
                 lane.stats["expired"] += 1
@@ -456,6 +466,7 @@ class Batcher:
         request_class: int = BULK,
         deadline: float | None = None,
         output_names: Sequence[str] = (),
+        targets: dict | None = None,
     ) -> Request:
         """:meth:`submit`, then waits until done or until ``deadline``.
 
@@ -466,7 +477,7 @@ class Batcher:
                 taken out of the queue and never run).
             QueueFull, BatcherClosed, ValueError: as :meth:`submit`.
         """
-        req = self.submit(feeds, rows, request_class, deadline, output_names)
+        req = self.submit(feeds, rows, request_class, deadline, output_names, targets)
         while True:
             # Bounded waits: a far deadline must not overflow the platform's timeout type.
             timeout = None if deadline is None else min(max(deadline - self._clock(), 0.0), _MAX_WAIT_S)
@@ -599,7 +610,9 @@ class Batcher:
             req.queue_ms = (start - req.enqueued) * 1e3
             req.compute_ms = compute_ms
             req.batch_rows, req.bucket = batch.rows, batch.bucket
-            if error is None:
+            if error is None and req.targets_written:
+                req.outputs = {}  # in its targets already
+            elif error is None:
                 try:
                     names = req.output_names or tuple(outputs)
                     req.outputs = {n: outputs[n][off : off + req.rows] for n in names}

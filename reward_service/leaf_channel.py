@@ -94,6 +94,7 @@ class _Attachment:
     output_names: tuple[str, ...]  # the outputs' names, in slot order
 
 
+REGION_KINDS = ("system", "cuda")  # either region may be either kind
 SOCKET_PREFIX = "tandem-leaf-"  # then the server's pid, "-", an id, ".sock"
 
 
@@ -317,24 +318,24 @@ class LeafChannelServer:
         return attachment
 
     @staticmethod
-    def _check_regions(lease, a: _Attachment) -> None:
+    def _check_regions(lease, a: _Attachment) -> str:
         """Checks that the held regions are of a kind and size the attachment needs:
         at the attach, and again at every wave, since a client may unregister a
-        region and register another under its name.
+        region and register another under its name. Returns the output region's kind.
 
         Raises:
             _Bad: INVALID_ARGUMENT (a region too small or of the wrong kind).
         """
         sizes = lease.describe()
-        for name, kinds, need in ((a.input_region, ("system", "cuda"), a.input_bytes),
-                                  (a.output_region, ("system",), a.output_bytes)):
+        for name, need in ((a.input_region, a.input_bytes), (a.output_region, a.output_bytes)):
             kind, size = sizes[name]
-            if kind not in kinds:
+            if kind not in REGION_KINDS:
                 raise _Bad(grpc.StatusCode.INVALID_ARGUMENT, f"region {quote(name)}: a {kind} region; "
-                           f"this one must be {' or '.join(kinds)}")
+                           f"this one must be {' or '.join(REGION_KINDS)}")
             if size < need:
                 raise _Bad(grpc.StatusCode.INVALID_ARGUMENT, f"region {quote(name)}: {size} bytes, but {a.max_rows} rows "
                            f"of model {a.session.name!r} need {need}")
+        return sizes[a.output_region][0]
 
     @staticmethod
     def _signature(session: ModelSession):
@@ -423,11 +424,17 @@ class LeafChannelServer:
                 too small or of the wrong kind.
         """
         with self.regions.acquire(a.client_id, [a.input_region, a.output_region]) as lease:
-            self._check_regions(lease, a)
+            out_kind = self._check_regions(lease, a)
             feed = lease.array(a.input_region, 0, a.input_dtype, (rows, *a.input_row))
+            targets = None
+            if out_kind == "cuda":  # the bound runner writes the outputs there, device to device
+                targets = {s.name: lease.array(a.output_region, s.offset, np.dtype(np.float32), (rows, *s.row))
+                           for s in a.outputs}
             done = run(self.batchers[a.session.name], a.session.name, {a.input_name: feed}, rows,
-                       CRITICAL, deadline, a.output_names)
+                       CRITICAL, deadline, a.output_names, targets)
             lease.check_live()  # a region unregistered meanwhile gets nothing written
+            if done.targets_written:
+                return done
             for slot in a.outputs:
                 out = np.asarray(done.outputs[slot.name], np.float32)
                 if out.shape[1:] != slot.row or len(out) < rows:

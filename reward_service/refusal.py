@@ -20,9 +20,10 @@ class Refusal(Exception):
 
 
 def run(batcher: Batcher, model: str, feeds: dict[str, np.ndarray], rows: int, request_class: int,
-        deadline: float | None, names) -> Request:
+        deadline: float | None, names, targets: dict | None = None) -> Request:
     """Runs ``feeds`` (``rows`` rows) through ``batcher`` and returns the done
-    request (``outputs``, ``queue_ms``, ``compute_ms``, ``bucket``).
+    request (``outputs``, ``queue_ms``, ``compute_ms``, ``bucket``; ``targets``:
+    see :class:`reward_service.batcher.Request`).
 
     Raises:
         Refusal: DEADLINE_EXCEEDED (not run by ``deadline``, time.monotonic()
@@ -30,7 +31,7 @@ def run(batcher: Batcher, model: str, feeds: dict[str, np.ndarray], rows: int, r
             (stopping), INTERNAL (the run failed).
     """
     try:
-        done = batcher.evaluate(feeds, rows, request_class, deadline, names)
+        done = batcher.evaluate(feeds, rows, request_class, deadline, names, targets)
         done.result()
         return done
     except DeadlineExceeded as exc:

@@ -143,6 +143,12 @@ class _CupyDevice:
         with self.stream:
             dev[start : start + len(src)] = src
 
+    def copy_out(self, dst, src, start: int) -> None:
+        """Device to device, on this stream: rows ``start:start + len(dst)`` of
+        ``src`` (a bound output) into ``dst`` (another process's CUDA IPC memory)."""
+        with self.stream:
+            dst[...] = src[start : start + len(dst)]
+
     def zero(self, dev, start: int, stop: int) -> None:
         with self.stream:
             dev[start:stop].fill(0)
@@ -291,10 +297,21 @@ class _BoundRunner:
                 dev.zero(d, rows, slot.dirty_rows)
         slot.dirty_rows = rows
         slot.session.run_with_iobinding(slot.binding, slot.run_options)
-        for name, d in slot.dev_out.items():
-            dev.download(slot.host_out[name], d, rows)
+        # Requests with device targets (a leaf channel's CUDA output region) get their rows
+        # device to device; the host copy is made only for those without.
+        targeted = [] if device_batch is None else [
+            (req, off) for req, off in zip(device_batch.requests, device_batch.offsets) if req.targets]
+        for req, off in targeted:
+            for name, target in req.targets.items():
+                dev.copy_out(target, slot.dev_out[name], off)
+        everyone = device_batch is not None and len(targeted) == len(device_batch.requests)
+        if not everyone:
+            for name, d in slot.dev_out.items():
+                dev.download(slot.host_out[name], d, rows)
         dev.synchronize()
-        return {name: h[:rows].copy() for name, h in slot.host_out.items()}
+        for req, _ in targeted:
+            req.targets_written = True
+        return {} if everyone else {name: h[:rows].copy() for name, h in slot.host_out.items()}
 
     def run(self, batch: Batch) -> dict[str, np.ndarray]:
         if batch.bucket in self._slots and batch.on_device and hasattr(self.device, "copy_device"):

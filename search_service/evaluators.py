@@ -19,6 +19,7 @@ same tree with rollouts, or answers from it at the deadline.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -30,6 +31,7 @@ from tandem.v1 import reward_pb2, reward_pb2_grpc
 
 from search_service.mcts.backend import EvaluationFailed
 from tandem import tensors
+from search_service.games.connect4 import NUM_ACTIONS
 from tandem.leaf_channel import LeafChannel, LeafChannelError
 
 log = logging.getLogger(__name__)
@@ -176,6 +178,63 @@ class LeafChannelEvaluator:
         return answer
 
 
+class DeviceWaves:
+    """A leaf channel whose two regions are CUDA memory, lent to one search
+    call: the CUDA backend's device path (``CudaBackend.search(device_waves=)``).
+    Its calls end by ``deadline`` (``time.monotonic()`` s, or None), and at
+    most ``timeout_s`` after they start, as :class:`LeafChannelEvaluator`'s.
+
+    Attributes:
+        inputs: the input region, CuPy uint8 ``[max_rows, 2, 6, 7]``: the
+            selection kernel writes a wave's leaves there, one row per slot.
+        max_rows: the most rows one wave may carry.
+    """
+
+    handoff = HANDOFF_IPC
+
+    def __init__(self, evaluator: LeafChannelEvaluator, deadline: float | None):
+        self._ev, self.deadline = evaluator, deadline
+        self.max_rows = evaluator.channel.max_rows
+        self.inputs = evaluator.channel.device_inputs
+
+    @staticmethod
+    def fits(channel: LeafChannel) -> bool:
+        """Whether ``channel`` can carry device waves: CUDA regions, a value
+        output of one float per row and, if any, policy logits of one per move
+        (a model whose outputs do not fit goes the host way, whose checks
+        refuse it: EvaluationFailed, and the search goes on with rollouts)."""
+        rows = dict(channel.output_rows)
+        return (channel.device_inputs is not None and rows.get("value") == (1,)
+                and rows.get("policy_logits", (NUM_ACTIONS,)) == (NUM_ACTIONS,))
+
+    def __call__(self, observations) -> tuple[np.ndarray, np.ndarray | None]:
+        """Host values and priors (the fresh roots): as :meth:`LeafChannelEvaluator.__call__`."""
+        return self._ev(observations, self.deadline)
+
+    def evaluate(self, rows: int):
+        """Runs rows ``[0, rows)`` of :attr:`inputs` (written, and the writing
+        kernel finished) and returns the output region's views: values CuPy
+        float32 ``[max_rows, 1]`` and policy logits float32 ``[max_rows, A]``
+        or None; rows ``[0, rows)`` this wave's, valid until the next call.
+
+        Raises:
+            EvaluatorUnavailable: as :meth:`LeafChannelEvaluator.__call__`.
+        """
+        start = time.perf_counter()
+        cap = time.monotonic() + self._ev.timeout_s
+        channel = self._ev.channel
+        try:
+            outputs = channel.evaluate_device(rows, cap if self.deadline is None else min(self.deadline, cap))
+        except LeafChannelError as exc:
+            raise EvaluatorUnavailable(f"reward service (leaf channel): {exc}") from None
+        self._ev.totals.add(rows, start, channel.queue_ms, channel.compute_ms)
+        return outputs["value"], outputs.get("policy_logits")
+
+    @property
+    def closed(self) -> bool:
+        return self._ev.channel.closed
+
+
 class HandoffEvaluator:
     """The value model by the leaf channel where it can be reached, else by gRPC.
 
@@ -189,14 +248,25 @@ class HandoffEvaluator:
     background, at most every ``retry_s``. :attr:`handoff` is the hand-off of
     the last call.
 
-    Thread safety: calls come from one thread (the coalescing dispatcher);
-    ``_lock`` guards the channel that the background attach publishes and
-    ``_closed``: a channel attached after :meth:`close` is closed at once.
+    Device channels: once the channel is attached with CUDA regions, up to
+    ``device_channels`` more are attached in the background, which
+    :meth:`lend` lends one per search call to the CUDA backend's device path
+    (:class:`DeviceWaves`): a search holding one sends its waves itself,
+    besides the dispatcher, and the reward service's critical lane merges
+    the waves that meet there (batching across searches). A lent channel
+    whose connection broke is closed when it comes back, and another is
+    attached at the next :meth:`lend` that finds none free.
+
+    Thread safety: host calls come from one thread (the coalescing
+    dispatcher); a lent channel is used by its borrower's thread alone until
+    it is given back. ``_lock`` guards the channel that the background attach
+    publishes, ``_closed`` (a channel attached after :meth:`close` is closed at
+    once), ``_device_free``, ``_device_count`` and ``_topping_up``.
     ``why_grpc`` and ``handoff`` are single writes of strings, read anywhere.
     """
 
     def __init__(self, channel: grpc.Channel, model: str, mode: str = "auto", timeout_s: float = 2.0,
-                 max_rows: int = 4096, retry_s: float = 1.0):
+                 max_rows: int = 4096, retry_s: float = 1.0, device_channels: int = 4):
         self.grpc = RewardServiceEvaluator(channel, model, timeout_s)
         self._stub, self.model, self.mode = reward_pb2_grpc.RewardServiceStub(channel), model, mode
         self.max_rows, self.retry_s, self.timeout_s = max_rows, retry_s, timeout_s
@@ -205,6 +275,10 @@ class HandoffEvaluator:
         self._attaching = False  # guarded by _lock
         self._next_attach = 0.0  # time.monotonic() s; guarded by _lock
         self._closed = False  # guarded by _lock
+        self.device_channels = device_channels
+        self._device_free: list[LeafChannelEvaluator] = []  # attached device channels not lent; guarded by _lock
+        self._device_count = 0  # device channels attached and not closed, lent or not; guarded by _lock
+        self._topping_up = False  # guarded by _lock
         self.handoff = HANDOFF_IPC if mode == HANDOFF_IPC else HANDOFF_GRPC
         self.why_grpc = "" if mode != HANDOFF_GRPC else "search.handoff: grpc"  # why the last call used gRPC
 
@@ -242,6 +316,19 @@ class HandoffEvaluator:
                 return True
             time.sleep(0.01)
         return False
+
+    def wait_device_channels(self, timeout_s: float) -> int:
+        """Waits up to ``timeout_s`` for ``device_channels`` device channels to
+        be attached (benchmarks and tests; serving never waits) and returns how
+        many are."""
+        end = time.monotonic() + timeout_s
+        while True:
+            self._top_up()
+            with self._lock:
+                count = self._device_count
+            if count >= self.device_channels or time.monotonic() >= end:
+                return count
+            time.sleep(0.01)
 
     def _channel(self) -> LeafChannelEvaluator | None:
         """The attached channel, or None (and an attach started in the background)."""
@@ -283,11 +370,83 @@ class HandoffEvaluator:
                 ipc.channel.close()
             else:
                 self.why_grpc = ""  # gRPC again only for waves larger than the channel
+                self._top_up()
+
+    @contextlib.contextmanager
+    def lend(self, deadline: float | None):
+        """A :class:`DeviceWaves` over a free device channel for one search
+        call whose calls end by ``deadline`` (time.monotonic() s), given back
+        when the block ends; None when none is free (the search goes the host
+        way, through the dispatcher): none attached yet (an attach is started),
+        all lent, or the reward service offers none with CUDA regions."""
+        with self._lock:
+            ev = self._device_free.pop() if self._device_free else None
+        if ev is None:
+            self._top_up()
+            yield None
+            return
+        try:
+            self.handoff = HANDOFF_IPC
+            yield DeviceWaves(ev, deadline)
+        finally:
+            with self._lock:
+                drop = ev.channel.closed or self._closed
+                if drop:
+                    self._device_count -= 1
+                else:
+                    self._device_free.append(ev)
+            if drop:
+                ev.channel.close()
+
+    def _top_up(self) -> None:
+        """Attaches device channels up to ``device_channels`` in the background,
+        if the channel is attached with CUDA regions and no top-up is running."""
+        with self._lock:
+            ipc = self._ipc
+            if (self._closed or self._topping_up or ipc is None or ipc.channel.kind != "cuda"
+                    or self._device_count >= self.device_channels):
+                return
+            self._topping_up = True
+        threading.Thread(target=self._attach_device, name="leaf-channel-attach-device", daemon=True).start()
+
+    def _attach_device(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    if self._closed or self._device_count >= self.device_channels:
+                        return
+                try:
+                    channel = LeafChannel.offered(self._stub, self.model, self.max_rows, self.timeout_s)
+                except (LeafChannelError, grpc.RpcError, OSError, ValueError) as exc:
+                    log.info("search service: no device leaf channel (%s)", exc)
+                    return
+                if channel is None or not DeviceWaves.fits(channel):
+                    if channel is not None:
+                        channel.close()
+                    return
+                with self._lock:
+                    keep = not self._closed
+                    if keep:
+                        self._device_free.append(LeafChannelEvaluator(channel, self.timeout_s))
+                        self._device_count += 1
+                if not keep:
+                    channel.close()
+                    return
+        except Exception:  # anything else (CuPy out of memory...): the host way, and a retry at a later lend
+            log.exception("search service: attaching a device leaf channel failed")
+        finally:
+            with self._lock:
+                self._topping_up = False
 
     def close(self) -> None:
-        """Closes the leaf channel, if attached, and attaches none again (an
-        attach under way closes its channel as it ends)."""
+        """Closes the leaf channel and the device channels not lent (a lent
+        one when it comes back), and attaches none again (an attach under way
+        closes its channel as it ends)."""
         with self._lock:
             ipc, self._ipc, self._closed = self._ipc, None, True
+            free, self._device_free = self._device_free, []
+            self._device_count -= len(free)
+        for ev in free:
+            ev.channel.close()
         if ipc is not None:
             ipc.channel.close()

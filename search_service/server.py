@@ -19,6 +19,7 @@ import math
 import os
 import threading
 import time
+from contextlib import nullcontext
 
 import grpc
 from prometheus_client import Counter, Gauge, Histogram
@@ -101,9 +102,12 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
         # Backends that take should_stop stop a search whose caller went away
         # between waves; older ones run to their budget (the answer is dropped).
         try:
-            self._can_stop = "should_stop" in inspect.signature(backend.search).parameters
+            takes = inspect.signature(backend.search).parameters
         except (TypeError, ValueError):
-            self._can_stop = False
+            takes = {}
+        self._can_stop = "should_stop" in takes
+        # Backends that take device_waves get a leaf channel of CUDA regions lent per search (HandoffEvaluator.lend).
+        self._lend = getattr(handoff, "lend", None) if "device_waves" in takes else None
         self.cancelled = 0  # searches stopped because the caller went away (tests read it)
 
     # -- validation -------------------------------------------------------
@@ -179,8 +183,11 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
             evaluator = until(deadline) if until else self.evaluator
         # The caller may cancel, or its deadline pass, mid-search: stop between waves.
         stop = {"should_stop": lambda: not context.is_active()} if self._can_stop else {}
+        lend = self._lend if params.evaluator == "value_model" and self._lend else None
         try:
-            with nvtx.span("search"), self.streams.launching():  # the assigned stream, for this whole search
+            with nvtx.span("search"), self.streams.launching(), (lend(deadline) if lend else nullcontext()) as waves:
+                if waves is not None:
+                    stop["device_waves"] = waves
                 # A wave the model cannot value is undone by the backend, which goes
                 # on in the same tree with rollouts, or answers at the deadline.
                 results, trees = self.backend.search(position, params, evaluator, [tree], **stop)
@@ -308,7 +315,8 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True) -> Service:
     streams = StreamSet(cfg.search.stream_priorities, cupy)
     # Leaves: the cache answers what it can, the rest of every search waiting goes in one call.
     handoff = HandoffEvaluator(reward_channel, cfg.search.value_model, cfg.search.handoff,
-                               max_rows=min(cfg.search.coalesce_max_rows, cfg.reward.leaf_channel.max_rows))
+                               max_rows=min(cfg.search.coalesce_max_rows, cfg.reward.leaf_channel.max_rows),
+                               device_channels=cfg.search.device_channels)
     coalescer = CoalescingEvaluator(handoff, cfg.search.coalesce_max_rows)
     evaluator = CachedEvaluator(coalescer, EvaluationCache(cfg.search.evaluation_cache_bytes))
     servicer = SearchServicer(cfg, backend, evaluator, streams, handoff)

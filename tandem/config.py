@@ -258,6 +258,12 @@ class SearchConfig:
     # service offers one this process can reach -- same host -- else gRPC), "ipc" (the
     # leaf channel; gRPC only while it cannot connect) or "grpc" (one Evaluate per wave).
     handoff: str = "auto"
+    # Leaf channels of CUDA regions lent one per value-model search on the GPU
+    # (search_service/evaluators.py HandoffEvaluator.lend): a search holding one sends
+    # its waves itself, the leaves and the model's answers never on the host; searches
+    # beyond it go through the dispatcher. 0 = none. Each takes a reward.leaf_channel
+    # connection (max_connections).
+    device_channels: int = 4
     server: ServerConfig = field(default_factory=ServerConfig)
 
 
@@ -285,7 +291,7 @@ _CHOICES = {
 }
 # Fields that may be zero (meaning "off" or "default"); every other number must be positive.
 _MAY_BE_ZERO = {"metrics_port", "gpu_memory_bytes", "memory_pool_bytes", "intra_op_threads", "max_queue_delay_us",
-                "evaluation_cache_bytes", "max_bytes_in_flight"}
+                "evaluation_cache_bytes", "max_bytes_in_flight", "device_channels"}
 # Sections that validate themselves (their dataclass's __post_init__), where zero may be meaningful.
 _SELF_CHECKED = {"urgency"}
 # Lists of numbers checked by their own rule instead (in _check_list).

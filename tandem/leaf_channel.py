@@ -14,9 +14,12 @@ like any bulk client's), which the channel pins to its connection:
   reward service runs on this GPU and CuPy is here (the server copies the
   wave device to device into its bound buffers), else a POSIX shared-memory
   object. uint8 ``[max_rows, *row]`` from offset 0.
-* the **output region**: a POSIX shared-memory object (the search builds its
-  backup rows on the host): each output float32 ``[max_rows, *row]``, one
-  after another on 64-byte boundaries (:func:`output_layout`).
+* the **output region**: of the input region's kind: each output float32
+  ``[max_rows, *row]``, one after another on 64-byte boundaries
+  (:func:`output_layout`). A CUDA output region is written by the server's
+  bound runner device to device, on its stream, before its one
+  synchronisation; the search's backup kernels read it there
+  (:meth:`LeafChannel.evaluate_device`): a wave's tensors never touch the host.
 
 The protocol (every message one datagram; the first byte is its kind):
 
@@ -181,8 +184,12 @@ class LeafChannel:
         try:
             self._inputs = _input_region(stub, in_bytes, device_id, timeout_s)
             self.kind = self._inputs.kind
-            self._outputs_region = SystemSharedMemoryRegion(stub, out_bytes, client_id=self._inputs.client_id,
-                                                            timeout_s=timeout_s)
+            if self.kind == "cuda":
+                self._outputs_region = CudaSharedMemoryRegion(stub, out_bytes, device_id=device_id,
+                                                              client_id=self._inputs.client_id, timeout_s=timeout_s)
+            else:
+                self._outputs_region = SystemSharedMemoryRegion(stub, out_bytes, client_id=self._inputs.client_id,
+                                                                timeout_s=timeout_s)
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             self._sock.settimeout(timeout_s)
             self._sock.connect(path)
@@ -253,6 +260,44 @@ class LeafChannel:
         if self._sock is None:
             raise LeafChannelError(grpc.StatusCode.UNAVAILABLE, "leaf channel closed")
         self._inputs.write_rows(self._in_view, inputs)
+        self._wave(rows, deadline)
+        return {name: (view[:rows].get() if self.kind == "cuda" else view[:rows].copy())
+                for name, view in self._out_views.items()}
+
+    @property
+    def output_rows(self) -> list[tuple[str, tuple[int, ...]]]:
+        """(name, row shape) of each output, in the output region's order."""
+        return [(slot.name, slot.row) for slot in self._outputs]
+
+    @property
+    def device_inputs(self):
+        """The input region as a CuPy array ``[max_rows, *row]`` of the model's
+        input dtype (a CUDA channel only; None otherwise): a search's kernels
+        write a wave's leaves here, then call :meth:`evaluate_device`."""
+        return self._in_view if self.kind == "cuda" else None
+
+    def evaluate_device(self, rows: int, deadline: float | None = None) -> dict:
+        """Runs rows ``[0, rows)`` already in :attr:`device_inputs` (written and
+        synchronised by the caller) and returns the output region's views
+        (name -> CuPy float32 ``[max_rows, *row]``, rows ``[0, rows)`` this
+        wave's, valid until the next wave): no copy either way.
+
+        Raises:
+            LeafChannelError: as :meth:`evaluate`.
+            ValueError: ``rows`` out of 1..max_rows, or not a CUDA channel.
+        """
+        if self.kind != "cuda":
+            raise ValueError("evaluate_device: the channel's regions are system shared memory; use evaluate")
+        if not 1 <= rows <= self.max_rows:
+            raise ValueError(f"rows: {rows}, the channel carries 1..{self.max_rows}")
+        if self._sock is None:
+            raise LeafChannelError(grpc.StatusCode.UNAVAILABLE, "leaf channel closed")
+        self._wave(rows, deadline)
+        return self._out_views
+
+    def _wave(self, rows: int, deadline: float | None) -> None:
+        """Sends one wave of ``rows`` rows (its inputs in place) and waits for
+        its reply (its outputs in place); see :meth:`evaluate` for the errors."""
         self._seq += 1
         timeout_us = 0 if deadline is None else max(int((deadline - time.monotonic()) * 1e6), 1)
         try:
@@ -282,7 +327,6 @@ class LeafChannel:
             self.close()
             raise LeafChannelError(grpc.StatusCode.INTERNAL, f"unexpected message kind {reply[:1]!r}")
         _, self.bucket, self.queue_ms, self.compute_ms = REPLY_FORMAT.unpack_from(reply, 1)
-        return {name: view[:rows].copy() for name, view in self._out_views.items()}
 
     @property
     def closed(self) -> bool:

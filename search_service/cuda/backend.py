@@ -132,6 +132,7 @@ class CudaBackend:
         trees: list | None = None,
         *,
         should_stop: Callable[[], bool] | None = None,
+        device_waves=None,
     ) -> tuple[list[SearchResult], list[pl.CudaTree]]:
         """Searches each of the B ``roots`` (unfinished positions) in its own tree.
 
@@ -150,6 +151,14 @@ class CudaBackend:
                 search there, like a deadline (``extras["stopped"]``). A
                 rollout search, otherwise one launch, then runs in slices of
                 ``STOP_SLICE`` simulations per tree with a check between slices.
+            device_waves: for ``value_model``, a
+                :class:`search_service.evaluators.DeviceWaves` (the leaf
+                channel's CUDA regions, lent to this call) or None. With one
+                whose ``max_rows`` holds a wave, the selection kernel writes the
+                leaves into its input region and the answer kernel reads the
+                values and priors from its output region: per wave one small
+                copy back (the META rows) and one socket round trip, no tensor
+                on the host. The fresh roots' evaluation goes through it too.
 
         Returns:
             One result and one :class:`CudaTree` per root.
@@ -159,7 +168,7 @@ class CudaBackend:
                 ``evaluator`` for ``value_model``, or an evaluator answer of the
                 wrong shape.
         """
-        return _Search(self, roots, params, evaluator, trees, should_stop).run()
+        return _Search(self, roots, params, evaluator, trees, should_stop, device_waves).run()
 
     @staticmethod
     def reroot(tree, actions: list[int]) -> pl.CudaTree | None:
@@ -197,7 +206,8 @@ class _Search:
     the rows are :mod:`.abi`'s.
     """
 
-    def __init__(self, backend: CudaBackend, roots: Positions, params: SearchParams, evaluator, trees, should_stop=None):
+    def __init__(self, backend: CudaBackend, roots: Positions, params: SearchParams, evaluator, trees, should_stop=None,
+                 device_waves=None):
         self.started_at = time.perf_counter()  # s, perf_counter: the deadline counts from here
         self.should_stop = should_stop
         self.stopped = False
@@ -238,6 +248,9 @@ class _Search:
         self.phase_ms = dict.fromkeys(abi.PHASES, 0.0)  # wall-clock ms per phase, over the call
         self.waves = 0
         self.model_simulations = np.zeros(b, np.int64)  # per tree: simulations whose leaf the model valued
+        # The device hand-off, where it carries a whole wave (B * K slots, one row each).
+        fits = device_waves is not None and device_waves.max_rows >= b * params.parallel_sims
+        self.device_waves = device_waves if self.puct and fits else None
 
     # -- set-up --------------------------------------------------------------------
     def _allocate(self) -> None:
@@ -266,7 +279,8 @@ class _Search:
             t = time.perf_counter()
             idx = np.flatnonzero(fresh)
             try:
-                _, priors = _call_model(self.evaluator, self.roots.current[idx], self.roots.mask[idx])
+                model = self.evaluator if self.device_waves is None else self.device_waves
+                _, priors = _call_model(model, self.roots.current[idx], self.roots.mask[idx])
             except EvaluationFailed as exc:
                 self._stop_using_model(exc)  # uniform priors stay; rollouts value the leaves
                 priors = None
@@ -376,11 +390,16 @@ class _Search:
         params, b, k_max = self.params, self.n_trees, self.parallel_sims
         w, g = self.warps_per_tree, self.sims_per_warp
         n = b * k_max
+        dw = self.device_waves
         # What one wave's selection hands the host, copied back in one piece:
-        # the META rows, then the OBS rows, of the n simulation slots.
-        stage_sizes = (n * abi.META.nbytes, n * abi.OBS.nbytes)
+        # the META rows, then the OBS rows, of the n simulation slots. With
+        # device waves the OBS rows are the leaf channel's input region and
+        # only the META rows come back.
+        stage_sizes = (n * abi.META.nbytes, n * abi.OBS.nbytes if dw is None else 0)
         stage = cupy.empty(sum(stage_sizes), np.uint8)
         meta_dev, obs_dev = abi.carve(stage, *stage_sizes)
+        if dw is not None:
+            obs_dev = dw.inputs.reshape(-1, abi.OBS.words)[:n]
         obs_dev = obs_dev.reshape(n, abi.OBS.words)
         paths = cupy.empty(n * abi.MAX_DEPTH, np.int32)
         vin_dev = cupy.empty(n * abi.EVAL.words, np.float32)
@@ -418,7 +437,7 @@ class _Search:
                     (*args, np.float64(params.c_puct), np.float64(params.virtual_loss), self.tree_state, meta_dev,
                      paths, obs_dev),
                 )
-                staged = stage.get()
+                staged = stage.get()  # waits for the selection: the leaves are in place
             meta_host, obs_host = abi.carve(staged, *stage_sizes)
             meta = meta_host.view(abi.META.dtype)  # [n]
             t1 = time.perf_counter()
@@ -430,11 +449,15 @@ class _Search:
             vin = np.zeros(n, abi.EVAL.dtype)
             vin["value"] = np.where(ran, tr.OUTCOME_VALUE[np.maximum(term, 0)], 0.0)  # exact where known
             open_ = ran & (term == tr.NOT_TERMINAL)
-            planes = obs_host.reshape(n, 2, connect4.ROWS, connect4.COLUMNS)
+            if dw is None or (not self.use_model and open_.any()):  # rollouts read the leaves on the host
+                planes = (obs_host if dw is None else obs_dev.get()).reshape(n, 2, connect4.ROWS, connect4.COLUMNS)
             has_priors = False
             used_model = self.use_model
+            on_device = dw is not None and self.use_model
             try:
-                if self.use_model:
+                if on_device:
+                    has_priors = self._device_values(dw, open_, meta_dev, obs_dev, vin_dev, k)
+                elif self.use_model:
                     has_priors = self._model_values(vin, planes, obs_dev, open_, meta["leader"], wants_cupy)
                 elif open_.any():
                     pos = connect4.from_observation(planes[open_])
@@ -450,7 +473,8 @@ class _Search:
                 continue
             t2 = time.perf_counter()
             with nvtx.span("search.backup"):
-                vin_dev.set(vin.view(np.float32))
+                if not on_device:
+                    vin_dev.set(vin.view(np.float32))
                 backup_kernel(
                     grid, block,
                     (
@@ -492,6 +516,28 @@ class _Search:
             return False
         vin["priors"][rows] = priors
         return True
+
+    def _device_values(self, dw, open_: np.ndarray, meta_dev, obs_dev, vin_dev, k: int) -> bool:
+        """Values the wave's leaves through ``dw`` (their OBS rows are its input
+        region) and fills ``vin_dev``'s EVAL rows on the device
+        (``mcts_vm_answer``); returns has_priors.
+
+        Raises:
+            EvaluationFailed: the hand-off failed, or outputs of the wrong shape.
+        """
+        n = len(open_)
+        values = logits = None
+        if open_.any():
+            rows = int(np.flatnonzero(open_)[-1]) + 1  # every leaf's evaluating row is at or before it
+            with nvtx.span("search.evaluate"):
+                values, logits = dw.evaluate(rows)
+        null = np.uint64(0)
+        kernel("mcts_vm_answer")(
+            ((n + 127) // 128,), (128,),
+            (np.int32(n), np.int32(self.parallel_sims), np.int32(k), meta_dev, obs_dev,
+             null if values is None else values, null if logits is None else logits, vin_dev),
+        )
+        return logits is not None
 
     def _stop_using_model(self, exc: EvaluationFailed) -> None:
         self.use_model = False

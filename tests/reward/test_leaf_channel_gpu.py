@@ -112,11 +112,92 @@ def test_a_cuda_search_service_sends_its_leaves_by_the_leaf_channel(gpu_reward):
         handoff = search.servicer.handoff
         assert handoff.wait_attached(30.0)
         assert handoff._ipc.channel.kind == "cuda"
+        # The device channels, lent one per search: this search's waves went by one of them.
+        assert handoff.wait_device_channels(30.0) == cfg.search.device_channels
+        lent = {id(ev): ev.totals.calls for ev in handoff._device_free}
         with channel(cfg.search.address) as ch:
             stub = search_pb2_grpc.SearchServiceStub(ch)
             reply = stub.Search(search_pb2.SearchRequest(game="connect4", moves="4453", simulations=1000,
                                                          evaluator=search_pb2.EVALUATOR_VALUE_MODEL), timeout=60)
         assert reply.handoff == "ipc" and reply.model_simulations == reply.simulations == 1000
         assert not reply.evaluation_failure
+        assert sum(ev.totals.calls - lent[id(ev)] for ev in handoff._device_free) > 1
     finally:
         search.stop()
+
+
+def test_device_waves_search_as_the_host_way_does(gpu_reward):
+    """A search whose leaves and answers stay on the device (DeviceWaves: the
+    selection kernel writes into the CUDA input region, the reward service's
+    bound runner writes into the CUDA output region, the answer kernel reads
+    it) values every simulation with the model, one wave per call, and builds
+    the tree the host way builds (one warp per tree: the reference's order; the
+    priors' float32 softmax may round apart by an ulp)."""
+    from search_service.cuda.backend import CudaBackend
+    from search_service.evaluators import DeviceWaves, LeafChannelEvaluator
+    from search_service.games import connect4
+    from search_service.mcts.backend import SearchParams
+
+    _, stub = gpu_reward
+    lc = LeafChannel.offered(stub, MODEL, 1024, 30)
+    ev = LeafChannelEvaluator(lc, 30)
+    try:
+        assert lc.kind == "cuda" and DeviceWaves.fits(lc)
+        backend = CudaBackend(sims_per_warp=32)
+        params = SearchParams(simulations=1000, deadline_ms=None, parallel_sims=32, evaluator="value_model", seed=3)
+        root = connect4.parse_moves("4453")
+        (host,), _ = backend.search(root, params, ev)
+        calls = ev.totals.calls
+        (dev,), _ = backend.search(root, params, ev, device_waves=DeviceWaves(ev, None))
+        assert ev.totals.calls - calls == dev.extras["waves"] + 1  # the root, then one call per wave
+        assert dev.model_simulations == dev.simulations == 1000 and not dev.evaluation_failure
+        assert dev.action == host.action
+        assert np.abs(dev.visit_counts - host.visit_counts).sum() <= 40, (dev.visit_counts, host.visit_counts)
+    finally:
+        lc.close()
+
+
+def _serve_until_killed(cfg, ready) -> None:
+    from reward_service import server as reward_server
+
+    reward_server.start(cfg, follow_scheduler=False)
+    ready.set()
+    time.sleep(3600)
+
+
+def test_a_reward_service_killed_mid_search_leaves_the_device_search_its_tree():
+    """SIGKILL of the reward service while a device-wave search runs: the wave
+    in flight fails (the socket breaks), is undone, and the search goes on in
+    the same tree with rollouts and answers by its deadline, saying why."""
+    from search_service.cuda.backend import CudaBackend
+    from search_service.evaluators import DeviceWaves, LeafChannelEvaluator
+    from search_service.games import connect4
+    from search_service.mcts.backend import SearchParams
+
+    if cupy_module() is None:
+        pytest.skip("CuPy sees no GPU")
+    cfg = loopback_config(search={"backend": "cuda"})
+    spawn = mp.get_context("spawn")
+    ready = spawn.Event()
+    child = spawn.Process(target=_serve_until_killed, args=(cfg, ready), daemon=True)
+    child.start()
+    try:
+        assert ready.wait(300), "the reward service did not start"
+        with channel(cfg.reward.address) as ch:
+            lc = LeafChannel.offered(reward_pb2_grpc.RewardServiceStub(ch), MODEL, 1024, 30)
+        ev = LeafChannelEvaluator(lc, 30)
+        backend = CudaBackend()
+        params = SearchParams(simulations=None, deadline_ms=3000.0, parallel_sims=64, evaluator="value_model")
+        import threading
+
+        threading.Timer(0.5, child.kill).start()
+        t = time.perf_counter()
+        (r,), _ = backend.search(connect4.parse_moves("44"), params, ev, device_waves=DeviceWaves(ev, None))
+        elapsed_ms = (time.perf_counter() - t) * 1e3
+        assert 0 < r.model_simulations < r.simulations
+        assert "leaf channel" in r.evaluation_failure
+        assert elapsed_ms < 3000.0 + 1000.0  # its deadline, plus a loaded host's slack
+        lc.close()
+    finally:
+        child.kill()
+        child.join(30)

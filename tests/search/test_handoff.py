@@ -17,7 +17,7 @@ from tandem.v1 import reward_pb2_grpc, search_pb2, search_pb2_grpc
 from reward_service import server as reward_server
 from search_service import evaluators
 from search_service import server as search_server
-from search_service.evaluators import EvaluatorUnavailable, HandoffEvaluator, LeafChannelEvaluator
+from search_service.evaluators import DeviceWaves, EvaluatorUnavailable, HandoffEvaluator, LeafChannelEvaluator
 from tandem.leaf_channel import ATTACH, MAX_MESSAGE_BYTES, LeafChannel
 from tandem.server import channel
 
@@ -51,6 +51,18 @@ def test_on_one_host_the_leaves_go_by_the_leaf_channel(services):
     assert handoff._ipc.totals.calls > 0 and handoff._ipc.channel.kind == "system"  # the CPU build's regions
     rollout = services["stub"].Search(value_search(evaluator=search_pb2.EVALUATOR_ROLLOUT), timeout=60)
     assert rollout.handoff == ""  # no leaves handed off
+
+
+def test_system_regions_lend_no_device_waves(services):
+    """Device waves need CUDA regions: over the CPU build's system regions
+    none is attached or lent, and a search goes the host way."""
+    handoff = services["search"].servicer.handoff
+    assert handoff.wait_attached(10.0)
+    assert handoff.wait_device_channels(0.3) == 0
+    with handoff.lend(None) as waves:
+        assert waves is None
+    reply = services["stub"].Search(value_search(), timeout=60)
+    assert reply.handoff == "ipc" and reply.model_simulations == reply.simulations
 
 
 @pytest.mark.parametrize("services", ["grpc"], indirect=True)
@@ -194,3 +206,20 @@ def test_an_attach_failing_unexpectedly_is_retried(reward_only, monkeypatch):
         assert handoff.handoff == "ipc" and values.shape == (3,) and priors.shape == (3, 7)
     finally:
         handoff.close()
+
+
+def test_a_model_whose_outputs_do_not_fit_goes_the_host_way():
+    """DeviceWaves carries a value of one float per row and logits of one per
+    move; a channel of other output rows is not lent (the host way's checks
+    then refuse the answer: EvaluationFailed, and the search goes on)."""
+    class Channel:
+        device_inputs = object()
+        output_rows = [("value", (2,)), ("policy_logits", (7,))]
+
+    assert not DeviceWaves.fits(Channel())
+    Channel.output_rows = [("value", (1,)), ("policy_logits", (6,))]
+    assert not DeviceWaves.fits(Channel())
+    Channel.output_rows = [("value", (1,))]
+    assert DeviceWaves.fits(Channel())
+    Channel.device_inputs = None
+    assert not DeviceWaves.fits(Channel())

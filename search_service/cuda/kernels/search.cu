@@ -320,6 +320,56 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS_PER_BLOCK) mcts_vm_undo(
   if (lane == 0) ts[TS_NODES] = base;
 }
 
+// Value model, between the halves of a wave whose leaves the model valued on
+// the device (the leaf channel's CUDA regions): the EVAL rows from the
+// model's outputs, by the rules of search_service.mcts.backend.model_answer
+// applied to the softmax of the policy logits (evaluators._values_and_priors),
+// in float32. One thread per simulation slot q < n with q % K < k_wave:
+// a known result's exact value (outcome_value), else the value of the leaf's
+// evaluating simulation's row (NaN as 0, clipped to [-1, 1]); that simulation
+// also gets the priors: softmax(logits) masked to the legal moves (the empty
+// top cells of its OBS row), negatives and non-finite as 0, renormalised,
+// uniform over the legal moves where nothing is left. `values` float [n] (one
+// per row), `logits` float [n][NUM_ACTIONS] or null (no policy head).
+extern "C" __global__ void mcts_vm_answer(int n, int K, int k_wave, const int* meta, const unsigned char* obs,
+                                          const float* values, const float* logits, float* vin) {
+  const int q = blockIdx.x * blockDim.x + threadIdx.x;
+  if (q >= n || q % K >= k_wave) return;
+  const int4 m = ((const int4*)meta)[q];
+  if (m.z == NO_SIMULATION) return;
+  float* ev = vin + (long long)q * EVAL_WORDS;
+  if (m.z != NOT_TERMINAL) {
+    ev[EVAL_VALUE] = outcome_value(m.z);
+    return;
+  }
+  const float v = values[m.w];
+  ev[EVAL_VALUE] = isnan(v) ? 0.0f : fminf(fmaxf(v, -1.0f), 1.0f);
+  if (logits == nullptr || m.w != q) return;
+  const float* l = logits + (long long)q * NUM_ACTIONS;
+  const unsigned char* top = obs + (long long)q * OBS_WORDS + (CELLS - NUM_ACTIONS);  // row 5 of each plane
+  float mx = l[0];
+  for (int a = 1; a < NUM_ACTIONS; ++a) mx = (isnan(mx) || isnan(l[a])) ? NAN : fmaxf(mx, l[a]);  // NumPy's max
+  float p[NUM_ACTIONS], sum = 0.0f, total = 0.0f;
+  int legal = 0;
+  for (int a = 0; a < NUM_ACTIONS; ++a) {
+    p[a] = expf(l[a] - mx);
+    sum += p[a];
+  }
+  for (int a = 0; a < NUM_ACTIONS; ++a) {
+    const bool ok = top[OBS_CURRENT + a] == 0 && top[OBS_OPPONENT + a] == 0;
+    legal += ok;
+    const float x = p[a] / sum;
+    p[a] = (ok && isfinite(x)) ? fmaxf(x, 0.0f) : 0.0f;
+    total += p[a];
+  }
+  if (!(total > 0.0f)) {  // nothing legal left: uniform over the legal moves (zeros where none is)
+    total = (float)max(legal, 1);
+    for (int a = 0; a < NUM_ACTIONS; ++a)
+      p[a] = (top[OBS_CURRENT + a] == 0 && top[OBS_OPPONENT + a] == 0) ? 1.0f : 0.0f;
+  }
+  for (int a = 0; a < NUM_ACTIONS; ++a) ev[EVAL_PRIORS + a] = p[a] / total;
+}
+
 extern "C" __global__ void __launch_bounds__(32 * WARPS_PER_BLOCK) mcts_vm_backup_global(
     unsigned char* pool, long long cap, int n_trees, int W, int G, int K, int k_wave, int* tsa, const int* meta,
     const int* paths, const float* vin, int has_priors) {
