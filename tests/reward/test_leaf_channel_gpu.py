@@ -160,9 +160,10 @@ def test_device_waves_search_as_the_host_way_does(gpu_reward):
 def _serve_until_killed(cfg, ready) -> None:
     from reward_service import server as reward_server
 
-    reward_server.start(cfg, follow_scheduler=False)
+    service = reward_server.start(cfg, follow_scheduler=False)  # held: a dropped service stops serving
     ready.set()
     time.sleep(3600)
+    service.stop()
 
 
 def test_a_reward_service_killed_mid_search_leaves_the_device_search_its_tree():

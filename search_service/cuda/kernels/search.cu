@@ -348,7 +348,7 @@ extern "C" __global__ void mcts_vm_answer(int n, int K, int k_wave, const int* m
   const float* l = logits + (long long)q * NUM_ACTIONS;
   const unsigned char* top = obs + (long long)q * OBS_WORDS + (CELLS - NUM_ACTIONS);  // row 5 of each plane
   float mx = l[0];
-  for (int a = 1; a < NUM_ACTIONS; ++a) mx = (isnan(mx) || isnan(l[a])) ? NAN : fmaxf(mx, l[a]);  // NumPy's max
+  for (int a = 1; a < NUM_ACTIONS; ++a) mx = (isnan(mx) || isnan(l[a])) ? __int_as_float(0x7fc00000) : fmaxf(mx, l[a]);  // NumPy's max (NaN wins)
   float p[NUM_ACTIONS], sum = 0.0f, total = 0.0f;
   int legal = 0;
   for (int a = 0; a < NUM_ACTIONS; ++a) {
