@@ -137,17 +137,26 @@ class _CupyDevice:
     def upload(self, dev, host: np.ndarray, rows: int) -> None:
         dev[:rows].set(host[:rows], stream=self.stream)
 
+    def _copy(self, dst, src) -> None:
+        """``src`` into ``dst`` (device arrays of one shape and dtype), on this
+        stream: one cudaMemcpyAsync where both are contiguous (a few µs of
+        host time, against ~20 for CuPy's element-wise copy), else CuPy's copy."""
+        if dst.shape == src.shape and dst.dtype == src.dtype and dst.flags.c_contiguous and src.flags.c_contiguous:
+            runtime = self._cp.cuda.runtime
+            runtime.memcpyAsync(dst.data.ptr, src.data.ptr, dst.nbytes, runtime.memcpyDeviceToDevice, self.stream.ptr)
+        else:
+            with self.stream:
+                dst[...] = src
+
     def copy_device(self, dev, start: int, src) -> None:
         """Device to device, on this stream: ``src`` (another process's CUDA
         IPC memory, already written) into rows ``start:`` of ``dev``."""
-        with self.stream:
-            dev[start : start + len(src)] = src
+        self._copy(dev[start : start + len(src)], src)
 
     def copy_out(self, dst, src, start: int) -> None:
         """Device to device, on this stream: rows ``start:start + len(dst)`` of
         ``src`` (a bound output) into ``dst`` (another process's CUDA IPC memory)."""
-        with self.stream:
-            dst[...] = src[start : start + len(dst)]
+        self._copy(dst, src[start : start + len(dst)])
 
     def zero(self, dev, start: int, stop: int) -> None:
         with self.stream:

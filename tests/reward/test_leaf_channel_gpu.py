@@ -191,7 +191,12 @@ def test_a_reward_service_killed_mid_search_leaves_the_device_search_its_tree():
         params = SearchParams(simulations=None, deadline_ms=3000.0, parallel_sims=64, evaluator="value_model")
         import threading
 
-        threading.Timer(0.5, child.kill).start()
+        def kill_once_waves_ran() -> None:  # the root and two waves valued: the model is in the tree
+            while ev.totals.calls < 3 and child.is_alive():
+                time.sleep(0.001)
+            child.kill()
+
+        threading.Thread(target=kill_once_waves_ran, daemon=True).start()
         t = time.perf_counter()
         (r,), _ = backend.search(connect4.parse_moves("44"), params, ev, device_waves=DeviceWaves(ev, None))
         elapsed_ms = (time.perf_counter() - t) * 1e3
