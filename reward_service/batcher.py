@@ -474,7 +474,8 @@ class Batcher:
 
         Raises:
             DeadlineExceeded: the deadline passed first (a queued request is
-                taken out of the queue and never run).
+                taken out of the queue and never run; a running one with
+                ``targets`` is waited for and returned, late).
             QueueFull, BatcherClosed, ValueError: as :meth:`submit`.
         """
         req = self.submit(feeds, rows, request_class, deadline, output_names, targets)
@@ -484,7 +485,14 @@ class Batcher:
             if req.wait(timeout):
                 return req
             if deadline is not None and deadline <= self._clock():
-                if self.cancel(req) or not req.wait(0.0):
+                if self.cancel(req):
+                    raise DeadlineExceeded("deadline passed before the result was ready")
+                if req.targets is not None:
+                    # Running, and writing into its targets: the caller must not let go of that
+                    # memory (a client's CUDA region) before the copy is done. A run is ms away.
+                    req.wait()
+                    return req
+                if not req.wait(0.0):
                     raise DeadlineExceeded("deadline passed before the result was ready")
                 return req
 

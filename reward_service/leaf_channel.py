@@ -432,9 +432,9 @@ class LeafChannelServer:
                            for s in a.outputs}
             done = run(self.batchers[a.session.name], a.session.name, {a.input_name: feed}, rows,
                        CRITICAL, deadline, a.output_names, targets)
-            lease.check_live()  # a region unregistered meanwhile gets nothing written
-            if done.targets_written:
+            if done.targets_written:  # written by the run, while the lease held the region
                 return done
+            lease.check_live()  # a region unregistered meanwhile gets nothing written
             for slot in a.outputs:
                 out = np.asarray(done.outputs[slot.name], np.float32)
                 if out.shape[1:] != slot.row or len(out) < rows:

@@ -230,7 +230,10 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         if self.leaf_channel is None:
             return {}
         device = 0 if s.execution_provider == "CUDAExecutionProvider" else -1
-        return {LEAF_CHANNEL_KEY: self.leaf_channel.path, f"{LEAF_CHANNEL_KEY}_device": str(device)}
+        # "_outputs": the kinds of output region this server takes (a client of an older
+        # server, which named none, registers system memory for its outputs).
+        return {LEAF_CHANNEL_KEY: self.leaf_channel.path, f"{LEAF_CHANNEL_KEY}_device": str(device),
+                f"{LEAF_CHANNEL_KEY}_outputs": ",".join(leaf_channel.REGION_KINDS)}
 
     def _role_runtime(self) -> dict[str, str]:
         """Which server this is, and where its partner is: the reward service

@@ -31,13 +31,14 @@ from tandem.v1 import reward_pb2, reward_pb2_grpc
 
 from search_service.mcts.backend import EvaluationFailed
 from tandem import tensors
-from search_service.games.connect4 import NUM_ACTIONS
+from search_service.games.connect4 import COLUMNS, NUM_ACTIONS, ROWS
 from tandem.leaf_channel import LeafChannel, LeafChannelError
 
 log = logging.getLogger(__name__)
 
 HANDOFF_GRPC = "grpc"  # how leaves reach the reward service: one Evaluate call per wave
 HANDOFF_IPC = "ipc"  # the leaf channel: shared memory and a Unix-socket doorbell
+OBSERVATION_ROW = (2, ROWS, COLUMNS)  # a leaf's observation, as the CUDA selection kernel writes it (uint8)
 
 
 class EvaluatorUnavailable(EvaluationFailed):
@@ -199,12 +200,14 @@ class DeviceWaves:
 
     @staticmethod
     def fits(channel: LeafChannel) -> bool:
-        """Whether ``channel`` can carry device waves: CUDA regions, a value
+        """Whether ``channel`` can carry device waves: CUDA regions, the
+        selection kernel's uint8 [2, 6, 7] observations as its input, a value
         output of one float per row and, if any, policy logits of one per move
         (a model whose outputs do not fit goes the host way, whose checks
         refuse it: EvaluationFailed, and the search goes on with rollouts)."""
         rows = dict(channel.output_rows)
-        return (channel.device_inputs is not None and rows.get("value") == (1,)
+        return (channel.device_inputs is not None and channel.input_dtype == np.uint8
+                and channel.input_row == OBSERVATION_ROW and rows.get("value") == (1,)
                 and rows.get("policy_logits", (NUM_ACTIONS,)) == (NUM_ACTIONS,))
 
     def __call__(self, observations) -> tuple[np.ndarray, np.ndarray | None]:
@@ -254,14 +257,16 @@ class HandoffEvaluator:
     (:class:`DeviceWaves`): a search holding one sends its waves itself,
     besides the dispatcher, and the reward service's critical lane merges
     the waves that meet there (batching across searches). A lent channel
-    whose connection broke is closed when it comes back, and another is
+    whose connection broke is closed when it comes back, with the free ones
+    (the reward service they reach restarted or died), and new ones are
     attached at the next :meth:`lend` that finds none free.
 
     Thread safety: host calls come from one thread (the coalescing
     dispatcher); a lent channel is used by its borrower's thread alone until
     it is given back. ``_lock`` guards the channel that the background attach
     publishes, ``_closed`` (a channel attached after :meth:`close` is closed at
-    once), ``_device_free``, ``_device_count`` and ``_topping_up``.
+    once), ``_device_free``, ``_device_count``, ``_topping_up`` and
+    ``_next_device_attach`` (a top-up starts at most every ``retry_s``).
     ``why_grpc`` and ``handoff`` are single writes of strings, read anywhere.
     """
 
@@ -279,6 +284,7 @@ class HandoffEvaluator:
         self._device_free: list[LeafChannelEvaluator] = []  # attached device channels not lent; guarded by _lock
         self._device_count = 0  # device channels attached and not closed, lent or not; guarded by _lock
         self._topping_up = False  # guarded by _lock
+        self._next_device_attach = 0.0  # time.monotonic() s: no top-up before; guarded by _lock
         self.handoff = HANDOFF_IPC if mode == HANDOFF_IPC else HANDOFF_GRPC
         self.why_grpc = "" if mode != HANDOFF_GRPC else "search.handoff: grpc"  # why the last call used gRPC
 
@@ -386,17 +392,20 @@ class HandoffEvaluator:
             yield None
             return
         try:
-            self.handoff = HANDOFF_IPC
             yield DeviceWaves(ev, deadline)
         finally:
+            drop = []
             with self._lock:
-                drop = ev.channel.closed or self._closed
-                if drop:
-                    self._device_count -= 1
+                if ev.channel.closed or self._closed:
+                    # A broken connection: the reward service restarted or died, and the free
+                    # channels are as dead as this one; new ones attach at the next lend.
+                    drop = [ev] + (self._device_free if ev.channel.closed else [])
+                    self._device_free = [] if ev.channel.closed else self._device_free
+                    self._device_count -= len(drop)
                 else:
                     self._device_free.append(ev)
-            if drop:
-                ev.channel.close()
+            for gone in drop:
+                gone.channel.close()
 
     def _top_up(self) -> None:
         """Attaches device channels up to ``device_channels`` in the background,
@@ -404,9 +413,10 @@ class HandoffEvaluator:
         with self._lock:
             ipc = self._ipc
             if (self._closed or self._topping_up or ipc is None or ipc.channel.kind != "cuda"
-                    or self._device_count >= self.device_channels):
+                    or self._device_count >= self.device_channels or time.monotonic() < self._next_device_attach):
                 return
             self._topping_up = True
+            self._next_device_attach = time.monotonic() + self.retry_s  # a failing attach is tried again after
         threading.Thread(target=self._attach_device, name="leaf-channel-attach-device", daemon=True).start()
 
     def _attach_device(self) -> None:

@@ -28,7 +28,7 @@ from tandem.v1 import scheduler_pb2, search_pb2, search_pb2_grpc
 from search_service.backends import make_backend
 from search_service.budget import search_deadline_ms
 from search_service.coalescing import CoalescingEvaluator
-from search_service.evaluators import HANDOFF_GRPC, HandoffEvaluator
+from search_service.evaluators import HANDOFF_GRPC, HANDOFF_IPC, HandoffEvaluator
 from search_service.games import GAMES
 from search_service.leaf_cache import CachedEvaluator, EvaluationCache
 from search_service.mcts import tree as tr
@@ -191,6 +191,10 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
                 # A wave the model cannot value is undone by the backend, which goes
                 # on in the same tree with rollouts, or answers at the deadline.
                 results, trees = self.backend.search(position, params, evaluator, [tree], **stop)
+            handoff = ""  # this search's own: the shared evaluator's last is another search's
+            if params.evaluator == "value_model":
+                lent = waves is not None and waves.max_rows >= params.parallel_sims
+                handoff = HANDOFF_IPC if lent else getattr(self.handoff, "handoff", HANDOFF_GRPC)
         except Exception as exc:
             if not pools.is_out_of_memory(exc):
                 raise
@@ -240,7 +244,7 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
             pool_exhausted=r.pool_exhausted,
             deadline_reached=r.deadline_reached,
             model_simulations=r.model_simulations,
-            handoff=(getattr(self.handoff, "handoff", HANDOFF_GRPC) if params.evaluator == "value_model" else ""),
+            handoff=handoff,
             evaluation_failure=r.evaluation_failure,
             proven=_PROVEN[r.proven],
         )

@@ -160,6 +160,9 @@ class LeafChannel:
             server can open its handle; else system shared memory (``kind``).
         timeout_s: connect, register and attach deadline (s).
         meta: the model's ModelMetadata, if the caller has it (else asked here).
+        cuda_outputs: with a CUDA input region, a CUDA output region too (the
+            server says it takes one: ``ModelMetadata.runtime["leaf_channel_outputs"]``);
+            else system shared memory.
 
     Raises:
         LeafChannelError: the model's metadata, the registration, the socket
@@ -169,7 +172,7 @@ class LeafChannel:
 
     def __init__(self, stub: reward_pb2_grpc.RewardServiceStub, path: str, model: str, max_rows: int,
                  device_id: int = -1, timeout_s: float = 5.0,
-                 meta: reward_pb2.ModelMetadataResponse | None = None):
+                 meta: reward_pb2.ModelMetadataResponse | None = None, cuda_outputs: bool = True):
         self.path, self.model, self.max_rows = path, model, max_rows
         meta = meta or _metadata(stub, model, timeout_s)
         spec = meta.inputs[0]
@@ -184,7 +187,7 @@ class LeafChannel:
         try:
             self._inputs = _input_region(stub, in_bytes, device_id, timeout_s)
             self.kind = self._inputs.kind
-            if self.kind == "cuda":
+            if self.kind == "cuda" and cuda_outputs:
                 self._outputs_region = CudaSharedMemoryRegion(stub, out_bytes, device_id=device_id,
                                                               client_id=self._inputs.client_id, timeout_s=timeout_s)
             else:
@@ -235,7 +238,8 @@ class LeafChannel:
         device = int(meta.runtime.get(f"{RUNTIME_KEY}_device", "-1"))
         if meta.max_batch_size:  # the server refuses a channel wider than the model's batches
             max_rows = min(max_rows, meta.max_batch_size)
-        return cls(stub, path, model, max_rows, device, timeout_s, meta)
+        cuda_outputs = "cuda" in meta.runtime.get(f"{RUNTIME_KEY}_outputs", "system").split(",")
+        return cls(stub, path, model, max_rows, device, timeout_s, meta, cuda_outputs)
 
     def evaluate(self, inputs, deadline: float | None = None) -> dict[str, np.ndarray]:
         """The model's outputs (name -> float32 ``[N, *row]``, copies) for
@@ -261,8 +265,8 @@ class LeafChannel:
             raise LeafChannelError(grpc.StatusCode.UNAVAILABLE, "leaf channel closed")
         self._inputs.write_rows(self._in_view, inputs)
         self._wave(rows, deadline)
-        return {name: (view[:rows].get() if self.kind == "cuda" else view[:rows].copy())
-                for name, view in self._out_views.items()}
+        cuda = self._outputs_region.kind == "cuda"
+        return {name: (view[:rows].get() if cuda else view[:rows].copy()) for name, view in self._out_views.items()}
 
     @property
     def output_rows(self) -> list[tuple[str, tuple[int, ...]]]:
@@ -274,7 +278,12 @@ class LeafChannel:
         """The input region as a CuPy array ``[max_rows, *row]`` of the model's
         input dtype (a CUDA channel only; None otherwise): a search's kernels
         write a wave's leaves here, then call :meth:`evaluate_device`."""
-        return self._in_view if self.kind == "cuda" else None
+        return self._in_view if self.device_outputs else None
+
+    @property
+    def device_outputs(self) -> bool:
+        """Whether both regions are CUDA memory (:meth:`evaluate_device` works)."""
+        return self.kind == "cuda" and self._outputs_region is not None and self._outputs_region.kind == "cuda"
 
     def evaluate_device(self, rows: int, deadline: float | None = None) -> dict:
         """Runs rows ``[0, rows)`` already in :attr:`device_inputs` (written and
@@ -286,8 +295,8 @@ class LeafChannel:
             LeafChannelError: as :meth:`evaluate`.
             ValueError: ``rows`` out of 1..max_rows, or not a CUDA channel.
         """
-        if self.kind != "cuda":
-            raise ValueError("evaluate_device: the channel's regions are system shared memory; use evaluate")
+        if not self.device_outputs:
+            raise ValueError("evaluate_device: the channel's regions are not both CUDA memory; use evaluate")
         if not 1 <= rows <= self.max_rows:
             raise ValueError(f"rows: {rows}, the channel carries 1..{self.max_rows}")
         if self._sock is None:

@@ -287,6 +287,36 @@ def test_evaluate_gives_up_at_the_deadline_and_cancels(lane):
     b.close()
 
 
+def test_a_running_request_with_targets_is_waited_for_past_its_deadline():
+    """A request writing into targets (a leaf channel's CUDA region) holds that
+    memory while it runs: past the deadline the caller waits for it instead of
+    letting go (and the region be closed) under the copy. One without targets
+    gives up at once, as before."""
+    model = Model()
+    b = make(model)
+    model.hold(CRITICAL)
+    target = {"y": np.zeros((1, 3), np.float32)}
+    deadline = time.monotonic() + 2.0  # the worker takes the request long before
+    answer = {}
+    waiter = threading.Thread(target=lambda: answer.update(done=b.evaluate(
+        rows_of(5, 1), 1, CRITICAL, deadline=deadline, targets=target)))
+    waiter.start()
+    assert model.wait_inside(1)  # running
+    time.sleep(max(deadline - time.monotonic(), 0) + 0.2)  # the deadline passed while it runs
+    assert waiter.is_alive()  # still waiting for the run
+    model.gate.set()
+    waiter.join(5)
+    assert answer["done"].done() and answer["done"].error is None  # run, late, not abandoned
+    model.hold(CRITICAL)
+    running = b.submit(rows_of(6, 1), 1, CRITICAL)
+    assert model.wait_inside(1)
+    with pytest.raises(DeadlineExceeded):
+        b.evaluate(rows_of(7, 1), 1, CRITICAL, deadline=time.monotonic() + 0.05)  # queued: cancelled
+    model.gate.set()
+    running.wait(5)
+    b.close()
+
+
 def test_full_queue_refuses_bulk_and_sheds_bulk_for_critical():
     """The bound spans both lanes: a critical request displaces the newest
     queued bulk one, and is refused only when no bulk request is queued."""

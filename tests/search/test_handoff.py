@@ -208,12 +208,14 @@ def test_an_attach_failing_unexpectedly_is_retried(reward_only, monkeypatch):
         handoff.close()
 
 
-def test_a_model_whose_outputs_do_not_fit_goes_the_host_way():
-    """DeviceWaves carries a value of one float per row and logits of one per
-    move; a channel of other output rows is not lent (the host way's checks
-    then refuse the answer: EvaluationFailed, and the search goes on)."""
+def test_a_model_whose_signature_does_not_fit_goes_the_host_way():
+    """DeviceWaves carries the selection kernel's uint8 [2, 6, 7] leaves in, a
+    value of one float per row and logits of one per move out; a channel of
+    another signature is not lent (the host way's checks then refuse the
+    answer: EvaluationFailed, and the search goes on)."""
     class Channel:
         device_inputs = object()
+        input_dtype, input_row = np.dtype(np.uint8), (2, 6, 7)
         output_rows = [("value", (2,)), ("policy_logits", (7,))]
 
     assert not DeviceWaves.fits(Channel())
@@ -221,5 +223,74 @@ def test_a_model_whose_outputs_do_not_fit_goes_the_host_way():
     assert not DeviceWaves.fits(Channel())
     Channel.output_rows = [("value", (1,))]
     assert DeviceWaves.fits(Channel())
-    Channel.device_inputs = None
+    Channel.input_dtype = np.dtype(np.float32)
     assert not DeviceWaves.fits(Channel())
+    Channel.input_dtype, Channel.input_row = np.dtype(np.uint8), (84,)
+    assert not DeviceWaves.fits(Channel())
+    Channel.input_row, Channel.device_inputs = (2, 6, 7), None
+    assert not DeviceWaves.fits(Channel())
+
+
+class _DeviceChannel:
+    """What lending touches of an attached leaf channel with CUDA regions."""
+
+    max_rows, device_inputs, kind = 64, object(), "cuda"
+
+    def __init__(self):
+        self.closed, self.closes = False, 0
+
+    def close(self):
+        self.closed, self.closes = True, self.closes + 1
+
+
+def _pool(n: int) -> tuple[HandoffEvaluator, list]:
+    """A HandoffEvaluator whose device pool holds ``n`` fake channels (no top-up: none attached)."""
+    handoff = HandoffEvaluator(channel("127.0.0.1:1"), "connect4_value", "ipc", device_channels=n)
+    evs = [LeafChannelEvaluator(_DeviceChannel(), 1.0) for _ in range(n)]
+    handoff._device_free, handoff._device_count = list(evs), n
+    return handoff, evs
+
+
+def test_lend_gives_each_search_its_own_channel_and_takes_it_back():
+    handoff, evs = _pool(2)
+    with handoff.lend(None) as a, handoff.lend(None) as b:
+        assert a is not None and b is not None and a._ev is not b._ev
+        with handoff.lend(None) as c:
+            assert c is None  # both lent: this search goes the host way
+    assert sorted(map(id, handoff._device_free)) == sorted(map(id, evs)) and handoff._device_count == 2
+    handoff.close()
+    assert all(ev.channel.closes == 1 for ev in evs) and handoff._device_count == 0
+
+
+def test_a_broken_lent_channel_drops_the_free_ones_with_it():
+    """A connection that broke means the reward service restarted or died: the
+    free channels reach the same dead process, so they go too, and the count
+    lets new ones attach."""
+    handoff, evs = _pool(3)
+    with handoff.lend(None) as waves:
+        waves._ev.channel.closed = True  # the socket broke during the search
+    assert handoff._device_free == [] and handoff._device_count == 0
+    assert all(ev.channel.closed for ev in evs)
+    handoff.close()
+
+
+def test_a_channel_lent_when_the_evaluator_closes_is_closed_as_it_comes_back():
+    handoff, evs = _pool(1)
+    with handoff.lend(None) as waves:
+        handoff.close()
+        assert not waves.closed
+    assert evs[0].channel.closes == 1 and handoff._device_count == 0
+
+
+def test_a_failing_device_attach_is_not_retried_at_every_search(monkeypatch):
+    """Top-ups start at most every retry_s: an attach the reward service refuses
+    (max_connections, say) must not be repeated by every search."""
+    handoff = HandoffEvaluator(channel("127.0.0.1:1"), "connect4_value", "ipc", retry_s=60.0)
+    handoff._ipc = LeafChannelEvaluator(_DeviceChannel(), 1.0)  # attached, CUDA regions
+    started = []
+    monkeypatch.setattr(threading, "Thread", lambda **kw: type("T", (), {"start": lambda self: started.append(kw)})())
+    for _ in range(5):
+        with handoff.lend(None) as waves:
+            assert waves is None
+        handoff._topping_up = False  # as if each attach had failed at once
+    assert len(started) == 1
