@@ -365,15 +365,18 @@ class LeafChannelServer:
         return spec, rows[0][1], rows[1:]
 
     def _warm_up_thread(self, a: _Attachment) -> None:
-        """One row of zeros run inline on this connection's thread, just after
-        the attach is answered: ONNX Runtime's CUDA provider builds its
-        per-thread state at a thread's first run (6.5 ms on the H200), which
-        the first wave would pay otherwise. Skipped (the wave pays it) when the
+        """A batch of zeros per bucket (up to ``max_rows``) run inline on this
+        connection's thread, just after the attach is answered: ONNX Runtime's
+        CUDA provider builds per-thread state at a thread's first run of each
+        session -- one per bucket -- (5-8 ms on the H200), which the first wave
+        at each bucket would pay otherwise. Skipped (the wave pays it) when the
         critical lane is busy; a failure is only logged: the waves will say."""
+        batcher = self.batchers[a.session.name]
         try:
-            zeros = np.zeros((1, *a.input_row), a.input_dtype)
-            run(self.batchers[a.session.name], a.session.name, {a.input_name: zeros}, 1, CRITICAL,
-                time.monotonic() + 30.0, a.output_names, inline=True)
+            for rows in [b for b in batcher.buckets if b <= a.max_rows] or [1]:  # a session per bucket
+                zeros = np.zeros((rows, *a.input_row), a.input_dtype)
+                run(batcher, a.session.name, {a.input_name: zeros}, rows, CRITICAL, time.monotonic() + 30.0,
+                    a.output_names, inline=True)
         except Exception as exc:
             log.info("leaf channel: warming up the connection's thread: %s", exc)
 
