@@ -80,7 +80,10 @@ Concurrency invariants
   thread hand-offs (~0.17 ms p50 on the H200), but ONNX Runtime's CUDA
   execution provider keeps per-thread state (cuBLAS/cuDNN handles,
   workspaces): the first run on each new gRPC thread took 6.5 ms there
-  (2026-11-30), so each lane's runs stay on its one thread, forever.
+  (2026-11-30), so each lane's runs stay on its one thread, forever. The
+  exception is ``evaluate(inline=True)``, for callers whose threads live as
+  long (the leaf channel's connections, which warm every bucket's session at
+  their attach: the per-thread state is per session).
 """
 from __future__ import annotations
 
