@@ -61,12 +61,9 @@ Concurrency invariants
   fields *before* setting ``_done``. Waiters read the result only after
   ``_done`` is set (Event.set/wait order the writes before the reads).
 * A lane's worker is the only thread that takes requests from that lane's
-  queue. ``run`` is called with a lane's batches by its worker, or, for a
-  critical request submitted with ``inline`` while the critical lane is idle,
-  by the submitting thread; either holds the lane's ``run_lock`` for the
-  run (an inline run only when it gets the lock at once and finds the queue
-  empty, so it never overtakes queued requests). So ``run`` is never called
-  concurrently with itself *for one lane*, but the two lanes' calls do overlap: a run callback may reuse preallocated buffers
+  queue and the only one that calls ``run`` with that lane's batches. So
+  ``run`` is never called concurrently with itself *for one lane*, but the
+  two lanes' calls do overlap: a run callback may reuse preallocated buffers
   without a lock only if each lane has its own (``batch.lane`` says which).
   ``run`` is never called under ``_lock`` (submitters and the other lane are
   not blocked by a model run).
@@ -80,10 +77,7 @@ Concurrency invariants
   thread hand-offs (~0.17 ms p50 on the H200), but ONNX Runtime's CUDA
   execution provider keeps per-thread state (cuBLAS/cuDNN handles,
   workspaces): the first run on each new gRPC thread took 6.5 ms there
-  (2026-11-30), so each lane's runs stay on its one thread, forever. The
-  exception is ``evaluate(inline=True)``, for callers whose threads live as
-  long (the leaf channel's connections, which warm every bucket's session at
-  their attach: the per-thread state is per session).
+  (2026-11-30), so each lane's runs stay on its one thread, forever.
 """
 from __future__ import annotations
 
@@ -264,9 +258,6 @@ class _Lane:
         self.queue: collections.deque[Request] = collections.deque()  # guarded by Batcher._lock
         self.stats: collections.Counter = collections.Counter()  # guarded by Batcher._lock
         self.wake = threading.Condition(lock)
-        # Held around every run of this lane's batches: by its worker, or by a thread
-        # running a critical request inline (Batcher.evaluate(inline=True)).
-        self.run_lock = threading.Lock()
         self.thread: threading.Thread | None = None
         self.last_busy_s = 0.0  # guarded by Batcher._lock: how long the last batch ran (s)
         self.last_end = 0.0  # guarded by Batcher._lock: when it ended (clock seconds)
@@ -282,7 +273,7 @@ class _Lane:
 
 
 _LATENCY_WINDOW = 4096  # per lane: requests remembered between two load reports (~8 s at 480/s)
-_COUNTERS = ("submitted", "batches", "inline", "expired", "shed", "refused")
+_COUNTERS = ("submitted", "batches", "expired", "shed", "refused")
 
 
 class Batcher:
@@ -476,16 +467,8 @@ class Batcher:
         deadline: float | None = None,
         output_names: Sequence[str] = (),
         targets: dict | None = None,
-        inline: bool = False,
     ) -> Request:
         """:meth:`submit`, then waits until done or until ``deadline``.
-
-        ``inline``: a critical request runs on the calling thread when its
-        lane is idle (nothing queued, no batch running): no thread hand-off
-        either way (~0.1 ms per request on the H200). For long-lived threads
-        only (the leaf channel's connections): ONNX Runtime's CUDA provider
-        builds per-thread state at a thread's first run (6.5 ms on the H200).
-        When the lane is busy the request is queued as any other.
 
         Returns the done request (``result()`` gives its outputs).
 
@@ -495,10 +478,6 @@ class Batcher:
                 ``targets`` is waited for and returned, late).
             QueueFull, BatcherClosed, ValueError: as :meth:`submit`.
         """
-        if inline and request_class == CRITICAL and rows <= self.max_rows:
-            req = self._run_inline(feeds, rows, deadline, output_names, targets)
-            if req is not None:
-                return req
         req = self.submit(feeds, rows, request_class, deadline, output_names, targets)
         while True:
             # Bounded waits: a far deadline must not overflow the platform's timeout type.
@@ -517,41 +496,9 @@ class Batcher:
                     raise DeadlineExceeded("deadline passed before the result was ready")
                 return req
 
-    def _run_inline(self, feeds, rows: int, deadline: float | None, output_names, targets) -> Request | None:
-        """Runs a critical request on the calling thread if the critical lane is
-        idle and returns it done; None (nothing done) when the lane is busy or
-        has requests queued, which go first.
-
-        Raises:
-            DeadlineExceeded, BatcherClosed: as :meth:`submit`.
-        """
-        lane = self._lanes[CRITICAL]
-        if not lane.run_lock.acquire(blocking=False):
-            return None  # the worker runs a batch: queue behind it, to be merged
-        try:
-            now = self._clock()
-            req = Request(feeds, rows, CRITICAL, deadline, tuple(output_names), enqueued=now, targets=targets)
-            with self._lock:
-                if lane.queue:
-                    return None  # queued requests first: the worker merges this one with them
-                if self._closed:
-                    raise BatcherClosed(f"model {self.name!r}: the reward service is stopping")
-                if deadline is not None and deadline <= now:
-                    lane.stats["expired"] += 1
-                    raise DeadlineExceeded("deadline passed before the request was queued")
-                req.state = RUNNING
-                lane.stats["submitted"] += 1
-                lane.stats["batches"] += 1
-                lane.stats["inline"] += 1
-            self._execute(Batch([req], rows, bucket_for(rows, self.buckets), [0], CRITICAL))
-            return req
-        finally:
-            lane.run_lock.release()
-
     def stats(self) -> dict:
         """Both lanes together: ``queued`` (requests waiting), ``oldest_age_ms``
-        (0 when none) and the counters ``submitted``, ``batches`` (``inline``:
-        of them, critical requests run on their caller's thread), ``expired``,
+        (0 when none) and the counters ``submitted``, ``batches``, ``expired``,
         ``shed``, ``refused``; and the same per lane under ``lanes``
         (``{"critical": {...}, "bulk": {...}}``; a shed request counts in the
         lane it was queued in, the bulk one); ``bulk_share_percent``."""
@@ -605,10 +552,9 @@ class Batcher:
             for req in expired:
                 req._done.set()
             if batch is not None:
-                with lane.run_lock:  # an inline run (critical lane) may hold the runner
-                    start = self._clock()
-                    self._execute(batch)
-                    end = self._clock()
+                start = self._clock()
+                self._execute(batch)
+                end = self._clock()
                 with self._lock:
                     lane.last_busy_s, lane.last_end = end - start, end
             # Let go of the answered requests now, not when the next batch comes: their

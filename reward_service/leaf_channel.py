@@ -16,10 +16,7 @@ Invariants:
 
 * One thread per connection, long-lived: it reads a message, answers it, and
   reads the next, so a connection has at most one wave running and answers in
-  order. It runs a wave itself when the model's critical lane is idle
-  (``Batcher.evaluate(inline=True)``: no thread hand-off), else queues it there
-  to be merged; its first run, just after the attach, warms ONNX Runtime's
-  per-thread state. ``_lock`` guards ``_connections`` and ``_attached`` only.
+  order. ``_lock`` guards ``_connections`` and ``_attached`` only.
 * A wave's request figures (``requested`` and ``succeeded``/``failed`` of
   reward_service/model_metrics.py) are recorded on its connection's thread
   just after its answer is sent -- off the client's wait -- and before the
@@ -235,8 +232,6 @@ class LeafChannelServer:
                 kind = message[:1]
                 if kind == ATTACH and attachment is None:
                     attachment = self._attach_message(conn, message)
-                    if attachment is not None:
-                        self._warm_up_thread(attachment)
                 elif kind == WAVE and attachment is not None:
                     self._wave_message(conn, attachment, message)
                 else:
@@ -364,22 +359,6 @@ class LeafChannelServer:
                            f"model {session.name!r}: output {o.name} is {tensors.dtype_name(o.dtype)}, not float32")
         return spec, rows[0][1], rows[1:]
 
-    def _warm_up_thread(self, a: _Attachment) -> None:
-        """A batch of zeros per bucket (up to ``max_rows``) run inline on this
-        connection's thread, just after the attach is answered: ONNX Runtime's
-        CUDA provider builds per-thread state at a thread's first run of each
-        session -- one per bucket -- (5-8 ms on the H200), which the first wave
-        at each bucket would pay otherwise. Skipped (the wave pays it) when the
-        critical lane is busy; a failure is only logged: the waves will say."""
-        batcher = self.batchers[a.session.name]
-        try:
-            for rows in [b for b in batcher.buckets if b <= a.max_rows] or [1]:  # a session per bucket
-                zeros = np.zeros((rows, *a.input_row), a.input_dtype)
-                run(batcher, a.session.name, {a.input_name: zeros}, rows, CRITICAL, time.monotonic() + 30.0,
-                    a.output_names, inline=True)
-        except Exception as exc:
-            log.info("leaf channel: warming up the connection's thread: %s", exc)
-
     def _renew(self, a: _Attachment) -> None:
         try:
             self.regions.status(a.client_id, a.input_region)
@@ -451,9 +430,8 @@ class LeafChannelServer:
             if out_kind == "cuda":  # the bound runner writes the outputs there, device to device
                 targets = {s.name: lease.array(a.output_region, s.offset, np.dtype(np.float32), (rows, *s.row))
                            for s in a.outputs}
-            # Inline: this long-lived thread runs the wave itself when the critical lane is idle.
             done = run(self.batchers[a.session.name], a.session.name, {a.input_name: feed}, rows,
-                       CRITICAL, deadline, a.output_names, targets, inline=True)
+                       CRITICAL, deadline, a.output_names, targets)
             if done.targets_written:  # written by the run, while the lease held the region
                 return done
             lease.check_live()  # a region unregistered meanwhile gets nothing written

@@ -317,50 +317,6 @@ def test_a_running_request_with_targets_is_waited_for_past_its_deadline():
     b.close()
 
 
-def test_an_inline_critical_request_runs_on_its_callers_thread_when_the_lane_is_idle():
-    model = Model()
-    b = make(model)
-    done = b.evaluate(rows_of(3, 2), 2, CRITICAL, inline=True)
-    np.testing.assert_array_equal(done.result()["y"], np.full((2, 3), 6, np.float32))
-    assert model.threads[-1] == threading.current_thread().name and done.bucket == 2
-    assert b.stats()["lanes"]["critical"]["inline"] == 1
-    b.close()
-
-
-def test_an_inline_request_never_overtakes_and_never_runs_beside_the_lanes_batch():
-    """With the critical worker busy, inline requests queue like any other and
-    run after, in order, merged by the worker; the lane never runs two at once."""
-    model = Model()
-    b = make(model)
-    (blocker,) = block(model, b, CRITICAL)
-    queued = b.submit(rows_of(1, 1), 1, CRITICAL)
-    answers = []
-    waiters = [threading.Thread(target=lambda v=v: answers.append(b.evaluate(rows_of(v, 1), 1, CRITICAL, inline=True)))
-               for v in (2, 3)]
-    for w in waiters:
-        w.start()
-    assert wait_for_queued(b, 3)
-    model.gate.set()
-    for w in waiters:
-        w.join(5)
-    assert blocker.wait(5) and queued.wait(5) and len(answers) == 2
-    assert model.most_running[CRITICAL] == 1
-    order = [r.feeds["x"][0, 0] for batch, _ in model.ran(CRITICAL) for r in batch.requests]
-    assert order[:2] == [-1, 1] and sorted(order[2:]) == [2, 3]
-    assert all(t != threading.current_thread().name for _, t in model.ran(CRITICAL))
-    assert b.stats()["lanes"]["critical"]["inline"] == 0
-    b.close()
-
-
-def wait_for_queued(b: Batcher, n: int, timeout: float = 5.0) -> bool:
-    end = time.monotonic() + timeout
-    while b.stats()["queued"] < n:
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.005)
-    return True
-
-
 def test_full_queue_refuses_bulk_and_sheds_bulk_for_critical():
     """The bound spans both lanes: a critical request displaces the newest
     queued bulk one, and is refused only when no bulk request is queued."""
