@@ -68,6 +68,16 @@ def _free_address() -> str:
         return f"127.0.0.1:{s.getsockname()[1]}"
 
 
+def _device_waves(evaluator, rows: int):
+    """Device waves over ``evaluator``'s leaf channel (no deadline) when it has
+    CUDA regions of ``rows`` rows or more, else None (that row is skipped)."""
+    from search_service.evaluators import DeviceWaves
+
+    if not DeviceWaves.fits(evaluator.channel) or rows > evaluator.channel.max_rows:
+        return None
+    return DeviceWaves(evaluator, None)
+
+
 def latency(backend, evaluator, wave: int, simulations: int, repeats: int, device: bool = False) -> dict | None:
     """One ``latency`` row: ``repeats`` searches of the empty board; ``device``:
     the leaf channel's CUDA regions as device waves (handoff ``ipc``; the
@@ -78,11 +88,10 @@ def latency(backend, evaluator, wave: int, simulations: int, repeats: int, devic
     root = common.positions([""])
     kw = {}
     if device:
-        from search_service.evaluators import DeviceWaves
-
-        if not DeviceWaves.fits(evaluator.channel):
+        waves = _device_waves(evaluator, wave)
+        if waves is None:
             return None
-        kw = {"device_waves": DeviceWaves(evaluator, None)}
+        kw = {"device_waves": waves}
     handoff = "ipc" if device else ("ipc_host" if evaluator.handoff == "ipc" else evaluator.handoff)
     backend.search(root, params, evaluator, **kw)  # warm-up: kernels, the reward session's buckets
     ms, kernel, waves = [], [], []
@@ -123,11 +132,9 @@ def throughput(evaluator, batch: int, repeats: int, device: bool = False) -> dic
     if evaluator.handoff == "ipc":
         handoff = "ipc_host"
         if device:
-            from search_service.evaluators import DeviceWaves
-
-            if not DeviceWaves.fits(evaluator.channel) or batch > evaluator.channel.max_rows:
+            waves = _device_waves(evaluator, batch)
+            if waves is None:
                 return None
-            waves = DeviceWaves(evaluator, None)
             waves.inputs[:batch].set(boards)
             common.sync_cuda()
             call, handoff = (lambda: waves.evaluate(batch)), "ipc"

@@ -29,9 +29,9 @@ import grpc
 import numpy as np
 from tandem.v1 import reward_pb2, reward_pb2_grpc
 
+from search_service.games.connect4 import COLUMNS, NUM_ACTIONS, ROWS
 from search_service.mcts.backend import EvaluationFailed
 from tandem import tensors
-from search_service.games.connect4 import COLUMNS, NUM_ACTIONS, ROWS
 from tandem.leaf_channel import LeafChannel, LeafChannelError
 
 log = logging.getLogger(__name__)
@@ -167,16 +167,24 @@ class LeafChannelEvaluator:
             EvaluatorUnavailable: the server's status, or a broken connection
                 (the channel is closed then).
         """
-        # As over gRPC: never waits past timeout_s (a reward service that hangs must not hold the search).
+        return _values_and_priors(self.wave(self.channel.evaluate, observations, len(observations), deadline))
+
+    def wave(self, send, inputs, rows: int, deadline: float | None) -> dict:
+        """``send(inputs, deadline)`` -- one of the channel's wave calls -- bound
+        by ``deadline`` and at most ``timeout_s`` (as over gRPC: a reward service
+        that hangs must not hold the search), counted in :attr:`totals`.
+
+        Raises:
+            EvaluatorUnavailable: the server's status, or a broken connection.
+        """
         start = time.perf_counter()
         cap = time.monotonic() + self.timeout_s
         try:
-            outputs = self.channel.evaluate(observations, cap if deadline is None else min(deadline, cap))
+            outputs = send(inputs, cap if deadline is None else min(deadline, cap))
         except LeafChannelError as exc:
             raise EvaluatorUnavailable(f"reward service (leaf channel): {exc}") from None
-        answer = _values_and_priors(outputs)
-        self.totals.add(len(observations), start, self.channel.queue_ms, self.channel.compute_ms)
-        return answer
+        self.totals.add(rows, start, self.channel.queue_ms, self.channel.compute_ms)
+        return outputs
 
 
 class DeviceWaves:
@@ -223,14 +231,7 @@ class DeviceWaves:
         Raises:
             EvaluatorUnavailable: as :meth:`LeafChannelEvaluator.__call__`.
         """
-        start = time.perf_counter()
-        cap = time.monotonic() + self._ev.timeout_s
-        channel = self._ev.channel
-        try:
-            outputs = channel.evaluate_device(rows, cap if self.deadline is None else min(self.deadline, cap))
-        except LeafChannelError as exc:
-            raise EvaluatorUnavailable(f"reward service (leaf channel): {exc}") from None
-        self._ev.totals.add(rows, start, channel.queue_ms, channel.compute_ms)
+        outputs = self._ev.wave(self._ev.channel.evaluate_device, rows, rows, self.deadline)
         return outputs["value"], outputs.get("policy_logits")
 
     @property
@@ -394,16 +395,17 @@ class HandoffEvaluator:
         try:
             yield DeviceWaves(ev, deadline)
         finally:
-            drop = []
             with self._lock:
-                if ev.channel.closed or self._closed:
+                if ev.channel.closed:
                     # A broken connection: the reward service restarted or died, and the free
                     # channels are as dead as this one; new ones attach at the next lend.
-                    drop = [ev] + (self._device_free if ev.channel.closed else [])
-                    self._device_free = [] if ev.channel.closed else self._device_free
-                    self._device_count -= len(drop)
+                    drop, self._device_free = [ev, *self._device_free], []
+                elif self._closed:
+                    drop = [ev]
                 else:
+                    drop = []
                     self._device_free.append(ev)
+                self._device_count -= len(drop)
             for gone in drop:
                 gone.channel.close()
 

@@ -446,14 +446,14 @@ class _Search:
             if not live.any():
                 return False  # every root is proven
             term = np.where(ran, meta["terminal"], tr.NOT_TERMINAL)
-            vin = np.zeros(n, abi.EVAL.dtype)
-            vin["value"] = np.where(ran, tr.OUTCOME_VALUE[np.maximum(term, 0)], 0.0)  # exact where known
             open_ = ran & (term == tr.NOT_TERMINAL)
-            if dw is None or (not self.use_model and open_.any()):  # rollouts read the leaves on the host
-                planes = (obs_host if dw is None else obs_dev.get()).reshape(n, 2, connect4.ROWS, connect4.COLUMNS)
             has_priors = False
             used_model = self.use_model
-            on_device = dw is not None and self.use_model
+            on_device = dw is not None and self.use_model  # the answer kernel builds the EVAL rows
+            if not on_device:  # the host builds them: exact values where known, the leaves' planes
+                vin = np.zeros(n, abi.EVAL.dtype)
+                vin["value"] = np.where(ran, tr.OUTCOME_VALUE[np.maximum(term, 0)], 0.0)
+                planes = (obs_host if dw is None else obs_dev.get()).reshape(n, 2, connect4.ROWS, connect4.COLUMNS)
             try:
                 if on_device:
                     has_priors = self._device_values(dw, open_, meta_dev, obs_dev, vin_dev, k)
