@@ -16,7 +16,12 @@ Invariants:
 
 * One thread per connection, long-lived: it reads a message, answers it, and
   reads the next, so a connection has at most one wave running and answers in
-  order. ``_lock`` guards ``_connections`` and ``_attached`` only.
+  order. A wave with a CUDA output region is answered by the critical lane's
+  worker the moment its run wrote the outputs (``Request.on_written``: a
+  thread hand-off sooner), while the connection's thread still waits on the
+  run, holding the regions' lease; that thread then sends nothing, and reads
+  the next message only after. ``_lock`` guards ``_connections`` and
+  ``_attached`` only.
 * A wave's request figures (``requested`` and ``succeeded``/``failed`` of
   reward_service/model_metrics.py) are recorded on its connection's thread
   just after its answer is sent -- off the client's wait -- and before the
@@ -94,6 +99,7 @@ class _Attachment:
     output_names: tuple[str, ...]  # the outputs' names, in slot order
 
 
+_FLOAT32 = np.dtype(np.float32)
 REGION_KINDS = ("system", "cuda")  # either region may be either kind
 SOCKET_PREFIX = "tandem-leaf-"  # then the server's pid, "-", an id, ".sock"
 
@@ -126,6 +132,11 @@ def remove_stale_sockets(directory: str) -> list[str]:
         except OSError:  # PermissionError: another user's process lives under that pid
             continue
     return removed
+
+
+def _reply(seq: int, done) -> bytes:
+    """The ``R`` message of a wave whose run ended (a batcher request, done)."""
+    return REPLY + REPLY_FORMAT.pack(seq, done.bucket, done.queue_ms, done.compute_ms)
 
 
 class LeafChannelServer:
@@ -389,7 +400,7 @@ class LeafChannelServer:
                 raise _Bad(grpc.StatusCode.INVALID_ARGUMENT, f"wave: rows {rows} out of range 1..{a.max_rows} "
                            "(the attached regions' size)")
             deadline = time.monotonic() + timeout_us / 1e6 if timeout_us > 0 else None
-            done = self._run_wave(a, rows, deadline)
+            done = self._run_wave(a, rows, deadline, lambda req, seq=seq: self._send(conn, _reply(seq, req)))
         except _Bad as exc:
             reason, reply = "invalid_input", pack_error(seq, exc.code, str(exc))
         except SharedMemoryError as exc:
@@ -401,9 +412,10 @@ class LeafChannelServer:
             reason = "run_failed"
             reply = pack_error(seq, grpc.StatusCode.INTERNAL, f"wave failed: {type(exc).__name__}: {exc}")
         else:
-            reply = REPLY + REPLY_FORMAT.pack(seq, done.bucket, done.queue_ms, done.compute_ms)
+            reply = None if done.answered else _reply(seq, done)
         elapsed_s = time.perf_counter() - start
-        self._send(conn, reply)
+        if reply is not None:
+            self._send(conn, reply)
         # Recorded once the client has its answer: the client is another process, so this
         # Python work is off its wait. This connection's next wave is read only after.
         name = a.session.name
@@ -413,8 +425,12 @@ class LeafChannelServer:
         else:
             self.metrics.failed(name, CRITICAL_LANE, reason, elapsed_s)
 
-    def _run_wave(self, a: _Attachment, rows: int, deadline: float | None):
+    def _run_wave(self, a: _Attachment, rows: int, deadline: float | None, answer):
         """Runs rows [0, rows) of the input region and writes the outputs.
+        With a CUDA output region the run writes them there, and the
+        critical lane's worker sends the reply (``answer(request)``, as
+        :attr:`reward_service.batcher.Request.on_written`): then the returned
+        request's ``answered`` is set and nothing is left to send.
 
         Raises:
             Refusal: as reward_service.refusal.run; INTERNAL for an output
@@ -425,13 +441,14 @@ class LeafChannelServer:
         """
         with self.regions.acquire(a.client_id, [a.input_region, a.output_region]) as lease:
             out_kind = self._check_regions(lease, a)
-            feed = lease.array(a.input_region, 0, a.input_dtype, (rows, *a.input_row))
+            # Views of max_rows rows, sliced: the regions keep them (shared_memory.py).
+            feed = lease.array(a.input_region, 0, a.input_dtype, (a.max_rows, *a.input_row))[:rows]
             targets = None
             if out_kind == "cuda":  # the bound runner writes the outputs there, device to device
-                targets = {s.name: lease.array(a.output_region, s.offset, np.dtype(np.float32), (rows, *s.row))
+                targets = {s.name: lease.array(a.output_region, s.offset, _FLOAT32, (a.max_rows, *s.row))[:rows]
                            for s in a.outputs}
             done = run(self.batchers[a.session.name], a.session.name, {a.input_name: feed}, rows,
-                       CRITICAL, deadline, a.output_names, targets)
+                       CRITICAL, deadline, a.output_names, targets, answer)
             if done.targets_written:  # written by the run, while the lease held the region
                 return done
             lease.check_live()  # a region unregistered meanwhile gets nothing written

@@ -20,10 +20,10 @@ class Refusal(Exception):
 
 
 def run(batcher: Batcher, model: str, feeds: dict[str, np.ndarray], rows: int, request_class: int,
-        deadline: float | None, names, targets: dict | None = None) -> Request:
+        deadline: float | None, names, targets: dict | None = None, on_written=None) -> Request:
     """Runs ``feeds`` (``rows`` rows) through ``batcher`` and returns the done
-    request (``outputs``, ``queue_ms``, ``compute_ms``, ``bucket``; ``targets``:
-    see :class:`reward_service.batcher.Request`).
+    request (``outputs``, ``queue_ms``, ``compute_ms``, ``bucket``; ``targets``,
+    ``on_written``: see :class:`reward_service.batcher.Request`).
 
     Raises:
         Refusal: DEADLINE_EXCEEDED (not run by ``deadline``, time.monotonic()
@@ -31,7 +31,7 @@ def run(batcher: Batcher, model: str, feeds: dict[str, np.ndarray], rows: int, r
             (stopping), INTERNAL (the run failed).
     """
     try:
-        done = batcher.evaluate(feeds, rows, request_class, deadline, names, targets)
+        done = batcher.evaluate(feeds, rows, request_class, deadline, names, targets, on_written)
         done.result()
         return done
     except DeadlineExceeded as exc:

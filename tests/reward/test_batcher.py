@@ -317,6 +317,51 @@ def test_a_running_request_with_targets_is_waited_for_past_its_deadline():
     b.close()
 
 
+def _writing_targets(model: Model):
+    """A run that writes each request's targets itself (as the bound runner
+    does for a leaf channel's CUDA region) and marks them written."""
+
+    def run(batch: Batch) -> dict:
+        out = model(batch)
+        for req, off in zip(batch.requests, batch.offsets):
+            if req.targets:
+                req.targets["y"][:] = out["y"][off : off + req.rows]
+                req.targets_written = True
+        return out
+
+    return run
+
+
+def test_on_written_answers_from_the_worker_before_the_waiter_wakes():
+    """A request whose run wrote its targets is answered by on_written on the
+    lane's worker, with its result fields filled and before done; requests
+    without targets, or whose run failed, never call it; a failing on_written
+    leaves answered False, and the request is done as before."""
+    model = Model(fail_on=9)
+    b = make(_writing_targets(model))
+    seen = []
+
+    def answer(req):
+        seen.append((threading.current_thread().name, req.done(), req.bucket, req.compute_ms > 0))
+
+    target = {"y": np.zeros((2, 3), np.float32)}
+    done = b.evaluate(rows_of(3, 2), 2, CRITICAL, targets=target, on_written=answer)
+    assert done.answered and done.targets_written and done.error is None
+    assert seen == [(model.threads[-1], False, 2, True)]  # the worker, before done, the fields set
+    assert (target["y"] == 6).all()
+    plain = b.evaluate(rows_of(4, 1), 1, CRITICAL, on_written=answer)  # no targets: never called
+    assert not plain.answered and len(seen) == 1
+    failed = b.evaluate(rows_of(9, 1), 1, CRITICAL, targets={"y": np.zeros((1, 3), np.float32)}, on_written=answer)
+    assert failed.error is not None and not failed.answered and len(seen) == 1
+
+    def broken(req):
+        raise OSError("the client is gone")
+
+    late = b.evaluate(rows_of(5, 1), 1, CRITICAL, targets={"y": np.zeros((1, 3), np.float32)}, on_written=broken)
+    assert late.done() and late.error is None and not late.answered  # the waiter answers instead
+    b.close()
+
+
 def test_full_queue_refuses_bulk_and_sheds_bulk_for_critical():
     """The bound spans both lanes: a critical request displaces the newest
     queued bulk one, and is refused only when no bulk request is queued."""
