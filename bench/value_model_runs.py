@@ -10,7 +10,11 @@ reward_service/session.py), in this process, on the GPU. One row per
   (FP16 body, FP32 head), ``fp16_nhwc`` (what ``precision: auto`` +
   ``prefer_nhwc`` serve on a GPU), ``fp32_heuristic`` and
   ``fp16_nhwc_heuristic`` (cuDNN's HEURISTIC algorithm choice instead of
-  EXHAUSTIVE: a shorter start-up);
+  EXHAUSTIVE: a shorter start-up), ``fp32_no_graph`` and
+  ``fp16_nhwc_no_graph`` (no CUDA graph: every kernel launched from the host);
+* ``nodes``: the nodes ONNX Runtime runs per run of the variant after its
+  fusions (every node event of one run in its profile), ``top_ops`` the three
+  op types with the most time there;
 * ``run_us``: the runner's whole batch: the device-to-device copy of the
   wave in, the graph replay, the outputs' copy out, one synchronisation
   (p50; ``run_us_p99``);
@@ -57,7 +61,7 @@ from bench import common
 from tandem.config import load_config
 
 BENCHMARK = "value_model_runs"
-COLUMNS = ("variant", "threads", "bucket", "run_us", "run_padded_us", "gpu_us", "host_call_us", "copy_in_us",
+COLUMNS = ("variant", "threads", "bucket", "nodes", "run_us", "run_padded_us", "gpu_us", "host_call_us", "copy_in_us",
            "copy_out_us", "wall_us", "compute_us", "queue_us", "run_local_us", "run_ipc_us", "copy_local_us",
            "copy_ipc_us", "hop_us")
 BUCKETS = (32, 256, 1024)
@@ -85,7 +89,46 @@ def variants(model, cfg):
         ("fp16_nhwc", replace(model, precision="fp16", prefer_nhwc=True, **buckets), exhaustive),
         ("fp32_heuristic", replace(model, precision="fp32", prefer_nhwc=False, **buckets), heuristic),
         ("fp16_nhwc_heuristic", replace(model, precision="fp16", prefer_nhwc=True, **buckets), heuristic),
+        ("fp32_no_graph", replace(model, precision="fp32", prefer_nhwc=False, cuda_graph=False, **buckets), exhaustive),
+        ("fp16_nhwc_no_graph", replace(model, precision="fp16", prefer_nhwc=True, cuda_graph=False, **buckets),
+         exhaustive),
     ]
+
+
+def profile_nodes(model, cfg, rows: int) -> tuple[int, str]:
+    """ONNX Runtime's profile of one run of ``model`` (its precision and
+    layout) at ``rows`` rows on the CUDA execution provider: the nodes run,
+    and the three op types with the most time ("Conv 484 us, ...")."""
+    import collections
+    import json
+    import os
+    import tempfile
+
+    import onnxruntime as ort
+
+    from reward_service.session import _to_fp16
+    from tandem.config import resolve_path
+
+    data = resolve_path(model.path).read_bytes()
+    if model.precision == "fp16":
+        data = _to_fp16(data, model.name)
+    opts = ort.SessionOptions()
+    opts.enable_profiling = True
+    opts.profile_file_prefix = os.path.join(tempfile.mkdtemp(), "profile")
+    cuda = {"cudnn_conv_algo_search": cfg.cudnn_conv_algo_search, **({"prefer_nhwc": "1"} if model.prefer_nhwc else {})}
+    session = ort.InferenceSession(data, sess_options=opts, providers=[("CUDAExecutionProvider", cuda)])
+    feed = {session.get_inputs()[0].name: np.random.default_rng(0).integers(0, 2, (rows, 2, 6, 7), dtype=np.uint8)}
+    for _ in range(3):
+        session.run(None, feed)
+    with open(session.end_profiling()) as fh:
+        events = json.load(fh)
+    last = max((e["ts"] for e in events if e.get("name") == "model_run"), default=0)  # the last run's start
+    nodes = [e for e in events if e.get("cat") == "Node" and e.get("ts", 0) >= last
+             and e["name"].endswith("_kernel_time")]
+    by_op = collections.Counter()
+    for e in nodes:
+        by_op[e.get("args", {}).get("op_name", "?")] += e.get("dur", 0)
+    return len(nodes), ", ".join(f"{op} {us} us" for op, us in by_op.most_common(3))
 
 
 def runner_rows(name: str, model, cfg) -> list[dict]:
@@ -99,6 +142,7 @@ def runner_rows(name: str, model, cfg) -> list[dict]:
     warm_up_s = time.perf_counter() - t0
     runner = session._critical  # noqa: SLF001 - the lane's runner, measured alone
     dev = runner.device
+    nodes, top_ops = profile_nodes(model, cfg, BUCKETS[-1])
     rows = []
     rng = np.random.default_rng(0)
     for bucket in BUCKETS:
@@ -127,7 +171,8 @@ def runner_rows(name: str, model, cfg) -> list[dict]:
         rows.append(dict(variant=name, bucket=bucket, run_us=_p(run, 50), run_us_p99=_p(run, 99),
                          run_padded_us=_p(run_padded, 50) - _p(run, 50),
                          gpu_us=_p(gpu, 50), host_call_us=_p(host, 50), copy_in_us=_p(copy_in, 50),
-                         copy_out_us=_p(copy_out, 50), warm_up_s=warm_up_s, repeats=REPEATS))
+                         copy_out_us=_p(copy_out, 50), warm_up_s=warm_up_s, nodes=nodes, top_ops=top_ops,
+                         cuda_graph=runner.graphs, repeats=REPEATS))
         common.progress(rows[-1])
     return rows
 
