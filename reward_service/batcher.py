@@ -61,8 +61,10 @@ Concurrency invariants
   fields *before* setting ``_done``. Waiters read the result only after
   ``_done`` is set (Event.set/wait order the writes before the reads). A
   request's ``on_written`` runs on the worker between the two, outside
-  ``_lock``, and only reads the result fields; ``answered`` is written
-  before ``_done`` is set, so the waiter reads it after.
+  ``_lock``, after every request of the batch without one is set done, and
+  only reads the result fields; ``answered`` is written before ``_done`` is
+  set, so the waiter reads it after. Every request's ``_done`` is set
+  whatever a callback raises.
 * A lane's worker is the only thread that takes requests from that lane's
   queue and the only one that calls ``run`` with that lane's batches. So
   ``run`` is never called concurrently with itself *for one lane*, but the
@@ -139,8 +141,11 @@ class Request:
     worker once the run wrote every target, after the result fields and
     before ``_done`` is set; it then sets ``answered``. A leaf channel's
     reply is sent so from the worker thread, a thread hand-off before its
-    waiting connection thread would wake (~40 µs a wave). An exception in it
-    is logged, and ``answered`` stays False: the waiter answers instead.
+    waiting connection thread would wake (~40 µs a wave). It runs on the
+    lane's one worker, so it must never block (a non-blocking send); it
+    returns whether it answered, and when it did not (such a send refused),
+    or raised (logged), ``answered`` stays False: the waiter answers
+    instead, on its own thread.
 
     Filled in when done: ``outputs`` (name -> array with ``rows`` rows) or
     ``error``; ``queue_ms`` (arrival to run start, ms), ``compute_ms`` (the
@@ -156,7 +161,7 @@ class Request:
     enqueued: float = 0.0
     targets: dict | None = None
     targets_written: bool = False
-    on_written: Callable[[Request], None] | None = None
+    on_written: Callable[[Request], bool] | None = None
     answered: bool = False
     state: str = QUEUED  # guarded by Batcher._lock
     outputs: dict[str, np.ndarray] | None = None
@@ -377,7 +382,7 @@ class Batcher:
         deadline: float | None = None,
         output_names: Sequence[str] = (),
         targets: dict | None = None,
-        on_written: Callable[[Request], None] | None = None,
+        on_written: Callable[[Request], bool] | None = None,
     ) -> Request:
         """Queues a validated request in its class's lane and returns it (wait
         on it for the result).
@@ -481,7 +486,7 @@ class Batcher:
         deadline: float | None = None,
         output_names: Sequence[str] = (),
         targets: dict | None = None,
-        on_written: Callable[[Request], None] | None = None,
+        on_written: Callable[[Request], bool] | None = None,
     ) -> Request:
         """:meth:`submit`, then waits until done or until ``deadline``.
 
@@ -490,7 +495,7 @@ class Batcher:
         Raises:
             DeadlineExceeded: the deadline passed first (a queued request is
                 taken out of the queue and never run; a running one with
-                ``targets`` is waited for and returned, late).
+                ``targets`` or device feeds is waited for and returned, late).
             QueueFull, BatcherClosed, ValueError: as :meth:`submit`.
         """
         req = self.submit(feeds, rows, request_class, deadline, output_names, targets, on_written)
@@ -502,9 +507,10 @@ class Batcher:
             if deadline is not None and deadline <= self._clock():
                 if self.cancel(req):
                     raise DeadlineExceeded("deadline passed before the result was ready")
-                if req.targets is not None:
-                    # Running, and writing into its targets: the caller must not let go of that
-                    # memory (a client's CUDA region) before the copy is done. A run is ms away.
+                if req.targets is not None or any(on_device(a) for a in req.feeds.values()):
+                    # Running, and reading its device feeds or writing into its targets: the
+                    # caller must not let go of that memory (a client's CUDA region, which its
+                    # release may close) before the copies are done. A run is ms away.
                     req.wait()
                     return req
                 if not req.wait(0.0):
@@ -649,11 +655,17 @@ class Batcher:
             for req in batch.requests:
                 req.state = DONE
                 lane.latencies_ms.append(req.queue_ms + compute_ms)
+        answering = [r for r in batch.requests if r.on_written is not None and r.targets_written and r.error is None]
         for req in batch.requests:
-            if req.on_written is not None and req.targets_written and req.error is None:
+            if req not in answering:
+                req._done.set()
+        try:
+            for req in answering:
                 try:
-                    req.on_written(req)
-                    req.answered = True
-                except Exception:  # the waiter answers instead
+                    req.answered = bool(req.on_written(req))
+                except Exception:  # a bug: the waiter answers instead
                     log.exception("model %s: a request's on_written failed", self.name)
-            req._done.set()
+                req._done.set()
+        finally:  # even past a BaseException: no waiter is left hanging (setting twice is harmless)
+            for req in answering:
+                req._done.set()

@@ -16,12 +16,16 @@ Invariants:
 
 * One thread per connection, long-lived: it reads a message, answers it, and
   reads the next, so a connection has at most one wave running and answers in
-  order. A wave with a CUDA output region is answered by the critical lane's
-  worker the moment its run wrote the outputs (``Request.on_written``: a
-  thread hand-off sooner), while the connection's thread still waits on the
-  run, holding the regions' lease; that thread then sends nothing, and reads
-  the next message only after. ``_lock`` guards ``_connections`` and
-  ``_attached`` only.
+  order. A wave whose run wrote its outputs into a CUDA output region device
+  to device (a bound runner, the batch all device waves) is answered by the
+  critical lane's worker the moment they are in place
+  (``Request.on_written``: a thread hand-off sooner), with a non-blocking
+  send on a duplicate of the socket, while the connection's thread still
+  waits on the run, holding the regions' lease; that thread then sends
+  nothing, and reads the next message only after. Any other wave, or one
+  whose non-blocking send was refused (a client not reading its replies),
+  is answered by the connection's thread. ``_lock`` guards ``_connections``
+  and ``_attached`` only.
 * A wave's request figures (``requested`` and ``succeeded``/``failed`` of
   reward_service/model_metrics.py) are recorded on its connection's thread
   just after its answer is sent -- off the client's wait -- and before the
@@ -139,6 +143,18 @@ def _reply(seq: int, done) -> bytes:
     return REPLY + REPLY_FORMAT.pack(seq, done.bucket, done.queue_ms, done.compute_ms)
 
 
+def _try_send(sock: socket.socket, message: bytes) -> bool:
+    """Sends ``message`` on the non-blocking ``sock`` if it goes at once
+    (a SEQPACKET message goes whole or not at all); False when refused."""
+    try:
+        sock.send(message)
+        return True
+    except BlockingIOError:
+        return False  # the client's buffer is full: its connection's thread waits instead
+    except OSError:
+        return True  # the client is gone: nobody to answer (its thread ends at the next recv)
+
+
 class LeafChannelServer:
     """Listens on its own socket file and serves every connection on a thread of its own.
 
@@ -226,6 +242,10 @@ class LeafChannelServer:
     def _serve(self, conn: socket.socket) -> None:
         attachment = None
         since = time.monotonic()  # the connection's start, or its last message
+        # The same socket for the critical lane's worker to answer on without blocking
+        # (a socket's timeout is per object; a send on a timeout socket waits up to it).
+        nonblocking = conn.dup()
+        nonblocking.setblocking(False)
         try:
             conn.settimeout(self._renew_s)
             while True:
@@ -244,7 +264,7 @@ class LeafChannelServer:
                 if kind == ATTACH and attachment is None:
                     attachment = self._attach_message(conn, message)
                 elif kind == WAVE and attachment is not None:
-                    self._wave_message(conn, attachment, message)
+                    self._wave_message(conn, nonblocking, attachment, message)
                 else:
                     what = "an attach first" if attachment is None else "a wave"
                     self._send(conn, pack_error(0, grpc.StatusCode.FAILED_PRECONDITION,
@@ -256,6 +276,7 @@ class LeafChannelServer:
                 self._detach(attachment)
             with self._lock:
                 self._connections.pop(conn, None)
+            nonblocking.close()
             conn.close()
 
     @staticmethod
@@ -388,7 +409,7 @@ class LeafChannelServer:
 
     # -- waves ------------------------------------------------------------------------
 
-    def _wave_message(self, conn: socket.socket, a: _Attachment, message: bytes) -> None:
+    def _wave_message(self, conn: socket.socket, nonblocking: socket.socket, a: _Attachment, message: bytes) -> None:
         start = time.perf_counter()
         seq, rows, done, reason = 0, 0, None, None
         try:
@@ -400,7 +421,9 @@ class LeafChannelServer:
                 raise _Bad(grpc.StatusCode.INVALID_ARGUMENT, f"wave: rows {rows} out of range 1..{a.max_rows} "
                            "(the attached regions' size)")
             deadline = time.monotonic() + timeout_us / 1e6 if timeout_us > 0 else None
-            done = self._run_wave(a, rows, deadline, lambda req, seq=seq: self._send(conn, _reply(seq, req)))
+            # The worker's send never blocks (a client not reading its replies must not hold
+            # the lane): refused, this thread sends instead.
+            done = self._run_wave(a, rows, deadline, lambda req, seq=seq: _try_send(nonblocking, _reply(seq, req)))
         except _Bad as exc:
             reason, reply = "invalid_input", pack_error(seq, exc.code, str(exc))
         except SharedMemoryError as exc:
@@ -427,9 +450,10 @@ class LeafChannelServer:
 
     def _run_wave(self, a: _Attachment, rows: int, deadline: float | None, answer):
         """Runs rows [0, rows) of the input region and writes the outputs.
-        With a CUDA output region the run writes them there, and the
-        critical lane's worker sends the reply (``answer(request)``, as
-        :attr:`reward_service.batcher.Request.on_written`): then the returned
+        With a CUDA output region the run may write them there itself (a
+        bound runner fed device waves only), and the critical lane's worker
+        then sends the reply (``answer(request)``, as
+        :attr:`reward_service.batcher.Request.on_written`): the returned
         request's ``answered`` is set and nothing is left to send.
 
         Raises:

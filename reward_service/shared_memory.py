@@ -202,7 +202,7 @@ def _allocation_bytes(ptr: int) -> int | None:
     return size.value - (ptr - base.value)
 
 
-_VIEWS_KEPT = 8  # per CUDA region: a leaf channel's three views, and room for a bulk client's
+_VIEWS_KEPT = 8  # per CUDA region: a leaf channel's (its input, or its outputs), with room to spare
 
 
 class _CudaMemory:
@@ -273,7 +273,7 @@ class _CudaMemory:
         """A CuPy array over the allocation's bytes from ``offset``, not copied
         (the same array for the same arguments while the region lives: views
         of a few shapes each are kept)."""
-        key = (offset, dtype, shape)
+        key = (offset, dtype, tuple(shape))
         view = self._views.get(key)
         if view is None:
             with self._on_device():

@@ -343,6 +343,7 @@ def test_on_written_answers_from_the_worker_before_the_waiter_wakes():
 
     def answer(req):
         seen.append((threading.current_thread().name, req.done(), req.bucket, req.compute_ms > 0))
+        return True
 
     target = {"y": np.zeros((2, 3), np.float32)}
     done = b.evaluate(rows_of(3, 2), 2, CRITICAL, targets=target, on_written=answer)
@@ -354,11 +355,29 @@ def test_on_written_answers_from_the_worker_before_the_waiter_wakes():
     failed = b.evaluate(rows_of(9, 1), 1, CRITICAL, targets={"y": np.zeros((1, 3), np.float32)}, on_written=answer)
     assert failed.error is not None and not failed.answered and len(seen) == 1
 
-    def broken(req):
-        raise OSError("the client is gone")
+    for refusing in (lambda req: False, lambda req: 1 / 0):  # a send refused; a bug
+        late = b.evaluate(rows_of(5, 1), 1, CRITICAL, targets={"y": np.zeros((1, 3), np.float32)},
+                          on_written=refusing)
+        assert late.done() and late.error is None and not late.answered  # the waiter answers instead
+    b.close()
 
-    late = b.evaluate(rows_of(5, 1), 1, CRITICAL, targets={"y": np.zeros((1, 3), np.float32)}, on_written=broken)
-    assert late.done() and late.error is None and not late.answered  # the waiter answers instead
+
+def test_batch_mates_are_done_before_a_request_is_answered_from_the_worker():
+    """A plain request merged with a wave is set done before the wave's
+    on_written runs: it never waits for another request's reply."""
+    model = Model()
+    b = make(_writing_targets(model))
+    model.hold(CRITICAL)
+    blocker = b.submit(rows_of(-1, 1), 1, CRITICAL)
+    assert model.wait_inside(1)  # the worker is busy: the next two are merged into one batch
+    plain = b.submit(rows_of(2, 1), 1, CRITICAL)
+    seen = []
+    wave = b.submit(rows_of(3, 1), 1, CRITICAL, targets={"y": np.zeros((1, 3), np.float32)},
+                    on_written=lambda req: seen.append(plain.done()) or True)
+    model.gate.set()
+    assert wave.wait(5) and plain.wait(5) and blocker.wait(5)
+    assert len(model.batches[-1].requests) == 2  # merged
+    assert seen == [True] and wave.answered
     b.close()
 
 
