@@ -38,7 +38,7 @@ compute_us_per_wave, transport_us_per_wave, bookkeeping_us_per_wave, waves, eval
 position_set, evaluator, budget_ms, positions, optimal_move_rate,
 simulations_mean.
 
-Command (full): ``python3 -m bench.neural_search``
+Command (full): ``python3 -m bench.neural_search`` (``--kinds search_quality``: those rows only)
 Smoke test:     ``python3 -m bench.neural_search --quick`` (CPU reference, small sizes)
 """
 from __future__ import annotations
@@ -205,10 +205,15 @@ def main() -> None:
     parser = common.make_parser(__doc__)
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--positions", type=int, default=200, help="positions per set for the quality rows")
+    parser.add_argument("--kinds", default="latency,throughput,search_quality",
+                        help="comma list of the row kinds to run (default: all three)")
     parser.add_argument("--value-waves", type=common.int_list, default=None,
                         help="comma list: leaves per wave of the value model's quality rows "
                              "(default: the config's search.value_model_parallel_sims)")
     args = parser.parse_args()
+    kinds = set(args.kinds.split(","))
+    if kinds - {"latency", "throughput", "search_quality"}:
+        parser.error(f"--kinds: unknown {sorted(kinds - {'latency', 'throughput', 'search_quality'})}")
     from tandem.v1 import reward_pb2_grpc
 
     from search_service.coalescing import CoalescingEvaluator
@@ -235,7 +240,7 @@ def main() -> None:
             ipc = _leaf_channel(stub)
             hand_offs = (ipc, RewardServiceEvaluator(ch, "connect4_value", timeout_s=30))
             ways = [(ipc, True), (ipc, False), (hand_offs[1], False)]  # device waves, the host way, gRPC
-            for direct, device in ways:
+            for direct, device in ways if "latency" in kinds else ():
                 for wave in (8,) if args.quick else (32, 64, 128, 256):
                     row = common.attempt(f"latency {direct.handoff} device={device} wave {wave}", latency, backend,
                                          direct, wave, 64 if args.quick else 1000, 2 if args.quick else args.repeats,
@@ -243,7 +248,7 @@ def main() -> None:
                     if row:
                         common.progress(row)
                         rows.append(row)
-            for direct, device in ways:
+            for direct, device in ways if "throughput" in kinds else ():
                 for batch in (64,) if args.quick else (64, 256, 1024, 4096):
                     row = throughput(direct, batch, 3 if args.quick else args.repeats, device)
                     if row:
@@ -256,7 +261,7 @@ def main() -> None:
             serving = CoalescingEvaluator(handoff)
             try:
                 value_waves = args.value_waves or [cfg.search.value_model_parallel_sims]
-                for set_name in SETS:
+                for set_name in SETS if "search_quality" in kinds else ():
                     for name, wave in [*(("value_model", w) for w in value_waves),
                                        ("rollout", 256 if variant != common.CPU_VARIANT else cfg.search.parallel_sims)]:
                         # A cache of its own per row: another row's evaluations of the same positions would be hits.
