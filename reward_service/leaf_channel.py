@@ -244,8 +244,12 @@ class LeafChannelServer:
         since = time.monotonic()  # the connection's start, or its last message
         # The same socket for the critical lane's worker to answer on without blocking
         # (a socket's timeout is per object; a send on a timeout socket waits up to it).
-        nonblocking = conn.dup()
-        nonblocking.setblocking(False)
+        # Without a descriptor for it (EMFILE) this thread answers every wave.
+        try:
+            nonblocking = conn.dup()
+            nonblocking.setblocking(False)
+        except OSError:
+            nonblocking = None
         try:
             conn.settimeout(self._renew_s)
             while True:
@@ -276,7 +280,8 @@ class LeafChannelServer:
                 self._detach(attachment)
             with self._lock:
                 self._connections.pop(conn, None)
-            nonblocking.close()
+            if nonblocking is not None:
+                nonblocking.close()
             conn.close()
 
     @staticmethod
@@ -409,7 +414,8 @@ class LeafChannelServer:
 
     # -- waves ------------------------------------------------------------------------
 
-    def _wave_message(self, conn: socket.socket, nonblocking: socket.socket, a: _Attachment, message: bytes) -> None:
+    def _wave_message(self, conn: socket.socket, nonblocking: socket.socket | None, a: _Attachment,
+                      message: bytes) -> None:
         start = time.perf_counter()
         seq, rows, done, reason = 0, 0, None, None
         try:
@@ -423,7 +429,8 @@ class LeafChannelServer:
             deadline = time.monotonic() + timeout_us / 1e6 if timeout_us > 0 else None
             # The worker's send never blocks (a client not reading its replies must not hold
             # the lane): refused, this thread sends instead.
-            done = self._run_wave(a, rows, deadline, lambda req, seq=seq: _try_send(nonblocking, _reply(seq, req)))
+            answer = None if nonblocking is None else (lambda req, seq=seq: _try_send(nonblocking, _reply(seq, req)))
+            done = self._run_wave(a, rows, deadline, answer)
         except _Bad as exc:
             reason, reply = "invalid_input", pack_error(seq, exc.code, str(exc))
         except SharedMemoryError as exc:
