@@ -260,9 +260,9 @@ the held-out positions neither trained on{l1}. Previous → new:
 def write_card(path: Path, *, command: str, params: int, config: dict, args, counts: dict,
                metrics: dict, diff: float, size: int, train_s: float,
                comparison: dict | None = None, previous: str = "") -> None:
-    """Write the Markdown model card."""
     note = args.compare_note or PREVIOUS_NOTE
     l1_split = not args.compare_l1_whole
+    """Write the Markdown model card."""
     train_rows = "\n".join(f"| {k} | {v} |" for k, v in counts.items())
     pons_note = (", ".join(args.train_pons) + " (90 % each) are trained on; the other Pons sets are"
                  if args.train_pons else "All four Pons sets are")
