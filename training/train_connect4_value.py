@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import hashlib
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -191,24 +190,17 @@ def evaluate(value: np.ndarray, logits: np.ndarray, s: PositionSet) -> dict:
 PREVIOUS_SEED = 1995  # the previous model's split seed (its held-out 10 % of the L1 sets)
 
 
-PREVIOUS_NOTE = ("158,720 parameters, trained on 81,611 positions: UCI rows, UCI random walks, "
-                 "90 % of Test_L1_R1 / Test_L1_R2")  # the card of 2026-11-30
-
-
-def compare(previous: Path, current: Path, held: dict, seed: int = PREVIOUS_SEED,
-            l1_split: bool = True) -> dict:
+def compare(previous: Path, current: Path, held: dict, seed: int = PREVIOUS_SEED) -> dict:
     """{set name: (previous metrics, current metrics)} on the positions neither
     model trained on.
 
-    With ``l1_split`` (the default) the previous model is the one of the card
-    of 2026-11-30, which trained on the UCI rows, the UCI random walks and 90 %
-    of Test_L1_R1 / Test_L1_R2, split by the same keyed hash with ``seed``: so
-    on the L1 sets only its held-out 10 % count. Without it the previous model
-    trained on no Pons set and the L1 sets count whole. Every other held-out
-    set here must be unseen by both (same split seed for the shared sources)."""
+    The previous model (the card of 2026-11-30) trained on the UCI rows, the
+    UCI random walks and 90 % of Test_L1_R1 / Test_L1_R2, split by the same
+    keyed hash with ``seed``: so on the L1 sets only its held-out 10 % count,
+    and every other held-out set here is unseen by both."""
     out = {}
     for name, s in held.items():
-        if l1_split and name in TRAIN_PONS:
+        if name in TRAIN_PONS:
             s = s.subset(heldout_mask(s.boards, seed))
             name = f"{name} (the 10 % both never saw)"
         if len(s) == 0:
@@ -233,12 +225,10 @@ def metric_rows(metrics: dict) -> str:
         for name, m in metrics.items())
 
 
-def comparison_section(comparison: dict | None, previous: str, note: str = PREVIOUS_NOTE,
-                       l1_split: bool = True) -> str:
+def comparison_section(comparison: dict | None, previous: str) -> str:
     """The card's previous-vs-new section ('' without a comparison)."""
     if not comparison:
         return ""
-    l1 = " (on the L1 sets: the previous model's\nheld-out 10 %)" if l1_split else ""
     rows = "\n".join(
         f"| {name} | {old['positions']} | {pct(old['value_accuracy'])} → {pct(new['value_accuracy'])} | "
         f"{pct(old['value_accuracy_draw'])} → {pct(new['value_accuracy_draw'])} | "
@@ -248,8 +238,10 @@ def comparison_section(comparison: dict | None, previous: str, note: str = PREVI
     return f"""
 ## Against the previous model
 
-The previous file ({previous}: {note}) against this one, on
-the held-out positions neither trained on{l1}. Previous → new:
+The previous file ({previous}: 158,720 parameters, trained on 81,611 positions:
+UCI rows, UCI random walks, 90 % of Test_L1_R1 / Test_L1_R2) against this one, on
+the held-out positions neither trained on (on the L1 sets: the previous model's
+held-out 10 %). Previous → new:
 
 | held-out set | positions | value acc. | on draws | good move | best move |
 | --- | --- | --- | --- | --- | --- |
@@ -260,8 +252,6 @@ the held-out positions neither trained on{l1}. Previous → new:
 def write_card(path: Path, *, command: str, params: int, config: dict, args, counts: dict,
                metrics: dict, diff: float, size: int, train_s: float,
                comparison: dict | None = None, previous: str = "") -> None:
-    note = args.compare_note or PREVIOUS_NOTE
-    l1_split = not args.compare_l1_whole
     """Write the Markdown model card."""
     train_rows = "\n".join(f"| {k} | {v} |" for k, v in counts.items())
     pons_note = (", ".join(args.train_pons) + " (90 % each) are trained on; the other Pons sets are"
@@ -356,7 +346,7 @@ column keeps the solver's result (for lost positions: is a slowest loss).
 
 Export check: `onnx.checker` (full check) passes; ONNX Runtime and PyTorch
 outputs differ by at most {diff:.1e} on 1,024 held-out positions.
-{comparison_section(comparison, previous, note, l1_split)}
+{comparison_section(comparison, previous)}
 ## Reproduce
 
 ```
@@ -394,11 +384,6 @@ def main(argv: list | None = None) -> int:
                         help="Pons sets to train on (90 %%); default none: all four stay held out")
     parser.add_argument("--compare", type=Path, default=None,
                         help="the previous model's ONNX file: adds a previous-vs-new table to the card")
-    parser.add_argument("--compare-note", default=None,
-                        help="the card's description of the --compare model (default: the 2026-11-30 model's)")
-    parser.add_argument("--compare-l1-whole", action="store_true",
-                        help="the --compare model trained on no Pons set: compare on the whole L1 sets "
-                             "(default: only the 10 %% the 2026-11-30 model held out)")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     args = parser.parse_args(argv)
 
@@ -407,7 +392,7 @@ def main(argv: list | None = None) -> int:
     from .connect4_model import parameter_count
 
     torch.set_num_threads(args.threads)
-    command = "python -m training.train_connect4_value " + shlex.join(
+    command = "python -m training.train_connect4_value " + " ".join(
         sys.argv[1:] if argv is None else argv)
 
     t0 = time.perf_counter()
@@ -448,7 +433,7 @@ def main(argv: list | None = None) -> int:
     comparison, previous = None, ""
     if args.compare is not None:
         previous = f"sha256 {hashlib.sha256(args.compare.read_bytes()).hexdigest()[:16]}…"
-        comparison = compare(args.compare, args.out, held, l1_split=not args.compare_l1_whole)
+        comparison = compare(args.compare, args.out, held)
         for name, (old, new) in comparison.items():
             print(f"{name}: value acc {pct(old['value_accuracy'])} -> {pct(new['value_accuracy'])}, "
                   f"good move {pct(old['good_move_rate'])} -> {pct(new['good_move_rate'])}")

@@ -22,7 +22,7 @@ PONS = ("Test_L3_R1", "Test_L2_R1", "Test_L1_R1", "Test_L1_R2")
 SOLVER_FILE = C4 / "solver" / "uci_random_walks.jsonl.gz"
 # Random walks from the empty board: file -> inclusive stone-count range.
 WALKS = {"walks/walks_05-11.jsonl.gz": (5, 11), "walks/walks_12-17.jsonl.gz": (12, 17),
-         "walks/walks_18-41.jsonl.gz": (18, 41), "walks/walks_more_10-17.jsonl.gz": (10, 17)}
+         "walks/walks_18-41.jsonl.gz": (18, 41)}
 ROWS, COLS = 6, 7
 
 
