@@ -44,8 +44,10 @@ Smoke test:     ``python3 -m bench.neural_search --quick`` (CPU reference, small
 from __future__ import annotations
 
 import contextlib
+import cProfile
 import dataclasses
 import multiprocessing
+import pstats
 import socket
 import time
 from dataclasses import replace
@@ -205,6 +207,9 @@ def main() -> None:
     parser = common.make_parser(__doc__)
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--positions", type=int, default=200, help="positions per set for the quality rows")
+    parser.add_argument("--profile", action="store_true",
+                        help="cProfile the latency rows (this thread: the search loop) into "
+                             "neural_search_profile.txt beside the result file")
     parser.add_argument("--kinds", default="latency,throughput,search_quality",
                         help="comma list of the row kinds to run (default: all three)")
     parser.add_argument("--value-waves", type=common.int_list, default=None,
@@ -240,14 +245,25 @@ def main() -> None:
             ipc = _leaf_channel(stub)
             hand_offs = (ipc, RewardServiceEvaluator(ch, "connect4_value", timeout_s=30))
             ways = [(ipc, True), (ipc, False), (hand_offs[1], False)]  # device waves, the host way, gRPC
+            profiler = cProfile.Profile() if args.profile else None
             for direct, device in ways if "latency" in kinds else ():
                 for wave in (8,) if args.quick else (32, 64, 128, 256):
+                    if profiler:
+                        profiler.enable()
                     row = common.attempt(f"latency {direct.handoff} device={device} wave {wave}", latency, backend,
                                          direct, wave, 64 if args.quick else 1000, 2 if args.quick else args.repeats,
                                          device)
+                    if profiler:
+                        profiler.disable()
                     if row:
                         common.progress(row)
                         rows.append(row)
+            if profiler:
+                out = (args.out or common.RESULTS_DIR) / "neural_search_profile.txt"
+                out.parent.mkdir(parents=True, exist_ok=True)
+                with open(out, "w") as fh:
+                    pstats.Stats(profiler, stream=fh).sort_stats("tottime").print_stats(40)
+                common.note(f"profile of the latency rows: {out}")
             for direct, device in ways if "throughput" in kinds else ():
                 for batch in (64,) if args.quick else (64, 256, 1024, 4096):
                     row = throughput(direct, batch, 3 if args.quick else args.repeats, device)
