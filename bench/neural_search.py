@@ -80,6 +80,14 @@ def _device_waves(evaluator, rows: int):
     return DeviceWaves(evaluator, None)
 
 
+def _row_handoff(evaluator, device: bool) -> str:
+    """A row's ``handoff``: ``ipc`` (device waves), ``ipc_host`` (the leaf
+    channel through the host) or the evaluator's own (``grpc``)."""
+    if evaluator.handoff != "ipc":
+        return evaluator.handoff
+    return "ipc" if device else "ipc_host"
+
+
 def latency(backend, evaluator, wave: int, simulations: int, repeats: int, device: bool = False) -> dict | None:
     """One ``latency`` row: ``repeats`` searches of the empty board; ``device``:
     the leaf channel's CUDA regions as device waves (handoff ``ipc``; the
@@ -94,7 +102,7 @@ def latency(backend, evaluator, wave: int, simulations: int, repeats: int, devic
         if waves is None:
             return None
         kw = {"device_waves": waves}
-    handoff = "ipc" if device else ("ipc_host" if evaluator.handoff == "ipc" else evaluator.handoff)
+    handoff = _row_handoff(evaluator, device)
     backend.search(root, params, evaluator, **kw)  # warm-up: kernels, the reward session's buckets
     ms, kernel, waves = [], [], []
     per_wave = {k: [] for k in ("handoff", "model", "queue", "compute", "call_rest", "bookkeeping")}  # µs
@@ -130,16 +138,14 @@ def throughput(evaluator, batch: int, repeats: int, device: bool = False) -> dic
     input region, answers left in the output region (``ipc``; host arrays
     both ways through the same channel: ``ipc_host``)."""
     boards = np.random.default_rng(batch).integers(0, 2, (batch, 2, 6, 7)).astype(np.uint8)
-    call, handoff = (lambda: evaluator(boards)), evaluator.handoff
-    if evaluator.handoff == "ipc":
-        handoff = "ipc_host"
-        if device:
-            waves = _device_waves(evaluator, batch)
-            if waves is None:
-                return None
-            waves.inputs[:batch].set(boards)
-            common.sync_cuda()
-            call, handoff = (lambda: waves.evaluate(batch)), "ipc"
+    call, handoff = (lambda: evaluator(boards)), _row_handoff(evaluator, device)
+    if handoff == "ipc":
+        waves = _device_waves(evaluator, batch)
+        if waves is None:
+            return None
+        waves.inputs[:batch].set(boards)
+        common.sync_cuda()
+        call = lambda: waves.evaluate(batch)  # noqa: E731 - one call, timed below
     call()
     ms = []
     for _ in range(repeats):

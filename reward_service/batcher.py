@@ -655,9 +655,11 @@ class Batcher:
             for req in batch.requests:
                 req.state = DONE
                 lane.latencies_ms.append(req.queue_ms + compute_ms)
-        answering = [r for r in batch.requests if r.on_written is not None and r.targets_written and r.error is None]
+        answering = []  # requests the worker answers itself, after the others are done
         for req in batch.requests:
-            if req not in answering:
+            if req.on_written is not None and req.targets_written and req.error is None:
+                answering.append(req)
+            else:
                 req._done.set()
         try:
             for req in answering:

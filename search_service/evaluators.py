@@ -218,6 +218,11 @@ class DeviceWaves:
                 and channel.input_row == OBSERVATION_ROW and rows.get("value") == (1,)
                 and rows.get("policy_logits", (NUM_ACTIONS,)) == (NUM_ACTIONS,))
 
+    def carries(self, rows: int) -> bool:
+        """Whether a wave of ``rows`` slots (B trees x K) goes by these regions:
+        the CUDA backend's rule for using them, which the servicer reports."""
+        return rows <= self.max_rows
+
     def __call__(self, observations) -> tuple[np.ndarray, np.ndarray | None]:
         """Host values and priors (the fresh roots): as :meth:`LeafChannelEvaluator.__call__`."""
         return self._ev(observations, self.deadline)

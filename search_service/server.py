@@ -193,7 +193,7 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
                 results, trees = self.backend.search(position, params, evaluator, [tree], **stop)
             handoff = ""  # this search's own: the shared evaluator's last is another search's
             if params.evaluator == "value_model":
-                lent = waves is not None and waves.max_rows >= params.parallel_sims
+                lent = waves is not None and waves.carries(params.parallel_sims)  # one tree: B = 1
                 handoff = HANDOFF_IPC if lent else getattr(self.handoff, "handoff", HANDOFF_GRPC)
         except Exception as exc:
             if not pools.is_out_of_memory(exc):

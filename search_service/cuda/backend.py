@@ -249,7 +249,7 @@ class _Search:
         self.waves = 0
         self.model_simulations = np.zeros(b, np.int64)  # per tree: simulations whose leaf the model valued
         # The device hand-off, where it carries a whole wave (B * K slots, one row each).
-        fits = device_waves is not None and device_waves.max_rows >= b * params.parallel_sims
+        fits = device_waves is not None and device_waves.carries(b * params.parallel_sims)
         self.device_waves = device_waves if self.puct and fits else None
 
     # -- set-up --------------------------------------------------------------------
