@@ -25,6 +25,13 @@ Three kinds of row (``kind``):
   the leaves valued per second of search.
 * ``throughput``: the value model's evaluated positions per second through
   one hand-off of ``batch`` boards (64 .. 4096), as a client sees it.
+* ``timeline`` (``--timeline``): where the time of the ``ipc`` latency rows
+  goes, from the marks both services record (tandem/timeline.py): per pair
+  of consecutive marks (``from_mark`` -> ``to_mark``, in either process),
+  the median and p90 of the µs between them over every wave of the row's
+  searches (``us_p50``, ``us_p90``, ``count``; pairs seen fewer times than
+  the row has searches are left out), and ``search.start`` -> ``search.end``
+  (``step``: ``total``; else ``consecutive``).
 * ``search_quality``: ``optimal_move_rate`` with a 16 ms deadline per
   position (each its own search, as served: the cache and the coalescing of
   the serving path in front of the reward service, the leaf channel where it
@@ -36,19 +43,23 @@ Row fields: kind, handoff, simulations, wave, latency_ms_p50, latency_ms_p99,
 kernel_ms, handoff_us_per_wave, model_us_per_wave, queue_us_per_wave,
 compute_us_per_wave, transport_us_per_wave, bookkeeping_us_per_wave, waves, evals_per_s; batch;
 position_set, evaluator, budget_ms, positions, optimal_move_rate,
-simulations_mean.
+simulations_mean; step, from_mark, to_mark, us_p50, us_p90, count.
 
 Command (full): ``python3 -m bench.neural_search`` (``--kinds search_quality``: those rows only)
 Smoke test:     ``python3 -m bench.neural_search --quick`` (CPU reference, small sizes)
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import cProfile
 import dataclasses
+import glob
 import multiprocessing
+import os
 import pstats
 import socket
+import tempfile
 import time
 from dataclasses import replace
 
@@ -56,11 +67,12 @@ import numpy as np
 
 from bench import common
 from stack.stats import percentiles
+from tandem import timeline
 from tandem.config import load_config
 
 BENCHMARK = "neural_search"
 COLUMNS = ("kind", "handoff", "wave", "batch", "position_set", "evaluator", "latency_ms_p50", "kernel_ms", "handoff_us_per_wave",
-           "model_us_per_wave", "evals_per_s", "optimal_move_rate", "simulations_mean")
+           "model_us_per_wave", "evals_per_s", "optimal_move_rate", "simulations_mean", "from_mark", "to_mark", "us_p50")
 SETS = ("Test_L1_R1", "Test_L1_R2", "Test_L2_R1", "Test_L3_R1")
 
 
@@ -195,6 +207,30 @@ def _serve_reward(cfg, ready, stop) -> None:
     ready.set()
     stop.wait()
     service.stop()
+    timeline.dump()  # with --timeline: its marks, for the parent to read
+
+
+def timeline_rows(wave: int, search_marks: list, service_marks: list, searches: int) -> list[dict]:
+    """The ``timeline`` rows of one latency row: its searches' marks (this
+    process) with the reward service's marks of the same span, in time order."""
+    if not search_marks:
+        return []
+    lo, hi = search_marks[0][0], search_marks[-1][0]
+    marks = sorted(search_marks + [m for m in service_marks if lo <= m[0] <= hi])
+    gaps = collections.defaultdict(list)  # (from, to) -> µs
+    for (t0, a), (t1, b) in zip(marks, marks[1:]):
+        gaps[(a, b)].append((t1 - t0) / 1e3)
+    starts = [t for t, n in search_marks if n == "search.start"]
+    ends = [t for t, n in search_marks if n == "search.end"]
+    gaps[("search.start", "search.end", "total")] = [(e - s) / 1e3 for s, e in zip(starts, ends)]
+    rows = []
+    for key, us in sorted(gaps.items(), key=lambda kv: -len(kv[1])):
+        if len(us) < searches:
+            continue
+        p50, p90 = np.percentile(us, [50, 90])
+        rows.append(dict(kind="timeline", handoff="ipc", wave=wave, step="total" if len(key) == 3 else "consecutive",
+                         from_mark=key[0], to_mark=key[1], us_p50=float(p50), us_p90=float(p90), count=len(us)))
+    return rows
 
 
 def _leaf_channel(stub):
@@ -218,6 +254,9 @@ def main() -> None:
                              "neural_search_profile.txt beside the result file")
     parser.add_argument("--kinds", default="latency,throughput,search_quality",
                         help="comma list of the row kinds to run (default: all three)")
+    parser.add_argument("--timeline", action="store_true",
+                        help="record both services' marks (tandem/timeline.py) during the ipc latency rows "
+                             "and add the timeline rows")
     parser.add_argument("--value-waves", type=common.int_list, default=None,
                         help="comma list: leaves per wave of the value model's quality rows "
                              "(default: the config's search.value_model_parallel_sims)")
@@ -232,6 +271,8 @@ def main() -> None:
     from search_service.leaf_cache import CachedEvaluator, EvaluationCache
     from tandem.server import channel
 
+    if args.timeline:  # before the reward service's process starts: it inherits the setting
+        timeline.enable(tempfile.mkdtemp(prefix="tandem-timeline-"))
     cfg = load_config()
     cfg = replace(cfg, reward=replace(cfg.reward, address=_free_address(), metrics_port=0,
                                       **({"execution_provider": "cpu"} if args.quick else {})))
@@ -244,7 +285,7 @@ def main() -> None:
     service.start()
     if not ready.wait(300):
         raise SystemExit("the reward service did not start in 300 s")
-    rows = []
+    rows, marked = [], []  # marked: (wave, this process's marks, searches) of the ipc latency rows
     try:
         with channel(cfg.reward.address, cfg) as ch:
             stub = reward_pb2_grpc.RewardServiceStub(ch)
@@ -256,11 +297,14 @@ def main() -> None:
                 for wave in (8,) if args.quick else (32, 64, 128, 256):
                     if profiler:
                         profiler.enable()
+                    timeline.take()  # only this row's marks from here
                     row = common.attempt(f"latency {direct.handoff} device={device} wave {wave}", latency, backend,
                                          direct, wave, 64 if args.quick else 1000, 2 if args.quick else args.repeats,
                                          device)
                     if profiler:
                         profiler.disable()
+                    if row and args.timeline and row["handoff"] == "ipc":
+                        marked.append((wave, timeline.take(), row["repeats"]))
                     if row:
                         common.progress(row)
                         rows.append(row)
@@ -299,6 +343,11 @@ def main() -> None:
     finally:
         stop.set()
         service.join(30)
+    if args.timeline:
+        service_marks = [m for path in glob.glob(os.path.join(timeline.FOLDER, "timeline-*.json"))
+                         for m in timeline.load(path)]
+        for wave, marks, searches in marked:
+            rows += timeline_rows(wave, marks, service_marks, searches)
     common.finish(BENCHMARK, rows, args.out, COLUMNS)
 
 

@@ -96,6 +96,8 @@ from typing import Callable, Sequence
 import numpy as np
 from tandem.v1 import reward_pb2
 
+from tandem import timeline
+
 log = logging.getLogger(__name__)
 
 CRITICAL, BULK = reward_pb2.REQUEST_CLASS_CRITICAL, reward_pb2.REQUEST_CLASS_BULK
@@ -242,8 +244,10 @@ class Batch:
 
 
 def on_device(array) -> bool:
-    """Whether ``array`` is a CUDA device array (CuPy, or any with the CUDA array interface)."""
-    return hasattr(array, "__cuda_array_interface__")
+    """Whether ``array`` is a CUDA device array (CuPy, or any type with the CUDA
+    array interface). Asked of the type: CuPy builds the interface's dict on
+    every access of the instance's attribute (µs per feed, per batch)."""
+    return hasattr(type(array), "__cuda_array_interface__")
 
 
 def to_host(array) -> np.ndarray:
@@ -318,6 +322,9 @@ class Batcher:
             bulk lane's, never both at once (the model's warm-up: ONNX
             Runtime's CUDA execution provider keeps per-thread state); the
             constructor returns when both are done.
+        executed: ``executed(batch, seconds)``, on the lane's worker after
+            every run (failed ones too), once its requests are done and
+            answered: the run's figures (metrics) off the requests' wait.
 
     Raises:
         ValueError: a non-positive size, a negative delay, unsorted buckets.
@@ -336,13 +343,14 @@ class Batcher:
         clock: Callable[[], float] = time.monotonic,
         merge: bool = True,
         warm_up: Callable[[int], None] | None = None,
+        executed: Callable[[Batch, float], None] | None = None,
     ):
         buckets = tuple(int(b) for b in buckets)
         if list(buckets) != sorted(set(buckets)) or any(b <= 0 for b in buckets):
             raise ValueError(f"buckets must be positive and strictly ascending, got {list(buckets)}")
         if max_batch_size <= 0 or max_queue_size <= 0 or max_queue_delay_us < 0:
             raise ValueError("max_batch_size and max_queue_size must be > 0, max_queue_delay_us >= 0")
-        self._run = run
+        self._run, self._executed = run, executed
         # False: one request per batch, for models whose requests cannot be
         # concatenated (a fixed batch size, or another dynamic dimension).
         self.merge = merge
@@ -570,6 +578,7 @@ class Batcher:
                         break
                     lane.wake.wait(wait_s)
                 expired, batch = self._take_locked(lane)
+            timeline.mark("batch.taken")
             for req in expired:
                 req._done.set()
             if batch is not None:
@@ -655,11 +664,12 @@ class Batcher:
             for req in batch.requests:
                 req.state = DONE
                 lane.latencies_ms.append(req.queue_ms + compute_ms)
-        answering = []  # requests the worker answers itself, after the others are done
+        # Requests the worker answers itself, after the others are done.
+        answering = [r for r in batch.requests if r.on_written is not None and r.targets_written and r.error is None]
+        if not answering:
+            self._record(batch, compute_ms)  # the run's figures before any waiter wakes, as a reply follows
         for req in batch.requests:
-            if req.on_written is not None and req.targets_written and req.error is None:
-                answering.append(req)
-            else:
+            if req not in answering:
                 req._done.set()
         try:
             for req in answering:
@@ -667,7 +677,15 @@ class Batcher:
                     req.answered = bool(req.on_written(req))
                 except Exception:  # a bug: the waiter answers instead
                     log.exception("model %s: a request's on_written failed", self.name)
-                req._done.set()
-        finally:  # even past a BaseException: no waiter is left hanging (setting twice is harmless)
+        finally:  # even past a BaseException: no waiter is left hanging
+            if answering:
+                self._record(batch, compute_ms)  # off the answered clients' wait, before their waiters go on
             for req in answering:
                 req._done.set()
+
+    def _record(self, batch: Batch, compute_ms: float) -> None:
+        if self._executed is not None:
+            try:
+                self._executed(batch, compute_ms / 1e3)
+            except Exception:  # figures lost, the lane goes on
+                log.exception("model %s: recording a run failed", self.name)

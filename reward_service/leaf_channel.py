@@ -30,8 +30,10 @@ Invariants:
   reward_service/model_metrics.py) are recorded on its connection's thread
   just after its answer is sent -- off the client's wait -- and before the
   thread reads the next message: a reader may see them a moment after the
-  reply, never lose them. Its run's figures are the batcher's, recorded
-  before the reply.
+  reply, never lose them. Its run's figures are the batcher's
+  (``Batcher(executed=)``): recorded on the worker before the reply of a
+  wave the connection's thread answers, just after it for one the worker
+  answers, and before the waiting connection thread goes on either way.
 * A region is attached to at most one connection (``_attached``): two
   connections writing one output region would answer each other's waves.
 * Every message gets an answer (``R``/``A`` or ``E`` with a gRPC status); a
@@ -65,7 +67,7 @@ from reward_service.model_metrics import ModelMetrics
 from reward_service.refusal import Refusal, run
 from reward_service.session import ModelSession
 from reward_service.shared_memory import RegionTable, SharedMemoryError
-from tandem import tensors
+from tandem import tensors, timeline
 from tandem.config import LeafChannelConfig
 from tandem.errors import quote
 from tandem.leaf_channel import (ATTACH, ERROR, MAX_MESSAGE_BYTES, REPLY, REPLY_FORMAT, WAVE, WAVE_FORMAT, OutputSlot,
@@ -148,6 +150,7 @@ def _try_send(sock: socket.socket, message: bytes) -> bool:
     (a SEQPACKET message goes whole or not at all); False when refused."""
     try:
         sock.send(message)
+        timeline.mark("channel.replied")
         return True
     except BlockingIOError:
         return False  # the client's buffer is full: its connection's thread waits instead
@@ -255,6 +258,7 @@ class LeafChannelServer:
             while True:
                 try:
                     message = conn.recv(MAX_MESSAGE_BYTES)
+                    timeline.mark("channel.received")
                 except TimeoutError:
                     if attachment is not None:  # idle: the connection is the regions' heartbeat
                         self._renew(attachment)
@@ -472,12 +476,14 @@ class LeafChannelServer:
         """
         with self.regions.acquire(a.client_id, [a.input_region, a.output_region]) as lease:
             out_kind = self._check_regions(lease, a)
-            # Views of max_rows rows, sliced: the regions keep them (shared_memory.py).
-            feed = lease.array(a.input_region, 0, a.input_dtype, (a.max_rows, *a.input_row))[:rows]
+            timeline.mark("channel.leased")
+            # Views of the wave's rows: a CUDA region keeps the ones it made (shared_memory.py).
+            feed = lease.array(a.input_region, 0, a.input_dtype, (rows, *a.input_row))
             targets = None
             if out_kind == "cuda":  # the bound runner writes the outputs there, device to device
-                targets = {s.name: lease.array(a.output_region, s.offset, _FLOAT32, (a.max_rows, *s.row))[:rows]
+                targets = {s.name: lease.array(a.output_region, s.offset, _FLOAT32, (rows, *s.row))
                            for s in a.outputs}
+            timeline.mark("channel.submitted")
             done = run(self.batchers[a.session.name], a.session.name, {a.input_name: feed}, rows,
                        CRITICAL, deadline, a.output_names, targets, answer)
             if done.targets_written:  # written by the run, while the lease held the region

@@ -377,15 +377,11 @@ def _warm_up(servicer: RewardServicer) -> None:
 
 
 def _batcher(session: ModelSession, cfg: TandemConfig, metrics: ModelMetrics) -> Batcher:
-    def run(batch):
-        start = time.perf_counter()
-        try:
-            return session.run_batch(batch)
-        finally:  # a failed run is an execution too
-            metrics.executed(session.name, LANES[batch.lane], batch.rows, batch.bucket, time.perf_counter() - start)
+    def executed(batch, seconds):  # a failed run is an execution too
+        metrics.executed(session.name, LANES[batch.lane], batch.rows, batch.bucket, seconds)
 
     return Batcher(
-        run,
+        session.run_batch,
         buckets=session.buckets,
         max_batch_size=session.max_batch_size,
         max_queue_delay_us=cfg.reward.max_queue_delay_us,
@@ -393,6 +389,7 @@ def _batcher(session: ModelSession, cfg: TandemConfig, metrics: ModelMetrics) ->
         name=session.name,
         merge=session.mergeable,
         warm_up=session.warm_up,  # warm_up(lane), on each lane's worker thread, which runs that lane's requests
+        executed=executed,  # recorded once the batch's requests are answered
     )
 
 

@@ -61,7 +61,7 @@ import onnxruntime as ort
 from tandem.v1 import reward_pb2
 
 from reward_service.batcher import BULK, CRITICAL, LANES, Batch, Request, bucket_for
-from tandem import nvtx, tensors
+from tandem import nvtx, tensors, timeline
 from tandem.config import ModelConfig, RewardConfig, resolve_path
 from tandem.errors import quote
 from tandem.gpu import cuda_device_count, cupy_module
@@ -137,30 +137,40 @@ class _CupyDevice:
     def upload(self, dev, host: np.ndarray, rows: int) -> None:
         dev[:rows].set(host[:rows], stream=self.stream)
 
-    def _copy(self, dst, src) -> None:
-        """``src`` into ``dst`` (device arrays of one shape and dtype), on this
-        stream: one cudaMemcpyAsync where both are contiguous (a few µs of
-        host time, against ~20 for CuPy's element-wise copy), else CuPy's copy."""
-        if dst.shape == src.shape and dst.dtype == src.dtype and dst.flags.c_contiguous and src.flags.c_contiguous:
-            runtime = self._cp.cuda.runtime
-            runtime.memcpyAsync(dst.data.ptr, src.data.ptr, dst.nbytes, runtime.memcpyDeviceToDevice, self.stream.ptr)
+    def _copy(self, dst, dst_row: int, src, src_row: int, rows: int) -> None:
+        """Rows ``src_row:src_row + rows`` of ``src`` into rows ``dst_row:`` of
+        ``dst`` (device arrays of one row shape and dtype), on this stream:
+        one cudaMemcpyAsync from the rows' addresses where both are
+        C-contiguous (a few µs of host time, against ~10 for slicing each
+        CuPy array and ~20 for CuPy's element-wise copy), else CuPy's copy."""
+        if dst_row + rows > len(dst) or src_row + rows > len(src):  # a raw copy past either would corrupt memory
+            raise ValueError(f"copy of {rows} rows: rows {dst_row}.. of {len(dst)}, from rows {src_row}.. of {len(src)}")
+        if (dst.dtype == src.dtype and dst.shape[1:] == src.shape[1:] and dst.flags.c_contiguous
+                and src.flags.c_contiguous):
+            runtime, row = self._cp.cuda.runtime, dst.strides[0]
+            runtime.memcpyAsync(dst.data.ptr + dst_row * row, src.data.ptr + src_row * row, rows * row,
+                                runtime.memcpyDeviceToDevice, self.stream.ptr)
         else:
             with self.stream:
-                dst[...] = src
+                dst[dst_row : dst_row + rows] = src[src_row : src_row + rows]
 
     def copy_device(self, dev, start: int, src) -> None:
         """Device to device, on this stream: ``src`` (another process's CUDA
         IPC memory, already written) into rows ``start:`` of ``dev``."""
-        self._copy(dev[start : start + len(src)], src)
+        self._copy(dev, start, src, 0, len(src))
 
     def copy_out(self, dst, src, start: int) -> None:
         """Device to device, on this stream: rows ``start:start + len(dst)`` of
         ``src`` (a bound output) into ``dst`` (another process's CUDA IPC memory)."""
-        self._copy(dst, src[start : start + len(dst)])
+        self._copy(dst, 0, src, start, len(dst))
 
     def zero(self, dev, start: int, stop: int) -> None:
-        with self.stream:
-            dev[start:stop].fill(0)
+        if dev.flags.c_contiguous:  # one cudaMemsetAsync: no slice, no kernel launch from Python
+            row = dev.strides[0]
+            self._cp.cuda.runtime.memsetAsync(dev.data.ptr + start * row, 0, (stop - start) * row, self.stream.ptr)
+        else:
+            with self.stream:
+                dev[start:stop].fill(0)
 
     def download(self, host: np.ndarray, dev, rows: int) -> None:
         try:
@@ -305,7 +315,9 @@ class _BoundRunner:
             if slot.dirty_rows > rows:  # padding rows: zeros, never an earlier request's data
                 dev.zero(d, rows, slot.dirty_rows)
         slot.dirty_rows = rows
+        timeline.mark("batch.copied")
         slot.session.run_with_iobinding(slot.binding, slot.run_options)
+        timeline.mark("batch.launched")
         # Requests with device targets (a leaf channel's CUDA output region) get their rows
         # device to device; the host copy is made only for those without.
         targeted = [] if device_batch is None else [
@@ -318,6 +330,7 @@ class _BoundRunner:
             for name, d in slot.dev_out.items():
                 dev.download(slot.host_out[name], d, rows)
         dev.synchronize()
+        timeline.mark("batch.synced")
         for req, _ in targeted:
             req.targets_written = True
         return {} if everyone else {name: h[:rows].copy() for name, h in slot.host_out.items()}

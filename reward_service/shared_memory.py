@@ -61,6 +61,7 @@ shrunk under its registration), RESOURCE_EXHAUSTED (the limits of
 from __future__ import annotations
 
 import _posixshmem  # shm_open, as multiprocessing.shared_memory uses it (see _SystemMemory)
+import collections
 import contextlib
 import ctypes
 import logging
@@ -202,7 +203,7 @@ def _allocation_bytes(ptr: int) -> int | None:
     return size.value - (ptr - base.value)
 
 
-_VIEWS_KEPT = 8  # per CUDA region: a leaf channel's (its input, or its outputs), with room to spare
+_VIEWS_KEPT = 64  # per CUDA region, the most recently used: a leaf channel's, one per output and wave size
 
 
 class _CudaMemory:
@@ -222,9 +223,10 @@ class _CudaMemory:
             raise _error(grpc.StatusCode.FAILED_PRECONDITION,
                          f"cuda.device_id: {device_id}, but this server runs on device {SERVICE_DEVICE}")
         self._cp, self.device_id, self.byte_size = cupy, device_id, byte_size
-        # (offset, dtype, shape) -> the view array() made: a leaf channel asks for the same
-        # views every wave, and a CuPy array over foreign memory costs ~10 µs to make.
-        self._views: dict[tuple, object] = {}
+        # (offset, dtype, shape) -> the view array() made, least recently used first: a leaf
+        # channel asks for the same few views wave after wave, and a CuPy array over foreign
+        # memory costs ~10 µs to make (slicing one, ~5).
+        self._views: collections.OrderedDict[tuple, object] = collections.OrderedDict()
         runtime = cupy.cuda.runtime
         with cupy.cuda.Device(device_id):
             try:
@@ -278,8 +280,11 @@ class _CudaMemory:
         if view is None:
             with self._on_device():
                 view = self._view(offset, dtype, shape)
-            if len(self._views) < _VIEWS_KEPT:
-                self._views[key] = view
+            self._views[key] = view
+            if len(self._views) > _VIEWS_KEPT:
+                self._views.popitem(last=False)
+        else:
+            self._views.move_to_end(key)
         return view
 
     def read(self, offset: int, nbytes: int) -> memoryview:

@@ -223,10 +223,6 @@ class DeviceWaves:
         the CUDA backend's rule for using them, which the servicer reports."""
         return rows <= self.max_rows
 
-    def __call__(self, observations) -> tuple[np.ndarray, np.ndarray | None]:
-        """Host values and priors (the fresh roots): as :meth:`LeafChannelEvaluator.__call__`."""
-        return self._ev(observations, self.deadline)
-
     def evaluate(self, rows: int):
         """Runs rows ``[0, rows)`` of :attr:`inputs` (written, and the writing
         kernel finished) and returns the output region's views: values CuPy

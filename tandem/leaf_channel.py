@@ -53,7 +53,7 @@ import grpc
 import numpy as np
 from tandem.v1 import reward_pb2, reward_pb2_grpc
 
-from tandem import tensors
+from tandem import tensors, timeline
 from tandem.shared_memory_client import CudaSharedMemoryRegion, SystemSharedMemoryRegion, aligned
 from tandem.gpu import cupy_module
 
@@ -310,6 +310,7 @@ class LeafChannel:
         self._seq += 1
         timeout_us = 0 if deadline is None else max(int((deadline - time.monotonic()) * 1e6), 1)
         try:
+            timeline.mark("wave.sent")
             self._sock.send(WAVE + WAVE_FORMAT.pack(self._seq, rows, timeout_us))
             while True:  # answers to waves given up earlier come first: skipped
                 self._sock.settimeout(None if deadline is None else max(deadline - time.monotonic(), 1e-4))
@@ -321,6 +322,7 @@ class LeafChannel:
                 seq = (unpack_error(reply)[0] if reply[:1] == ERROR else
                        REPLY_FORMAT.unpack_from(reply, 1)[0] if reply[:1] == REPLY else self._seq)
                 if seq == self._seq:
+                    timeline.mark("wave.answered")
                     break
         except TimeoutError:
             raise LeafChannelError(grpc.StatusCode.DEADLINE_EXCEEDED, "no answer by the search's deadline") from None

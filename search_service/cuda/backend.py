@@ -84,7 +84,7 @@ from search_service.mcts.backend import (
 )
 from search_service.mcts.philox import seed_key
 from search_service.mcts.rollout import rollout_values
-from tandem import nvtx
+from tandem import nvtx, timeline
 
 A = connect4.NUM_ACTIONS
 BACKUPS = ("warp_aggregated", "global_atomic")
@@ -158,7 +158,9 @@ class CudaBackend:
                 leaves into its input region and the answer kernel reads the
                 values and priors from its output region: per wave one small
                 copy back (the META rows) and one socket round trip, no tensor
-                on the host. The fresh roots' evaluation goes through it too.
+                on the host. The fresh roots go the same way: init_trees writes
+                their OBS rows into the input region, and mcts_vm_root_priors
+                reads their priors from the output region.
 
         Returns:
             One result and one :class:`CudaTree` per root.
@@ -209,6 +211,7 @@ class _Search:
     def __init__(self, backend: CudaBackend, roots: Positions, params: SearchParams, evaluator, trees, should_stop=None,
                  device_waves=None):
         self.started_at = time.perf_counter()  # s, perf_counter: the deadline counts from here
+        timeline.mark("search.start")
         self.should_stop = should_stop
         self.stopped = False
         self.host_deadline = False  # a sliced rollout search stopped at the deadline between launches
@@ -276,39 +279,72 @@ class _Search:
         fresh = np.array([i not in self.kept for i in range(b)])
         init["fresh"] = fresh
         if self.puct and fresh.any():
-            t = time.perf_counter()
             idx = np.flatnonzero(fresh)
+            init["root_visits"][idx] = 1  # the root's own evaluation: sqrt(N) > 0 at the first choice
+            if self.device_waves is not None:
+                return init  # valued on the device once init_trees wrote them (_device_root_priors)
+            t = time.perf_counter()
             try:
-                model = self.evaluator if self.device_waves is None else self.device_waves
-                _, priors = _call_model(model, self.roots.current[idx], self.roots.mask[idx])
+                _, priors = _call_model(self.evaluator, self.roots.current[idx], self.roots.mask[idx])
             except EvaluationFailed as exc:
                 self._stop_using_model(exc)  # uniform priors stay; rollouts value the leaves
                 priors = None
             if priors is not None:
                 init["has_priors"][idx] = 1
                 init["priors"][idx] = priors
-            init["root_visits"][idx] = 1  # the root's own evaluation: sqrt(N) > 0 at the first choice
             self.phase_ms["evaluate"] += (time.perf_counter() - t) * 1e3
         return init
+
+    def _device_root_priors(self, init_rows: np.ndarray, init) -> None:
+        """Values the fresh roots through the device waves: init_trees wrote
+        fresh tree b's OBS row at row b of the input region; one call values
+        rows ``[0, last fresh + 1)``, and ``mcts_vm_root_priors`` sets their
+        priors from the output region's logits. So the root, like every leaf,
+        never crosses the host. Without a policy head the uniform priors
+        stay; a failed call stops the model (rollouts value the leaves), as
+        on the host way."""
+        t = time.perf_counter()
+        rows = int(np.flatnonzero(init_rows["fresh"])[-1]) + 1
+        cupy.cuda.get_current_stream().synchronize()  # init_trees's rows in place before the call
+        try:
+            with nvtx.span("search.evaluate"):
+                _, logits = self.device_waves.evaluate(rows)
+        except EvaluationFailed as exc:
+            self._stop_using_model(exc)
+            logits = None
+        if logits is not None:
+            kernel("mcts_vm_root_priors")(
+                ((self.n_trees + 127) // 128,), (128,),
+                (self.pool, np.int64(self.capacity), np.int32(self.n_trees), init, self.device_waves.inputs, logits),
+            )
+        self.phase_ms["evaluate"] += (time.perf_counter() - t) * 1e3
 
     # -- the search -------------------------------------------------------------------
     def run(self) -> tuple[list[SearchResult], list[pl.CudaTree]]:
         self._allocate()
-        init = cupy.asarray(self._init_rows().view(np.uint32))  # CuPy has no structured dtypes
+        timeline.mark("search.allocated")
+        init_rows = self._init_rows()
+        init = cupy.asarray(init_rows.view(np.uint32))  # CuPy has no structured dtypes
+        # With device waves the fresh roots' OBS rows go straight into the input region.
+        on_device = self.puct and self.device_waves is not None and bool(init_rows["fresh"].any())
         kernel("init_trees")(
             ((self.n_trees + 127) // 128,),
             (128,),
             (
                 self.pool, np.int64(self.capacity), np.int32(self.n_trees), init, self.tree_state, self.cycles,
-                self.clock_start,
+                self.clock_start, self.device_waves.inputs if on_device else np.uint64(0),
             ),
         )
+        timeline.mark("search.initialised")
+        if on_device:
+            self._device_root_priors(init_rows, init)
         if self.puct:
             deadline_reached = self._value_model_waves()
         else:
             deadline_reached = None
             self._rollout_search()
         t = time.perf_counter()
+        timeline.mark("search.finish")
         kernel("finish_trees")(
             ((self.n_trees + abi.WARPS_PER_BLOCK - 1) // abi.WARPS_PER_BLOCK,),
             (32 * abi.WARPS_PER_BLOCK,),
@@ -318,12 +354,15 @@ class _Search:
             ),
         )
         res = self.result_rows.get().view(abi.RESULT.dtype)  # [B]
+        timeline.mark("search.results")
         kernel_ms = (time.perf_counter() - self.launched_at) * 1e3 if not self.puct else None
         if not self.puct:
             self._split_kernel_time(kernel_ms, res)
         else:
             self.phase_ms["backup"] += (time.perf_counter() - t) * 1e3
-        return self._results(res, deadline_reached, kernel_ms), self._trees(res)
+        out = self._results(res, deadline_reached, kernel_ms), self._trees(res)
+        timeline.mark("search.end")
+        return out
 
     def _rollout_search(self) -> None:
         params, g = self.params, self.sims_per_warp
@@ -427,6 +466,7 @@ class _Search:
             if self.should_stop is not None and self.waves and self.should_stop():
                 self.stopped = True
                 return False
+            timeline.mark("wave.select")
             t = time.perf_counter()
             clock.begin_wave()
             args = (self.pool, np.int64(self.capacity), np.int32(self.node_limit), np.int32(b), np.int32(w),
@@ -438,21 +478,22 @@ class _Search:
                      paths, obs_dev),
                 )
                 staged = stage.get()  # waits for the selection: the leaves are in place
+            timeline.mark("wave.staged")
             meta_host, obs_host = abi.carve(staged, *stage_sizes)
             meta = meta_host.view(abi.META.dtype)  # [n]
             t1 = time.perf_counter()
-            ran = (in_wave_of < k) & (meta["terminal"] != abi.NO_SIMULATION)  # slots that ran a simulation
+            terminal = meta["terminal"]
+            ran = (in_wave_of < k) & (terminal != abi.NO_SIMULATION)  # slots that ran a simulation
             live = ran.reshape(b, k_max)[:, 0]
             if not live.any():
                 return False  # every root is proven
-            term = np.where(ran, meta["terminal"], tr.NOT_TERMINAL)
-            open_ = ran & (term == tr.NOT_TERMINAL)
+            open_ = ran & (terminal == tr.NOT_TERMINAL)
             has_priors = False
             used_model = self.use_model
             on_device = dw is not None and self.use_model  # the answer kernel builds the EVAL rows
             if not on_device:  # the host builds them: exact values where known, the leaves' planes
                 vin = np.zeros(n, abi.EVAL.dtype)
-                vin["value"] = np.where(ran, tr.OUTCOME_VALUE[np.maximum(term, 0)], 0.0)
+                vin["value"] = np.where(ran, tr.OUTCOME_VALUE[np.maximum(terminal, 0)], 0.0)
                 planes = (obs_host if dw is None else obs_dev.get()).reshape(n, 2, connect4.ROWS, connect4.COLUMNS)
             try:
                 if on_device:
@@ -483,6 +524,7 @@ class _Search:
                     ),
                 )
             t3 = time.perf_counter()
+            timeline.mark("wave.backed_up")
             self.phase_ms["select"] += (t1 - t) * 1e3
             self.phase_ms["evaluate"] += (t2 - t1) * 1e3
             self.phase_ms["backup"] += (t3 - t2) * 1e3

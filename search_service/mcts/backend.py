@@ -225,8 +225,8 @@ def best_action(visits: np.ndarray, q: np.ndarray, legal: np.ndarray | None = No
     (answered before the first wave) it is the lowest candidate."""
     cand = np.ones(visits.shape, bool) if legal is None else legal.astype(bool)
     if child_codes is not None:
-        for better in (child_codes == tr.TERMINAL_LOSS, np.isin(child_codes, tr.LOST),
-                       child_codes != tr.PROVEN_WIN):
+        won = child_codes == tr.TERMINAL_LOSS  # the child's side to move has lost: an immediate win
+        for better in (won, won | (child_codes == tr.PROVEN_LOSS), child_codes != tr.PROVEN_WIN):
             narrowed = cand & better
             cand = np.where(narrowed.any(axis=1, keepdims=True), narrowed, cand)
     visits = np.where(cand, visits, -1)

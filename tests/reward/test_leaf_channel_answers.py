@@ -68,10 +68,11 @@ class _Lease:
         return {n: (self.table.out_kind if n.startswith("out") else "system", 1 << 20) for n in self.names}
 
     def array(self, region, offset, dtype, shape):
+        """A view of ``shape`` over the same bytes at every call, as a region's."""
         key = (region, offset)
         if key not in self.table.memory:
-            self.table.memory[key] = np.ones(shape, dtype)
-        return self.table.memory[key]
+            self.table.memory[key] = np.ones(1 << 12, dtype)
+        return self.table.memory[key][: int(np.prod(shape))].reshape(shape)
 
     def check_live(self):
         pass

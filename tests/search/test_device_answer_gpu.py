@@ -1,9 +1,10 @@
-"""The answer kernel of the device waves (``mcts_vm_answer``,
-search_service/cuda/kernels/search.cu): the EVAL rows it builds from a
-model's outputs on the device equal the host way's (the softmax of
-evaluators._values_and_priors, then mcts.backend.model_answer), on random
-rows and on the edge cases: NaN and infinite logits and values, a row with
-no legal move, known results, proven trees, slots past the wave. Marked ``gpu``.
+"""The answer kernels of the device waves (search_service/cuda/kernels/search.cu):
+``mcts_vm_answer``'s EVAL rows, built from a model's outputs on the device,
+equal the host way's (the softmax of evaluators._values_and_priors, then
+mcts.backend.model_answer), on random rows and on the edge cases: NaN and
+infinite logits and values, a row with no legal move, known results, proven
+trees, slots past the wave; ``init_trees`` writes the fresh roots' OBS rows
+and ``mcts_vm_root_priors`` gives them the host way's priors. Marked ``gpu``.
 
     pytest -m gpu tests/search/test_device_answer_gpu.py
 """
@@ -95,3 +96,45 @@ def test_without_a_policy_head_only_the_values_are_written():
     got = vin.get()
     np.testing.assert_array_equal(got[:, 0], np.clip(values, -1, 1))
     assert (got[:, 1:] == UNTOUCHED).all()
+
+
+def test_fresh_roots_get_their_obs_rows_and_the_host_ways_priors():
+    """init_trees with an OBS buffer writes each fresh root's observation at
+    its tree's row (connect4.observation's encoding); mcts_vm_root_priors then
+    sets the fresh roots' edge priors to the host way's, from the logits of
+    those rows. A kept tree's row and root are left alone."""
+    cp = cupy_module()
+    if cp is None:
+        pytest.skip("CuPy sees no GPU")
+    from search_service.cuda.module import kernel
+    from search_service.games import connect4
+
+    roots = connect4.stack([connect4.parse_moves(m) for m in ("", "4453", "444444", "1")])
+    b, cap = len(roots.current), 4
+    fresh = np.array([1, 1, 1, 0], np.uint32)  # tree 3 stands for a kept tree
+    init = np.zeros(b, abi.INIT.dtype)
+    init["current"], init["mask"], init["nodes"], init["fresh"], init["root_visits"] = (
+        roots.current, roots.mask, 1, fresh, 1)
+    init_dev = cp.asarray(init.view(np.uint32))
+    pool = cp.zeros((b, cap * abi.NODE_BYTES), np.uint8)
+    pool[3] = 0x55  # the kept tree's bytes
+    obs = cp.full((b, abi.OBS.words), 9, np.uint8)
+    kernel("init_trees")(
+        (1,), (128,),
+        (pool, np.int64(cap), np.int32(b), init_dev, cp.zeros(b * abi.TREE_STATE.words, np.int32),
+         cp.zeros(b * abi.CYCLES.words, np.uint64), cp.zeros(1, np.uint64), obs),
+    )
+    got_obs = obs.get()
+    np.testing.assert_array_equal(got_obs[:3], connect4.observation(roots).reshape(b, -1)[:3])
+    assert (got_obs[3] == 9).all()
+    logits = np.random.default_rng(1).normal(0, 3, (b, 7)).astype(np.float32)
+    logits[1, 2] = np.nan
+    kernel("mcts_vm_root_priors")((1,), (128,), (pool, np.int64(cap), np.int32(b), init_dev, obs, cp.asarray(logits)))
+    rows = pool.get()
+    priors = rows[:, : abi.ROWS_BYTES].view(np.int32).reshape(b, abi.ROW, 4)[:, : abi.NUM_ACTIONS, 3].view(np.float32)
+    with np.errstate(invalid="ignore"):
+        values, host = _values_and_priors({"value": np.zeros((b, 1), np.float32), "policy_logits": logits})
+    _, want = model_answer(values, host, connect4.legal_bits(roots.mask))  # the host way's (_call_model)
+    np.testing.assert_allclose(priors[:3], want[:3], rtol=1e-5, atol=1e-7)
+    assert priors[2, 3] == 0.0  # column 4 is full
+    assert (rows[3] == 0x55).all()

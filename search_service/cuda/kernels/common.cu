@@ -43,7 +43,8 @@
 //                    selection has backed up (tests check it).
 //   edge .z value    only float atomicAdd at backup.
 //   edge .w prior    plain stores: init_node (before the node is published),
-//                    init_trees, and mcts_vm_backup (the node's evaluating
+//                    init_trees, mcts_vm_root_priors (a fresh root, before
+//                    the first selection), and mcts_vm_backup (the node's evaluating
 //                    simulation only; selection reads priors in a later launch).
 //   header .x N      only int atomicAdd at backup (+1 per simulation through
 //                    or ending at the node); init stores before publication.

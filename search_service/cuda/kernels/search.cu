@@ -29,12 +29,24 @@
 // per tree always runs). A tree whose root the solver has proven claims no
 // more simulations (backup.cu: solve_wave).
 
+// A position's OBS row: the side to move's stones, then the opponent's, [row][col].
+__device__ __forceinline__ void write_obs(unsigned char* o, u64 cur, u64 msk) {
+  const u64 opp = cur ^ msk;
+  for (int i = 0; i < CELLS; ++i) {
+    const int bit = (i % 7) * 7 + i / 7;  // [row][col] -> col * 7 + row
+    o[OBS_CURRENT + i] = (unsigned char)((cur >> bit) & 1ull);
+    o[OBS_OPPONENT + i] = (unsigned char)((opp >> bit) & 1ull);
+  }
+}
+
 // Fills a tree's root (fresh trees) and its search state (TS row) from its
 // INIT row (u32 [B][INIT_WORDS]; the u64 bitboards as (low, high) words).
 // One thread per tree; also zeroes the tree's phase cycle counters (CYC row)
-// and, thread 0, the launch start time of the deadline clock (t0).
+// and, thread 0, the launch start time of the deadline clock (t0). With `obs`
+// (not null: the value model's device waves), a fresh tree b's root also gets
+// its OBS row b there, for the model to value it (mcts_vm_root_priors).
 extern "C" __global__ void init_trees(unsigned char* pool, long long cap, int n_trees, const u32* init, int* tsa,
-                                      u64* cyc, u64* t0) {
+                                      u64* cyc, u64* t0, unsigned char* obs) {
   const int b = blockIdx.x * blockDim.x + threadIdx.x;
   if (b == 0) *t0 = 0ull;
   if (b >= n_trees) return;
@@ -51,6 +63,7 @@ extern "C" __global__ void init_trees(unsigned char* pool, long long cap, int n_
   const u64 mask = (u64)in[INIT_MASK] | ((u64)in[INIT_MASK + 1] << 32);
   const TreeView t = tree_view(pool, cap, b);
   init_node(t, 0, cur, mask, terminal_code(cur, mask), -1, -1);
+  if (obs != nullptr) write_obs(obs + (long long)b * OBS_WORDS, cur, mask);
   if (in[INIT_HAS_PRIORS]) {
     for (int a = 0; a < NUM_ACTIONS; ++a) t.rows[a].w = (int)in[INIT_PRIORS + a];
   }
@@ -235,15 +248,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS_PER_BLOCK) mcts_vm_selec
     m[META_TERMINAL] = term;
     m[META_LEADER] = (int)(q0 + leader);
     ((int4*)meta)[q] = *(const int4*)m;
-    if (term == NOT_TERMINAL) {
-      unsigned char* o = obs + q * OBS_WORDS;
-      const u64 opp = cur ^ msk;
-      for (int i = 0; i < CELLS; ++i) {
-        const int bit = (i % 7) * 7 + i / 7;  // [row][col] -> col * 7 + row
-        o[OBS_CURRENT + i] = (unsigned char)((cur >> bit) & 1ull);
-        o[OBS_OPPONENT + i] = (unsigned char)((opp >> bit) & 1ull);
-      }
-    }
+    if (term == NOT_TERMINAL) write_obs(obs + q * OBS_WORDS, cur, msk);
   }
 }
 
@@ -320,17 +325,45 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS_PER_BLOCK) mcts_vm_undo(
   if (lane == 0) ts[TS_NODES] = base;
 }
 
+// The priors of a position the model valued, by the rules of
+// search_service.mcts.backend.model_answer applied to the softmax of its policy
+// logits (evaluators._values_and_priors), in float32: softmax(l) masked to the
+// legal moves (the empty top cells of its OBS row `o`), negatives and
+// non-finite as 0, renormalised, uniform over the legal moves where nothing is
+// left (zeros where none is). `l` float [NUM_ACTIONS]; `p` float [NUM_ACTIONS] out.
+__device__ void masked_priors(const float* l, const unsigned char* o, float* p) {
+  const unsigned char* top = o + (CELLS - NUM_ACTIONS);  // row 5 of each plane
+  float mx = l[0];
+  for (int a = 1; a < NUM_ACTIONS; ++a) mx = (isnan(mx) || isnan(l[a])) ? __int_as_float(0x7fc00000) : fmaxf(mx, l[a]);  // NumPy's max (NaN wins)
+  float e[NUM_ACTIONS], sum = 0.0f, total = 0.0f;
+  int legal = 0;
+  for (int a = 0; a < NUM_ACTIONS; ++a) {
+    e[a] = expf(l[a] - mx);
+    sum += e[a];
+  }
+  for (int a = 0; a < NUM_ACTIONS; ++a) {
+    const bool ok = top[OBS_CURRENT + a] == 0 && top[OBS_OPPONENT + a] == 0;
+    legal += ok;
+    const float x = e[a] / sum;
+    e[a] = (ok && isfinite(x)) ? fmaxf(x, 0.0f) : 0.0f;
+    total += e[a];
+  }
+  if (!(total > 0.0f)) {  // nothing legal left: uniform over the legal moves (zeros where none is)
+    total = (float)max(legal, 1);
+    for (int a = 0; a < NUM_ACTIONS; ++a)
+      e[a] = (top[OBS_CURRENT + a] == 0 && top[OBS_OPPONENT + a] == 0) ? 1.0f : 0.0f;
+  }
+  for (int a = 0; a < NUM_ACTIONS; ++a) p[a] = e[a] / total;
+}
+
 // Value model, between the halves of a wave whose leaves the model valued on
 // the device (the leaf channel's CUDA regions): the EVAL rows from the
-// model's outputs, by the rules of search_service.mcts.backend.model_answer
-// applied to the softmax of the policy logits (evaluators._values_and_priors),
-// in float32. One thread per simulation slot q < n with q % K < k_wave:
-// a known result's exact value (outcome_value), else the value of the leaf's
-// evaluating simulation's row (NaN as 0, clipped to [-1, 1]); that simulation
-// also gets the priors: softmax(logits) masked to the legal moves (the empty
-// top cells of its OBS row), negatives and non-finite as 0, renormalised,
-// uniform over the legal moves where nothing is left. `values` float [n] (one
-// per row), `logits` float [n][NUM_ACTIONS] or null (no policy head).
+// model's outputs, by the rules of search_service.mcts.backend.model_answer.
+// One thread per simulation slot q < n with q % K < k_wave: a known result's
+// exact value (outcome_value), else the value of the leaf's evaluating
+// simulation's row (NaN as 0, clipped to [-1, 1]); that simulation also gets
+// the priors (masked_priors of its OBS row). `values` float [n] (one per row),
+// `logits` float [n][NUM_ACTIONS] or null (no policy head).
 extern "C" __global__ void mcts_vm_answer(int n, int K, int k_wave, const int* meta, const unsigned char* obs,
                                           const float* values, const float* logits, float* vin) {
   const int q = blockIdx.x * blockDim.x + threadIdx.x;
@@ -345,29 +378,22 @@ extern "C" __global__ void mcts_vm_answer(int n, int K, int k_wave, const int* m
   const float v = values[m.w];
   ev[EVAL_VALUE] = isnan(v) ? 0.0f : fminf(fmaxf(v, -1.0f), 1.0f);
   if (logits == nullptr || m.w != q) return;
-  const float* l = logits + (long long)q * NUM_ACTIONS;
-  const unsigned char* top = obs + (long long)q * OBS_WORDS + (CELLS - NUM_ACTIONS);  // row 5 of each plane
-  float mx = l[0];
-  for (int a = 1; a < NUM_ACTIONS; ++a) mx = (isnan(mx) || isnan(l[a])) ? __int_as_float(0x7fc00000) : fmaxf(mx, l[a]);  // NumPy's max (NaN wins)
-  float p[NUM_ACTIONS], sum = 0.0f, total = 0.0f;
-  int legal = 0;
-  for (int a = 0; a < NUM_ACTIONS; ++a) {
-    p[a] = expf(l[a] - mx);
-    sum += p[a];
-  }
-  for (int a = 0; a < NUM_ACTIONS; ++a) {
-    const bool ok = top[OBS_CURRENT + a] == 0 && top[OBS_OPPONENT + a] == 0;
-    legal += ok;
-    const float x = p[a] / sum;
-    p[a] = (ok && isfinite(x)) ? fmaxf(x, 0.0f) : 0.0f;
-    total += p[a];
-  }
-  if (!(total > 0.0f)) {  // nothing legal left: uniform over the legal moves (zeros where none is)
-    total = (float)max(legal, 1);
-    for (int a = 0; a < NUM_ACTIONS; ++a)
-      p[a] = (top[OBS_CURRENT + a] == 0 && top[OBS_OPPONENT + a] == 0) ? 1.0f : 0.0f;
-  }
-  for (int a = 0; a < NUM_ACTIONS; ++a) ev[EVAL_PRIORS + a] = p[a] / total;
+  masked_priors(logits + (long long)q * NUM_ACTIONS, obs + (long long)q * OBS_WORDS, ev + EVAL_PRIORS);
+}
+
+// Value model with device waves, after init_trees wrote each fresh root's OBS
+// row and the model valued those rows: a fresh tree b's root edges get the
+// priors of row b (masked_priors), as init_trees stores the host's
+// (INIT_PRIORS). One thread per tree; `logits` float [n_trees][NUM_ACTIONS].
+// The search's first selection runs in a later launch.
+extern "C" __global__ void mcts_vm_root_priors(unsigned char* pool, long long cap, int n_trees, const u32* init,
+                                               const unsigned char* obs, const float* logits) {
+  const int b = blockIdx.x * blockDim.x + threadIdx.x;
+  if (b >= n_trees || !init[(long long)b * INIT_WORDS + INIT_FRESH]) return;
+  float p[NUM_ACTIONS];
+  masked_priors(logits + (long long)b * NUM_ACTIONS, obs + (long long)b * OBS_WORDS, p);
+  const TreeView t = tree_view(pool, cap, b);
+  for (int a = 0; a < NUM_ACTIONS; ++a) t.rows[a].w = __float_as_int(p[a]);
 }
 
 extern "C" __global__ void __launch_bounds__(32 * WARPS_PER_BLOCK) mcts_vm_backup_global(
