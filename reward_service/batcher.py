@@ -323,8 +323,11 @@ class Batcher:
             Runtime's CUDA execution provider keeps per-thread state); the
             constructor returns when both are done.
         executed: ``executed(batch, seconds)``, on the lane's worker after
-            every run (failed ones too), once its requests are done and
-            answered: the run's figures (metrics) off the requests' wait.
+            every run (failed ones too): the run's figures (metrics). Called
+            before any of the batch's waiters is woken, so a reader after a
+            reply finds them; in a batch whose requests the worker answers
+            all itself (``on_written``), after those replies, off the
+            clients' wait, and still before their waiters go on.
 
     Raises:
         ValueError: a non-positive size, a negative delay, unsorted buckets.
@@ -666,11 +669,11 @@ class Batcher:
                 lane.latencies_ms.append(req.queue_ms + compute_ms)
         # Requests the worker answers itself, after the others are done.
         answering = [r for r in batch.requests if r.on_written is not None and r.targets_written and r.error is None]
-        if not answering:
+        others = [r for r in batch.requests if r not in answering]
+        if others:
             self._record(batch, compute_ms)  # the run's figures before any waiter wakes, as a reply follows
-        for req in batch.requests:
-            if req not in answering:
-                req._done.set()
+        for req in others:
+            req._done.set()
         try:
             for req in answering:
                 try:
@@ -678,7 +681,7 @@ class Batcher:
                 except Exception:  # a bug: the waiter answers instead
                     log.exception("model %s: a request's on_written failed", self.name)
         finally:  # even past a BaseException: no waiter is left hanging
-            if answering:
+            if not others:
                 self._record(batch, compute_ms)  # off the answered clients' wait, before their waiters go on
             for req in answering:
                 req._done.set()

@@ -31,9 +31,9 @@ Invariants:
   just after its answer is sent -- off the client's wait -- and before the
   thread reads the next message: a reader may see them a moment after the
   reply, never lose them. Its run's figures are the batcher's
-  (``Batcher(executed=)``): recorded on the worker before the reply of a
-  wave the connection's thread answers, just after it for one the worker
-  answers, and before the waiting connection thread goes on either way.
+  (``Batcher(executed=)``), recorded on the worker before any waiter of the
+  run wakes (in a run of worker-answered waves only, just after their
+  replies).
 * A region is attached to at most one connection (``_attached``): two
   connections writing one output region would answer each other's waves.
 * Every message gets an answer (``R``/``A`` or ``E`` with a gRPC status); a

@@ -389,7 +389,7 @@ def _batcher(session: ModelSession, cfg: TandemConfig, metrics: ModelMetrics) ->
         name=session.name,
         merge=session.mergeable,
         warm_up=session.warm_up,  # warm_up(lane), on each lane's worker thread, which runs that lane's requests
-        executed=executed,  # recorded once the batch's requests are answered
+        executed=executed,  # on the worker, before the batch's waiters go on (Batcher's executed)
     )
 
 

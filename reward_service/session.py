@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,6 +108,11 @@ def _use_cuda(choice: str) -> bool:
 # -- memory on one side of the binding -------------------------------------------
 
 
+def _row_bytes(array) -> int:
+    """Bytes of one row (first-axis element) of a C-contiguous ``array``."""
+    return array.dtype.itemsize * math.prod(array.shape[1:])
+
+
 class _CupyDevice:
     """Device buffers, pinned host staging and one CuPy stream of a given CUDA stream priority."""
 
@@ -147,7 +153,8 @@ class _CupyDevice:
             raise ValueError(f"copy of {rows} rows: rows {dst_row}.. of {len(dst)}, from rows {src_row}.. of {len(src)}")
         if (dst.dtype == src.dtype and dst.shape[1:] == src.shape[1:] and dst.flags.c_contiguous
                 and src.flags.c_contiguous):
-            runtime, row = self._cp.cuda.runtime, dst.strides[0]
+            # A row's bytes from its shape, not strides[0]: a one-row array is C-contiguous whatever its stride.
+            runtime, row = self._cp.cuda.runtime, _row_bytes(dst)
             runtime.memcpyAsync(dst.data.ptr + dst_row * row, src.data.ptr + src_row * row, rows * row,
                                 runtime.memcpyDeviceToDevice, self.stream.ptr)
         else:
@@ -166,7 +173,7 @@ class _CupyDevice:
 
     def zero(self, dev, start: int, stop: int) -> None:
         if dev.flags.c_contiguous:  # one cudaMemsetAsync: no slice, no kernel launch from Python
-            row = dev.strides[0]
+            row = _row_bytes(dev)
             self._cp.cuda.runtime.memsetAsync(dev.data.ptr + start * row, 0, (stop - start) * row, self.stream.ptr)
         else:
             with self.stream:

@@ -273,8 +273,8 @@ class _CudaMemory:
 
     def array(self, offset: int, dtype: np.dtype, shape: tuple[int, ...]):
         """A CuPy array over the allocation's bytes from ``offset``, not copied
-        (the same array for the same arguments while the region lives: views
-        of a few shapes each are kept)."""
+        (the same array for the same arguments while it stays among the
+        ``_VIEWS_KEPT`` most recently asked for)."""
         key = (offset, dtype, tuple(shape))
         view = self._views.get(key)
         if view is None:

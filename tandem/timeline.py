@@ -28,8 +28,9 @@ The marks (docs/benchmarks.md, "Where a wave's time goes"):
   ``batch.synced`` (the outputs are in place), ``channel.replied`` (the
   worker sent the reply).
 
-Not thread-safe beyond what ``list.append`` is (atomic in CPython); a
-benchmark reads the list once the work is done.
+For benchmarks: the list grows with every mark until taken, so a long-lived
+service should not run with it. Not thread-safe beyond what ``list.append``
+is (atomic in CPython); a benchmark reads the list once the work is done.
 """
 from __future__ import annotations
 

@@ -381,6 +381,49 @@ def test_batch_mates_are_done_before_a_request_is_answered_from_the_worker():
     b.close()
 
 
+def test_the_runs_figures_are_recorded_before_its_waiters_go_on():
+    """``executed`` runs once per run, failed ones too, before any waiter of
+    the batch wakes -- a reader after a reply finds the run counted -- also
+    for a plain request merged with a wave the worker answers (whose reply
+    may take its time); in a batch of worker-answered waves only, after
+    their replies. A raising ``executed`` loses its figures, not the lane."""
+    model = Model(fail_on=9)
+    recorded = []
+    release = threading.Event()
+
+    def executed(batch, seconds):
+        recorded.append((len(batch.requests), seconds >= 0))
+        if batch.requests[0].feeds["x"][0, 0] == 7:
+            raise RuntimeError("metrics broke")
+
+    b = make(_writing_targets(model), executed=executed)
+    assert b.evaluate(rows_of(1, 1), 1, CRITICAL).done() and recorded == [(1, True)]
+    with pytest.raises(RuntimeError):
+        b.evaluate(rows_of(9, 1), 1, CRITICAL).result()  # a failed run is counted too
+    assert recorded[-1] == (1, True)
+    seen = []
+    wave = b.evaluate(rows_of(3, 1), 1, CRITICAL, targets={"y": np.zeros((1, 3), np.float32)},
+                      on_written=lambda req: seen.append(len(recorded)) or True)
+    assert wave.answered and seen == [2] and len(recorded) == 3  # the reply first, then the figures
+    model.hold(CRITICAL)
+    blocker = b.submit(rows_of(-1, 1), 1, CRITICAL)
+    assert model.wait_inside(1)  # the worker is busy: the next two are merged into one batch
+    plain = b.submit(rows_of(2, 1), 1, CRITICAL)
+    slow = b.submit(rows_of(3, 1), 1, CRITICAL, targets={"y": np.zeros((1, 3), np.float32)},
+                    on_written=lambda req: release.wait(5) or True)
+    model.gate.set()
+    try:
+        assert plain.wait(5) and blocker.wait(5)
+        assert len(model.batches[-1].requests) == 2  # merged
+        assert recorded[-1][0] == 2  # the merged run's figures, before its plain request woke
+    finally:
+        release.set()
+    assert slow.wait(5) and slow.answered
+    assert (b.evaluate(rows_of(7, 1), 1, CRITICAL).result()["y"] == 14).all()  # executed raised: served on
+    assert b.evaluate(rows_of(1, 1), 1, CRITICAL).done() and len(recorded) == 7
+    b.close()
+
+
 def test_full_queue_refuses_bulk_and_sheds_bulk_for_critical():
     """The bound spans both lanes: a critical request displaces the newest
     queued bulk one, and is refused only when no bulk request is queued."""
