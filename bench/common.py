@@ -163,14 +163,16 @@ def chosen_variants(backend: str | None, quick: bool) -> list[str]:
     return wanted
 
 
-def make_backend(variant: str):
-    """A search backend for a variant name (see ALL_VARIANTS)."""
+def make_backend(variant: str, sims_per_warp: int = 1):
+    """A search backend for a variant name (see ALL_VARIANTS); a GPU variant
+    runs ``sims_per_warp`` simulations of a wave per warp (the CPU reference
+    always runs a tree's wave in order, as one warp)."""
     if variant == CPU_VARIANT:
         from search_service.mcts.cpu_reference import CpuReferenceBackend
 
         return CpuReferenceBackend()
     cuda = importlib.import_module("search_service.cuda")
-    return cuda.CudaBackend(backup=GPU_VARIANTS[variant])
+    return cuda.CudaBackend(backup=GPU_VARIANTS[variant], sims_per_warp=sims_per_warp)
 
 
 def search_params(**kwargs):

@@ -37,7 +37,12 @@ Three kinds of row (``kind``):
   the serving path in front of the reward service, the leaf channel where it
   attaches), value model against rollouts in the same run, on every bundled
   Pons set (``--positions`` per set); the value model at each ``--value-waves``
-  wave size (default: the config's ``search.value_model_parallel_sims``).
+  wave size (default: the config's ``search.value_model_parallel_sims``), and
+  at each ``--value-sims-per-warp`` (simulations of a wave per warp: 1, the
+  service's, selects a wave's leaves all at once, one warp each; 32, a warp
+  selects 32 in order, each seeing the virtual loss of those before it, as
+  the CPU reference does; row field ``sims_per_warp``). The latency rows
+  too run at each ``--value-sims-per-warp``.
 
 Row fields: kind, handoff, simulations, wave, latency_ms_p50, latency_ms_p99,
 kernel_ms, handoff_us_per_wave, model_us_per_wave, queue_us_per_wave,
@@ -257,6 +262,9 @@ def main() -> None:
     parser.add_argument("--timeline", action="store_true",
                         help="record both services' marks (tandem/timeline.py) during the ipc latency rows "
                              "and add the timeline rows")
+    parser.add_argument("--value-sims-per-warp", type=common.int_list, default=[1],
+                        help="comma list: simulations per warp (CUDA) of the latency rows and the value model's "
+                             "quality rows (default 1)")
     parser.add_argument("--value-waves", type=common.int_list, default=None,
                         help="comma list: leaves per wave of the value model's quality rows "
                              "(default: the config's search.value_model_parallel_sims)")
@@ -285,7 +293,7 @@ def main() -> None:
     service.start()
     if not ready.wait(300):
         raise SystemExit("the reward service did not start in 300 s")
-    rows, marked = [], []  # marked: (wave, this process's marks, searches) of the ipc latency rows
+    rows, marked = [], []  # marked: (wave, G, this process's marks, searches) of the ipc latency rows
     try:
         with channel(cfg.reward.address, cfg) as ch:
             stub = reward_pb2_grpc.RewardServiceStub(ch)
@@ -293,19 +301,22 @@ def main() -> None:
             hand_offs = (ipc, RewardServiceEvaluator(ch, "connect4_value", timeout_s=30))
             ways = [(ipc, True), (ipc, False), (hand_offs[1], False)]  # device waves, the host way, gRPC
             profiler = cProfile.Profile() if args.profile else None
-            for direct, device in ways if "latency" in kinds else ():
+            value_backends = {g: backend if g == 1 else common.make_backend(variant, g)
+                              for g in args.value_sims_per_warp}
+            for (direct, device), g in ((w, g) for w in ways for g in value_backends) if "latency" in kinds else ():
                 for wave in (8,) if args.quick else (32, 64, 128, 256):
                     if profiler:
                         profiler.enable()
                     timeline.take()  # only this row's marks from here
-                    row = common.attempt(f"latency {direct.handoff} device={device} wave {wave}", latency, backend,
-                                         direct, wave, 64 if args.quick else 1000, 2 if args.quick else args.repeats,
-                                         device)
+                    row = common.attempt(f"latency {direct.handoff} device={device} wave {wave} G {g}", latency,
+                                         value_backends[g], direct, wave, 64 if args.quick else 1000,
+                                         2 if args.quick else args.repeats, device)
                     if profiler:
                         profiler.disable()
                     if row and args.timeline and row["handoff"] == "ipc":
-                        marked.append((wave, timeline.take(), row["repeats"]))
+                        marked.append((wave, g, timeline.take(), row["repeats"]))
                     if row:
+                        row["sims_per_warp"] = g
                         common.progress(row)
                         rows.append(row)
             if profiler:
@@ -328,13 +339,16 @@ def main() -> None:
             try:
                 value_waves = args.value_waves or [cfg.search.value_model_parallel_sims]
                 for set_name in SETS if "search_quality" in kinds else ():
-                    for name, wave in [*(("value_model", w) for w in value_waves),
-                                       ("rollout", 256 if variant != common.CPU_VARIANT else cfg.search.parallel_sims)]:
+                    for name, wave, g in [*(("value_model", w, g) for w in value_waves for g in value_backends),
+                                          ("rollout", 256 if variant != common.CPU_VARIANT else cfg.search.parallel_sims,
+                                           1)]:
                         # A cache of its own per row: another row's evaluations of the same positions would be hits.
                         cached = CachedEvaluator(serving, EvaluationCache(cfg.search.evaluation_cache_bytes))
-                        row = common.attempt(f"quality {set_name} {name}", quality, backend, cached, set_name,
+                        row = common.attempt(f"quality {set_name} {name}", quality,
+                                             value_backends.get(g, backend), cached, set_name,
                                              8 if args.quick else args.positions, name, wave, 16.0, handoff)
                         if row:
+                            row["sims_per_warp"] = g
                             common.progress(row)
                             rows.append(row)
             finally:
@@ -346,8 +360,8 @@ def main() -> None:
     if args.timeline:
         service_marks = [m for path in glob.glob(os.path.join(timeline.FOLDER, "timeline-*.json"))
                          for m in timeline.load(path)]
-        for wave, marks, searches in marked:
-            rows += timeline_rows(wave, marks, service_marks, searches)
+        for wave, g, marks, searches in marked:
+            rows += [dict(r, sims_per_warp=g) for r in timeline_rows(wave, marks, service_marks, searches)]
     common.finish(BENCHMARK, rows, args.out, COLUMNS)
 
 

@@ -23,8 +23,10 @@ def cuda_available() -> str | None:
     return None
 
 
-def make_backend(choice: str, **options):
-    """A SearchBackend for ``choice`` ("auto", "cpu" or "cuda").
+def make_backend(choice: str, **cuda_options):
+    """A SearchBackend for ``choice`` ("auto", "cpu" or "cuda"); the CUDA
+    backend gets ``cuda_options`` (``CudaBackend``'s arguments; the CPU
+    reference takes none: it runs a tree's wave in order always).
 
     Raises:
         RuntimeError: "cuda" was asked for and cannot run here (the reason is given).
@@ -32,10 +34,10 @@ def make_backend(choice: str, **options):
     if choice in ("auto", "cuda"):
         reason = cuda_available()
         if reason is None:
-            return importlib.import_module(CUDA_MODULE).CudaBackend(**options)
+            return importlib.import_module(CUDA_MODULE).CudaBackend(**cuda_options)
         if choice == "cuda":
             raise RuntimeError(f"search.backend is 'cuda' but {reason}")
         log.warning("search backend: CPU reference (%s)", reason)
     from search_service.mcts.cpu_reference import CpuReferenceBackend
 
-    return CpuReferenceBackend(**options)
+    return CpuReferenceBackend()

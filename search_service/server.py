@@ -309,7 +309,7 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True) -> Service:
     Raises:
         RuntimeError: ``backend: cuda`` cannot run here, or the address cannot be bound.
     """
-    backend = make_backend(cfg.search.backend)
+    backend = make_backend(cfg.search.backend, value_sims_per_warp=cfg.search.value_model_sims_per_warp)
     log.warning("search service: backend %s, default evaluator %s", backend.name, cfg.search.evaluator)
     # Streams and the pool limit only where the backend launches CUDA kernels.
     cupy = cupy_module() if backend.name.startswith("cuda") else None

@@ -230,6 +230,11 @@ class SearchConfig:
     # The same for value-model searches: a wave is one model call (a round trip to the reward
     # service), so wider waves buy more simulations per frame at the cost of more virtual loss.
     value_model_parallel_sims: int = 32
+    # Simulations of a value-model wave that one warp of the CUDA backend selects one
+    # after another (1..32), each seeing the virtual losses of those before it: 32 picks
+    # the CPU reference's leaves; 1 selects them all at once, faster, but more of them
+    # alike (docs/benchmarks.md, "Selection in order"). Rollout searches keep one per warp.
+    value_model_sims_per_warp: int = 32
     c_uct: float = 1.4  # UCT exploration constant (rollout evaluator)
     c_puct: float = 1.5  # PUCT exploration constant (value-model evaluator)
     max_nodes: int = 200_000  # node pool per tree
@@ -306,6 +311,7 @@ _MAX_BY_NAME = {
     "max_simulations": 2**32 - 1,  # SearchRequest.simulations is a uint32
     "parallel_sims": 65536,  # SearchParams' range
     "value_model_parallel_sims": 65536,
+    "value_model_sims_per_warp": 32,  # a warp's 32 lanes
 }
 _MAX_BY_SUFFIX = (("_port", 65535), ("_bytes", 2**62), ("_ms", 86_400_000.0), ("_us", 86_400_000_000.0))
 _MAX_INT = _INT32_MAX  # any other count or size

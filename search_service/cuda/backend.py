@@ -105,20 +105,29 @@ class CudaBackend:
             lowest latency. G >= K puts a tree on one warp, whose waves are the
             CPU reference's exactly (for K <= 32), and lets warp_aggregated
             combine up to G simulations' updates.
+        value_sims_per_warp: G of value-model searches (None: ``sims_per_warp``).
+            There a wave's leaves cost a model call, and warps that select
+            at once see each other's virtual losses late, so they pick the
+            same leaves more often: in order (32) a wave's leaves are those
+            the reference picks, at the cost of a slower selection
+            (docs/benchmarks.md, "Selection in order").
 
     Raises:
-        ValueError: an unknown ``backup`` or ``sims_per_warp`` out of range.
+        ValueError: an unknown ``backup``, or a G out of range.
     """
 
     name = "cuda"
 
-    def __init__(self, backup: str = "warp_aggregated", sims_per_warp: int = 1):
+    def __init__(self, backup: str = "warp_aggregated", sims_per_warp: int = 1,
+                 value_sims_per_warp: int | None = None):
         if backup not in BACKUPS:
             raise ValueError(f"backup must be one of {BACKUPS}, got {backup!r}")
-        if not isinstance(sims_per_warp, (int, np.integer)) or not 1 <= sims_per_warp <= 32:
-            raise ValueError(f"sims_per_warp must be an int in 1..32, got {sims_per_warp!r}")
+        for name, g in (("sims_per_warp", sims_per_warp), ("value_sims_per_warp", value_sims_per_warp)):
+            if g is not None and (not isinstance(g, (int, np.integer)) or not 1 <= g <= 32):
+                raise ValueError(f"{name} must be an int in 1..32, got {g!r}")
         self.backup = backup
         self.sims_per_warp = int(sims_per_warp)
+        self.value_sims_per_warp = self.sims_per_warp if value_sims_per_warp is None else int(value_sims_per_warp)
         self.variant = f"gpu_{backup}"
         self._lock = threading.Lock()
         self._scale: dict[tuple[int, float], cupy.ndarray] = {}  # (device, c_uct) -> float64 [SCALE_TABLE]
@@ -178,9 +187,9 @@ class CudaBackend:
         return pl.reroot(tree, actions)
 
     # -- helpers for _Search ---------------------------------------------------------
-    def split(self, k: int) -> tuple[int, int]:
+    def split(self, k: int, value_model: bool = False) -> tuple[int, int]:
         """(W warps per tree, G simulations per warp) for K in flight."""
-        g = min(k, self.sims_per_warp)
+        g = min(k, self.value_sims_per_warp if value_model else self.sims_per_warp)
         return -(-k // g), g
 
     def scale_table(self, c_uct: float) -> cupy.ndarray:
@@ -247,7 +256,7 @@ class _Search:
         self.capacity = cap  # node slots per tree's pool
         self.node_limit = min(params.max_nodes, cap)  # slots a search may fill (kept trees may hold more)
         self.parallel_sims = params.parallel_sims
-        self.warps_per_tree, self.sims_per_warp = backend.split(self.parallel_sims)
+        self.warps_per_tree, self.sims_per_warp = backend.split(self.parallel_sims, self.puct)
         self.phase_ms = dict.fromkeys(abi.PHASES, 0.0)  # wall-clock ms per phase, over the call
         self.waves = 0
         self.model_simulations = np.zeros(b, np.int64)  # per tree: simulations whose leaf the model valued

@@ -49,6 +49,8 @@ def test_shipped_config_loads_and_matches_defaults():
         ({"search": {"parallel_sims": 70000}}, "search.parallel_sims: must be <= 65536"),
         ({"search": {"session_ttl_ms": 1e12}}, "search.session_ttl_ms: must be <= 86400000"),
         ({"search": {"max_sessions": 2**40}}, "search.max_sessions: must be <= 2147483647"),
+        ({"search": {"value_model_sims_per_warp": 33}}, "search.value_model_sims_per_warp: must be <= 32"),
+        ({"search": {"value_model_sims_per_warp": 0}}, "search.value_model_sims_per_warp"),
         ({"search": {"evaluator": "x" * 10_000}}, "search.evaluator: must be one of"),
         ({"reward": {"models": [{"name": "m", "path": "reward_service/models/connect4_value.onnx",
                                  "precision": "fp8"}]}}, "reward.models[0].precision: must be one of fp32, fp16, auto"),

@@ -109,6 +109,10 @@ def test_a_cuda_search_service_sends_its_leaves_by_the_leaf_channel(gpu_reward):
     cfg, _ = gpu_reward
     search = search_server.start(cfg, follow_scheduler=False)
     try:
+        # search.value_model_sims_per_warp (32): a value-model wave of 64 on 2 warps selecting in order,
+        # rollouts one simulation per warp
+        assert search.servicer.backend.split(64, value_model=True) == (2, 32)
+        assert search.servicer.backend.split(64) == (64, 1)
         handoff = search.servicer.handoff
         assert handoff.wait_attached(30.0)
         assert handoff._ipc.channel.kind == "cuda"
