@@ -92,9 +92,10 @@ def _device_waves(evaluator, rows: int):
     CUDA regions of ``rows`` rows or more, else None (that row is skipped)."""
     from search_service.evaluators import DeviceWaves
 
-    if not DeviceWaves.fits(evaluator.channel) or rows > evaluator.channel.max_rows:
+    if not DeviceWaves.fits(evaluator.channel):
         return None
-    return DeviceWaves(evaluator, None)
+    waves = DeviceWaves(evaluator, None)
+    return waves if waves.carries(rows) else None
 
 
 def _row_handoff(evaluator, device: bool) -> str:

@@ -581,10 +581,10 @@ class Batcher:
                         break
                     lane.wake.wait(wait_s)
                 expired, batch = self._take_locked(lane)
-            timeline.mark("batch.taken")
             for req in expired:
                 req._done.set()
             if batch is not None:
+                timeline.mark("batch.taken")
                 start = self._clock()
                 self._execute(batch)
                 end = self._clock()
@@ -667,9 +667,10 @@ class Batcher:
             for req in batch.requests:
                 req.state = DONE
                 lane.latencies_ms.append(req.queue_ms + compute_ms)
-        # Requests the worker answers itself, after the others are done.
-        answering = [r for r in batch.requests if r.on_written is not None and r.targets_written and r.error is None]
-        others = [r for r in batch.requests if r not in answering]
+        answering, others = [], []  # the requests the worker answers itself, after the others are done
+        for req in batch.requests:
+            worker_answers = req.on_written is not None and req.targets_written and req.error is None
+            (answering if worker_answers else others).append(req)
         if others:
             self._record(batch, compute_ms)  # the run's figures before any waiter wakes, as a reply follows
         for req in others:

@@ -334,8 +334,8 @@ class _Search:
         timeline.mark("search.allocated")
         init_rows = self._init_rows()
         init = cupy.asarray(init_rows.view(np.uint32))  # CuPy has no structured dtypes
-        # With device waves the fresh roots' OBS rows go straight into the input region.
-        on_device = self.puct and self.device_waves is not None and bool(init_rows["fresh"].any())
+        # With device waves (value-model searches only) the fresh roots' OBS rows go into the input region.
+        on_device = self.device_waves is not None and bool(init_rows["fresh"].any())
         kernel("init_trees")(
             ((self.n_trees + 127) // 128,),
             (128,),
