@@ -7,7 +7,10 @@ service by each hand-off (``handoff``), all in one run: ``ipc``, the leaf
 channel (tandem/leaf_channel.py: one Unix-socket message each way per wave)
 with CUDA IPC regions as device waves (the selection kernel writes the leaves
 into the input region, the answer kernel reads the outputs from the output
-region: what a GPU search service does); ``ipc_host``, the same channel with
+region: what a GPU search service does; CUDA events order the two services'
+work, tandem/cuda_events.py); ``ipc_synchronised``, device waves over a
+channel without events (each side synchronises its stream before its
+message: the way before events); ``ipc_host``, the same channel with
 the leaves and answers on the host (system regions, or a GPU search without
 device waves); and ``grpc``, one ``Evaluate`` per wave.
 
@@ -99,11 +102,14 @@ def _device_waves(evaluator, rows: int):
 
 
 def _row_handoff(evaluator, device: bool) -> str:
-    """A row's ``handoff``: ``ipc`` (device waves), ``ipc_host`` (the leaf
-    channel through the host) or the evaluator's own (``grpc``)."""
+    """A row's ``handoff``: ``ipc`` (device waves), ``ipc_synchronised``
+    (device waves, a channel without events), ``ipc_host`` (the leaf channel
+    through the host) or the evaluator's own (``grpc``)."""
     if evaluator.handoff != "ipc":
         return evaluator.handoff
-    return "ipc" if device else "ipc_host"
+    if not device:
+        return "ipc_host"
+    return "ipc" if evaluator.channel.ordered or not evaluator.channel.device_outputs else "ipc_synchronised"
 
 
 def latency(backend, evaluator, wave: int, simulations: int, repeats: int, device: bool = False) -> dict | None:
@@ -239,15 +245,16 @@ def timeline_rows(wave: int, search_marks: list, service_marks: list, searches: 
     return rows
 
 
-def _leaf_channel(stub):
-    """A leaf-channel evaluator attached to the reward service behind ``stub``."""
+def _leaf_channel(stub, events: bool = True):
+    """A leaf-channel evaluator attached to the reward service behind ``stub``
+    (``events``: offer CUDA events to order its waves by)."""
     from search_service.evaluators import LeafChannelEvaluator
     from tandem.leaf_channel import LeafChannel
 
-    channel = LeafChannel.offered(stub, "connect4_value", 4096, timeout_s=30)
+    channel = LeafChannel.offered(stub, "connect4_value", 4096, timeout_s=30, events=events)
     if channel is None:
         raise SystemExit("the reward service offers no leaf channel (reward.leaf_channel.enabled)")
-    common.note(f"leaf channel: {channel.kind} input region")
+    common.note(f"leaf channel: {channel.kind} input region, ordered by events: {channel.ordered}")
     return LeafChannelEvaluator(channel, timeout_s=30)  # as the gRPC evaluator it is measured against
 
 
@@ -301,6 +308,9 @@ def main() -> None:
             ipc = _leaf_channel(stub)
             hand_offs = (ipc, RewardServiceEvaluator(ch, "connect4_value", timeout_s=30))
             ways = [(ipc, True), (ipc, False), (hand_offs[1], False)]  # device waves, the host way, gRPC
+            synchronised = _leaf_channel(stub, events=False) if ipc.channel.ordered else None
+            if synchronised is not None:  # device waves without events, in the same run
+                ways.insert(1, (synchronised, True))
             profiler = cProfile.Profile() if args.profile else None
             value_backends = {g: backend if g == 1 else common.make_backend(variant, g)
                               for g in args.value_sims_per_warp}
@@ -333,6 +343,8 @@ def main() -> None:
                         common.progress(row)
                         rows.append(row)
             ipc.channel.close()
+            if synchronised is not None:
+                synchronised.channel.close()
             handoff = HandoffEvaluator(ch, "connect4_value", "ipc")
             common.note(f"serving path: leaf channel attached: {handoff.wait_attached(10.0)}, device channels: "
                         f"{handoff.wait_device_channels(10.0)}")

@@ -149,6 +149,15 @@ class Request:
     or raised (logged), ``answered`` stays False: the waiter answers
     instead, on its own thread.
 
+    ``events``: a leaf channel's CUDA events (an object
+    with ``ready`` and ``done``, each with ``wait_host(deadline)`` and
+    ``record(stream)``: tandem/cuda_events.py), or None: the run waits for
+    ``ready`` (a host poll, bounded by ``deadline``) before it reads the feeds
+    and records ``done`` after it wrote the targets. A run whose every request has targets and events is not
+    synchronised at all: ``targets_written`` then means the copies are queued
+    on the runner's stream, ordered before ``done``, and ``compute_ms`` is the
+    host's time to queue the run, not the GPU's.
+
     Filled in when done: ``outputs`` (name -> array with ``rows`` rows) or
     ``error``; ``queue_ms`` (arrival to run start, ms), ``compute_ms`` (the
     batch's run, ms), ``batch_rows`` (real rows of the batch it ran in) and
@@ -164,6 +173,7 @@ class Request:
     targets: dict | None = None
     targets_written: bool = False
     on_written: Callable[[Request], bool] | None = None
+    events: object | None = None
     answered: bool = False
     state: str = QUEUED  # guarded by Batcher._lock
     outputs: dict[str, np.ndarray] | None = None
@@ -394,13 +404,14 @@ class Batcher:
         output_names: Sequence[str] = (),
         targets: dict | None = None,
         on_written: Callable[[Request], bool] | None = None,
+        events=None,
     ) -> Request:
         """Queues a validated request in its class's lane and returns it (wait
         on it for the result).
 
         ``request_class``: ``reward_pb2.REQUEST_CLASS_CRITICAL`` or
         ``REQUEST_CLASS_BULK`` (the servicer maps UNSPECIFIED to bulk).
-        ``targets``, ``on_written``: see :class:`Request`.
+        ``targets``, ``on_written``, ``events``: see :class:`Request`.
 
         Raises:
             DeadlineExceeded: ``deadline`` has passed already.
@@ -417,7 +428,7 @@ class Batcher:
         lane = self._lanes[request_class]
         now = self._clock()
         req = Request(feeds, rows, request_class, deadline, tuple(output_names), enqueued=now, targets=targets,
-                      on_written=on_written if targets else None)
+                      on_written=on_written if targets else None, events=events)
         if deadline is not None and deadline <= now:
             with self._lock:
                 lane.stats["expired"] += 1
@@ -498,6 +509,7 @@ class Batcher:
         output_names: Sequence[str] = (),
         targets: dict | None = None,
         on_written: Callable[[Request], bool] | None = None,
+        events=None,
     ) -> Request:
         """:meth:`submit`, then waits until done or until ``deadline``.
 
@@ -509,7 +521,7 @@ class Batcher:
                 ``targets`` or device feeds is waited for and returned, late).
             QueueFull, BatcherClosed, ValueError: as :meth:`submit`.
         """
-        req = self.submit(feeds, rows, request_class, deadline, output_names, targets, on_written)
+        req = self.submit(feeds, rows, request_class, deadline, output_names, targets, on_written, events)
         while True:
             # Bounded waits: a far deadline must not overflow the platform's timeout type.
             timeout = None if deadline is None else min(max(deadline - self._clock(), 0.0), _MAX_WAIT_S)

@@ -48,6 +48,7 @@ Invariants:
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -69,6 +70,7 @@ from reward_service.session import ModelSession
 from reward_service.shared_memory import RegionTable, SharedMemoryError
 from tandem import tensors, timeline
 from tandem.config import LeafChannelConfig
+from tandem.cuda_events import IPC_EVENT_HANDLE_BYTES, ExportedEvent, OpenedEvent
 from tandem.errors import quote
 from tandem.leaf_channel import (ATTACH, ERROR, MAX_MESSAGE_BYTES, REPLY, REPLY_FORMAT, WAVE, WAVE_FORMAT, OutputSlot,
                                  output_layout, pack_error)
@@ -103,6 +105,15 @@ class _Attachment:
     output_bytes: int
     input_name: str  # the model's one input
     output_names: tuple[str, ...]  # the outputs' names, in slot order
+    events: WaveEvents | None = None  # an ordered channel's CUDA events (tandem/cuda_events.py)
+
+
+@dataclass(frozen=True)
+class WaveEvents:
+    """An ordered channel's events (Request.events): the client's, opened here, and this server's, exported."""
+
+    ready: OpenedEvent
+    done: ExportedEvent
 
 
 _FLOAT32 = np.dtype(np.float32)
@@ -309,6 +320,8 @@ class LeafChannelServer:
             return None
         layout = {"outputs": [{"name": s.name, "row": list(s.row), "offset": s.offset} for s in attachment.outputs],
                   "execution_provider": attachment.session.execution_provider}
+        if attachment.events is not None:
+            layout["done_event"] = attachment.events.done.handle.hex()
         self._send(conn, ATTACH + json.dumps(layout).encode())
         return attachment
 
@@ -321,7 +334,9 @@ class LeafChannelServer:
                 too small or of the wrong kind; one region named as both),
                 NOT_FOUND (no such model), FAILED_PRECONDITION (a model whose
                 signature does not fit the channel), ALREADY_EXISTS (a region
-                attached elsewhere).
+                attached elsewhere); INVALID_ARGUMENT for a malformed
+                ``ready_event`` (one the driver cannot open, stale or foreign,
+                leaves the channel synchronised: no ``done_event`` in the layout).
             SharedMemoryError: a region that is not registered or not the client's.
         """
         try:
@@ -342,21 +357,62 @@ class LeafChannelServer:
             raise _Bad(grpc.StatusCode.INVALID_ARGUMENT,
                        f"max_rows: {quote(str(max_rows))}, must be 1..{limit} (reward.leaf_channel.max_rows "
                        f"{self.cfg.max_rows}, model {quote(model)}'s max_batch_size {session.max_batch_size})")
+        events = self._open_events(req.get("ready_event"), session)
         spec, input_row, outputs = self._signature(session)
         dtype = tensors.numpy_dtype(spec.dtype)
         slots, out_bytes = output_layout([(o.name, row) for o, row in outputs], max_rows)
         in_bytes = max_rows * math.prod(input_row) * dtype.itemsize
         attachment = _Attachment(client_id, session, max_rows, input_region, input_row, dtype, output_region,
-                                 tuple(slots), in_bytes, out_bytes, spec.name, tuple(s.name for s in slots))
-        with self.regions.acquire(client_id, [input_region, output_region]) as lease:
-            self._check_regions(lease, attachment)
-        with self._lock:
-            taken = {input_region, output_region} & self._attached
-            if taken:
-                raise _Bad(grpc.StatusCode.ALREADY_EXISTS,
-                           f"region {quote(min(taken))}: attached to another leaf channel")
-            self._attached |= {input_region, output_region}
+                                 tuple(slots), in_bytes, out_bytes, spec.name, tuple(s.name for s in slots), events)
+        try:
+            with self.regions.acquire(client_id, [input_region, output_region]) as lease:
+                out_kind = self._check_regions(lease, attachment)
+            with self._lock:
+                taken = {input_region, output_region} & self._attached
+                if taken:
+                    raise _Bad(grpc.StatusCode.ALREADY_EXISTS,
+                               f"region {quote(min(taken))}: attached to another leaf channel")
+                self._attached |= {input_region, output_region}
+        except BaseException:
+            if events is not None:
+                events.ready.close()
+            raise
+        if events is not None and out_kind != "cuda":  # outputs the host writes: the reply alone orders them
+            events.ready.close()
+            attachment = dataclasses.replace(attachment, events=None)
         return attachment
+
+    @staticmethod
+    def _open_events(ready_hex, session: ModelSession) -> WaveEvents | None:
+        """The channel's events where the client offers its ``ready_event``
+        (hex of a CUDA IPC event handle) and the model's critical lane can
+        order by events; else None (the channel synchronises as before).
+
+        Raises:
+            _Bad: INVALID_ARGUMENT: not a string of hex, or not a handle's size
+                (a handle the driver cannot open is not ordered by: None).
+        """
+        if ready_hex is None:
+            return None
+        try:
+            handle = bytes.fromhex(ready_hex)
+        except (ValueError, TypeError) as exc:
+            raise _Bad(grpc.StatusCode.INVALID_ARGUMENT, f"attach: ready_event: not hex ({exc})") from None
+        if len(handle) != IPC_EVENT_HANDLE_BYTES:
+            raise _Bad(grpc.StatusCode.INVALID_ARGUMENT, f"attach: ready_event: {len(handle)} bytes; "
+                       f"a cudaIpcEventHandle_t has {IPC_EVENT_HANDLE_BYTES}")
+        if not session.orders_by_events:  # a CPU run, or no bound runner: synchronised
+            return None
+        try:
+            ready = OpenedEvent(handle)
+        except ValueError as exc:  # e.g. a driver or MPS set-up without IPC events: the channel synchronises
+            log.warning("leaf channel: the client's ready_event %s; its waves are synchronised instead", exc)
+            return None
+        try:
+            return WaveEvents(ready, ExportedEvent())
+        except BaseException:
+            ready.close()
+            raise
 
     @staticmethod
     def _check_regions(lease, a: _Attachment) -> str:
@@ -408,6 +464,8 @@ class LeafChannelServer:
             log.warning("leaf channel of client %r: renewing its regions: %s", a.client_id, exc)
 
     def _detach(self, a: _Attachment) -> None:
+        if a.events is not None:
+            a.events.ready.close()  # released by the driver once no queued wait needs it
         with self._lock:
             self._attached -= {a.input_region, a.output_region}
         for name in (a.input_region, a.output_region):
@@ -485,7 +543,7 @@ class LeafChannelServer:
                            for s in a.outputs}
             timeline.mark("channel.submitted")
             done = run(self.batchers[a.session.name], a.session.name, {a.input_name: feed}, rows,
-                       CRITICAL, deadline, a.output_names, targets, answer)
+                       CRITICAL, deadline, a.output_names, targets, answer, a.events)
             if done.targets_written:  # written by the run, while the lease held the region
                 return done
             lease.check_live()  # a region unregistered meanwhile gets nothing written

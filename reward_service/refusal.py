@@ -20,18 +20,19 @@ class Refusal(Exception):
 
 
 def run(batcher: Batcher, model: str, feeds: dict[str, np.ndarray], rows: int, request_class: int,
-        deadline: float | None, names, targets: dict | None = None, on_written=None) -> Request:
+        deadline: float | None, names, targets: dict | None = None, on_written=None,
+        events=None) -> Request:
     """Runs ``feeds`` (``rows`` rows) through ``batcher`` and returns the done
     request (``outputs``, ``queue_ms``, ``compute_ms``, ``bucket``; ``targets``,
-    ``on_written``: see :class:`reward_service.batcher.Request`).
+    ``on_written``, ``events``: see :class:`reward_service.batcher.Request`).
 
     Raises:
         Refusal: DEADLINE_EXCEEDED (not run by ``deadline``, time.monotonic()
-            s), RESOURCE_EXHAUSTED (queue full, memory pool full), UNAVAILABLE
+            s, or a leaf channel's inputs not written by then), RESOURCE_EXHAUSTED (queue full, memory pool full), UNAVAILABLE
             (stopping), INTERNAL (the run failed).
     """
     try:
-        done = batcher.evaluate(feeds, rows, request_class, deadline, names, targets, on_written)
+        done = batcher.evaluate(feeds, rows, request_class, deadline, names, targets, on_written, events)
         done.result()
         return done
     except DeadlineExceeded as exc:
@@ -40,6 +41,8 @@ def run(batcher: Batcher, model: str, feeds: dict[str, np.ndarray], rows: int, r
         raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue_full", str(exc)) from None
     except BatcherClosed as exc:
         raise Refusal(grpc.StatusCode.UNAVAILABLE, "unavailable", str(exc)) from None
+    except TimeoutError as exc:  # the run's wait for a client's ready event (session.py)
+        raise Refusal(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline_exceeded", f"model {model!r}: {exc}") from None
     except BatcherError as exc:  # pragma: no cover - every batcher error is mapped above
         raise Refusal(grpc.StatusCode.INTERNAL, "run_failed", str(exc)) from None
     except Exception as exc:  # the model run failed (logged by the batcher)

@@ -265,6 +265,9 @@ class _Slot:
     dirty_rows: int = 0  # device input rows [0, dirty_rows) may hold an earlier batch's data
 
 
+_READY_CAP_S = 5.0  # the longest wait for a ready event of a request with no deadline (s)
+
+
 class _BoundRunner:
     """One session per bucket, IO-bound to preallocated buffers, optionally
     with a CUDA graph.
@@ -310,6 +313,7 @@ class _BoundRunner:
     def _run_slot(self, bucket: int, rows: int, fill: Callable[[dict], None] | None,
                   device_batch: Batch | None = None) -> dict[str, np.ndarray]:
         slot, dev = self._slots[bucket], self.device
+        events = [] if device_batch is None else [r.events for r in device_batch.requests if r.events is not None]
         if device_batch is not None:  # the inputs are on the device already: no host copy at all
             for name, d in slot.dev_in.items():
                 for req, off in zip(device_batch.requests, device_batch.offsets):
@@ -336,15 +340,34 @@ class _BoundRunner:
         if not everyone:
             for name, d in slot.dev_out.items():
                 dev.download(slot.host_out[name], d, rows)
-        dev.synchronize()
+        for ev in events:  # after the targets' copies: the client waits for it
+            ev.done.record(dev.stream.ptr)
+        if not (everyone and len(events) == len(device_batch.requests)):  # else no host waits for the GPU
+            dev.synchronize()
         timeline.mark("batch.synced")
         for req, _ in targeted:
             req.targets_written = True
         return {} if everyone else {name: h[:rows].copy() for name, h in slot.host_out.items()}
 
     def run(self, batch: Batch) -> dict[str, np.ndarray]:
+        """The batch's outputs (see Request: ``events``).
+
+        Raises:
+            TimeoutError: a request's ``ready`` event not done by its deadline
+                (its client died, or hangs): the batch is not run.
+        """
+        events = [r.events for r in batch.requests if r.events is not None]
+        for req in batch.requests:  # an ordered leaf channel's inputs: their kernels first (host polls)
+            if req.events is not None and not req.events.ready.wait_host(req.deadline or time.monotonic() + _READY_CAP_S):
+                raise TimeoutError("a leaf channel's inputs were not written by its wave's deadline (ready_event)")
         if batch.bucket in self._slots and batch.on_device and hasattr(self.device, "copy_device"):
             return self._run_slot(batch.bucket, batch.rows, None, batch)
+        outputs = self._run_host_feeds(batch)
+        for ev in events:  # run and synchronised: the outputs reach the host, which writes them
+            ev.done.record(self.device.stream.ptr)
+        return outputs
+
+    def _run_host_feeds(self, batch: Batch) -> dict[str, np.ndarray]:
         if batch.bucket in self._slots:
             return self._run_slot(batch.bucket, batch.rows, lambda bufs: batch.fill(bufs, zero_padding=False))
         # Larger than every bucket: bucket-sized chunks, so only captured shapes ever run.
@@ -688,6 +711,12 @@ class ModelSession:
                 log.warning("model %s: CUDA graphs off: %s", self.name, exc)
         make = (lambda: factory.cuda(device.stream_handle)) if device.ort_device == "cuda" else factory.cpu
         return _BoundRunner(make, device, self.inputs, self.outputs, self.buckets, False), failure
+
+    @property
+    def orders_by_events(self) -> bool:
+        """Whether the critical lane can order leaf-channel waves by CUDA
+        events (a bound runner on a CuPy stream; Request.events)."""
+        return isinstance(self._critical, _BoundRunner) and isinstance(self._critical.device, _CupyDevice)
 
     def lane_runners(self, lane: int | None = None) -> list:
         """The runners ``lane`` (``CRITICAL`` or ``BULK``) runs on; None: every

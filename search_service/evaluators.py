@@ -218,6 +218,13 @@ class DeviceWaves:
                 and channel.input_row == OBSERVATION_ROW and rows.get("value") == (1,)
                 and rows.get("policy_logits", (NUM_ACTIONS,)) == (NUM_ACTIONS,))
 
+    @property
+    def ordered(self) -> bool:
+        """Whether the channel orders waves by CUDA events (LeafChannel.ordered):
+        the caller queues a wave's kernels and calls :meth:`evaluate` without
+        synchronising its stream."""
+        return self._ev.channel.ordered
+
     def carries(self, rows: int) -> bool:
         """Whether a wave of ``rows`` slots (B trees x K) goes by these regions:
         the CUDA backend's rule for using them, which the servicer reports."""
@@ -225,9 +232,10 @@ class DeviceWaves:
 
     def evaluate(self, rows: int):
         """Runs rows ``[0, rows)`` of :attr:`inputs` (written, and the writing
-        kernel finished) and returns the output region's views: values CuPy
-        float32 ``[max_rows, 1]`` and policy logits float32 ``[max_rows, A]``
-        or None; rows ``[0, rows)`` this wave's, valid until the next call.
+        kernel finished -- or, :attr:`ordered`, queued on the current stream)
+        and returns the output region's views: values CuPy float32
+        ``[max_rows, 1]`` and policy logits float32 ``[max_rows, A]`` or None;
+        rows ``[0, rows)`` this wave's, valid until the next call.
 
         Raises:
             EvaluatorUnavailable: as :meth:`LeafChannelEvaluator.__call__`.

@@ -35,7 +35,16 @@ client -> server      server -> client
 
 Ordering: the client writes a wave's inputs (and synchronises a CUDA copy)
 before it sends ``W``; the server reads them only after, and writes the
-outputs before it sends ``R``. One wave is in flight per connection; the
+outputs before it sends ``R``. A channel of two CUDA regions whose server
+runs it on a bound runner orders them by CUDA events instead
+(tandem/cuda_events.py): the attach carries the client's ``ready_event``
+handle and the layout the server's ``done_event``; the client records
+``ready`` after the kernels that wrote the inputs and sends ``W`` at once,
+the server waits for it before it copies them in, records ``done`` after
+its output copies and sends ``R`` once they are queued, not done; the client
+waits for ``done`` before it reads them (:attr:`LeafChannel.ordered`). Each
+side's wait is then for the other's GPU work alone, past the socket hops and
+host work between, not for a synchronisation followed by a hop. One wave is in flight per connection; the
 server answers waves in order, so a client that gave up on a wave (its
 deadline) skips replies whose ``seq`` is older than the wave it waits for.
 The connection closing (either side, or a process dying) unregisters its
@@ -54,6 +63,7 @@ import numpy as np
 from tandem.v1 import reward_pb2, reward_pb2_grpc
 
 from tandem import tensors, timeline
+from tandem.cuda_events import ExportedEvent, OpenedEvent
 from tandem.shared_memory_client import CudaSharedMemoryRegion, SystemSharedMemoryRegion, aligned
 from tandem.gpu import cupy_module
 
@@ -163,6 +173,8 @@ class LeafChannel:
         cuda_outputs: with a CUDA input region, a CUDA output region too (the
             server says it takes one: ``ModelMetadata.runtime["leaf_channel_outputs"]``);
             else system shared memory.
+        events: with two CUDA regions, offer the server CUDA events to order
+            waves by (:attr:`ordered`; False: every wave synchronised).
 
     Raises:
         LeafChannelError: the model's metadata, the registration, the socket
@@ -172,8 +184,9 @@ class LeafChannel:
 
     def __init__(self, stub: reward_pb2_grpc.RewardServiceStub, path: str, model: str, max_rows: int,
                  device_id: int = -1, timeout_s: float = 5.0,
-                 meta: reward_pb2.ModelMetadataResponse | None = None, cuda_outputs: bool = True):
-        self.path, self.model, self.max_rows = path, model, max_rows
+                 meta: reward_pb2.ModelMetadataResponse | None = None, cuda_outputs: bool = True,
+                 events: bool = True):
+        self.path, self.model, self.max_rows, self._timeout_s = path, model, max_rows, timeout_s
         meta = meta or _metadata(stub, model, timeout_s)
         spec = meta.inputs[0]
         self.input_name, self.input_row = spec.name, tuple(spec.shape[1:])
@@ -184,6 +197,7 @@ class LeafChannel:
         self._inputs = self._outputs_region = None
         self._in_view, self._out_views = None, {}
         self._attached = False
+        self._ready = self._done = None  # the CUDA events of an ordered channel
         try:
             self._inputs = _input_region(stub, in_bytes, device_id, timeout_s)
             self.kind = self._inputs.kind
@@ -196,9 +210,12 @@ class LeafChannel:
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             self._sock.settimeout(timeout_s)
             self._sock.connect(path)
-            self._sock.send(ATTACH + json.dumps({
-                "client_id": self._inputs.client_id, "model": model, "max_rows": max_rows,
-                "input_region": self._inputs.name, "output_region": self._outputs_region.name}).encode())
+            attach = {"client_id": self._inputs.client_id, "model": model, "max_rows": max_rows,
+                      "input_region": self._inputs.name, "output_region": self._outputs_region.name}
+            if self.device_outputs and events:
+                self._ready = ExportedEvent()
+                attach["ready_event"] = self._ready.handle.hex()
+            self._sock.send(ATTACH + json.dumps(attach).encode())
             reply = self._sock.recv(MAX_MESSAGE_BYTES)
         except grpc.RpcError as exc:
             self.close()
@@ -212,6 +229,7 @@ class LeafChannel:
                 raise unpack_error(reply)[1]
             raise LeafChannelError(grpc.StatusCode.UNAVAILABLE, f"socket {path}: closed during the attach")
         self._attached = True
+        self._open_done_event(reply[1:])
         self._seq = 0
         self._in_view = self._inputs.array(0, self.input_dtype, (max_rows, *self.input_row))
         self._out_views = {s.name: self._outputs_region.array(s.offset, np.dtype(np.float32), (max_rows, *s.row))
@@ -220,13 +238,40 @@ class LeafChannel:
         self.queue_ms = self.compute_ms = 0.0
         self.bucket = 0
 
+    def _open_done_event(self, layout: bytes) -> None:
+        """Opens the server's ``done_event`` where its layout gives one (the
+        channel is then ordered by events); else drops this side's.
+
+        Raises:
+            LeafChannelError: INTERNAL: a layout that is not JSON, or an event
+                this process cannot open (the channel is closed).
+        """
+        try:
+            handle = json.loads(layout).get("done_event") if self._ready is not None else None
+            if handle is not None:
+                self._done = OpenedEvent(bytes.fromhex(handle))
+        except (ValueError, TypeError, AttributeError) as exc:  # the server waits for events nobody records
+            self.close()
+            raise LeafChannelError(grpc.StatusCode.INTERNAL, f"attach: the server's done_event: {exc}") from None
+        if self._done is None:
+            self._ready = None
+
+    @property
+    def ordered(self) -> bool:
+        """Whether waves are ordered by CUDA events (module docstring): a wave's
+        inputs need only be queued on the caller's current stream before
+        :meth:`evaluate_device` (no synchronisation); its outputs are in place
+        when it returns, as on any channel."""
+        return self._done is not None
+
     @classmethod
     def offered(cls, stub: reward_pb2_grpc.RewardServiceStub, model: str, max_rows: int,
-                timeout_s: float = 5.0) -> LeafChannel | None:
+                timeout_s: float = 5.0, events: bool = True) -> LeafChannel | None:
         """The leaf channel the reward service behind ``stub`` offers for
         ``model`` (``ModelMetadata.runtime``: its socket and device), attached
         for at most ``max_rows`` rows per wave, fewer where the model's
-        ``max_batch_size`` is smaller; None when it offers none.
+        ``max_batch_size`` is smaller; None when it offers none (``events``:
+        as the constructor's).
 
         Raises:
             LeafChannelError: as the constructor.
@@ -239,7 +284,7 @@ class LeafChannel:
         if meta.max_batch_size:  # the server refuses a channel wider than the model's batches
             max_rows = min(max_rows, meta.max_batch_size)
         cuda_outputs = "cuda" in meta.runtime.get(f"{RUNTIME_KEY}_outputs", "system").split(",")
-        return cls(stub, path, model, max_rows, device, timeout_s, meta, cuda_outputs)
+        return cls(stub, path, model, max_rows, device, timeout_s, meta, cuda_outputs, events)
 
     def evaluate(self, inputs, deadline: float | None = None) -> dict[str, np.ndarray]:
         """The model's outputs (name -> float32 ``[N, *row]``, copies) for
@@ -287,9 +332,10 @@ class LeafChannel:
 
     def evaluate_device(self, rows: int, deadline: float | None = None) -> dict:
         """Runs rows ``[0, rows)`` already in :attr:`device_inputs` (written and
-        synchronised by the caller) and returns the output region's views
-        (name -> CuPy float32 ``[max_rows, *row]``, rows ``[0, rows)`` this
-        wave's, valid until the next wave): no copy either way.
+        synchronised by the caller; on an :attr:`ordered` channel, queued on
+        its current stream) and returns the output region's views (name ->
+        CuPy float32 ``[max_rows, *row]``, rows ``[0, rows)`` this wave's,
+        valid until the next wave): no copy either way.
 
         Raises:
             LeafChannelError: as :meth:`evaluate`.
@@ -309,6 +355,9 @@ class LeafChannel:
         its reply (its outputs in place); see :meth:`evaluate` for the errors."""
         self._seq += 1
         timeout_us = 0 if deadline is None else max(int((deadline - time.monotonic()) * 1e6), 1)
+        ordered = self._done is not None
+        if ordered:  # after the kernels that wrote the inputs (on the current stream; 0: the legacy default one)
+            self._ready.record(cupy_module().cuda.get_current_stream().ptr)
         try:
             timeline.mark("wave.sent")
             self._sock.send(WAVE + WAVE_FORMAT.pack(self._seq, rows, timeout_us))
@@ -338,6 +387,24 @@ class LeafChannel:
             self.close()
             raise LeafChannelError(grpc.StatusCode.INTERNAL, f"unexpected message kind {reply[:1]!r}")
         _, self.bucket, self.queue_ms, self.compute_ms = REPLY_FORMAT.unpack_from(reply, 1)
+        if ordered:  # the outputs' copies, queued by the server before its reply
+            self._wait_done(deadline)
+
+    def _wait_done(self, deadline: float | None) -> None:
+        """Waits for the server's ``done`` event (its wave's output copies).
+
+        Raises:
+            LeafChannelError: DEADLINE_EXCEEDED (not done by ``deadline``, or
+                ``timeout_s`` without one); UNAVAILABLE (the driver reports an
+                error for it: the channel is closed).
+        """
+        try:
+            ok = self._done.wait_host(deadline if deadline is not None else time.monotonic() + self._timeout_s)
+        except Exception as exc:  # CUDARuntimeError: its process's context is gone
+            self.close()
+            raise LeafChannelError(grpc.StatusCode.UNAVAILABLE, f"the server's done_event: {exc}") from None
+        if not ok:
+            raise LeafChannelError(grpc.StatusCode.DEADLINE_EXCEEDED, "the wave's outputs not written by the deadline")
 
     @property
     def closed(self) -> bool:
@@ -349,6 +416,13 @@ class LeafChannel:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+        if self._done is not None:  # its last wave's output copies end before the regions are freed
+            try:
+                self._done.wait_host(time.monotonic() + 1.0)
+            except Exception:  # noqa: BLE001 - a dead server's event: nothing of it will write here
+                pass
+            self._done.close()
+            self._done = self._ready = None
         self._in_view, self._out_views = None, {}  # views into the regions: released before they are freed
         for region in (self._inputs, self._outputs_region):
             if region is not None:  # attached: the server unregisters them as the socket closes

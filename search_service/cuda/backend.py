@@ -167,7 +167,10 @@ class CudaBackend:
                 leaves into its input region and the answer kernel reads the
                 values and priors from its output region: per wave one small
                 copy back (the META rows) and one socket round trip, no tensor
-                on the host. The fresh roots go the same way: init_trees writes
+                on the host. On an ordered channel (``device_waves.ordered``:
+                CUDA events order the two services' work) the wave is sent as
+                soon as its selection is queued, with all B * K rows, and the
+                META rows come back meanwhile. The fresh roots go the same way: init_trees writes
                 their OBS rows into the input region, and mcts_vm_root_priors
                 reads their priors from the output region.
 
@@ -314,7 +317,8 @@ class _Search:
         on the host way."""
         t = time.perf_counter()
         rows = int(np.flatnonzero(init_rows["fresh"])[-1]) + 1
-        cupy.cuda.get_current_stream().synchronize()  # init_trees's rows in place before the call
+        if not self.device_waves.ordered:  # else the channel's event orders init_trees before the model's copy
+            cupy.cuda.get_current_stream().synchronize()  # init_trees's rows in place before the call
         try:
             with nvtx.span("search.evaluate"):
                 _, logits = self.device_waves.evaluate(rows)
@@ -446,6 +450,9 @@ class _Search:
         stage_sizes = (n * abi.META.nbytes, n * abi.OBS.nbytes if dw is None else 0)
         stage = cupy.empty(sum(stage_sizes), np.uint8)
         meta_dev, obs_dev = abi.carve(stage, *stage_sizes)
+        # An ordered channel (DeviceWaves.ordered): the META rows come back into pinned
+        # memory while the wave is valued, and are read after the backup is queued.
+        meta_back = _AsyncCopy(meta_dev) if dw is not None and dw.ordered else None
         if dw is not None:
             obs_dev = dw.inputs.reshape(-1, abi.OBS.words)[:n]
         obs_dev = obs_dev.reshape(n, abi.OBS.words)
@@ -480,29 +487,32 @@ class _Search:
             clock.begin_wave()
             args = (self.pool, np.int64(self.capacity), np.int32(self.node_limit), np.int32(b), np.int32(w),
                     np.int32(g), np.int32(k_max), np.int32(k))
+            on_device = dw is not None and self.use_model  # the answer kernel builds the EVAL rows
+            ordered = on_device and meta_back is not None  # sent unsynchronised: the channel's events order it
             with nvtx.span("search.select"):
                 kernel("mcts_vm_select")(
                     grid, block,
                     (*args, np.float64(params.c_puct), np.float64(params.virtual_loss), self.tree_state, meta_dev,
                      paths, obs_dev),
                 )
-                staged = stage.get()  # waits for the selection: the leaves are in place
+                if ordered:
+                    meta_back.start()
+                else:
+                    staged = stage.get()  # waits for the selection: the leaves are in place
             timeline.mark("wave.staged")
-            meta_host, obs_host = abi.carve(staged, *stage_sizes)
-            meta = meta_host.view(abi.META.dtype)  # [n]
             t1 = time.perf_counter()
-            terminal = meta["terminal"]
-            ran = (in_wave_of < k) & (terminal != abi.NO_SIMULATION)  # slots that ran a simulation
-            live = ran.reshape(b, k_max)[:, 0]
-            if not live.any():
-                return False  # every root is proven
-            open_ = ran & (terminal == tr.NOT_TERMINAL)
+            open_ = None  # unknown until the META rows are read: an ordered wave values all n rows
+            if not ordered:
+                meta_host, obs_host = abi.carve(staged, *stage_sizes)
+                meta = meta_host.view(abi.META.dtype)  # [n]
+                ran, live, open_ = _wave_slots(meta, in_wave_of < k, b)
+                if not live.any():
+                    return False  # every root is proven
             has_priors = False
             used_model = self.use_model
-            on_device = dw is not None and self.use_model  # the answer kernel builds the EVAL rows
             if not on_device:  # the host builds them: exact values where known, the leaves' planes
                 vin = np.zeros(n, abi.EVAL.dtype)
-                vin["value"] = np.where(ran, tr.OUTCOME_VALUE[np.maximum(terminal, 0)], 0.0)
+                vin["value"] = np.where(ran, tr.OUTCOME_VALUE[np.maximum(meta["terminal"], 0)], 0.0)
                 planes = (obs_host if dw is None else obs_dev.get()).reshape(n, 2, connect4.ROWS, connect4.COLUMNS)
             try:
                 if on_device:
@@ -519,6 +529,8 @@ class _Search:
                 self._stop_using_model(exc)
                 self.phase_ms["select"] += (t1 - t) * 1e3
                 self.phase_ms["evaluate"] += (time.perf_counter() - t1) * 1e3
+                if ordered:
+                    live = _wave_slots(meta_back.finish().view(abi.META.dtype), in_wave_of < k, b)[1]
                 clock.end_wave()
                 continue
             t2 = time.perf_counter()
@@ -534,6 +546,10 @@ class _Search:
                 )
             t3 = time.perf_counter()
             timeline.mark("wave.backed_up")
+            if ordered:  # the selection ended long before the reply: this waits for nothing
+                live = _wave_slots(meta_back.finish().view(abi.META.dtype), in_wave_of < k, b)[1]
+                if not live.any():
+                    return False  # every root was proven before this wave
             self.phase_ms["select"] += (t1 - t) * 1e3
             self.phase_ms["evaluate"] += (t2 - t1) * 1e3
             self.phase_ms["backup"] += (t3 - t2) * 1e3
@@ -568,18 +584,21 @@ class _Search:
         vin["priors"][rows] = priors
         return True
 
-    def _device_values(self, dw, open_: np.ndarray, meta_dev, obs_dev, vin_dev, k: int) -> bool:
+    def _device_values(self, dw, open_: np.ndarray | None, meta_dev, obs_dev, vin_dev, k: int) -> bool:
         """Values the wave's leaves through ``dw`` (their OBS rows are its input
         region) and fills ``vin_dev``'s EVAL rows on the device
-        (``mcts_vm_answer``); returns has_priors.
+        (``mcts_vm_answer``); returns has_priors. ``open_``: bool [n], the
+        slots with an unfinished leaf, or None where the host does not know
+        them yet (an ordered wave: all n rows are valued).
 
         Raises:
             EvaluationFailed: the hand-off failed, or outputs of the wrong shape.
         """
-        n = len(open_)
+        n = len(vin_dev) // abi.EVAL.words
         values = logits = None
-        if open_.any():
-            rows = int(np.flatnonzero(open_)[-1]) + 1  # every leaf's evaluating row is at or before it
+        if open_ is None or open_.any():
+            # every leaf's evaluating row is at or before the last open one; unknown: all of them
+            rows = n if open_ is None else int(np.flatnonzero(open_)[-1]) + 1
             with nvtx.span("search.evaluate"):
                 values, logits = dw.evaluate(rows)
         null = np.uint64(0)
@@ -657,6 +676,38 @@ class _Search:
         nodes = self._num_nodes(res).tolist()
         cur, mask, ev, cap = self.roots.current.tolist(), self.roots.mask.tolist(), self.params.evaluator, self.capacity
         return [pl.CudaTree(self.pool, i, cap, nodes[i], cur[i], mask[i], ev) for i in range(self.n_trees)]
+
+
+def _wave_slots(meta: np.ndarray, in_wave: np.ndarray, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """From a wave's META rows ([n]) and which slots are in it (bool [n]): the
+    slots that ran a simulation (bool [n]), the trees whose root is not proven
+    (bool [B]) and the slots whose leaf is unfinished (bool [n])."""
+    terminal = meta["terminal"]
+    ran = in_wave & (terminal != abi.NO_SIMULATION)
+    return ran, ran.reshape(b, -1)[:, 0], ran & (terminal == tr.NOT_TERMINAL)
+
+
+class _AsyncCopy:
+    """A device buffer's copy into pinned host memory, queued on the current
+    stream (:meth:`start`) and waited for on the host later (:meth:`finish`)."""
+
+    def __init__(self, dev: cupy.ndarray):
+        import cupyx  # noqa: PLC0415 - with CuPy
+
+        self._dev = dev
+        self._host = cupyx.empty_pinned(dev.nbytes, np.uint8)
+        self._event = cupy.cuda.Event(block=False, disable_timing=True)
+
+    def start(self) -> None:
+        stream = cupy.cuda.get_current_stream()
+        cupy.cuda.runtime.memcpyAsync(self._host.ctypes.data, self._dev.data.ptr, self._dev.nbytes,
+                                      cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr)
+        self._event.record(stream)
+
+    def finish(self) -> np.ndarray:
+        """uint8 [nbytes]: the copy, once done (a view, valid until the next start)."""
+        self._event.synchronize()
+        return self._host
 
 
 def _model_answer(evaluator, obs, legal: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:

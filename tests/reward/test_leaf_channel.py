@@ -145,6 +145,9 @@ def status(reply: bytes) -> tuple[grpc.StatusCode, str]:
     ({"model": "frame_reward", "max_rows": 300}, grpc.StatusCode.INVALID_ARGUMENT, "max_batch_size 256"),
     ({"max_rows": 64}, grpc.StatusCode.INVALID_ARGUMENT, "need"),  # the input region holds 8 rows
     ({"client_id": "someone-else"}, grpc.StatusCode.FAILED_PRECONDITION, "another client"),
+    ({"ready_event": "not hex"}, grpc.StatusCode.INVALID_ARGUMENT, "ready_event: not hex"),
+    ({"ready_event": 7}, grpc.StatusCode.INVALID_ARGUMENT, "ready_event: not hex"),
+    ({"ready_event": "00" * 10}, grpc.StatusCode.INVALID_ARGUMENT, "ready_event: 10 bytes"),
 ])
 def test_a_bad_attach_is_refused_and_the_connection_may_attach_again(reward, overrides, code, words):
     service, stub = reward
@@ -153,6 +156,20 @@ def test_a_bad_attach_is_refused_and_the_connection_may_attach_again(reward, ove
         got_code, message = status(c.attach(**overrides))
         assert got_code == code and words in message
         assert c.attach()[:1] == ATTACH  # the same connection, now right
+        assert c.wave(3)[:1] == REPLY
+    finally:
+        c.close()
+
+
+def test_a_ready_event_on_a_server_that_cannot_order_by_events_leaves_the_channel_synchronised(reward):
+    """A well-formed ready_event where the model's critical lane has no CUDA
+    bound runner (the CPU here): the attach succeeds, its layout has no
+    done_event, and waves are answered once their outputs are written."""
+    service, stub = reward
+    c = RawClient(service, stub)
+    try:
+        reply = c.attach(ready_event="ab" * 64)
+        assert reply[:1] == ATTACH and "done_event" not in json.loads(reply[1:])
         assert c.wave(3)[:1] == REPLY
     finally:
         c.close()

@@ -60,10 +60,12 @@ def test_the_first_wave_from_a_cuda_region_costs_at_most_twice_its_p50(gpu_rewar
     """The device-to-device path (the copy in, the padding) was warmed before
     SERVING too: the first wave at each bucket, the first from device memory
     in the service's life (this test runs first), is not slower than 2x the
-    service time of the waves after it."""
+    service time of the waves after it. A channel without events: each
+    wave's run is synchronised, so the service's figures hold its GPU time
+    (on an ordered channel they end once the run is queued)."""
     cfg, stub = gpu_reward
     runtime = stub.ModelMetadata(reward_pb2.ModelMetadataRequest(model=MODEL)).runtime
-    lc = LeafChannel(stub, runtime[RUNTIME_KEY], MODEL, 1024, 0)
+    lc = LeafChannel(stub, runtime[RUNTIME_KEY], MODEL, 1024, 0, events=False)
     try:
         assert lc.kind == "cuda"
         slow = []
@@ -146,7 +148,7 @@ def test_device_waves_search_as_the_host_way_does(gpu_reward):
     lc = LeafChannel.offered(stub, MODEL, 1024, 30)
     ev = LeafChannelEvaluator(lc, 30)
     try:
-        assert lc.kind == "cuda" and DeviceWaves.fits(lc)
+        assert lc.kind == "cuda" and DeviceWaves.fits(lc) and DeviceWaves(ev, None).ordered
         backend = CudaBackend(sims_per_warp=32)
         params = SearchParams(simulations=1000, deadline_ms=None, parallel_sims=32, evaluator="value_model", seed=3)
         root = connect4.parse_moves("4453")
@@ -211,3 +213,103 @@ def test_a_reward_service_killed_mid_search_leaves_the_device_search_its_tree():
     finally:
         child.kill()
         child.join(30)
+
+
+def test_an_ordered_channel_answers_unsynchronised_device_inputs_as_a_synchronised_one(gpu_reward):
+    """Events order the waves (LeafChannel.ordered): inputs written by a kernel
+    still queued on the caller's stream when the wave is sent are the ones
+    the model reads, and the answers equal a synchronised channel's and
+    Evaluate's at every bucket."""
+    _, stub = gpu_reward
+    cp = cupy_module()
+    ordered = LeafChannel.offered(stub, MODEL, 1024, 30)
+    plain = LeafChannel(stub, ordered.path, MODEL, 1024, 0, events=False)
+    try:
+        assert ordered.ordered and not plain.ordered and plain.device_outputs
+        with cp.cuda.Stream(non_blocking=True):
+            for n in (1, 37, 256, 1024):
+                obs = random_boards(n, 100 + n)
+                answers = []
+                for lc in (ordered, plain):
+                    big = cp.asarray(np.repeat(obs[None], 8, axis=0))  # work queued ahead of the copy
+                    lc.device_inputs[:n] = (big.sum(axis=0) // 8).astype(cp.uint8)
+                    if not lc.ordered:
+                        cp.cuda.get_current_stream().synchronize()
+                    answers.append({k: v[:n].get() for k, v in lc.evaluate_device(n, time.monotonic() + 30).items()})
+                reply = stub.Evaluate(reward_pb2.EvaluateRequest(model=MODEL, inputs=[tensors.to_proto("board", obs)],
+                                                                 request_class=reward_pb2.REQUEST_CLASS_CRITICAL))
+                want = {t.name: tensors.from_proto(t) for t in reply.outputs}
+                for name in ("value", "policy_logits"):
+                    np.testing.assert_array_equal(answers[0][name], answers[1][name])
+                    np.testing.assert_allclose(answers[0][name], want[name], atol=1e-4)
+    finally:
+        ordered.close()
+        plain.close()
+
+
+def test_a_ready_event_the_server_cannot_open_leaves_the_channel_synchronised(gpu_reward, monkeypatch):
+    """A foreign or stale event handle (here 64 bytes no driver made): the
+    server logs it and attaches the channel without events; its waves are
+    synchronised and answered right."""
+    import tandem.leaf_channel as client
+
+    class Foreign:
+        handle = bytes(range(64))
+
+        def record(self, stream_ptr):
+            raise AssertionError("a channel without the server's done_event records nothing")
+
+    monkeypatch.setattr(client, "ExportedEvent", Foreign)
+    _, stub = gpu_reward
+    lc = LeafChannel.offered(stub, MODEL, 256, 30)
+    try:
+        assert lc.device_outputs and not lc.ordered
+        obs = random_boards(40, 7)
+        got = lc.evaluate(obs, time.monotonic() + 30)
+        assert got["value"].shape == (40, 1) and np.isfinite(got["value"]).all()
+    finally:
+        lc.close()
+
+
+def _wave_behind_a_long_kernel(address, sending) -> None:
+    """A client whose wave's inputs are queued behind a ~2 s kernel on its
+    stream: its ready event completes only after, if ever (it is killed)."""
+    cp = cupy_module()
+    with channel(address) as ch:
+        lc = LeafChannel.offered(reward_pb2_grpc.RewardServiceStub(ch), MODEL, 64, 30)
+    assert lc.ordered
+    spin = cp.RawKernel(r'''extern "C" __global__ void spin(long long cycles) {
+        long long start = clock64(); while (clock64() - start < cycles) {} }''', "spin")
+    spin((1,), (1,), (np.int64(4_000_000_000),))
+    lc.device_inputs[:8] = cp.zeros((8, 2, 6, 7), cp.uint8)
+    sending.set()
+    lc.evaluate_device(8, time.monotonic() + 0.5)  # killed while it waits
+
+
+def test_a_client_killed_before_its_inputs_are_written_costs_one_wave_not_the_service(gpu_reward):
+    """The server waits for a wave's ready event by a poll bounded by the
+    wave's deadline, never by a stream wait on another process's event: the
+    client dies with its inputs unwritten, that wave fails, and the next
+    client's waves are served, and right."""
+    cfg, stub = gpu_reward
+    spawn = mp.get_context("spawn")
+    sending = spawn.Event()
+    child = spawn.Process(target=_wave_behind_a_long_kernel, args=(cfg.reward.address, sending), daemon=True)
+    child.start()
+    try:
+        assert sending.wait(120), "the client did not reach its wave"
+        time.sleep(0.05)
+        child.kill()
+        child.join(30)
+        lc = LeafChannel.offered(stub, MODEL, 64, 30)
+        try:
+            obs = random_boards(20, 11)
+            got = lc.evaluate(obs, time.monotonic() + 30)
+            reply = stub.Evaluate(reward_pb2.EvaluateRequest(model=MODEL, inputs=[tensors.to_proto("board", obs)],
+                                                             request_class=reward_pb2.REQUEST_CLASS_CRITICAL))
+            want = {t.name: tensors.from_proto(t) for t in reply.outputs}
+            np.testing.assert_allclose(got["value"], want["value"], atol=1e-4)
+        finally:
+            lc.close()
+    finally:
+        child.kill()
