@@ -149,11 +149,12 @@ class Request:
     or raised (logged), ``answered`` stays False: the waiter answers
     instead, on its own thread.
 
-    ``events``: a leaf channel's CUDA events (an object
-    with ``ready`` and ``done``, each with ``wait_host(deadline)`` and
-    ``record(stream)``: tandem/cuda_events.py), or None: the run waits for
-    ``ready`` (a host poll, bounded by ``deadline``) before it reads the feeds
-    and records ``done`` after it wrote the targets. A run whose every request has targets and events is not
+    ``events``: a leaf channel's CUDA events (an object with ``done``, whose
+    ``record(stream)`` the run calls after it wrote the targets:
+    tandem/cuda_events.py), or None. The feeds are the caller's to have
+    written before it submits (the leaf channel's connection thread waits
+    for the client's ``ready`` event: the lane's worker never waits on a
+    client). A run whose every request has targets and events is not
     synchronised at all: ``targets_written`` then means the copies are queued
     on the runner's stream, ordered before ``done``, and ``compute_ms`` is the
     host's time to queue the run, not the GPU's.

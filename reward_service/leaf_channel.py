@@ -117,6 +117,7 @@ class WaveEvents:
 
 
 _FLOAT32 = np.dtype(np.float32)
+READY_CAP_S = 5.0  # the longest wait for a ready event of a wave with no deadline (s)
 REGION_KINDS = ("system", "cuda")  # either region may be either kind
 SOCKET_PREFIX = "tandem-leaf-"  # then the server's pid, "-", an id, ".sock"
 
@@ -357,11 +358,11 @@ class LeafChannelServer:
             raise _Bad(grpc.StatusCode.INVALID_ARGUMENT,
                        f"max_rows: {quote(str(max_rows))}, must be 1..{limit} (reward.leaf_channel.max_rows "
                        f"{self.cfg.max_rows}, model {quote(model)}'s max_batch_size {session.max_batch_size})")
-        events = self._open_events(req.get("ready_event"), session)
         spec, input_row, outputs = self._signature(session)
         dtype = tensors.numpy_dtype(spec.dtype)
         slots, out_bytes = output_layout([(o.name, row) for o, row in outputs], max_rows)
         in_bytes = max_rows * math.prod(input_row) * dtype.itemsize
+        events = self._open_events(req.get("ready_event"), session)  # last of the checks: closed if a later one fails
         attachment = _Attachment(client_id, session, max_rows, input_region, input_row, dtype, output_region,
                                  tuple(slots), in_bytes, out_bytes, spec.name, tuple(s.name for s in slots), events)
         try:
@@ -465,7 +466,10 @@ class LeafChannelServer:
 
     def _detach(self, a: _Attachment) -> None:
         if a.events is not None:
-            a.events.ready.close()  # released by the driver once no queued wait needs it
+            try:
+                a.events.ready.close()
+            except Exception as exc:  # noqa: BLE001 - the slot and the regions are freed whatever the driver says
+                log.warning("leaf channel of client %r: releasing its ready_event: %s", a.client_id, exc)
         with self._lock:
             self._attached -= {a.input_region, a.output_region}
         for name in (a.input_region, a.output_region):
@@ -532,6 +536,8 @@ class LeafChannelServer:
             _Bad: INVALID_ARGUMENT: a region registered again under its name,
                 too small or of the wrong kind.
         """
+        if a.events is not None:
+            self._wait_ready(a, deadline)
         with self.regions.acquire(a.client_id, [a.input_region, a.output_region]) as lease:
             out_kind = self._check_regions(lease, a)
             timeline.mark("channel.leased")
@@ -555,6 +561,27 @@ class LeafChannelServer:
                                   f"the leaf channel expects {[rows, *slot.row]}")
                 lease.write(a.output_region, slot.offset, out[:rows])
             return done
+
+    @staticmethod
+    def _wait_ready(a: _Attachment, deadline: float | None) -> None:
+        """Waits, on this connection's thread, for the client's ``ready`` event
+        (its kernels that write the wave's inputs): a client that hangs or died
+        with them queued costs its own wave, never the critical lane's worker
+        or another client's requests.
+
+        Raises:
+            Refusal: DEADLINE_EXCEEDED (not done by ``deadline``, or
+                READY_CAP_S without one), UNAVAILABLE (the driver reports an
+                error for the event: its process's context is gone).
+        """
+        try:
+            ok = a.events.ready.wait_host(deadline if deadline is not None else time.monotonic() + READY_CAP_S)
+        except Exception as exc:  # CUDARuntimeError
+            raise Refusal(grpc.StatusCode.UNAVAILABLE, "unavailable", f"wave: the client's ready_event: {exc}") from None
+        if not ok:
+            raise Refusal(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline_exceeded",
+                          "wave: its inputs were not written by its deadline (the client's ready_event)")
+        timeline.mark("channel.ready")
 
     def close(self) -> None:
         """Stops accepting, closes every connection (their regions are

@@ -28,7 +28,7 @@ def run(batcher: Batcher, model: str, feeds: dict[str, np.ndarray], rows: int, r
 
     Raises:
         Refusal: DEADLINE_EXCEEDED (not run by ``deadline``, time.monotonic()
-            s, or a leaf channel's inputs not written by then), RESOURCE_EXHAUSTED (queue full, memory pool full), UNAVAILABLE
+            s), RESOURCE_EXHAUSTED (queue full, memory pool full), UNAVAILABLE
             (stopping), INTERNAL (the run failed).
     """
     try:
@@ -41,8 +41,6 @@ def run(batcher: Batcher, model: str, feeds: dict[str, np.ndarray], rows: int, r
         raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue_full", str(exc)) from None
     except BatcherClosed as exc:
         raise Refusal(grpc.StatusCode.UNAVAILABLE, "unavailable", str(exc)) from None
-    except TimeoutError as exc:  # the run's wait for a client's ready event (session.py)
-        raise Refusal(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline_exceeded", f"model {model!r}: {exc}") from None
     except BatcherError as exc:  # pragma: no cover - every batcher error is mapped above
         raise Refusal(grpc.StatusCode.INTERNAL, "run_failed", str(exc)) from None
     except Exception as exc:  # the model run failed (logged by the batcher)

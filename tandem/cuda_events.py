@@ -7,8 +7,8 @@ its IPC handle (``cudaIpcGetEventHandle``, 64 bytes; opened by the other
 process with ``cudaIpcOpenEventHandle``):
 
 * ``ready``, the client's: recorded on its stream after the kernels that
-  write a wave's inputs, just before the wave's message is sent; the server
-  waits for it before its copy reads them.
+  write a wave's inputs, just before the wave's message is sent; the
+  server's connection thread waits for it before it submits the wave.
 * ``done``, the server's: recorded on its stream after the copies that write
   the wave's outputs, just before the reply is sent; the client waits for it
   before its kernels read them.
@@ -34,6 +34,8 @@ import time
 from tandem.gpu import cupy_module
 
 IPC_EVENT_HANDLE_BYTES = 64  # sizeof(cudaIpcEventHandle_t)
+_SPIN_S = 0.002  # a wait polls without yielding this long (s): a wave's GPU work is ~0.1-0.5 ms
+_BACKOFF_S = 50e-6  # then sleeps this long between polls (s)
 _NOT_READY = 600  # cudaErrorNotReady: queried before its record completed (cudaEventQuery)
 
 
@@ -60,9 +62,13 @@ class _Event:
             cupy.cuda.runtime.CUDARuntimeError: the driver reports an error
                 for the event (e.g. its process's context is gone).
         """
+        spin_until = time.monotonic() + _SPIN_S
         while not self.query():
-            if deadline is not None and time.monotonic() >= deadline:
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
                 return False
+            if now >= spin_until:  # longer than a wave's GPU work: let the process's other threads run
+                time.sleep(_BACKOFF_S)
         return True
 
     def query(self) -> bool:

@@ -40,7 +40,8 @@ runs it on a bound runner orders them by CUDA events instead
 (tandem/cuda_events.py): the attach carries the client's ``ready_event``
 handle and the layout the server's ``done_event``; the client records
 ``ready`` after the kernels that wrote the inputs and sends ``W`` at once,
-the server waits for it before it copies them in, records ``done`` after
+the server's connection thread waits for it before it submits the wave,
+the critical lane's worker records ``done`` after
 its output copies and sends ``R`` once they are queued, not done; the client
 waits for ``done`` before it reads them (:attr:`LeafChannel.ordered`). Each
 side's wait is then for the other's GPU work alone, past the socket hops and
@@ -72,6 +73,7 @@ WAVE_FORMAT = struct.Struct("<QIq")  # seq, rows, timeout (µs; <= 0: none)
 REPLY_FORMAT = struct.Struct("<QIff")  # seq, padded batch rows, queue ms, model ms
 ERROR_FORMAT = struct.Struct("<QI")  # seq (0: the attach), grpc status code value; then a UTF-8 message
 MAX_MESSAGE_BYTES = 4096  # attach and error messages; a wave is 21 bytes
+DONE_GRACE_S = 0.0005  # how long past its deadline an ordered wave's queued run is waited for (s)
 RUNTIME_KEY = "leaf_channel"  # ModelMetadata.runtime key holding the server's socket path
 
 
@@ -357,7 +359,11 @@ class LeafChannel:
         timeout_us = 0 if deadline is None else max(int((deadline - time.monotonic()) * 1e6), 1)
         ordered = self._done is not None
         if ordered:  # after the kernels that wrote the inputs (on the current stream; 0: the legacy default one)
-            self._ready.record(cupy_module().cuda.get_current_stream().ptr)
+            try:
+                self._ready.record(cupy_module().cuda.get_current_stream().ptr)
+            except Exception as exc:  # CUDARuntimeError: this process's CUDA state is broken
+                self.close()
+                raise LeafChannelError(grpc.StatusCode.UNAVAILABLE, f"recording the ready_event: {exc}") from None
         try:
             timeline.mark("wave.sent")
             self._sock.send(WAVE + WAVE_FORMAT.pack(self._seq, rows, timeout_us))
@@ -391,15 +397,19 @@ class LeafChannel:
             self._wait_done(deadline)
 
     def _wait_done(self, deadline: float | None) -> None:
-        """Waits for the server's ``done`` event (its wave's output copies).
+        """Waits for the server's ``done`` event (its wave's output copies):
+        the reply came, so the wave's run is queued on the GPU, a few hundred
+        µs from done; a wave that straddles the deadline is waited for up to
+        ``DONE_GRACE_S`` past it rather than thrown away.
 
         Raises:
-            LeafChannelError: DEADLINE_EXCEEDED (not done by ``deadline``, or
-                ``timeout_s`` without one); UNAVAILABLE (the driver reports an
-                error for it: the channel is closed).
+            LeafChannelError: DEADLINE_EXCEEDED (not done by ``deadline`` plus
+                the grace, or ``timeout_s`` without one); UNAVAILABLE (the
+                driver reports an error for it: the channel is closed).
         """
+        limit = time.monotonic() + self._timeout_s if deadline is None else deadline + DONE_GRACE_S
         try:
-            ok = self._done.wait_host(deadline if deadline is not None else time.monotonic() + self._timeout_s)
+            ok = self._done.wait_host(limit)
         except Exception as exc:  # CUDARuntimeError: its process's context is gone
             self.close()
             raise LeafChannelError(grpc.StatusCode.UNAVAILABLE, f"the server's done_event: {exc}") from None
@@ -417,12 +427,12 @@ class LeafChannel:
             self._sock.close()
             self._sock = None
         if self._done is not None:  # its last wave's output copies end before the regions are freed
+            done, self._done, self._ready = self._done, None, None
             try:
-                self._done.wait_host(time.monotonic() + 1.0)
-            except Exception:  # noqa: BLE001 - a dead server's event: nothing of it will write here
+                done.wait_host(time.monotonic() + 1.0)
+                done.close()
+            except Exception:  # noqa: BLE001 - a dead server's event: the regions are freed all the same
                 pass
-            self._done.close()
-            self._done = self._ready = None
         self._in_view, self._out_views = None, {}  # views into the regions: released before they are freed
         for region in (self._inputs, self._outputs_region):
             if region is not None:  # attached: the server unregisters them as the socket closes

@@ -469,95 +469,99 @@ class _Search:
         live = np.ones(b, bool)  # trees whose root is not proven (as of the last selection)
         tree_of = slot // k_max
         clock = WaveClock(params.deadline_ms, self.started_at)
-        while True:
-            if not live.any():
-                return False
-            k = k_max if params.simulations is None else min(k_max, params.simulations - int(done[live][0]))
-            if k <= 0:
-                return False
-            # At least one wave runs, unless an undone one already took the time; none
-            # starts that is expected to end past the deadline.
-            if (self.waves or self.failure) and clock.out_of_time():
-                return True
-            if self.should_stop is not None and self.waves and self.should_stop():
-                self.stopped = True
-                return False
-            timeline.mark("wave.select")
-            t = time.perf_counter()
-            clock.begin_wave()
-            args = (self.pool, np.int64(self.capacity), np.int32(self.node_limit), np.int32(b), np.int32(w),
-                    np.int32(g), np.int32(k_max), np.int32(k))
-            on_device = dw is not None and self.use_model  # the answer kernel builds the EVAL rows
-            ordered = on_device and meta_back is not None  # sent unsynchronised: the channel's events order it
-            with nvtx.span("search.select"):
-                kernel("mcts_vm_select")(
-                    grid, block,
-                    (*args, np.float64(params.c_puct), np.float64(params.virtual_loss), self.tree_state, meta_dev,
-                     paths, obs_dev),
-                )
-                if ordered:
-                    meta_back.start()
-                else:
-                    staged = stage.get()  # waits for the selection: the leaves are in place
-            timeline.mark("wave.staged")
-            t1 = time.perf_counter()
-            open_ = None  # unknown until the META rows are read: an ordered wave values all n rows
-            if not ordered:
-                meta_host, obs_host = abi.carve(staged, *stage_sizes)
-                meta = meta_host.view(abi.META.dtype)  # [n]
-                ran, live, open_ = _wave_slots(meta, in_wave_of < k, b)
+        try:
+            while True:
                 if not live.any():
-                    return False  # every root is proven
-            has_priors = False
-            used_model = self.use_model
-            if not on_device:  # the host builds them: exact values where known, the leaves' planes
-                vin = np.zeros(n, abi.EVAL.dtype)
-                vin["value"] = np.where(ran, tr.OUTCOME_VALUE[np.maximum(meta["terminal"], 0)], 0.0)
-                planes = (obs_host if dw is None else obs_dev.get()).reshape(n, 2, connect4.ROWS, connect4.COLUMNS)
-            try:
-                if on_device:
-                    has_priors = self._device_values(dw, open_, meta_dev, obs_dev, vin_dev, k)
-                elif self.use_model:
-                    has_priors = self._model_values(vin, planes, obs_dev, open_, meta["leader"], wants_cupy)
-                elif open_.any():
-                    pos = connect4.from_observation(planes[open_])
-                    sims = done[tree_of[open_]] + in_wave_of[open_]
-                    vin["value"][open_] = rollout_values(pos.current, pos.mask, sims, tree_of[open_], params.seed)
-            except EvaluationFailed as exc:
-                with nvtx.span("search.undo"):
-                    kernel("mcts_vm_undo")(grid, block, (*args, self.tree_state, meta_dev, paths))
-                self._stop_using_model(exc)
-                self.phase_ms["select"] += (t1 - t) * 1e3
-                self.phase_ms["evaluate"] += (time.perf_counter() - t1) * 1e3
-                if ordered:
+                    return False
+                k = k_max if params.simulations is None else min(k_max, params.simulations - int(done[live][0]))
+                if k <= 0:
+                    return False
+                # At least one wave runs, unless an undone one already took the time; none
+                # starts that is expected to end past the deadline.
+                if (self.waves or self.failure) and clock.out_of_time():
+                    return True
+                if self.should_stop is not None and self.waves and self.should_stop():
+                    self.stopped = True
+                    return False
+                timeline.mark("wave.select")
+                t = time.perf_counter()
+                clock.begin_wave()
+                args = (self.pool, np.int64(self.capacity), np.int32(self.node_limit), np.int32(b), np.int32(w),
+                        np.int32(g), np.int32(k_max), np.int32(k))
+                on_device = dw is not None and self.use_model  # the answer kernel builds the EVAL rows
+                ordered = on_device and meta_back is not None  # sent unsynchronised: the channel's events order it
+                with nvtx.span("search.select"):
+                    kernel("mcts_vm_select")(
+                        grid, block,
+                        (*args, np.float64(params.c_puct), np.float64(params.virtual_loss), self.tree_state, meta_dev,
+                         paths, obs_dev),
+                    )
+                    if ordered:
+                        meta_back.start()
+                    else:
+                        staged = stage.get()  # waits for the selection: the leaves are in place
+                timeline.mark("wave.staged")
+                t1 = time.perf_counter()
+                open_ = None  # unknown until the META rows are read: an ordered wave values all n rows
+                if not ordered:
+                    meta_host, obs_host = abi.carve(staged, *stage_sizes)
+                    meta = meta_host.view(abi.META.dtype)  # [n]
+                    ran, live, open_ = _wave_slots(meta, in_wave_of < k, b)
+                    if not live.any():
+                        return False  # every root is proven
+                has_priors = False
+                used_model = self.use_model
+                if not on_device:  # the host builds them: exact values where known, the leaves' planes
+                    vin = np.zeros(n, abi.EVAL.dtype)
+                    vin["value"] = np.where(ran, tr.OUTCOME_VALUE[np.maximum(meta["terminal"], 0)], 0.0)
+                    planes = (obs_host if dw is None else obs_dev.get()).reshape(n, 2, connect4.ROWS, connect4.COLUMNS)
+                try:
+                    if on_device:
+                        has_priors = self._device_values(dw, open_, meta_dev, obs_dev, vin_dev, k)
+                    elif self.use_model:
+                        has_priors = self._model_values(vin, planes, obs_dev, open_, meta["leader"], wants_cupy)
+                    elif open_.any():
+                        pos = connect4.from_observation(planes[open_])
+                        sims = done[tree_of[open_]] + in_wave_of[open_]
+                        vin["value"][open_] = rollout_values(pos.current, pos.mask, sims, tree_of[open_], params.seed)
+                except EvaluationFailed as exc:
+                    with nvtx.span("search.undo"):
+                        kernel("mcts_vm_undo")(grid, block, (*args, self.tree_state, meta_dev, paths))
+                    self._stop_using_model(exc)
+                    self.phase_ms["select"] += (t1 - t) * 1e3
+                    self.phase_ms["evaluate"] += (time.perf_counter() - t1) * 1e3
+                    if ordered:
+                        live = _wave_slots(meta_back.finish().view(abi.META.dtype), in_wave_of < k, b)[1]
+                    clock.end_wave()
+                    continue
+                t2 = time.perf_counter()
+                with nvtx.span("search.backup"):
+                    if not on_device:
+                        vin_dev.set(vin.view(np.float32))
+                    backup_kernel(
+                        grid, block,
+                        (
+                            self.pool, np.int64(self.capacity), np.int32(b), np.int32(w), np.int32(g), np.int32(k_max),
+                            np.int32(k), self.tree_state, meta_dev, paths, vin_dev, np.int32(has_priors),
+                        ),
+                    )
+                t3 = time.perf_counter()
+                timeline.mark("wave.backed_up")
+                if ordered:  # the selection ended long before the reply: this waits for nothing
                     live = _wave_slots(meta_back.finish().view(abi.META.dtype), in_wave_of < k, b)[1]
+                    if not live.any():
+                        return False  # every root was proven before this wave
+                self.phase_ms["select"] += (t1 - t) * 1e3
+                self.phase_ms["evaluate"] += (t2 - t1) * 1e3
+                self.phase_ms["backup"] += (t3 - t2) * 1e3
+                done += np.where(live, k, 0)
+                if used_model:
+                    self.model_simulations += np.where(live, k, 0)
+                self.waves += 1
                 clock.end_wave()
-                continue
-            t2 = time.perf_counter()
-            with nvtx.span("search.backup"):
-                if not on_device:
-                    vin_dev.set(vin.view(np.float32))
-                backup_kernel(
-                    grid, block,
-                    (
-                        self.pool, np.int64(self.capacity), np.int32(b), np.int32(w), np.int32(g), np.int32(k_max),
-                        np.int32(k), self.tree_state, meta_dev, paths, vin_dev, np.int32(has_priors),
-                    ),
-                )
-            t3 = time.perf_counter()
-            timeline.mark("wave.backed_up")
-            if ordered:  # the selection ended long before the reply: this waits for nothing
-                live = _wave_slots(meta_back.finish().view(abi.META.dtype), in_wave_of < k, b)[1]
-                if not live.any():
-                    return False  # every root was proven before this wave
-            self.phase_ms["select"] += (t1 - t) * 1e3
-            self.phase_ms["evaluate"] += (t2 - t1) * 1e3
-            self.phase_ms["backup"] += (t3 - t2) * 1e3
-            done += np.where(live, k, 0)
-            if used_model:
-                self.model_simulations += np.where(live, k, 0)
-            self.waves += 1
-            clock.end_wave()
+        finally:  # no pinned buffer goes back to CuPy's pool with its copy still running
+            if meta_back is not None:
+                meta_back.settle()
 
     def _model_values(self, vin: np.ndarray, planes: np.ndarray, obs_dev, open_: np.ndarray, leader: np.ndarray,
                       wants_cupy: bool) -> bool:
@@ -708,6 +712,10 @@ class _AsyncCopy:
         """uint8 [nbytes]: the copy, once done (a view, valid until the next start)."""
         self._event.synchronize()
         return self._host
+
+    def settle(self) -> None:
+        """Waits for a copy started and not finished (a search ended by an exception)."""
+        self._event.synchronize()
 
 
 def _model_answer(evaluator, obs, legal: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
