@@ -149,12 +149,13 @@ class Request:
     or raised (logged), ``answered`` stays False: the waiter answers
     instead, on its own thread.
 
-    ``events``: a leaf channel's CUDA events (an object with ``done``, whose
-    ``record(stream)`` the run calls after it wrote the targets:
-    tandem/cuda_events.py), or None. The feeds are the caller's to have
-    written before it submits (the leaf channel's connection thread waits
-    for the client's ``ready`` event: the lane's worker never waits on a
-    client). A run whose every request has targets and events is not
+    ``events``: a leaf channel's CUDA events (an object with ``ready`` and
+    ``done``: tandem/cuda_events.py), or None. The run waits for ``ready``
+    (a host poll, at most session.READY_WAIT_S and not past ``deadline``)
+    before it reads the feeds, and records ``done`` after it wrote the
+    targets; ``inputs_late`` says the wait ran out (the request ran with
+    whatever its rows held, and ``targets_written`` stays False: the caller
+    answers it with an error). A run whose every request has targets and events is not
     synchronised at all: ``targets_written`` then means the copies are queued
     on the runner's stream, ordered before ``done``, and ``compute_ms`` is the
     host's time to queue the run, not the GPU's.
@@ -175,6 +176,7 @@ class Request:
     targets_written: bool = False
     on_written: Callable[[Request], bool] | None = None
     events: object | None = None
+    inputs_late: bool = False
     answered: bool = False
     state: str = QUEUED  # guarded by Batcher._lock
     outputs: dict[str, np.ndarray] | None = None

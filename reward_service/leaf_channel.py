@@ -66,7 +66,7 @@ from tandem.v1 import reward_pb2
 from reward_service.batcher import LANES
 from reward_service.model_metrics import ModelMetrics
 from reward_service.refusal import Refusal, run
-from reward_service.session import ModelSession
+from reward_service.session import READY_WAIT_S, ModelSession
 from reward_service.shared_memory import RegionTable, SharedMemoryError
 from tandem import tensors, timeline
 from tandem.config import LeafChannelConfig
@@ -117,7 +117,6 @@ class WaveEvents:
 
 
 _FLOAT32 = np.dtype(np.float32)
-READY_CAP_S = 5.0  # the longest wait for a ready event of a wave with no deadline (s)
 REGION_KINDS = ("system", "cuda")  # either region may be either kind
 SOCKET_PREFIX = "tandem-leaf-"  # then the server's pid, "-", an id, ".sock"
 
@@ -536,8 +535,6 @@ class LeafChannelServer:
             _Bad: INVALID_ARGUMENT: a region registered again under its name,
                 too small or of the wrong kind.
         """
-        if a.events is not None:
-            self._wait_ready(a, deadline)
         with self.regions.acquire(a.client_id, [a.input_region, a.output_region]) as lease:
             out_kind = self._check_regions(lease, a)
             timeline.mark("channel.leased")
@@ -550,6 +547,10 @@ class LeafChannelServer:
             timeline.mark("channel.submitted")
             done = run(self.batchers[a.session.name], a.session.name, {a.input_name: feed}, rows,
                        CRITICAL, deadline, a.output_names, targets, answer, a.events)
+            if done.inputs_late:  # run without them: its outputs are not this wave's
+                raise Refusal(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline_exceeded",
+                              f"wave: its inputs were not written within {READY_WAIT_S * 1e3:g} ms of its run "
+                              "(the client's ready_event)")
             if done.targets_written:  # written by the run, while the lease held the region
                 return done
             lease.check_live()  # a region unregistered meanwhile gets nothing written
@@ -561,27 +562,6 @@ class LeafChannelServer:
                                   f"the leaf channel expects {[rows, *slot.row]}")
                 lease.write(a.output_region, slot.offset, out[:rows])
             return done
-
-    @staticmethod
-    def _wait_ready(a: _Attachment, deadline: float | None) -> None:
-        """Waits, on this connection's thread, for the client's ``ready`` event
-        (its kernels that write the wave's inputs): a client that hangs or died
-        with them queued costs its own wave, never the critical lane's worker
-        or another client's requests.
-
-        Raises:
-            Refusal: DEADLINE_EXCEEDED (not done by ``deadline``, or
-                READY_CAP_S without one), UNAVAILABLE (the driver reports an
-                error for the event: its process's context is gone).
-        """
-        try:
-            ok = a.events.ready.wait_host(deadline if deadline is not None else time.monotonic() + READY_CAP_S)
-        except Exception as exc:  # CUDARuntimeError
-            raise Refusal(grpc.StatusCode.UNAVAILABLE, "unavailable", f"wave: the client's ready_event: {exc}") from None
-        if not ok:
-            raise Refusal(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline_exceeded",
-                          "wave: its inputs were not written by its deadline (the client's ready_event)")
-        timeline.mark("channel.ready")
 
     def close(self) -> None:
         """Stops accepting, closes every connection (their regions are

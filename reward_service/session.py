@@ -265,6 +265,27 @@ class _Slot:
     dirty_rows: int = 0  # device input rows [0, dirty_rows) may hold an earlier batch's data
 
 
+READY_WAIT_S = 0.002  # how long a run waits for a leaf channel's ready event (s): a selection kernel's time
+
+
+def _wait_inputs(requests) -> None:
+    """Waits for each request's ``ready`` event (Request.events), each at most
+    READY_WAIT_S and not past its deadline; a request whose inputs are not
+    written by then (its client hangs, or died with its kernels queued) is
+    marked ``inputs_late`` and runs with whatever its rows hold, for its own
+    error answer: a stuck client costs the lane at most that wait per wave,
+    and no other request its answer."""
+    for req in requests:
+        if req.events is None:
+            continue
+        limit = time.monotonic() + READY_WAIT_S
+        try:
+            ok = req.events.ready.wait_host(limit if req.deadline is None else min(limit, req.deadline))
+        except Exception:  # noqa: BLE001 - CUDARuntimeError: the client's context is gone
+            ok = False
+        req.inputs_late = not ok
+
+
 class _BoundRunner:
     """One session per bucket, IO-bound to preallocated buffers, optionally
     with a CUDA graph.
@@ -311,6 +332,8 @@ class _BoundRunner:
                   device_batch: Batch | None = None) -> dict[str, np.ndarray]:
         slot, dev = self._slots[bucket], self.device
         events = [] if device_batch is None else [r.events for r in device_batch.requests if r.events is not None]
+        if device_batch is not None:
+            _wait_inputs(device_batch.requests)
         if device_batch is not None:  # the inputs are on the device already: no host copy at all
             for name, d in slot.dev_in.items():
                 for req, off in zip(device_batch.requests, device_batch.offsets):
@@ -343,7 +366,7 @@ class _BoundRunner:
             dev.synchronize()
         timeline.mark("batch.synced")
         for req, _ in targeted:
-            req.targets_written = True
+            req.targets_written = not req.inputs_late
         return {} if everyone else {name: h[:rows].copy() for name, h in slot.host_out.items()}
 
     def run(self, batch: Batch) -> dict[str, np.ndarray]:
@@ -351,6 +374,7 @@ class _BoundRunner:
         events = [r.events for r in batch.requests if r.events is not None]
         if batch.bucket in self._slots and batch.on_device and hasattr(self.device, "copy_device"):
             return self._run_slot(batch.bucket, batch.rows, None, batch)
+        _wait_inputs(batch.requests)
         outputs = self._run_host_feeds(batch)
         for ev in events:  # run and synchronised: the outputs reach the host, which writes them
             ev.done.record(self.device.stream.ptr)

@@ -39,6 +39,8 @@ DRAW_BAND = 1.0 / 3.0  # |value| below this reads as a draw
 SEARCH_SHARE_OF_FRAME = 0.6
 INTERRUPT_POLL_S = 0.1  # how often a frame's wait looks for a Ctrl-C (s)
 
+_REASON_CHARS = 100  # a failure reason is counted by its first characters (a message may name a number)
+
 
 @dataclass
 class PlayOptions:
@@ -75,6 +77,7 @@ class _Tally:
     handoffs: dict[str, int] = field(default_factory=dict)  # value-model frames by how the leaves went ("ipc" | "grpc")
     model_simulations: list[int] = field(default_factory=list)  # of simulations, those the value model valued
     model_failures: int = 0  # searches whose value model failed (answered from the tree or with rollouts)
+    failure_reasons: dict[str, int] = field(default_factory=dict)  # those searches by their failure's first words
     proven: int = 0  # searches whose root the solver proved
     proven_right: int = 0  # ... with the solver's result (win, loss or draw)
 
@@ -93,7 +96,10 @@ class _Tally:
         self.model_simulations.append(s_reply.model_simulations)
         if s_reply.handoff:
             self.handoffs[s_reply.handoff] = self.handoffs.get(s_reply.handoff, 0) + 1
-        self.model_failures += bool(s_reply.evaluation_failure)
+        if s_reply.evaluation_failure:
+            self.model_failures += 1
+            reason = s_reply.evaluation_failure[:_REASON_CHARS]
+            self.failure_reasons[reason] = self.failure_reasons.get(reason, 0) + 1
         if s_reply.proven:
             self.proven += 1
             self.proven_right += _PROVEN_SIGN[s_reply.proven] == int(np.sign(pos.score))
@@ -171,6 +177,7 @@ def _report(opts: PlayOptions, t: _Tally, reward_execution_provider: str) -> dic
         },
         "model_simulations_per_frame": round(float(np.mean(t.model_simulations)), 1) if t.model_simulations else None,
         "value_model_failures": t.model_failures,
+        "value_model_failure_reasons": t.failure_reasons,
         "proven": {"frames": t.proven, "solver_agrees": t.proven_right},
         "errors": t.errors,
         "backends": {

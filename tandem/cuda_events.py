@@ -8,7 +8,8 @@ process with ``cudaIpcOpenEventHandle``):
 
 * ``ready``, the client's: recorded on its stream after the kernels that
   write a wave's inputs, just before the wave's message is sent; the
-  server's connection thread waits for it before it submits the wave.
+  server's critical lane waits for it (at most a few ms) before its copy
+  reads them.
 * ``done``, the server's: recorded on its stream after the copies that write
   the wave's outputs, just before the reply is sent; the client waits for it
   before its kernels read them.
@@ -16,8 +17,8 @@ process with ``cudaIpcOpenEventHandle``):
 The waits are host polls (``cudaEventQuery``) bounded by the wave's
 deadline, not ``cudaStreamWaitEvent``: a stream waiting on another
 process's event hangs for good if that process dies before its record
-completes, and a killed peer must cost one wave, not a service (KataGo's
-and Triton's rule: a client's fault never stalls the server). The poll
+completes, and a killed peer must cost one wave, not a service (a client's
+fault never stalls the server). The poll
 costs little: each side reaches its wait after its own work of a socket
 hop and more (~100 µs), by which time the other's kernels have mostly run.
 

@@ -40,8 +40,8 @@ runs it on a bound runner orders them by CUDA events instead
 (tandem/cuda_events.py): the attach carries the client's ``ready_event``
 handle and the layout the server's ``done_event``; the client records
 ``ready`` after the kernels that wrote the inputs and sends ``W`` at once,
-the server's connection thread waits for it before it submits the wave,
-the critical lane's worker records ``done`` after
+the critical lane's worker waits for it (at most 2 ms) before it copies
+them in, records ``done`` after
 its output copies and sends ``R`` once they are queued, not done; the client
 waits for ``done`` before it reads them (:attr:`LeafChannel.ordered`). Each
 side's wait is then for the other's GPU work alone, past the socket hops and

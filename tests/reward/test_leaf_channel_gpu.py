@@ -11,6 +11,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import time
 
+import grpc
 import numpy as np
 import pytest
 from conftest import loopback_config
@@ -271,9 +272,12 @@ def test_a_ready_event_the_server_cannot_open_leaves_the_channel_synchronised(gp
         lc.close()
 
 
-def _wave_behind_a_long_kernel(address, sending) -> None:
+def _wave_behind_a_long_kernel(address, sending, code) -> None:
     """A client whose wave's inputs are queued behind a ~10 s kernel on its
-    stream: its ready event completes only after, if ever (it is killed)."""
+    stream: its ready event completes only after, if ever (it is killed);
+    ``code`` gets the gRPC status value its wave was answered with."""
+    from tandem.leaf_channel import LeafChannelError
+
     cp = cupy_module()
     with channel(address) as ch:
         lc = LeafChannel.offered(reward_pb2_grpc.RewardServiceStub(ch), MODEL, 64, 30)
@@ -283,33 +287,40 @@ def _wave_behind_a_long_kernel(address, sending) -> None:
     spin((1,), (1,), (np.int64(20_000_000_000),))
     lc.device_inputs[:8] = cp.zeros((8, 2, 6, 7), cp.uint8)
     sending.set()
-    lc.evaluate_device(8, time.monotonic() + 30)  # killed while it waits
+    try:
+        lc.evaluate_device(8, time.monotonic() + 30)
+    except LeafChannelError as exc:
+        code.value = exc.code.value[0]
+    time.sleep(3600)  # killed
 
 
-def test_a_client_killed_before_its_inputs_are_written_costs_one_wave_not_the_service(gpu_reward):
-    """The server waits for a wave's ready event by a poll on the wave's
-    connection thread, bounded by the wave's deadline -- never by the
-    critical lane's worker, nor by a stream wait on another process's event:
-    while one client's wave waits for inputs its kernels have not written,
-    another client's waves are served, and right, and after that client is
-    killed too."""
+def test_a_client_whose_inputs_are_never_written_costs_its_own_wave_only(gpu_reward):
+    """A wave whose client's kernels have not written its inputs (its ready
+    event pending: a hung or dying client) is answered DEADLINE_EXCEEDED after
+    the run's short wait (session.READY_WAIT_S), never by a stream wait on
+    another process's event; the service goes on serving other clients'
+    waves and Evaluates, right, also after that client is killed."""
     cfg, stub = gpu_reward
     spawn = mp.get_context("spawn")
-    sending = spawn.Event()
-    child = spawn.Process(target=_wave_behind_a_long_kernel, args=(cfg.reward.address, sending), daemon=True)
+    sending, code = spawn.Event(), spawn.Value("i", -1)
+    child = spawn.Process(target=_wave_behind_a_long_kernel, args=(cfg.reward.address, sending, code), daemon=True)
     child.start()
     try:
         assert sending.wait(120), "the client did not reach its wave"
-        time.sleep(0.2)  # its wave is at the server, waiting for its ready event (~10 s away)
         lc = LeafChannel.offered(stub, MODEL, 64, 30)
         try:
             obs = random_boards(20, 11)
             reply = stub.Evaluate(reward_pb2.EvaluateRequest(model=MODEL, inputs=[tensors.to_proto("board", obs)],
                                                              request_class=reward_pb2.REQUEST_CLASS_CRITICAL),
-                                  timeout=5)
+                                  timeout=30)
             want = {t.name: tensors.from_proto(t) for t in reply.outputs}
-            got = lc.evaluate(obs, time.monotonic() + 5)  # far sooner than the other wave's inputs
+            got = lc.evaluate(obs, time.monotonic() + 30)
             np.testing.assert_allclose(got["value"], want["value"], atol=1e-4)
+            for _ in range(300):  # the stuck wave's answer, well before its kernel ends
+                if code.value >= 0:
+                    break
+                time.sleep(0.01)
+            assert code.value == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
             child.kill()
             child.join(30)
             got = lc.evaluate(obs, time.monotonic() + 30)
