@@ -666,8 +666,8 @@ class Batcher:
             req.queue_ms = (start - req.enqueued) * 1e3
             req.compute_ms = compute_ms
             req.batch_rows, req.bucket = batch.rows, batch.bucket
-            if error is None and req.targets_written:
-                req.outputs = {}  # in its targets already
+            if error is None and (req.targets_written or req.inputs_late):
+                req.outputs = {}  # in its targets already; or its inputs came late: its caller answers an error
             elif error is None:
                 try:
                     names = req.output_names or tuple(outputs)

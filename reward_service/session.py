@@ -265,7 +265,7 @@ class _Slot:
     dirty_rows: int = 0  # device input rows [0, dirty_rows) may hold an earlier batch's data
 
 
-READY_WAIT_S = 0.002  # how long a run waits for a leaf channel's ready event (s): a selection kernel's time
+READY_WAIT_S = 0.02  # how long a run waits for a leaf channel's ready event (s): past a frame, no wave is of use
 
 
 def _wait_inputs(requests) -> None:
