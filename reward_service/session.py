@@ -265,25 +265,28 @@ class _Slot:
     dirty_rows: int = 0  # device input rows [0, dirty_rows) may hold an earlier batch's data
 
 
-READY_WAIT_S = 0.02  # how long a run waits for a leaf channel's ready event (s): past a frame, no wave is of use
+READY_WAIT_S = 0.005  # how long a run waits for its leaf-channel waves' ready events (s): ~20 selection kernels
 
 
 def _wait_inputs(requests) -> None:
-    """Waits for each request's ``ready`` event (Request.events), each at most
-    READY_WAIT_S and not past its deadline; a request whose inputs are not
-    written by then (its client hangs, or died with its kernels queued) is
-    marked ``inputs_late`` and runs with whatever its rows hold, for its own
-    error answer: a stuck client costs the lane at most that wait per wave,
-    and no other request its answer."""
-    for req in requests:
-        if req.events is None:
-            continue
-        limit = time.monotonic() + READY_WAIT_S
+    """Waits for the batch's ``ready`` events (Request.events), all within one
+    limit: READY_WAIT_S from now, and no later than the earliest deadline in
+    the batch. A request whose inputs are not written by then (its client
+    hangs, or died with its kernels queued) is marked ``inputs_late``: it runs
+    with whatever its rows hold and nothing is written back to it (its
+    client's output region may still be read by its previous wave's
+    kernels), for its own error answer. So a stuck client costs the lane at
+    most READY_WAIT_S per wave of its, and no other request its answer."""
+    waiting = [r for r in requests if r.events is not None]
+    if not waiting:
+        return
+    deadlines = [r.deadline for r in requests if r.deadline is not None]
+    limit = min([time.monotonic() + READY_WAIT_S, *deadlines])
+    for req in waiting:
         try:
-            ok = req.events.ready.wait_host(limit if req.deadline is None else min(limit, req.deadline))
+            req.inputs_late = not req.events.ready.wait_host(limit)
         except Exception:  # noqa: BLE001 - CUDARuntimeError: the client's context is gone
-            ok = False
-        req.inputs_late = not ok
+            req.inputs_late = True
 
 
 class _BoundRunner:
@@ -351,8 +354,9 @@ class _BoundRunner:
         timeline.mark("batch.launched")
         # Requests with device targets (a leaf channel's CUDA output region) get their rows
         # device to device; the host copy is made only for those without.
-        targeted = [] if device_batch is None else [
-            (req, off) for req, off in zip(device_batch.requests, device_batch.offsets) if req.targets]
+        targeted = [] if device_batch is None else [  # a late request gets nothing written (_wait_inputs)
+            (req, off) for req, off in zip(device_batch.requests, device_batch.offsets)
+            if req.targets and not req.inputs_late]
         for req, off in targeted:
             for name, target in req.targets.items():
                 dev.copy_out(target, slot.dev_out[name], off)
@@ -366,7 +370,7 @@ class _BoundRunner:
             dev.synchronize()
         timeline.mark("batch.synced")
         for req, _ in targeted:
-            req.targets_written = not req.inputs_late
+            req.targets_written = True
         return {} if everyone else {name: h[:rows].copy() for name, h in slot.host_out.items()}
 
     def run(self, batch: Batch) -> dict[str, np.ndarray]:

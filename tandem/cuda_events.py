@@ -79,11 +79,12 @@ class _Event:
             cupy.cuda.runtime.CUDARuntimeError: as :meth:`wait_host`.
         """
         try:
-            return self._rt.eventQuery(self.ptr) == 0
+            status = self._rt.eventQuery(self.ptr)  # CuPy returns the status, not-ready included
         except self._rt.CUDARuntimeError as exc:
-            if exc.status == _NOT_READY:
-                return False
-            raise
+            status = exc.status
+        if status in (0, _NOT_READY):
+            return status == 0
+        raise self._rt.CUDARuntimeError(status)
 
 
 class ExportedEvent(_Event):

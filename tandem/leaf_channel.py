@@ -40,7 +40,7 @@ runs it on a bound runner orders them by CUDA events instead
 (tandem/cuda_events.py): the attach carries the client's ``ready_event``
 handle and the layout the server's ``done_event``; the client records
 ``ready`` after the kernels that wrote the inputs and sends ``W`` at once,
-the critical lane's worker waits for it (at most 20 ms) before it copies
+the critical lane's worker waits for it (at most 5 ms) before it copies
 them in, records ``done`` after
 its output copies and sends ``R`` once they are queued, not done; the client
 waits for ``done`` before it reads them (:attr:`LeafChannel.ordered`). Each

@@ -59,6 +59,7 @@ clock cycles; a search with a deadline and no simulation budget allocates
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Callable
@@ -86,6 +87,7 @@ from search_service.mcts.philox import seed_key
 from search_service.mcts.rollout import rollout_values
 from tandem import nvtx, timeline
 
+log = logging.getLogger(__name__)
 A = connect4.NUM_ACTIONS
 BACKUPS = ("warp_aggregated", "global_atomic")
 SCALE_TABLE = 1 << 18  # UCT scale(N) = c_uct * sqrt(ln N) from NumPy for N below this (2 MiB)
@@ -561,7 +563,10 @@ class _Search:
                 clock.end_wave()
         finally:  # no pinned buffer goes back to CuPy's pool with its copy still running
             if meta_back is not None:
-                meta_back.settle()
+                try:
+                    meta_back.settle()
+                except Exception:  # noqa: BLE001 - a broken context: the exception under way says more
+                    log.exception("the META rows' copy back could not be waited for")
 
     def _model_values(self, vin: np.ndarray, planes: np.ndarray, obs_dev, open_: np.ndarray, leader: np.ndarray,
                       wants_cupy: bool) -> bool:
