@@ -18,7 +18,9 @@ Invariants:
   reads the next, so a connection has at most one wave running and answers in
   order. A wave whose run wrote its outputs into a CUDA output region device
   to device (a bound runner, the batch all device waves) is answered by the
-  critical lane's worker the moment they are in place
+  critical lane's worker the moment they are in place -- on a channel
+  ordered by CUDA events, the moment their copies are queued, ahead of the
+  ``done`` event the client waits for (tandem/cuda_events.py)
   (``Request.on_written``: a thread hand-off sooner), with a non-blocking
   send on a duplicate of the socket, while the connection's thread still
   waits on the run, holding the regions' lease; that thread then sends
@@ -34,6 +36,10 @@ Invariants:
   (``Batcher(executed=)``), recorded on the worker before any waiter of the
   run wakes (in a run of worker-answered waves only, just after their
   replies).
+* An ordered channel's ``ready`` event is waited for by the critical lane's
+  worker (session.READY_WAIT_S at most); a wave whose inputs come later is
+  answered DEADLINE_EXCEEDED and gets nothing written into its regions.
+  Its opened event is released when the connection ends.
 * A region is attached to at most one connection (``_attached``): two
   connections writing one output region would answer each other's waves.
 * Every message gets an answer (``R``/``A`` or ``E`` with a gRPC status); a
