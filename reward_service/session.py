@@ -335,9 +335,8 @@ class _BoundRunner:
                   device_batch: Batch | None = None) -> dict[str, np.ndarray]:
         slot, dev = self._slots[bucket], self.device
         events = [] if device_batch is None else [r.events for r in device_batch.requests if r.events is not None]
-        if device_batch is not None:
-            _wait_inputs(device_batch.requests)
         if device_batch is not None:  # the inputs are on the device already: no host copy at all
+            _wait_inputs(device_batch.requests)
             for name, d in slot.dev_in.items():
                 for req, off in zip(device_batch.requests, device_batch.offsets):
                     dev.copy_device(d, off, req.feeds[name])
@@ -375,13 +374,13 @@ class _BoundRunner:
 
     def run(self, batch: Batch) -> dict[str, np.ndarray]:
         """The batch's outputs (see Request: ``events``)."""
-        events = [r.events for r in batch.requests if r.events is not None]
         if batch.bucket in self._slots and batch.on_device and hasattr(self.device, "copy_device"):
             return self._run_slot(batch.bucket, batch.rows, None, batch)
         _wait_inputs(batch.requests)
         outputs = self._run_host_feeds(batch)
-        for ev in events:  # run and synchronised: the outputs reach the host, which writes them
-            ev.done.record(self.device.stream.ptr)
+        for req in batch.requests:  # run and synchronised: the outputs reach the host, which writes them
+            if req.events is not None:
+                req.events.done.record(self.device.stream.ptr)
         return outputs
 
     def _run_host_feeds(self, batch: Batch) -> dict[str, np.ndarray]:

@@ -564,7 +564,7 @@ class _Search:
         finally:  # no pinned buffer goes back to CuPy's pool with its copy still running
             if meta_back is not None:
                 try:
-                    meta_back.settle()
+                    meta_back.finish()  # a copy started and not finished: a search ended by an exception
                 except Exception:  # noqa: BLE001 - a broken context: the exception under way says more
                     log.exception("the META rows' copy back could not be waited for")
 
@@ -717,10 +717,6 @@ class _AsyncCopy:
         """uint8 [nbytes]: the copy, once done (a view, valid until the next start)."""
         self._event.synchronize()
         return self._host
-
-    def settle(self) -> None:
-        """Waits for a copy started and not finished (a search ended by an exception)."""
-        self._event.synchronize()
 
 
 def _model_answer(evaluator, obs, legal: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
