@@ -8,6 +8,10 @@ Contract (kept by ``train_connect4_value``'s export):
   output ``policy_logits``  float32 [N, 7]  logits over columns 0..6 (not
                                             masked: the search masks full ones)
 
+With ``wdl`` the value head ends in three logits (win, draw, loss for the side
+to move; trained by cross-entropy on the solver's outcome, as Leela Chess Zero's
+WDL head) and ``value`` = P(win) - P(loss), so the contract is the same.
+
 Inside, two planes are added to the two stone planes: a constant plane of
 ones (so zero padding tells the board's edge from an empty cell) and the
 parity of the stone count (whether the side to move is the first player,
@@ -41,13 +45,14 @@ class Connect4Net(nn.Module):
     """Residual CNN: stem conv, ``blocks`` residual blocks, value and policy heads.
 
     ``forward(board)`` takes uint8 (or float) [N, 2, 6, 7] and returns
-    ``(value [N, 1], policy_logits [N, 7])``, both float32."""
+    ``(value [N, 1], policy_logits [N, 7])``, both float32; ``outcome_logits``
+    the WDL head's float32 [N, 3] (win, draw, loss) for training."""
 
     def __init__(self, channels: int = 40, blocks: int = 4, head_channels: int = 4,
-                 value_hidden: int = 64):
+                 value_hidden: int = 64, wdl: bool = False):
         super().__init__()
         self.config = dict(channels=channels, blocks=blocks, head_channels=head_channels,
-                           value_hidden=value_hidden)
+                           value_hidden=value_hidden, wdl=wdl)
         self.stem = nn.Sequential(nn.Conv2d(4, channels, 3, padding=1, bias=False),
                                   nn.BatchNorm2d(channels), nn.ReLU())
         self.body = nn.Sequential(*[ResidualBlock(channels) for _ in range(blocks)])
@@ -55,12 +60,15 @@ class Connect4Net(nn.Module):
         self.value_head = nn.Sequential(
             nn.Conv2d(channels, head_channels, 1, bias=False), nn.BatchNorm2d(head_channels),
             nn.ReLU(), nn.Flatten(), nn.Linear(flat, value_hidden), nn.ReLU(),
-            nn.Linear(value_hidden, 1), nn.Tanh())
+            *((nn.Linear(value_hidden, 3),) if wdl else (nn.Linear(value_hidden, 1), nn.Tanh())))
         self.policy_head = nn.Sequential(
             nn.Conv2d(channels, head_channels, 1, bias=False), nn.BatchNorm2d(head_channels),
             nn.ReLU(), nn.Flatten(), nn.Linear(flat, COLS))
 
-    def forward(self, board: torch.Tensor):
+    def raw_heads(self, board: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The heads' outputs before the value's WDL reduction: value float32
+        [N, 1] (tanh), or with ``wdl`` its logits [N, 3] (win, draw, loss);
+        policy_logits float32 [N, 7]."""
         x = board.to(torch.float32)
         ones = torch.ones_like(x[:, :1])
         stones = x.sum(dim=(1, 2, 3), keepdim=True)
@@ -68,6 +76,13 @@ class Connect4Net(nn.Module):
         parity = ones * (stones - 2.0 * torch.floor(stones * 0.5))
         h = self.body(self.stem(torch.cat([x, ones, parity], dim=1)))
         return self.value_head(h), self.policy_head(h)
+
+    def forward(self, board: torch.Tensor):
+        v, logits = self.raw_heads(board)
+        if self.config["wdl"]:
+            p = torch.softmax(v, dim=1)
+            v = p[:, :1] - p[:, 2:]
+        return v, logits
 
 
 def parameter_count(model: nn.Module) -> int:

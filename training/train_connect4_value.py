@@ -100,11 +100,13 @@ def by_stones(s: PositionSet, ranges: tuple) -> dict:
 # ---------------------------------------------------------------- training
 
 def train_model(train: PositionSet, *, channels: int, blocks: int, epochs: int,
-                batch: int, lr: float, seed: int, repeat=None, log=print):
+                batch: int, lr: float, seed: int, repeat=None, wdl: bool = False, log=print):
     """Train a Connect4Net on ``train``; returns the model in eval mode.
 
     Loss = MSE(value, sign of score) + cross-entropy(policy, uniform over good
-    moves). Each sample is mirrored left-right with probability 1/2.
+    moves); with ``wdl`` the value term is the cross-entropy of the WDL head's
+    logits against the solver's outcome (win / draw / loss). Each sample is
+    mirrored left-right with probability 1/2.
     ``repeat`` (int [N], optional) is how many times each position is visited
     per epoch (default once)."""
     import torch
@@ -114,7 +116,7 @@ def train_model(train: PositionSet, *, channels: int, blocks: int, epochs: int,
 
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
-    model = Connect4Net(channels=channels, blocks=blocks)
+    model = Connect4Net(channels=channels, blocks=blocks, wdl=wdl)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=1e-4)
     base = np.repeat(np.arange(len(train)), 1 if repeat is None else repeat)
     steps = epochs * ((len(base) + batch - 1) // batch)
@@ -133,8 +135,12 @@ def train_model(train: PositionSet, *, channels: int, blocks: int, epochs: int,
             x = torch.from_numpy(np.where(flip, mirrored_boards[idx], boards[idx]))
             p = torch.from_numpy(np.where(flip[:, :, 0, 0], mirrored_policies[idx], policies[idx]))
             v = torch.from_numpy(values[idx])[:, None]
-            pv, logits = model(x)
-            loss = F.mse_loss(pv, v) + F.cross_entropy(logits, p)
+            pv, logits = model.raw_heads(x)
+            if wdl:  # class 0 win, 1 draw, 2 loss
+                value_loss = F.cross_entropy(pv, (1 - v[:, 0]).long())
+            else:
+                value_loss = F.mse_loss(pv, v)
+            loss = value_loss + F.cross_entropy(logits, p)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -258,6 +264,11 @@ def write_card(path: Path, *, command: str, params: int, config: dict, args, cou
                  if args.train_pons else "All four Pons sets are")
     import onnxruntime
     import torch
+    wdl = config.get("wdl", False)
+    value_out = ("linear →3: win/draw/loss logits; value = P(win) − P(loss) of their softmax" if wdl
+                 else "linear →1, tanh")
+    value_loss = ("cross-entropy(WDL logits, the solver's outcome)" if wdl else "MSE(value)")
+    value_meaning = "P(win) − P(loss)" if wdl else "tanh"
     text = f"""# connect4_value.onnx — Connect Four value and policy network
 
 A small residual CNN that estimates, for a Connect Four position, the game's
@@ -271,7 +282,7 @@ edit by hand: re-run the command below).
 | name | dtype | shape | meaning |
 | --- | --- | --- | --- |
 | input `board` | uint8 | [N, 2, 6, 7] | plane 0: stones of the side to move, plane 1: the opponent's (1 = stone); `[row, col]`, row 0 = bottom, col 0 = leftmost; N dynamic |
-| output `value` | float32 | [N, 1] | tanh; expected outcome for the side to move: +1 win, 0 draw, −1 loss |
+| output `value` | float32 | [N, 1] | {value_meaning}; expected outcome for the side to move: +1 win, 0 draw, −1 loss |
 | output `policy_logits` | float32 | [N, 7] | logits over columns 0..6, not masked (mask full columns before a softmax) |
 
 ONNX opset {OPSET}, one file ({size:,} bytes), no external data, FP32 (the shipped
@@ -288,7 +299,7 @@ edge from an empty cell) and the parity of the stone count (which player is to m
 matters for odd/even threats). Stem 3×3 conv ({config['channels']} channels) + batch
 norm + ReLU; {config['blocks']} residual blocks (two 3×3 convs with batch norm each);
 value head: 1×1 conv to {config['head_channels']} channels, linear {config['head_channels'] * 42}→{config['value_hidden']}, ReLU,
-linear →1, tanh; policy head: 1×1 conv to {config['head_channels']} channels, linear
+{value_out}; policy head: 1×1 conv to {config['head_channels']} channels, linear
 {config['head_channels'] * 42}→7.
 
 ## Training data
@@ -317,10 +328,10 @@ over the moves that keep the solver's result (sign of the move score equals the
 sign of the score; in a lost position, the slowest losses, `best_moves`).
 Each `solver/` position is visited {args.solver_repeat}× per epoch, every other
 position once. Augmentation: each sample mirrored left-right with
-probability ½. Loss: MSE(value)
+probability ½. Loss: {value_loss}
 + cross-entropy(policy). AdamW (weight decay 1e-4), one-cycle learning rate
 (max {args.lr}), batch {args.batch}, {args.epochs} epochs, seed {args.seed};
-{train_s:.0f} s wall time on a shared CPU ({torch.get_num_threads()} thread(s), `nice -n 15`).
+{train_s:.0f} s wall time on a shared CPU ({torch.get_num_threads()} thread(s)).
 
 Held out (never trained on): a seeded 10 % of each training source (chosen per
 position by a keyed hash of the position up to mirroring, seed {args.seed}; so a
@@ -378,6 +389,8 @@ def main(argv: list | None = None) -> int:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=1995)
+    parser.add_argument("--value-head", choices=("tanh", "wdl"), default="tanh",
+                        help="tanh regression, or win/draw/loss logits (value = P(win) - P(loss))")
     parser.add_argument("--solver-repeat", type=int, default=1,
                         help="visits per epoch of each solver/ random-walk position")
     parser.add_argument("--train-pons", nargs="*", default=[], choices=TRAIN_PONS,
@@ -411,12 +424,12 @@ def main(argv: list | None = None) -> int:
     t1 = time.perf_counter()
     model = train_model(train, channels=args.channels, blocks=args.blocks, epochs=args.epochs,
                         batch=args.batch, lr=args.lr, seed=args.seed,
-                        repeat=np.where(source == "solver", args.solver_repeat, 1))
+                        repeat=np.where(source == "solver", args.solver_repeat, 1), wdl=args.value_head == "wdl")
     train_s = time.perf_counter() - t1
 
     sample = np.concatenate([s.boards for s in held.values()])[::7][:1024]
     metadata = {"contract": "board uint8 [N,2,6,7] (side to move, opponent; row 0 bottom) -> "
-                            "value float32 [N,1] tanh, policy_logits float32 [N,7]",
+                            "value float32 [N,1] in [-1, 1], policy_logits float32 [N,7]",
                 "command": command, "date": datetime.date.today().isoformat()}
     diff = export_onnx(model, args.out, sample, metadata, "board", ["value", "policy_logits"])
     print(f"exported {args.out} ({args.out.stat().st_size} bytes), ORT vs torch max diff {diff:.2e}")
