@@ -64,6 +64,17 @@ def test_head_nodes_walk_back_to_the_last_weighted_layer():
     head = precision.head_nodes(value)
     assert {producer(value, "value").name, producer(value, "policy_logits").name} <= set(head)
     assert sum(1 for n in value.graph.node if n.name in head and n.op_type == "Gemm") == 2
+    # the win/draw/loss head: value = P(win) - P(loss), two slices of one softmax, all FP32
+    assert {n.op_type for n in value.graph.node if n.name in head} >= {"Softmax", "Slice", "Sub"}
+    assert not {n.op_type for n in value.graph.node if n.name in head} & {"Conv", "Relu", "Add"}
+
+
+def test_head_nodes_refuse_an_output_with_no_weighted_layer_behind_it():
+    model = small_cnn()
+    model.graph.node.append(oh.make_node("Sub", ["value", "x"], ["diff"], name="sub"))
+    model.graph.output.append(oh.make_tensor_value_info("diff", TensorProto.FLOAT, None))
+    with pytest.raises(ValueError, match="output 'diff': no weighted layer found behind it"):
+        precision.head_nodes(model)
 
 
 def test_the_converter_alone_rounds_the_head_back_to_fp16():
