@@ -74,6 +74,7 @@ REPLY_FORMAT = struct.Struct("<QIff")  # seq, padded batch rows, queue ms, model
 ERROR_FORMAT = struct.Struct("<QI")  # seq (0: the attach), grpc status code value; then a UTF-8 message
 MAX_MESSAGE_BYTES = 4096  # attach and error messages; a wave is 21 bytes
 DONE_GRACE_S = 0.0005  # how long past its deadline an ordered wave's queued run is waited for (s)
+DETACH_WAIT_S = 1.0  # how long close() waits for the server to let go of the regions (s)
 RUNTIME_KEY = "leaf_channel"  # ModelMetadata.runtime key holding the server's socket path
 
 
@@ -416,14 +417,34 @@ class LeafChannel:
         if not ok:
             raise LeafChannelError(grpc.StatusCode.DEADLINE_EXCEEDED, "the wave's outputs not written by the deadline")
 
+    def _wait_detached(self, limit: float) -> None:
+        """Half-closes the socket and reads (and drops) what the server still
+        sends until it closes its end, or until ``limit`` (monotonic s)."""
+        try:
+            self._sock.shutdown(socket.SHUT_WR)  # the server's thread reads the end, finishes, detaches
+            while (left := limit - time.monotonic()) > 0:
+                self._sock.settimeout(left)
+                if not self._sock.recv(MAX_MESSAGE_BYTES):
+                    return
+        except OSError:  # TimeoutError (a server stuck in a run), or the connection already broken
+            pass
+
     @property
     def closed(self) -> bool:
         return self._sock is None
 
     def close(self) -> None:
         """Closes the socket (the server unregisters the regions then) and
-        frees this side's memory. Safe to call twice."""
+        frees this side's memory. Safe to call twice.
+
+        An attached channel first waits (``DETACH_WAIT_S`` at most) for the
+        server to close its end, which it does only after its last wave's
+        copies and the regions' unregistration: a wave given up at its
+        deadline may still be running there, and its copies must not land in
+        memory this process has freed and reused."""
         if self._sock is not None:
+            if self._attached:
+                self._wait_detached(time.monotonic() + DETACH_WAIT_S)
             self._sock.close()
             self._sock = None
         if self._done is not None:  # its last wave's output copies end before the regions are freed

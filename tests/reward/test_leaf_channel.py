@@ -84,7 +84,21 @@ def test_closing_the_connection_unregisters_its_regions(reward):
     client_id = lc._inputs.client_id
     assert held(service, client_id) == 2
     lc.close()
-    assert wait_for(lambda: held(service, client_id) == 0)
+    assert held(service, client_id) == 0  # close() returns once the server has let go of them
+
+
+def test_close_after_a_wave_given_up_returns_once_the_server_is_done_with_the_regions(reward):
+    """The given-up wave may still be running on the server: close() waits for
+    its end and the regions' unregistration before this side frees them."""
+    service, stub = reward
+    lc = LeafChannel(stub, service.servicer.leaf_channel.path, MODEL, 64)
+    client_id = lc._inputs.client_id
+    with pytest.raises(LeafChannelError) as err:
+        lc.evaluate(np.repeat(boards(""), 64, axis=0), time.monotonic() + 1e-6)
+    assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    lc.close()
+    assert held(service, client_id) == 0
+    assert lc.closed
 
 
 def test_an_idle_connection_keeps_its_regions_past_their_lease(reward):
