@@ -42,14 +42,11 @@ def with_node_names(model: onnx.ModelProto) -> onnx.ModelProto:
 
 def head_nodes(model: onnx.ModelProto) -> list[str]:
     """Names of the nodes of the last layer: walking back from each graph
-    output through the nodes between it and the weighted layers behind it
-    (activations, Flatten, a softmax and the slices of a win/draw/loss
-    head, ...) up to and including those first nodes with weights (Conv,
-    Gemm, MatMul, ...). Outputs first, in walking order.
+    output through single-input nodes (activations, Flatten, ...) up to and
+    including the first node with weights (Conv, Gemm, MatMul, ...).
 
     Raises:
-        ValueError: an output with a path back to a graph input (or to a
-            node without inputs) that meets no weighted layer.
+        ValueError: an output with no weighted layer behind it.
     """
     graph = model.graph
     producer = {o: n for n in graph.node for o in n.output}
@@ -58,20 +55,18 @@ def head_nodes(model: onnx.ModelProto) -> list[str]:
     }
     head: list[str] = []
     for out in graph.output:
-        todo = [out.name]
-        while todo:
-            node = producer.get(todo.pop(0))
-            if node is None:
-                raise ValueError(f"output {out.name!r}: no weighted layer found behind it")
-            if node.name in head:
-                continue
-            head.append(node.name)
+        node = producer.get(out.name)
+        while node is not None:
+            if node.name not in head:
+                head.append(node.name)
             data_inputs = [i for i in node.input if i and i not in weights]
             if node.op_type in WEIGHTED_OPS and len(data_inputs) < len(node.input):
-                continue  # the last layer: the body starts behind it
-            if not data_inputs:
-                raise ValueError(f"output {out.name!r}: no weighted layer found behind it (at {node.name!r})")
-            todo += data_inputs
+                break
+            if len(data_inputs) != 1:
+                raise ValueError(f"output {out.name!r}: no single-input path back to a weighted layer at {node.name!r}")
+            node = producer.get(data_inputs[0])
+        else:
+            raise ValueError(f"output {out.name!r}: no weighted layer found behind it")
     return head
 
 

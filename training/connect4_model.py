@@ -79,9 +79,8 @@ class Connect4Net(nn.Module):
 
     def forward(self, board: torch.Tensor):
         v, logits = self.raw_heads(board)
-        if self.config["wdl"]:
-            p = torch.softmax(v, dim=1)
-            v = p[:, :1] - p[:, 2:]
+        if self.config["wdl"]:  # P(win) - P(loss): one chain (softmax, product, sum), all in the FP32 head
+            v = (torch.softmax(v, dim=1) * v.new_tensor([1.0, 0.0, -1.0])).sum(dim=1, keepdim=True)
         return v, logits
 
 

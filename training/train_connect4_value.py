@@ -196,17 +196,18 @@ def evaluate(value: np.ndarray, logits: np.ndarray, s: PositionSet) -> dict:
 PREVIOUS_SEED = 1995  # the previous model's split seed (its held-out 10 % of the L1 sets)
 
 
-def compare(previous: Path, current: Path, held: dict, seed: int = PREVIOUS_SEED) -> dict:
+def compare(previous: Path, current: Path, held: dict, previous_pons: tuple = (),
+            seed: int = PREVIOUS_SEED) -> dict:
     """{set name: (previous metrics, current metrics)} on the positions neither
     model trained on.
 
-    The previous model (the card of 2026-11-30) trained on the UCI rows, the
-    UCI random walks and 90 % of Test_L1_R1 / Test_L1_R2, split by the same
-    keyed hash with ``seed``: so on the L1 sets only its held-out 10 % count,
-    and every other held-out set here is unseen by both."""
+    ``previous_pons``: the Pons sets the previous model trained on (90 % of
+    each, split by the same keyed hash with ``seed``; the model of
+    2026-11-30 trained on Test_L1_R1 and Test_L1_R2): of those only its
+    held-out 10 % count. Every other held-out set here is unseen by both."""
     out = {}
     for name, s in held.items():
-        if name in TRAIN_PONS:
+        if name in previous_pons:
             s = s.subset(heldout_mask(s.boards, seed))
             name = f"{name} (the 10 % both never saw)"
         if len(s) == 0:
@@ -231,10 +232,12 @@ def metric_rows(metrics: dict) -> str:
         for name, m in metrics.items())
 
 
-def comparison_section(comparison: dict | None, previous: str) -> str:
+def comparison_section(comparison: dict | None, previous: str, previous_pons: tuple = ()) -> str:
     """The card's previous-vs-new section ('' without a comparison)."""
     if not comparison:
         return ""
+    l1_note = (f" (on {' / '.join(previous_pons)}, which the previous model trained on: its held-out 10 %)"
+               if previous_pons else "")
     rows = "\n".join(
         f"| {name} | {old['positions']} | {pct(old['value_accuracy'])} → {pct(new['value_accuracy'])} | "
         f"{pct(old['value_accuracy_draw'])} → {pct(new['value_accuracy_draw'])} | "
@@ -244,10 +247,8 @@ def comparison_section(comparison: dict | None, previous: str) -> str:
     return f"""
 ## Against the previous model
 
-The previous file ({previous}: 158,720 parameters, trained on 81,611 positions:
-UCI rows, UCI random walks, 90 % of Test_L1_R1 / Test_L1_R2) against this one, on
-the held-out positions neither trained on (on the L1 sets: the previous model's
-held-out 10 %). Previous → new:
+The previous file ({previous}) against this one, on the held-out positions
+neither trained on{l1_note}. Previous → new:
 
 | held-out set | positions | value acc. | on draws | good move | best move |
 | --- | --- | --- | --- | --- | --- |
@@ -269,6 +270,8 @@ def write_card(path: Path, *, command: str, params: int, config: dict, args, cou
                  else "linear →1, tanh")
     value_loss = ("cross-entropy(WDL logits, the solver's outcome)" if wdl else "MSE(value)")
     value_meaning = "P(win) − P(loss)" if wdl else "tanh"
+    previous_line = (f"git show {args.compare_rev}:reward_service/models/connect4_value.onnx > {args.compare}   "
+                     "# the previous model, for --compare\n" if args.compare and args.compare_rev else "")
     text = f"""# connect4_value.onnx — Connect Four value and policy network
 
 A small residual CNN that estimates, for a Connect Four position, the game's
@@ -357,11 +360,11 @@ column keeps the solver's result (for lost positions: is a slowest loss).
 
 Export check: `onnx.checker` (full check) passes; ONNX Runtime and PyTorch
 outputs differ by at most {diff:.1e} on 1,024 held-out positions.
-{comparison_section(comparison, previous)}
+{comparison_section(comparison, previous, tuple(args.compare_trained_pons))}
 ## Reproduce
 
 ```
-{command}
+{previous_line}{command}
 ```
 
 Date: {datetime.date.today().isoformat()}. PyTorch {torch.__version__}, ONNX Runtime
@@ -397,6 +400,10 @@ def main(argv: list | None = None) -> int:
                         help="Pons sets to train on (90 %%); default none: all four stay held out")
     parser.add_argument("--compare", type=Path, default=None,
                         help="the previous model's ONNX file: adds a previous-vs-new table to the card")
+    parser.add_argument("--compare-trained-pons", nargs="*", default=[], choices=TRAIN_PONS,
+                        help="Pons sets the --compare model trained on (90 %%): only their held-out 10 %% compared")
+    parser.add_argument("--compare-rev", default=None,
+                        help="the git revision the --compare file comes from (the card's Reproduce shows the git show)")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     args = parser.parse_args(argv)
 
@@ -446,7 +453,7 @@ def main(argv: list | None = None) -> int:
     comparison, previous = None, ""
     if args.compare is not None:
         previous = f"sha256 {hashlib.sha256(args.compare.read_bytes()).hexdigest()[:16]}…"
-        comparison = compare(args.compare, args.out, held)
+        comparison = compare(args.compare, args.out, held, tuple(args.compare_trained_pons))
         for name, (old, new) in comparison.items():
             print(f"{name}: value acc {pct(old['value_accuracy'])} -> {pct(new['value_accuracy'])}, "
                   f"good move {pct(old['good_move_rate'])} -> {pct(new['good_move_rate'])}")
