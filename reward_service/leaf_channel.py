@@ -581,8 +581,8 @@ class LeafChannelServer:
             pass
         self._listener.close()
         for conn in connections:
-            try:
-                conn.shutdown(socket.SHUT_RDWR)  # wakes its thread's recv
+            try:  # wakes its thread's recv; the client sees the end only once the thread has detached
+                conn.shutdown(socket.SHUT_RD)
             except OSError:
                 pass
         for thread in connections.values():

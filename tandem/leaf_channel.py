@@ -254,7 +254,7 @@ class LeafChannel:
             if handle is not None:
                 self._done = OpenedEvent(bytes.fromhex(handle))
         except (ValueError, TypeError, AttributeError) as exc:  # the server waits for events nobody records
-            self.close()
+            self.close(wait_detached=False)
             raise LeafChannelError(grpc.StatusCode.INTERNAL, f"attach: the server's done_event: {exc}") from None
         if self._done is None:
             self._ready = None
@@ -363,7 +363,7 @@ class LeafChannel:
             try:
                 self._ready.record(cupy_module().cuda.get_current_stream().ptr)
             except Exception as exc:  # CUDARuntimeError: this process's CUDA state is broken
-                self.close()
+                self.close(wait_detached=False)
                 raise LeafChannelError(grpc.StatusCode.UNAVAILABLE, f"recording the ready_event: {exc}") from None
         try:
             timeline.mark("wave.sent")
@@ -383,15 +383,15 @@ class LeafChannel:
         except TimeoutError:
             raise LeafChannelError(grpc.StatusCode.DEADLINE_EXCEEDED, "no answer by the search's deadline") from None
         except OSError as exc:
-            self.close()
+            self.close(wait_detached=False)
             raise LeafChannelError(grpc.StatusCode.UNAVAILABLE, f"socket {self.path}: {exc}") from None
         except LeafChannelError:  # a server that does not speak the protocol: no later answer can be trusted
-            self.close()
+            self.close(wait_detached=False)
             raise
         if reply[:1] == ERROR:
             raise unpack_error(reply)[1]
         if reply[:1] != REPLY:
-            self.close()
+            self.close(wait_detached=False)
             raise LeafChannelError(grpc.StatusCode.INTERNAL, f"unexpected message kind {reply[:1]!r}")
         _, self.bucket, self.queue_ms, self.compute_ms = REPLY_FORMAT.unpack_from(reply, 1)
         if ordered:  # the outputs' copies, queued by the server before its reply
@@ -412,7 +412,7 @@ class LeafChannel:
         try:
             ok = self._done.wait_host(limit)
         except Exception as exc:  # CUDARuntimeError: its process's context is gone
-            self.close()
+            self.close(wait_detached=False)
             raise LeafChannelError(grpc.StatusCode.UNAVAILABLE, f"the server's done_event: {exc}") from None
         if not ok:
             raise LeafChannelError(grpc.StatusCode.DEADLINE_EXCEEDED, "the wave's outputs not written by the deadline")
@@ -433,7 +433,7 @@ class LeafChannel:
     def closed(self) -> bool:
         return self._sock is None
 
-    def close(self) -> None:
+    def close(self, wait_detached: bool = True) -> None:
         """Closes the socket (the server unregisters the regions then) and
         frees this side's memory. Safe to call twice.
 
@@ -441,9 +441,11 @@ class LeafChannel:
         server to close its end, which it does only after its last wave's
         copies and the regions' unregistration: a wave given up at its
         deadline may still be running there, and its copies must not land in
-        memory this process has freed and reused."""
+        memory this process has freed and reused. ``wait_detached=False``
+        (the channel's own closes: a broken socket, a peer not speaking the
+        protocol, a broken CUDA context) skips the wait."""
         if self._sock is not None:
-            if self._attached:
+            if self._attached and wait_detached:
                 self._wait_detached(time.monotonic() + DETACH_WAIT_S)
             self._sock.close()
             self._sock = None

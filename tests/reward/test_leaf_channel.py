@@ -540,6 +540,7 @@ class OneAnswerServer:
                 conn.send(wave_reply)
         except OSError:
             pass
+        # stays open: a channel closed for a message not of the protocol must not wait for this peer
 
     def close(self):
         for conn in self.conns:
