@@ -452,7 +452,7 @@ class LeafChannel:
         if self._done is not None:  # its last wave's output copies end before the regions are freed
             done, self._done, self._ready = self._done, None, None
             try:
-                done.wait_host(time.monotonic() + 1.0)
+                done.wait_host(time.monotonic() + DETACH_WAIT_S)
                 done.close()
             except Exception:  # noqa: BLE001 - a dead server's event: the regions are freed all the same
                 pass

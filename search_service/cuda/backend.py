@@ -471,6 +471,10 @@ class _Search:
         live = np.ones(b, bool)  # trees whose root is not proven (as of the last selection)
         tree_of = slot // k_max
         clock = WaveClock(params.deadline_ms, self.started_at)
+
+        def ordered_live() -> np.ndarray:  # an ordered wave's live trees, from its META rows come back
+            return _wave_slots(meta_back.finish().view(abi.META.dtype), in_wave_of < k, b)[1]
+
         try:
             while True:
                 if not live.any():
@@ -533,7 +537,7 @@ class _Search:
                     self.phase_ms["select"] += (t1 - t) * 1e3
                     self.phase_ms["evaluate"] += (time.perf_counter() - t1) * 1e3
                     if ordered:
-                        live = _wave_slots(meta_back.finish().view(abi.META.dtype), in_wave_of < k, b)[1]
+                        live = ordered_live()
                     clock.end_wave()
                     continue
                 t2 = time.perf_counter()
@@ -550,7 +554,7 @@ class _Search:
                 t3 = time.perf_counter()
                 timeline.mark("wave.backed_up")
                 if ordered:  # the selection ended long before the reply: this waits for nothing
-                    live = _wave_slots(meta_back.finish().view(abi.META.dtype), in_wave_of < k, b)[1]
+                    live = ordered_live()
                     if not live.any():
                         return False  # every root was proven before this wave
                 self.phase_ms["select"] += (t1 - t) * 1e3
@@ -709,8 +713,7 @@ class _AsyncCopy:
 
     def start(self) -> None:
         stream = cupy.cuda.get_current_stream()
-        cupy.cuda.runtime.memcpyAsync(self._host.ctypes.data, self._dev.data.ptr, self._dev.nbytes,
-                                      cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr)
+        self._dev.get(stream=stream, out=self._host, blocking=False)
         self._event.record(stream)
 
     def finish(self) -> np.ndarray:
