@@ -713,7 +713,10 @@ class _AsyncCopy:
 
     def start(self) -> None:
         stream = cupy.cuda.get_current_stream()
-        self._dev.get(stream=stream, out=self._host, blocking=False)
+        # The runtime's copy, not ndarray.get(out=, blocking=False): that measured 4.46 against 3.81 ms
+        # a 1000-simulation search at 256 leaves (neural_search_latency_cupy_get_f807e0c.json).
+        cupy.cuda.runtime.memcpyAsync(self._host.ctypes.data, self._dev.data.ptr, self._dev.nbytes,
+                                      cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr)
         self._event.record(stream)
 
     def finish(self) -> np.ndarray:
