@@ -713,8 +713,8 @@ class _AsyncCopy:
 
     def start(self) -> None:
         stream = cupy.cuda.get_current_stream()
-        # The runtime's copy, not ndarray.get(out=, blocking=False): that measured 4.46 against 3.81 ms
-        # a 1000-simulation search at 256 leaves (neural_search_latency_cupy_get_f807e0c.json).
+        # The runtime's copy, not ndarray.get(out=, blocking=False): that measured slower, 0.90 of a
+        # synchronised search against 0.77 (one run each; neural_search_latency_cupy_get_f807e0c.json).
         cupy.cuda.runtime.memcpyAsync(self._host.ctypes.data, self._dev.data.ptr, self._dev.nbytes,
                                       cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr)
         self._event.record(stream)
