@@ -126,12 +126,12 @@ class RewardServiceEvaluator:
             )
         except grpc.RpcError as exc:
             raise EvaluatorUnavailable(f"reward service: {exc.code().name}: {exc.details()}") from None
-        answer = _values_and_priors({t.name: tensors.from_proto(t) for t in reply.outputs})
+        answer = values_and_priors({t.name: tensors.from_proto(t) for t in reply.outputs})
         self.totals.add(len(observations), start, reply.queue_ms, reply.compute_ms)
         return answer
 
 
-def _values_and_priors(outputs: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray | None]:
+def values_and_priors(outputs: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray | None]:
     """Values float32 [N] and priors float32 [N, A] (the softmax of
     ``policy_logits``; None without it) from the model's outputs by name."""
     values = outputs["value"].reshape(-1).astype(np.float32)
@@ -167,7 +167,7 @@ class LeafChannelEvaluator:
             EvaluatorUnavailable: the server's status, or a broken connection
                 (the channel is closed then).
         """
-        return _values_and_priors(self.wave(self.channel.evaluate, observations, len(observations), deadline))
+        return values_and_priors(self.wave(self.channel.evaluate, observations, len(observations), deadline))
 
     def wave(self, send, inputs, rows: int, deadline: float | None) -> dict:
         """``send(inputs, deadline)`` -- one of the channel's wave calls -- bound

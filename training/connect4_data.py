@@ -15,6 +15,10 @@ Targets built from the labels:
   keep the theoretical result); in a lost position every move loses, so the
   good moves are the slowest losses (``best_moves``);
 * policy: uniform over the good moves.
+
+A move's score is also the exact value of the position it leads to, from the
+other side (``child_values``): the training split keeps those positions of a
+held-out position out of training, since a search of it is judged by them.
 """
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ import numpy as np
 
 from tandem.paths import DATA_DIR as _DATA
 
-from .connect4_encoding import COLS, encode_batch, mirror
+from .connect4_encoding import COLS, ROWS, encode_batch, mirror
 
 DATA_DIR = _DATA / "connect4"
 UCI_CSV_GZ = DATA_DIR / "uci" / "connect-4.shared90.csv.gz"
@@ -138,7 +142,7 @@ def load_sources(data_dir: Path = DATA_DIR, walks: bool = False) -> dict:
 
     Returns ``{name: PositionSet}``; 'solver' concatenates every
     ``solver/*.jsonl.gz`` in name order, 'walks' every ``walks/*.jsonl.gz``
-    (about 194,000 positions, a few seconds more to load)."""
+    (about 364,000 positions, a few seconds more to load)."""
     out = {"uci": from_records(read_uci(data_dir / "uci" / "connect-4.shared90.csv.gz"))}
     dirs = ("solver", "walks") if walks else ("solver",)
     for name in dirs:
@@ -168,3 +172,36 @@ def heldout_mask(boards: np.ndarray, seed: int, percent: int = 10) -> np.ndarray
     return np.array([
         int.from_bytes(hashlib.blake2b(k, digest_size=8, key=salt).digest(), "little") % 100 < percent
         for k in canonical_keys(boards)], dtype=bool)
+
+
+def four_in_a_row(stones: np.ndarray) -> np.ndarray:
+    """bool [N]: a line of four in ``stones`` (bool [N, 6, 7], one player's
+    stones): horizontal, vertical or either diagonal."""
+    h = stones[:, :, :-3] & stones[:, :, 1:-2] & stones[:, :, 2:-1] & stones[:, :, 3:]
+    v = stones[:, :-3] & stones[:, 1:-2] & stones[:, 2:-1] & stones[:, 3:]
+    up = stones[:, :-3, :-3] & stones[:, 1:-2, 1:-2] & stones[:, 2:-1, 2:-1] & stones[:, 3:, 3:]
+    down = stones[:, 3:, :-3] & stones[:, 2:-1, 1:-2] & stones[:, 1:-2, 2:-1] & stones[:, :-3, 3:]
+    return h.any(axis=(1, 2)) | v.any(axis=(1, 2)) | up.any(axis=(1, 2)) | down.any(axis=(1, 2))
+
+
+def child_values(s: PositionSet) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every unfinished position one legal move after a position of ``s``,
+    with its exact value: the negated sign of that move's score (the child's
+    side to move is the parent's opponent).
+
+    Returns:
+        boards uint8 [M, 2, 6, 7] (the model's encoding, the child's side to
+        move first), value float32 [M] (+1 win / 0 draw / -1 loss for it),
+        parent int64 [M] (the row of ``s`` it comes from). Children that end
+        the game (a four, or a full board) are left out: a search knows those.
+    """
+    rows, cols = np.nonzero(s.legal)
+    parent = s.boards[rows]
+    height = parent.sum(axis=(1, 2))[np.arange(len(rows)), cols]  # stones in the column: the new stone's row
+    mover = parent[:, 0].copy()
+    mover[np.arange(len(rows)), height, cols] = 1
+    boards = np.stack([parent[:, 1], mover], axis=1)  # the opponent is to move in the child
+    full = boards.sum(axis=(1, 2, 3)) == ROWS * COLS
+    keep = ~(four_in_a_row(mover.astype(bool)) | full)
+    value = -np.sign(s.move_scores[rows, cols]).astype(np.float32)
+    return np.ascontiguousarray(boards[keep]), value[keep], rows[keep].astype(np.int64)

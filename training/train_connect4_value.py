@@ -42,6 +42,7 @@ from .connect4_data import (
     TRAIN_PONS,
     PositionSet,
     canonical_keys,
+    child_values,
     heldout_mask,
     load_sources,
 )
@@ -61,7 +62,10 @@ def split_sources(sources: dict, seed: int, train_names: tuple = ("uci", "solver
     sets ``train_pons``, each minus its seeded held-out 10 %; every other Pons
     set is held out whole. A training position (or its mirror) that is in a
     held-out Test_L1 set is dropped from training (the UCI rows hold some
-    8-stone L1 positions). Raises SystemExit if a benchmark position
+    8-stone L1 positions), and so is one that is a move after a held-out
+    position: its label is that move's score, what a search of the held-out
+    position is judged by (the random walks hold a few hundred children of
+    each Test_L1 set). Raises SystemExit if a benchmark position
     (Test_L2_R1, Test_L3_R1) is in the training set: no source may hold one."""
     train_parts, train_source, held = [], [], {}
     for name in tuple(train_names) + tuple(train_pons):
@@ -78,17 +82,14 @@ def split_sources(sources: dict, seed: int, train_names: tuple = ("uci", "solver
         if name not in train_pons:
             dropped.update(canonical_keys(sources[name].boards))
             held[name] = sources[name]
-    if dropped:
-        keep = np.array([k not in dropped for k in train_keys])
-        train, train_source = train.subset(keep), train_source[keep]
-        train_keys = [k for k, kept in zip(train_keys, keep) if kept]
-    train_keys = set(train_keys)
     for name in BENCHMARK_PONS:
-        s = sources[name]
-        if train_keys.intersection(canonical_keys(s.boards)):
+        if set(train_keys).intersection(canonical_keys(sources[name].boards)):
             raise SystemExit(f"benchmark set {name} overlaps the training set")
-        held[name] = s
-    return train, train_source, held
+        held[name] = sources[name]
+    for s in held.values():  # the positions a search of a held-out one values first
+        dropped.update(canonical_keys(child_values(s)[0]))
+    keep = np.array([k not in dropped for k in train_keys])
+    return train.subset(keep), train_source[keep], held
 
 
 def by_stones(s: PositionSet, ranges: tuple) -> dict:
@@ -256,7 +257,7 @@ neither trained on{l1_note}. Previous → new:
 """
 
 
-def write_card(path: Path, *, command: str, params: int, config: dict, args, counts: dict,
+def write_card(path: Path, *, command: str, params: int, config: dict, args, counts: dict, dropped: int,
                metrics: dict, diff: float, size: int, train_s: float,
                comparison: dict | None = None, previous: str = "") -> None:
     """Write the Markdown model card."""
@@ -340,10 +341,13 @@ Held out (never trained on): a seeded 10 % of each training source (chosen per
 position by a keyed hash of the position up to mirroring, seed {args.seed}; so a
 position and its mirror image are on the same side), and the whole of every
 Pons set not trained on. Training positions that are (up to mirroring) in a
-held-out Test_L1 set are dropped (some UCI rows are); the script refuses to
-run if a Test_L2_R1 / Test_L3_R1 position or its mirror is in the training
-set. The `solver/` and `walks/` files exclude every Pons position by
-construction.
+held-out Test_L1 set are dropped (some UCI rows are), and so are those one
+move after any held-out position (their labels are its move scores, which a
+search of it is judged by): {dropped:,} positions of the training sources in
+all. The script refuses to run if a Test_L2_R1 / Test_L3_R1 position or its
+mirror is in the training set. The `solver/` and `walks/` files exclude every
+Pons position by construction. Positions to choose a network by its search:
+`data/connect4/validation/` (held-out walks, `bench/value_search_quality.py`).
 
 ## Held-out metrics
 
@@ -422,10 +426,13 @@ def main(argv: list | None = None) -> int:
     names, sizes = np.unique(source, return_counts=True)
     counts = {str(k): int(n) for k, n in zip(names, sizes)}
     counts["total"] = len(train)
+    # in a training source, neither trained on nor held out (see split_sources)
+    dropped = sum(len(sources[n]) - len(held[f"{n} (held-out 10 %)"])
+                  for n in ("uci", "solver", "walks", *args.train_pons)) - len(train)
     walks = held.pop("walks (held-out 10 %)")
     for name, part in by_stones(walks, ((5, 11), (12, 17), (18, 28), (29, 41))).items():
         held[f"walks {name} (held-out 10 %)"] = part
-    print(f"data: {len(train)} training positions ({time.perf_counter() - t0:.0f} s); held out: "
+    print(f"data: {len(train)} training positions, {dropped} dropped ({time.perf_counter() - t0:.0f} s); held out: "
           + ", ".join(f"{k} {len(v)}" for k, v in held.items()))
 
     t1 = time.perf_counter()
@@ -460,7 +467,7 @@ def main(argv: list | None = None) -> int:
 
     card = args.out.with_suffix(".md")
     write_card(card, command=command, params=parameter_count(model), config=model.config, args=args,
-               counts=counts, metrics=metrics, diff=diff, size=args.out.stat().st_size, train_s=train_s,
+               counts=counts, dropped=dropped, metrics=metrics, diff=diff, size=args.out.stat().st_size, train_s=train_s,
                comparison=comparison, previous=previous)
     print(f"wrote {card}; total {time.perf_counter() - t0:.0f} s")
     return 0

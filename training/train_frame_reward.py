@@ -13,7 +13,9 @@ normalises it itself (so on a GPU that happens on the device). It returns
 Data: the shipped solver-labelled positions, split exactly as for the value
 network (``train_connect4_value.split_sources``: a seeded 10 % of each
 training source held out, Pons Test_L2_R1 and Test_L3_R1 held out whole and
-never trained on). Training frames are rendered on the fly with jitter and
+never trained on, nor any position one move after a held-out one -- a rule
+newer than the shipped frame model, so a rerun of its command trains on 53
+fewer positions). Training frames are rendered on the fly with jitter and
 left-right mirroring; held-out frames are rendered once with a fixed seed.
 
 Architecture (~100k parameters, stride early so 224² costs little): a

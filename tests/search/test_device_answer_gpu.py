@@ -1,6 +1,6 @@
 """The answer kernels of the device waves (search_service/cuda/kernels/search.cu):
 ``mcts_vm_answer``'s EVAL rows, built from a model's outputs on the device,
-equal the host way's (the softmax of evaluators._values_and_priors, then
+equal the host way's (the softmax of evaluators.values_and_priors, then
 mcts.backend.model_answer), on random rows and on the edge cases: NaN and
 infinite logits and values, a row with no legal move, known results, proven
 trees, slots past the wave; ``init_trees`` writes the fresh roots' OBS rows
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from search_service.cuda import abi
-from search_service.evaluators import _values_and_priors
+from search_service.evaluators import values_and_priors
 from search_service.mcts import tree as tr
 from search_service.mcts.backend import model_answer
 from tandem.gpu import cupy_module
@@ -59,7 +59,7 @@ def test_the_answer_kernel_builds_the_rows_the_host_way_builds():
     )
     got = vin.get()
     with np.errstate(invalid="ignore", over="ignore"):
-        host_values, host_priors = _values_and_priors({"value": values.reshape(n, 1), "policy_logits": logits})
+        host_values, host_priors = values_and_priors({"value": values.reshape(n, 1), "policy_logits": logits})
     top = obs[:, :, -1, :]
     v, p = model_answer(host_values, host_priors, (top[:, 0] | top[:, 1]) == 0)
     checked = 0
@@ -133,7 +133,7 @@ def test_fresh_roots_get_their_obs_rows_and_the_host_ways_priors():
     rows = pool.get()
     priors = rows[:, : abi.ROWS_BYTES].view(np.int32).reshape(b, abi.ROW, 4)[:, : abi.NUM_ACTIONS, 3].view(np.float32)
     with np.errstate(invalid="ignore"):
-        values, host = _values_and_priors({"value": np.zeros((b, 1), np.float32), "policy_logits": logits})
+        values, host = values_and_priors({"value": np.zeros((b, 1), np.float32), "policy_logits": logits})
     _, want = model_answer(values, host, connect4.legal_bits(roots.mask))  # the host way's (_call_model)
     np.testing.assert_allclose(priors[:3], want[:3], rtol=1e-5, atol=1e-7)
     assert priors[2, 3] == 0.0  # column 4 is full

@@ -1,5 +1,5 @@
 """The in-place rewrites of search_service/mcts/backend.py ``model_answer``,
-search_service/evaluators.py ``_values_and_priors`` give the same arrays bit for bit as the formulas they replaced
+search_service/evaluators.py ``values_and_priors`` give the same arrays bit for bit as the formulas they replaced
 (kept here as ``old_*``), for random inputs with NaN, infinities, negatives,
 huge values, rows with no legal move and rows whose priors sum to 0."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from search_service.evaluators import _values_and_priors
+from search_service.evaluators import values_and_priors
 from search_service.mcts.backend import model_answer
 
 
@@ -28,7 +28,7 @@ def old_model_answer(values, priors, legal):
 
 
 def old_values_and_priors(outputs):
-    """_values_and_priors before commit 3b32e78."""
+    """values_and_priors before commit 3b32e78."""
     values = outputs["value"].reshape(-1).astype(np.float32)
     logits = outputs.get("policy_logits")
     if logits is None:
@@ -101,9 +101,9 @@ def test_the_uniform_fallback_equals_the_old_one_for_every_count_of_legal_moves(
 def test_values_and_priors_equals_the_old_softmax_bit_for_bit(case):
     logits, value = case
     kept = logits.copy()
-    got = _values_and_priors({"value": value, "policy_logits": logits})
+    got = values_and_priors({"value": value, "policy_logits": logits})
     want = old_values_and_priors({"value": value, "policy_logits": logits})
     same_bits(got[0], want[0])
     same_bits(got[1], want[1])
     assert logits.tobytes() == kept.tobytes()  # the caller's array is not changed in place
-    assert _values_and_priors({"value": value})[1] is None
+    assert values_and_priors({"value": value})[1] is None

@@ -22,7 +22,8 @@ PONS = ("Test_L3_R1", "Test_L2_R1", "Test_L1_R1", "Test_L1_R2")
 SOLVER_FILE = C4 / "solver" / "uci_random_walks.jsonl.gz"
 # Random walks from the empty board: file -> inclusive stone-count range.
 WALKS = {"walks/walks_05-11.jsonl.gz": (5, 11), "walks/walks_12-17.jsonl.gz": (12, 17),
-         "walks/walks_18-41.jsonl.gz": (18, 41), "walks/walks_more_12-14.jsonl.gz": (12, 14)}
+         "walks/walks_18-41.jsonl.gz": (18, 41), "walks/walks_more_12-14.jsonl.gz": (12, 14),
+         "walks/walks_next_08-11.jsonl.gz": (8, 11), "walks/walks_next_12-14.jsonl.gz": (12, 14)}
 ROWS, COLS = 6, 7
 
 
@@ -143,7 +144,7 @@ def test_uci_names_unchanged():
 @pytest.mark.slow
 def test_labels_self_consistent(sets):
     for path, records in sets.items():
-        if path in WALKS:  # 194,000 records: a seeded sample keeps the test to seconds
+        if path in WALKS:  # 364,000 records: a seeded sample keeps the test to seconds
             records = random.Random(path).sample(records, min(len(records), 4000))
         for r in records:
             grid = replay(r["moves"])

@@ -327,7 +327,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS_PER_BLOCK) mcts_vm_undo(
 
 // The priors of a position the model valued, by the rules of
 // search_service.mcts.backend.model_answer applied to the softmax of its policy
-// logits (evaluators._values_and_priors), in float32: softmax(l) masked to the
+// logits (evaluators.values_and_priors), in float32: softmax(l) masked to the
 // legal moves (the empty top cells of its OBS row `o`), negatives and
 // non-finite as 0, renormalised, uniform over the legal moves where nothing is
 // left (zeros where none is). `l` float [NUM_ACTIONS]; `p` float [NUM_ACTIONS] out.

@@ -1,0 +1,24 @@
+"""bench/value_search_quality.py --quick: the shipped network in the CPU
+reference's search, on the validation openings and the four Pons sets; one
+row per set, with the result file's fields."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("onnxruntime")
+
+from bench import value_search_quality as vsq  # noqa: E402
+
+
+def test_quick_run_writes_one_row_per_set(tmp_path):
+    rows = vsq.main(["--quick", "--out", str(tmp_path)])
+    doc = json.loads((tmp_path / "value_search_quality.json").read_text())
+    assert doc["benchmark"] == "value_search_quality" and doc["rows"] == rows
+    assert [r["position_set"] for r in rows] == ["openings_05-14", *vsq.PONS]
+    for r in rows:
+        assert r["model"] == "connect4_value.onnx" and len(r["model_sha256"]) == 16
+        assert r["positions"] == 8 and r["simulations"] == 50 and r["parallel_sims"] == 32 and r["c_puct"] == 1.5
+        assert r["misses"] == round(r["positions"] * (1 - r["optimal_move_rate"]))
+
