@@ -68,9 +68,10 @@ def onnx_evaluator(path: Path, threads: int):
     return evaluate
 
 
-def quality_row(model: Path, evaluate, set_name: str, recs, simulations: int, parallel_sims: int,
+def quality_row(model: Path, sha256: str, evaluate, set_name: str, recs, simulations: int, parallel_sims: int,
                 c_puct: float) -> dict:
-    """One row: every position of ``recs`` searched in one batched call."""
+    """One row: every position of ``recs`` searched in one batched call
+    (``sha256``: the first 16 hex digits of the model file's)."""
     from search_service.mcts.cpu_reference import CpuReferenceBackend
 
     params = SearchParams(simulations=simulations, deadline_ms=None, parallel_sims=parallel_sims,
@@ -80,7 +81,7 @@ def quality_row(model: Path, evaluate, set_name: str, recs, simulations: int, pa
     kept = [r.keeps_result(int(x.action)) for r, x in zip(recs, results)]
     return dict(
         model=model.name,
-        model_sha256=hashlib.sha256(model.read_bytes()).hexdigest()[:16],
+        model_sha256=sha256,
         backend=common.CPU_VARIANT,
         position_set=set_name,
         simulations=simulations,
@@ -119,12 +120,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = []
     for model in map(Path, args.models.split(",")):
         evaluate = onnx_evaluator(model, args.threads)
+        sha256 = hashlib.sha256(model.read_bytes()).hexdigest()[:16]
         for set_name in args.sets.split(","):
             recs = [r for r in load_set(set_name) if r.score >= 0][:limit]
             label = Path(set_name).stem
             for n in sims:
                 for c in c_pucts:
-                    row = common.attempt(f"{model.name} {label} {n} {c}", quality_row, model, evaluate, label, recs,
+                    row = common.attempt(f"{model.name} {label} {n} {c}", quality_row, model, sha256, evaluate, label, recs,
                                          n, args.parallel_sims, c)
                     if row:
                         common.progress(row)

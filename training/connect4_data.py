@@ -31,9 +31,10 @@ from pathlib import Path
 
 import numpy as np
 
+from search_service.games import connect4
 from tandem.paths import DATA_DIR as _DATA
 
-from .connect4_encoding import COLS, ROWS, encode_batch, mirror
+from .connect4_encoding import COLS, encode_batch, mirror
 
 DATA_DIR = _DATA / "connect4"
 UCI_CSV_GZ = DATA_DIR / "uci" / "connect-4.shared90.csv.gz"
@@ -174,16 +175,6 @@ def heldout_mask(boards: np.ndarray, seed: int, percent: int = 10) -> np.ndarray
         for k in canonical_keys(boards)], dtype=bool)
 
 
-def four_in_a_row(stones: np.ndarray) -> np.ndarray:
-    """bool [N]: a line of four in ``stones`` (bool [N, 6, 7], one player's
-    stones): horizontal, vertical or either diagonal."""
-    h = stones[:, :, :-3] & stones[:, :, 1:-2] & stones[:, :, 2:-1] & stones[:, :, 3:]
-    v = stones[:, :-3] & stones[:, 1:-2] & stones[:, 2:-1] & stones[:, 3:]
-    up = stones[:, :-3, :-3] & stones[:, 1:-2, 1:-2] & stones[:, 2:-1, 2:-1] & stones[:, 3:, 3:]
-    down = stones[:, 3:, :-3] & stones[:, 2:-1, 1:-2] & stones[:, 1:-2, 2:-1] & stones[:, :-3, 3:]
-    return h.any(axis=(1, 2)) | v.any(axis=(1, 2)) | up.any(axis=(1, 2)) | down.any(axis=(1, 2))
-
-
 def child_values(s: PositionSet) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Every unfinished position one legal move after a position of ``s``,
     with its exact value: the negated sign of that move's score (the child's
@@ -196,12 +187,7 @@ def child_values(s: PositionSet) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         the game (a four, or a full board) are left out: a search knows those.
     """
     rows, cols = np.nonzero(s.legal)
-    parent = s.boards[rows]
-    height = parent.sum(axis=(1, 2))[np.arange(len(rows)), cols]  # stones in the column: the new stone's row
-    mover = parent[:, 0].copy()
-    mover[np.arange(len(rows)), height, cols] = 1
-    boards = np.stack([parent[:, 1], mover], axis=1)  # the opponent is to move in the child
-    full = boards.sum(axis=(1, 2, 3)) == ROWS * COLS
-    keep = ~(four_in_a_row(mover.astype(bool)) | full)
+    child = connect4.play(connect4.take(connect4.from_observation(s.boards), rows), cols)
+    keep = np.flatnonzero(~connect4.is_terminal(child))
     value = -np.sign(s.move_scores[rows, cols]).astype(np.float32)
-    return np.ascontiguousarray(boards[keep]), value[keep], rows[keep].astype(np.int64)
+    return connect4.observation(connect4.take(child, keep)), value[keep], rows[keep].astype(np.int64)

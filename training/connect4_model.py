@@ -45,8 +45,8 @@ class Connect4Net(nn.Module):
     """Residual CNN: stem conv, ``blocks`` residual blocks, value and policy heads.
 
     ``forward(board)`` takes uint8 (or float) [N, 2, 6, 7] and returns
-    ``(value [N, 1], policy_logits [N, 7])``, both float32; ``outcome_logits``
-    the WDL head's float32 [N, 3] (win, draw, loss) for training."""
+    ``(value [N, 1], policy_logits [N, 7])``, both float32; ``raw_heads`` gives
+    the value head's own output (with ``wdl`` its logits [N, 3]) for training."""
 
     def __init__(self, channels: int = 40, blocks: int = 4, head_channels: int = 4,
                  value_hidden: int = 64, wdl: bool = False):

@@ -82,8 +82,9 @@ def split_sources(sources: dict, seed: int, train_names: tuple = ("uci", "solver
         if name not in train_pons:
             dropped.update(canonical_keys(sources[name].boards))
             held[name] = sources[name]
+    train_key_set = set(train_keys)
     for name in BENCHMARK_PONS:
-        if set(train_keys).intersection(canonical_keys(sources[name].boards)):
+        if train_key_set.intersection(canonical_keys(sources[name].boards)):
             raise SystemExit(f"benchmark set {name} overlaps the training set")
         held[name] = sources[name]
     for s in held.values():  # the positions a search of a held-out one values first

@@ -3,35 +3,14 @@ results proven up the tree, a proven win at the root played at once (the
 CUDA backend's twin is in test_cuda_mcts.py)."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
-import onnxruntime as ort
 import pytest
 from test_cpu_mcts import check_invariants, search, toy_model
 
+from bench.value_search_quality import MODEL, onnx_evaluator  # the bundled network, ONNX Runtime on the CPU
 from search_service.games import connect4 as c4
 from search_service.mcts import tree as tr
 from search_service.mcts.backend import best_action
-
-MODEL = Path(__file__).resolve().parents[2] / "reward_service" / "models" / "connect4_value.onnx"
-
-
-def bundled_value_model():
-    """The bundled value network as a leaf evaluator (ONNX Runtime on the CPU)."""
-    session = ort.InferenceSession(str(MODEL), providers=["CPUExecutionProvider"])
-    names = [o.name for o in session.get_outputs()]
-
-    def evaluate(obs):
-        out = dict(zip(names, session.run(None, {session.get_inputs()[0].name: obs})))
-        logits = out.get("policy_logits")
-        priors = None
-        if logits is not None:
-            z = np.exp(logits - logits.max(axis=1, keepdims=True))
-            priors = (z / z.sum(axis=1, keepdims=True)).astype(np.float32)
-        return out["value"].reshape(-1).astype(np.float32), priors
-
-    return evaluate
 
 
 # "445566": the side to move has three in a row (columns 4-6 of the bottom row)
@@ -42,7 +21,7 @@ def bundled_value_model():
 @pytest.mark.parametrize("simulations", [200, 1000])
 def test_an_immediate_win_is_proven_and_played_at_once(moves, wins, simulations):
     results, trees = search(moves, simulations=simulations, parallel_sims=16, evaluator="value_model",
-                            evaluator_fn=bundled_value_model(), seed=7)
+                            evaluator_fn=onnx_evaluator(MODEL, threads=1), seed=7)
     r = results[0]
     assert r.action in wins and r.proven == tr.PROVEN_WIN
     assert r.simulations < simulations  # stopped once the root was proven

@@ -12,13 +12,14 @@ import numpy as np
 import pytest
 from test_data import has_four, replay
 
+from search_service.games import connect4
+
 from training.connect4_data import (
     BENCHMARK_PONS,
     PONS_DIR,
     TRAIN_PONS,
     canonical_keys,
     child_values,
-    four_in_a_row,
     from_records,
     heldout_mask,
     read_jsonl,
@@ -75,21 +76,7 @@ def test_a_winning_move_gives_no_child():
                        "move_scores": {"1": -3, "2": -3, "3": 18, "4": -3, "5": -3, "6": -3, "7": 18}}])
     boards, _, _ = child_values(s)
     assert len(boards) == 5
-    assert not four_in_a_row(boards[:, 1].astype(bool)).any()
-
-
-def test_four_in_a_row_agrees_with_a_plain_scan():
-    rng = np.random.default_rng(3)
-    for _ in range(300):
-        moves = ""
-        for _ in range(rng.integers(7, 30)):
-            free = [c for c in range(7) if moves.count(str(c + 1)) < 6]
-            moves += str(int(rng.choice(free)) + 1)
-            if has_four(replay(moves)):
-                break
-        b = encode_moves(moves)
-        assert bool(four_in_a_row(b[None, 0].astype(bool)) | four_in_a_row(b[None, 1].astype(bool))) \
-            == has_four(replay(moves)), moves
+    assert not connect4.is_terminal(connect4.from_observation(boards)).any()
 
 
 def test_no_training_position_is_a_move_after_a_held_out_one():
