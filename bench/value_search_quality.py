@@ -21,7 +21,8 @@ set is searched as one batch of trees, one model call per wave.
 ``--models a.onnx,b.onnx`` runs several networks in one run (rows per model;
 compare them as differences of the same positions); ``--simulations`` and
 ``--c-puct`` take lists (a row per value). Row fields: model, model_sha256
-(first 16 hex digits), backend (``cpu_reference``), position_set,
+(first 16 hex digits), backend (``cpu_reference``), provider (ONNX
+Runtime's: ``cpu``, or ``cuda`` with ``--provider cuda``), position_set,
 simulations, parallel_sims, c_puct, positions, optimal_move_rate, misses
 (positions whose move gives the result away), seconds.
 
@@ -47,18 +48,28 @@ VALIDATION = common.REPO_ROOT / "data" / "connect4" / "validation" / "openings_0
 PONS = (*TRAIN_PONS, *BENCHMARK_PONS)  # Test_L1_R1, Test_L1_R2, Test_L2_R1, Test_L3_R1
 
 
-def onnx_evaluator(path: Path, threads: int):
+PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"]}
+
+
+def onnx_evaluator(path: Path, threads: int, provider: str = "cpu"):
     """A leaf evaluator (``search_service.mcts.backend.LeafEvaluator``) running
-    the ONNX file ``path`` in ONNX Runtime's CPU provider on ``threads``
-    threads: values float32 [N] and the policy's softmax as priors float32
-    [N, 7] (``search_service.evaluators.values_and_priors``, as the service)."""
+    the ONNX file ``path`` in ONNX Runtime (``provider`` "cpu" on ``threads``
+    threads, or "cuda": the CUDA execution provider, FP32, for networks too
+    large for a CPU): values float32 [N] and the policy's softmax as priors
+    float32 [N, 7] (``search_service.evaluators.values_and_priors``, as the
+    service).
+
+    Raises:
+        RuntimeError: "cuda" asked for and ONNX Runtime has no CUDA provider."""
     import onnxruntime as ort
 
     from search_service.evaluators import values_and_priors
 
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
-    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(str(path), options, providers=PROVIDERS[provider])
+    if session.get_providers()[0] != PROVIDERS[provider][0]:
+        raise RuntimeError(f"ONNX Runtime {ort.__version__} has no {PROVIDERS[provider][0]} here")
     names = [o.name for o in session.get_outputs()]
     feed = session.get_inputs()[0].name
 
@@ -68,8 +79,8 @@ def onnx_evaluator(path: Path, threads: int):
     return evaluate
 
 
-def quality_row(model: Path, sha256: str, evaluate, set_name: str, recs, simulations: int, parallel_sims: int,
-                c_puct: float) -> dict:
+def quality_row(model: Path, sha256: str, provider: str, evaluate, set_name: str, recs, simulations: int,
+                parallel_sims: int, c_puct: float) -> dict:
     """One row: every position of ``recs`` searched in one batched call
     (``sha256``: the first 16 hex digits of the model file's)."""
     from search_service.mcts.cpu_reference import CpuReferenceBackend
@@ -83,6 +94,7 @@ def quality_row(model: Path, sha256: str, evaluate, set_name: str, recs, simulat
         model=model.name,
         model_sha256=sha256,
         backend=common.CPU_VARIANT,
+        provider=provider,
         position_set=set_name,
         simulations=simulations,
         parallel_sims=parallel_sims,
@@ -113,21 +125,23 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         help="PUCT constants (default: the shipped config's search.c_puct)")
     parser.add_argument("--limit", type=int, default=None, help="first N scored positions per set (quick: 8)")
     parser.add_argument("--threads", type=int, default=2, help="ONNX Runtime threads")
+    parser.add_argument("--provider", choices=sorted(PROVIDERS), default="cpu",
+                        help="where ONNX Runtime runs the network (the search stays the CPU reference)")
     args = parser.parse_args(argv)
     c_pucts = args.c_puct or [load_config(DEFAULT_CONFIG).search.c_puct]
     limit = 8 if args.quick and args.limit is None else args.limit
     sims = [50] if args.quick else args.simulations
     rows = []
     for model in map(Path, args.models.split(",")):
-        evaluate = onnx_evaluator(model, args.threads)
+        evaluate = onnx_evaluator(model, args.threads, args.provider)
         sha256 = hashlib.sha256(model.read_bytes()).hexdigest()[:16]
         for set_name in args.sets.split(","):
             recs = [r for r in load_set(set_name) if r.score >= 0][:limit]
             label = Path(set_name).stem
             for n in sims:
                 for c in c_pucts:
-                    row = common.attempt(f"{model.name} {label} {n} {c}", quality_row, model, sha256, evaluate, label, recs,
-                                         n, args.parallel_sims, c)
+                    row = common.attempt(f"{model.name} {label} {n} {c}", quality_row, model, sha256, args.provider,
+                                         evaluate, label, recs, n, args.parallel_sims, c)
                     if row:
                         common.progress(row)
                         rows.append(row)

@@ -102,7 +102,8 @@ def by_stones(s: PositionSet, ranges: tuple) -> dict:
 # ---------------------------------------------------------------- training
 
 def train_model(train: PositionSet, *, channels: int, blocks: int, epochs: int,
-                batch: int, lr: float, seed: int, repeat=None, wdl: bool = False, log=print):
+                batch: int, lr: float, seed: int, repeat=None, wdl: bool = False,
+                device: str = "cpu", log=print):
     """Train a Connect4Net on ``train``; returns the model in eval mode.
 
     Loss = MSE(value, sign of score) + cross-entropy(policy, uniform over good
@@ -110,7 +111,9 @@ def train_model(train: PositionSet, *, channels: int, blocks: int, epochs: int,
     logits against the solver's outcome (win / draw / loss). Each sample is
     mirrored left-right with probability 1/2.
     ``repeat`` (int [N], optional) is how many times each position is visited
-    per epoch (default once)."""
+    per epoch (default once). ``device`` is a torch device ("cpu", "cuda"): the
+    training set is copied there once (boards uint8, about 84 bytes a
+    position) and the returned model is on the CPU, for export."""
     import torch
     from torch.nn import functional as F
 
@@ -118,25 +121,29 @@ def train_model(train: PositionSet, *, channels: int, blocks: int, epochs: int,
 
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
-    model = Connect4Net(channels=channels, blocks=blocks, wdl=wdl)
+    model = Connect4Net(channels=channels, blocks=blocks, wdl=wdl).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=1e-4)
     base = np.repeat(np.arange(len(train)), 1 if repeat is None else repeat)
     steps = epochs * ((len(base) + batch - 1) // batch)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.15)
 
-    boards, values, policies = train.boards, train.value_target, train.policy_target
-    mirrored_boards, mirrored_policies = mirror(boards), mirror(policies)
+    def on_device(a: np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+
+    boards, values = on_device(train.boards), on_device(train.value_target)
+    policies = on_device(train.policy_target)
+    mirrored_boards, mirrored_policies = on_device(mirror(train.boards)), on_device(mirror(train.policy_target))
     for epoch in range(epochs):
         model.train()
         t0, total, seen = time.perf_counter(), 0.0, 0
         order = rng.permutation(base)
         flips = rng.random(len(order)) < 0.5
         for start in range(0, len(order), batch):
-            idx = order[start:start + batch]
-            flip = flips[start:start + batch][:, None, None, None]
-            x = torch.from_numpy(np.where(flip, mirrored_boards[idx], boards[idx]))
-            p = torch.from_numpy(np.where(flip[:, :, 0, 0], mirrored_policies[idx], policies[idx]))
-            v = torch.from_numpy(values[idx])[:, None]
+            idx = on_device(order[start:start + batch])
+            flip = on_device(flips[start:start + batch])[:, None, None, None]
+            x = torch.where(flip, mirrored_boards[idx], boards[idx])
+            p = torch.where(flip[:, :, 0, 0], mirrored_policies[idx], policies[idx])
+            v = values[idx][:, None]
             pv, logits = model.raw_heads(x)
             if wdl:  # class 0 win, 1 draw, 2 loss
                 value_loss = F.cross_entropy(pv, (1 - v[:, 0]).long())
@@ -147,10 +154,10 @@ def train_model(train: PositionSet, *, channels: int, blocks: int, epochs: int,
             loss.backward()
             opt.step()
             sched.step()
-            total += loss.item() * len(idx)
+            total += loss.detach() * len(idx)  # summed on the device: no sync per step
             seen += len(idx)
-        log(f"epoch {epoch + 1}/{epochs}: loss {total / seen:.4f}, {time.perf_counter() - t0:.0f} s")
-    return model.eval()
+        log(f"epoch {epoch + 1}/{epochs}: loss {float(total) / seen:.4f}, {time.perf_counter() - t0:.0f} s")
+    return model.cpu().eval()
 
 
 # ---------------------------------------------------------------- export
@@ -271,6 +278,11 @@ def write_card(path: Path, *, command: str, params: int, config: dict, args, cou
     value_out = ("linear →3: win/draw/loss logits; value = P(win) − P(loss) of their softmax" if wdl
                  else "linear →1, tanh")
     value_loss = ("cross-entropy(WDL logits, the solver's outcome)" if wdl else "MSE(value)")
+    if args.device == "cpu":
+        trained_on, gpu_caveat = f"on a shared CPU ({torch.get_num_threads()} thread(s))", ""
+    else:
+        trained_on = f"on {torch.cuda.get_device_name()} ({args.device})"
+        gpu_caveat = " (cuDNN's convolutions on a GPU need not be deterministic)"
     value_meaning = "P(win) − P(loss)" if wdl else "tanh"
     previous_line = (f"git show {args.compare_rev}:reward_service/models/connect4_value.onnx > {args.compare}   "
                      "# the previous model, for --compare\n" if args.compare and args.compare_rev else "")
@@ -336,7 +348,7 @@ position once. Augmentation: each sample mirrored left-right with
 probability ½. Loss: {value_loss}
 + cross-entropy(policy). AdamW (weight decay 1e-4), one-cycle learning rate
 (max {args.lr}), batch {args.batch}, {args.epochs} epochs, seed {args.seed};
-{train_s:.0f} s wall time on a shared CPU ({torch.get_num_threads()} thread(s)).
+{train_s:.0f} s wall time {trained_on}.
 
 Held out (never trained on): a seeded 10 % of each training source (chosen per
 position by a keyed hash of the position up to mirroring, seed {args.seed}; so a
@@ -374,7 +386,7 @@ outputs differ by at most {diff:.1e} on 1,024 held-out positions.
 
 Date: {datetime.date.today().isoformat()}. PyTorch {torch.__version__}, ONNX Runtime
 {onnxruntime.__version__}, NumPy {np.__version__}. Seeds are fixed; a bit-identical
-file needs the same library versions and thread count.
+file needs the same library versions and thread count{gpu_caveat}.
 
 ## Limits
 
@@ -410,6 +422,8 @@ def main(argv: list | None = None) -> int:
     parser.add_argument("--compare-rev", default=None,
                         help="the git revision the --compare file comes from (the card's Reproduce shows the git show)")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument("--device", default="cpu",
+                        help='torch device to train on ("cpu", "cuda"); export and evaluation stay on the CPU')
     args = parser.parse_args(argv)
 
     import torch
@@ -439,7 +453,8 @@ def main(argv: list | None = None) -> int:
     t1 = time.perf_counter()
     model = train_model(train, channels=args.channels, blocks=args.blocks, epochs=args.epochs,
                         batch=args.batch, lr=args.lr, seed=args.seed,
-                        repeat=np.where(source == "solver", args.solver_repeat, 1), wdl=args.value_head == "wdl")
+                        repeat=np.where(source == "solver", args.solver_repeat, 1), wdl=args.value_head == "wdl",
+                        device=args.device)
     train_s = time.perf_counter() - t1
 
     sample = np.concatenate([s.boards for s in held.values()])[::7][:1024]

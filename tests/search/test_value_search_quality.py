@@ -18,7 +18,29 @@ def test_quick_run_writes_one_row_per_set(tmp_path):
     assert doc["benchmark"] == "value_search_quality" and doc["rows"] == rows
     assert [r["position_set"] for r in rows] == ["openings_05-14", *vsq.PONS]
     for r in rows:
-        assert r["model"] == "connect4_value.onnx" and len(r["model_sha256"]) == 16
+        assert r["model"] == "connect4_value.onnx" and len(r["model_sha256"]) == 16 and r["provider"] == "cpu"
         assert r["positions"] == 8 and r["simulations"] == 50 and r["parallel_sims"] == 32 and r["c_puct"] == 1.5
         assert r["misses"] == round(r["positions"] * (1 - r["optimal_move_rate"]))
 
+
+
+def test_cuda_provider_refused_where_onnx_runtime_has_none():
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("this ONNX Runtime has the CUDA provider")
+    with pytest.raises(RuntimeError, match="no CUDAExecutionProvider"):
+        vsq.onnx_evaluator(vsq.MODEL, threads=1, provider="cuda")
+
+
+@pytest.mark.gpu
+def test_cuda_provider_plays_the_cpu_providers_moves(tmp_path):
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("this ONNX Runtime has no CUDA provider")
+    cpu = vsq.main(["--quick", "--out", str(tmp_path / "cpu")])
+    cuda = vsq.main(["--quick", "--out", str(tmp_path / "cuda"), "--provider", "cuda"])
+    assert [r["provider"] for r in cuda] == ["cuda"] * len(cpu)
+    # FP32 on both; a close choice may flip with the last digits, so within one position a set
+    assert all(abs(a["misses"] - b["misses"]) <= 1 for a, b in zip(cpu, cuda))
