@@ -52,7 +52,8 @@ def outcome(value: np.ndarray) -> np.ndarray:
 
 
 def test_contract(session):
-    assert MODEL.stat().st_size < 5 * 1024 * 1024
+    # one FP32 file in the repo and the wheel: the 96x8 network's 1.35 M parameters are 5.4 MB
+    assert MODEL.stat().st_size < 8 * 1024 * 1024
     (inp,) = session.get_inputs()
     assert inp.name == "board" and inp.type == "tensor(uint8)"
     assert inp.shape[1:] == [2, 6, 7] and not isinstance(inp.shape[0], int)
