@@ -216,6 +216,9 @@ class SentFrame:
             self._answered.set()
 
 
+CLOSE_TIMEOUT_S = 2.0  # a channel's close takes milliseconds; beyond this it is stuck
+
+
 class FrameClient:
     """An engine's connections to the search and reward services: a frame's
     ``Search`` and ``Evaluate``, sent at once."""
@@ -271,8 +274,13 @@ class FrameClient:
                          lambda: self._reward.Evaluate.future(ev, timeout=timeout_s))
         return frame
 
-    def close(self) -> None:
-        try:
-            self._search_ch.close()
-        finally:  # a Ctrl-C in the first close must not leave the second channel open
-            self._reward_ch.close()
+    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+        """Closes both channels, waiting at most ``timeout_s`` for each: after
+        a Ctrl-C whose KeyboardInterrupt landed inside gRPC's own code, a
+        channel's close can wait for ever (seen under a loaded CPU: `tandem
+        play` held up in grpc's Channel.close until its exit deadline), and a
+        command that is exiting need not wait for it."""
+        for ch in (self._search_ch, self._reward_ch):
+            closing = threading.Thread(target=ch.close, name="channel-close", daemon=True)
+            closing.start()
+            closing.join(timeout_s)

@@ -4,6 +4,7 @@ the process is gone ``deadline_s`` later even if a library thread holds its
 exit up; a second one exits at once."""
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import threading
@@ -17,7 +18,8 @@ _interrupted = threading.Event()
 
 def _exit_later(deadline_s: float) -> None:
     time.sleep(deadline_s)
-    os.write(2, f"tandem: not stopped {deadline_s:.0f} s after Ctrl-C: exiting\n".encode())
+    os.write(2, f"tandem: not stopped {deadline_s:g} s after Ctrl-C: exiting; where each thread was:\n".encode())
+    faulthandler.dump_traceback(file=2, all_threads=True)  # what held the exit up, for the bug report
     os._exit(EXIT_INTERRUPTED)
 
 

@@ -53,3 +53,54 @@ def test_a_frame_whose_answer_was_interrupted_still_ends_its_wait():
     frame = SentFrame(Tick(0, 0, 0.0), expected=1)
     frame._track(Record("search", 0, 0, 0.0, 0.0), _DoneCall)
     assert frame.wait(5.0) and frame.failure() == "INTERRUPTED"
+
+
+def test_a_process_held_up_past_the_exit_deadline_exits_130_and_says_where_it_was():
+    """The exit deadline's last word names the code that held the exit up (a
+    thread dump), so a hang after Ctrl-C can be reported, not only seen."""
+    import subprocess
+    import sys
+    import time
+
+    script = (
+        "import threading, time\n"
+        "from stack import interrupt\n"
+        "interrupt.install(deadline_s=0.5)\n"
+        "def held_up_in_a_library():\n"
+        "    threading.Event().wait()\n"
+        "print('ready', flush=True)\n"
+        "try:\n"
+        "    time.sleep(60)\n"
+        "except KeyboardInterrupt:\n"
+        "    held_up_in_a_library()\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    time.sleep(0.2)  # inside the sleep
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == interrupt.EXIT_INTERRUPTED
+    assert "tandem: not stopped 0.5 s after Ctrl-C: exiting; where each thread was:" in err
+    assert "held_up_in_a_library" in err, err
+
+
+def test_a_channel_whose_close_is_stuck_holds_the_client_s_close_up_only_for_its_bound():
+    """After a Ctrl-C inside gRPC's code a channel's close can wait for ever
+    (seen: `tandem play` in grpc's Channel.close until the exit deadline); the
+    frame client's close gives each channel a bounded wait and still closes
+    the other one."""
+    import time
+
+    from tandem.v1 import reward_pb2
+
+    from stack.frame_loop import FrameClient
+
+    client = FrameClient("127.0.0.1:1", "127.0.0.1:2")  # channels connect lazily: nothing is dialled
+    stuck = threading.Event()
+    client._search_ch.close = stuck.wait  # a close that never returns
+    t = time.monotonic()
+    client.close(timeout_s=0.3)
+    assert time.monotonic() - t < 5.0
+    with pytest.raises(ValueError, match="closed channel"):  # the reward channel was closed all the same
+        client._reward.ModelMetadata(reward_pb2.ModelMetadataRequest(model="m"), timeout=1)
+    stuck.set()
