@@ -50,8 +50,9 @@ Three kinds of row (``kind``):
 Row fields: kind, handoff, simulations, wave, latency_ms_p50, latency_ms_p99,
 kernel_ms, handoff_us_per_wave, model_us_per_wave, queue_us_per_wave,
 compute_us_per_wave, transport_us_per_wave, bookkeeping_us_per_wave, waves, evals_per_s; batch;
-position_set, evaluator, budget_ms, positions, optimal_move_rate,
-simulations_mean; step, from_mark, to_mark, us_p50, us_p90, count.
+position_set, evaluator, budget_ms, positions, optimal_move_rate, missed
+(the missed positions' move strings), simulations_mean; step, from_mark,
+to_mark, us_p50, us_p90, count.
 
 Command (full): ``python3 -m bench.neural_search`` (``--kinds search_quality``: those rows only)
 Smoke test:     ``python3 -m bench.neural_search --quick`` (CPU reference, small sizes)
@@ -185,7 +186,7 @@ def throughput(evaluator, batch: int, repeats: int, device: bool = False) -> dic
 def quality(backend, evaluator, set_name: str, limit: int, name: str, wave: int, budget_ms: float,
             handoff=None) -> dict | None:
     """One ``search_quality`` row: each position of the set its own ``budget_ms`` search."""
-    from bench.search_quality import scored_positions
+    from bench.search_quality import missed, rate, scored_positions
     from search_service.games import connect4
 
     ev = "value_model" if name == "value_model" else "rollout"
@@ -205,9 +206,9 @@ def quality(backend, evaluator, set_name: str, limit: int, name: str, wave: int,
             (r,), _ = backend.search(connect4.take(roots, i), replace(params, seed=i + 1), leaf, **kw)
         actions.append(r.action)
         sims.append(r.simulations)
-    rate = float(np.mean([rec.keeps_result(int(a)) for rec, a in zip(recs, actions)]))
     return dict(kind="search_quality", handoff=handoff.handoff if model is not None else None, position_set=set_name,
-                evaluator=name, budget_ms=budget_ms, wave=wave, positions=len(recs), optimal_move_rate=rate,
+                evaluator=name, budget_ms=budget_ms, wave=wave, positions=len(recs),
+                optimal_move_rate=rate(recs, actions), missed=missed(recs, actions),
                 simulations_mean=float(np.mean(sims)))
 
 

@@ -53,6 +53,13 @@ def rate(recs, actions) -> float:
     return float(np.mean([r.keeps_result(int(a)) for r, a in zip(recs, actions)]))
 
 
+def missed(recs, actions) -> list[str]:
+    """The move strings (1-indexed columns) of the positions whose chosen move
+    (``actions``: 0-indexed columns) gives the result away: which positions a
+    rate's misses are, to compare runs position by position."""
+    return [r.moves for r, a in zip(recs, actions) if not r.keeps_result(int(a))]
+
+
 def equal_simulations(variant: str, set_name: str, recs, roots, sims: int, k: int) -> dict | None:
     """One batched call over the whole set at ``sims`` simulations per tree."""
     params = common.search_params(simulations=sims, parallel_sims=k, evaluator="rollout", max_nodes=sims + 1)

@@ -24,7 +24,8 @@ compare them as differences of the same positions); ``--simulations`` and
 (first 16 hex digits), backend (``cpu_reference``), provider (ONNX
 Runtime's: ``cpu``, or ``cuda`` with ``--provider cuda``), position_set,
 simulations, parallel_sims, c_puct, positions, optimal_move_rate, misses
-(positions whose move gives the result away), seconds.
+(positions whose move gives the result away), missed (their move strings),
+seconds.
 
 Command (results): ``python3 -m bench.value_search_quality``
 Smoke test:        ``python3 -m bench.value_search_quality --quick``
@@ -38,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from bench import common
+from bench.search_quality import missed
 from search_service.mcts.backend import SearchParams
 from training.connect4_data import BENCHMARK_PONS, TRAIN_PONS
 
@@ -102,6 +104,7 @@ def quality_row(model: Path, sha256: str, provider: str, evaluate, set_name: str
         positions=len(recs),
         optimal_move_rate=float(np.mean(kept)),
         misses=int(len(kept) - sum(kept)),
+        missed=missed(recs, [x.action for x in results]),
         seconds=time.perf_counter() - t,
     )
 

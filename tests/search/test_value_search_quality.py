@@ -20,7 +20,7 @@ def test_quick_run_writes_one_row_per_set(tmp_path):
     for r in rows:
         assert r["model"] == "connect4_value.onnx" and len(r["model_sha256"]) == 16 and r["provider"] == "cpu"
         assert r["positions"] == 8 and r["simulations"] == 50 and r["parallel_sims"] == 32 and r["c_puct"] == 1.5
-        assert r["misses"] == round(r["positions"] * (1 - r["optimal_move_rate"]))
+        assert r["misses"] == round(r["positions"] * (1 - r["optimal_move_rate"])) == len(r["missed"])
 
 
 
@@ -44,3 +44,17 @@ def test_cuda_provider_plays_the_cpu_providers_moves(tmp_path):
     assert [r["provider"] for r in cuda] == ["cuda"] * len(cpu)
     # FP32 on both; a close choice may flip with the last digits, so within one position a set
     assert all(abs(a["misses"] - b["misses"]) <= 1 for a, b in zip(cpu, cuda))
+
+
+def test_missed_names_the_positions_whose_move_gives_the_result_away():
+    from bench.search_quality import missed
+    from tandem.positions import load_set
+
+    recs = [r for r in load_set("Test_L1_R1") if r.score > 0][:3]
+    good = [next(c for c in range(7) if r.keeps_result(c)) for r in recs]
+    bad = [next((c for c in range(7) if not r.keeps_result(c)), None) for r in recs]
+    assert missed(recs, good) == []
+    i = next(i for i, c in enumerate(bad) if c is not None)
+    actions = list(good)
+    actions[i] = bad[i]
+    assert missed(recs, actions) == [recs[i].moves]
