@@ -88,6 +88,14 @@ def int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected a comma list of integers, got {text!r}") from None
 
 
+def float_list(text: str) -> list[float]:
+    """``"1,1.5"`` -> ``[1.0, 1.5]`` (for argparse ``type=``)."""
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of numbers, got {text!r}") from None
+
+
 def powers_of_two(lo: int, hi: int) -> list[int]:
     """``lo, 2 lo, 4 lo, ..., hi`` (lo and hi powers of two)."""
     out, v = [], lo

@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from bench import common
-from bench.search_quality import missed
+from bench.search_quality import missed, rate
 from search_service.mcts.backend import SearchParams
 from training.connect4_data import BENCHMARK_PONS, TRAIN_PONS
 
@@ -91,7 +91,8 @@ def quality_row(model: Path, sha256: str, provider: str, evaluate, set_name: str
                           evaluator="value_model", c_puct=c_puct, max_nodes=simulations + 1)
     t = time.perf_counter()
     results, _ = CpuReferenceBackend().search(common.positions([r.moves for r in recs]), params, evaluate)
-    kept = [r.keeps_result(int(x.action)) for r, x in zip(recs, results)]
+    actions = [x.action for x in results]
+    lost = missed(recs, actions)
     return dict(
         model=model.name,
         model_sha256=sha256,
@@ -102,16 +103,11 @@ def quality_row(model: Path, sha256: str, provider: str, evaluate, set_name: str
         parallel_sims=parallel_sims,
         c_puct=c_puct,
         positions=len(recs),
-        optimal_move_rate=float(np.mean(kept)),
-        misses=int(len(kept) - sum(kept)),
-        missed=missed(recs, [x.action for x in results]),
+        optimal_move_rate=rate(recs, actions),
+        misses=len(lost),
+        missed=lost,
         seconds=time.perf_counter() - t,
     )
-
-
-def float_list(text: str) -> list[float]:
-    """'1,1.5' -> [1.0, 1.5] (argparse type)."""
-    return [float(x) for x in text.split(",")]
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -124,7 +120,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         help="comma list of labelled sets: bundled Pons names or JSONL paths")
     parser.add_argument("--simulations", type=common.int_list, default=[600], help="simulations per position")
     parser.add_argument("--parallel-sims", type=int, default=32, help="simulations per wave (the served 32)")
-    parser.add_argument("--c-puct", type=float_list, default=None,
+    parser.add_argument("--c-puct", type=common.float_list, default=None,
                         help="PUCT constants (default: the shipped config's search.c_puct)")
     parser.add_argument("--limit", type=int, default=None, help="first N scored positions per set (quick: 8)")
     parser.add_argument("--threads", type=int, default=2, help="ONNX Runtime threads")

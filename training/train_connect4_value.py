@@ -136,11 +136,11 @@ def train_model(train: PositionSet, *, channels: int, blocks: int, epochs: int,
     for epoch in range(epochs):
         model.train()
         t0, total, seen = time.perf_counter(), 0.0, 0
-        order = rng.permutation(base)
-        flips = rng.random(len(order)) < 0.5
+        order = on_device(rng.permutation(base))  # one copy an epoch, sliced per step
+        flips = on_device(rng.random(len(order)) < 0.5)
         for start in range(0, len(order), batch):
-            idx = on_device(order[start:start + batch])
-            flip = on_device(flips[start:start + batch])[:, None, None, None]
+            idx = order[start:start + batch]
+            flip = flips[start:start + batch][:, None, None, None]
             x = torch.where(flip, mirrored_boards[idx], boards[idx])
             p = torch.where(flip[:, :, 0, 0], mirrored_policies[idx], policies[idx])
             v = values[idx][:, None]
