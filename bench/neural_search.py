@@ -12,7 +12,11 @@ work, tandem/cuda_events.py); ``ipc_synchronised``, device waves over a
 channel without events (each side synchronises its stream before its
 message: the way before events); ``ipc_host``, the same channel with
 the leaves and answers on the host (system regions, or a GPU search without
-device waves); and ``grpc``, one ``Evaluate`` per wave.
+device waves); ``grpc``, one ``Evaluate`` per wave; and ``in_process`` /
+``in_process_host``, co-located mode's hand-off (tandem/in_process.py): a
+second reward service started in this process, its critical lane reached
+with no socket (device waves on a GPU, whose stream waits for the model on
+the GPU; host waves).
 
 Three kinds of row (``kind``):
 
@@ -105,12 +109,15 @@ def _device_waves(evaluator, rows: int):
 def _row_handoff(evaluator, device: bool) -> str:
     """A row's ``handoff``: ``ipc`` (device waves), ``ipc_synchronised``
     (device waves, a channel without events), ``ipc_host`` (the leaf channel
-    through the host) or the evaluator's own (``grpc``)."""
-    if evaluator.handoff != "ipc":
-        return evaluator.handoff
+    through the host), ``in_process`` / ``in_process_host`` (a reward service
+    in this process, device or host waves) or ``grpc``."""
+    if evaluator.handoff == "grpc":
+        return "grpc"
     if not device:
-        return "ipc_host"
-    return "ipc" if evaluator.channel.ordered else "ipc_synchronised"
+        return f"{evaluator.handoff}_host"
+    if evaluator.handoff == "ipc" and not evaluator.channel.ordered:
+        return "ipc_synchronised"
+    return evaluator.handoff
 
 
 def latency(backend, evaluator, wave: int, simulations: int, repeats: int, device: bool = False) -> dict | None:
@@ -224,9 +231,11 @@ def _serve_reward(cfg, ready, stop) -> None:
     timeline.dump()  # with --timeline: its marks, for the parent to read
 
 
-def timeline_rows(wave: int, search_marks: list, service_marks: list, searches: int) -> list[dict]:
+def timeline_rows(wave: int, search_marks: list, service_marks: list, searches: int,
+                  handoff: str = "ipc") -> list[dict]:
     """The ``timeline`` rows of one latency row: its searches' marks (this
-    process) with the reward service's marks of the same span, in time order."""
+    process; in-process, the reward service's too) with the reward service's
+    marks of the same span (its own process's), in time order."""
     if not search_marks:
         return []
     lo, hi = search_marks[0][0], search_marks[-1][0]
@@ -242,9 +251,19 @@ def timeline_rows(wave: int, search_marks: list, service_marks: list, searches: 
         if len(us) < searches:
             continue
         p50, p90 = np.percentile(us, [50, 90])
-        rows.append(dict(kind="timeline", handoff="ipc", wave=wave, step="total" if len(key) == 3 else "consecutive",
+        rows.append(dict(kind="timeline", handoff=handoff, wave=wave, step="total" if len(key) == 3 else "consecutive",
                          from_mark=key[0], to_mark=key[1], us_p50=float(p50), us_p90=float(p90), count=len(us)))
     return rows
+
+
+def _in_process(cfg, device: bool):
+    """An evaluator over a port of the reward service started in this
+    process (handoff ``in_process``), as co-located mode's search gets one."""
+    from search_service.evaluators import HANDOFF_IN_PROCESS, LeafChannelEvaluator
+    from tandem import in_process
+
+    port = in_process.find(cfg.reward.address).port("connect4_value", 4096, device=device)
+    return LeafChannelEvaluator(port, timeout_s=30, handoff=HANDOFF_IN_PROCESS)
 
 
 def _leaf_channel(stub, events: bool = True):
@@ -275,6 +294,9 @@ def main() -> None:
     parser.add_argument("--value-sims-per-warp", type=common.int_list, default=[1],
                         help="comma list: simulations per warp (CUDA) of the latency rows and the value model's "
                              "quality rows (default 1)")
+    parser.add_argument("--serving", choices=("ipc", "in_process"), default="ipc",
+                        help="the quality rows' hand-off: the leaf channel to the reward service's own process "
+                             "(two processes, as tandem up runs them), or in-process (co-located mode)")
     parser.add_argument("--value-waves", type=common.int_list, default=None,
                         help="comma list: leaves per wave of the value model's quality rows "
                              "(default: the config's search.value_model_parallel_sims)")
@@ -303,7 +325,14 @@ def main() -> None:
     service.start()
     if not ready.wait(300):
         raise SystemExit("the reward service did not start in 300 s")
-    rows, marked = [], []  # marked: (wave, G, this process's marks, searches) of the ipc latency rows
+    # A second reward service, in this process, for the in_process rows (co-located mode's hand-off).
+    from reward_service import server as reward_server
+    from tandem import in_process
+
+    local_cfg = replace(cfg, reward=replace(cfg.reward, address=_free_address()))
+    local = reward_server.start(local_cfg, follow_scheduler=False)
+    in_process.offer(local_cfg.reward.address, local.servicer.in_process)
+    rows, marked = [], []  # marked: (wave, G, this process's marks, searches, handoff) of the timed latency rows
     try:
         with channel(cfg.reward.address, cfg) as ch:
             stub = reward_pb2_grpc.RewardServiceStub(ch)
@@ -313,6 +342,9 @@ def main() -> None:
             synchronised = _leaf_channel(stub, events=False) if ipc.channel.ordered else None
             if synchronised is not None:  # device waves without events, in the same run
                 ways.insert(1, (synchronised, True))
+            ways.append((_in_process(local_cfg, device=False), False))
+            if local.servicer.in_process.sessions["connect4_value"].orders_by_events:  # a GPU: device ports
+                ways.insert(0, (_in_process(local_cfg, device=True), True))
             profiler = cProfile.Profile() if args.profile else None
             value_backends = {g: backend if g == 1 else common.make_backend(variant, g)
                               for g in args.value_sims_per_warp}
@@ -326,8 +358,8 @@ def main() -> None:
                                          2 if args.quick else args.repeats, device)
                     if profiler:
                         profiler.disable()
-                    if row and args.timeline and row["handoff"] == "ipc":
-                        marked.append((wave, g, timeline.take(), row["repeats"]))
+                    if row and args.timeline and row["handoff"] in ("ipc", "in_process"):
+                        marked.append((wave, g, timeline.take(), row["repeats"], row["handoff"]))
                     if row:
                         row["sims_per_warp"] = g
                         common.progress(row)
@@ -347,7 +379,10 @@ def main() -> None:
             ipc.channel.close()
             if synchronised is not None:
                 synchronised.channel.close()
-            handoff = HandoffEvaluator(ch, "connect4_value", "ipc")
+            if args.serving == "in_process":  # co-located mode's serving path
+                handoff = HandoffEvaluator(ch, "connect4_value", "auto", address=local_cfg.reward.address)
+            else:
+                handoff = HandoffEvaluator(ch, "connect4_value", "ipc")
             common.note(f"serving path: leaf channel attached: {handoff.wait_attached(10.0)}, device channels: "
                         f"{handoff.wait_device_channels(10.0)}")
             serving = CoalescingEvaluator(handoff)
@@ -370,13 +405,15 @@ def main() -> None:
                 serving.close()
                 handoff.close()
     finally:
+        local.stop()
         stop.set()
         service.join(30)
     if args.timeline:
         service_marks = [m for path in glob.glob(os.path.join(timeline.FOLDER, "timeline-*.json"))
                          for m in timeline.load(path)]
-        for wave, g, marks, searches in marked:
-            rows += [dict(r, sims_per_warp=g) for r in timeline_rows(wave, marks, service_marks, searches)]
+        for wave, g, marks, searches, how in marked:  # in_process: both services' marks are this process's
+            rows += [dict(r, sims_per_warp=g) for r in timeline_rows(wave, marks, service_marks if how == "ipc" else [],
+                                                                     searches, how)]
     common.finish(BENCHMARK, rows, args.out, COLUMNS)
 
 

@@ -13,6 +13,7 @@
 #   FRAMES=600 VALUE_FRAMES=600 bash bench/run_stack_gpu.sh
 #   BENCH="first_request mcts_latency" bash bench/run_stack_gpu.sh   # then these benchmarks (GPU rows)
 #   KILL_REWARD=1 ...   # then kill -9 the reward server, check the restart, play 120 value-model frames
+#   CO_LOCATED=1 ...    # co-located mode (co_located: true): one process, the leaves handed over in-process
 #   (pass TANDEM_COMMIT=<commit>: the device copy's .git may be older than its work tree)
 #
 # Writes into $OUT (else runs/stack_gpu): pytest_gpu.log, play_rollout.json,
@@ -34,13 +35,19 @@ if [ -n "$TESTS" ]; then
   echo "tests done at $(( $(date +%s) - t0 )) s"
 fi
 
-$TANDEM up --log-dir "$LOGS" > "$LOGS/up.log" 2>&1 &
+CONFIG_ARG=()
+if [ -n "${CO_LOCATED:-}" ]; then  # the bundled config with co_located: true
+  python3 -c "import yaml; d = yaml.safe_load(open('deploy/config/tandem.yaml')); d['co_located'] = True; \
+yaml.safe_dump(d, open('$LOGS/co_located.yaml', 'w'))"
+  CONFIG_ARG=(--config "$LOGS/co_located.yaml")
+fi
+$TANDEM up "${CONFIG_ARG[@]}" --log-dir "$LOGS" > "$LOGS/up.log" 2>&1 &
 UP=$!
 for _ in $(seq 120); do $TANDEM health 127.0.0.1:50052 >/dev/null 2>&1 && break; sleep 1; done
 $TANDEM status > "$OUTDIR/status.txt" 2>&1; head -20 "$OUTDIR/status.txt"
-$TANDEM play --frames "${FRAMES:-600}" --report "$OUTDIR/play_rollout.json" > "$OUTDIR/play_rollout.txt" 2>&1
-$TANDEM play --evaluator value_model --frames 120 --report "$OUTDIR/play_value_warm.json" > /dev/null 2>&1
-$TANDEM play --evaluator value_model --frames "${VALUE_FRAMES:-240}" --report "$OUTDIR/play_value_model.json" \
+$TANDEM play "${CONFIG_ARG[@]}" --frames "${FRAMES:-600}" --report "$OUTDIR/play_rollout.json" > "$OUTDIR/play_rollout.txt" 2>&1
+$TANDEM play "${CONFIG_ARG[@]}" --evaluator value_model --frames 120 --report "$OUTDIR/play_value_warm.json" > /dev/null 2>&1
+$TANDEM play "${CONFIG_ARG[@]}" --evaluator value_model --frames "${VALUE_FRAMES:-240}" --report "$OUTDIR/play_value_model.json" \
   > "$OUTDIR/play_value_model.txt" 2>&1
 if [ -n "${KILL_REWARD:-}" ]; then  # supervision on the GPU: kill -9 the reward server, tandem up restarts it
   pkill -9 -f "stack serve reward" && echo "reward server killed"

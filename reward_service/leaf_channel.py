@@ -87,7 +87,7 @@ CRITICAL = reward_pb2.REQUEST_CLASS_CRITICAL
 CRITICAL_LANE = LANES[CRITICAL]  # a wave's lane in the per-model metrics
 
 
-class _Bad(Exception):
+class BadRequest(Exception):
     """A message answered with ``code`` and ``message``; the connection goes on."""
 
     def __init__(self, code: grpc.StatusCode, message: str):
@@ -173,6 +173,30 @@ def _try_send(sock: socket.socket, message: bytes) -> bool:
         return False  # the client's buffer is full: its connection's thread waits instead
     except OSError:
         return True  # the client is gone: nobody to answer (its thread ends at the next recv)
+
+
+def model_signature(session: ModelSession):
+    """The model's one input spec and row, and its outputs with their rows: what
+    a wave of leaves needs of a model (the leaf channel's check, and the
+    in-process waves', reward_service/in_process.py).
+
+    Raises:
+        BadRequest: FAILED_PRECONDITION: not one input, an output not float32, or a dynamic row.
+    """
+    if len(session.inputs) != 1:
+        raise BadRequest(grpc.StatusCode.FAILED_PRECONDITION,
+                         f"model {session.name!r}: {len(session.inputs)} inputs; the leaf channel carries one")
+    spec = session.inputs[0]
+    rows = [(spec, tuple(spec.shape[1:]))] + [(o, tuple(o.shape[1:])) for o in session.outputs]
+    for s, row in rows:
+        if any(d < 0 for d in row):
+            raise BadRequest(grpc.StatusCode.FAILED_PRECONDITION,
+                             f"model {session.name!r}: {s.name} has a dynamic row shape {list(row)}")
+    for o in session.outputs:
+        if o.dtype != reward_pb2.DATA_TYPE_FLOAT32:
+            raise BadRequest(grpc.StatusCode.FAILED_PRECONDITION,
+                             f"model {session.name!r}: output {o.name} is {tensors.dtype_name(o.dtype)}, not float32")
+    return spec, rows[0][1], rows[1:]
 
 
 class LeafChannelServer:
@@ -317,7 +341,7 @@ class LeafChannelServer:
     def _attach_message(self, conn: socket.socket, message: bytes) -> _Attachment | None:
         try:
             attachment = self._attach(message[1:])
-        except (_Bad, SharedMemoryError) as exc:
+        except (BadRequest, SharedMemoryError) as exc:
             self._send(conn, pack_error(0, exc.code, str(exc)))
             return None
         except Exception as exc:  # a bug: answered, and the connection goes on (an uncaught one would end it)
@@ -335,7 +359,7 @@ class LeafChannelServer:
         """Checks an attach request and pins its regions to the connection.
 
         Raises:
-            _Bad: INVALID_ARGUMENT (malformed; max_rows out of range -- over
+            BadRequest: INVALID_ARGUMENT (malformed; max_rows out of range -- over
                 reward.leaf_channel.max_rows or the model's max_batch_size; a region
                 too small or of the wrong kind; one region named as both),
                 NOT_FOUND (no such model), FAILED_PRECONDITION (a model whose
@@ -350,20 +374,20 @@ class LeafChannelServer:
             client_id, model, max_rows = str(req["client_id"]), str(req["model"]), req["max_rows"]
             input_region, output_region = str(req["input_region"]), str(req["output_region"])
         except (ValueError, KeyError, TypeError, RecursionError) as exc:  # RecursionError: nested too deep
-            raise _Bad(grpc.StatusCode.INVALID_ARGUMENT, f"attach: malformed ({type(exc).__name__}: {exc})") from None
+            raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, f"attach: malformed ({type(exc).__name__}: {exc})") from None
         if input_region == output_region:  # one buffer for both would have outputs overwrite the next wave's inputs
-            raise _Bad(grpc.StatusCode.INVALID_ARGUMENT, f"input_region and output_region: both {quote(input_region)}; "
-                       "the channel needs two regions")
+            raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, f"input_region and output_region: both {quote(input_region)}; "
+                             "the channel needs two regions")
         session = self.sessions.get(model)
         if session is None:
-            raise _Bad(grpc.StatusCode.NOT_FOUND, f"model: no model named {quote(model)} (models: {sorted(self.sessions)})")
+            raise BadRequest(grpc.StatusCode.NOT_FOUND, f"model: no model named {quote(model)} (models: {sorted(self.sessions)})")
         # A wave is refused above the model's max_batch_size, as an Evaluate of as many rows is.
         limit = min(self.cfg.max_rows, session.max_batch_size)
         if not isinstance(max_rows, int) or isinstance(max_rows, bool) or not 1 <= max_rows <= limit:
-            raise _Bad(grpc.StatusCode.INVALID_ARGUMENT,
-                       f"max_rows: {quote(str(max_rows))}, must be 1..{limit} (reward.leaf_channel.max_rows "
+            raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT,
+                             f"max_rows: {quote(str(max_rows))}, must be 1..{limit} (reward.leaf_channel.max_rows "
                        f"{self.cfg.max_rows}, model {quote(model)}'s max_batch_size {session.max_batch_size})")
-        spec, input_row, outputs = self._signature(session)
+        spec, input_row, outputs = model_signature(session)
         dtype = tensors.numpy_dtype(spec.dtype)
         slots, out_bytes = output_layout([(o.name, row) for o, row in outputs], max_rows)
         in_bytes = max_rows * math.prod(input_row) * dtype.itemsize
@@ -376,8 +400,8 @@ class LeafChannelServer:
             with self._lock:
                 taken = {input_region, output_region} & self._attached
                 if taken:
-                    raise _Bad(grpc.StatusCode.ALREADY_EXISTS,
-                               f"region {quote(min(taken))}: attached to another leaf channel")
+                    raise BadRequest(grpc.StatusCode.ALREADY_EXISTS,
+                                     f"region {quote(min(taken))}: attached to another leaf channel")
                 self._attached |= {input_region, output_region}
         except BaseException:
             if events is not None:
@@ -395,7 +419,7 @@ class LeafChannelServer:
         order by events; else None (the channel synchronises as before).
 
         Raises:
-            _Bad: INVALID_ARGUMENT: not a string of hex, or not a handle's size
+            BadRequest: INVALID_ARGUMENT: not a string of hex, or not a handle's size
                 (a handle the driver cannot open is not ordered by: None).
         """
         if ready_hex is None:
@@ -403,10 +427,10 @@ class LeafChannelServer:
         try:
             handle = bytes.fromhex(ready_hex)
         except (ValueError, TypeError) as exc:
-            raise _Bad(grpc.StatusCode.INVALID_ARGUMENT, f"attach: ready_event: not hex ({exc})") from None
+            raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, f"attach: ready_event: not hex ({exc})") from None
         if len(handle) != IPC_EVENT_HANDLE_BYTES:
-            raise _Bad(grpc.StatusCode.INVALID_ARGUMENT, f"attach: ready_event: {len(handle)} bytes; "
-                       f"a cudaIpcEventHandle_t has {IPC_EVENT_HANDLE_BYTES}")
+            raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, f"attach: ready_event: {len(handle)} bytes; "
+                             f"a cudaIpcEventHandle_t has {IPC_EVENT_HANDLE_BYTES}")
         if not session.orders_by_events:  # a CPU run, or no bound runner: synchronised
             return None
         try:
@@ -427,40 +451,18 @@ class LeafChannelServer:
         region and register another under its name. Returns the output region's kind.
 
         Raises:
-            _Bad: INVALID_ARGUMENT (a region too small or of the wrong kind).
+            BadRequest: INVALID_ARGUMENT (a region too small or of the wrong kind).
         """
         sizes = lease.describe()
         for name, need in ((a.input_region, a.input_bytes), (a.output_region, a.output_bytes)):
             kind, size = sizes[name]
             if kind not in REGION_KINDS:
-                raise _Bad(grpc.StatusCode.INVALID_ARGUMENT, f"region {quote(name)}: a {kind} region; "
-                           f"this one must be {' or '.join(REGION_KINDS)}")
+                raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, f"region {quote(name)}: a {kind} region; "
+                                 f"this one must be {' or '.join(REGION_KINDS)}")
             if size < need:
-                raise _Bad(grpc.StatusCode.INVALID_ARGUMENT, f"region {quote(name)}: {size} bytes, but {a.max_rows} rows "
-                           f"of model {a.session.name!r} need {need}")
+                raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, f"region {quote(name)}: {size} bytes, but {a.max_rows} rows "
+                                 f"of model {a.session.name!r} need {need}")
         return sizes[a.output_region][0]
-
-    @staticmethod
-    def _signature(session: ModelSession):
-        """The model's one input spec and row, and its outputs with their rows.
-
-        Raises:
-            _Bad: FAILED_PRECONDITION: not one input, an output not float32, or a dynamic row.
-        """
-        if len(session.inputs) != 1:
-            raise _Bad(grpc.StatusCode.FAILED_PRECONDITION,
-                       f"model {session.name!r}: {len(session.inputs)} inputs; the leaf channel carries one")
-        spec = session.inputs[0]
-        rows = [(spec, tuple(spec.shape[1:]))] + [(o, tuple(o.shape[1:])) for o in session.outputs]
-        for s, row in rows:
-            if any(d < 0 for d in row):
-                raise _Bad(grpc.StatusCode.FAILED_PRECONDITION,
-                           f"model {session.name!r}: {s.name} has a dynamic row shape {list(row)}")
-        for o in session.outputs:
-            if o.dtype != reward_pb2.DATA_TYPE_FLOAT32:
-                raise _Bad(grpc.StatusCode.FAILED_PRECONDITION,
-                           f"model {session.name!r}: output {o.name} is {tensors.dtype_name(o.dtype)}, not float32")
-        return spec, rows[0][1], rows[1:]
 
     def _renew(self, a: _Attachment) -> None:
         try:
@@ -491,18 +493,18 @@ class LeafChannelServer:
         seq, rows, done, reason = 0, 0, None, None
         try:
             if len(message) != 1 + WAVE_FORMAT.size:
-                raise _Bad(grpc.StatusCode.INVALID_ARGUMENT,
-                           f"wave: {len(message)} bytes, expected {1 + WAVE_FORMAT.size}")
+                raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT,
+                                 f"wave: {len(message)} bytes, expected {1 + WAVE_FORMAT.size}")
             seq, rows, timeout_us = WAVE_FORMAT.unpack_from(message, 1)
             if not 1 <= rows <= a.max_rows:
-                raise _Bad(grpc.StatusCode.INVALID_ARGUMENT, f"wave: rows {rows} out of range 1..{a.max_rows} "
-                           "(the attached regions' size)")
+                raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, f"wave: rows {rows} out of range 1..{a.max_rows} "
+                                 "(the attached regions' size)")
             deadline = time.monotonic() + timeout_us / 1e6 if timeout_us > 0 else None
             # The worker's send never blocks (a client not reading its replies must not hold
             # the lane): refused, this thread sends instead.
             answer = None if nonblocking is None else (lambda req, seq=seq: _try_send(nonblocking, _reply(seq, req)))
             done = self._run_wave(a, rows, deadline, answer)
-        except _Bad as exc:
+        except BadRequest as exc:
             reason, reply = "invalid_input", pack_error(seq, exc.code, str(exc))
         except SharedMemoryError as exc:
             reason, reply = "shared_memory", pack_error(seq, exc.code, str(exc))
@@ -538,7 +540,7 @@ class LeafChannelServer:
             Refusal: as reward_service.refusal.run; INTERNAL for an output
                 whose shape is not the one attached.
             SharedMemoryError: a region unregistered meanwhile.
-            _Bad: INVALID_ARGUMENT: a region registered again under its name,
+            BadRequest: INVALID_ARGUMENT: a region registered again under its name,
                 too small or of the wrong kind.
         """
         with self.regions.acquire(a.client_id, [a.input_region, a.output_region]) as lease:

@@ -18,10 +18,12 @@ from tandem.v1 import reward_pb2, reward_pb2_grpc, scheduler_pb2
 from reward_service import leaf_channel, oip, refusal
 from reward_service.admission import ByteBudget, OverBudget
 from reward_service.batcher import LANES, Batcher
+from reward_service.in_process import InProcessServer
 from reward_service.model_metrics import ModelMetrics
 from reward_service.refusal import Refusal
 from reward_service.session import InputError, ModelSession, runners_per_model
 from reward_service.shared_memory import Lease, RegionStatus, RegionTable, SharedMemoryError
+from tandem import in_process as tandem_in_process
 from tandem import tensors
 from tandem.config import SharedMemoryConfig, TandemConfig
 from tandem.errors import quote
@@ -94,6 +96,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         self.assigned_stream_priority = 0  # the scheduler's last assignment (one int write; read anywhere)
         self.closed = False  # set by close (one bool write; read anywhere)
         self.leaf_channel: leaf_channel.LeafChannelServer | None = None  # set once by start(), before serving
+        self.in_process: InProcessServer | None = None  # likewise: waves of a search in this process
 
     def _session(self, name: str, context) -> ModelSession:
         session = self.sessions.get(name)
@@ -278,6 +281,9 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
 
     def close(self) -> None:
         self.closed = True
+        if self.in_process is not None:
+            tandem_in_process.withdraw(self.in_process)
+            self.in_process.close()
         if self.leaf_channel is not None:
             self.leaf_channel.close()
         for b in self.batchers.values():
@@ -451,6 +457,8 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True, bulk_server: bool = 
             log.warning("reward service: leaf channel on %s", servicer.leaf_channel.path)
         except OSError as exc:  # searches then send their leaves over gRPC
             log.warning("reward service: no leaf channel (%s); searches use gRPC", exc)
+    if not bulk_server:  # co-located mode offers it to its search service (stack/colocated.py)
+        servicer.in_process = InProcessServer(sessions, servicer.batchers, metrics, cfg.reward.leaf_channel.max_rows)
     held = sorted({p for s in sessions.values() for p in s.stream_priorities}, reverse=True) or [0]
 
     def register(server):

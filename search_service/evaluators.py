@@ -9,7 +9,10 @@ hand-offs:
   (tandem/leaf_channel.py): shared-memory regions and one Unix-socket message
   each way, for a reward service on this host;
 * :class:`RewardServiceEvaluator` (``grpc``): one ``Evaluate`` call per wave,
-  for any reward service.
+  for any reward service;
+* ``in_process``: a reward service in this very process (co-located mode):
+  a :class:`LeafChannelEvaluator` over its in-process port
+  (tandem/in_process.py), straight into its critical lane.
 
 :class:`HandoffEvaluator` picks between them (``search.handoff``) and says which
 it used. If the reward service fails, is unreachable or cannot answer by the
@@ -31,7 +34,8 @@ from tandem.v1 import reward_pb2, reward_pb2_grpc
 
 from search_service.games.connect4 import COLUMNS, NUM_ACTIONS, ROWS
 from search_service.mcts.backend import EvaluationFailed
-from tandem import tensors
+from tandem import in_process, tensors
+from tandem.in_process import HANDOFF_IN_PROCESS
 from tandem.leaf_channel import LeafChannel, LeafChannelError
 
 log = logging.getLogger(__name__)
@@ -146,18 +150,19 @@ def values_and_priors(outputs: dict[str, np.ndarray]) -> tuple[np.ndarray, np.nd
 
 
 class LeafChannelEvaluator:
-    """The value model through the leaf channel (tandem/leaf_channel.py).
+    """The value model through the leaf channel (tandem/leaf_channel.py), or
+    through the in-process port of a reward service in this process.
 
     Args:
-        channel: an attached :class:`tandem.leaf_channel.LeafChannel`.
+        channel: an attached :class:`tandem.leaf_channel.LeafChannel`, or an
+            in-process port (tandem/in_process.py), which answers to the same calls.
         timeout_s: per-call deadline (s), as RewardServiceEvaluator's: a wave
             waits at most this long even with no or a later ``deadline``.
+        handoff: the hand-off's name (``ipc`` or ``in_process``).
     """
 
-    handoff = HANDOFF_IPC
-
-    def __init__(self, channel: LeafChannel, timeout_s: float = 2.0):
-        self.channel, self.timeout_s = channel, timeout_s
+    def __init__(self, channel: LeafChannel, timeout_s: float = 2.0, handoff: str = HANDOFF_IPC):
+        self.channel, self.timeout_s, self.handoff = channel, timeout_s, handoff
         self.totals = CallTotals()
 
     def __call__(self, observations: np.ndarray, deadline: float | None = None) -> tuple[np.ndarray, np.ndarray | None]:
@@ -182,14 +187,17 @@ class LeafChannelEvaluator:
         try:
             outputs = send(inputs, cap if deadline is None else min(deadline, cap))
         except LeafChannelError as exc:
-            raise EvaluatorUnavailable(f"reward service (leaf channel): {exc}") from None
+            via = "leaf channel" if self.handoff == HANDOFF_IPC else "in process"
+            raise EvaluatorUnavailable(f"reward service ({via}): {exc}") from None
         self.totals.add(rows, start, self.channel.queue_ms, self.channel.compute_ms)
         return outputs
 
 
 class DeviceWaves:
-    """A leaf channel whose two regions are CUDA memory, lent to one search
-    call: the CUDA backend's device path (``CudaBackend.search(device_waves=)``).
+    """A leaf channel whose two regions are CUDA memory, or a device port of
+    a reward service in this process, lent to one search call: the CUDA
+    backend's device path (``CudaBackend.search(device_waves=)``).
+    :attr:`handoff` says which (``ipc`` or ``in_process``).
     Its calls end by ``deadline`` (``time.monotonic()`` s, or None), and at
     most ``timeout_s`` after they start, as :class:`LeafChannelEvaluator`'s.
 
@@ -199,10 +207,9 @@ class DeviceWaves:
         max_rows: the most rows one wave may carry.
     """
 
-    handoff = HANDOFF_IPC
-
     def __init__(self, evaluator: LeafChannelEvaluator, deadline: float | None):
         self._ev, self.deadline = evaluator, deadline
+        self.handoff = evaluator.handoff  # ipc or in_process
         self.max_rows = evaluator.channel.max_rows
         self.inputs = evaluator.channel.device_inputs
 
@@ -252,7 +259,11 @@ class HandoffEvaluator:
     """The value model by the leaf channel where it can be reached, else by gRPC.
 
     ``mode`` (``search.handoff``): ``"grpc"`` always calls ``Evaluate``;
-    ``"auto"`` and ``"ipc"`` attach a leaf channel in the background as soon as
+    ``"auto"``, where the reward service at ``address`` runs in this very
+    process (co-located mode: tandem/in_process.py), hands the waves to it
+    in-process (host waves, and device waves through device ports lent as
+    below: ``handoff`` ``in_process``); else ``"auto"`` and ``"ipc"`` attach a
+    leaf channel in the background as soon as
     the reward service offers one (``ModelMetadata.runtime["leaf_channel"]``)
     and this process can connect to it, and use gRPC until then, or for waves
     larger than the channel carries. A channel whose connection breaks (the
@@ -281,8 +292,9 @@ class HandoffEvaluator:
     """
 
     def __init__(self, channel: grpc.Channel, model: str, mode: str = "auto", timeout_s: float = 2.0,
-                 max_rows: int = 4096, retry_s: float = 1.0, device_channels: int = 4):
+                 max_rows: int = 4096, retry_s: float = 1.0, device_channels: int = 4, address: str = ""):
         self.grpc = RewardServiceEvaluator(channel, model, timeout_s)
+        self.address = address  # the reward service's: an in-process one is found by it
         self._stub, self.model, self.mode = reward_pb2_grpc.RewardServiceStub(channel), model, mode
         self.max_rows, self.retry_s, self.timeout_s = max_rows, retry_s, timeout_s
         self._lock = threading.Lock()
@@ -312,14 +324,14 @@ class HandoffEvaluator:
         if ipc is None or len(observations) > self.max_rows:
             self.handoff = HANDOFF_GRPC
             return self.grpc(observations, deadline)
-        self.handoff = HANDOFF_IPC
+        self.handoff = ipc.handoff
         try:
             return ipc(observations, deadline)
         except EvaluatorUnavailable:
             if ipc.channel.closed:  # the connection broke: attach again later
                 with self._lock:
                     self._ipc = None
-                self.why_grpc = "leaf channel lost"
+                self.why_grpc = f"{ipc.handoff} hand-off lost"
             raise
 
     def wait_attached(self, timeout_s: float) -> bool:
@@ -360,11 +372,21 @@ class HandoffEvaluator:
         threading.Thread(target=self._attach, name="leaf-channel-attach", daemon=True).start()
         return None
 
+    def _local(self):
+        """The in-process server of the reward service at :attr:`address`, where
+        it runs in this process and ``mode`` is ``auto``; else None."""
+        return in_process.find(self.address) if self.mode == "auto" and self.address else None
+
     def _attach(self) -> None:
         ipc = None
         try:
-            channel = LeafChannel.offered(self._stub, self.model, self.max_rows, self.timeout_s)
-            if channel is None:
+            local = self._local()
+            channel = None if local else LeafChannel.offered(self._stub, self.model, self.max_rows, self.timeout_s)
+            if local:
+                ipc = LeafChannelEvaluator(local.port(self.model, self.max_rows, device=False), self.timeout_s,
+                                           HANDOFF_IN_PROCESS)
+                log.warning("search service: the reward service runs in this process; waves go to it in-process")
+            elif channel is None:
                 self.why_grpc = "the reward service offers no leaf channel"
             else:
                 ipc = LeafChannelEvaluator(channel, self.timeout_s)
@@ -436,8 +458,10 @@ class HandoffEvaluator:
                 with self._lock:
                     if self._closed or self._device_count >= self.device_channels:
                         return
+                local = self._local()
                 try:
-                    channel = LeafChannel.offered(self._stub, self.model, self.max_rows, self.timeout_s)
+                    channel = (local.port(self.model, self.max_rows, device=True) if local else
+                               LeafChannel.offered(self._stub, self.model, self.max_rows, self.timeout_s))
                 except (LeafChannelError, grpc.RpcError, OSError, ValueError) as exc:
                     log.info("search service: no device leaf channel (%s)", exc)
                     return
@@ -445,10 +469,11 @@ class HandoffEvaluator:
                     if channel is not None:
                         channel.close()
                     return
+                handoff = HANDOFF_IN_PROCESS if local else HANDOFF_IPC
                 with self._lock:
                     keep = not self._closed
                     if keep:
-                        self._device_free.append(LeafChannelEvaluator(channel, self.timeout_s))
+                        self._device_free.append(LeafChannelEvaluator(channel, self.timeout_s, handoff))
                         self._device_count += 1
                 if not keep:
                     channel.close()

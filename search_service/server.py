@@ -28,7 +28,7 @@ from tandem.v1 import scheduler_pb2, search_pb2, search_pb2_grpc
 from search_service.backends import make_backend
 from search_service.budget import search_deadline_ms
 from search_service.coalescing import CoalescingEvaluator
-from search_service.evaluators import HANDOFF_GRPC, HANDOFF_IPC, HandoffEvaluator
+from search_service.evaluators import HANDOFF_GRPC, HandoffEvaluator
 from search_service.games import GAMES
 from search_service.leaf_cache import CachedEvaluator, EvaluationCache
 from search_service.mcts import tree as tr
@@ -89,7 +89,7 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
 
     def __init__(self, cfg: TandemConfig, backend, evaluator, streams: StreamSet | None = None, handoff=None):
         self.cfg = cfg.search
-        # What reports the hand-off of the value model's leaves (``handoff``: "ipc" | "grpc"):
+        # What reports the hand-off of the value model's leaves (``handoff``: "in_process" | "ipc" | "grpc"):
         # the HandoffEvaluator inside the cache and the coalescer.
         self.handoff = handoff
         self.streams = streams or StreamSet(cfg.search.stream_priorities)
@@ -194,7 +194,7 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
             handoff = ""  # this search's own: the shared evaluator's last is another search's
             if params.evaluator == "value_model":
                 lent = waves is not None and waves.carries(params.parallel_sims)  # one tree: B = 1
-                handoff = HANDOFF_IPC if lent else getattr(self.handoff, "handoff", HANDOFF_GRPC)
+                handoff = waves.handoff if lent else getattr(self.handoff, "handoff", HANDOFF_GRPC)
         except Exception as exc:
             if not pools.is_out_of_memory(exc):
                 raise
@@ -315,12 +315,13 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True) -> Service:
     cupy = cupy_module() if backend.name.startswith("cuda") else None
     log.warning("search service: %s", pools.limit_cupy_pool(cupy, cfg.search.memory_pool_bytes))
     _warm_up(backend, cfg)
-    reward_channel = channel(cfg.search.reward_address or cfg.reward.address, cfg)
+    reward_address = cfg.search.reward_address or cfg.reward.address
+    reward_channel = channel(reward_address, cfg)
     streams = StreamSet(cfg.search.stream_priorities, cupy)
     # Leaves: the cache answers what it can, the rest of every search waiting goes in one call.
     handoff = HandoffEvaluator(reward_channel, cfg.search.value_model, cfg.search.handoff,
                                max_rows=min(cfg.search.coalesce_max_rows, cfg.reward.leaf_channel.max_rows),
-                               device_channels=cfg.search.device_channels)
+                               device_channels=cfg.search.device_channels, address=reward_address)
     coalescer = CoalescingEvaluator(handoff, cfg.search.coalesce_max_rows)
     evaluator = CachedEvaluator(coalescer, EvaluationCache(cfg.search.evaluation_cache_bytes))
     servicer = SearchServicer(cfg, backend, evaluator, streams, handoff)

@@ -7,8 +7,9 @@ process instead of two (``tandem serve colocated`` runs it alone): both
 services keep their own servers, ports, batchers, scheduler clients and
 streams of each priority, now in one CUDA context.
 
-The search service reaches the reward service over loopback gRPC as before
-(per leaf wave, never per simulation).
+The search service hands its leaf waves to the reward service in-process
+(tandem/in_process.py: no socket, no gRPC, no copy through the host on a
+GPU); its other calls (metadata, health) go over loopback gRPC as before.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import logging
 import signal
 import threading
 
+from tandem import in_process
 from tandem.config import TandemConfig
 from tandem.service import EXIT_TIMEOUT_S, Service
 
@@ -34,6 +36,9 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True) -> tuple[Service, Se
     from search_service import server as search_server
 
     reward = reward_server.start(cfg, follow_scheduler)
+    # The search service's waves go straight into the reward service's critical lane
+    # (tandem/in_process.py); withdrawn when the reward service stops.
+    in_process.offer(cfg.reward.address, reward.servicer.in_process)
     try:
         search = search_server.start(cfg, follow_scheduler)
     except BaseException:

@@ -74,7 +74,7 @@ class _Tally:
     errors: dict[str, int] = field(default_factory=dict)  # failed frames by the first failure's code
     backends: set[str] = field(default_factory=set)
     evaluators: set[str] = field(default_factory=set)
-    handoffs: dict[str, int] = field(default_factory=dict)  # value-model frames by how the leaves went ("ipc" | "grpc")
+    handoffs: dict[str, int] = field(default_factory=dict)  # value-model frames by how the leaves went ("in_process" | "ipc" | "grpc")
     model_simulations: list[int] = field(default_factory=list)  # of simulations, those the value model valued
     model_failures: int = 0  # searches whose value model failed (answered from the tree or with rollouts)
     failure_reasons: dict[str, int] = field(default_factory=dict)  # those searches by their failure's first words

@@ -259,9 +259,11 @@ class SearchConfig:
     # Leaves of concurrent searches go to the reward service in one Evaluate per
     # dispatch, up to this many rows (search_service/coalescing.py).
     coalesce_max_rows: int = 4096
-    # How leaves reach the reward service: "auto" (the leaf channel where the reward
-    # service offers one this process can reach -- same host -- else gRPC), "ipc" (the
-    # leaf channel; gRPC only while it cannot connect) or "grpc" (one Evaluate per wave).
+    # How leaves reach the reward service: "auto" (in-process where the reward service
+    # runs in this process -- co-located mode, tandem/in_process.py -- else the leaf
+    # channel where the reward service offers one this process can reach -- same host --
+    # else gRPC), "ipc" (the leaf channel; gRPC only while it cannot connect) or "grpc"
+    # (one Evaluate per wave).
     handoff: str = "auto"
     # Leaf channels of CUDA regions lent one per value-model search on the GPU
     # (search_service/evaluators.py HandoffEvaluator.lend): a search holding one sends

@@ -125,3 +125,24 @@ class OpenedEvent(_Event):
         if self.ptr:
             self._rt.eventDestroy(self.ptr)
             self.ptr = 0
+
+
+class LocalEvent(_Event):
+    """An event of this process for this process alone (in-process waves,
+    tandem/in_process.py): no IPC handle, and a stream may wait for it on
+    the GPU, since no other process records it.
+
+    Raises:
+        RuntimeError: no CuPy GPU here.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self._event = self._cupy.cuda.Event(block=False, disable_timing=True)
+        self.ptr = self._event.ptr
+
+    def wait_on_stream(self, stream_ptr: int) -> None:
+        """Makes the work queued on ``stream_ptr`` from now on wait, on the
+        GPU, for the event's latest record (``cudaStreamWaitEvent``); the host
+        goes on at once."""
+        self._rt.streamWaitEvent(stream_ptr, self.ptr, 0)

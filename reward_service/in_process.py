@@ -1,0 +1,275 @@
+"""In-process waves, the reward service's side: the value model run for a
+search service of this same process (co-located mode), straight into the
+model's critical lane, with no socket, no gRPC and no shared-memory region
+(the meeting point and the protocol: tandem/in_process.py).
+
+A search asks for a :class:`Port` to one model. A port holds, on a GPU, its
+own device buffers: ``inputs`` (the model's input, ``[max_rows, *row]``),
+where the search's selection kernel writes a wave's leaves, and one output
+buffer per model output (float32 ``[max_rows, *row]``), where the bound
+runner copies the wave's outputs device to device; and two CUDA events of
+this process (tandem/cuda_events.py's LocalEvent): ``ready``, recorded on
+the search's stream after the kernels that wrote the leaves, polled by the
+critical lane before its copy reads them (as a leaf channel's); ``done``,
+recorded by the runner after its output copies, which the search's stream
+waits for on the GPU. So a device wave costs the search one submit and one
+wake-up on the host, and no host wait for the model.
+
+Invariants:
+
+* A port belongs to one caller at a time (a search call, or the coalescing
+  dispatcher): its buffers, events and last figures (``queue_ms``,
+  ``compute_ms``, ``bucket``) are that caller's thread's, and at most one of
+  its waves is in flight. ``_lock`` guards only ``_closed``.
+* A wave runs in the model's critical lane (reward_service/batcher.py),
+  merged there with the other critical requests queued with it (other
+  ports' waves, leaf-channel waves, critical Evaluate calls): batching across
+  searches. It runs on the lane's worker thread, never the caller's (ONNX
+  Runtime's CUDA provider keeps per-thread state; batcher.py).
+* A wave's figures go into the per-model metrics' critical lane, as a leaf
+  channel wave's (``requested`` and ``succeeded``/``failed``), on the
+  caller's thread once its outputs are in place, before it returns.
+* Every failure is a :class:`tandem.leaf_channel.LeafChannelError` with the
+  gRPC status a leaf channel would answer; the lane and the port go on.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+from tandem.v1 import reward_pb2
+
+from reward_service.batcher import LANES
+from reward_service.leaf_channel import BadRequest, model_signature
+from reward_service.model_metrics import ModelMetrics
+from reward_service.refusal import Refusal, run
+from reward_service.session import READY_WAIT_S, ModelSession
+from tandem import tensors
+from tandem.cuda_events import LocalEvent
+from tandem.errors import quote
+from tandem.gpu import cupy_module
+from tandem.leaf_channel import LeafChannelError
+
+CRITICAL = reward_pb2.REQUEST_CLASS_CRITICAL
+CRITICAL_LANE = LANES[CRITICAL]  # the per-model metrics' lane of every wave
+
+
+@dataclass(frozen=True)
+class LocalEvents:
+    """A device port's events (Request.events): ``ready`` (the search's), ``done`` (the run's)."""
+
+    ready: LocalEvent
+    done: LocalEvent
+
+
+class InProcessServer:
+    """The reward service's in-process waves: ports to its models for
+    searches of this process.
+
+    Args:
+        sessions, batchers, metrics: the reward servicer's.
+        max_rows: the most rows of one wave (``reward.leaf_channel.max_rows``:
+            the same bound as the leaf channel's).
+    """
+
+    def __init__(self, sessions: dict[str, ModelSession], batchers: dict, metrics: ModelMetrics, max_rows: int):
+        self.sessions, self.batchers, self.metrics, self.max_rows = sessions, batchers, metrics, max_rows
+        self._lock = threading.Lock()
+        self._closed = False  # guarded by _lock
+
+    @property
+    def closed(self) -> bool:
+        with self._lock:
+            return self._closed
+
+    def close(self) -> None:
+        """Refuses new ports and waves (UNAVAILABLE); waves running end as they are."""
+        with self._lock:
+            self._closed = True
+
+    def port(self, model: str, max_rows: int, device: bool) -> Port:
+        """A port to ``model`` carrying waves of up to ``max_rows`` rows;
+        ``device``: with device buffers and events (a GPU search's device
+        waves), else host waves (NumPy in, NumPy out).
+
+        Raises:
+            LeafChannelError: UNAVAILABLE (stopped), NOT_FOUND (no such model),
+                INVALID_ARGUMENT (``max_rows`` out of 1..min(max_rows, the
+                model's max_batch_size)), FAILED_PRECONDITION (a model whose
+                signature does not fit a wave; device waves where the model's
+                critical lane cannot order them by CUDA events: the CPU, or no
+                bound runner).
+        """
+        if self.closed:
+            raise LeafChannelError(grpc.StatusCode.UNAVAILABLE, "the reward service is stopping")
+        session = self.sessions.get(model)
+        if session is None:
+            raise LeafChannelError(grpc.StatusCode.NOT_FOUND,
+                                   f"model: no model named {quote(model)} (models: {sorted(self.sessions)})")
+        limit = min(self.max_rows, session.max_batch_size)
+        if not isinstance(max_rows, int) or isinstance(max_rows, bool) or not 1 <= max_rows <= limit:
+            raise LeafChannelError(grpc.StatusCode.INVALID_ARGUMENT,
+                                   f"max_rows: {quote(str(max_rows))}, must be 1..{limit} (reward.leaf_channel.max_rows "
+                                   f"{self.max_rows}, model {quote(model)}'s max_batch_size {session.max_batch_size})")
+        try:
+            spec, row, outputs = model_signature(session)
+        except BadRequest as exc:
+            raise LeafChannelError(exc.code, str(exc)) from None
+        if device and not session.orders_by_events:
+            raise LeafChannelError(grpc.StatusCode.FAILED_PRECONDITION,
+                                   f"model {model!r}: its critical lane cannot take device waves "
+                                   f"({session.execution_provider}, no CUDA events); send host waves")
+        return Port(self, session, max_rows, spec.name, row, tensors.numpy_dtype(spec.dtype),
+                    [(o.name, r) for o, r in outputs], device)
+
+
+class Port:
+    """One caller's way to one model (see the module's invariants). It
+    answers to what a search asks of a :class:`tandem.leaf_channel.LeafChannel`
+    (``evaluate``, ``evaluate_device``, ``device_inputs``, ``ordered``,
+    ``kind``, ``closed``, ``close``, the last wave's figures), so the search's
+    evaluators take either.
+
+    Attributes:
+        model, max_rows: as asked for.
+        input_row, input_dtype: one row of the model's input (e.g. ``(2, 6, 7)``, uint8).
+        output_rows: (name, row shape) of each output, in the model's order.
+        inputs: a device port's input buffer, CuPy ``[max_rows, *input_row]``
+            of ``input_dtype``; None for host waves.
+        outputs: a device port's output buffers, name -> CuPy float32
+            ``[max_rows, *row]``; empty for host waves.
+        queue_ms, compute_ms, bucket: the last wave's (the lane's queue, its
+            run's host time, the batch's padded size).
+        kind: ``"cuda"`` where the model's critical lane takes device waves
+            (a device port may be asked for), else ``"system"``.
+    """
+
+    path = "in-process"  # where the waves go, for logs (a leaf channel's socket path)
+
+    def __init__(self, server: InProcessServer, session: ModelSession, max_rows: int, input_name: str,
+                 input_row: tuple[int, ...], input_dtype: np.dtype, output_rows: list[tuple[str, tuple[int, ...]]],
+                 device: bool):
+        self._server, self._session = server, session
+        self.model, self.max_rows = session.name, max_rows
+        self._input_name, self.input_row, self.input_dtype = input_name, input_row, input_dtype
+        self.output_rows = output_rows
+        self._names = tuple(name for name, _ in output_rows)
+        self.queue_ms = self.compute_ms = 0.0
+        self.bucket = 0
+        self.inputs, self.outputs, self._events, self._cupy = None, {}, None, None
+        self.kind = "cuda" if session.orders_by_events else "system"
+        if device:
+            cupy = self._cupy = cupy_module()
+            self.inputs = cupy.zeros((max_rows, *input_row), input_dtype)
+            self.outputs = {name: cupy.zeros((max_rows, *r), np.float32) for name, r in output_rows}
+            self._events = LocalEvents(LocalEvent(), LocalEvent())
+
+    @property
+    def device_inputs(self):
+        """:attr:`inputs` (None for host waves), as a leaf channel names its input region."""
+        return self.inputs
+
+    @property
+    def ordered(self) -> bool:
+        """A device port's waves are ordered by CUDA events: the caller calls
+        :meth:`evaluate_device` without synchronising its stream."""
+        return self._events is not None
+
+    @property
+    def closed(self) -> bool:
+        """Whether the reward service stopped (its waves are UNAVAILABLE)."""
+        return self._server.closed
+
+    def close(self) -> None:
+        """Nothing to release but memory, freed with the port (as a leaf channel's close)."""
+
+    def evaluate(self, inputs: np.ndarray, deadline: float | None = None) -> dict[str, np.ndarray]:
+        """One host wave: ``inputs`` (``[N, *input_row]`` of ``input_dtype``,
+        1 <= N <= max_rows) through the model, by ``deadline``
+        (``time.monotonic()`` s; None: none). Returns name -> float32
+        ``[N, *row]`` (arrays of their own).
+
+        Raises:
+            LeafChannelError: INVALID_ARGUMENT (rows out of range or of another
+                shape: nothing run), DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED,
+                UNAVAILABLE, INTERNAL (the run failed, or an output of another
+                shape than the model's signature).
+        """
+        inputs = np.asarray(inputs)
+        rows = len(inputs)
+        if not 1 <= rows <= self.max_rows or tuple(inputs.shape[1:]) != self.input_row:
+            raise self._invalid(f"inputs: shape {list(inputs.shape)}, the port carries 1..{self.max_rows} rows of "
+                                f"{list(self.input_row)}")
+        return self._wave({self._input_name: np.ascontiguousarray(inputs, self.input_dtype)}, rows, deadline)
+
+    def evaluate_device(self, rows: int, deadline: float | None = None) -> dict:
+        """One device wave: rows ``[0, rows)`` of :attr:`inputs`, written by
+        kernels queued on the current CUDA stream. Returns :attr:`outputs`
+        (rows ``[0, rows)`` this wave's, valid until the next wave); the
+        current stream waits for them on the GPU, so kernels queued on it
+        after the return read them in place.
+
+        Raises:
+            LeafChannelError: as :meth:`evaluate`; INVALID_ARGUMENT also for a host port.
+        """
+        if self.inputs is None:
+            raise self._invalid("evaluate_device: a host port; use evaluate")
+        if not 1 <= rows <= self.max_rows:
+            raise self._invalid(f"rows: {rows}, the port carries 1..{self.max_rows}")
+        stream = self._cupy.cuda.get_current_stream().ptr
+        self._events.ready.record(stream)
+        targets = {name: out[:rows] for name, out in self.outputs.items()}
+        self._wave({self._input_name: self.inputs[:rows]}, rows, deadline, targets)
+        self._events.done.wait_on_stream(stream)
+        return self.outputs
+
+    def _invalid(self, message: str) -> LeafChannelError:
+        """A wave refused before it runs: counted as the leaf channel counts one."""
+        self._server.metrics.requested(self.model, CRITICAL_LANE)
+        self._server.metrics.failed(self.model, CRITICAL_LANE, "invalid_input", 0.0)
+        return LeafChannelError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+    def _wave(self, feeds: dict, rows: int, deadline: float | None, targets: dict | None = None):
+        """Runs one wave in the critical lane and records its figures; returns
+        host outputs (a host wave) or None (a device wave: in its targets)."""
+        start = time.perf_counter()
+        name, metrics = self.model, self._server.metrics
+        metrics.requested(name, CRITICAL_LANE)
+        try:
+            if self._server.closed:
+                raise Refusal(grpc.StatusCode.UNAVAILABLE, "unavailable", "the reward service is stopping")
+            done = run(self._server.batchers[name], name, feeds, rows, CRITICAL, deadline, self._names, targets,
+                       None, self._events if targets is not None else None)
+            if done.inputs_late:
+                raise Refusal(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline_exceeded",
+                              f"wave: its inputs were not written within {READY_WAIT_S * 1e3:g} ms of its run "
+                              "(the search's ready event)")
+            outputs = None if targets is not None else self._host_outputs(done, rows)
+            if targets is not None and not done.targets_written:
+                raise Refusal(grpc.StatusCode.INTERNAL, "run_failed",
+                              f"model {name!r}: the run did not write the wave's device outputs")
+        except Refusal as exc:
+            metrics.failed(name, CRITICAL_LANE, exc.reason, time.perf_counter() - start)
+            raise LeafChannelError(exc.code, exc.message) from None
+        self.queue_ms, self.compute_ms, self.bucket = done.queue_ms, done.compute_ms, done.bucket
+        metrics.succeeded(name, CRITICAL_LANE, rows, time.perf_counter() - start, done.queue_ms / 1e3)
+        return outputs
+
+    def _host_outputs(self, done, rows: int) -> dict[str, np.ndarray]:
+        """The wave's outputs by name, each float32 ``[rows, *row]``.
+
+        Raises:
+            Refusal: INTERNAL: an output of another shape than the model's signature.
+        """
+        out = {}
+        for name, row in self.output_rows:
+            array = np.asarray(done.outputs[name], np.float32)
+            if array.shape[1:] != row or len(array) < rows:
+                raise Refusal(grpc.StatusCode.INTERNAL, "run_failed",
+                              f"model {self.model!r}: output {name} is {list(array.shape)}, a wave expects "
+                              f"{[rows, *row]}")
+            out[name] = array[:rows].copy()
+        return out
