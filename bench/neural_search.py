@@ -67,6 +67,7 @@ import collections
 import contextlib
 import cProfile
 import dataclasses
+import functools
 import glob
 import multiprocessing
 import os
@@ -279,6 +280,35 @@ def _leaf_channel(stub, events: bool = True):
     return LeafChannelEvaluator(channel, timeout_s=30)  # as the gRPC evaluator it is measured against
 
 
+def _timed_rows(ways, kinds, args, value_backends, rows: list, marked: list, profiler) -> None:
+    """The latency and throughput rows of each (evaluator, device) hand-off
+    in ``ways`` whose row handoff ``--handoffs`` names, appended to ``rows``
+    (and their marks to ``marked``, with ``--timeline``)."""
+    ways = [(e, d) for e, d in ways if not args.handoffs or _row_handoff(e, d) in args.handoffs.split(",")]
+    for (direct, device), g in ((w, g) for w in ways for g in value_backends) if "latency" in kinds else ():
+        for wave in (8,) if args.quick else (32, 64, 128, 256):
+            if profiler:
+                profiler.enable()
+            timeline.take()  # only this row's marks from here
+            row = common.attempt(f"latency {direct.handoff} device={device} wave {wave} G {g}", latency,
+                                 value_backends[g], direct, wave, 64 if args.quick else 1000,
+                                 2 if args.quick else args.repeats, device)
+            if profiler:
+                profiler.disable()
+            if row and args.timeline and row["handoff"] in ("ipc", "in_process"):
+                marked.append((wave, g, timeline.take(), row["repeats"], row["handoff"]))
+            if row:
+                row["sims_per_warp"] = g
+                common.progress(row)
+                rows.append(row)
+    for direct, device in ways if "throughput" in kinds else ():
+        for batch in (64,) if args.quick else (64, 256, 1024, 4096):
+            row = throughput(direct, batch, 3 if args.quick else args.repeats, device)
+            if row:
+                common.progress(row)
+                rows.append(row)
+
+
 def main() -> None:
     parser = common.make_parser(__doc__)
     parser.add_argument("--repeats", type=int, default=30)
@@ -294,6 +324,9 @@ def main() -> None:
     parser.add_argument("--value-sims-per-warp", type=common.int_list, default=[1],
                         help="comma list: simulations per warp (CUDA) of the latency rows and the value model's "
                              "quality rows (default 1)")
+    parser.add_argument("--handoffs", default="",
+                        help="comma list: only the latency and throughput rows of these hand-offs (e.g. "
+                             "in_process,ipc; default: every one)")
     parser.add_argument("--serving", choices=("ipc", "in_process"), default="ipc",
                         help="the quality rows' hand-off: the leaf channel to the reward service's own process "
                              "(two processes, as tandem up runs them), or in-process (co-located mode)")
@@ -306,9 +339,11 @@ def main() -> None:
         parser.error(f"--kinds: unknown {sorted(kinds - {'latency', 'throughput', 'search_quality'})}")
     from tandem.v1 import reward_pb2_grpc
 
+    from reward_service import server as reward_server
     from search_service.coalescing import CoalescingEvaluator
     from search_service.evaluators import HandoffEvaluator, RewardServiceEvaluator
     from search_service.leaf_cache import CachedEvaluator, EvaluationCache
+    from tandem import in_process
     from tandem.server import channel
 
     if args.timeline:  # before the reward service's process starts: it inherits the setting
@@ -325,57 +360,37 @@ def main() -> None:
     service.start()
     if not ready.wait(300):
         raise SystemExit("the reward service did not start in 300 s")
-    # A second reward service, in this process, for the in_process rows (co-located mode's hand-off).
-    from reward_service import server as reward_server
-    from tandem import in_process
-
-    local_cfg = replace(cfg, reward=replace(cfg.reward, address=_free_address()))
-    local = reward_server.start(local_cfg, follow_scheduler=False)
-    in_process.offer(local_cfg.reward.address, local.servicer.in_process)
     rows, marked = [], []  # marked: (wave, G, this process's marks, searches, handoff) of the timed latency rows
+    profiler = cProfile.Profile() if args.profile else None
+    value_backends = {g: backend if g == 1 else common.make_backend(variant, g) for g in args.value_sims_per_warp}
+    timed = functools.partial(_timed_rows, kinds=kinds, args=args, value_backends=value_backends, rows=rows,
+                              marked=marked, profiler=profiler)
+    local = None  # the in-process reward service, started once the two-process rows are done
     try:
         with channel(cfg.reward.address, cfg) as ch:
             stub = reward_pb2_grpc.RewardServiceStub(ch)
             ipc = _leaf_channel(stub)
-            hand_offs = (ipc, RewardServiceEvaluator(ch, "connect4_value", timeout_s=30))
-            ways = [(ipc, True), (ipc, False), (hand_offs[1], False)]  # device waves, the host way, gRPC
+            ways = [(ipc, True), (ipc, False), (RewardServiceEvaluator(ch, "connect4_value", timeout_s=30), False)]
             synchronised = _leaf_channel(stub, events=False) if ipc.channel.ordered else None
             if synchronised is not None:  # device waves without events, in the same run
                 ways.insert(1, (synchronised, True))
-            ways.append((_in_process(local_cfg, device=False), False))
-            if local.servicer.in_process.sessions["connect4_value"].orders_by_events:  # a GPU: device ports
-                ways.insert(0, (_in_process(local_cfg, device=True), True))
-            profiler = cProfile.Profile() if args.profile else None
-            value_backends = {g: backend if g == 1 else common.make_backend(variant, g)
-                              for g in args.value_sims_per_warp}
-            for (direct, device), g in ((w, g) for w in ways for g in value_backends) if "latency" in kinds else ():
-                for wave in (8,) if args.quick else (32, 64, 128, 256):
-                    if profiler:
-                        profiler.enable()
-                    timeline.take()  # only this row's marks from here
-                    row = common.attempt(f"latency {direct.handoff} device={device} wave {wave} G {g}", latency,
-                                         value_backends[g], direct, wave, 64 if args.quick else 1000,
-                                         2 if args.quick else args.repeats, device)
-                    if profiler:
-                        profiler.disable()
-                    if row and args.timeline and row["handoff"] in ("ipc", "in_process"):
-                        marked.append((wave, g, timeline.take(), row["repeats"], row["handoff"]))
-                    if row:
-                        row["sims_per_warp"] = g
-                        common.progress(row)
-                        rows.append(row)
+            timed(ways)
+            # A second reward service, in this process, for the in_process rows (co-located mode's
+            # hand-off): started after the two-process rows, whose process it would share.
+            local_cfg = replace(cfg, reward=replace(cfg.reward, address=_free_address()))
+            if "in_process" in (args.handoffs or "in_process") or args.serving == "in_process":
+                local = reward_server.start(local_cfg, follow_scheduler=False)
+                in_process.offer(local_cfg.reward.address, local.servicer.in_process)
+                ways = [(_in_process(local_cfg, device=False), False)]
+                if local.servicer.in_process.sessions["connect4_value"].orders_by_events:  # a GPU: device ports
+                    ways.insert(0, (_in_process(local_cfg, device=True), True))
+                timed(ways)
             if profiler:
                 out = (args.out or common.RESULTS_DIR) / "neural_search_profile.txt"
                 out.parent.mkdir(parents=True, exist_ok=True)
                 with open(out, "w") as fh:
                     pstats.Stats(profiler, stream=fh).sort_stats("tottime").print_stats(40)
                 common.note(f"profile of the latency rows: {out}")
-            for direct, device in ways if "throughput" in kinds else ():
-                for batch in (64,) if args.quick else (64, 256, 1024, 4096):
-                    row = throughput(direct, batch, 3 if args.quick else args.repeats, device)
-                    if row:
-                        common.progress(row)
-                        rows.append(row)
             ipc.channel.close()
             if synchronised is not None:
                 synchronised.channel.close()
@@ -405,7 +420,8 @@ def main() -> None:
                 serving.close()
                 handoff.close()
     finally:
-        local.stop()
+        if local is not None:
+            local.stop()
         stop.set()
         service.join(30)
     if args.timeline:

@@ -688,6 +688,7 @@ class Batcher:
             (answering if worker_answers else others).append(req)
         if others:
             self._record(batch, compute_ms)  # the run's figures before any waiter wakes, as a reply follows
+            timeline.mark("batch.done")
         for req in others:
             req._done.set()
         try:

@@ -29,6 +29,10 @@ Invariants:
 * A wave's figures go into the per-model metrics' critical lane, as a leaf
   channel wave's (``requested`` and ``succeeded``/``failed``), on the
   caller's thread once its outputs are in place, before it returns.
+* A device wave merged with host waves (another caller's) runs the host way
+  (the batch's inputs are copied to the host): its outputs come back to the
+  host and are written into its output buffers on the caller's stream, as a
+  leaf channel writes such a wave's into its region.
 * Every failure is a :class:`tandem.leaf_channel.LeafChannelError` with the
   gRPC status a leaf channel would answer; the lane and the port go on.
 """
@@ -47,7 +51,7 @@ from reward_service.leaf_channel import BadRequest, model_signature
 from reward_service.model_metrics import ModelMetrics
 from reward_service.refusal import Refusal, run
 from reward_service.session import READY_WAIT_S, ModelSession
-from tandem import tensors
+from tandem import tensors, timeline
 from tandem.cuda_events import LocalEvent
 from tandem.errors import quote
 from tandem.gpu import cupy_module
@@ -55,6 +59,7 @@ from tandem.leaf_channel import LeafChannelError
 
 CRITICAL = reward_pb2.REQUEST_CLASS_CRITICAL
 CRITICAL_LANE = LANES[CRITICAL]  # the per-model metrics' lane of every wave
+_VIEW_SIZES = 64  # wave sizes whose buffer views a device port keeps
 
 
 @dataclass(frozen=True)
@@ -160,6 +165,7 @@ class Port:
         self.queue_ms = self.compute_ms = 0.0
         self.bucket = 0
         self.inputs, self.outputs, self._events, self._cupy = None, {}, None, None
+        self._views: dict[int, tuple[dict, dict]] = {}  # rows -> a device wave's feeds and targets
         self.kind = "cuda" if session.orders_by_events else "system"
         if device:
             cupy = self._cupy = cupy_module()
@@ -203,7 +209,7 @@ class Port:
         if not 1 <= rows <= self.max_rows or tuple(inputs.shape[1:]) != self.input_row:
             raise self._invalid(f"inputs: shape {list(inputs.shape)}, the port carries 1..{self.max_rows} rows of "
                                 f"{list(self.input_row)}")
-        return self._wave({self._input_name: np.ascontiguousarray(inputs, self.input_dtype)}, rows, deadline)
+        return self._wave({self._input_name: np.ascontiguousarray(inputs, self.input_dtype)}, None, rows, deadline)
 
     def evaluate_device(self, rows: int, deadline: float | None = None) -> dict:
         """One device wave: rows ``[0, rows)`` of :attr:`inputs`, written by
@@ -221,10 +227,22 @@ class Port:
             raise self._invalid(f"rows: {rows}, the port carries 1..{self.max_rows}")
         stream = self._cupy.cuda.get_current_stream().ptr
         self._events.ready.record(stream)
-        targets = {name: out[:rows] for name, out in self.outputs.items()}
-        self._wave({self._input_name: self.inputs[:rows]}, rows, deadline, targets)
+        self._wave(*self._device_views(rows), rows, deadline)
+        timeline.mark("port.answered")
         self._events.done.wait_on_stream(stream)
         return self.outputs
+
+    def _device_views(self, rows: int) -> tuple[dict, dict]:
+        """The feeds and targets of a device wave of ``rows`` rows: views of the
+        buffers, kept per size (a CuPy slice costs µs, and a search's waves
+        repeat a few sizes; at most _VIEW_SIZES sizes are kept)."""
+        views = self._views.get(rows)
+        if views is None:
+            if len(self._views) >= _VIEW_SIZES:
+                self._views.clear()
+            views = self._views[rows] = ({self._input_name: self.inputs[:rows]},
+                                         {name: out[:rows] for name, out in self.outputs.items()})
+        return views
 
     def _invalid(self, message: str) -> LeafChannelError:
         """A wave refused before it runs: counted as the leaf channel counts one."""
@@ -232,7 +250,7 @@ class Port:
         self._server.metrics.failed(self.model, CRITICAL_LANE, "invalid_input", 0.0)
         return LeafChannelError(grpc.StatusCode.INVALID_ARGUMENT, message)
 
-    def _wave(self, feeds: dict, rows: int, deadline: float | None, targets: dict | None = None):
+    def _wave(self, feeds: dict, targets: dict | None, rows: int, deadline: float | None):
         """Runs one wave in the critical lane and records its figures; returns
         host outputs (a host wave) or None (a device wave: in its targets)."""
         start = time.perf_counter()
@@ -247,10 +265,13 @@ class Port:
                 raise Refusal(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline_exceeded",
                               f"wave: its inputs were not written within {READY_WAIT_S * 1e3:g} ms of its run "
                               "(the search's ready event)")
-            outputs = None if targets is not None else self._host_outputs(done, rows)
-            if targets is not None and not done.targets_written:
-                raise Refusal(grpc.StatusCode.INTERNAL, "run_failed",
-                              f"model {name!r}: the run did not write the wave's device outputs")
+            outputs = None if targets is not None and done.targets_written else self._host_outputs(done, rows)
+            if targets is not None and outputs is not None:
+                # Run in a batch with host waves (another caller's), its outputs came back to the
+                # host: written into the targets on the caller's stream, before its next kernels.
+                for key, array in outputs.items():
+                    targets[key].set(array)
+                outputs = None
         except Refusal as exc:
             metrics.failed(name, CRITICAL_LANE, exc.reason, time.perf_counter() - start)
             raise LeafChannelError(exc.code, exc.message) from None

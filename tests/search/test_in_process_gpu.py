@@ -113,3 +113,44 @@ def test_a_co_located_cuda_search_service_sends_its_leaves_in_process(co_located
     assert reply.handoff == "in_process" and reply.model_simulations == reply.simulations == 1000
     assert not reply.evaluation_failure
     assert sum(ev.totals.calls - lent[id(ev)] for ev in handoff._device_free) > 1
+
+
+def test_device_waves_merged_with_host_waves_get_their_own_answers(co_located):
+    """Device and host waves of two callers at once meet in the critical lane;
+    a batch holding both runs the host way, and the device wave's outputs are
+    written into its buffers on its stream: every answer is its own."""
+    import threading
+
+    cfg, _, _ = co_located
+    cp = cupy_module()
+    server = in_process.find(cfg.reward.address)
+    reference = server.port(MODEL, 64, device=False)
+    obs = random_boards(64, 7)
+    want = reference.evaluate(obs, time.monotonic() + 30)["value"]
+    failures = []
+
+    def host_waves():
+        port = server.port(MODEL, 64, device=False)
+        for i in range(200):
+            n = 1 + i % 64
+            got = port.evaluate(obs[:n], time.monotonic() + 30)["value"]
+            if not np.allclose(got, want[:n], atol=2e-3):  # buckets may round apart (FP16)
+                failures.append(("host", n))
+
+    def device_waves():
+        port = server.port(MODEL, 64, device=True)
+        with cp.cuda.Stream(non_blocking=True):
+            port.device_inputs[:64].set(obs)
+            for i in range(200):
+                n = 64 - i % 64
+                port.outputs["value"].fill(np.nan)  # a wave whose outputs were not written reads NaN
+                got = port.evaluate_device(n, time.monotonic() + 30)["value"][:n].get()
+                if not np.allclose(got, want[:n], atol=2e-3):
+                    failures.append(("device", n))
+
+    threads = [threading.Thread(target=f) for f in (host_waves, device_waves)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads) and not failures, failures[:5]
