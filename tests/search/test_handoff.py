@@ -5,6 +5,7 @@ keeps its tree, goes on with rollouts and says why; a new reward service is
 attached again."""
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -34,13 +35,23 @@ def services(request):
     cfg = loopback_config(search={"backend": "cpu", "value_model_parallel_sims": 8, "handoff": mode,
                                   "evaluation_cache_bytes": 0})
     reward = reward_server.start(cfg, follow_scheduler=False)
-    search = search_server.start(cfg, follow_scheduler=False)
+    with serving(cfg, reward, search_server.start(cfg, follow_scheduler=False)) as box:
+        yield box
+
+
+@contextlib.contextmanager
+def serving(cfg, reward, search):
+    """``cfg``, both services and a search stub (``box["reward"]`` may be
+    replaced by a test); the search service, then the reward service, stopped
+    at the end."""
     ch = channel(cfg.search.address)
     box = {"cfg": cfg, "reward": reward, "search": search, "stub": search_pb2_grpc.SearchServiceStub(ch)}
-    yield box
-    ch.close()
-    search.stop()
-    box["reward"].stop()
+    try:
+        yield box
+    finally:
+        ch.close()
+        search.stop()
+        box["reward"].stop()
 
 
 def test_on_one_host_the_leaves_go_by_the_leaf_channel(services):
@@ -95,18 +106,7 @@ def test_a_reward_service_killed_mid_search_leaves_the_tree_and_a_reason_and_a_n
     handoff = services["search"].servicer.handoff
     assert handoff.wait_attached(10.0)
     ipc = handoff._ipc
-    answer = {}
-    long_search = value_search(moves="", simulations=10_000_000, deadline_ms=4000)
-    thread = threading.Thread(target=lambda: answer.setdefault("r", services["stub"].Search(long_search, timeout=60)))
-    calls = ipc.totals.calls
-    thread.start()
-    end = time.monotonic() + 30
-    while ipc.totals.calls < calls + 3 and time.monotonic() < end:  # a few waves valued by the model
-        time.sleep(0.005)
-    assert ipc.totals.calls >= calls + 3
-    services["reward"].stop()  # its leaf channel closes with it
-    thread.join(60)
-    r = answer["r"]
+    r = stopped_mid_search(services, ipc)  # its leaf channel closes with it
     assert 0 < r.model_simulations < r.simulations  # the tree built so far was kept, rollouts went on in it
     assert "leaf channel" in r.evaluation_failure and r.handoff == "ipc"
     assert r.deadline_reached
@@ -116,6 +116,20 @@ def test_a_reward_service_killed_mid_search_leaves_the_tree_and_a_reason_and_a_n
     assert handoff.why_grpc == ""  # attached again: no reason for gRPC left over
     again = services["stub"].Search(value_search(), timeout=60)
     assert again.handoff == "ipc" and again.model_simulations == 64 and not again.evaluation_failure
+
+
+def stopped_mid_search(box, evaluator) -> search_pb2.SearchResponse:
+    """The answer of a long value-model search during which the reward
+    service was stopped, once ``evaluator`` had valued a few of its waves."""
+    answer = {}
+    long_search = value_search(moves="", simulations=10_000_000, deadline_ms=4000)
+    thread = threading.Thread(target=lambda: answer.setdefault("r", box["stub"].Search(long_search, timeout=60)))
+    calls = evaluator.totals.calls
+    thread.start()
+    assert wait_for(lambda: evaluator.totals.calls >= calls + 3, 30)  # a few waves valued by the model
+    box["reward"].stop()
+    thread.join(60)
+    return answer["r"]
 
 
 @pytest.fixture

@@ -7,15 +7,15 @@ on, and a reward service that stops mid-search (the search keeps its tree,
 goes on with rollouts and says why). Device waves: test_in_process_gpu.py."""
 from __future__ import annotations
 
-import threading
 import time
 
 import grpc
 import numpy as np
 import pytest
-from conftest import loopback_config, wait_for
+from conftest import loopback_config
 from prometheus_client import REGISTRY
-from tandem.v1 import reward_pb2, reward_pb2_grpc, search_pb2, search_pb2_grpc
+from tandem.v1 import reward_pb2, reward_pb2_grpc
+from test_handoff import serving, stopped_mid_search, value_search
 
 from reward_service import server as reward_server
 from reward_service.in_process import Port
@@ -30,11 +30,6 @@ MODEL = "connect4_value"
 
 def boards(*moves: str) -> np.ndarray:
     return c4.observation(c4.stack([c4.parse_moves(m) for m in moves]))
-
-
-def value_search(moves: str = "4453", **fields) -> search_pb2.SearchRequest:
-    return search_pb2.SearchRequest(game="connect4", moves=moves, seed=1,
-                                    **({"simulations": 64, "evaluator": search_pb2.EVALUATOR_VALUE_MODEL} | fields))
 
 
 @pytest.fixture(scope="module")
@@ -142,13 +137,8 @@ def test_stopping_the_reward_service_withdraws_its_server_and_its_ports_are_unav
 @pytest.fixture
 def co_located():
     cfg = loopback_config(search={"backend": "cpu", "value_model_parallel_sims": 8, "evaluation_cache_bytes": 0})
-    reward, search = colocated.start(cfg, follow_scheduler=False)
-    ch = channel(cfg.search.address, cfg)
-    box = {"reward": reward, "search": search, "stub": search_pb2_grpc.SearchServiceStub(ch)}
-    yield box
-    ch.close()
-    search.stop()
-    box["reward"].stop()
+    with serving(cfg, *colocated.start(cfg, follow_scheduler=False)) as box:
+        yield box
 
 
 def test_a_co_located_search_hands_its_waves_over_in_process(co_located):
@@ -164,16 +154,7 @@ def test_a_co_located_search_hands_its_waves_over_in_process(co_located):
 def test_a_co_located_reward_service_stopped_mid_search_leaves_the_tree_and_a_reason(co_located):
     handoff = co_located["search"].servicer.handoff
     assert handoff.wait_attached(10.0)
-    port_evaluator = handoff._ipc
-    answer = {}
-    long_search = value_search(moves="", simulations=10_000_000, deadline_ms=4000)
-    thread = threading.Thread(target=lambda: answer.setdefault("r", co_located["stub"].Search(long_search, timeout=60)))
-    calls = port_evaluator.totals.calls
-    thread.start()
-    assert wait_for(lambda: port_evaluator.totals.calls >= calls + 3, 30)  # a few waves valued by the model
-    co_located["reward"].stop()
-    thread.join(60)
-    r = answer["r"]
+    r = stopped_mid_search(co_located, handoff._ipc)
     assert 0 < r.model_simulations < r.simulations  # the tree built so far was kept, rollouts went on in it
     assert "in process" in r.evaluation_failure and "UNAVAILABLE" in r.evaluation_failure
     assert r.handoff == "in_process" and r.deadline_reached
