@@ -203,7 +203,7 @@ def quality(backend, evaluator, set_name: str, limit: int, name: str, wave: int,
         return None
     recs, roots = scored_positions(set_name, limit)
     model = evaluator if ev == "value_model" else None
-    actions, sims = [], []
+    actions, sims, lent = [], [], set()
     lend = getattr(handoff, "lend", None) if model is not None and backend.name.startswith("cuda") else None
     for i in range(len(recs)):
         # Bound the model calls by the search's deadline, and lend device waves, as the search server does.
@@ -212,9 +212,12 @@ def quality(backend, evaluator, set_name: str, limit: int, name: str, wave: int,
         with lend(deadline) if lend else contextlib.nullcontext() as waves:
             kw = {"device_waves": waves} if waves is not None else {}
             (r,), _ = backend.search(connect4.take(roots, i), replace(params, seed=i + 1), leaf, **kw)
+            if model is not None:  # the lent waves' hand-off, else the host calls' (the last one's)
+                lent.add(waves.handoff if waves is not None else handoff.handoff)
         actions.append(r.action)
         sims.append(r.simulations)
-    return dict(kind="search_quality", handoff=handoff.handoff if model is not None else None, position_set=set_name,
+    how = "+".join(sorted(lent)) if lent else None  # each search's hand-off, joined where they differ
+    return dict(kind="search_quality", handoff=how, position_set=set_name,
                 evaluator=name, budget_ms=budget_ms, wave=wave, positions=len(recs),
                 optimal_move_rate=rate(recs, actions), missed=missed(recs, actions),
                 simulations_mean=float(np.mean(sims)))

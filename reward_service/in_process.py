@@ -33,11 +33,17 @@ Invariants:
   (the batch's inputs are copied to the host): its outputs come back to the
   host and are written into its output buffers on the caller's stream, as a
   leaf channel writes such a wave's into its region.
+* A wave answers by its deadline (a running one ``LATE_GRACE_S`` past it):
+  one still running then is DEADLINE_EXCEEDED and its outputs are dropped. A
+  device wave given up so still reads and writes the port's buffers, so the
+  port's next wave first waits for it (``_late``), by its own deadline.
 * Every failure is a :class:`tandem.leaf_channel.LeafChannelError` with the
   gRPC status a leaf channel would answer; the lane and the port go on.
 """
 from __future__ import annotations
 
+import logging
+import operator
 import threading
 import time
 from dataclasses import dataclass
@@ -46,10 +52,10 @@ import grpc
 import numpy as np
 from tandem.v1 import reward_pb2
 
-from reward_service.batcher import LANES
+from reward_service.batcher import LANES, DeadlineExceeded
 from reward_service.leaf_channel import BadRequest, model_signature
 from reward_service.model_metrics import ModelMetrics
-from reward_service.refusal import Refusal, run
+from reward_service.refusal import Refusal, refusal_for
 from reward_service.session import READY_WAIT_S, ModelSession
 from tandem import tensors, timeline
 from tandem.cuda_events import LocalEvent
@@ -57,9 +63,12 @@ from tandem.errors import quote
 from tandem.gpu import cupy_module
 from tandem.leaf_channel import LeafChannelError
 
+log = logging.getLogger(__name__)
+
 CRITICAL = reward_pb2.REQUEST_CLASS_CRITICAL
 CRITICAL_LANE = LANES[CRITICAL]  # the per-model metrics' lane of every wave
 _VIEW_SIZES = 64  # wave sizes whose buffer views a device port keeps
+LATE_GRACE_S = 0.0005  # how long past its deadline a running wave is waited for (s), as a leaf channel's done event
 
 
 @dataclass(frozen=True)
@@ -96,14 +105,14 @@ class InProcessServer:
             self._closed = True
 
     def port(self, model: str, max_rows: int, device: bool) -> Port:
-        """A port to ``model`` carrying waves of up to ``max_rows`` rows;
-        ``device``: with device buffers and events (a GPU search's device
-        waves), else host waves (NumPy in, NumPy out).
+        """A port to ``model`` carrying waves of up to ``max_rows`` rows, narrowed
+        to ``reward.leaf_channel.max_rows`` and the model's max_batch_size (the
+        port's ``max_rows`` says how many); ``device``: with device buffers and
+        events (a GPU search's device waves), else host waves (NumPy in, NumPy out).
 
         Raises:
             LeafChannelError: UNAVAILABLE (stopped), NOT_FOUND (no such model),
-                INVALID_ARGUMENT (``max_rows`` out of 1..min(max_rows, the
-                model's max_batch_size)), FAILED_PRECONDITION (a model whose
+                INVALID_ARGUMENT (``max_rows`` not an integer >= 1), FAILED_PRECONDITION (a model whose
                 signature does not fit a wave; device waves where the model's
                 critical lane cannot order them by CUDA events: the CPU, or no
                 bound runner).
@@ -114,11 +123,15 @@ class InProcessServer:
         if session is None:
             raise LeafChannelError(grpc.StatusCode.NOT_FOUND,
                                    f"model: no model named {quote(model)} (models: {sorted(self.sessions)})")
-        limit = min(self.max_rows, session.max_batch_size)
-        if not isinstance(max_rows, int) or isinstance(max_rows, bool) or not 1 <= max_rows <= limit:
+        try:
+            wanted = None if isinstance(max_rows, bool) else operator.index(max_rows)
+        except TypeError:
+            wanted = None
+        if wanted is None or wanted < 1:
             raise LeafChannelError(grpc.StatusCode.INVALID_ARGUMENT,
-                                   f"max_rows: {quote(str(max_rows))}, must be 1..{limit} (reward.leaf_channel.max_rows "
-                                   f"{self.max_rows}, model {quote(model)}'s max_batch_size {session.max_batch_size})")
+                                   f"max_rows: {quote(str(max_rows))}, must be an integer >= 1")
+        # Narrowed, as a leaf channel's client narrows its attach (LeafChannel.offered).
+        max_rows = min(wanted, self.max_rows, session.max_batch_size)
         try:
             spec, row, outputs = model_signature(session)
         except BadRequest as exc:
@@ -166,6 +179,7 @@ class Port:
         self.bucket = 0
         self.inputs, self.outputs, self._events, self._cupy = None, {}, None, None
         self._views: dict[int, tuple[dict, dict]] = {}  # rows -> a device wave's feeds and targets
+        self._late = None  # a device wave given up at its deadline while it ran (Request), until done
         self.kind = "cuda" if session.orders_by_events else "system"
         if device:
             cupy = self._cupy = cupy_module()
@@ -199,17 +213,22 @@ class Port:
         ``[N, *row]`` (arrays of their own).
 
         Raises:
-            LeafChannelError: INVALID_ARGUMENT (rows out of range or of another
-                shape: nothing run), DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED,
+            LeafChannelError: INVALID_ARGUMENT (another dtype than the
+                model's input -- never cast --, rows out of range or of another
+                shape: nothing run), DEADLINE_EXCEEDED (not run by ``deadline``,
+                or still running ``LATE_GRACE_S`` past it), RESOURCE_EXHAUSTED,
                 UNAVAILABLE, INTERNAL (the run failed, or an output of another
                 shape than the model's signature).
         """
         inputs = np.asarray(inputs)
-        rows = len(inputs)
+        if inputs.dtype != self.input_dtype:  # never cast: 0.7 would become 0, 300.0 44
+            raise self._invalid(f"inputs: dtype {inputs.dtype}, the model {self.model!r} takes {self.input_dtype}")
+        rows = inputs.shape[0] if inputs.ndim else 0
         if not 1 <= rows <= self.max_rows or tuple(inputs.shape[1:]) != self.input_row:
             raise self._invalid(f"inputs: shape {list(inputs.shape)}, the port carries 1..{self.max_rows} rows of "
                                 f"{list(self.input_row)}")
-        return self._wave({self._input_name: np.ascontiguousarray(inputs, self.input_dtype)}, None, rows, deadline)
+        # A copy: a run given up at its deadline may still read it after the caller has moved on.
+        return self._wave({self._input_name: np.array(inputs, order="C")}, None, rows, deadline)
 
     def evaluate_device(self, rows: int, deadline: float | None = None) -> dict:
         """One device wave: rows ``[0, rows)`` of :attr:`inputs`, written by
@@ -223,8 +242,9 @@ class Port:
         """
         if self.inputs is None:
             raise self._invalid("evaluate_device: a host port; use evaluate")
-        if not 1 <= rows <= self.max_rows:
-            raise self._invalid(f"rows: {rows}, the port carries 1..{self.max_rows}")
+        if isinstance(rows, bool) or not isinstance(rows, (int, np.integer)) or not 1 <= rows <= self.max_rows:
+            raise self._invalid(f"rows: {rows!r}, the port carries 1..{self.max_rows} (an integer)")
+        rows = int(rows)
         stream = self._cupy.cuda.get_current_stream().ptr
         self._events.ready.record(stream)
         self._wave(*self._device_views(rows), rows, deadline)
@@ -257,10 +277,10 @@ class Port:
         name, metrics = self.model, self._server.metrics
         metrics.requested(name, CRITICAL_LANE)
         try:
+            self._wait_late(deadline)
             if self._server.closed:
                 raise Refusal(grpc.StatusCode.UNAVAILABLE, "unavailable", "the reward service is stopping")
-            done = run(self._server.batchers[name], name, feeds, rows, CRITICAL, deadline, self._names, targets,
-                       None, self._events if targets is not None else None)
+            done = self._run(feeds, targets, rows, deadline)
             if done.inputs_late:
                 raise Refusal(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline_exceeded",
                               f"wave: its inputs were not written within {READY_WAIT_S * 1e3:g} ms of its run "
@@ -272,12 +292,57 @@ class Port:
                 for key, array in outputs.items():
                     targets[key].set(array)
                 outputs = None
-        except Refusal as exc:
-            metrics.failed(name, CRITICAL_LANE, exc.reason, time.perf_counter() - start)
-            raise LeafChannelError(exc.code, exc.message) from None
+        except Exception as exc:  # every failure a status; the port and the lane go on
+            refused = refusal_for(exc, name)
+            if refused is not exc and refused.reason == "run_failed":
+                log.exception("in-process wave of model %r failed", name)
+            metrics.failed(name, CRITICAL_LANE, refused.reason, time.perf_counter() - start)
+            raise LeafChannelError(refused.code, refused.message) from None
         self.queue_ms, self.compute_ms, self.bucket = done.queue_ms, done.compute_ms, done.bucket
         metrics.succeeded(name, CRITICAL_LANE, rows, time.perf_counter() - start, done.queue_ms / 1e3)
         return outputs
+
+    def _run(self, feeds: dict, targets: dict | None, rows: int, deadline: float | None):
+        """Submits the wave and waits for it until ``deadline`` (a running one
+        ``LATE_GRACE_S`` more); returns the done request.
+
+        Raises:
+            DeadlineExceeded, QueueFull, BatcherClosed: as Batcher.submit, or
+                not run by ``deadline``.
+            Refusal: DEADLINE_EXCEEDED: still running past the grace (a device
+                wave's run is then waited for by the port's next wave: it
+                writes into the port's buffers).
+            Exception: what the run raised.
+        """
+        batcher = self._server.batchers[self.model]
+        req = batcher.submit(feeds, rows, CRITICAL, deadline, self._names, targets, None,
+                             self._events if targets is not None else None)
+        if not req.wait(None if deadline is None else max(deadline - time.monotonic(), 0.0)):
+            if batcher.cancel(req):
+                raise DeadlineExceeded("deadline passed before the run")
+            if not req.wait(LATE_GRACE_S):
+                if targets is not None:
+                    self._late = req
+                raise Refusal(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline_exceeded",
+                              f"model {self.model!r}: wave still running {LATE_GRACE_S * 1e3:g} ms past its "
+                              "deadline; its outputs are dropped")
+        req.result()
+        return req
+
+    def _wait_late(self, deadline: float | None) -> None:
+        """Waits (until ``deadline``) for a device wave given up at its deadline
+        while it ran: its copies read and write this port's buffers.
+
+        Raises:
+            Refusal: DEADLINE_EXCEEDED: still running at ``deadline``.
+        """
+        late = self._late
+        if late is None:
+            return
+        if not late.wait(None if deadline is None else max(deadline - time.monotonic(), 0.0)):
+            raise Refusal(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline_exceeded",
+                          f"model {self.model!r}: the port's previous wave, given up at its deadline, still runs")
+        self._late = None
 
     def _host_outputs(self, done, rows: int) -> dict[str, np.ndarray]:
         """The wave's outputs by name, each float32 ``[rows, *row]``.

@@ -35,16 +35,22 @@ def run(batcher: Batcher, model: str, feeds: dict[str, np.ndarray], rows: int, r
         done = batcher.evaluate(feeds, rows, request_class, deadline, names, targets, on_written, events)
         done.result()
         return done
-    except DeadlineExceeded as exc:
-        raise Refusal(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline_exceeded", f"model {model!r}: {exc}; not run") from None
-    except QueueFull as exc:
-        raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue_full", str(exc)) from None
-    except BatcherClosed as exc:
-        raise Refusal(grpc.StatusCode.UNAVAILABLE, "unavailable", str(exc)) from None
-    except BatcherError as exc:  # pragma: no cover - every batcher error is mapped above
-        raise Refusal(grpc.StatusCode.INTERNAL, "run_failed", str(exc)) from None
-    except Exception as exc:  # the model run failed (logged by the batcher)
-        if pools.is_out_of_memory(exc):  # beyond the fixed arena (gpu_mem_limit)
-            raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, "out_of_memory",
-                          f"model {model!r}: memory pool full: {exc}") from None
-        raise Refusal(grpc.StatusCode.INTERNAL, "run_failed", f"model {model!r}: run failed: {exc}") from None
+    except Exception as exc:
+        raise refusal_for(exc, model) from None
+
+
+def refusal_for(exc: Exception, model: str) -> Refusal:
+    """The Refusal for what a batcher submit, wait or run of ``model`` raised."""
+    if isinstance(exc, Refusal):
+        return exc
+    if isinstance(exc, DeadlineExceeded):
+        return Refusal(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline_exceeded", f"model {model!r}: {exc}; not run")
+    if isinstance(exc, QueueFull):
+        return Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue_full", str(exc))
+    if isinstance(exc, BatcherClosed):
+        return Refusal(grpc.StatusCode.UNAVAILABLE, "unavailable", str(exc))
+    if isinstance(exc, BatcherError):  # pragma: no cover - every batcher error is mapped above
+        return Refusal(grpc.StatusCode.INTERNAL, "run_failed", str(exc))
+    if pools.is_out_of_memory(exc):  # the model run failed (logged by the batcher): beyond the fixed arena
+        return Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, "out_of_memory", f"model {model!r}: memory pool full: {exc}")
+    return Refusal(grpc.StatusCode.INTERNAL, "run_failed", f"model {model!r}: run failed: {exc}")

@@ -377,14 +377,28 @@ class HandoffEvaluator:
         it runs in this process and ``mode`` is ``auto``; else None."""
         return in_process.find(self.address) if self.mode == "auto" and self.address else None
 
+    def _local_port(self, device: bool):
+        """A port of the in-process server (:meth:`_local`), or None: none, or
+        one it refuses (logged, and said in ``why_grpc``; the leaf channel is
+        tried instead for host waves)."""
+        local = self._local()
+        if local is None:
+            return None
+        try:
+            return local.port(self.model, self.max_rows, device=device)
+        except LeafChannelError as exc:
+            self.why_grpc = f"in process: {exc}"
+            log.warning("search service: the in-process reward service refuses a %s port (%s)",
+                        "device" if device else "host", exc)
+            return None
+
     def _attach(self) -> None:
         ipc = None
         try:
-            local = self._local()
-            channel = None if local else LeafChannel.offered(self._stub, self.model, self.max_rows, self.timeout_s)
-            if local:
-                ipc = LeafChannelEvaluator(local.port(self.model, self.max_rows, device=False), self.timeout_s,
-                                           HANDOFF_IN_PROCESS)
+            port = self._local_port(device=False)
+            channel = None if port else LeafChannel.offered(self._stub, self.model, self.max_rows, self.timeout_s)
+            if port:
+                ipc = LeafChannelEvaluator(port, self.timeout_s, HANDOFF_IN_PROCESS)
                 log.warning("search service: the reward service runs in this process; waves go to it in-process")
             elif channel is None:
                 self.why_grpc = "the reward service offers no leaf channel"
@@ -458,9 +472,9 @@ class HandoffEvaluator:
                 with self._lock:
                     if self._closed or self._device_count >= self.device_channels:
                         return
-                local = self._local()
+                local = self._local() is not None  # in this process a leaf channel's CUDA IPC handle does not open
                 try:
-                    channel = (local.port(self.model, self.max_rows, device=True) if local else
+                    channel = (self._local_port(device=True) if local else
                                LeafChannel.offered(self._stub, self.model, self.max_rows, self.timeout_s))
                 except (LeafChannelError, grpc.RpcError, OSError, ValueError) as exc:
                     log.info("search service: no device leaf channel (%s)", exc)

@@ -12,7 +12,7 @@ import time
 import grpc
 import numpy as np
 import pytest
-from conftest import loopback_config
+from conftest import loopback_config, wait_for
 from prometheus_client import REGISTRY
 from tandem.v1 import reward_pb2, reward_pb2_grpc
 from test_handoff import serving, stopped_mid_search, value_search
@@ -68,8 +68,8 @@ def test_a_host_wave_answers_as_evaluate_does(reward):
 
 @pytest.mark.parametrize("model, max_rows, device, code, words", [
     ("nope", 8, False, grpc.StatusCode.NOT_FOUND, "no model named 'nope'"),
-    (MODEL, 0, False, grpc.StatusCode.INVALID_ARGUMENT, "max_rows: '0', must be 1..512"),
-    (MODEL, 513, False, grpc.StatusCode.INVALID_ARGUMENT, "max_rows: '513'"),
+    (MODEL, 0, False, grpc.StatusCode.INVALID_ARGUMENT, "max_rows: '0', must be an integer >= 1"),
+    (MODEL, 2.5, False, grpc.StatusCode.INVALID_ARGUMENT, "max_rows: '2.5'"),
     (MODEL, True, False, grpc.StatusCode.INVALID_ARGUMENT, "max_rows: 'True'"),
     (MODEL, 8, True, grpc.StatusCode.FAILED_PRECONDITION, "cannot take device waves"),
 ])
@@ -77,6 +77,25 @@ def test_a_bad_port_is_refused_naming_what_was_wrong(reward, model, max_rows, de
     cfg, _ = reward
     got, message = code_of(lambda: in_process.find(cfg.reward.address).port(model, max_rows, device))
     assert got == code and words in message
+
+
+def test_a_port_is_narrowed_to_the_channels_and_the_models_rows(reward):
+    cfg, _ = reward
+    server = in_process.find(cfg.reward.address)
+    assert server.port(MODEL, 4096, device=False).max_rows == 512  # reward.leaf_channel.max_rows
+    assert server.port(MODEL, np.int64(64), device=False).max_rows == 64
+
+
+def test_a_co_located_model_of_few_rows_per_batch_still_goes_in_process():
+    """A value model of max_batch_size 16: the search's port (it asks for
+    coalesce_max_rows) is narrowed to 16, as LeafChannel.offered narrows an attach."""
+    models = [{"name": MODEL, "path": "reward_service/models/connect4_value.onnx", "max_batch_size": 16}]
+    cfg = loopback_config(reward={"models": models}, search={"backend": "cpu", "value_model_parallel_sims": 8})
+    with serving(cfg, *colocated.start(cfg, follow_scheduler=False)) as box:
+        handoff = box["search"].servicer.handoff
+        assert handoff.wait_attached(10.0) and handoff._ipc.channel.max_rows == 16
+        reply = box["stub"].Search(value_search(), timeout=60)
+        assert reply.handoff == "in_process" and reply.model_simulations == 64 and not reply.evaluation_failure
 
 
 def test_bad_waves_are_refused_counted_and_the_port_goes_on(reward):
@@ -88,15 +107,20 @@ def test_bad_waves_are_refused_counted_and_the_port_goes_on(reward):
     before = (figure("tandem_reward_model_requests_total"), figure("tandem_reward_model_request_successes_total"),
               figure("tandem_reward_model_request_failures_total", reason="invalid_input"))
     port = in_process.find(cfg.reward.address).port(MODEL, 4, device=False)
-    for bad in (np.zeros((0, 2, 6, 7), np.uint8), np.zeros((5, 2, 6, 7), np.uint8), np.zeros((2, 84), np.uint8)):
+    shapes = (np.zeros((0, 2, 6, 7), np.uint8), np.zeros((5, 2, 6, 7), np.uint8), np.zeros((2, 84), np.uint8),
+              np.uint8(1))
+    for bad in shapes:
         code, message = code_of(lambda: port.evaluate(bad))
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "the port carries 1..4 rows of [2, 6, 7]" in message
+    for bad, dtype in ((np.full((1, 2, 6, 7), 0.7), "float64"), ("boards", "<U6"), (np.zeros((1, 2, 6, 7), np.int8), "int8")):
+        code, message = code_of(lambda: port.evaluate(bad))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and f"dtype {dtype}, the model" in message and "uint8" in message
     code, message = code_of(lambda: port.evaluate_device(1))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "a host port" in message
     assert port.evaluate(boards("4"))["value"].shape == (1, 1)  # the port goes on
     after = (figure("tandem_reward_model_requests_total"), figure("tandem_reward_model_request_successes_total"),
              figure("tandem_reward_model_request_failures_total", reason="invalid_input"))
-    assert [a - b for a, b in zip(after, before)] == [5, 1, 4]
+    assert [a - b for a, b in zip(after, before)] == [9, 1, 8]
 
 
 def test_a_wave_past_its_deadline_is_deadline_exceeded_and_never_run(reward):
@@ -105,6 +129,48 @@ def test_a_wave_past_its_deadline_is_deadline_exceeded_and_never_run(reward):
     code, message = code_of(lambda: port.evaluate(boards("4"), time.monotonic() - 0.001))
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED and "not run" in message
     assert port.evaluate(boards("4"), time.monotonic() + 30)["value"].shape == (1, 1)
+
+
+def test_a_wave_still_running_at_its_deadline_is_deadline_exceeded_and_counted(reward):
+    """A wave of 512 rows takes far longer than 5 ms on the CPU: at its deadline
+    it is running (or, on a busy machine, still queued: then never run), and
+    either way the port answers DEADLINE_EXCEEDED by then, not when the run
+    ends; the next wave is served."""
+    cfg, _ = reward
+
+    def expired() -> float:
+        return REGISTRY.get_sample_value("tandem_reward_model_request_failures_total",
+                                         {"model": MODEL, "lane": "critical", "reason": "deadline_exceeded"}) or 0.0
+
+    port = in_process.find(cfg.reward.address).port(MODEL, 512, device=False)
+    before = expired()
+    x = np.repeat(boards("4453"), 512, axis=0)
+    code, message = code_of(lambda: port.evaluate(x, time.monotonic() + 0.005))
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED and ("still running" in message or "not run" in message)
+    assert expired() == before + 1
+    assert port.evaluate(boards("4"), time.monotonic() + 60)["value"].shape == (1, 1)
+
+
+def test_a_run_that_fails_is_internal_counted_and_the_port_goes_on(reward, monkeypatch):
+    """Whatever a wave raises past the batcher (here the host outputs' check
+    itself failing) is INTERNAL with the error named, and counted."""
+    cfg, _ = reward
+    port = in_process.find(cfg.reward.address).port(MODEL, 4, device=False)
+    monkeypatch.setattr(port, "_host_outputs", lambda done, rows: 1 / 0)
+    code, message = code_of(lambda: port.evaluate(boards("4")))
+    assert code == grpc.StatusCode.INTERNAL and "division by zero" in message
+    monkeypatch.undo()
+    assert port.evaluate(boards("4"))["value"].shape == (1, 1)
+
+
+def test_withdrawing_one_server_leaves_another_offered_under_the_address():
+    first, second = object(), object()
+    in_process.offer("127.0.0.1:1", first)
+    in_process.offer("127.0.0.1:1", second)  # a restart offers its new server under the same address
+    in_process.withdraw(first)  # the old one's late close
+    assert in_process.find("127.0.0.1:1") is second
+    in_process.withdraw(second)
+    assert in_process.find("127.0.0.1:1") is None
 
 
 def test_an_output_that_does_not_fit_the_signature_is_internal_and_nothing_is_returned(reward):
@@ -159,3 +225,18 @@ def test_a_co_located_reward_service_stopped_mid_search_leaves_the_tree_and_a_re
     assert "in process" in r.evaluation_failure and "UNAVAILABLE" in r.evaluation_failure
     assert r.handoff == "in_process" and r.deadline_reached
     assert handoff._ipc is None  # the port was dropped: a new attach finds no reward service in this process
+    # A reward service again in this process, offered under the same address: in-process again.
+    cfg = co_located["cfg"]
+    co_located["reward"] = reward_server.start(cfg, follow_scheduler=False)
+    in_process.offer(cfg.reward.address, co_located["reward"].servicer.in_process)
+    assert wait_for(lambda: handoff.wait_attached(0.1) and handoff._ipc.handoff == "in_process", 20)
+    again = co_located["stub"].Search(value_search(), timeout=60)
+    assert again.handoff == "in_process" and again.model_simulations == 64 and not again.evaluation_failure
+
+
+def test_co_located_and_told_ipc_the_leaves_go_by_the_leaf_channel():
+    cfg = loopback_config(search={"backend": "cpu", "value_model_parallel_sims": 8, "handoff": "ipc"})
+    with serving(cfg, *colocated.start(cfg, follow_scheduler=False)) as box:
+        handoff = box["search"].servicer.handoff
+        assert handoff.wait_attached(10.0) and handoff._ipc.handoff == "ipc"
+        assert box["stub"].Search(value_search(), timeout=60).handoff == "ipc"

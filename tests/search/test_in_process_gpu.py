@@ -148,9 +148,51 @@ def test_device_waves_merged_with_host_waves_get_their_own_answers(co_located):
                 if not np.allclose(got, want[:n], atol=2e-3):
                     failures.append(("device", n))
 
-    threads = [threading.Thread(target=f) for f in (host_waves, device_waves)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    batcher = server.batchers[MODEL]
+    run, mixed = batcher._run, []
+
+    def spy(batch):  # the real run; notes the batches that held a device wave and a host wave
+        if batch.lane == reward_pb2.REQUEST_CLASS_CRITICAL and len({r.targets is None for r in batch.requests}) == 2:
+            mixed.append(batch.rows)
+        return run(batch)
+
+    batcher._run = spy
+    try:
+        threads = [threading.Thread(target=f) for f in (host_waves, device_waves)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    finally:
+        batcher._run = run
     assert not any(t.is_alive() for t in threads) and not failures, failures[:5]
+    assert mixed, "no batch held both kinds of wave: the merged path was not exercised"
+
+
+def test_a_device_wave_given_up_at_its_deadline_never_spoils_the_next(co_located):
+    """A wave whose inputs come after a long kernel (a matrix product of ~20
+    ms queued ahead of them) cannot run by its 2 ms deadline: it is answered
+    DEADLINE_EXCEEDED by then (not run, its inputs late, or still running past
+    the grace), and the next wave on the same port and buffers has its own
+    answers."""
+    from tandem.leaf_channel import LeafChannelError
+
+    cfg, _, _ = co_located
+    cp = cupy_module()
+    server = in_process.find(cfg.reward.address)
+    port = server.port(MODEL, 64, device=True)
+    small = random_boards(64, 12)
+    want = server.port(MODEL, 64, device=False).evaluate(small, time.monotonic() + 30)["value"]
+    heavy = cp.ones((8192, 8192), cp.float32)
+    with cp.cuda.Stream(non_blocking=True) as stream:
+        for i in range(10):
+            heavy @ heavy  # queued ahead of the wave's inputs
+            port.device_inputs[:64].set(random_boards(64, 100 + i))
+            with pytest.raises(LeafChannelError) as info:
+                port.evaluate_device(64, time.monotonic() + 0.002)
+            assert info.value.code.name == "DEADLINE_EXCEEDED"
+            stream.synchronize()
+            port.device_inputs[:64].set(small)
+            port.outputs["value"].fill(np.nan)
+            got = port.evaluate_device(64, time.monotonic() + 30)["value"][:64].get()
+            np.testing.assert_allclose(got, want, atol=2e-3)
