@@ -8,8 +8,8 @@ services keep their own servers, ports, batchers, scheduler clients and
 streams of each priority, now in one CUDA context.
 
 The search service hands its leaf waves to the reward service in-process
-(tandem/in_process.py: no socket, no gRPC, no copy through the host on a
-GPU); its other calls (metadata, health) go over loopback gRPC as before.
+(tandem/in_process.py: no socket, no gRPC; on a GPU a search's device waves
+never cross the host); its other calls (metadata, health) go over loopback gRPC as before.
 """
 from __future__ import annotations
 

@@ -14,12 +14,13 @@ What a search calls on the offered server (duck-typed: the reward
 service's object is passed, never imported):
 
 * ``server.port(model, max_rows, device) -> port``: one caller's way to
-  ``model``, its rows checked as the leaf channel checks them. Raises
+  ``model``, its rows checked as the leaf channel checks them (``max_rows``
+  narrowed to what the model takes). Raises
   :class:`tandem.leaf_channel.LeafChannelError` (NOT_FOUND: no such model;
-  INVALID_ARGUMENT: ``max_rows`` out of range; FAILED_PRECONDITION: a model
-  whose signature does not fit; UNAVAILABLE: the reward service stopped).
-* ``port.run(inputs, deadline) -> {output name: ndarray}``: one host wave.
-* ``port.run_device(rows, deadline) -> {output name: CuPy view}``: one
+  INVALID_ARGUMENT: ``max_rows`` not an integer >= 1; FAILED_PRECONDITION: a
+  model whose signature does not fit; UNAVAILABLE: the reward service stopped).
+* ``port.evaluate(inputs, deadline) -> {output name: ndarray}``: one host wave.
+* ``port.evaluate_device(rows, deadline) -> {output name: CuPy view}``: one
   device wave whose rows ``[0, rows)`` of ``port.inputs`` were written by
   kernels queued on the caller's current CUDA stream; on return that stream
   is made to wait (on the GPU) for the run's outputs: the caller queues its
@@ -36,7 +37,7 @@ from __future__ import annotations
 
 import threading
 
-HANDOFF_IN_PROCESS = "in_process"  # the hand-off's name in responses, metrics and config
+HANDOFF_IN_PROCESS = "in_process"  # the hand-off's name in SearchResponse.handoff and play reports
 
 _lock = threading.Lock()
 _offered: dict[str, object] = {}  # reward address -> its in-process server; guarded by _lock

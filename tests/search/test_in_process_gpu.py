@@ -116,57 +116,64 @@ def test_a_co_located_cuda_search_service_sends_its_leaves_in_process(co_located
 
 
 def test_device_waves_merged_with_host_waves_get_their_own_answers(co_located):
-    """Device and host waves of two callers at once meet in the critical lane;
-    a batch holding both runs the host way, and the device wave's outputs are
-    written into its buffers on its stream: every answer is its own."""
+    """A device wave and a host wave queued together (the lane's worker held
+    by a third wave whose inputs come after a long kernel) run as one batch,
+    the host way; the device wave's outputs are written into its buffers on
+    its stream: each answer is its own."""
     import threading
+
+    from tandem.leaf_channel import LeafChannelError
 
     cfg, _, _ = co_located
     cp = cupy_module()
     server = in_process.find(cfg.reward.address)
-    reference = server.port(MODEL, 64, device=False)
+    blocker, host, device = (server.port(MODEL, 64, device=d) for d in (True, False, True))
     obs = random_boards(64, 7)
-    want = reference.evaluate(obs, time.monotonic() + 30)["value"]
-    failures = []
-
-    def host_waves():
-        port = server.port(MODEL, 64, device=False)
-        for i in range(200):
-            n = 1 + i % 64
-            got = port.evaluate(obs[:n], time.monotonic() + 30)["value"]
-            if not np.allclose(got, want[:n], atol=2e-3):  # buckets may round apart (FP16)
-                failures.append(("host", n))
-
-    def device_waves():
-        port = server.port(MODEL, 64, device=True)
-        with cp.cuda.Stream(non_blocking=True):
-            port.device_inputs[:64].set(obs)
-            for i in range(200):
-                n = 64 - i % 64
-                port.outputs["value"].fill(np.nan)  # a wave whose outputs were not written reads NaN
-                got = port.evaluate_device(n, time.monotonic() + 30)["value"][:n].get()
-                if not np.allclose(got, want[:n], atol=2e-3):
-                    failures.append(("device", n))
-
+    want = host.evaluate(obs, time.monotonic() + 30)["value"]
     batcher = server.batchers[MODEL]
-    run, mixed = batcher._run, []
+    run, mixed, got, holding = batcher._run, [], {}, threading.Event()
 
     def spy(batch):  # the real run; notes the batches that held a device wave and a host wave
-        if batch.lane == reward_pb2.REQUEST_CLASS_CRITICAL and len({r.targets is None for r in batch.requests}) == 2:
+        if len({r.targets is None for r in batch.requests}) == 2:
             mixed.append(batch.rows)
+        if any(r.feeds["board"].data.ptr == blocker.device_inputs.data.ptr for r in batch.requests
+               if r.targets is not None):
+            holding.set()  # the worker now waits for the blocker's inputs
         return run(batch)
+
+    def held():
+        with cp.cuda.Stream(non_blocking=True):
+            heavy = cp.ones((8192, 8192), cp.float32)
+            heavy @ heavy  # ~20 ms ahead of its inputs: the worker waits for them (at most 5 ms)
+            try:
+                blocker.evaluate_device(64, time.monotonic() + 30)
+            except LeafChannelError:
+                pass  # its inputs came too late: DEADLINE_EXCEEDED
+
+    device.device_inputs[:64].set(obs)
+    device.outputs["value"].fill(np.nan)
+    cp.cuda.Device().synchronize()
+
+    def device_wave():
+        with cp.cuda.Stream(non_blocking=True):
+            got["device"] = device.evaluate_device(64, time.monotonic() + 30)["value"][:64].get()
 
     batcher._run = spy
     try:
-        threads = [threading.Thread(target=f) for f in (host_waves, device_waves)]
-        for t in threads:
+        first = threading.Thread(target=held)
+        first.start()
+        assert holding.wait(30)
+        others = [threading.Thread(target=device_wave),
+                  threading.Thread(target=lambda: got.setdefault("host", host.evaluate(obs, time.monotonic() + 30)))]
+        for t in others:
             t.start()
-        for t in threads:
-            t.join(120)
+        for t in [first, *others]:
+            t.join(60)
     finally:
         batcher._run = run
-    assert not any(t.is_alive() for t in threads) and not failures, failures[:5]
     assert mixed, "no batch held both kinds of wave: the merged path was not exercised"
+    np.testing.assert_allclose(got["device"], want, atol=2e-3)
+    np.testing.assert_allclose(got["host"]["value"], want, atol=2e-3)
 
 
 def test_a_device_wave_given_up_at_its_deadline_never_spoils_the_next(co_located):
