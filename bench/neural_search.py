@@ -55,7 +55,8 @@ Row fields: kind, handoff, simulations, wave, latency_ms_p50, latency_ms_p99,
 kernel_ms, handoff_us_per_wave, model_us_per_wave, queue_us_per_wave,
 compute_us_per_wave, transport_us_per_wave, bookkeeping_us_per_wave, waves, evals_per_s; batch;
 position_set, evaluator, budget_ms, positions, optimal_move_rate, missed
-(the missed positions' move strings), simulations_mean; step, from_mark,
+(the missed positions' move strings), played (the column each missed one
+played), simulations_mean; step, from_mark,
 to_mark, us_p50, us_p90, count.
 
 Command (full): ``python3 -m bench.neural_search`` (``--kinds search_quality``: those rows only)
@@ -194,7 +195,7 @@ def throughput(evaluator, batch: int, repeats: int, device: bool = False) -> dic
 def quality(backend, evaluator, set_name: str, limit: int, name: str, wave: int, budget_ms: float,
             handoff=None) -> dict | None:
     """One ``search_quality`` row: each position of the set its own ``budget_ms`` search."""
-    from bench.search_quality import missed, rate, scored_positions
+    from bench.search_quality import missed, played, rate, scored_positions
     from search_service.games import connect4
 
     ev = "value_model" if name == "value_model" else "rollout"
@@ -219,7 +220,7 @@ def quality(backend, evaluator, set_name: str, limit: int, name: str, wave: int,
     how = "+".join(sorted(lent)) if lent else None  # each search's hand-off, joined where they differ
     return dict(kind="search_quality", handoff=how, position_set=set_name,
                 evaluator=name, budget_ms=budget_ms, wave=wave, positions=len(recs),
-                optimal_move_rate=rate(recs, actions), missed=missed(recs, actions),
+                optimal_move_rate=rate(recs, actions), missed=missed(recs, actions), played=played(recs, actions),
                 simulations_mean=float(np.mean(sims)))
 
 

@@ -60,6 +60,12 @@ def missed(recs, actions) -> list[str]:
     return [r.moves for r, a in zip(recs, actions) if not r.keeps_result(int(a))]
 
 
+def played(recs, actions) -> dict[str, int]:
+    """For each missed position (its move string), the column it played
+    (1-indexed): to tell two searches' misses of one position apart."""
+    return {r.moves: int(a) + 1 for r, a in zip(recs, actions) if not r.keeps_result(int(a))}
+
+
 def equal_simulations(variant: str, set_name: str, recs, roots, sims: int, k: int) -> dict | None:
     """One batched call over the whole set at ``sims`` simulations per tree."""
     params = common.search_params(simulations=sims, parallel_sims=k, evaluator="rollout", max_nodes=sims + 1)

@@ -47,7 +47,7 @@ def test_cuda_provider_plays_the_cpu_providers_moves(tmp_path):
 
 
 def test_missed_names_the_positions_whose_move_gives_the_result_away():
-    from bench.search_quality import missed
+    from bench.search_quality import missed, played
     from tandem.positions import load_set
 
     recs = [r for r in load_set("Test_L1_R1") if r.score > 0][:3]
@@ -58,3 +58,4 @@ def test_missed_names_the_positions_whose_move_gives_the_result_away():
     actions = list(good)
     actions[i] = bad[i]
     assert missed(recs, actions) == [recs[i].moves]
+    assert played(recs, good) == {} and played(recs, actions) == {recs[i].moves: bad[i] + 1}
