@@ -46,14 +46,13 @@ import logging
 import operator
 import threading
 import time
-from dataclasses import dataclass
 
 import grpc
 import numpy as np
 from tandem.v1 import reward_pb2
 
 from reward_service.batcher import LANES, DeadlineExceeded
-from reward_service.leaf_channel import BadRequest, model_signature
+from reward_service.leaf_channel import BadRequest, WaveEvents, model_signature, wave_output
 from reward_service.model_metrics import ModelMetrics
 from reward_service.refusal import Refusal, refusal_for
 from reward_service.session import READY_WAIT_S, ModelSession
@@ -69,14 +68,6 @@ CRITICAL = reward_pb2.REQUEST_CLASS_CRITICAL
 CRITICAL_LANE = LANES[CRITICAL]  # the per-model metrics' lane of every wave
 _VIEW_SIZES = 64  # wave sizes whose buffer views a device port keeps
 LATE_GRACE_S = 0.0005  # how long past its deadline a running wave is waited for (s), as a leaf channel's done event
-
-
-@dataclass(frozen=True)
-class LocalEvents:
-    """A device port's events (Request.events): ``ready`` (the search's), ``done`` (the run's)."""
-
-    ready: LocalEvent
-    done: LocalEvent
 
 
 class InProcessServer:
@@ -170,7 +161,7 @@ class Port:
     def __init__(self, server: InProcessServer, session: ModelSession, max_rows: int, input_name: str,
                  input_row: tuple[int, ...], input_dtype: np.dtype, output_rows: list[tuple[str, tuple[int, ...]]],
                  device: bool):
-        self._server, self._session = server, session
+        self._server = server
         self.model, self.max_rows = session.name, max_rows
         self._input_name, self.input_row, self.input_dtype = input_name, input_row, input_dtype
         self.output_rows = output_rows
@@ -185,7 +176,7 @@ class Port:
             cupy = self._cupy = cupy_module()
             self.inputs = cupy.zeros((max_rows, *input_row), input_dtype)
             self.outputs = {name: cupy.zeros((max_rows, *r), np.float32) for name, r in output_rows}
-            self._events = LocalEvents(LocalEvent(), LocalEvent())
+            self._events = WaveEvents(LocalEvent(), LocalEvent())
 
     @property
     def device_inputs(self):
@@ -285,7 +276,8 @@ class Port:
                 raise Refusal(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline_exceeded",
                               f"wave: its inputs were not written within {READY_WAIT_S * 1e3:g} ms of its run "
                               "(the search's ready event)")
-            outputs = None if targets is not None and done.targets_written else self._host_outputs(done, rows)
+            outputs = None if targets is not None and done.targets_written else {
+                key: wave_output(done, key, row, rows, name).copy() for key, row in self.output_rows}
             if targets is not None and outputs is not None:
                 # Run in a batch with host waves (another caller's), its outputs came back to the
                 # host: written into the targets on the caller's stream, before its next kernels.
@@ -343,19 +335,3 @@ class Port:
             raise Refusal(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline_exceeded",
                           f"model {self.model!r}: the port's previous wave, given up at its deadline, still runs")
         self._late = None
-
-    def _host_outputs(self, done, rows: int) -> dict[str, np.ndarray]:
-        """The wave's outputs by name, each float32 ``[rows, *row]``.
-
-        Raises:
-            Refusal: INTERNAL: an output of another shape than the model's signature.
-        """
-        out = {}
-        for name, row in self.output_rows:
-            array = np.asarray(done.outputs[name], np.float32)
-            if array.shape[1:] != row or len(array) < rows:
-                raise Refusal(grpc.StatusCode.INTERNAL, "run_failed",
-                              f"model {self.model!r}: output {name} is {list(array.shape)}, a wave expects "
-                              f"{[rows, *row]}")
-            out[name] = array[:rows].copy()
-        return out

@@ -76,7 +76,7 @@ from reward_service.session import READY_WAIT_S, ModelSession
 from reward_service.shared_memory import RegionTable, SharedMemoryError
 from tandem import tensors, timeline
 from tandem.config import LeafChannelConfig
-from tandem.cuda_events import IPC_EVENT_HANDLE_BYTES, ExportedEvent, OpenedEvent
+from tandem.cuda_events import IPC_EVENT_HANDLE_BYTES, ExportedEvent, LocalEvent, OpenedEvent
 from tandem.errors import quote
 from tandem.leaf_channel import (ATTACH, ERROR, MAX_MESSAGE_BYTES, REPLY, REPLY_FORMAT, WAVE, WAVE_FORMAT, OutputSlot,
                                  output_layout, pack_error)
@@ -116,10 +116,12 @@ class _Attachment:
 
 @dataclass(frozen=True)
 class WaveEvents:
-    """An ordered channel's events (Request.events): the client's, opened here, and this server's, exported."""
+    """A wave's events (Request.events): ``ready``, the client's, and ``done``,
+    the run's. An ordered channel's: the client's opened here, this server's
+    exported; an in-process port's: two of that process (LocalEvent)."""
 
-    ready: OpenedEvent
-    done: ExportedEvent
+    ready: OpenedEvent | LocalEvent
+    done: ExportedEvent | LocalEvent
 
 
 _FLOAT32 = np.dtype(np.float32)
@@ -197,6 +199,20 @@ def model_signature(session: ModelSession):
             raise BadRequest(grpc.StatusCode.FAILED_PRECONDITION,
                              f"model {session.name!r}: output {o.name} is {tensors.dtype_name(o.dtype)}, not float32")
     return spec, rows[0][1], rows[1:]
+
+
+def wave_output(done, name: str, row: tuple[int, ...], rows: int, model: str) -> np.ndarray:
+    """Output ``name`` of a wave's done run (a batcher request), float32
+    ``[rows, *row]``, checked against the model's signature.
+
+    Raises:
+        Refusal: INTERNAL: an output of another shape.
+    """
+    out = np.asarray(done.outputs[name], np.float32)
+    if out.shape[1:] != row or len(out) < rows:
+        raise Refusal(grpc.StatusCode.INTERNAL, "run_failed",
+                      f"model {model!r}: output {name} is {list(out.shape)}, a wave expects {[rows, *row]}")
+    return out[:rows]
 
 
 class LeafChannelServer:
@@ -563,12 +579,7 @@ class LeafChannelServer:
                 return done
             lease.check_live()  # a region unregistered meanwhile gets nothing written
             for slot in a.outputs:
-                out = np.asarray(done.outputs[slot.name], np.float32)
-                if out.shape[1:] != slot.row or len(out) < rows:
-                    raise Refusal(grpc.StatusCode.INTERNAL, "run_failed",
-                                  f"model {a.session.name!r}: output {slot.name} is {list(out.shape)}, "
-                                  f"the leaf channel expects {[rows, *slot.row]}")
-                lease.write(a.output_region, slot.offset, out[:rows])
+                lease.write(a.output_region, slot.offset, wave_output(done, slot.name, slot.row, rows, a.session.name))
             return done
 
     def close(self) -> None:

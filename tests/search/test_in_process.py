@@ -17,6 +17,7 @@ from prometheus_client import REGISTRY
 from tandem.v1 import reward_pb2, reward_pb2_grpc
 from test_handoff import serving, stopped_mid_search, value_search
 
+from reward_service import in_process as in_process_server
 from reward_service import server as reward_server
 from reward_service.in_process import Port
 from search_service.games import connect4 as c4
@@ -156,7 +157,7 @@ def test_a_run_that_fails_is_internal_counted_and_the_port_goes_on(reward, monke
     itself failing) is INTERNAL with the error named, and counted."""
     cfg, _ = reward
     port = in_process.find(cfg.reward.address).port(MODEL, 4, device=False)
-    monkeypatch.setattr(port, "_host_outputs", lambda done, rows: 1 / 0)
+    monkeypatch.setattr(in_process_server, "wave_output", lambda *args: 1 / 0)
     code, message = code_of(lambda: port.evaluate(boards("4")))
     assert code == grpc.StatusCode.INTERNAL and "division by zero" in message
     monkeypatch.undo()
