@@ -15,8 +15,11 @@ the leaves and answers on the host (system regions, or a GPU search without
 device waves); ``grpc``, one ``Evaluate`` per wave; and ``in_process`` /
 ``in_process_host``, co-located mode's hand-off (tandem/in_process.py): a
 second reward service started in this process, its critical lane reached
-with no socket (device waves on a GPU, whose stream waits for the model on
-the GPU; host waves).
+with no socket: ``in_process``, the search driven on the critical lane's
+worker thread (Port.drive: no thread hand-off per wave), ``in_process_per_wave``,
+its device waves handed to that worker one by one (the way before), and
+``in_process_host``, host waves (device waves' streams wait for the model on
+the GPU).
 
 Three kinds of row (``kind``):
 
@@ -97,29 +100,35 @@ def _free_address() -> str:
         return f"127.0.0.1:{s.getsockname()[1]}"
 
 
-def _device_waves(evaluator, rows: int):
+PER_WAVE = "per_wave"  # a way's ``device`` value: device waves, each handed over on its own (never driven)
+
+
+def _device_waves(evaluator, rows: int, driven: bool = True):
     """Device waves over ``evaluator``'s leaf channel (no deadline) when it has
-    CUDA regions of ``rows`` rows or more, else None (that row is skipped)."""
+    CUDA regions of ``rows`` rows or more, else None (that row is skipped);
+    ``driven``: a search driven by an in-process port (DeviceWaves.run)."""
     from search_service.evaluators import DeviceWaves
 
     if not DeviceWaves.fits(evaluator.channel):
         return None
-    waves = DeviceWaves(evaluator, None)
+    waves = DeviceWaves(evaluator, None, driven)
     return waves if waves.carries(rows) else None
 
 
-def _row_handoff(evaluator, device: bool) -> str:
+def _row_handoff(evaluator, device) -> str:
     """A row's ``handoff``: ``ipc`` (device waves), ``ipc_synchronised``
     (device waves, a channel without events), ``ipc_host`` (the leaf channel
-    through the host), ``in_process`` / ``in_process_host`` (a reward service
-    in this process, device or host waves) or ``grpc``."""
+    through the host), ``in_process`` / ``in_process_per_wave`` /
+    ``in_process_host`` (a reward service in this process: a search driven on
+    its critical lane's worker, device waves handed over one by one, host
+    waves) or ``grpc``."""
     if evaluator.handoff == "grpc":
         return "grpc"
     if not device:
         return f"{evaluator.handoff}_host"
     if evaluator.handoff == "ipc" and not evaluator.channel.ordered:
         return "ipc_synchronised"
-    return evaluator.handoff
+    return f"{evaluator.handoff}_{PER_WAVE}" if device == PER_WAVE else evaluator.handoff
 
 
 def latency(backend, evaluator, wave: int, simulations: int, repeats: int, device: bool = False) -> dict | None:
@@ -132,7 +141,7 @@ def latency(backend, evaluator, wave: int, simulations: int, repeats: int, devic
     root = common.positions([""])
     kw = {}
     if device:
-        waves = _device_waves(evaluator, wave)
+        waves = _device_waves(evaluator, wave, driven=device != PER_WAVE)
         if waves is None:
             return None
         kw = {"device_waves": waves}
@@ -173,6 +182,8 @@ def throughput(evaluator, batch: int, repeats: int, device: bool = False) -> dic
     both ways through the same channel: ``ipc_host``)."""
     boards = np.random.default_rng(batch).integers(0, 2, (batch, 2, 6, 7)).astype(np.uint8)
     call = lambda: evaluator(boards)  # noqa: E731 - one call, timed below
+    if device == PER_WAVE:
+        return None  # the same calls as the in_process rows: a throughput call is one wave
     if device:
         waves = _device_waves(evaluator, batch)
         if waves is None:
@@ -299,7 +310,7 @@ def _timed_rows(ways, kinds, args, value_backends, rows: list, marked: list, pro
                                  2 if args.quick else args.repeats, device)
             if profiler:
                 profiler.disable()
-            if row and args.timeline and row["handoff"] in ("ipc", "in_process"):
+            if row and args.timeline and row["handoff"] in ("ipc", "in_process", f"in_process_{PER_WAVE}"):
                 marked.append((wave, g, timeline.take(), row["repeats"], row["handoff"]))
             if row:
                 row["sims_per_warp"] = g
@@ -387,7 +398,8 @@ def main() -> None:
                 in_process.offer(local_cfg.reward.address, local.servicer.in_process)
                 ways = [(_in_process(local_cfg, device=False), False)]
                 if local.servicer.in_process.sessions["connect4_value"].orders_by_events:  # a GPU: device ports
-                    ways.insert(0, (_in_process(local_cfg, device=True), True))
+                    ways[:0] = [(_in_process(local_cfg, device=True), True),
+                                (_in_process(local_cfg, device=True), PER_WAVE)]
                 timed(ways)
             if profiler:
                 out = (args.out or common.RESULTS_DIR) / "neural_search_profile.txt"

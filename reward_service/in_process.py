@@ -26,6 +26,15 @@ Invariants:
   ports' waves, leaf-channel waves, critical Evaluate calls): batching across
   searches. It runs on the lane's worker thread, never the caller's (ONNX
   Runtime's CUDA provider keeps per-thread state; batcher.py).
+* A driven caller (:meth:`Port.drive`: a whole search) runs on that worker
+  too, from its first wave to its last: the worker steps its generator
+  between batches (on the caller's CUDA stream), so a wave costs no thread
+  hand-off; the caller's thread waits once, for the end. The generator
+  holds the port for the call (its waves are the port's only ones) and
+  must never wait for this model's critical lane itself (the worker runs
+  it: it would wait for itself). A driven device wave's ``ready`` event is
+  waited for on the GPU (WaveEvents.ready_on_gpu), so the worker never
+  waits for the search's kernels either.
 * A wave's figures go into the per-model metrics' critical lane, as a leaf
   channel wave's (``requested`` and ``succeeded``/``failed``), on the
   caller's thread once its outputs are in place, before it returns.
@@ -42,6 +51,7 @@ Invariants:
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
 import threading
@@ -51,7 +61,7 @@ import grpc
 import numpy as np
 from tandem.v1 import reward_pb2
 
-from reward_service.batcher import LANES, DeadlineExceeded
+from reward_service.batcher import LANES, BatcherClosed, DeadlineExceeded, Request
 from reward_service.leaf_channel import BadRequest, WaveEvents, model_signature, wave_output
 from reward_service.model_metrics import ModelMetrics
 from reward_service.refusal import Refusal, refusal_for
@@ -168,7 +178,7 @@ class Port:
         self._names = tuple(name for name, _ in output_rows)
         self.queue_ms = self.compute_ms = 0.0
         self.bucket = 0
-        self.inputs, self.outputs, self._events, self._cupy = None, {}, None, None
+        self.inputs, self.outputs, self._events, self._driven_events, self._cupy = None, {}, None, None, None
         self._views: dict[int, tuple[dict, dict]] = {}  # rows -> a device wave's feeds and targets
         self._late = None  # a device wave given up at its deadline while it ran (Request), until done
         self.kind = "cuda" if session.orders_by_events else "system"
@@ -177,6 +187,7 @@ class Port:
             self.inputs = cupy.zeros((max_rows, *input_row), input_dtype)
             self.outputs = {name: cupy.zeros((max_rows, *r), np.float32) for name, r in output_rows}
             self._events = WaveEvents(LocalEvent(), LocalEvent())
+            self._driven_events = WaveEvents(self._events.ready, self._events.done, ready_on_gpu=True)
 
     @property
     def device_inputs(self):
@@ -211,6 +222,15 @@ class Port:
                 UNAVAILABLE, INTERNAL (the run failed, or an output of another
                 shape than the model's signature).
         """
+        inputs = self._host_inputs(inputs)
+        return self._wave({self._input_name: inputs}, None, len(inputs), deadline)
+
+    def _host_inputs(self, inputs) -> np.ndarray:
+        """A host wave's inputs, checked, as an array of their own.
+
+        Raises:
+            LeafChannelError: INVALID_ARGUMENT, as :meth:`evaluate` says.
+        """
         inputs = np.asarray(inputs)
         if inputs.dtype != self.input_dtype:  # never cast: 0.7 would become 0, 300.0 44
             raise self._invalid(f"inputs: dtype {inputs.dtype}, the model {self.model!r} takes {self.input_dtype}")
@@ -219,7 +239,7 @@ class Port:
             raise self._invalid(f"inputs: shape {list(inputs.shape)}, the port carries 1..{self.max_rows} rows of "
                                 f"{list(self.input_row)}")
         # A copy: a run given up at its deadline may still read it after the caller has moved on.
-        return self._wave({self._input_name: np.array(inputs, order="C")}, None, rows, deadline)
+        return np.array(inputs, order="C")
 
     def evaluate_device(self, rows: int, deadline: float | None = None) -> dict:
         """One device wave: rows ``[0, rows)`` of :attr:`inputs`, written by
@@ -231,17 +251,25 @@ class Port:
         Raises:
             LeafChannelError: as :meth:`evaluate`; INVALID_ARGUMENT also for a host port.
         """
-        if self.inputs is None:
-            raise self._invalid("evaluate_device: a host port; use evaluate")
-        if isinstance(rows, bool) or not isinstance(rows, (int, np.integer)) or not 1 <= rows <= self.max_rows:
-            raise self._invalid(f"rows: {rows!r}, the port carries 1..{self.max_rows} (an integer)")
-        rows = int(rows)
+        rows = self._device_rows(rows)
         stream = self._cupy.cuda.get_current_stream().ptr
         self._events.ready.record(stream)
         self._wave(*self._device_views(rows), rows, deadline)
         timeline.mark("port.answered")
         self._events.done.wait_on_stream(stream)
         return self.outputs
+
+    def _device_rows(self, rows) -> int:
+        """A device wave's row count, checked.
+
+        Raises:
+            LeafChannelError: INVALID_ARGUMENT: a host port, or not an integer in 1..max_rows.
+        """
+        if self.inputs is None:
+            raise self._invalid("evaluate_device: a host port; use evaluate")
+        if isinstance(rows, bool) or not isinstance(rows, (int, np.integer)) or not 1 <= rows <= self.max_rows:
+            raise self._invalid(f"rows: {rows!r}, the port carries 1..{self.max_rows} (an integer)")
+        return int(rows)
 
     def _device_views(self, rows: int) -> tuple[dict, dict]:
         """The feeds and targets of a device wave of ``rows`` rows: views of the
@@ -261,38 +289,98 @@ class Port:
         self._server.metrics.failed(self.model, CRITICAL_LANE, "invalid_input", 0.0)
         return LeafChannelError(grpc.StatusCode.INVALID_ARGUMENT, message)
 
+    def drive(self, steps, deadline: float | None = None):
+        """Runs the generator ``steps`` on the model's critical-lane worker
+        thread (Batcher.drive) and returns what it returns: no thread hand-off
+        per wave, one for the whole loop. Each item it yields is one wave: an
+        int ``n``, rows ``[0, n)`` of :attr:`inputs` (a device port; written
+        by kernels queued on this thread's current CUDA stream, on which the
+        generator also runs there), or an array, a host wave as
+        :meth:`evaluate` takes it. The wave runs in the lane's next batch,
+        merged with the other driven waves and the queued critical requests,
+        by ``deadline`` (``time.monotonic()`` s; None: none); what
+        :meth:`evaluate_device` or :meth:`evaluate` would return is sent
+        back, or the LeafChannelError it would raise is thrown in. A device
+        wave's ``ready`` event is waited for on the GPU (no host wait for the
+        generator's kernels); its outputs are waited for on the generator's
+        stream, as :meth:`evaluate_device` does. The generator must never wait
+        for another wave of this model's critical lane: the worker runs it.
+
+        Raises:
+            LeafChannelError: UNAVAILABLE: the reward service is stopping
+                (refused before any step).
+            Exception: whatever the generator raised.
+        """
+        if self._server.closed:
+            raise LeafChannelError(grpc.StatusCode.UNAVAILABLE, "the reward service is stopping")
+        stream = self._cupy.cuda.get_current_stream() if self.inputs is not None else None
+        job = _Driven(self, steps, deadline, stream)
+        try:
+            self._server.batchers[self.model].drive(job)
+        except BatcherClosed as exc:
+            raise LeafChannelError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+        job.finished.wait()
+        if job.error is not None:
+            raise job.error
+        return job.value
+
     def _wave(self, feeds: dict, targets: dict | None, rows: int, deadline: float | None):
         """Runs one wave in the critical lane and records its figures; returns
         host outputs (a host wave) or None (a device wave: in its targets)."""
-        start = time.perf_counter()
-        name, metrics = self.model, self._server.metrics
-        metrics.requested(name, CRITICAL_LANE)
+        start = self._begin()
         try:
             self._wait_late(deadline)
-            if self._server.closed:
-                raise Refusal(grpc.StatusCode.UNAVAILABLE, "unavailable", "the reward service is stopping")
-            done = self._run(feeds, targets, rows, deadline)
-            if done.inputs_late:
-                raise Refusal(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline_exceeded",
-                              f"wave: its inputs were not written within {READY_WAIT_S * 1e3:g} ms of its run "
-                              "(the search's ready event)")
-            outputs = None if targets is not None and done.targets_written else {
-                key: wave_output(done, key, row, rows, name).copy() for key, row in self.output_rows}
-            if targets is not None and outputs is not None:
-                # Run in a batch with host waves (another caller's), its outputs came back to the
-                # host: written into the targets on the caller's stream, before its next kernels.
-                for key, array in outputs.items():
-                    targets[key].set(array)
-                outputs = None
+            self._check_open()
+            outputs = self._answer(self._run(feeds, targets, rows, deadline), targets, rows)
         except Exception as exc:  # every failure a status; the port and the lane go on
-            refused = refusal_for(exc, name)
-            if refused is not exc and refused.reason == "run_failed":
-                log.exception("in-process wave of model %r failed", name)
-            metrics.failed(name, CRITICAL_LANE, refused.reason, time.perf_counter() - start)
-            raise LeafChannelError(refused.code, refused.message) from None
-        self.queue_ms, self.compute_ms, self.bucket = done.queue_ms, done.compute_ms, done.bucket
-        metrics.succeeded(name, CRITICAL_LANE, rows, time.perf_counter() - start, done.queue_ms / 1e3)
+            raise self._failed(exc, start) from None
+        self._succeeded(rows, start)
         return outputs
+
+    def _begin(self) -> float:
+        """A wave begins: counted as requested; returns its start (perf_counter s)."""
+        self._server.metrics.requested(self.model, CRITICAL_LANE)
+        return time.perf_counter()
+
+    def _check_open(self) -> None:
+        if self._server.closed:
+            raise Refusal(grpc.StatusCode.UNAVAILABLE, "unavailable", "the reward service is stopping")
+
+    def _answer(self, done, targets: dict | None, rows: int):
+        """A done wave's outputs: host arrays of their own (a host wave), or
+        None (a device wave's, in its targets: written there on the caller's
+        stream where the run sent them to the host); its figures kept.
+
+        Raises:
+            Refusal: DEADLINE_EXCEEDED: its inputs came late.
+            Exception: an output of another shape than the signature (INTERNAL).
+        """
+        if done.inputs_late:
+            raise Refusal(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline_exceeded",
+                          f"wave: its inputs were not written within {READY_WAIT_S * 1e3:g} ms of its run "
+                          "(the search's ready event)")
+        outputs = None if targets is not None and done.targets_written else {
+            key: wave_output(done, key, row, rows, self.model).copy() for key, row in self.output_rows}
+        if targets is not None and outputs is not None:
+            # Run in a batch with host waves (another caller's), its outputs came back to the
+            # host: written into the targets on the caller's stream, before its next kernels.
+            for key, array in outputs.items():
+                targets[key].set(array)
+            outputs = None
+        self.queue_ms, self.compute_ms, self.bucket = done.queue_ms, done.compute_ms, done.bucket
+        return outputs
+
+    def _succeeded(self, rows: int, start: float) -> None:
+        self._server.metrics.succeeded(self.model, CRITICAL_LANE, rows, time.perf_counter() - start,
+                                       self.queue_ms / 1e3)
+
+    def _failed(self, exc: Exception, start: float) -> LeafChannelError:
+        """A wave's failure, counted, as the status a leaf channel would answer."""
+        refused = refusal_for(exc, self.model)
+        if refused is not exc and refused.reason == "run_failed":
+            log.exception("in-process wave of model %r failed", self.model)
+        self._server.metrics.failed(self.model, CRITICAL_LANE, refused.reason, time.perf_counter() - start)
+        return LeafChannelError(refused.code, refused.message)
 
     def _run(self, feeds: dict, targets: dict | None, rows: int, deadline: float | None):
         """Submits the wave and waits for it until ``deadline`` (a running one
@@ -335,3 +423,77 @@ class Port:
             raise Refusal(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline_exceeded",
                           f"model {self.model!r}: the port's previous wave, given up at its deadline, still runs")
         self._late = None
+
+
+class _Driven:
+    """A generator run on the critical lane's worker (:meth:`Port.drive`):
+    the batcher's Driver. Its waves are its port's; ``value`` or ``error`` is
+    written before ``finished`` is set, once the generator has returned or
+    raised."""
+
+    def __init__(self, port: Port, steps, deadline: float | None, stream):
+        self._port, self._steps, self._deadline, self._stream = port, steps, deadline, stream
+        self._wave: tuple[int, dict | None, float] | None = None  # rows, targets, start of the wave in flight
+        self.finished = threading.Event()
+        self.value = self.error = None
+
+    def step(self, done: Request | None) -> Request | None:
+        """Batcher.drive's step: answers ``done`` to the generator, runs it to
+        its next wave (on the caller's stream) and returns that wave."""
+        try:
+            with self._stream if self._stream is not None else contextlib.nullcontext():
+                item = self._resume(done)
+                while True:
+                    try:
+                        return self._request(item)
+                    except LeafChannelError as exc:  # refused before it ran: the generator decides
+                        item = self._steps.throw(exc)
+        except StopIteration as stop:
+            self.value = stop.value
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread, which raises it
+            self.error = exc
+        self.finished.set()
+        return None
+
+    def _resume(self, done: Request | None):
+        """The generator's next item, given ``done`` (None: its first)."""
+        if done is None:
+            return self._steps.send(None)
+        port, (rows, targets, start) = self._port, self._wave
+        try:
+            done.result()
+            outputs = port._answer(done, targets, rows)
+        except Exception as exc:  # every failure a status, as Port._wave's
+            return self._steps.throw(port._failed(exc, start))
+        port._succeeded(rows, start)
+        if targets is not None:  # a device wave: its stream waits for the run's outputs on the GPU
+            timeline.mark("port.answered")
+            port._events.done.wait_on_stream(self._stream.ptr)
+            outputs = port.outputs
+        return self._steps.send(outputs)
+
+    def _request(self, item) -> Request:
+        """The wave ``item`` stands for, made for the lane's next batch.
+
+        Raises:
+            LeafChannelError: as :meth:`Port.evaluate` / :meth:`Port.evaluate_device` (not run).
+        """
+        port = self._port
+        device = isinstance(item, (int, np.integer)) and not isinstance(item, bool)
+        inputs = None if device else port._host_inputs(item)
+        rows = port._device_rows(item) if device else len(inputs)
+        start = port._begin()
+        try:
+            port._wait_late(self._deadline)
+            port._check_open()
+            if device:
+                port._events.ready.record(self._stream.ptr)
+                feeds, targets = port._device_views(rows)
+                events = port._driven_events
+            else:
+                feeds, targets, events = {port._input_name: inputs}, None, None
+            req = port._server.batchers[port.model].wave(feeds, rows, self._deadline, port._names, targets, events)
+        except Exception as exc:
+            raise port._failed(exc, start) from None
+        self._wave = (rows, targets, start)
+        return req

@@ -118,10 +118,14 @@ class _Attachment:
 class WaveEvents:
     """A wave's events (Request.events): ``ready``, the client's, and ``done``,
     the run's. An ordered channel's: the client's opened here, this server's
-    exported; an in-process port's: two of that process (LocalEvent)."""
+    exported; an in-process port's: two of that process (LocalEvent).
+    ``ready_on_gpu``: the run's stream waits for ``ready`` on the GPU instead
+    of a host poll (a LocalEvent's, for a driven wave: no host waits for the
+    search's kernels, and no peer can die with the record pending)."""
 
     ready: OpenedEvent | LocalEvent
     done: ExportedEvent | LocalEvent
+    ready_on_gpu: bool = False
 
 
 _FLOAT32 = np.dtype(np.float32)

@@ -268,7 +268,7 @@ class _Slot:
 READY_WAIT_S = 0.005  # how long a run waits for its leaf-channel waves' ready events (s): ~20 selection kernels
 
 
-def _wait_inputs(requests) -> None:
+def _wait_inputs(requests, on_gpu: bool = False) -> None:
     """Waits for the batch's ``ready`` events (Request.events), all within one
     limit: READY_WAIT_S from now, and no later than the earliest deadline in
     the batch. A request whose inputs are not written by then (its client
@@ -276,8 +276,11 @@ def _wait_inputs(requests) -> None:
     with whatever its rows hold and nothing is written back to it (its
     client's output region may still be read by its previous wave's
     kernels), for its own error answer. So a stuck client costs the lane at
-    most READY_WAIT_S per wave of its, and no other request its answer."""
-    waiting = [r for r in requests if r.events is not None]
+    most READY_WAIT_S per wave of its, and no other request its answer.
+    ``on_gpu``: the run's copies read the inputs on the device, after a wait
+    on the GPU for the events that allow one (``ready_on_gpu``), which are
+    left to it here."""
+    waiting = [r for r in requests if r.events is not None and not (on_gpu and r.events.ready_on_gpu)]
     if not waiting:
         return
     deadlines = [r.deadline for r in requests if r.deadline is not None]
@@ -340,7 +343,10 @@ class _BoundRunner:
         slot, dev = self._slots[bucket], self.device
         events = [] if device_batch is None else [r.events for r in device_batch.requests if r.events is not None]
         if device_batch is not None:  # the inputs are on the device already: no host copy at all
-            _wait_inputs(device_batch.requests)
+            _wait_inputs(device_batch.requests, on_gpu=True)
+            for ev in events:
+                if ev.ready_on_gpu:  # the copies below wait for the writing kernels on the GPU
+                    ev.ready.wait_on_stream(dev.stream.ptr)
             for name, d in slot.dev_in.items():
                 for req, off in zip(device_batch.requests, device_batch.offsets):
                     dev.copy_device(d, off, req.feeds[name])

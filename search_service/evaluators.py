@@ -33,7 +33,7 @@ import numpy as np
 from tandem.v1 import reward_pb2, reward_pb2_grpc
 
 from search_service.games.connect4 import COLUMNS, NUM_ACTIONS, ROWS
-from search_service.mcts.backend import EvaluationFailed
+from search_service.mcts.backend import DETACH, EvaluationFailed, drive
 from tandem import in_process, tensors
 from tandem.in_process import HANDOFF_IN_PROCESS
 from tandem.leaf_channel import LeafChannel, LeafChannelError
@@ -187,10 +187,18 @@ class LeafChannelEvaluator:
         try:
             outputs = send(inputs, cap if deadline is None else min(deadline, cap))
         except LeafChannelError as exc:
-            via = "leaf channel" if self.handoff == HANDOFF_IPC else "in process"
-            raise EvaluatorUnavailable(f"reward service ({via}): {exc}") from None
-        self.totals.add(rows, start, self.channel.queue_ms, self.channel.compute_ms)
+            raise self.unavailable(exc) from None
+        self.answered(rows, start)
         return outputs
+
+    def unavailable(self, exc: LeafChannelError) -> EvaluatorUnavailable:
+        """A wave's failure as the search sees it."""
+        via = "leaf channel" if self.handoff == HANDOFF_IPC else "in process"
+        return EvaluatorUnavailable(f"reward service ({via}): {exc}")
+
+    def answered(self, rows: int, started: float) -> None:
+        """Counts an answered wave of ``rows`` rows that began at ``started`` (perf_counter s) in :attr:`totals`."""
+        self.totals.add(rows, started, self.channel.queue_ms, self.channel.compute_ms)
 
 
 class DeviceWaves:
@@ -207,11 +215,14 @@ class DeviceWaves:
         max_rows: the most rows one wave may carry.
     """
 
-    def __init__(self, evaluator: LeafChannelEvaluator, deadline: float | None):
+    def __init__(self, evaluator: LeafChannelEvaluator, deadline: float | None, driven: bool = True):
         self._ev, self.deadline = evaluator, deadline
         self.handoff = evaluator.handoff  # ipc or in_process
         self.max_rows = evaluator.channel.max_rows
         self.inputs = evaluator.channel.device_inputs
+        # An in-process port runs a whole search on the model's critical-lane worker (Port.drive);
+        # False: one hand-off per wave (benchmarks compare the two).
+        self.driven = driven and hasattr(evaluator.channel, "drive")
 
     @staticmethod
     def fits(channel: LeafChannel) -> bool:
@@ -250,9 +261,62 @@ class DeviceWaves:
         outputs = self._ev.wave(self._ev.channel.evaluate_device, rows, rows, self.deadline)
         return outputs["value"], outputs.get("policy_logits")
 
+    def run(self, steps):
+        """Runs a search's steps generator (search_service/mcts/backend.py:
+        it yields the rows of each device wave and gets (values, logits) back
+        as :meth:`evaluate` returns them, or EvaluatorUnavailable thrown in;
+        DETACH once it needs no more waves) and returns what it returns.
+
+        :attr:`driven` (an in-process port, co-located mode): the generator runs on the
+        reward service's critical-lane worker thread (Port.drive), each wave
+        merged into that lane's next batch with no thread hand-off at all, and
+        is handed back to this thread at DETACH (the rest of a search the
+        model stopped valuing, rollouts on the host, never holds the lane).
+        Else, or where the port refuses it (the reward service stopping), on this
+        thread, one :meth:`evaluate` per wave.
+
+        Raises:
+            Exception: whatever the generator raised.
+        """
+        if self.driven:
+            try:
+                out = self._ev.channel.drive(self._adapted(steps), self.deadline)
+            except LeafChannelError as exc:  # refused before any step ran
+                log.info("search: a driven search refused (%s); its waves go one by one", exc)
+            else:
+                if out is not _DETACHED:
+                    return out
+        return drive(steps, self.evaluate)
+
+    def _adapted(self, steps):
+        """``steps`` as a port drives it: the rows it yields pass through; the
+        outputs sent back become (values, logits), a LeafChannelError thrown
+        back EvaluatorUnavailable; it returns _DETACHED where ``steps`` yields
+        DETACH (``steps`` is then left at that yield)."""
+        reply, error = None, None
+        while True:
+            try:
+                rows = steps.send(reply) if error is None else steps.throw(error)
+            except StopIteration as stop:
+                return stop.value
+            if rows == DETACH:
+                return _DETACHED
+            reply = error = None
+            start = time.perf_counter()
+            try:
+                outputs = yield rows
+            except LeafChannelError as exc:
+                error = self._ev.unavailable(exc)
+            else:
+                self._ev.answered(rows, start)
+                reply = outputs["value"], outputs.get("policy_logits")
+
     @property
     def closed(self) -> bool:
         return self._ev.channel.closed
+
+
+_DETACHED = object()  # DeviceWaves._adapted's return where the search yielded DETACH
 
 
 class HandoffEvaluator:

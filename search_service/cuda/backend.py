@@ -74,6 +74,7 @@ from search_service.games import connect4
 from search_service.games.connect4 import Positions
 from search_service.mcts import tree as tr
 from search_service.mcts.backend import (
+    DETACH,
     EvaluationFailed,
     LeafEvaluator,
     SearchParams,
@@ -81,6 +82,7 @@ from search_service.mcts.backend import (
     WaveClock,
     best_action,
     check_call,
+    drive,
     model_answer,
 )
 from search_service.mcts.philox import seed_key
@@ -309,8 +311,8 @@ class _Search:
             self.phase_ms["evaluate"] += (time.perf_counter() - t) * 1e3
         return init
 
-    def _device_root_priors(self, init_rows: np.ndarray, init) -> None:
-        """Values the fresh roots through the device waves: init_trees wrote
+    def _device_root_priors(self, init_rows: np.ndarray, init):
+        """Generator (a device wave): values the fresh roots through the device waves: init_trees wrote
         fresh tree b's OBS row at row b of the input region; one call values
         rows ``[0, last fresh + 1)``, and ``mcts_vm_root_priors`` sets their
         priors from the output region's logits. So the root, like every leaf,
@@ -323,10 +325,11 @@ class _Search:
             cupy.cuda.get_current_stream().synchronize()  # init_trees's rows in place before the call
         try:
             with nvtx.span("search.evaluate"):
-                _, logits = self.device_waves.evaluate(rows)
+                _, logits = yield rows
         except EvaluationFailed as exc:
             self._stop_using_model(exc)
             logits = None
+            yield DETACH
         if logits is not None:
             kernel("mcts_vm_root_priors")(
                 ((self.n_trees + 127) // 128,), (128,),
@@ -336,6 +339,19 @@ class _Search:
 
     # -- the search -------------------------------------------------------------------
     def run(self) -> tuple[list[SearchResult], list[pl.CudaTree]]:
+        """The whole search: :meth:`_steps` driven by the device waves (which
+        may run it on the reward service's critical-lane worker: co-located
+        mode), or on this thread."""
+        steps = self._steps()
+        return drive(steps, None) if self.device_waves is None else self.device_waves.run(steps)
+
+    def _steps(self):
+        """The search as a generator: it yields the rows of each device wave
+        (rows ``[0, rows)`` of the device waves' input region, written by
+        kernels queued on the current stream), gets back (values, logits) --
+        views of the output region -- or has the EvaluationFailed thrown in,
+        and yields DETACH once the model stopped valuing leaves; it returns
+        (results, trees). Without device waves it never yields."""
         self._allocate()
         timeline.mark("search.allocated")
         init_rows = self._init_rows()
@@ -352,9 +368,9 @@ class _Search:
         )
         timeline.mark("search.initialised")
         if on_device:
-            self._device_root_priors(init_rows, init)
+            yield from self._device_root_priors(init_rows, init)
         if self.puct:
-            deadline_reached = self._value_model_waves()
+            deadline_reached = yield from self._value_model_waves()
         else:
             deadline_reached = None
             self._rollout_search()
@@ -439,8 +455,9 @@ class _Search:
         for name, s in zip(abi.PHASES, share):
             self.phase_ms[name] += kernel_ms * float(s)
 
-    def _value_model_waves(self) -> bool:
-        """The wave loop for PUCT with the value model; returns deadline_reached."""
+    def _value_model_waves(self):
+        """Generator: the wave loop for PUCT with the value model (yields each
+        device wave's rows, as :meth:`_steps`); returns deadline_reached."""
         params, b, k_max = self.params, self.n_trees, self.parallel_sims
         w, g = self.warps_per_tree, self.sims_per_warp
         n = b * k_max
@@ -523,7 +540,7 @@ class _Search:
                     planes = (obs_host if dw is None else obs_dev.get()).reshape(n, 2, connect4.ROWS, connect4.COLUMNS)
                 try:
                     if on_device:
-                        has_priors = self._device_values(dw, open_, meta_dev, obs_dev, vin_dev, k)
+                        has_priors = yield from self._device_values(open_, meta_dev, obs_dev, vin_dev, k)
                     elif self.use_model:
                         has_priors = self._model_values(vin, planes, obs_dev, open_, meta["leader"], wants_cupy)
                     elif open_.any():
@@ -539,6 +556,7 @@ class _Search:
                     if ordered:
                         live = ordered_live()
                     clock.end_wave()
+                    yield DETACH  # no more device waves: the rest may run on the caller's thread
                     continue
                 t2 = time.perf_counter()
                 with nvtx.span("search.backup"):
@@ -597,15 +615,17 @@ class _Search:
         vin["priors"][rows] = priors
         return True
 
-    def _device_values(self, dw, open_: np.ndarray | None, meta_dev, obs_dev, vin_dev, k: int) -> bool:
-        """Values the wave's leaves through ``dw`` (their OBS rows are its input
-        region) and fills ``vin_dev``'s EVAL rows on the device
-        (``mcts_vm_answer``); returns has_priors. ``open_``: bool [n], the
-        slots with an unfinished leaf, or None where the host does not know
-        them yet (an ordered wave: all n rows are valued).
+    def _device_values(self, open_: np.ndarray | None, meta_dev, obs_dev, vin_dev, k: int):
+        """Generator: values the wave's leaves as one device wave (their OBS
+        rows are the device waves' input region: it yields the rows) and fills
+        ``vin_dev``'s EVAL rows on the device (``mcts_vm_answer``); returns
+        has_priors. ``open_``: bool [n], the slots with an unfinished leaf, or
+        None where the host does not know them yet (an ordered wave: all n
+        rows are valued).
 
         Raises:
-            EvaluationFailed: the hand-off failed, or outputs of the wrong shape.
+            EvaluationFailed: thrown in at the yield: the hand-off failed, or
+                outputs of the wrong shape.
         """
         n = len(vin_dev) // abi.EVAL.words
         values = logits = None
@@ -613,7 +633,7 @@ class _Search:
             # every leaf's evaluating row is at or before the last open one; unknown: all of them
             rows = n if open_ is None else int(np.flatnonzero(open_)[-1]) + 1
             with nvtx.span("search.evaluate"):
-                values, logits = dw.evaluate(rows)
+                values, logits = yield rows
         null = np.uint64(0)
         kernel("mcts_vm_answer")(
             ((n + 127) // 128,), (128,),

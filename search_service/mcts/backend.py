@@ -115,6 +115,35 @@ class EvaluationFailed(RuntimeError):
     go on from the tree they have (see the CPU reference's docstring)."""
 
 
+DETACH = 0
+"""What a search's steps generator yields once it will ask for no more device
+waves (the model stopped valuing its leaves): whoever drives it may hand it
+back to the caller's thread (:meth:`search_service.evaluators.DeviceWaves.run`)."""
+
+
+def drive(steps, evaluate) -> object:
+    """Runs a search's steps generator on this thread and returns what it
+    returns. Each ``rows`` it yields (> 0) is one device wave, answered with
+    ``evaluate(rows)`` sent back, or the :class:`EvaluationFailed` that raised
+    thrown in at the yield; :data:`DETACH` is answered None.
+
+    Raises:
+        Exception: whatever the generator raised.
+    """
+    reply, error = None, None
+    while True:
+        try:
+            rows = steps.send(reply) if error is None else steps.throw(error)
+        except StopIteration as stop:
+            return stop.value
+        reply = error = None
+        if rows != DETACH:
+            try:
+                reply = evaluate(rows)
+            except EvaluationFailed as exc:
+                error = exc
+
+
 @dataclass
 class SearchResult:
     """The answer for one tree. Times are wall-clock ms for the whole batch,

@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 import pytest
+from conftest import wait_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tandem.v1 import reward_pb2
@@ -728,3 +729,115 @@ def test_take_latencies_gives_each_answered_request_of_a_lane_once():
     assert len(b.take_latencies(BULK)) == 1
     assert b.take_latencies(CRITICAL) == [] and b.take_latencies(BULK) == []
     b.close()
+
+
+class Waves:
+    """A driven caller (Batcher.drive): ``plan`` lists its waves' values (one
+    wave of ``rows`` rows each, or a (value, deadline) pair); it records the
+    thread of each step and each done wave's outputs or error."""
+
+    def __init__(self, b: Batcher, plan, rows: int = 2, fail_at: int | None = None):
+        self.b, self.plan, self.rows, self.fail_at = b, list(plan), rows, fail_at
+        self.threads: list[str] = []
+        self.answers: list = []  # each wave's outputs["y"][:, 0] or its error
+        self.finished = threading.Event()
+
+    def step(self, done):
+        self.threads.append(threading.current_thread().name)
+        if done is not None:
+            self.answers.append(done.error if done.error is not None else done.result()["y"][:, 0].tolist())
+        if self.fail_at is not None and len(self.threads) > self.fail_at:
+            raise RuntimeError("a bug in the driver")
+        if not self.plan:
+            self.finished.set()
+            return None
+        value, deadline = (self.plan.pop(0), None) if not isinstance(self.plan[0], tuple) else self.plan.pop(0)
+        return self.b.wave(rows_of(value, self.rows), self.rows, deadline)
+
+
+def test_a_driver_runs_its_waves_one_after_another_on_the_critical_worker():
+    model = Model()
+    b = make(model)
+    driver = Waves(b, [1, 2, 3])
+    b.drive(driver)
+    assert driver.finished.wait(5)
+    assert driver.answers == [[2, 2], [4, 4], [6, 6]]
+    assert set(driver.threads) == {b.threads["critical"].name}
+    assert [x.lane for x in model.batches] == [CRITICAL] * 3
+    assert b.stats()["lanes"]["critical"]["submitted"] == 3 and b.stats()["queued"] == 0
+    b.close()
+
+
+def test_drivers_waves_and_queued_critical_requests_share_one_batch_drivers_first():
+    """Batching across searches: the waves of two driven callers and a
+    critical request queued meanwhile run as one batch, each its own rows."""
+    model = Model()
+    b = make(model, buckets=(1, 2, 4, 8, 16))
+    block(model, b, CRITICAL)
+    drivers = [Waves(b, [10 + i, 20 + i]) for i in range(2)]
+    for d in drivers:
+        b.drive(d)
+    queued = b.submit(rows_of(5, 1), 1, CRITICAL)
+    model.gate.set()
+    assert all(d.finished.wait(5) for d in drivers) and queued.wait(5)
+    merged = model.batches[1]
+    assert merged.rows == 5 and [r.driver for r in merged.requests] == [*drivers, None]
+    assert [d.answers for d in drivers] == [[[20, 20], [40, 40]], [[22, 22], [42, 42]]]
+    assert (queued.result()["y"] == 10).all()
+    b.close()
+
+
+def test_a_driver_wave_past_its_deadline_is_done_unrun_and_its_driver_goes_on():
+    model = Model()
+    b = make(model)
+    driver = Waves(b, [(7, time.monotonic() - 0.001), 8])
+    b.drive(driver)
+    assert driver.finished.wait(5)
+    assert isinstance(driver.answers[0], DeadlineExceeded) and driver.answers[1] == [16, 16]
+    assert [x.rows for x in model.batches] == [2]  # the expired wave never ran
+    assert b.stats()["lanes"]["critical"]["expired"] == 1
+    b.close()
+
+
+def test_driver_waves_never_wait_in_the_queue_nor_count_against_its_bound():
+    model = Model()
+    b = make(model, max_queue_size=1)
+    block(model, b, CRITICAL)
+    queued = b.submit(rows_of(1, 1), 1, CRITICAL)
+    with pytest.raises(QueueFull):
+        b.submit(rows_of(1, 1), 1, CRITICAL)
+    driver = Waves(b, [3])
+    b.drive(driver)  # not refused: a driver is no queued request
+    model.gate.set()
+    assert driver.finished.wait(5) and queued.wait(5) and driver.answers == [[6, 6]]
+    b.close()
+
+
+def test_closing_answers_a_drivers_next_wave_unrun_and_drive_is_refused_after():
+    model = Model()
+    b = make(model)
+    block(model, b, CRITICAL)
+    driver = Waves(b, [1, 2])
+    b.drive(driver)
+    closer = threading.Thread(target=b.close)
+    closer.start()
+    assert wait_for(lambda: b._closed)
+    model.gate.set()
+    closer.join(5)
+    assert driver.finished.is_set()
+    assert [type(a) for a in driver.answers] == [BatcherClosed, BatcherClosed]  # each wave, unrun
+    with pytest.raises(BatcherClosed):
+        b.drive(Waves(b, [1]))
+    assert not any(t.is_alive() for t in b.threads.values())
+
+
+def test_a_driver_whose_step_raises_is_dropped_and_the_lane_goes_on(caplog):
+    model = Model()
+    b = make(model)
+    driver = Waves(b, [1, 2, 3], fail_at=1)
+    b.drive(driver)
+    assert (b.evaluate(rows_of(4, 1), 1, CRITICAL, time.monotonic() + 5).result()["y"] == 8).all()
+    assert wait_for(lambda: "a driven caller's step raised" in caplog.text)
+    assert driver.answers == [[2, 2]] and not driver.finished.is_set()
+    b.close()
+

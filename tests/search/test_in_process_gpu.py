@@ -203,3 +203,109 @@ def test_a_device_wave_given_up_at_its_deadline_never_spoils_the_next(co_located
             port.outputs["value"].fill(np.nan)
             got = port.evaluate_device(64, time.monotonic() + 30)["value"][:64].get()
             np.testing.assert_allclose(got, want, atol=2e-3)
+
+
+def test_a_driven_search_builds_the_same_tree_as_one_handed_over_wave_by_wave(co_located):
+    """Co-located mode drives a search's waves on the critical lane's worker
+    (Port.drive): the same leaves and answers as the per-wave hand-off, so
+    the same tree (one warp per tree: the search's order is fixed)."""
+    from search_service.cuda.backend import CudaBackend
+    from search_service.evaluators import HANDOFF_IN_PROCESS, DeviceWaves, LeafChannelEvaluator
+    from search_service.games import connect4
+    from search_service.mcts.backend import SearchParams
+
+    cfg, _, _ = co_located
+    server = in_process.find(cfg.reward.address)
+    batcher = server.batchers[MODEL]
+    backend = CudaBackend(sims_per_warp=32)
+    params = SearchParams(simulations=1000, deadline_ms=None, parallel_sims=32, evaluator="value_model", seed=5)
+    root = connect4.parse_moves("4453")
+    results = {}
+    for driven in (False, True):
+        ev = LeafChannelEvaluator(server.port(MODEL, 1024, device=True), 30, HANDOFF_IN_PROCESS)
+        waves = DeviceWaves(ev, None, driven=driven)
+        assert waves.driven == driven
+        drove = batcher.stats()["lanes"]["critical"]["submitted"]
+        (r,), _ = backend.search(root, params, ev, device_waves=waves)
+        assert ev.totals.calls == r.extras["waves"] + 1  # the root, then one wave each
+        assert batcher.stats()["lanes"]["critical"]["submitted"] - drove == ev.totals.calls
+        results[driven] = r
+    solo, driven = results[False], results[True]
+    assert driven.model_simulations == driven.simulations == 1000 and not driven.evaluation_failure
+    assert driven.action == solo.action and driven.principal_variation == solo.principal_variation
+    np.testing.assert_array_equal(driven.visit_counts, solo.visit_counts)
+
+
+def test_two_driven_searches_at_once_share_the_lanes_batches(co_located):
+    """Batching across searches: two searches driven at once on the worker
+    have waves run in one batch, and each tree is its own."""
+    import threading
+
+    from search_service.cuda.backend import CudaBackend
+    from search_service.evaluators import HANDOFF_IN_PROCESS, DeviceWaves, LeafChannelEvaluator
+    from search_service.games import connect4
+    from search_service.mcts.backend import SearchParams
+
+    cfg, _, _ = co_located
+    cp = cupy_module()
+    server = in_process.find(cfg.reward.address)
+    batcher = server.batchers[MODEL]
+    backend = CudaBackend(sims_per_warp=32)
+    params = SearchParams(simulations=2000, deadline_ms=None, parallel_sims=64, evaluator="value_model", seed=9)
+    run, shared, got = batcher._run, [], {}
+
+    def spy(batch):
+        if sum(r.driver is not None for r in batch.requests) == 2:
+            shared.append(batch.rows)
+        return run(batch)
+
+    def search(i: int, moves: str) -> None:
+        ev = LeafChannelEvaluator(server.port(MODEL, 1024, device=True), 30, HANDOFF_IN_PROCESS)
+        with cp.cuda.Stream(non_blocking=True):
+            (got[i],), _ = backend.search(connect4.parse_moves(moves), params, ev, device_waves=DeviceWaves(ev, None))
+
+    batcher._run = spy
+    try:
+        threads = [threading.Thread(target=search, args=(i, m)) for i, m in enumerate(("4453", "172737"))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    finally:
+        batcher._run = run
+    assert shared, "the two searches' waves never met in one batch"
+    for r in got.values():
+        assert r.model_simulations == r.simulations and r.visit_counts.sum() >= r.simulations
+    assert got[1].action in (2, 6)  # 172737: columns 3 and 7 win at once (0-based 2 and 6)
+
+
+def test_a_driven_search_whose_reward_service_stops_keeps_its_tree_and_goes_on(co_located):
+    """The reward service's in-process server closes mid-search, as its stop
+    begins (the last test of the module: the fixture's is closed): the next
+    wave is refused and undone, the search is handed back to its own thread
+    and goes on with rollouts in the same tree, and says why."""
+    import threading
+
+    cfg, search, _ = co_located
+    handoff = search.servicer.handoff
+    assert handoff.wait_device_channels(30.0) == cfg.search.device_channels
+    lent = list(handoff._device_free)
+    before = sum(ev.totals.calls for ev in lent)
+    answer = {}
+
+    def long_search():
+        with channel(cfg.search.address) as ch:
+            answer["r"] = search_pb2_grpc.SearchServiceStub(ch).Search(search_pb2.SearchRequest(
+                game="connect4", moves="", simulations=10_000_000, deadline_ms=3000,
+                evaluator=search_pb2.EVALUATOR_VALUE_MODEL), timeout=60)
+
+    thread = threading.Thread(target=long_search)
+    thread.start()
+    end = time.monotonic() + 30
+    while sum(ev.totals.calls for ev in lent) < before + 3 and time.monotonic() < end:
+        time.sleep(0.001)
+    in_process.find(cfg.reward.address).close()  # as the reward service's stop begins
+    thread.join(60)
+    r = answer["r"]
+    assert r.handoff == "in_process" and 0 < r.model_simulations < r.simulations and r.deadline_reached
+    assert "in process" in r.evaluation_failure and "UNAVAILABLE" in r.evaluation_failure
