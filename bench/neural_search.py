@@ -205,7 +205,11 @@ def throughput(evaluator, batch: int, repeats: int, device: bool = False) -> dic
 
 def quality(backend, evaluator, set_name: str, limit: int, name: str, wave: int, budget_ms: float,
             handoff=None) -> dict | None:
-    """One ``search_quality`` row: each position of the set its own ``budget_ms`` search."""
+    """One ``search_quality`` row: each position of the set its own ``budget_ms``
+    search, after one untimed search of the empty board, as each latency row
+    begins with one: the row measures searches at steady state, not the
+    serving path's first use (the first search of a run spent its 16 ms on
+    start-up and answered with no simulation, 2026-12-02)."""
     from bench.search_quality import missed, played, rate, scored_positions
     from search_service.games import connect4
 
@@ -217,15 +221,21 @@ def quality(backend, evaluator, set_name: str, limit: int, name: str, wave: int,
     model = evaluator if ev == "value_model" else None
     actions, sims, lent = [], [], set()
     lend = getattr(handoff, "lend", None) if model is not None and backend.name.startswith("cuda") else None
-    for i in range(len(recs)):
+
+    def search(root, seed: int):
         # Bound the model calls by the search's deadline, and lend device waves, as the search server does.
         deadline = time.monotonic() + budget_ms / 1e3
         leaf = model.until(deadline) if model is not None else None
         with lend(deadline) if lend else contextlib.nullcontext() as waves:
             kw = {"device_waves": waves} if waves is not None else {}
-            (r,), _ = backend.search(connect4.take(roots, i), replace(params, seed=i + 1), leaf, **kw)
-            if model is not None:  # the lent waves' hand-off, else the host calls' (the last one's)
-                lent.add(waves.handoff if waves is not None else handoff.handoff)
+            (r,), _ = backend.search(root, replace(params, seed=seed), leaf, **kw)
+            return r, waves.handoff if waves is not None else getattr(handoff, "handoff", None)
+
+    search(connect4.parse_moves(""), 0)
+    for i in range(len(recs)):
+        r, how = search(connect4.take(roots, i), i + 1)
+        if model is not None:  # the lent waves' hand-off, else the host calls' (the last one's)
+            lent.add(how)
         actions.append(r.action)
         sims.append(r.simulations)
     how = "+".join(sorted(lent)) if lent else None  # each search's hand-off, joined where they differ

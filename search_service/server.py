@@ -89,6 +89,7 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
 
     def __init__(self, cfg: TandemConfig, backend, evaluator, streams: StreamSet | None = None, handoff=None):
         self.cfg = cfg.search
+        self.default_evaluator = default_evaluator(cfg.search.evaluator, backend.name)  # a request naming none
         # What reports the hand-off of the value model's leaves (``handoff``: "in_process" | "ipc" | "grpc"):
         # the HandoffEvaluator inside the cache and the coalescer.
         self.handoff = handoff
@@ -149,7 +150,7 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
         deadline = search_deadline_ms(deadline, None, cfg.max_deadline_ms)
         if request.evaluator not in (search_pb2.EVALUATOR_UNSPECIFIED, *_EVALUATORS):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"evaluator: unknown value {request.evaluator}")
-        evaluator = _EVALUATORS.get(request.evaluator, cfg.evaluator)
+        evaluator = _EVALUATORS.get(request.evaluator, self.default_evaluator)
         return SearchParams(
             simulations=sims or None,
             deadline_ms=deadline,
@@ -293,6 +294,18 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
             }
 
 
+def default_evaluator(choice: str, backend: str) -> str:
+    """The evaluator of a request that names none: ``search.evaluator``
+    (``choice``), whose ``auto`` is the value model where the search runs on
+    the CUDA backend (``backend``: its name), which at a frame's 16 ms plays at
+    least as well as rollouts on every bundled position set there
+    (docs/benchmarks.md, "Where the targets stand"), and rollouts on the CPU,
+    where the model values too few leaves in a frame."""
+    if choice != "auto":
+        return choice
+    return "value_model" if backend.startswith("cuda") else "rollout"
+
+
 def _warm_up(backend, cfg: TandemConfig) -> None:
     """One short deadline search per game before SERVING: kernels compile and
     pools are allocated now, not in the first frame."""
@@ -310,7 +323,8 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True) -> Service:
         RuntimeError: ``backend: cuda`` cannot run here, or the address cannot be bound.
     """
     backend = make_backend(cfg.search.backend, value_sims_per_warp=cfg.search.value_model_sims_per_warp)
-    log.warning("search service: backend %s, default evaluator %s", backend.name, cfg.search.evaluator)
+    log.warning("search service: backend %s, default evaluator %s (search.evaluator: %s)", backend.name,
+                default_evaluator(cfg.search.evaluator, backend.name), cfg.search.evaluator)
     # Streams and the pool limit only where the backend launches CUDA kernels.
     cupy = cupy_module() if backend.name.startswith("cuda") else None
     log.warning("search service: %s", pools.limit_cupy_pool(cupy, cfg.search.memory_pool_bytes))

@@ -219,8 +219,10 @@ def _add_play_args(p: argparse.ArgumentParser) -> None:
                    help="position set name or JSONL path (repeatable)")
     p.add_argument("--simulations", type=_number(int, 0, strict=False), default=0,
                    help="simulations per search; 0 = frame deadline only")
-    p.add_argument("--evaluator", choices=("rollout", "value_model"), default="rollout",
-                   help="leaf evaluation: random rollouts, or the value model on the reward service (default rollout)")
+    p.add_argument("--evaluator", choices=("auto", "rollout", "value_model"), default="auto",
+                   help="leaf evaluation: random rollouts, or the value model on the reward service; auto "
+                        "(default): the search service's search.evaluator, whose auto is the value model on a "
+                        "GPU and rollouts on the CPU (the report's backends say which ran)")
     p.add_argument("--seed", type=int, default=1, help="seed of the position order and the searches (default 1)")
     p.add_argument("--report", help="write the report as JSON here")
 

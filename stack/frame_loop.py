@@ -32,7 +32,9 @@ from tandem import tensors
 from tandem.positions import LabelledPosition, load_set
 from tandem.server import channel
 
-EVALUATORS = {"rollout": search_pb2.EVALUATOR_ROLLOUT, "value_model": search_pb2.EVALUATOR_VALUE_MODEL}
+# "auto": the request names none, and the search service's search.evaluator decides
+EVALUATORS = {"auto": search_pb2.EVALUATOR_UNSPECIFIED, "rollout": search_pb2.EVALUATOR_ROLLOUT,
+              "value_model": search_pb2.EVALUATOR_VALUE_MODEL}
 
 
 # -- the per-frame deadline ------------------------------------------------------------------------

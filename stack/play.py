@@ -50,7 +50,7 @@ class PlayOptions:
     fps: float = 60.0
     position_sets: tuple[str, ...] = DEFAULT_SETS
     simulations: int = 0  # 0: deadline only
-    evaluator: str = "rollout"
+    evaluator: str = "auto"  # "auto" (the search service's default), "rollout" or "value_model"
     model: str = "connect4_value"
     seed: int = 1
     session_id: str = ""
@@ -120,7 +120,7 @@ def play(opts: PlayOptions, cfg=None, log=print) -> dict:
 
     Raises:
         grpc.RpcError: ModelMetadata failed before the first frame.
-        ValueError: ``opts.evaluator`` is neither "rollout" nor "value_model".
+        ValueError: ``opts.evaluator`` is none of "auto", "rollout" and "value_model".
     """
     positions = frame_loop.shuffled_positions(opts.position_sets, opts.seed)
     client = FrameClient(opts.search_address, opts.reward_address, cfg, model=opts.model)

@@ -223,7 +223,9 @@ class SearchConfig:
     address: str = "127.0.0.1:50052"
     metrics_port: int = 9452
     backend: str = "auto"  # "auto" (CUDA where CuPy sees a GPU, else CPU) | "cpu" | "cuda"
-    evaluator: str = "rollout"  # default when a request leaves it unspecified: "rollout" | "value_model"
+    # default when a request leaves it unspecified: "auto" (the value model where the search runs on
+    # the CUDA backend, rollouts on the CPU, where the model is too slow for a frame) | "rollout" | "value_model"
+    evaluator: str = "auto"
     reward_address: str = ""  # reward service for the value model; empty = reward.address
     value_model: str = "connect4_value"  # model name on the reward service
     parallel_sims: int = 16  # simulations in flight per tree in one wave (virtual loss)
@@ -293,7 +295,7 @@ _CHOICES = {
     "reward.nonfinite_inputs": ("reject", "pass"),
     "reward.cudnn_conv_algo_search": ("EXHAUSTIVE", "HEURISTIC", "DEFAULT"),
     "search.backend": ("auto", "cpu", "cuda"),
-    "search.evaluator": ("rollout", "value_model"),
+    "search.evaluator": ("auto", "rollout", "value_model"),
     "search.handoff": ("auto", "ipc", "grpc"),
 }
 # Fields that may be zero (meaning "off" or "default"); every other number must be positive.

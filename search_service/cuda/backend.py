@@ -647,6 +647,16 @@ class _Search:
         self.failure = str(exc) or type(exc).__name__
 
     # -- answer ---------------------------------------------------------------------------
+    def _root_priors(self, visits: np.ndarray) -> np.ndarray | None:
+        """float32 [B, A]: the roots' priors, read from the pools (one small
+        copy) only where a tree has no root visit at all (best_action's
+        policy move); else None."""
+        if (visits.sum(axis=1) > 0).all():
+            return None
+        start = pl.offsets(self.capacity)[0]  # the root's row of records: its edges
+        rows = self.pool[:, start : start + abi.NODE_ROW.itemsize].get()
+        return np.ascontiguousarray(rows).view(abi.NODE_ROW)["edges"]["prior"].reshape(self.n_trees, A)
+
     def _num_nodes(self, res: np.ndarray) -> np.ndarray:
         """int64 [B]: slots in use (claims past the limit were refused)."""
         return np.minimum(res["nodes"].astype(np.int64), np.maximum(self.node_limit, self.nodes_in_use))
@@ -662,7 +672,8 @@ class _Search:
         outcome = res["outcome"].astype(np.int8)  # [B, 1 + A]: the root's known result, then its children's
         proven = outcome[:, 0]
         root_value = np.where(proven != tr.NOT_TERMINAL, tr.OUTCOME_VALUE[proven], root_value).tolist()
-        action = best_action(visits, q, connect4.legal_bits(self.roots.mask), outcome[:, 1:]).tolist()
+        action = best_action(visits, q, connect4.legal_bits(self.roots.mask), outcome[:, 1:],
+                             self._root_priors(visits)).tolist()
         proven = proven.tolist()
         nodes = self._num_nodes(res).tolist()
         done, depth, exhausted = res["done"].tolist(), res["max_depth"].tolist(), (res["exhausted"] != 0).tolist()

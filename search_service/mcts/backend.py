@@ -244,14 +244,17 @@ def model_answer(values, priors, legal: np.ndarray) -> tuple[np.ndarray, np.ndar
 
 
 def best_action(visits: np.ndarray, q: np.ndarray, legal: np.ndarray | None = None,
-                child_codes: np.ndarray | None = None) -> np.ndarray:
+                child_codes: np.ndarray | None = None, priors: np.ndarray | None = None) -> np.ndarray:
     """int64 [B]: the move to play, per row of [B, A]: the most visits, then
     the higher Q, then the lower index, among the candidates. Candidates are
     the ``legal`` actions (bool [B, A]; None: all); with the children's known
     results (``child_codes`` int8 [B, A], ``Tree.node_terminal`` codes) only
     the winning ones if any (an immediate win first), else those not proven
-    lost. Both backends choose with this, so they agree; with no visits at all
-    (answered before the first wave) it is the lowest candidate."""
+    lost. Both backends choose with this, so they agree. A row with no visits
+    at all (answered before its first wave, e.g. a first search cut by a
+    deadline shorter than its start-up) plays its policy: the highest of
+    ``priors`` (float32 [B, A], the root's; None: the lowest candidate), as a
+    zero-visit AlphaZero player plays its policy head's move."""
     cand = np.ones(visits.shape, bool) if legal is None else legal.astype(bool)
     if child_codes is not None:
         won = child_codes == tr.TERMINAL_LOSS  # the child's side to move has lost: an immediate win
@@ -259,7 +262,10 @@ def best_action(visits: np.ndarray, q: np.ndarray, legal: np.ndarray | None = No
             narrowed = cand & better
             cand = np.where(narrowed.any(axis=1, keepdims=True), narrowed, cand)
     visits = np.where(cand, visits, -1)
-    top = visits == visits.max(axis=1, keepdims=True)
+    most = visits.max(axis=1, keepdims=True)
+    top = visits == most
+    if priors is not None:  # unvisited rows: every candidate ties at 0 visits and Q, the prior decides
+        q = np.where(most <= 0, priors, q)
     return np.argmax(np.where(top, q, -np.inf), axis=1)
 
 

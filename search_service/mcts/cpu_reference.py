@@ -526,7 +526,8 @@ class _Search:
         root_value = value.sum(axis=1) / np.maximum(visits.sum(axis=1), 1)
         proven = t.node_terminal[:, 0]
         root_value = np.where(proven != tr.NOT_TERMINAL, tr.OUTCOME_VALUE[proven], root_value)
-        action = best_action(visits, q, connect4.legal_bits(t.node_mask[:, 0]), self._child_codes(np.arange(self.b) * self.cap))
+        action = best_action(visits, q, connect4.legal_bits(t.node_mask[:, 0]),
+                             self._child_codes(np.arange(self.b) * self.cap), t.prior[:, 0])
         pv = self._principal_variations()
         return [
             SearchResult(

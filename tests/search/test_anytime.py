@@ -91,6 +91,44 @@ def test_best_action_is_legal_without_visits():
     assert best_action(visits, q)[0] == 2  # most visits, then higher Q
 
 
+def test_without_visits_the_policy_decides_among_the_legal_moves():
+    legal = c4.legal_bits(c4.parse_moves("1111112222").mask).reshape(1, 7)  # column 1 full
+    priors = np.array([[0.9, 0.0, 0.05, 0.0, 0.05, 0.0, 0.0]], np.float32)  # most on the full column
+    visits = np.zeros((2, 7), np.int64)
+    visits[1, 3] = 1  # the second tree was searched: its visits decide, not its priors
+    both = np.repeat(legal, 2, axis=0)
+    assert best_action(visits, np.zeros((2, 7)), both, None, np.repeat(priors, 2, axis=0)).tolist() == [2, 3]
+
+
+class PolicyFirst:
+    """Values the root with a policy (priors on column 6, 0-based 5), then
+    answers every wave after ``delay_s`` with EvaluationFailed: a reward
+    service too slow for the first wave's deadline."""
+
+    def __init__(self, delay_s: float):
+        self.delay_s, self.calls = delay_s, 0
+
+    def __call__(self, obs):
+        self.calls += 1
+        if self.calls > 1:
+            time.sleep(self.delay_s)
+            raise EvaluationFailed("reward service: DEADLINE_EXCEEDED")
+        priors = np.full((len(obs), 7), 0.01, np.float32)
+        priors[:, 5] = 0.94
+        return toy_model(obs)[0], priors
+
+
+def test_a_search_answered_before_its_first_wave_plays_its_policy():
+    """The first wave cannot be valued by the deadline and is undone: no
+    simulation at all, so the root's policy (its priors) picks the move, not
+    the lowest legal column."""
+    results, _ = search("4453", deadline_ms=100.0, parallel_sims=4, evaluator="value_model",
+                        evaluator_fn=PolicyFirst(delay_s=0.2), seed=1)
+    r = results[0]
+    assert r.simulations == 0 and int(r.visit_counts.sum()) == 0 and r.deadline_reached
+    assert r.action == 5
+
+
 def test_a_model_answering_the_wrong_shape_is_a_failed_evaluation():
     """A model whose outputs do not fit the leaves is treated as failing: the
     search keeps its tree, goes on with rollouts and says why."""

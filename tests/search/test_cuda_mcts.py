@@ -397,6 +397,15 @@ def test_a_failed_wave_is_undone_as_in_the_reference():
         check_invariants(t.to_host(), max_nodes=1 << 20)
 
 
+def test_a_search_answered_before_its_first_wave_plays_its_policy_as_the_reference_does():
+    from test_anytime import PolicyFirst
+
+    p = params(deadline_ms=100.0, parallel_sims=4, evaluator="value_model", seed=1)
+    (g,), _ = CudaBackend().search(roots_of(["4453"]), p, PolicyFirst(delay_s=0.2))
+    (c,), _ = CPU.search(roots_of(["4453"]), p, PolicyFirst(delay_s=0.2))
+    assert g.simulations == c.simulations == 0 and g.action == c.action == 5
+
+
 def test_the_undone_wave_leaves_the_tree_as_before_it_on_the_device():
     from test_anytime import FailingModel
 

@@ -51,6 +51,17 @@ def test_search_answers_with_everything(stack):
     assert r.max_depth >= 1 and r.tree_nodes > 1
 
 
+def test_a_request_naming_no_evaluator_gets_search_evaluators_auto_choice(stack):
+    """search.evaluator: auto (the default): rollouts on the CPU reference
+    (the request above named none and got them), the value model on CUDA."""
+    _, search, _, cfg = stack
+    assert cfg.search.evaluator == "auto" and search.servicer.default_evaluator == "rollout"
+    assert search_server.default_evaluator("auto", "cuda") == "value_model"
+    assert search_server.default_evaluator("auto", "cpu_reference") == "rollout"
+    assert search_server.default_evaluator("value_model", "cpu_reference") == "value_model"
+    assert search_server.default_evaluator("rollout", "cuda") == "rollout"
+
+
 def test_seeded_search_is_repeatable(stack):
     stub = stack[0]
     a = stub.Search(req(moves="44", simulations=200, seed=3), timeout=30)
