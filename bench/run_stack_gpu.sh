@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The stack on the GPU as a user runs it, in one device call: the GPU tests,
 # then `tandem up` in the background, `tandem status`, `tandem play` (rollouts,
-# then the value model) and a clean stop.
+# then the default evaluator: the value model on a GPU, 120 frames to warm and
+# the rest measured) and a clean stop.
 #
 # From the repository root on the GPU machine (the device tool's `run`, with
 # carry [".whl"] holding the grpcio-health-checking, grpcio-reflection and
@@ -45,9 +46,11 @@ $TANDEM up "${CONFIG_ARG[@]}" --log-dir "$LOGS" > "$LOGS/up.log" 2>&1 &
 UP=$!
 for _ in $(seq 120); do $TANDEM health 127.0.0.1:50052 >/dev/null 2>&1 && break; sleep 1; done
 $TANDEM status > "$OUTDIR/status.txt" 2>&1; head -20 "$OUTDIR/status.txt"
-$TANDEM play "${CONFIG_ARG[@]}" --frames "${FRAMES:-600}" --report "$OUTDIR/play_rollout.json" > "$OUTDIR/play_rollout.txt" 2>&1
-$TANDEM play "${CONFIG_ARG[@]}" --evaluator value_model --frames 120 --report "$OUTDIR/play_value_warm.json" > /dev/null 2>&1
-$TANDEM play "${CONFIG_ARG[@]}" --evaluator value_model --frames "${VALUE_FRAMES:-240}" --report "$OUTDIR/play_value_model.json" \
+$TANDEM play "${CONFIG_ARG[@]}" --evaluator rollout --frames "${FRAMES:-600}" --report "$OUTDIR/play_rollout.json" \
+  > "$OUTDIR/play_rollout.txt" 2>&1
+# The default evaluator (auto: the search service's search.evaluator, the value model on a GPU), as a user plays.
+$TANDEM play "${CONFIG_ARG[@]}" --frames 120 --report "$OUTDIR/play_value_warm.json" > /dev/null 2>&1
+$TANDEM play "${CONFIG_ARG[@]}" --frames "${VALUE_FRAMES:-240}" --report "$OUTDIR/play_value_model.json" \
   > "$OUTDIR/play_value_model.txt" 2>&1
 if [ -n "${KILL_REWARD:-}" ]; then  # supervision on the GPU: kill -9 the reward server, tandem up restarts it
   pkill -9 -f "stack serve reward" && echo "reward server killed"
