@@ -49,9 +49,9 @@ Policy
   whole loop of waves runs on the lane's worker thread (a co-located
   search: reward_service/in_process.py), so none of its waves costs a thread
   hand-off. The worker steps each driver (:class:`Driver`) to its next wave,
-  runs the drivers' waves first in its next batch, with the queued critical
-  requests behind them in the same batch (batching across searches), and
-  steps each driver again with its answered wave. A driver wave never waits
+  runs the drivers' waves in its next batch with the queued critical
+  requests, oldest first (batching across searches; neither starves the
+  other), and steps each driver again with its answered wave. A driver wave never waits
   in the queue and never counts against ``max_queue_size``; once the batcher
   is closed, or its deadline passed, it completes with BatcherClosed or
   DeadlineExceeded unrun, and its driver goes on from there.
@@ -457,6 +457,9 @@ class Batcher:
                 f"request_class: expected REQUEST_CLASS_CRITICAL or REQUEST_CLASS_BULK, got {request_class}"
             )
         lane = self._lanes[request_class]
+        if threading.current_thread() is lane.thread:  # a driven caller's generator, run by this very worker
+            raise RuntimeError(f"model {self.name!r}: a request from the {lane.name} lane's own worker would wait "
+                               "for itself; a driven caller yields its waves instead")
         now = self._clock()
         req = Request(feeds, rows, request_class, deadline, tuple(output_names), enqueued=now, targets=targets,
                       on_written=on_written if targets else None, events=events)
@@ -672,7 +675,7 @@ class Batcher:
                         self._step(req.driver, req, waves)
             # Let go of the answered requests now, not when the next batch comes: their
             # arrays may map a client's shared memory, which is closed once unreferenced.
-            expired = batch = None
+            expired = batch = new = req = driver = None
 
     def _step(self, driver: Driver, done: Request | None, waves: list[Request]) -> None:
         """Steps ``driver`` with ``done`` (on its lane's worker); its next wave joins ``waves``."""
@@ -701,7 +704,7 @@ class Batcher:
     def _take_locked(self, lane: _Lane, waves: list[Request]) -> tuple[list[Request], Batch | None]:
         """Drops ``lane``'s expired requests and drivers' ``waves`` (returned,
         marked DONE; every driver wave once closed) and takes its next batch:
-        the drivers' waves first, then the queue."""
+        the queued requests and the drivers' waves in the order they were made."""
         now = self._clock()
         expired = [r for r in lane.queue if r.deadline is not None and r.deadline <= now]
         if expired:
@@ -724,21 +727,26 @@ class Batcher:
         taken: list[Request] = []
         offsets: list[int] = []  # each request's first row in the batch
         rows = 0
-        for q, queued in ((collections.deque(waves), False), (lane.queue, True)):
-            while q and (not taken or (self.merge and rows + q[0].rows <= self.max_rows)):
-                req = q.popleft()
-                taken.append(req)
-                offsets.append(rows)
-                rows += req.rows
-                if queued:
-                    self._queued -= 1
-                else:
-                    waves.remove(req)
-                    lane.stats["submitted"] += 1
-                if rows > self.max_rows:  # a lone request larger than every bucket
-                    break
-            if rows > self.max_rows or (q and taken):
+        q, w = lane.queue, 0  # the queue, and the drivers' waves taken (oldest first, as the queue)
+        waves.sort(key=lambda r: r.enqueued)
+        while q or w < len(waves):
+            # The older of the two heads: the drivers' waves never starve the queue, nor it them.
+            from_queue = w == len(waves) or (q and q[0].enqueued < waves[w].enqueued)
+            req = q[0] if from_queue else waves[w]
+            if taken and (not self.merge or rows + req.rows > self.max_rows):
                 break  # full: the rest go in the next batch
+            if from_queue:
+                q.popleft()
+                self._queued -= 1
+            else:
+                w += 1
+                lane.stats["submitted"] += 1
+            taken.append(req)
+            offsets.append(rows)
+            rows += req.rows
+            if rows > self.max_rows:  # a lone request larger than every bucket
+                break
+        del waves[:w]
         if not taken:
             return expired, None
         for req in taken:

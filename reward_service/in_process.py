@@ -32,9 +32,13 @@ Invariants:
   hand-off; the caller's thread waits once, for the end. The generator
   holds the port for the call (its waves are the port's only ones) and
   must never wait for this model's critical lane itself (the worker runs
-  it: it would wait for itself). A driven device wave's ``ready`` event is
-  waited for on the GPU (WaveEvents.ready_on_gpu), so the worker never
-  waits for the search's kernels either.
+  it: it would wait for itself; Batcher.submit refuses that). The
+  generator's kernels run on a stream of the port's own (of the caller's
+  priority), joined to the caller's stream by an event at each end, so a
+  driven device wave's ``ready`` event, waited for on the GPU
+  (WaveEvents.ready_on_gpu), waits for that search's kernels alone: the
+  worker never waits for them on the host, and no other work queued on the
+  caller's stream can hold the lane.
 * A wave's figures go into the per-model metrics' critical lane, as a leaf
   channel wave's (``requested`` and ``succeeded``/``failed``), on the
   caller's thread once its outputs are in place, before it returns.
@@ -188,6 +192,9 @@ class Port:
             self.outputs = {name: cupy.zeros((max_rows, *r), np.float32) for name, r in output_rows}
             self._events = WaveEvents(LocalEvent(), LocalEvent())
             self._driven_events = WaveEvents(self._events.ready, self._events.done, ready_on_gpu=True)
+            # A driven search's own streams, by (priority, non_blocking), and the events joining them to its caller's.
+            self._streams: dict[tuple[int, bool], object] = {}
+            self._joins = tuple(cupy.cuda.Event(block=False, disable_timing=True) for _ in range(2))
 
     @property
     def device_inputs(self):
@@ -313,16 +320,35 @@ class Port:
         """
         if self._server.closed:
             raise LeafChannelError(grpc.StatusCode.UNAVAILABLE, "the reward service is stopping")
-        stream = self._cupy.cuda.get_current_stream() if self.inputs is not None else None
+        caller = stream = None
+        if self.inputs is not None:  # the generator's kernels go on a stream of the port's own, joined both ends
+            caller = self._cupy.cuda.get_current_stream()
+            stream = self._own_stream(caller)
+            stream.wait_event(caller.record(self._joins[0]))
         job = _Driven(self, steps, deadline, stream)
         try:
             self._server.batchers[self.model].drive(job)
         except BatcherClosed as exc:
             raise LeafChannelError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
         job.finished.wait()
-        if job.error is not None:
-            raise job.error
-        return job.value
+        if stream is not None:  # the caller's later work (the search's answer) after the generator's kernels
+            caller.wait_event(stream.record(self._joins[1]))
+        value, error, job.value, job.error = job.value, job.error, None, None  # nothing kept alive by the job
+        if error is not None:
+            raise error
+        return value
+
+    def _own_stream(self, caller):
+        """The port's stream of ``caller``'s priority and flags, made once: a
+        driven search's kernels run there, so the GPU-side wait for a wave's
+        ``ready`` event waits for this search's kernels alone, never for
+        other work queued on a stream the caller shares (another search's
+        rollout kernel can take a whole frame)."""
+        key = (caller.priority, caller.is_non_blocking)
+        stream = self._streams.get(key)
+        if stream is None:
+            stream = self._streams[key] = self._cupy.cuda.Stream(non_blocking=key[1], priority=key[0])
+        return stream
 
     def _wave(self, feeds: dict, targets: dict | None, rows: int, deadline: float | None):
         """Runs one wave in the critical lane and records its figures; returns
@@ -452,6 +478,7 @@ class _Driven:
             self.value = stop.value
         except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread, which raises it
             self.error = exc
+        self._steps = self._wave = None  # nothing held past the end (a search's trees: its node pools)
         self.finished.set()
         return None
 

@@ -279,7 +279,9 @@ def _wait_inputs(requests, on_gpu: bool = False) -> None:
     most READY_WAIT_S per wave of its, and no other request its answer.
     ``on_gpu``: the run's copies read the inputs on the device, after a wait
     on the GPU for the events that allow one (``ready_on_gpu``), which are
-    left to it here."""
+    left to it here: a driven search's, recorded on a stream that holds
+    that search's kernels alone (reward_service/in_process.py), so the wait
+    lasts its selection, never another client's work."""
     waiting = [r for r in requests if r.events is not None and not (on_gpu and r.events.ready_on_gpu)]
     if not waiting:
         return

@@ -33,7 +33,7 @@ import numpy as np
 from tandem.v1 import reward_pb2, reward_pb2_grpc
 
 from search_service.games.connect4 import COLUMNS, NUM_ACTIONS, ROWS
-from search_service.mcts.backend import DETACH, EvaluationFailed, drive
+from search_service.mcts.backend import DETACH, EvaluationFailed, advance, drive
 from tandem import in_process, tensors
 from tandem.in_process import HANDOFF_IN_PROCESS
 from tandem.leaf_channel import LeafChannel, LeafChannelError
@@ -267,40 +267,40 @@ class DeviceWaves:
         as :meth:`evaluate` returns them, or EvaluatorUnavailable thrown in;
         DETACH once it needs no more waves) and returns what it returns.
 
-        :attr:`driven` (an in-process port, co-located mode): the generator runs on the
-        reward service's critical-lane worker thread (Port.drive), each wave
-        merged into that lane's next batch with no thread hand-off at all, and
-        is handed back to this thread at DETACH (the rest of a search the
-        model stopped valuing, rollouts on the host, never holds the lane).
-        Else, or where the port refuses it (the reward service stopping), on this
-        thread, one :meth:`evaluate` per wave.
+        Its set-up, up to its first wave, runs on this thread. Then, where
+        :attr:`driven` (an in-process port, co-located mode), its waves run on
+        the reward service's critical-lane worker thread (Port.drive), each
+        merged into that lane's next batch with no thread hand-off at all, up
+        to its DETACH: the rest (the answer; or a search the model stopped
+        valuing, rollouts on the host) runs on this thread again, never on
+        the lane. Else, or where the port refuses the drive (the reward
+        service stopping), every wave from this thread, one :meth:`evaluate`
+        each.
 
         Raises:
             Exception: whatever the generator raised.
         """
-        if self.driven:
+        finished, rows = advance(steps)
+        if finished:
+            return rows
+        if self.driven and rows is not DETACH:
             try:
-                out = self._ev.channel.drive(self._adapted(steps), self.deadline)
-            except LeafChannelError as exc:  # refused before any step ran
+                out = self._ev.channel.drive(self._adapted(steps, rows), self.deadline)
+            except LeafChannelError as exc:  # refused before any step: the first wave is still to run
                 log.info("search: a driven search refused (%s); its waves go one by one", exc)
             else:
                 if out is not _DETACHED:
                     return out
-        return drive(steps, self.evaluate)
+                rows = DETACH
+        return drive(steps, self.evaluate, rows)
 
-    def _adapted(self, steps):
-        """``steps`` as a port drives it: the rows it yields pass through; the
-        outputs sent back become (values, logits), a LeafChannelError thrown
-        back EvaluatorUnavailable; it returns _DETACHED where ``steps`` yields
-        DETACH (``steps`` is then left at that yield)."""
-        reply, error = None, None
-        while True:
-            try:
-                rows = steps.send(reply) if error is None else steps.throw(error)
-            except StopIteration as stop:
-                return stop.value
-            if rows == DETACH:
-                return _DETACHED
+    def _adapted(self, steps, rows):
+        """``steps``, which has just yielded ``rows``, as a port drives it: the
+        rows it yields pass through; the outputs sent back become (values,
+        logits), a LeafChannelError thrown back EvaluatorUnavailable; it
+        returns _DETACHED where ``steps`` yields DETACH (``steps`` is then
+        left at that yield)."""
+        while rows is not DETACH:
             reply = error = None
             start = time.perf_counter()
             try:
@@ -310,6 +310,10 @@ class DeviceWaves:
             else:
                 self._ev.answered(rows, start)
                 reply = outputs["value"], outputs.get("policy_logits")
+            finished, rows = advance(steps, reply, error)
+            if finished:
+                return rows
+        return _DETACHED
 
     @property
     def closed(self) -> bool:

@@ -23,6 +23,10 @@ out (``kernels/search.cu`` has the details and the concurrency invariants):
   ``mcts_vm_undo`` instead (virtual losses released, its nodes unlinked),
   and later waves value their leaves with the reference's Philox rollouts on
   the host, in the same tree -- or the search answers, past its deadline.
+  With device waves the search is a generator of waves (``_Search._steps``)
+  that the device waves drive (``DeviceWaves.run``): wave by wave on the
+  caller's thread, or, in co-located mode, on the reward service's
+  critical-lane worker (``Port.drive``: no thread hand-off per wave).
 * MCTS-Solver: every backup kernel proves what it can up the paths whose
   leaf has a known result (``solve_wave``); a tree whose root is proven runs
   no more simulations; the result carries the root's and its children's
@@ -350,8 +354,10 @@ class _Search:
         (rows ``[0, rows)`` of the device waves' input region, written by
         kernels queued on the current stream), gets back (values, logits) --
         views of the output region -- or has the EvaluationFailed thrown in,
-        and yields DETACH once the model stopped valuing leaves; it returns
-        (results, trees). Without device waves it never yields."""
+        and yields DETACH once it needs no more device waves (the model
+        stopped valuing leaves, or the waves are over: only the answer is
+        left); it returns (results, trees). Without device waves it yields
+        only DETACH, where the model stops."""
         self._allocate()
         timeline.mark("search.allocated")
         init_rows = self._init_rows()
@@ -371,6 +377,8 @@ class _Search:
             yield from self._device_root_priors(init_rows, init)
         if self.puct:
             deadline_reached = yield from self._value_model_waves()
+            if self.device_waves is not None:
+                yield DETACH  # the waves are over: the answer is made on the caller's thread, off the lane
         else:
             deadline_reached = None
             self._rollout_search()

@@ -115,33 +115,49 @@ class EvaluationFailed(RuntimeError):
     go on from the tree they have (see the CPU reference's docstring)."""
 
 
-DETACH = 0
+class _Detach:
+    def __repr__(self) -> str:
+        return "DETACH"
+
+
+DETACH = _Detach()
 """What a search's steps generator yields once it will ask for no more device
-waves (the model stopped valuing its leaves): whoever drives it may hand it
-back to the caller's thread (:meth:`search_service.evaluators.DeviceWaves.run`)."""
+waves (the model stopped valuing its leaves, or the waves are over and only
+the answer is left): whoever drives it may hand it back to the caller's
+thread (:meth:`search_service.evaluators.DeviceWaves.run`)."""
 
 
-def drive(steps, evaluate) -> object:
+def drive(steps, evaluate, rows=None) -> object:
     """Runs a search's steps generator on this thread and returns what it
     returns. Each ``rows`` it yields (> 0) is one device wave, answered with
     ``evaluate(rows)`` sent back, or the :class:`EvaluationFailed` that raised
-    thrown in at the yield; :data:`DETACH` is answered None.
+    thrown in at the yield; :data:`DETACH` is answered None. ``rows``: what
+    the generator yielded last, where it was started already (None: a fresh
+    generator).
 
     Raises:
         Exception: whatever the generator raised.
     """
-    reply, error = None, None
     while True:
-        try:
-            rows = steps.send(reply) if error is None else steps.throw(error)
-        except StopIteration as stop:
-            return stop.value
         reply = error = None
-        if rows != DETACH:
+        if rows is not None and rows is not DETACH:
             try:
                 reply = evaluate(rows)
             except EvaluationFailed as exc:
                 error = exc
+        finished, rows = advance(steps, reply, error)
+        if finished:
+            return rows
+
+
+def advance(steps, reply=None, error: BaseException | None = None) -> tuple[bool, object]:
+    """Resumes a search's steps generator with ``reply`` sent in, or ``error``
+    thrown in at its yield: (False, the next item it yields), or (True, what
+    it returned). Whatever else it raises propagates."""
+    try:
+        return False, steps.send(reply) if error is None else steps.throw(error)
+    except StopIteration as stop:
+        return True, stop.value
 
 
 @dataclass

@@ -768,9 +768,10 @@ def test_a_driver_runs_its_waves_one_after_another_on_the_critical_worker():
     b.close()
 
 
-def test_drivers_waves_and_queued_critical_requests_share_one_batch_drivers_first():
+def test_drivers_waves_and_queued_critical_requests_share_one_batch_oldest_first():
     """Batching across searches: the waves of two driven callers and a
-    critical request queued meanwhile run as one batch, each its own rows."""
+    critical request queued meanwhile run as one batch, each its own rows,
+    the oldest first (the request, queued before the drivers' first step)."""
     model = Model()
     b = make(model, buckets=(1, 2, 4, 8, 16))
     block(model, b, CRITICAL)
@@ -781,7 +782,7 @@ def test_drivers_waves_and_queued_critical_requests_share_one_batch_drivers_firs
     model.gate.set()
     assert all(d.finished.wait(5) for d in drivers) and queued.wait(5)
     merged = model.batches[1]
-    assert merged.rows == 5 and [r.driver for r in merged.requests] == [*drivers, None]
+    assert merged.rows == 5 and [r.driver for r in merged.requests] == [None, *drivers]
     assert [d.answers for d in drivers] == [[[20, 20], [40, 40]], [[22, 22], [42, 42]]]
     assert (queued.result()["y"] == 10).all()
     b.close()
@@ -796,6 +797,45 @@ def test_a_driver_wave_past_its_deadline_is_done_unrun_and_its_driver_goes_on():
     assert isinstance(driver.answers[0], DeadlineExceeded) and driver.answers[1] == [16, 16]
     assert [x.rows for x in model.batches] == [2]  # the expired wave never ran
     assert b.stats()["lanes"]["critical"]["expired"] == 1
+    b.close()
+
+
+def test_drivers_whose_waves_fill_every_batch_never_starve_the_queue():
+    """Three drivers whose waves fill a batch each (6 of 8 rows), 200 waves
+    apiece: a critical request queued among them runs after the waves made
+    before it, not after every driver has finished."""
+    model = Model()
+    b = make(model)  # max_rows 8
+    drivers = [Waves(b, list(range(200)), rows=6) for _ in range(3)]
+    for d in drivers:
+        b.drive(d)
+    assert wait_for(lambda: len(model.batches) >= 3)
+    before = len(model.batches)
+    req = b.evaluate(rows_of(5, 1), 1, CRITICAL, time.monotonic() + 10)
+    at = next(i for i, batch in enumerate(model.batches) if req in batch.requests)
+    assert at <= before + 4, (before, at)  # the in-flight batch, the waves older than it, then its own
+    assert all(d.finished.wait(10) for d in drivers) and len(model.batches) >= 600
+    b.close()
+
+
+def test_a_driven_callers_own_request_to_its_lane_is_refused_not_left_waiting():
+    """A generator run by the critical worker that submits to that lane would
+    wait for itself: refused at once with RuntimeError."""
+    model = Model()
+    b = make(model)
+    caught = []
+
+    class SelfSubmitting:
+        def step(self, done):
+            try:
+                b.submit(rows_of(1, 1), 1, CRITICAL)
+            except RuntimeError as exc:
+                caught.append(str(exc))
+            return None
+
+    b.drive(SelfSubmitting())
+    assert wait_for(lambda: caught) and "would wait for itself" in caught[0]
+    assert (b.evaluate(rows_of(2, 1), 1, CRITICAL, time.monotonic() + 5).result()["y"] == 4).all()
     b.close()
 
 

@@ -180,9 +180,10 @@ def test_a_reward_service_stopping_mid_drive_throws_unavailable_and_refuses_new_
 
 
 def test_a_search_handed_back_at_detach_ends_on_its_own_thread(server):
-    """DeviceWaves.run: the steps run on the worker until the search yields
-    DETACH (the model stopped valuing its leaves), then on the caller's
-    thread; a refused wave reaches the search as EvaluationFailed, naming why."""
+    """DeviceWaves.run: the search's set-up up to its first wave runs on the
+    caller's thread, its waves on the worker until it yields DETACH (the
+    model stopped valuing its leaves), the rest on the caller's thread
+    again; a refused wave reaches the search as EvaluationFailed, naming why."""
     waves = DeviceWaves(LeafChannelEvaluator(server.port(MODEL, 8, device=False), 30, HANDOFF_IN_PROCESS), None)
     assert waves.driven
     seen, errors = [], []
@@ -193,12 +194,14 @@ def test_a_search_handed_back_at_detach_ends_on_its_own_thread(server):
             yield 4  # a device wave, which a host port refuses: INVALID_ARGUMENT
         except EvaluationFailed as exc:
             errors.append(str(exc))
+            seen.append(threading.current_thread().name)
         yield DETACH
         seen.append(threading.current_thread().name)
         return "answered"
 
+    caller = threading.current_thread().name
     assert waves.run(steps()) == "answered"
-    assert seen == [WORKER, threading.current_thread().name]
+    assert seen == [caller, WORKER, caller]
     assert "in process" in errors[0] and "a host port" in errors[0]
 
 
