@@ -268,7 +268,7 @@ class _Slot:
 READY_WAIT_S = 0.005  # how long a run waits for its leaf-channel waves' ready events (s): ~20 selection kernels
 
 
-def _wait_inputs(requests, on_gpu: bool = False) -> None:
+def _wait_inputs(requests, stream_ptr: int | None = None) -> None:
     """Waits for the batch's ``ready`` events (Request.events), all within one
     limit: READY_WAIT_S from now, and no later than the earliest deadline in
     the batch. A request whose inputs are not written by then (its client
@@ -277,12 +277,19 @@ def _wait_inputs(requests, on_gpu: bool = False) -> None:
     client's output region may still be read by its previous wave's
     kernels), for its own error answer. So a stuck client costs the lane at
     most READY_WAIT_S per wave of its, and no other request its answer.
-    ``on_gpu``: the run's copies read the inputs on the device, after a wait
-    on the GPU for the events that allow one (``ready_on_gpu``), which are
-    left to it here: a driven search's, recorded on a stream that holds
-    that search's kernels alone (reward_service/in_process.py), so the wait
-    lasts its selection, never another client's work."""
-    waiting = [r for r in requests if r.events is not None and not (on_gpu and r.events.ready_on_gpu)]
+    ``stream_ptr``: the stream of the run's device-to-device copies, which is
+    made to wait on the GPU for the events that allow it (``ready_on_gpu``)
+    instead: a driven search's, recorded on a stream that holds that
+    search's kernels alone (reward_service/in_process.py), so the wait lasts
+    its selection, never another client's work. None: every event polled."""
+    waiting = []
+    for req in requests:
+        if req.events is None:
+            continue
+        if stream_ptr is not None and req.events.ready_on_gpu:
+            req.events.ready.wait_on_stream(stream_ptr)
+        else:
+            waiting.append(req)
     if not waiting:
         return
     deadlines = [r.deadline for r in requests if r.deadline is not None]
@@ -345,10 +352,7 @@ class _BoundRunner:
         slot, dev = self._slots[bucket], self.device
         events = [] if device_batch is None else [r.events for r in device_batch.requests if r.events is not None]
         if device_batch is not None:  # the inputs are on the device already: no host copy at all
-            _wait_inputs(device_batch.requests, on_gpu=True)
-            for ev in events:
-                if ev.ready_on_gpu:  # the copies below wait for the writing kernels on the GPU
-                    ev.ready.wait_on_stream(dev.stream.ptr)
+            _wait_inputs(device_batch.requests, dev.stream.ptr)  # the copies below come after the waits
             for name, d in slot.dev_in.items():
                 for req, off in zip(device_batch.requests, device_batch.offsets):
                     dev.copy_device(d, off, req.feeds[name])

@@ -289,7 +289,7 @@ class DeviceWaves:
             except LeafChannelError as exc:  # refused before any step: the first wave is still to run
                 log.info("search: a driven search refused (%s); its waves go one by one", exc)
             else:
-                if out is not _DETACHED:
+                if out is not DETACH:
                     return out
                 rows = DETACH
         return drive(steps, self.evaluate, rows)
@@ -298,8 +298,8 @@ class DeviceWaves:
         """``steps``, which has just yielded ``rows``, as a port drives it: the
         rows it yields pass through; the outputs sent back become (values,
         logits), a LeafChannelError thrown back EvaluatorUnavailable; it
-        returns _DETACHED where ``steps`` yields DETACH (``steps`` is then
-        left at that yield)."""
+        returns DETACH where ``steps`` yields it (``steps`` is then left at
+        that yield; a search never returns it)."""
         while rows is not DETACH:
             reply = error = None
             start = time.perf_counter()
@@ -313,14 +313,11 @@ class DeviceWaves:
             finished, rows = advance(steps, reply, error)
             if finished:
                 return rows
-        return _DETACHED
+        return DETACH
 
     @property
     def closed(self) -> bool:
         return self._ev.channel.closed
-
-
-_DETACHED = object()  # DeviceWaves._adapted's return where the search yielded DETACH
 
 
 class HandoffEvaluator:
