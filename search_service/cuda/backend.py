@@ -323,9 +323,8 @@ class _Search:
 
     def _device_root_wave(self, rows: int):
         """Generator (a device wave, the search's first): values the fresh roots
-        before anything else of the search is set up, so the set-up (the
-        pools, init_trees, the waves' buffers) runs on the host while the
-        model runs on the GPU. Their observations (uint8 [rows, 2, 6, 7],
+        before the rest of the search is set up, so the set-up (init_trees,
+        the waves' buffers) runs on the host while the model runs on the GPU. Their observations (uint8 [rows, 2, 6, 7],
         row b tree b's root; a kept tree's row is valued and ignored) go into
         the input region, copied asynchronously on the current stream
         (:func:`_upload`). Returns the output region's policy logits (float32 [max_rows, A],
@@ -363,11 +362,13 @@ class _Search:
         stopped valuing leaves, or the waves are over: only the answer is
         left); it returns (results, trees). Without device waves it yields
         only DETACH, where the model stops."""
-        # With device waves (value-model searches only) the fresh roots are valued first (_device_root_wave).
-        root_rows = self._fresh_rows() if self.device_waves is not None else 0
-        logits = (yield from self._device_root_wave(root_rows)) if root_rows else None
+        # The pools on the caller's stream, before a driven search's first wave: CuPy's memory pool
+        # hands memory back to the stream it was taken on, and a tree outlives the search there.
         self._allocate()
         timeline.mark("search.allocated")
+        # With device waves (value-model searches only) the fresh roots are valued next (_device_root_wave).
+        root_rows = self._fresh_rows() if self.device_waves is not None else 0
+        logits = (yield from self._device_root_wave(root_rows)) if root_rows else None
         init_rows = self._init_rows()
         init = cupy.empty(init_rows.nbytes // 4, np.uint32)  # CuPy has no structured dtypes
         self._uploads.append(_upload(init, init_rows.view(np.uint32)))
