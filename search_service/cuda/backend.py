@@ -178,9 +178,9 @@ class CudaBackend:
                 on the host. On an ordered channel (``device_waves.ordered``:
                 CUDA events order the two services' work) the wave is sent as
                 soon as its selection is queued, with all B * K rows, and the
-                META rows come back meanwhile. The fresh roots go the same way,
-                first of all (their observations copied into the input region),
-                and mcts_vm_root_priors reads their priors from the output region.
+                META rows come back meanwhile. The fresh roots go the same way: init_trees writes
+                their OBS rows into the input region, and mcts_vm_root_priors
+                reads their priors from the output region.
 
         Returns:
             One result and one :class:`CudaTree` per root.
@@ -271,7 +271,6 @@ class _Search:
         self.phase_ms = dict.fromkeys(abi.PHASES, 0.0)  # wall-clock ms per phase, over the call
         self.waves = 0
         self.model_simulations = np.zeros(b, np.int64)  # per tree: simulations whose leaf the model valued
-        self._uploads: list[np.ndarray] = []  # pinned sources of copies queued on the stream, kept to the end
         # The device hand-off, where it carries a whole wave (B * K slots, one row each).
         fits = device_waves is not None and device_waves.carries(b * params.parallel_sims)
         self.device_waves = device_waves if self.puct and fits else None
@@ -303,7 +302,7 @@ class _Search:
             idx = np.flatnonzero(fresh)
             init["root_visits"][idx] = 1  # the root's own evaluation: sqrt(N) > 0 at the first choice
             if self.device_waves is not None:
-                return init  # valued on the device before the set-up (_device_root_wave)
+                return init  # valued on the device once init_trees wrote them (_device_root_priors)
             t = time.perf_counter()
             try:
                 _, priors = _call_model(self.evaluator, self.roots.current[idx], self.roots.mask[idx])
@@ -316,34 +315,31 @@ class _Search:
             self.phase_ms["evaluate"] += (time.perf_counter() - t) * 1e3
         return init
 
-    def _fresh_rows(self) -> int:
-        """Rows ``[0, last fresh tree + 1)``: what the fresh roots' device wave values (0: no fresh tree)."""
-        fresh = [i for i in range(self.n_trees) if i not in self.kept]
-        return fresh[-1] + 1 if fresh else 0
-
-    def _device_root_wave(self, rows: int):
-        """Generator (a device wave, the search's first): values the fresh roots
-        before the rest of the search is set up, so the set-up (init_trees,
-        the waves' buffers) runs on the host while the model runs on the GPU. Their observations (uint8 [rows, 2, 6, 7],
-        row b tree b's root; a kept tree's row is valued and ignored) go into
-        the input region, copied asynchronously on the current stream
-        (:func:`_upload`). Returns the output region's policy logits (float32 [max_rows, A],
-        read by ``mcts_vm_root_priors`` once init_trees has made the roots),
-        or None: no policy head, or the call failed (the model stops: rollouts
-        value the leaves, as on the host way, after a DETACH)."""
+    def _device_root_priors(self, init_rows: np.ndarray, init):
+        """Generator (a device wave): values the fresh roots through the device waves: init_trees wrote
+        fresh tree b's OBS row at row b of the input region; one call values
+        rows ``[0, last fresh + 1)``, and ``mcts_vm_root_priors`` sets their
+        priors from the output region's logits. So the root, like every leaf,
+        never crosses the host. Without a policy head the uniform priors
+        stay; a failed call stops the model (rollouts value the leaves), as
+        on the host way."""
         t = time.perf_counter()
-        self._uploads.append(_upload(self.device_waves.inputs[:rows], connect4.observation(self.roots)[:rows]))
-        if not self.device_waves.ordered:  # else the channel's event orders the copy before the model's
-            cupy.cuda.get_current_stream().synchronize()
-        logits = None
+        rows = int(np.flatnonzero(init_rows["fresh"])[-1]) + 1
+        if not self.device_waves.ordered:  # else the channel's event orders init_trees before the model's copy
+            cupy.cuda.get_current_stream().synchronize()  # init_trees's rows in place before the call
         try:
             with nvtx.span("search.evaluate"):
                 _, logits = yield rows
         except EvaluationFailed as exc:
             self._stop_using_model(exc)
+            logits = None
             yield DETACH
+        if logits is not None:
+            kernel("mcts_vm_root_priors")(
+                ((self.n_trees + 127) // 128,), (128,),
+                (self.pool, np.int64(self.capacity), np.int32(self.n_trees), init, self.device_waves.inputs, logits),
+            )
         self.phase_ms["evaluate"] += (time.perf_counter() - t) * 1e3
-        return logits
 
     # -- the search -------------------------------------------------------------------
     def run(self) -> tuple[list[SearchResult], list[pl.CudaTree]]:
@@ -362,30 +358,27 @@ class _Search:
         stopped valuing leaves, or the waves are over: only the answer is
         left); it returns (results, trees). Without device waves it yields
         only DETACH, where the model stops."""
-        # The pools on the caller's stream, before a driven search's first wave: CuPy's memory pool
-        # hands memory back to the stream it was taken on, and a tree outlives the search there.
         self._allocate()
         timeline.mark("search.allocated")
-        # With device waves (value-model searches only) the fresh roots are valued next (_device_root_wave).
-        root_rows = self._fresh_rows() if self.device_waves is not None else 0
-        logits = (yield from self._device_root_wave(root_rows)) if root_rows else None
         init_rows = self._init_rows()
-        init = cupy.empty(init_rows.nbytes // 4, np.uint32)  # CuPy has no structured dtypes
-        self._uploads.append(_upload(init, init_rows.view(np.uint32)))
+        init = cupy.asarray(init_rows.view(np.uint32))  # CuPy has no structured dtypes
+        # With device waves (value-model searches only) the fresh roots' OBS rows go into the input region.
+        on_device = self.device_waves is not None and bool(init_rows["fresh"].any())
         kernel("init_trees")(
             ((self.n_trees + 127) // 128,),
             (128,),
-            (self.pool, np.int64(self.capacity), np.int32(self.n_trees), init, self.tree_state, self.cycles,
-             self.clock_start),
+            (
+                self.pool, np.int64(self.capacity), np.int32(self.n_trees), init, self.tree_state, self.cycles,
+                self.clock_start, self.device_waves.inputs if on_device else np.uint64(0),
+            ),
         )
         timeline.mark("search.initialised")
-        if logits is not None:  # the roots' priors from the output region (the stream waits for the model)
-            kernel("mcts_vm_root_priors")(
-                ((self.n_trees + 127) // 128,), (128,),
-                (self.pool, np.int64(self.capacity), np.int32(self.n_trees), init, self.device_waves.inputs, logits),
-            )
+        if on_device:
+            yield from self._device_root_priors(init_rows, init)
         if self.puct:
             deadline_reached = yield from self._value_model_waves()
+            if self.device_waves is not None:
+                yield DETACH  # the waves are over: the answer is made on the caller's thread, off the lane
         else:
             deadline_reached = None
             self._rollout_search()
@@ -399,13 +392,7 @@ class _Search:
                 self.result_rows,
             ),
         )
-        results = _AsyncCopy(self.result_rows)
-        results.start()  # queued after finish_trees, before the hand-back: the copy runs while the caller wakes
-        try:
-            if self.puct and self.device_waves is not None:
-                yield DETACH  # the waves are over: the answer is read on the caller's thread, off the lane
-        finally:  # waited for even where the search is closed at the yield: its pinned buffer goes back to the pool
-            res = results.finish().view(abi.RESULT.dtype)  # [B]
+        res = self.result_rows.get().view(abi.RESULT.dtype)  # [B]
         timeline.mark("search.results")
         kernel_ms = (time.perf_counter() - self.launched_at) * 1e3 if not self.puct else None
         if not self.puct:
@@ -750,21 +737,6 @@ def _wave_slots(meta: np.ndarray, in_wave: np.ndarray, b: int) -> tuple[np.ndarr
     terminal = meta["terminal"]
     ran = in_wave & (terminal != abi.NO_SIMULATION)
     return ran, ran.reshape(b, -1)[:, 0], ran & (terminal == tr.NOT_TERMINAL)
-
-
-def _upload(dev: cupy.ndarray, host: np.ndarray) -> np.ndarray:
-    """Copies ``host`` into ``dev`` (both C-contiguous, as many bytes) on the
-    current stream, through pinned memory, so the copy never waits for the
-    stream's earlier work on the host (a pageable source may: the driver
-    stages it); returns the pinned copy, to be kept until the stream has
-    passed the copy (a search keeps its own to its end)."""
-    import cupyx  # noqa: PLC0415 - with CuPy
-
-    pinned = cupyx.empty_pinned(host.shape, host.dtype)
-    pinned[...] = host
-    cupy.cuda.runtime.memcpyAsync(dev.data.ptr, pinned.ctypes.data, pinned.nbytes, cupy.cuda.runtime.memcpyHostToDevice,
-                                  cupy.cuda.get_current_stream().ptr)
-    return pinned
 
 
 class _AsyncCopy:

@@ -3,8 +3,8 @@
 equal the host way's (the softmax of evaluators.values_and_priors, then
 mcts.backend.model_answer), on random rows and on the edge cases: NaN and
 infinite logits and values, a row with no legal move, known results, proven
-trees, slots past the wave; ``mcts_vm_root_priors`` gives the fresh roots
-the host way's priors from the logits of their observations' rows. Marked ``gpu``.
+trees, slots past the wave; ``init_trees`` writes the fresh roots' OBS rows
+and ``mcts_vm_root_priors`` gives them the host way's priors. Marked ``gpu``.
 
     pytest -m gpu tests/search/test_device_answer_gpu.py
 """
@@ -98,11 +98,11 @@ def test_without_a_policy_head_only_the_values_are_written():
     assert (got[:, 1:] == UNTOUCHED).all()
 
 
-def test_fresh_roots_get_the_host_ways_priors():
-    """Each fresh root's observation at its tree's row (connect4.observation's
-    encoding, as the search copies them before its set-up); init_trees makes
-    the roots and mcts_vm_root_priors sets the fresh roots' edge priors to the
-    host way's, from the logits of those rows. A kept tree's root is left alone."""
+def test_fresh_roots_get_their_obs_rows_and_the_host_ways_priors():
+    """init_trees with an OBS buffer writes each fresh root's observation at
+    its tree's row (connect4.observation's encoding); mcts_vm_root_priors then
+    sets the fresh roots' edge priors to the host way's, from the logits of
+    those rows. A kept tree's row and root are left alone."""
     cp = cupy_module()
     if cp is None:
         pytest.skip("CuPy sees no GPU")
@@ -118,12 +118,15 @@ def test_fresh_roots_get_the_host_ways_priors():
     init_dev = cp.asarray(init.view(np.uint32))
     pool = cp.zeros((b, cap * abi.NODE_BYTES), np.uint8)
     pool[3] = 0x55  # the kept tree's bytes
-    obs = cp.asarray(connect4.observation(roots).reshape(b, -1))
+    obs = cp.full((b, abi.OBS.words), 9, np.uint8)
     kernel("init_trees")(
         (1,), (128,),
         (pool, np.int64(cap), np.int32(b), init_dev, cp.zeros(b * abi.TREE_STATE.words, np.int32),
-         cp.zeros(b * abi.CYCLES.words, np.uint64), cp.zeros(1, np.uint64)),
+         cp.zeros(b * abi.CYCLES.words, np.uint64), cp.zeros(1, np.uint64), obs),
     )
+    got_obs = obs.get()
+    np.testing.assert_array_equal(got_obs[:3], connect4.observation(roots).reshape(b, -1)[:3])
+    assert (got_obs[3] == 9).all()
     logits = np.random.default_rng(1).normal(0, 3, (b, 7)).astype(np.float32)
     logits[1, 2] = np.nan
     kernel("mcts_vm_root_priors")((1,), (128,), (pool, np.int64(cap), np.int32(b), init_dev, obs, cp.asarray(logits)))

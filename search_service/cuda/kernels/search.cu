@@ -42,9 +42,11 @@ __device__ __forceinline__ void write_obs(unsigned char* o, u64 cur, u64 msk) {
 // Fills a tree's root (fresh trees) and its search state (TS row) from its
 // INIT row (u32 [B][INIT_WORDS]; the u64 bitboards as (low, high) words).
 // One thread per tree; also zeroes the tree's phase cycle counters (CYC row)
-// and, thread 0, the launch start time of the deadline clock (t0).
+// and, thread 0, the launch start time of the deadline clock (t0). With `obs`
+// (not null: the value model's device waves), a fresh tree b's root also gets
+// its OBS row b there, for the model to value it (mcts_vm_root_priors).
 extern "C" __global__ void init_trees(unsigned char* pool, long long cap, int n_trees, const u32* init, int* tsa,
-                                      u64* cyc, u64* t0) {
+                                      u64* cyc, u64* t0, unsigned char* obs) {
   const int b = blockIdx.x * blockDim.x + threadIdx.x;
   if (b == 0) *t0 = 0ull;
   if (b >= n_trees) return;
@@ -61,6 +63,7 @@ extern "C" __global__ void init_trees(unsigned char* pool, long long cap, int n_
   const u64 mask = (u64)in[INIT_MASK] | ((u64)in[INIT_MASK + 1] << 32);
   const TreeView t = tree_view(pool, cap, b);
   init_node(t, 0, cur, mask, terminal_code(cur, mask), -1, -1);
+  if (obs != nullptr) write_obs(obs + (long long)b * OBS_WORDS, cur, mask);
   if (in[INIT_HAS_PRIORS]) {
     for (int a = 0; a < NUM_ACTIONS; ++a) t.rows[a].w = (int)in[INIT_PRIORS + a];
   }
@@ -378,12 +381,11 @@ extern "C" __global__ void mcts_vm_answer(int n, int K, int k_wave, const int* m
   masked_priors(logits + (long long)q * NUM_ACTIONS, obs + (long long)q * OBS_WORDS, ev + EVAL_PRIORS);
 }
 
-// Value model with device waves, after the model valued each fresh root's OBS
-// row b of `obs` (the host copied them there before the set-up) and init_trees
-// made the roots: a fresh tree b's root edges get the priors of row b
-// (masked_priors), as init_trees stores the host's (INIT_PRIORS). One thread
-// per tree; `logits` float [n_trees][NUM_ACTIONS]. The search's first
-// selection runs in a later launch.
+// Value model with device waves, after init_trees wrote each fresh root's OBS
+// row and the model valued those rows: a fresh tree b's root edges get the
+// priors of row b (masked_priors), as init_trees stores the host's
+// (INIT_PRIORS). One thread per tree; `logits` float [n_trees][NUM_ACTIONS].
+// The search's first selection runs in a later launch.
 extern "C" __global__ void mcts_vm_root_priors(unsigned char* pool, long long cap, int n_trees, const u32* init,
                                                const unsigned char* obs, const float* logits) {
   const int b = blockIdx.x * blockDim.x + threadIdx.x;
