@@ -339,8 +339,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--positions", type=int, default=200, help="positions per set for the quality rows")
     parser.add_argument("--profile", action="store_true",
-                        help="cProfile the latency rows (this thread: the search loop) into "
-                             "neural_search_profile.txt beside the result file")
+                        help="cProfile the latency rows into neural_search_profile.txt (the 40 costliest "
+                             "functions) and neural_search_profile.prof (all of it) beside the result file")
     parser.add_argument("--kinds", default="latency,throughput,search_quality",
                         help="comma list of the row kinds to run (default: all three)")
     parser.add_argument("--timeline", action="store_true",
@@ -416,6 +416,7 @@ def main() -> None:
                 out.parent.mkdir(parents=True, exist_ok=True)
                 with open(out, "w") as fh:
                     pstats.Stats(profiler, stream=fh).sort_stats("tottime").print_stats(40)
+                profiler.dump_stats(out.with_suffix(".prof"))  # the whole profile, for pstats' callers and callees
                 common.note(f"profile of the latency rows: {out}")
             ipc.channel.close()
             if synchronised is not None:

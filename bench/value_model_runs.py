@@ -8,7 +8,8 @@ reward_service/session.py), in this process, on the GPU. One row per
 
 * ``variant``: ``fp32`` (NCHW, the file as is), ``fp32_nhwc``, ``fp16``
   (FP16 body, FP32 head), ``fp16_nhwc`` (what ``precision: auto`` +
-  ``prefer_nhwc`` serve on a GPU), ``fp32_heuristic`` and
+  ``prefer_nhwc`` served on a GPU before), ``fp16_nhwc_fused_bias`` (the
+  same with ``fuse_conv_bias``: what the shipped config serves), ``fp32_heuristic`` and
   ``fp16_nhwc_heuristic`` (cuDNN's HEURISTIC algorithm choice instead of
   EXHAUSTIVE: a shorter start-up), ``fp32_no_graph`` and
   ``fp16_nhwc_no_graph`` (no CUDA graph: every kernel launched from the host);
@@ -64,7 +65,7 @@ BENCHMARK = "value_model_runs"
 COLUMNS = ("variant", "threads", "bucket", "nodes", "run_us", "run_padded_us", "gpu_us", "host_call_us", "copy_in_us",
            "copy_out_us", "wall_us", "compute_us", "queue_us", "run_local_us", "run_ipc_us", "copy_local_us",
            "copy_ipc_us", "hop_us")
-BUCKETS = (32, 256, 1024)
+BUCKETS = (32, 256, 1024, 4096)
 REPEATS = 200
 
 
@@ -82,16 +83,17 @@ def variants(model, cfg):
     buckets = dict(batch_buckets=BUCKETS)
     exhaustive = replace(cfg, cudnn_conv_algo_search="EXHAUSTIVE")
     heuristic = replace(cfg, cudnn_conv_algo_search="HEURISTIC")
+    plain = replace(model, fuse_conv_bias=False, **buckets)
     return [
-        ("fp32", replace(model, precision="fp32", prefer_nhwc=False, **buckets), exhaustive),
-        ("fp32_nhwc", replace(model, precision="fp32", prefer_nhwc=True, **buckets), exhaustive),
-        ("fp16", replace(model, precision="fp16", prefer_nhwc=False, **buckets), exhaustive),
-        ("fp16_nhwc", replace(model, precision="fp16", prefer_nhwc=True, **buckets), exhaustive),
-        ("fp32_heuristic", replace(model, precision="fp32", prefer_nhwc=False, **buckets), heuristic),
-        ("fp16_nhwc_heuristic", replace(model, precision="fp16", prefer_nhwc=True, **buckets), heuristic),
-        ("fp32_no_graph", replace(model, precision="fp32", prefer_nhwc=False, cuda_graph=False, **buckets), exhaustive),
-        ("fp16_nhwc_no_graph", replace(model, precision="fp16", prefer_nhwc=True, cuda_graph=False, **buckets),
-         exhaustive),
+        ("fp32", replace(plain, precision="fp32", prefer_nhwc=False), exhaustive),
+        ("fp32_nhwc", replace(plain, precision="fp32", prefer_nhwc=True), exhaustive),
+        ("fp16", replace(plain, precision="fp16", prefer_nhwc=False), exhaustive),
+        ("fp16_nhwc", replace(plain, precision="fp16", prefer_nhwc=True), exhaustive),
+        ("fp16_nhwc_fused_bias", replace(plain, precision="fp16", prefer_nhwc=True, fuse_conv_bias=True), exhaustive),
+        ("fp32_heuristic", replace(plain, precision="fp32", prefer_nhwc=False), heuristic),
+        ("fp16_nhwc_heuristic", replace(plain, precision="fp16", prefer_nhwc=True), heuristic),
+        ("fp32_no_graph", replace(plain, precision="fp32", prefer_nhwc=False, cuda_graph=False), exhaustive),
+        ("fp16_nhwc_no_graph", replace(plain, precision="fp16", prefer_nhwc=True, cuda_graph=False), exhaustive),
     ]
 
 
@@ -115,7 +117,8 @@ def profile_nodes(model, cfg, rows: int) -> tuple[int, str]:
     opts = ort.SessionOptions()
     opts.enable_profiling = True
     opts.profile_file_prefix = os.path.join(tempfile.mkdtemp(), "profile")
-    cuda = {"cudnn_conv_algo_search": cfg.cudnn_conv_algo_search, **({"prefer_nhwc": "1"} if model.prefer_nhwc else {})}
+    cuda = {"cudnn_conv_algo_search": cfg.cudnn_conv_algo_search, **({"prefer_nhwc": "1"} if model.prefer_nhwc else {}),
+            **({"fuse_conv_bias": "1"} if model.fuse_conv_bias else {})}
     session = ort.InferenceSession(data, sess_options=opts, providers=[("CUDAExecutionProvider", cuda)])
     feed = {session.get_inputs()[0].name: np.random.default_rng(0).integers(0, 2, (rows, 2, 6, 7), dtype=np.uint8)}
     for _ in range(3):

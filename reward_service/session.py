@@ -475,6 +475,8 @@ class _SessionFactory:
             options["enable_cuda_graph"] = "1"
         if self._model.prefer_nhwc:
             options["prefer_nhwc"] = "1"
+        if self._model.fuse_conv_bias:
+            options["fuse_conv_bias"] = "1"
         return ort.InferenceSession(self._raw, sess_options=self._options, providers=[(CUDA, options), CPU])
 
 
@@ -711,6 +713,7 @@ class ModelSession:
         )
         if on_gpu:
             self.runtime["layout"] = "nhwc preferred" if model.prefer_nhwc else "nchw"
+            self.runtime["conv_bias"] = "fused into the convolution" if model.fuse_conv_bias else "own kernel"
             self.runtime["cudnn_conv_algo_search"] = cfg.cudnn_conv_algo_search
             self.runtime["gpu_mem_limit_bytes"] = str(factory.pool_bytes) if factory.pool_bytes else "none"  # per session
 

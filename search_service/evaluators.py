@@ -34,7 +34,7 @@ from tandem.v1 import reward_pb2, reward_pb2_grpc
 
 from search_service.games.connect4 import COLUMNS, NUM_ACTIONS, ROWS
 from search_service.mcts.backend import DETACH, EvaluationFailed, advance, drive
-from tandem import in_process, tensors
+from tandem import in_process, tensors, timeline
 from tandem.in_process import HANDOFF_IN_PROCESS
 from tandem.leaf_channel import LeafChannel, LeafChannelError
 
@@ -286,6 +286,7 @@ class DeviceWaves:
         if self.driven and rows is not DETACH:
             try:
                 out = self._ev.channel.drive(self._adapted(steps, rows), self.deadline)
+                timeline.mark("search.detached")
             except LeafChannelError as exc:  # refused before any step: the first wave is still to run
                 log.info("search: a driven search refused (%s); its waves go one by one", exc)
             else:

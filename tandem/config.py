@@ -112,6 +112,13 @@ class ModelConfig:
     # CUDA: let ONNX Runtime run convolutions in NHWC (its prefer_nhwc option); FP16
     # tensor-core convolutions are NHWC-native, so this mostly pays with precision fp16.
     prefer_nhwc: bool = False
+    # CUDA: add each convolution's bias inside the convolution's own kernel (ONNX Runtime's
+    # fuse_conv_bias: cuDNN's frontend fuses the bias as the kernel's epilogue) instead of
+    # in a kernel of its own; batch norms folded into the convolutions make that one
+    # elementwise pass less per convolution. With FP16 and prefer_nhwc on the H200,
+    # connect4_value's graph replay took 2,025 µs at 4,096 rows against 2,810 without
+    # (docs/benchmarks.md). Needs prefer_nhwc with fp16 (cuDNN found no NCHW FP16 plan).
+    fuse_conv_bias: bool = False
 
 
 @dataclass(frozen=True)
@@ -203,6 +210,7 @@ class RewardConfig:
             batch_buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096),  # search waves, one run each
             cuda_graph=True,
             prefer_nhwc=True,
+            fuse_conv_bias=True,
         ),
         ModelConfig(
             name="frame_reward",
@@ -525,6 +533,9 @@ def _check_models(cfg: TandemConfig) -> None:
                               f"got {model.precision!r}")
         if not resolve_path(model.path).is_file():
             raise ConfigError(f"reward.models[{i}].path: file not found: {resolve_path(model.path)}")
+        if model.fuse_conv_bias and not model.prefer_nhwc:
+            raise ConfigError(f"reward.models[{i}].fuse_conv_bias: needs prefer_nhwc (cuDNN has no fused-bias "
+                              "plan for these convolutions in NCHW)")
     tls = cfg.tls
     if bool(tls.cert_path) != bool(tls.key_path):
         raise ConfigError("tls: cert_path and key_path must be set together")

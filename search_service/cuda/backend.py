@@ -99,6 +99,8 @@ BACKUPS = ("warp_aggregated", "global_atomic")
 SCALE_TABLE = 1 << 18  # UCT scale(N) = c_uct * sqrt(ln N) from NumPy for N below this (2 MiB)
 _BUDGET_NONE = 1 << 30  # "no simulation budget" (deadline only)
 STOP_SLICE = 1024  # simulations per tree per launch when a stop request must be polled
+_SCRATCH_KEEP = 8  # buffers kept per kind and shape: searches that run at once
+_SCRATCH_KEYS = 32  # kinds and shapes kept at most
 
 
 class CudaBackend:
@@ -139,6 +141,7 @@ class CudaBackend:
         self.variant = f"gpu_{backup}"
         self._lock = threading.Lock()
         self._scale: dict[tuple[int, float], cupy.ndarray] = {}  # (device, c_uct) -> float64 [SCALE_TABLE]
+        self._scratch: dict[tuple, list] = {}  # kind and shape -> buffers of finished calls; guarded by _lock
 
     # -- public API --------------------------------------------------------------
     def search(
@@ -202,6 +205,27 @@ class CudaBackend:
         """(W warps per tree, G simulations per warp) for K in flight."""
         g = min(k, self.value_sims_per_warp if value_model else self.sims_per_warp)
         return -(-k // g), g
+
+    def take_scratch(self, key: tuple, make: Callable[[], tuple]) -> tuple:
+        """A search call's buffers for ``key`` (their kind and shape): those a
+        finished call gave back, else ``make()``'s. Making them costs the
+        host about 0.2 ms of CuPy calls per search, while the GPU waits."""
+        with self._lock:
+            free = self._scratch.get(key)
+            if free:
+                return free.pop()
+        return make()
+
+    def give_scratch(self, key: tuple, buffers: tuple) -> None:
+        """Keeps ``buffers`` for the next call of ``key``: only once no work
+        queued by the giving call can still touch them (its stream synchronised).
+        At most _SCRATCH_KEEP per key and _SCRATCH_KEYS keys are kept."""
+        with self._lock:
+            if key not in self._scratch and len(self._scratch) >= _SCRATCH_KEYS:
+                self._scratch.clear()  # shapes seen once long ago: let CuPy's pool have them back
+            free = self._scratch.setdefault(key, [])
+            if len(free) < _SCRATCH_KEEP:
+                free.append(buffers)
 
     def scale_table(self, c_uct: float) -> cupy.ndarray:
         """float64 [SCALE_TABLE] on the device: ``c_uct * sqrt(log(max(N, 1)))``
@@ -274,18 +298,16 @@ class _Search:
         # The device hand-off, where it carries a whole wave (B * K slots, one row each).
         fits = device_waves is not None and device_waves.carries(b * params.parallel_sims)
         self.device_waves = device_waves if self.puct and fits else None
+        self._waves: tuple | None = None  # (scratch key, buffers) of the wave loop, once it has them
+        timeline.mark("search.checked")
 
     # -- set-up --------------------------------------------------------------------
     def _allocate(self) -> None:
         b, cap = self.n_trees, self.capacity
         self.pool = cupy.empty((b, cap * pl.NODE_BYTES), np.uint8)
-        # One allocation for the small per-call state: the TS, CYC and RES rows
-        # of the B trees and the deadline clock's start time (u64).
-        sizes = (b * abi.TREE_STATE.nbytes, b * abi.CYCLES.nbytes, 8, b * abi.RESULT.nbytes)
-        self.state = cupy.empty(sum(sizes), np.uint8)
-        ts, cyc, t0, res = abi.carve(self.state, *sizes)
-        self.tree_state, self.cycles, self.clock_start = ts.view(np.int32), cyc.view(np.uint64), t0.view(np.uint64)
-        self.result_rows = res
+        self._state_key = ("state", cupy.cuda.Device().id, b)
+        self._state = self.backend.take_scratch(self._state_key, lambda: _state_buffers(b))
+        self.tree_state, self.cycles, self.clock_start, self.result_rows, self.init_dev, self._init_host = self._state
         for i, t in self.kept.items():
             pl.copy_into(self.pool.data.ptr + i * cap * pl.NODE_BYTES, cap, t)
 
@@ -361,7 +383,12 @@ class _Search:
         self._allocate()
         timeline.mark("search.allocated")
         init_rows = self._init_rows()
-        init = cupy.asarray(init_rows.view(np.uint32))  # CuPy has no structured dtypes
+        timeline.mark("search.init_rows")
+        init = self.init_dev
+        self._init_host[:] = init_rows.view(np.uint8)  # pinned: the copy below is queued, not staged by the driver
+        cupy.cuda.runtime.memcpyAsync(init.data.ptr, self._init_host.ctypes.data, init_rows.nbytes,
+                                      cupy.cuda.runtime.memcpyHostToDevice, cupy.cuda.get_current_stream().ptr)
+        timeline.mark("search.init_copied")
         # With device waves (value-model searches only) the fresh roots' OBS rows go into the input region.
         on_device = self.device_waves is not None and bool(init_rows["fresh"].any())
         kernel("init_trees")(
@@ -392,14 +419,19 @@ class _Search:
                 self.result_rows,
             ),
         )
-        res = self.result_rows.get().view(abi.RESULT.dtype)  # [B]
+        res = self.result_rows.get().view(abi.RESULT.dtype)  # [B]; the stream synchronised: the scratch is free
+        self.backend.give_scratch(self._state_key, self._state)
+        if self._waves is not None:
+            self.backend.give_scratch(*self._waves)
         timeline.mark("search.results")
         kernel_ms = (time.perf_counter() - self.launched_at) * 1e3 if not self.puct else None
         if not self.puct:
             self._split_kernel_time(kernel_ms, res)
         else:
             self.phase_ms["backup"] += (time.perf_counter() - t) * 1e3
-        out = self._results(res, deadline_reached, kernel_ms), self._trees(res)
+        results = self._results(res, deadline_reached, kernel_ms)
+        timeline.mark("search.answered")
+        out = results, self._trees(res)
         timeline.mark("search.end")
         return out
 
@@ -473,18 +505,17 @@ class _Search:
         # What one wave's selection hands the host, copied back in one piece:
         # the META rows, then the OBS rows, of the n simulation slots. With
         # device waves the OBS rows are the leaf channel's input region and
-        # only the META rows come back.
-        stage_sizes = (n * abi.META.nbytes, n * abi.OBS.nbytes if dw is None else 0)
-        stage = cupy.empty(sum(stage_sizes), np.uint8)
-        meta_dev, obs_dev = abi.carve(stage, *stage_sizes)
-        # An ordered channel (DeviceWaves.ordered): the META rows come back into pinned
-        # memory while the wave is valued, and are read after the backup is queued.
-        meta_back = _AsyncCopy(meta_dev) if dw is not None and dw.ordered else None
+        # only the META rows come back; on an ordered channel (DeviceWaves.ordered)
+        # they come back into pinned memory while the wave is valued, and are
+        # read after the backup is queued.
+        ordered_back = dw is not None and dw.ordered
+        key = ("waves", cupy.cuda.Device().id, n, dw is None, ordered_back)
+        buffers = self.backend.take_scratch(key, lambda: _wave_buffers(n, dw is None, ordered_back))
+        self._waves = (key, buffers)  # given back once the search's stream is synchronised
+        stage, meta_dev, obs_dev, meta_back, paths, vin_dev = buffers
         if dw is not None:
             obs_dev = dw.inputs.reshape(-1, abi.OBS.words)[:n]
-        obs_dev = obs_dev.reshape(n, abi.OBS.words)
-        paths = cupy.empty(n * abi.MAX_DEPTH, np.int32)
-        vin_dev = cupy.empty(n * abi.EVAL.words, np.float32)
+        stage_sizes = (n * abi.META.nbytes, n * abi.OBS.nbytes if dw is None else 0)
         aggregated = self.backend.backup == "warp_aggregated"
         backup_kernel = kernel("mcts_vm_backup_aggregated" if aggregated else "mcts_vm_backup_global")
         grid = ((b * w + abi.WARPS_PER_BLOCK - 1) // abi.WARPS_PER_BLOCK,)
@@ -500,6 +531,7 @@ class _Search:
         def ordered_live() -> np.ndarray:  # an ordered wave's live trees, from its META rows come back
             return _wave_slots(meta_back.finish().view(abi.META.dtype), in_wave_of < k, b)[1]
 
+        timeline.mark("search.waves_ready")
         try:
             while True:
                 if not live.any():
@@ -737,6 +769,34 @@ def _wave_slots(meta: np.ndarray, in_wave: np.ndarray, b: int) -> tuple[np.ndarr
     terminal = meta["terminal"]
     ran = in_wave & (terminal != abi.NO_SIMULATION)
     return ran, ran.reshape(b, -1)[:, 0], ran & (terminal == tr.NOT_TERMINAL)
+
+
+def _state_buffers(b: int) -> tuple:
+    """A call's small per-tree device state, one allocation carved (abi's
+    rows): TS int32 [B * 8], CYC uint64 [B * 4], the deadline clock's start
+    uint64 [1], RES uint8 [B * 296], INIT uint32 [B * 16]; and the INIT
+    rows' pinned host staging, uint8 [B * 64]."""
+    import cupyx  # noqa: PLC0415 - with CuPy
+
+    sizes = (b * abi.TREE_STATE.nbytes, b * abi.CYCLES.nbytes, 8, b * abi.RESULT.nbytes, b * abi.INIT.nbytes)
+    ts, cyc, t0, res, init = abi.carve(cupy.empty(sum(sizes), np.uint8), *sizes)
+    return (ts.view(np.int32), cyc.view(np.uint64), t0.view(np.uint64), res, init.view(np.uint32),
+            cupyx.empty_pinned(b * abi.INIT.nbytes, np.uint8))
+
+
+def _wave_buffers(n: int, with_obs: bool, ordered: bool) -> tuple:
+    """The value-model wave loop's buffers for ``n`` simulation slots:
+    ``stage`` (uint8, the META rows then, ``with_obs``, the OBS rows: what a
+    wave's selection hands the host, copied back in one piece), its META
+    view int32 [n * 4] and OBS view uint8 [n, 84] (None without), the META
+    rows' copy back into pinned memory (``ordered``; else None), ``paths``
+    int32 [n * MAX_DEPTH] and the EVAL rows float32 [n * 8]."""
+    sizes = (n * abi.META.nbytes, n * abi.OBS.nbytes if with_obs else 0)
+    stage = cupy.empty(sum(sizes), np.uint8)
+    meta_dev, obs_dev = abi.carve(stage, *sizes)
+    return (stage, meta_dev, obs_dev.reshape(n, abi.OBS.words) if with_obs else None,
+            _AsyncCopy(meta_dev) if ordered else None,
+            cupy.empty(n * abi.MAX_DEPTH, np.int32), cupy.empty(n * abi.EVAL.words, np.float32))
 
 
 class _AsyncCopy:

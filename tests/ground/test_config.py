@@ -54,6 +54,8 @@ def test_shipped_config_loads_and_matches_defaults():
         ({"search": {"evaluator": "x" * 10_000}}, "search.evaluator: must be one of"),
         ({"reward": {"models": [{"name": "m", "path": "reward_service/models/connect4_value.onnx",
                                  "precision": "fp8"}]}}, "reward.models[0].precision: must be one of fp32, fp16, auto"),
+        ({"reward": {"models": [{"name": "m", "path": "reward_service/models/connect4_value.onnx",
+                                 "fuse_conv_bias": True}]}}, "reward.models[0].fuse_conv_bias: needs prefer_nhwc"),
     ],
 )
 def test_bad_values_are_refused_naming_the_key(data, key):

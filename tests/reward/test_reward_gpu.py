@@ -224,8 +224,9 @@ def test_the_first_request_at_every_bucket_costs_at_most_twice_its_p50(cuda_read
 
 
 def test_the_shipped_value_model_runs_fp16_on_the_gpu_and_agrees_with_fp32(cuda_ready):
-    """precision: auto -> FP16 body, FP32 head, NHWC: the answers the search
-    uses (value sign, best column) agree with the FP32 model on the CPU."""
+    """precision: auto -> FP16 body, FP32 head, NHWC, the bias fused into the
+    convolutions: the answers the search uses (value sign, best column) agree
+    with the FP32 model on the CPU."""
     from reward_service.session import ModelSession
     from tandem.config import DEFAULT_CONFIG, load_config
     from tandem.positions import load_set
@@ -237,6 +238,9 @@ def test_the_shipped_value_model_runs_fp16_on_the_gpu_and_agrees_with_fp32(cuda_
     gpu = ModelSession(replace(shipped, batch_buckets=(256,)), replace(cfg, stream_priorities=(0,)))
     cpu = ModelSession(replace(shipped, batch_buckets=(256,)), replace(cfg, execution_provider="cpu"))
     assert gpu.precision == "fp16" and gpu.runtime["precision"].startswith("fp16"), gpu.runtime
+    opts = gpu._runners[0].session.get_provider_options()["CUDAExecutionProvider"]
+    assert opts["prefer_nhwc"] == "1" and opts["fuse_conv_bias"] == "1", opts
+    assert gpu.runtime["conv_bias"] == "fused into the convolution"
     got, want = gpu.run({"board": boards})[0], cpu.run({"board": boards})[0]
     assert got["value"].dtype == np.float32 and got["policy_logits"].dtype == np.float32
     assert np.abs(got["value"] - want["value"]).max() < 2e-2

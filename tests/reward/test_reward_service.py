@@ -492,7 +492,7 @@ def test_precision_auto_is_fp32_on_the_cpu_and_fp16_on_cuda():
     assert [resolve_precision(p, True) for p in ("fp32", "fp16")] == ["fp32", "fp16"]  # an explicit choice stays
     cfg = load_config(DEFAULT_CONFIG).reward
     shipped = next(m for m in cfg.models if m.name == MODEL)
-    assert shipped.precision == "auto" and shipped.prefer_nhwc
+    assert shipped.precision == "auto" and shipped.prefer_nhwc and shipped.fuse_conv_bias
     from dataclasses import replace
 
     s = ModelSession(replace(shipped, batch_buckets=(1, 2)), replace(cfg, execution_provider="cpu"))
