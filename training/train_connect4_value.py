@@ -304,7 +304,7 @@ edit by hand: re-run the command below).
 
 ONNX opset {OPSET}, one file ({size:,} bytes), no external data, FP32 (the shipped
 config serves it with `precision: auto`: converted at load to an FP16 body
-with an FP32 head on a GPU, with NHWC convolutions, as is on the CPU; `tandem convert-fp16` writes the
+with an FP32 head on a GPU, with NHWC convolutions whose kernels add their bias, as is on the CPU; `tandem convert-fp16` writes the
 FP16-body / FP32-head variant and reports its accuracy). The input is cast to float inside the model. The encoding equals
 `search_service.games.connect4.observation` and `training.connect4_encoding.encode_moves`.
 

@@ -6,6 +6,7 @@ device-side re-rooting. Every test needs a GPU (marker ``gpu``)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -120,6 +121,28 @@ def test_puct_matches_cpu_reference_with_one_simulation_in_flight(model):
     assert len(gpu_calls) == len(cpu_calls) and 100 < len(cpu_calls) <= 1 + 120
     for a, b in zip(gpu_calls, cpu_calls):
         assert a.dtype == np.uint8 and np.array_equal(a, b)
+
+
+def test_searches_in_a_row_reuse_their_buffers_and_answer_as_fresh_ones():
+    """The backend keeps a finished call's small state, INIT rows and wave
+    buffers for the next call of that shape: a second, third search on one
+    backend gets the same buffers and answers exactly as each does on a
+    fresh backend (nothing of the call before leaks through them)."""
+    roots = roots_of(pons(3, 11))
+    p = params(simulations=200, parallel_sims=8, evaluator="value_model", seed=5)
+    kept = CudaBackend(sims_per_warp=8)
+
+    def on_host(search):  # as assert_same_search takes the reference's: host trees
+        results, trees = search
+        return results, [t.to_host() for t in trees]
+
+    first = on_host(kept.search(roots, p, prior_model))
+    state = kept._scratch[("state", cupy.cuda.Device().id, 3)][0]
+    for seed in (5, 6):
+        again = kept.search(roots, replace(p, seed=seed), toy_model)
+        assert kept._scratch[("state", cupy.cuda.Device().id, 3)][0] is state  # taken and given back
+        assert_same_search(again, on_host(CudaBackend(sims_per_warp=8).search(roots, replace(p, seed=seed), toy_model)))
+    assert_same_search(kept.search(roots, p, prior_model), first)
 
 
 # -- invariants with asynchronous warps ----------------------------------------------------
