@@ -713,7 +713,8 @@ class ModelSession:
         )
         if on_gpu:
             self.runtime["layout"] = "nhwc preferred" if model.prefer_nhwc else "nchw"
-            self.runtime["conv_bias"] = "fused into the convolution" if model.fuse_conv_bias else "own kernel"
+            self.runtime["conv_bias"] = ("asked inside the convolution's kernel (fuse_conv_bias)" if model.fuse_conv_bias
+                                         else "a kernel of its own")
             self.runtime["cudnn_conv_algo_search"] = cfg.cudnn_conv_algo_search
             self.runtime["gpu_mem_limit_bytes"] = str(factory.pool_bytes) if factory.pool_bytes else "none"  # per session
 

@@ -213,19 +213,25 @@ class CudaBackend:
         with self._lock:
             free = self._scratch.get(key)
             if free:
-                return free.pop()
+                buffers = free.pop()
+                if not free:
+                    del self._scratch[key]
+                return buffers
         return make()
 
     def give_scratch(self, key: tuple, buffers: tuple) -> None:
         """Keeps ``buffers`` for the next call of ``key``: only once no work
         queued by the giving call can still touch them (its stream synchronised).
-        At most _SCRATCH_KEEP per key and _SCRATCH_KEYS keys are kept."""
+        At most _SCRATCH_KEEP per key and _SCRATCH_KEYS keys are kept: past
+        that, the key given back least recently goes (CuPy's pool has its
+        buffers back)."""
         with self._lock:
-            if key not in self._scratch and len(self._scratch) >= _SCRATCH_KEYS:
-                self._scratch.clear()  # shapes seen once long ago: let CuPy's pool have them back
-            free = self._scratch.setdefault(key, [])
+            free = self._scratch.pop(key, [])  # put back last: the most recent
             if len(free) < _SCRATCH_KEEP:
                 free.append(buffers)
+            self._scratch[key] = free
+            while len(self._scratch) > _SCRATCH_KEYS:
+                del self._scratch[next(iter(self._scratch))]
 
     def scale_table(self, c_uct: float) -> cupy.ndarray:
         """float64 [SCALE_TABLE] on the device: ``c_uct * sqrt(log(max(N, 1)))``
@@ -369,7 +375,17 @@ class _Search:
         may run it on the reward service's critical-lane worker: co-located
         mode), or on this thread."""
         steps = self._steps()
-        return drive(steps, None) if self.device_waves is None else self.device_waves.run(steps)
+        try:
+            return drive(steps, None) if self.device_waves is None else self.device_waves.run(steps)
+        except Exception:
+            # Its buffers are dropped, not given back: first let the work it queued finish (a
+            # driven search's stream is joined to this one before its error reaches here), so
+            # neither CuPy's pools nor the pinned INIT staging hand memory on that is still in use.
+            try:
+                cupy.cuda.get_current_stream().synchronize()
+            except Exception:  # noqa: BLE001 - a broken context: the exception under way says more
+                log.exception("a failed search's stream could not be synchronised")
+            raise
 
     def _steps(self):
         """The search as a generator: it yields the rows of each device wave

@@ -64,6 +64,12 @@ def assert_same_search(gpu, cpu) -> None:
         assert_same_tree(gt.to_host(), ct)
 
 
+def on_host(search):
+    """A CUDA search's (results, trees) with host trees, as assert_same_search takes the reference's."""
+    results, trees = search
+    return results, [t.to_host() for t in trees]
+
+
 def assert_same_tree(h: tr.Tree, c: tr.Tree) -> None:
     n = int(c.num_nodes[0])
     assert int(h.num_nodes[0]) == n
@@ -131,11 +137,6 @@ def test_searches_in_a_row_reuse_their_buffers_and_answer_as_fresh_ones():
     roots = roots_of(pons(3, 11))
     p = params(simulations=200, parallel_sims=8, evaluator="value_model", seed=5)
     kept = CudaBackend(sims_per_warp=8)
-
-    def on_host(search):  # as assert_same_search takes the reference's: host trees
-        results, trees = search
-        return results, [t.to_host() for t in trees]
-
     first = on_host(kept.search(roots, p, prior_model))
     state = kept._scratch[("state", cupy.cuda.Device().id, 3)][0]
     for seed in (5, 6):
@@ -143,6 +144,30 @@ def test_searches_in_a_row_reuse_their_buffers_and_answer_as_fresh_ones():
         assert kept._scratch[("state", cupy.cuda.Device().id, 3)][0] is state  # taken and given back
         assert_same_search(again, on_host(CudaBackend(sims_per_warp=8).search(roots, replace(p, seed=seed), toy_model)))
     assert_same_search(kept.search(roots, p, prior_model), first)
+
+
+def test_a_search_that_fails_part_way_leaves_the_kept_buffers_sound():
+    """A search whose evaluator raises part-way drops its buffers once its
+    stream is synchronised (never gives them back): the searches after it on
+    the backend answer as on a fresh backend, and no buffer is kept twice."""
+    roots = roots_of(pons(2, 12))
+    p = params(simulations=160, parallel_sims=8, evaluator="value_model", seed=2)
+    kept = CudaBackend(sims_per_warp=8)
+    kept.search(roots, p, toy_model)  # its buffers kept
+    calls = []
+
+    def breaks_at_the_third_call(obs):
+        calls.append(len(obs))
+        if len(calls) == 3:
+            raise RuntimeError("the evaluator broke")
+        return toy_model(obs)
+
+    with pytest.raises(RuntimeError, match="the evaluator broke"):
+        kept.search(roots, p, breaks_at_the_third_call)
+    for _ in range(2):
+        assert_same_search(kept.search(roots, p, toy_model), on_host(CudaBackend(sims_per_warp=8).search(roots, p, toy_model)))
+    held = [id(b) for free in kept._scratch.values() for b in free]
+    assert held and len(held) == len(set(held))
 
 
 # -- invariants with asynchronous warps ----------------------------------------------------
