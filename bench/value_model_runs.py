@@ -108,7 +108,7 @@ def profile_nodes(model, cfg, rows: int) -> tuple[int, str]:
 
     import onnxruntime as ort
 
-    from reward_service.session import _to_fp16
+    from reward_service.session import _to_fp16, convolution_options
     from tandem.config import resolve_path
 
     data = resolve_path(model.path).read_bytes()
@@ -117,8 +117,7 @@ def profile_nodes(model, cfg, rows: int) -> tuple[int, str]:
     opts = ort.SessionOptions()
     opts.enable_profiling = True
     opts.profile_file_prefix = os.path.join(tempfile.mkdtemp(), "profile")
-    cuda = {"cudnn_conv_algo_search": cfg.cudnn_conv_algo_search, **({"prefer_nhwc": "1"} if model.prefer_nhwc else {}),
-            **({"fuse_conv_bias": "1"} if model.fuse_conv_bias else {})}
+    cuda = convolution_options(model, cfg)
     session = ort.InferenceSession(data, sess_options=opts, providers=[("CUDAExecutionProvider", cuda)])
     feed = {session.get_inputs()[0].name: np.random.default_rng(0).integers(0, 2, (rows, 2, 6, 7), dtype=np.uint8)}
     for _ in range(3):

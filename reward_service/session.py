@@ -434,6 +434,18 @@ class _BoundRunner:
 # -- sessions ---------------------------------------------------------------------
 
 
+def convolution_options(model: ModelConfig, cfg: RewardConfig) -> dict[str, str]:
+    """The CUDA execution provider's options that decide how ``model``'s
+    convolutions run: cuDNN's algorithm search, the NHWC layout, the bias
+    inside the convolution's kernel."""
+    options = {"cudnn_conv_algo_search": cfg.cudnn_conv_algo_search}
+    if model.prefer_nhwc:
+        options["prefer_nhwc"] = "1"
+    if model.fuse_conv_bias:
+        options["fuse_conv_bias"] = "1"
+    return options
+
+
 class _SessionFactory:
     """Makes one model's ONNX Runtime sessions, all with the same session options.
 
@@ -465,18 +477,13 @@ class _SessionFactory:
         the CPU where CUDA does not load). ``stream_handle``: the address of the
         CUDA stream it runs on, in decimal (empty: ONNX Runtime's own stream);
         ``graphs``: CUDA graph capture and replay."""
-        options = {"arena_extend_strategy": "kSameAsRequested",
-                   "cudnn_conv_algo_search": self._cfg.cudnn_conv_algo_search}
+        options = {"arena_extend_strategy": "kSameAsRequested", **convolution_options(self._model, self._cfg)}
         if self.pool_bytes:
             options["gpu_mem_limit"] = str(self.pool_bytes)
         if stream_handle:
             options["user_compute_stream"] = stream_handle
         if graphs:
             options["enable_cuda_graph"] = "1"
-        if self._model.prefer_nhwc:
-            options["prefer_nhwc"] = "1"
-        if self._model.fuse_conv_bias:
-            options["fuse_conv_bias"] = "1"
         return ort.InferenceSession(self._raw, sess_options=self._options, providers=[(CUDA, options), CPU])
 
 

@@ -531,7 +531,7 @@ class _Search:
         stage, meta_dev, obs_dev, meta_back, paths, vin_dev = buffers
         if dw is not None:
             obs_dev = dw.inputs.reshape(-1, abi.OBS.words)[:n]
-        stage_sizes = (n * abi.META.nbytes, n * abi.OBS.nbytes if dw is None else 0)
+        stage_sizes = (meta_dev.nbytes, stage.nbytes - meta_dev.nbytes)  # the host copy of stage, carved alike
         aggregated = self.backend.backup == "warp_aggregated"
         backup_kernel = kernel("mcts_vm_backup_aggregated" if aggregated else "mcts_vm_backup_global")
         grid = ((b * w + abi.WARPS_PER_BLOCK - 1) // abi.WARPS_PER_BLOCK,)
