@@ -48,6 +48,8 @@ from typing import Callable, Iterable, Sequence  # noqa: E402
 
 import numpy as np  # noqa: E402
 
+from tandem.gpu import cupy_module  # noqa: E402
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO_ROOT / "bench" / "results"
 
@@ -224,10 +226,9 @@ def positions(moves: Sequence[str]):
 
 
 def sync_cuda() -> None:
-    """Waits for the CUDA device if CuPy is in use in this process (else nothing)."""
-    cupy = sys.modules.get("cupy")
-    if cupy is not None:
-        cupy.cuda.runtime.deviceSynchronize()
+    """Waits for the CUDA device if CuPy is in use in this process and sees a GPU (else nothing)."""
+    if "cupy" in sys.modules and cupy_module() is not None:
+        sys.modules["cupy"].cuda.runtime.deviceSynchronize()
 
 
 def time_calls(fn: Callable[[int], object], repeats: int, warmup: int = 1, sync: Callable[[], None] = sync_cuda) -> np.ndarray:

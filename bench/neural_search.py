@@ -6,7 +6,7 @@ variant; the CPU reference where no GPU runs it) whose leaves go to the reward
 service by each hand-off (``handoff``), all in one run: ``ipc``, the leaf
 channel (tandem/leaf_channel.py: one Unix-socket message each way per wave)
 with CUDA IPC regions as device waves (the selection kernel writes the leaves
-into the input region, the answer kernel reads the outputs from the output
+into the input region, the backup kernel reads the outputs from the output
 region: what a GPU search service does; CUDA events order the two services'
 work, tandem/cuda_events.py); ``ipc_synchronised``, device waves over a
 channel without events (each side synchronises its stream before its
@@ -24,7 +24,11 @@ the GPU).
 Three kinds of row (``kind``):
 
 * ``latency``: 1000 simulations of one tree from the empty board, value model,
-  waves of ``wave`` leaves (32, 64, 128, 256); p50/p99 of ``--repeats`` calls;
+  waves of ``wave`` leaves (32, 64, 128, 256); p50/p99 of ``--repeats`` calls,
+  each timed to its return (its answer on the host: a search synchronises its
+  own stream for its results), then the device synchronised untimed before
+  the next (``sync_ms_p50``: how long that took; in-process ~0.2-0.3 ms with
+  nothing of the search left to run, 76bf816's GPU timeline);
   per call the time split into kernels (select + backup), hand-off (the
   evaluate step's wall time less the reward service's own queue + model
   time) and model (that service time), per wave in µs; the hand-off split
@@ -56,7 +60,7 @@ Three kinds of row (``kind``):
 
 Row fields: kind, handoff, simulations, wave, latency_ms_p50, latency_ms_p99,
 kernel_ms, handoff_us_per_wave, model_us_per_wave, queue_us_per_wave,
-compute_us_per_wave, transport_us_per_wave, bookkeeping_us_per_wave, waves, evals_per_s; batch;
+compute_us_per_wave, transport_us_per_wave, bookkeeping_us_per_wave, waves, sync_ms_p50, evals_per_s; batch;
 position_set, evaluator, budget_ms, positions, optimal_move_rate, missed
 (the missed positions' move strings), played (the column each missed one
 played), simulations_mean; step, from_mark,
@@ -147,14 +151,16 @@ def latency(backend, evaluator, wave: int, simulations: int, repeats: int, devic
         kw = {"device_waves": waves}
     handoff = _row_handoff(evaluator, device)
     backend.search(root, params, evaluator, **kw)  # warm-up: kernels, the reward session's buckets
-    ms, kernel, waves = [], [], []
+    ms, sync_ms, kernel, waves = [], [], [], []
     per_wave = {k: [] for k in ("handoff", "model", "queue", "compute", "call_rest", "bookkeeping")}  # µs
     for seed in range(repeats):
         before = dataclasses.replace(evaluator.totals)
         t = time.perf_counter()
         (r,), _ = backend.search(root, replace(params, seed=seed + 1), evaluator, **kw)
-        common.sync_cuda()
-        ms.append((time.perf_counter() - t) * 1e3)
+        ms.append((time.perf_counter() - t) * 1e3)  # the answer is on the host: the search's latency
+        t = time.perf_counter()
+        common.sync_cuda()  # nothing of this search is left to run; the next one starts on an idle device
+        sync_ms.append((time.perf_counter() - t) * 1e3)
         after = evaluator.totals
         n = max(after.calls - before.calls, 1)
         queue, compute = after.queue_ms - before.queue_ms, after.compute_ms - before.compute_ms
@@ -171,7 +177,7 @@ def latency(backend, evaluator, wave: int, simulations: int, repeats: int, devic
                 latency_ms_p99=p99, kernel_ms=float(np.median(kernel)), handoff_us_per_wave=med["handoff"],
                 model_us_per_wave=med["model"], queue_us_per_wave=med["queue"], compute_us_per_wave=med["compute"],
                 transport_us_per_wave=med["call_rest"], bookkeeping_us_per_wave=med["bookkeeping"],
-                waves=float(np.median(waves)),
+                waves=float(np.median(waves)), sync_ms_p50=float(np.median(sync_ms)),
                 evals_per_s=simulations / (p50 / 1e3), repeats=repeats)
 
 

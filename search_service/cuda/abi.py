@@ -29,7 +29,7 @@ TS       int32 [B][8]        the search kernels' per-tree counters -> finish_tre
 CYC      u64 [B][4]          the rollout kernels' phase cycles -> finish_trees
 RES      int32 [B][72]       finish_trees -> host: a tree's result
 META     int32 [B*K][4]      mcts_vm_select -> host, mcts_vm_backup_*
-OBS      uint8 [B*K][84]     mcts_vm_select -> host (the leaf evaluator)
+OBS      uint8 [B*K][84]     mcts_vm_select -> evaluator (device waves: backup)
 EVAL     float [B*K][8]      host -> mcts_vm_backup_*: a leaf's value and priors
 =======  ==================  ====================================================
 
@@ -156,7 +156,8 @@ META = Layout("META", I32, 4, "meta int32 [B*K][4]: mcts_vm_select -> host and m
           "the leaf's known result (NOT_TERMINAL: the model evaluates it; NO_SIMULATION: the root is proven)"),
     Field("leader", 3, I32, 1, "the simulation that evaluates this leaf: the warp's lowest stopping at its edge"),
 ))
-OBS = Layout("OBS", U8, 2 * CELLS, "obs uint8 [B*K][84] = [2][6][7]: mcts_vm_select -> host, a leaf's observation", (
+OBS = Layout("OBS", U8, 2 * CELLS, (
+    "obs uint8 [B*K][84] = [2][6][7]: mcts_vm_select -> the evaluator (and mcts_vm_backup_*), a leaf's observation"), (
     Field("current", 0, U8, CELLS, "the side to move's stones, [row][col], row 0 at the bottom"),
     Field("opponent", CELLS, U8, CELLS, "the opponent's stones, likewise"),
 ))

@@ -175,7 +175,7 @@ class CudaBackend:
                 :class:`search_service.evaluators.DeviceWaves` (the leaf
                 channel's CUDA regions, lent to this call) or None. With one
                 whose ``max_rows`` holds a wave, the selection kernel writes the
-                leaves into its input region and the answer kernel reads the
+                leaves into its input region and the backup kernel reads the
                 values and priors from its output region: per wave one small
                 copy back (the META rows) and one socket round trip, no tensor
                 on the host. On an ordered channel (``device_waves.ordered``:
@@ -567,7 +567,7 @@ class _Search:
                 clock.begin_wave()
                 args = (self.pool, np.int64(self.capacity), np.int32(self.node_limit), np.int32(b), np.int32(w),
                         np.int32(g), np.int32(k_max), np.int32(k))
-                on_device = dw is not None and self.use_model  # the answer kernel builds the EVAL rows
+                on_device = dw is not None and self.use_model  # the backup kernel reads the model's outputs
                 ordered = on_device and meta_back is not None  # sent unsynchronised: the channel's events order it
                 with nvtx.span("search.select"):
                     kernel("mcts_vm_select")(
@@ -589,6 +589,7 @@ class _Search:
                     if not live.any():
                         return False  # every root is proven
                 has_priors = False
+                outputs = None  # device waves: the model's (values, logits) for the backup to read
                 used_model = self.use_model
                 if not on_device:  # the host builds them: exact values where known, the leaves' planes
                     vin = np.zeros(n, abi.EVAL.dtype)
@@ -596,7 +597,8 @@ class _Search:
                     planes = (obs_host if dw is None else obs_dev.get()).reshape(n, 2, connect4.ROWS, connect4.COLUMNS)
                 try:
                     if on_device:
-                        has_priors = yield from self._device_values(open_, meta_dev, obs_dev, vin_dev, k)
+                        outputs = yield from self._device_values(open_, n)
+                        has_priors = outputs[1] is not None
                     elif self.use_model:
                         has_priors = self._model_values(vin, planes, obs_dev, open_, meta["leader"], wants_cupy)
                     elif open_.any():
@@ -618,11 +620,14 @@ class _Search:
                 with nvtx.span("search.backup"):
                     if not on_device:
                         vin_dev.set(vin.view(np.float32))
+                    null = np.uint64(0)
+                    values, logits = (null if x is None else x for x in outputs or (None, None))
                     backup_kernel(
                         grid, block,
                         (
                             self.pool, np.int64(self.capacity), np.int32(b), np.int32(w), np.int32(g), np.int32(k_max),
                             np.int32(k), self.tree_state, meta_dev, paths, vin_dev, np.int32(has_priors),
+                            np.int32(on_device), values, logits, obs_dev if on_device else null,
                         ),
                     )
                 t3 = time.perf_counter()
@@ -671,32 +676,27 @@ class _Search:
         vin["priors"][rows] = priors
         return True
 
-    def _device_values(self, open_: np.ndarray | None, meta_dev, obs_dev, vin_dev, k: int):
+    def _device_values(self, open_: np.ndarray | None, n: int):
         """Generator: values the wave's leaves as one device wave (their OBS
-        rows are the device waves' input region: it yields the rows) and fills
-        ``vin_dev``'s EVAL rows on the device (``mcts_vm_answer``); returns
-        has_priors. ``open_``: bool [n], the slots with an unfinished leaf, or
-        None where the host does not know them yet (an ordered wave: all n
-        rows are valued).
+        rows are the device waves' input region: it yields the rows) and
+        returns the output region's (values, logits) -- (None, None) where no
+        leaf is open -- for the backup kernel to read on the device
+        (``vm_backup``'s from_outputs: the host way's rules, in float32).
+        ``open_``: bool [n], the slots with an unfinished leaf, or None where
+        the host does not know them yet (an ordered wave: all n rows are
+        valued).
 
         Raises:
             EvaluationFailed: thrown in at the yield: the hand-off failed, or
                 outputs of the wrong shape.
         """
-        n = len(vin_dev) // abi.EVAL.words
-        values = logits = None
-        if open_ is None or open_.any():
-            # every leaf's evaluating row is at or before the last open one; unknown: all of them
-            rows = n if open_ is None else int(np.flatnonzero(open_)[-1]) + 1
-            with nvtx.span("search.evaluate"):
-                values, logits = yield rows
-        null = np.uint64(0)
-        kernel("mcts_vm_answer")(
-            ((n + 127) // 128,), (128,),
-            (np.int32(n), np.int32(self.parallel_sims), np.int32(k), meta_dev, obs_dev,
-             null if values is None else values, null if logits is None else logits, vin_dev),
-        )
-        return logits is not None
+        if open_ is not None and not open_.any():
+            return None, None
+        # every leaf's evaluating row is at or before the last open one; unknown: all of them
+        rows = n if open_ is None else int(np.flatnonzero(open_)[-1]) + 1
+        with nvtx.span("search.evaluate"):
+            values, logits = yield rows
+        return values, logits
 
     def _stop_using_model(self, exc: EvaluationFailed) -> None:
         self.use_model = False

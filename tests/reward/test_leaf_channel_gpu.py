@@ -136,7 +136,7 @@ def test_a_cuda_search_service_sends_its_leaves_by_the_leaf_channel(gpu_reward):
 def test_device_waves_search_as_the_host_way_does(gpu_reward):
     """A search whose leaves and answers stay on the device (DeviceWaves: the
     selection kernel writes into the CUDA input region, the reward service's
-    bound runner writes into the CUDA output region, the answer kernel reads
+    bound runner writes into the CUDA output region, the backup kernel reads
     it) values every simulation with the model, one wave per call, and builds
     the tree the host way builds (one warp per tree: the reference's order; the
     priors' float32 softmax may round apart by an ulp)."""

@@ -1,10 +1,12 @@
-"""The answer kernels of the device waves (search_service/cuda/kernels/search.cu):
-``mcts_vm_answer``'s EVAL rows, built from a model's outputs on the device,
-equal the host way's (the softmax of evaluators.values_and_priors, then
-mcts.backend.model_answer), on random rows and on the edge cases: NaN and
-infinite logits and values, a row with no legal move, known results, proven
-trees, slots past the wave; ``init_trees`` writes the fresh roots' OBS rows
-and ``mcts_vm_root_priors`` gives them the host way's priors. Marked ``gpu``.
+"""The device waves' answer on the GPU (search_service/cuda/kernels/search.cu):
+the backup kernel reading a wave's values and priors straight from the
+model's outputs (``vm_backup``'s from_outputs) leaves the trees exactly as a
+backup of the host way's EVAL rows (the softmax of
+evaluators.values_and_priors, then mcts.backend.model_answer) does -- the
+priors within float32 rounding -- on real selections with shared leaves,
+known results and a proven root, and on NaN and infinite logits and values,
+a row with no legal move; ``init_trees`` writes the fresh roots' OBS rows and
+``mcts_vm_root_priors`` gives them the host way's priors. Marked ``gpu``.
 
     pytest -m gpu tests/search/test_device_answer_gpu.py
 """
@@ -21,81 +23,140 @@ from tandem.gpu import cupy_module
 
 pytestmark = pytest.mark.gpu
 
-UNTOUCHED = -7.0  # what the EVAL rows hold before the kernel: rows it must not write keep it
+CAP = 2048  # node slots per tree
+ROOTS = ("", "4453", "445566", "2252576253462244111563365343671351441")  # an opening, a win in one, an end game
 
 
-def test_the_answer_kernel_builds_the_rows_the_host_way_builds():
+def _cupy():
     cp = cupy_module()
     if cp is None:
         pytest.skip("CuPy sees no GPU")
+    return cp
+
+
+def _trees_mid_wave(k: int, waves: int, seed: int):
+    """One warp per tree (W 1, G = K = ``k``), the ROOTS' fresh trees after
+    ``waves`` waves backed up from random host rows, then one more wave
+    selected: (pool, tsa, meta, paths, obs) on the device, META as int32 [n, 4]."""
+    from search_service.cuda.module import kernel
+    from search_service.games import connect4
+
+    cp = _cupy()
+    roots = connect4.stack([connect4.parse_moves(m) for m in ROOTS])
+    b, n = len(ROOTS), len(ROOTS) * k
+    init = np.zeros(b, abi.INIT.dtype)
+    init["current"], init["mask"], init["nodes"], init["fresh"], init["root_visits"] = roots.current, roots.mask, 1, 1, 1
+    pool = cp.zeros((b, CAP * abi.NODE_BYTES), np.uint8)
+    tsa = cp.zeros(b * abi.TREE_STATE.words, np.int32)
+    kernel("init_trees")((1,), (128,), (pool, np.int64(CAP), np.int32(b), cp.asarray(init.view(np.uint32)), tsa,
+                                        cp.zeros(b * abi.CYCLES.words, np.uint64), cp.zeros(1, np.uint64),
+                                        np.uint64(0)))
+    meta, paths = cp.zeros((n, abi.META.words), np.int32), cp.zeros(n * abi.MAX_DEPTH, np.int32)
+    obs = cp.zeros((n, abi.OBS.words), np.uint8)
+    grid, block = ((b + abi.WARPS_PER_BLOCK - 1) // abi.WARPS_PER_BLOCK,), (32 * abi.WARPS_PER_BLOCK,)
+    shape = (np.int32(b), np.int32(1), np.int32(k), np.int32(k), np.int32(k))
+    rng = np.random.default_rng(seed)
+    for wave in range(waves + 1):
+        kernel("mcts_vm_select")(grid, block, (pool, np.int64(CAP), np.int32(CAP), *shape, np.float64(1.5),
+                                               np.float64(1.0), tsa, meta, paths, obs))
+        if wave == waves:
+            return pool, tsa, meta, paths, obs
+        vin = np.zeros(n, abi.EVAL.dtype)
+        vin["value"] = rng.uniform(-1, 1, n)
+        priors = rng.uniform(0, 1, (n, abi.NUM_ACTIONS)).astype(np.float32)
+        vin["priors"] = priors / priors.sum(axis=1, keepdims=True)
+        _backup(pool, tsa, meta, paths, k, cp.asarray(vin.view(np.float32)), has_priors=True)
+
+
+def _backup(pool, tsa, meta, paths, k, vin, has_priors=False, outputs=None, obs=None):
+    """mcts_vm_backup_aggregated over the _trees_mid_wave grid: from the host's
+    EVAL rows ``vin``, or from ``outputs`` (values, logits or None) on the device."""
     from search_service.cuda.module import kernel
 
-    rng = np.random.default_rng(0)
-    k_max, k, n = 64, 60, 128  # two trees of 64 slots; slots 60..63 of each are past the wave
-    term = rng.choice([tr.NOT_TERMINAL] * 5 + [tr.TERMINAL_LOSS, tr.TERMINAL_DRAW, tr.PROVEN_WIN, tr.PROVEN_LOSS,
-                                               tr.PROVEN_DRAW], n).astype(np.int32)
-    term[100:] = abi.NO_SIMULATION  # as if the second tree's root were proven from slot 100 on
-    leader = np.arange(n, dtype=np.int32)
-    for q in range(1, n):  # every third open slot shares an earlier open slot's leaf
-        earlier = np.flatnonzero(term[(q // k_max) * k_max : q] == tr.NOT_TERMINAL)
-        if q % 3 == 0 and term[q] == tr.NOT_TERMINAL and earlier.size:
-            leader[q] = (q // k_max) * k_max + earlier[0]
-    meta = np.stack([np.arange(n), np.full(n, 3), term, leader], axis=1).astype(np.int32)
-    obs = rng.integers(0, 2, (n, 2, 6, 7)).astype(np.uint8)
-    obs[:, :, -1, :] &= rng.integers(0, 2, (n, 2, 7)).astype(np.uint8)  # empty top cells: legal moves
-    obs[1, :, -1, :] = 1  # no legal move at all
-    values = (rng.normal(0, 1, n) * 2).astype(np.float32)
-    values[2], values[4] = np.nan, np.inf
-    logits = rng.normal(0, 3, (n, 7)).astype(np.float32)
-    logits[5, 2] = np.nan
-    logits[6] = -np.inf
-    logits[7, 1] = np.inf
-    logits[8, 3] = 80.0  # exp overflows without the max subtracted
-    vin = cp.full((n, abi.EVAL.words), UNTOUCHED, np.float32)
-    kernel("mcts_vm_answer")(
-        ((n + 127) // 128,), (128,),
-        (np.int32(n), np.int32(k_max), np.int32(k), cp.asarray(meta), cp.asarray(obs),
-         cp.asarray(values.reshape(n, 1)), cp.asarray(logits), vin),
-    )
-    got = vin.get()
+    cp, null = _cupy(), np.uint64(0)
+    b = pool.shape[0]
+    values, logits = (null if x is None else x for x in outputs or (None, None))
+    kernel("mcts_vm_backup_aggregated")(
+        ((b + abi.WARPS_PER_BLOCK - 1) // abi.WARPS_PER_BLOCK,), (32 * abi.WARPS_PER_BLOCK,),
+        (pool, np.int64(CAP), np.int32(b), np.int32(1), np.int32(k), np.int32(k), np.int32(k), tsa, meta, paths,
+         cp.zeros(1, np.float32) if vin is None else vin, np.int32(has_priors), np.int32(outputs is not None),
+         values, logits, null if obs is None else obs))
+
+
+def _host_rows(meta: np.ndarray, obs: np.ndarray, values: np.ndarray, logits: np.ndarray | None) -> np.ndarray:
+    """The EVAL rows the host way builds from the model's outputs for every
+    row (CudaBackend's _model_values: each evaluating simulation's row through
+    values_and_priors and model_answer, known results' exact values)."""
+    n = len(meta)
+    term, leader = meta[:, 2], meta[:, 3]
+    ran = term != abi.NO_SIMULATION
+    open_ = ran & (term == tr.NOT_TERMINAL)
+    rows = np.flatnonzero(open_ & (leader == np.arange(n)))
+    outputs = {"value": values} if logits is None else {"value": values, "policy_logits": logits}
     with np.errstate(invalid="ignore", over="ignore"):
-        host_values, host_priors = values_and_priors({"value": values.reshape(n, 1), "policy_logits": logits})
-    top = obs[:, :, -1, :]
+        host_values, host_priors = values_and_priors({k: v[rows] for k, v in outputs.items()})
+    top = obs.reshape(n, 2, 6, 7)[rows, :, -1, :]
     v, p = model_answer(host_values, host_priors, (top[:, 0] | top[:, 1]) == 0)
-    checked = 0
-    for q in range(n):
-        if q % k_max >= k or term[q] == abi.NO_SIMULATION:
-            assert (got[q] == UNTOUCHED).all(), q
-        elif term[q] != tr.NOT_TERMINAL:
-            assert got[q, 0] == tr.OUTCOME_VALUE[term[q]], q
-        else:
-            assert got[q, 0] == v[leader[q]], q
-            if leader[q] == q:
-                np.testing.assert_allclose(got[q, 1:], p[q], rtol=1e-5, atol=1e-7, err_msg=str(q))
-                checked += 1
-            else:
-                assert (got[q, 1:] == UNTOUCHED).all(), q
-    assert checked > 20
+    vin = np.zeros(n, abi.EVAL.dtype)
+    vin["value"] = np.where(ran, tr.OUTCOME_VALUE[np.maximum(term, 0)], 0.0)
+    by_slot = np.zeros(n, np.float32)
+    by_slot[rows] = v
+    vin["value"][open_] = by_slot[leader[open_]]
+    if p is not None:
+        vin["priors"][rows] = p
+    return vin
 
 
-def test_without_a_policy_head_only_the_values_are_written():
-    cp = cupy_module()
-    if cp is None:
-        pytest.skip("CuPy sees no GPU")
-    from search_service.cuda.module import kernel
+def _outputs(n: int, rng) -> tuple[np.ndarray, np.ndarray]:
+    """A model's outputs for n rows, with the edge cases: NaN and infinite
+    values and logits, an overflowing logit."""
+    values = (rng.normal(0, 1, (n, 1)) * 2).astype(np.float32)
+    values[2], values[4] = np.nan, np.inf
+    logits = rng.normal(0, 3, (n, abi.NUM_ACTIONS)).astype(np.float32)
+    logits[0::5, 2] = np.nan
+    logits[1::7] = -np.inf
+    logits[3::11, 1] = np.inf
+    logits[5::13, 3] = 80.0  # exp overflows without the max subtracted
+    return values, logits
 
-    n = 8
-    meta = np.stack([np.arange(n), np.ones(n), np.zeros(n), np.arange(n)], axis=1).astype(np.int32)
-    values = np.linspace(-2, 2, n, dtype=np.float32)
-    vin = cp.full((n, abi.EVAL.words), UNTOUCHED, np.float32)
-    kernel("mcts_vm_answer")(
-        ((n + 127) // 128,), (128,),
-        (np.int32(n), np.int32(n), np.int32(n), cp.asarray(meta), cp.zeros((n, 84), np.uint8),
-         cp.asarray(values.reshape(n, 1)), np.uint64(0), vin),
-    )
-    got = vin.get()
-    np.testing.assert_array_equal(got[:, 0], np.clip(values, -1, 1))
-    assert (got[:, 1:] == UNTOUCHED).all()
+
+def _prior_words(b: int) -> np.ndarray:
+    """bool over a pool's int32 words: the edges' prior words (.w of edge records a < 7)."""
+    words = np.zeros((b, CAP * abi.NODE_BYTES // 4), bool)
+    rows = words[:, : CAP * abi.ROWS_BYTES // 4].reshape(b, CAP, abi.ROW, 4)
+    rows[:, :, : abi.NUM_ACTIONS, 3] = True
+    return words
+
+
+@pytest.mark.parametrize("policy", [True, False])
+@pytest.mark.parametrize("waves, seed", [(0, 0), (3, 1), (6, 2)])
+def test_the_backup_reading_the_outputs_leaves_the_trees_the_host_rows_leave(waves, seed, policy):
+    cp = _cupy()
+    k = 32
+    pool, tsa, meta, paths, obs = _trees_mid_wave(k, waves, seed)
+    host_meta, host_obs = meta.get(), obs.get()
+    term = host_meta[:, 2]
+    assert (term == tr.NOT_TERMINAL).any()
+    if waves:  # a shared leaf, and a known result or a proven root, in the wave
+        assert (host_meta[:, 3] != np.arange(len(term)))[term == tr.NOT_TERMINAL].any()
+        assert ((term != tr.NOT_TERMINAL) & (term != abi.NO_SIMULATION)).any() or (term == abi.NO_SIMULATION).any()
+    values, logits = _outputs(len(term), np.random.default_rng(seed + 10))
+    if not policy:
+        logits = None
+    vin = _host_rows(host_meta, host_obs, values, logits)
+    pool_b, tsa_b = pool.copy(), tsa.copy()
+    _backup(pool, tsa, meta, paths, k, None, outputs=(cp.asarray(values), None if logits is None else
+                                                      cp.asarray(logits)), obs=obs)
+    _backup(pool_b, tsa_b, meta, paths, k, cp.asarray(vin.view(np.float32)), has_priors=policy)
+    np.testing.assert_array_equal(tsa.get(), tsa_b.get())
+    a, b = pool.get().view(np.int32), pool_b.get().view(np.int32)
+    differ = a != b
+    priors = _prior_words(len(ROOTS))
+    assert not (differ & ~priors).any()  # values, visits, virtual losses, solver codes: bit for bit
+    np.testing.assert_allclose(a[priors].view(np.float32), b[priors].view(np.float32), rtol=1e-5, atol=1e-7)
+    if policy:  # every evaluating simulation's new node got priors
+        before = _trees_mid_wave(k, waves, seed)[0].get().view(np.int32)
+        assert (a[priors] != before[priors]).any()
 
 
 def test_fresh_roots_get_their_obs_rows_and_the_host_ways_priors():

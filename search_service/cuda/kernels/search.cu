@@ -252,14 +252,56 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS_PER_BLOCK) mcts_vm_selec
   }
 }
 
-// Value model, second half of a wave: vin holds each simulation's EVAL row
-// (the value for the leaf's side to move, priors); where has_priors, the
-// evaluating simulation of each new node writes its priors (no other writer
-// of .w: selection of the next wave runs in a later launch). Then backup as
-// in rollout_search.
+// The priors of a position the model valued, by the rules of
+// search_service.mcts.backend.model_answer applied to the softmax of its policy
+// logits (evaluators.values_and_priors), in float32: softmax(l) masked to the
+// legal moves (the empty top cells of its OBS row `o`), negatives and
+// non-finite as 0, renormalised, uniform over the legal moves where nothing is
+// left (zeros where none is). `l` float [NUM_ACTIONS]; `p` float [NUM_ACTIONS] out.
+__device__ void masked_priors(const float* l, const unsigned char* o, float* p) {
+  const unsigned char* top = o + (CELLS - NUM_ACTIONS);  // row 5 of each plane
+  float mx = l[0];
+  for (int a = 1; a < NUM_ACTIONS; ++a) mx = (isnan(mx) || isnan(l[a])) ? __int_as_float(0x7fc00000) : fmaxf(mx, l[a]);  // NumPy's max (NaN wins)
+  float e[NUM_ACTIONS], sum = 0.0f, total = 0.0f;
+  int legal = 0;
+  for (int a = 0; a < NUM_ACTIONS; ++a) {
+    e[a] = expf(l[a] - mx);
+    sum += e[a];
+  }
+  for (int a = 0; a < NUM_ACTIONS; ++a) {
+    const bool ok = top[OBS_CURRENT + a] == 0 && top[OBS_OPPONENT + a] == 0;
+    legal += ok;
+    const float x = e[a] / sum;
+    e[a] = (ok && isfinite(x)) ? fmaxf(x, 0.0f) : 0.0f;
+    total += e[a];
+  }
+  if (!(total > 0.0f)) {  // nothing legal left: uniform over the legal moves (zeros where none is)
+    total = (float)max(legal, 1);
+    for (int a = 0; a < NUM_ACTIONS; ++a)
+      e[a] = (top[OBS_CURRENT + a] == 0 && top[OBS_OPPONENT + a] == 0) ? 1.0f : 0.0f;
+  }
+  for (int a = 0; a < NUM_ACTIONS; ++a) p[a] = e[a] / total;
+}
+
+// Value model, second half of a wave. Each simulation's leaf value (for the
+// leaf's side to move) and, for the evaluating simulation of each new node,
+// its priors come either from vin, the EVAL rows the host built (priors
+// where has_priors), or, where from_outputs, straight from the model's
+// outputs on the device (the device waves' output region), by the rules of
+// search_service.mcts.backend.model_answer: a known result's exact value
+// (outcome_value), else the value of the row of the leaf's evaluating
+// simulation (NaN as 0, clipped to [-1, 1]), and masked_priors of that
+// simulation's OBS row and logits (none without a policy head: logits null).
+// `values` float [n] (one per row; null only where no leaf was valued: a
+// wave of known results), `logits` float [n][NUM_ACTIONS], `obs` the OBS
+// rows. The evaluating simulation is the only writer of its node's .w
+// (selection of the next wave runs in a later launch). Then backup as in
+// rollout_search. (One launch: a kernel of its own that built the EVAL rows
+// from the outputs first cost every wave ~10 µs of GPU and a launch.)
 template <int AGG>
 __device__ void vm_backup(unsigned char* pool, long long cap, int n_trees, int W, int G, int K, int k_wave, int* tsa,
-                          const int* meta, const int* paths, const float* vin, int has_priors) {
+                          const int* meta, const int* paths, const float* vin, int has_priors, int from_outputs,
+                          const float* values, const float* logits, const unsigned char* obs) {
   __shared__ float s_vals[WARPS_PER_BLOCK][32];
   __shared__ int s_deps[WARPS_PER_BLOCK][32];
   VmWarp vw;
@@ -279,10 +321,24 @@ __device__ void vm_backup(unsigned char* pool, long long cap, int n_trees, int W
     leaf = m[META_LEAF];
     depth = m[META_DEPTH];
     code = m[META_TERMINAL];
-    const float* ev = vin + q * EVAL_WORDS;
-    v = ev[EVAL_VALUE];
-    if (has_priors && m[META_LEADER] == (int)q && leaf >= 0 && m[META_TERMINAL] == NOT_TERMINAL) {
-      for (int a = 0; a < NUM_ACTIONS; ++a) t.rows[(long long)leaf * ROW + a].w = __float_as_int(ev[EVAL_PRIORS + a]);
+    const bool evaluates = m[META_LEADER] == (int)q && leaf >= 0 && code == NOT_TERMINAL;
+    int4* edges = t.rows + (long long)max(leaf, 0) * ROW;  // written only where `evaluates`
+    if (!from_outputs) {  // the host's EVAL rows
+      const float* ev = vin + q * EVAL_WORDS;
+      v = ev[EVAL_VALUE];
+      if (has_priors && evaluates) {
+        for (int a = 0; a < NUM_ACTIONS; ++a) edges[a].w = __float_as_int(ev[EVAL_PRIORS + a]);
+      }
+    } else if (code != NOT_TERMINAL) {
+      v = outcome_value(code);
+    } else if (values != nullptr) {
+      const float x = values[m[META_LEADER]];
+      v = isnan(x) ? 0.0f : fminf(fmaxf(x, -1.0f), 1.0f);
+      if (logits != nullptr && evaluates) {
+        float p[NUM_ACTIONS];
+        masked_priors(logits + q * NUM_ACTIONS, obs + q * OBS_WORDS, p);
+        for (int a = 0; a < NUM_ACTIONS; ++a) edges[a].w = __float_as_int(p[a]);
+      }
     }
   }
   backup_wave<AGG>(t, ts, paths + q0 * MAX_DEPTH, s_vals[warp], s_deps[warp], lane, g, depth, v, leaf);
@@ -325,62 +381,6 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS_PER_BLOCK) mcts_vm_undo(
   if (lane == 0) ts[TS_NODES] = base;
 }
 
-// The priors of a position the model valued, by the rules of
-// search_service.mcts.backend.model_answer applied to the softmax of its policy
-// logits (evaluators.values_and_priors), in float32: softmax(l) masked to the
-// legal moves (the empty top cells of its OBS row `o`), negatives and
-// non-finite as 0, renormalised, uniform over the legal moves where nothing is
-// left (zeros where none is). `l` float [NUM_ACTIONS]; `p` float [NUM_ACTIONS] out.
-__device__ void masked_priors(const float* l, const unsigned char* o, float* p) {
-  const unsigned char* top = o + (CELLS - NUM_ACTIONS);  // row 5 of each plane
-  float mx = l[0];
-  for (int a = 1; a < NUM_ACTIONS; ++a) mx = (isnan(mx) || isnan(l[a])) ? __int_as_float(0x7fc00000) : fmaxf(mx, l[a]);  // NumPy's max (NaN wins)
-  float e[NUM_ACTIONS], sum = 0.0f, total = 0.0f;
-  int legal = 0;
-  for (int a = 0; a < NUM_ACTIONS; ++a) {
-    e[a] = expf(l[a] - mx);
-    sum += e[a];
-  }
-  for (int a = 0; a < NUM_ACTIONS; ++a) {
-    const bool ok = top[OBS_CURRENT + a] == 0 && top[OBS_OPPONENT + a] == 0;
-    legal += ok;
-    const float x = e[a] / sum;
-    e[a] = (ok && isfinite(x)) ? fmaxf(x, 0.0f) : 0.0f;
-    total += e[a];
-  }
-  if (!(total > 0.0f)) {  // nothing legal left: uniform over the legal moves (zeros where none is)
-    total = (float)max(legal, 1);
-    for (int a = 0; a < NUM_ACTIONS; ++a)
-      e[a] = (top[OBS_CURRENT + a] == 0 && top[OBS_OPPONENT + a] == 0) ? 1.0f : 0.0f;
-  }
-  for (int a = 0; a < NUM_ACTIONS; ++a) p[a] = e[a] / total;
-}
-
-// Value model, between the halves of a wave whose leaves the model valued on
-// the device (the leaf channel's CUDA regions): the EVAL rows from the
-// model's outputs, by the rules of search_service.mcts.backend.model_answer.
-// One thread per simulation slot q < n with q % K < k_wave: a known result's
-// exact value (outcome_value), else the value of the leaf's evaluating
-// simulation's row (NaN as 0, clipped to [-1, 1]); that simulation also gets
-// the priors (masked_priors of its OBS row). `values` float [n] (one per row),
-// `logits` float [n][NUM_ACTIONS] or null (no policy head).
-extern "C" __global__ void mcts_vm_answer(int n, int K, int k_wave, const int* meta, const unsigned char* obs,
-                                          const float* values, const float* logits, float* vin) {
-  const int q = blockIdx.x * blockDim.x + threadIdx.x;
-  if (q >= n || q % K >= k_wave) return;
-  const int4 m = ((const int4*)meta)[q];
-  if (m.z == NO_SIMULATION) return;
-  float* ev = vin + (long long)q * EVAL_WORDS;
-  if (m.z != NOT_TERMINAL) {
-    ev[EVAL_VALUE] = outcome_value(m.z);
-    return;
-  }
-  const float v = values[m.w];
-  ev[EVAL_VALUE] = isnan(v) ? 0.0f : fminf(fmaxf(v, -1.0f), 1.0f);
-  if (logits == nullptr || m.w != q) return;
-  masked_priors(logits + (long long)q * NUM_ACTIONS, obs + (long long)q * OBS_WORDS, ev + EVAL_PRIORS);
-}
-
 // Value model with device waves, after init_trees wrote each fresh root's OBS
 // row and the model valued those rows: a fresh tree b's root edges get the
 // priors of row b (masked_priors), as init_trees stores the host's
@@ -398,14 +398,18 @@ extern "C" __global__ void mcts_vm_root_priors(unsigned char* pool, long long ca
 
 extern "C" __global__ void __launch_bounds__(32 * WARPS_PER_BLOCK) mcts_vm_backup_global(
     unsigned char* pool, long long cap, int n_trees, int W, int G, int K, int k_wave, int* tsa, const int* meta,
-    const int* paths, const float* vin, int has_priors) {
-  vm_backup<0>(pool, cap, n_trees, W, G, K, k_wave, tsa, meta, paths, vin, has_priors);
+    const int* paths, const float* vin, int has_priors, int from_outputs, const float* values, const float* logits,
+    const unsigned char* obs) {
+  vm_backup<0>(pool, cap, n_trees, W, G, K, k_wave, tsa, meta, paths, vin, has_priors, from_outputs, values, logits,
+                 obs);
 }
 
 extern "C" __global__ void __launch_bounds__(32 * WARPS_PER_BLOCK) mcts_vm_backup_aggregated(
     unsigned char* pool, long long cap, int n_trees, int W, int G, int K, int k_wave, int* tsa, const int* meta,
-    const int* paths, const float* vin, int has_priors) {
-  vm_backup<1>(pool, cap, n_trees, W, G, K, k_wave, tsa, meta, paths, vin, has_priors);
+    const int* paths, const float* vin, int has_priors, int from_outputs, const float* values, const float* logits,
+    const unsigned char* obs) {
+  vm_backup<1>(pool, cap, n_trees, W, G, K, k_wave, tsa, meta, paths, vin, has_priors, from_outputs, values, logits,
+                 obs);
 }
 
 // Results, one warp per tree, after the search: a RES row per tree (the root's
