@@ -137,9 +137,10 @@ def test_the_backup_reading_the_outputs_leaves_the_trees_the_host_rows_leave(wav
     host_meta, host_obs = meta.get(), obs.get()
     term = host_meta[:, 2]
     assert (term == tr.NOT_TERMINAL).any()
-    if waves:  # a shared leaf, and a known result or a proven root, in the wave
+    if waves == 0:  # fresh roots: 32 simulations share a few leaves
         assert (host_meta[:, 3] != np.arange(len(term)))[term == tr.NOT_TERMINAL].any()
-        assert ((term != tr.NOT_TERMINAL) & (term != abi.NO_SIMULATION)).any() or (term == abi.NO_SIMULATION).any()
+    else:  # a known result, or a proven root (the win in one), in the wave
+        assert (term != tr.NOT_TERMINAL).any()
     values, logits = _outputs(len(term), np.random.default_rng(seed + 10))
     if not policy:
         logits = None
