@@ -4,8 +4,8 @@ model's outputs (``vm_backup``'s from_outputs) leaves the trees exactly as a
 backup of the host way's EVAL rows (the softmax of
 evaluators.values_and_priors, then mcts.backend.model_answer) does -- the
 priors within float32 rounding -- on real selections with shared leaves,
-known results and a proven root, and on NaN and infinite logits and values,
-a row with no legal move; ``init_trees`` writes the fresh roots' OBS rows and
+known results and a proven root, one warp or four per tree, both backups,
+and on NaN and infinite logits and values; ``init_trees`` writes the fresh roots' OBS rows and
 ``mcts_vm_root_priors`` gives them the host way's priors. Marked ``gpu``.
 
     pytest -m gpu tests/search/test_device_answer_gpu.py
@@ -34,16 +34,18 @@ def _cupy():
     return cp
 
 
-def _trees_mid_wave(k: int, waves: int, seed: int):
-    """One warp per tree (W 1, G = K = ``k``), the ROOTS' fresh trees after
-    ``waves`` waves backed up from random host rows, then one more wave
-    selected: (pool, tsa, meta, paths, obs) on the device, META as int32 [n, 4]."""
+def _trees_mid_wave(shape: tuple[int, int, int], waves: int, seed: int):
+    """The ROOTS' fresh trees after ``waves`` waves backed up from random host
+    rows, then one more wave selected, by waves of ``shape`` = (K, k_wave, G)
+    (W = ceil(K / G) warps per tree, as CudaBackend.split gives them): (pool,
+    tsa, meta, paths, obs) on the device, META as int32 [n, 4]."""
     from search_service.cuda.module import kernel
     from search_service.games import connect4
 
     cp = _cupy()
     roots = connect4.stack([connect4.parse_moves(m) for m in ROOTS])
-    b, n = len(ROOTS), len(ROOTS) * k
+    k_max = shape[0]
+    b, n = len(ROOTS), len(ROOTS) * k_max
     init = np.zeros(b, abi.INIT.dtype)
     init["current"], init["mask"], init["nodes"], init["fresh"], init["root_visits"] = roots.current, roots.mask, 1, 1, 1
     pool = cp.zeros((b, CAP * abi.NODE_BYTES), np.uint8)
@@ -53,43 +55,53 @@ def _trees_mid_wave(k: int, waves: int, seed: int):
                                         np.uint64(0)))
     meta, paths = cp.zeros((n, abi.META.words), np.int32), cp.zeros(n * abi.MAX_DEPTH, np.int32)
     obs = cp.zeros((n, abi.OBS.words), np.uint8)
-    grid, block = ((b + abi.WARPS_PER_BLOCK - 1) // abi.WARPS_PER_BLOCK,), (32 * abi.WARPS_PER_BLOCK,)
-    shape = (np.int32(b), np.int32(1), np.int32(k), np.int32(k), np.int32(k))
     rng = np.random.default_rng(seed)
     for wave in range(waves + 1):
-        kernel("mcts_vm_select")(grid, block, (pool, np.int64(CAP), np.int32(CAP), *shape, np.float64(1.5),
-                                               np.float64(1.0), tsa, meta, paths, obs))
+        kernel("mcts_vm_select")(*_launch(b, shape), (pool, np.int64(CAP), np.int32(CAP), *_sizes(b, shape),
+                                                      np.float64(1.5), np.float64(1.0), tsa, meta, paths, obs))
         if wave == waves:
             return pool, tsa, meta, paths, obs
         vin = np.zeros(n, abi.EVAL.dtype)
-        vin["value"] = rng.uniform(-1, 1, n)
+        vin["value"] = rng.integers(-8, 9, n) / 8  # eighths: exact sums in any order (_outputs)
         priors = rng.uniform(0, 1, (n, abi.NUM_ACTIONS)).astype(np.float32)
         vin["priors"] = priors / priors.sum(axis=1, keepdims=True)
-        _backup(pool, tsa, meta, paths, k, cp.asarray(vin.view(np.float32)), has_priors=True)
+        _backup("mcts_vm_backup_aggregated", shape, pool, tsa, meta, paths, cp.asarray(vin.view(np.float32)),
+                has_priors=True)
 
 
-def _backup(pool, tsa, meta, paths, k, vin, has_priors=False, outputs=None, obs=None):
-    """mcts_vm_backup_aggregated over the _trees_mid_wave grid: from the host's
-    EVAL rows ``vin``, or from ``outputs`` (values, logits or None) on the device."""
+def _sizes(b: int, shape: tuple[int, int, int]) -> tuple:
+    """The kernels' (n_trees, W, G, K, k_wave) arguments."""
+    k_max, k, g = shape
+    return np.int32(b), np.int32(-(-k_max // g)), np.int32(g), np.int32(k_max), np.int32(k)
+
+
+def _launch(b: int, shape: tuple[int, int, int]) -> tuple:
+    """(grid, block) of a wave's kernels: one warp per (tree, warp of the tree)."""
+    warps = b * -(-shape[0] // shape[2])
+    return ((warps + abi.WARPS_PER_BLOCK - 1) // abi.WARPS_PER_BLOCK,), (32 * abi.WARPS_PER_BLOCK,)
+
+
+def _backup(name, shape, pool, tsa, meta, paths, vin, has_priors=False, outputs=None, obs=None):
+    """Backup kernel ``name`` of a wave of ``shape``: from the host's EVAL rows
+    ``vin``, or from ``outputs`` (values, logits or None) on the device."""
     from search_service.cuda.module import kernel
 
     cp, null = _cupy(), np.uint64(0)
     b = pool.shape[0]
     values, logits = (null if x is None else x for x in outputs or (None, None))
-    kernel("mcts_vm_backup_aggregated")(
-        ((b + abi.WARPS_PER_BLOCK - 1) // abi.WARPS_PER_BLOCK,), (32 * abi.WARPS_PER_BLOCK,),
-        (pool, np.int64(CAP), np.int32(b), np.int32(1), np.int32(k), np.int32(k), np.int32(k), tsa, meta, paths,
-         cp.zeros(1, np.float32) if vin is None else vin, np.int32(has_priors), np.int32(outputs is not None),
-         values, logits, null if obs is None else obs))
+    kernel(name)(*_launch(b, shape), (
+        pool, np.int64(CAP), *_sizes(b, shape), tsa, meta, paths, cp.zeros(1, np.float32) if vin is None else vin,
+        np.int32(has_priors), np.int32(outputs is not None), values, logits, null if obs is None else obs))
 
 
-def _host_rows(meta: np.ndarray, obs: np.ndarray, values: np.ndarray, logits: np.ndarray | None) -> np.ndarray:
-    """The EVAL rows the host way builds from the model's outputs for every
-    row (CudaBackend's _model_values: each evaluating simulation's row through
-    values_and_priors and model_answer, known results' exact values)."""
+def _host_rows(meta: np.ndarray, obs: np.ndarray, values: np.ndarray, logits: np.ndarray | None,
+               shape: tuple[int, int, int]) -> np.ndarray:
+    """The EVAL rows the host way builds from the model's outputs for a wave
+    of ``shape`` (CudaBackend's _model_values: each evaluating simulation's
+    row through values_and_priors and model_answer, known results' exact values)."""
     n = len(meta)
     term, leader = meta[:, 2], meta[:, 3]
-    ran = term != abi.NO_SIMULATION
+    ran = (np.arange(n) % shape[0] < shape[1]) & (term != abi.NO_SIMULATION)
     open_ = ran & (term == tr.NOT_TERMINAL)
     rows = np.flatnonzero(open_ & (leader == np.arange(n)))
     outputs = {"value": values} if logits is None else {"value": values, "policy_logits": logits}
@@ -109,8 +121,10 @@ def _host_rows(meta: np.ndarray, obs: np.ndarray, values: np.ndarray, logits: np
 
 def _outputs(n: int, rng) -> tuple[np.ndarray, np.ndarray]:
     """A model's outputs for n rows, with the edge cases: NaN and infinite
-    values and logits, an overflowing logit."""
-    values = (rng.normal(0, 1, (n, 1)) * 2).astype(np.float32)
+    values and logits, an overflowing logit. The values are eighths in
+    [-2, 2]: their sums are exact in float32 in any order, so backups whose
+    warps' atomics land in another order still agree bit for bit."""
+    values = (rng.integers(-16, 17, (n, 1)) / 8).astype(np.float32)
     values[2], values[4] = np.nan, np.inf
     logits = rng.normal(0, 3, (n, abi.NUM_ACTIONS)).astype(np.float32)
     logits[0::5, 2] = np.nan
@@ -128,36 +142,46 @@ def _prior_words(b: int) -> np.ndarray:
     return words
 
 
-@pytest.mark.parametrize("policy", [True, False])
+@pytest.mark.parametrize("name, shape, policy", [
+    ("mcts_vm_backup_aggregated", (32, 32, 32), True),
+    ("mcts_vm_backup_aggregated", (32, 32, 32), False),
+    ("mcts_vm_backup_global", (32, 32, 32), True),
+    ("mcts_vm_backup_global", (32, 28, 8), False),
+    ("mcts_vm_backup_aggregated", (32, 28, 8), False),
+])
 @pytest.mark.parametrize("waves, seed", [(0, 0), (3, 1), (6, 2)])
-def test_the_backup_reading_the_outputs_leaves_the_trees_the_host_rows_leave(waves, seed, policy):
+def test_the_backup_reading_the_outputs_leaves_the_trees_the_host_rows_leave(waves, seed, name, shape, policy):
+    """(K, k_wave, G): one warp per tree, every slot in the wave; or four
+    warps per tree of 8 simulations each, the last 4 slots past the wave --
+    there without a policy head: two warps may each evaluate one new node
+    (racing writers of its priors, which a model answers alike for the same
+    position but these random logits do not)."""
     cp = _cupy()
-    k = 32
-    pool, tsa, meta, paths, obs = _trees_mid_wave(k, waves, seed)
+    pool, tsa, meta, paths, obs = _trees_mid_wave(shape, waves, seed)
     host_meta, host_obs = meta.get(), obs.get()
-    term = host_meta[:, 2]
-    assert (term == tr.NOT_TERMINAL).any()
-    if waves == 0:  # fresh roots: 32 simulations share a few leaves
-        assert (host_meta[:, 3] != np.arange(len(term)))[term == tr.NOT_TERMINAL].any()
-    else:  # a known result, or a proven root (the win in one), in the wave
-        assert (term != tr.NOT_TERMINAL).any()
+    term, in_wave = host_meta[:, 2], np.arange(len(host_meta)) % shape[0] < shape[1]
+    assert (term[in_wave] == tr.NOT_TERMINAL).any()
     values, logits = _outputs(len(term), np.random.default_rng(seed + 10))
+    if waves == 0:  # fresh roots: the simulations share a few leaves; rows 2 and 4 (NaN, inf) lead theirs
+        assert (host_meta[:, 3] != np.arange(len(term)))[in_wave & (term == tr.NOT_TERMINAL)].any()
+        if shape[2] == shape[0]:  # one warp, in order: the first seven take the root's seven edges
+            assert (host_meta[[2, 4], 3] == [2, 4]).all() and (term[[2, 4]] == tr.NOT_TERMINAL).all()
+    else:  # a known result, or a proven root (the win in one), in the wave
+        assert (term[in_wave] != tr.NOT_TERMINAL).any()
     if not policy:
         logits = None
-    vin = _host_rows(host_meta, host_obs, values, logits)
+    vin = _host_rows(host_meta, host_obs, values, logits, shape)
+    before = pool.get().view(np.int32)
     pool_b, tsa_b = pool.copy(), tsa.copy()
-    _backup(pool, tsa, meta, paths, k, None, outputs=(cp.asarray(values), None if logits is None else
-                                                      cp.asarray(logits)), obs=obs)
-    _backup(pool_b, tsa_b, meta, paths, k, cp.asarray(vin.view(np.float32)), has_priors=policy)
+    _backup(name, shape, pool, tsa, meta, paths, None, outputs=(cp.asarray(values), None if logits is None else
+                                                                 cp.asarray(logits)), obs=obs)
+    _backup(name, shape, pool_b, tsa_b, meta, paths, cp.asarray(vin.view(np.float32)), has_priors=policy)
     np.testing.assert_array_equal(tsa.get(), tsa_b.get())
     a, b = pool.get().view(np.int32), pool_b.get().view(np.int32)
-    differ = a != b
     priors = _prior_words(len(ROOTS))
-    assert not (differ & ~priors).any()  # values, visits, virtual losses, solver codes: bit for bit
+    assert not ((a != b) & ~priors).any()  # values, visits, virtual losses, solver codes: bit for bit
     np.testing.assert_allclose(a[priors].view(np.float32), b[priors].view(np.float32), rtol=1e-5, atol=1e-7)
-    if policy:  # every evaluating simulation's new node got priors
-        before = _trees_mid_wave(k, waves, seed)[0].get().view(np.int32)
-        assert (a[priors] != before[priors]).any()
+    assert (a[priors] != before[priors]).any() == policy  # priors written with a policy head, else none
 
 
 def test_fresh_roots_get_their_obs_rows_and_the_host_ways_priors():

@@ -331,7 +331,7 @@ __device__ void vm_backup(unsigned char* pool, long long cap, int n_trees, int W
       }
     } else if (code != NOT_TERMINAL) {
       v = outcome_value(code);
-    } else if (values != nullptr) {
+    } else if (values != nullptr) {  // null: no leaf was valued, so no open slot (v stays 0 if one were)
       const float x = values[m[META_LEADER]];
       v = isnan(x) ? 0.0f : fminf(fmaxf(x, -1.0f), 1.0f);
       if (logits != nullptr && evaluates) {
