@@ -38,7 +38,8 @@ Three kinds of row (``kind``):
   the call), and the model into ``queue`` and ``compute``; ``evals_per_s``
   the leaves valued per second of search.
 * ``throughput``: the value model's evaluated positions per second through
-  one hand-off of ``batch`` boards (64 .. 4096), as a client sees it.
+  one hand-off of ``batch`` boards (64 .. 8192; a batch larger than the
+  hand-off carries is left out), as a client sees it.
 * ``timeline`` (``--timeline``): where the time of the ``ipc`` latency rows
   goes, from the marks both services record (tandem/timeline.py): per pair
   of consecutive marks (``from_mark`` -> ``to_mark``, in either process),
@@ -294,17 +295,18 @@ def _in_process(cfg, device: bool):
     from search_service.evaluators import HANDOFF_IN_PROCESS, LeafChannelEvaluator
     from tandem import in_process
 
-    port = in_process.find(cfg.reward.address).port("connect4_value", 4096, device=device)
+    port = in_process.find(cfg.reward.address).port("connect4_value", cfg.reward.leaf_channel.max_rows, device=device)
     return LeafChannelEvaluator(port, timeout_s=30, handoff=HANDOFF_IN_PROCESS)
 
 
-def _leaf_channel(stub, events: bool = True):
-    """A leaf-channel evaluator attached to the reward service behind ``stub``
-    (``events``: offer CUDA events to order its waves by)."""
+def _leaf_channel(stub, max_rows: int, events: bool = True):
+    """A leaf-channel evaluator attached to the reward service behind ``stub``,
+    carrying waves of up to ``max_rows`` rows (``events``: offer CUDA events
+    to order its waves by)."""
     from search_service.evaluators import LeafChannelEvaluator
     from tandem.leaf_channel import LeafChannel
 
-    channel = LeafChannel.offered(stub, "connect4_value", 4096, timeout_s=30, events=events)
+    channel = LeafChannel.offered(stub, "connect4_value", max_rows, timeout_s=30, events=events)
     if channel is None:
         raise SystemExit("the reward service offers no leaf channel (reward.leaf_channel.enabled)")
     common.note(f"leaf channel: {channel.kind} input region, ordered by events: {channel.ordered}")
@@ -333,7 +335,7 @@ def _timed_rows(ways, kinds, args, value_backends, rows: list, marked: list, pro
                 common.progress(row)
                 rows.append(row)
     for direct, device in ways if "throughput" in kinds else ():
-        for batch in (64,) if args.quick else (64, 256, 1024, 4096):
+        for batch in (64,) if args.quick else (64, 256, 1024, 4096, 8192):
             row = throughput(direct, batch, 3 if args.quick else args.repeats, device)
             if row:
                 common.progress(row)
@@ -400,9 +402,10 @@ def main() -> None:
     try:
         with channel(cfg.reward.address, cfg) as ch:
             stub = reward_pb2_grpc.RewardServiceStub(ch)
-            ipc = _leaf_channel(stub)
+            max_rows = cfg.reward.leaf_channel.max_rows
+            ipc = _leaf_channel(stub, max_rows)
             ways = [(ipc, True), (ipc, False), (RewardServiceEvaluator(ch, "connect4_value", timeout_s=30), False)]
-            synchronised = _leaf_channel(stub, events=False) if ipc.channel.ordered else None
+            synchronised = _leaf_channel(stub, max_rows, events=False) if ipc.channel.ordered else None
             if synchronised is not None:  # device waves without events, in the same run
                 ways.insert(1, (synchronised, True))
             timed(ways)

@@ -149,7 +149,7 @@ class LeafChannelConfig:
 
     enabled: bool = True
     socket_dir: str = ""  # where the socket is made; "" = the system's temporary directory
-    max_rows: int = 4096  # most leaves one wave may carry (the regions are sized for it)
+    max_rows: int = 8192  # most rows one wave may carry (the regions are sized for it)
     max_connections: int = 16  # search services attached at once; more: RESOURCE_EXHAUSTED
 
 
@@ -205,9 +205,9 @@ class RewardConfig:
             name="connect4_value",
             path="reward_service/models/connect4_value.onnx",
             description="Connect Four value and policy network (reward_service/models/connect4_value.md)",
-            max_batch_size=4096,
+            max_batch_size=8192,
             precision="auto",
-            batch_buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096),  # search waves, one run each
+            batch_buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192),  # search waves; bulk up to 8192
             cuda_graph=True,
             prefer_nhwc=True,
             fuse_conv_bias=True,
