@@ -589,7 +589,7 @@ class _Search:
                     if not live.any():
                         return False  # every root is proven
                 has_priors = False
-                outputs = None  # device waves: the model's (values, logits) for the backup to read
+                outputs = (None, None)  # device waves: the model's (values, logits) for the backup to read
                 used_model = self.use_model
                 if not on_device:  # the host builds them: exact values where known, the leaves' planes
                     vin = np.zeros(n, abi.EVAL.dtype)
@@ -621,7 +621,7 @@ class _Search:
                     if not on_device:
                         vin_dev.set(vin.view(np.float32))
                     null = np.uint64(0)
-                    values, logits = (null if x is None else x for x in outputs or (None, None))
+                    values, logits = (null if x is None else x for x in outputs)
                     backup_kernel(
                         grid, block,
                         (

@@ -5,8 +5,9 @@ backup of the host way's EVAL rows (the softmax of
 evaluators.values_and_priors, then mcts.backend.model_answer) does -- the
 priors within float32 rounding -- on real selections with shared leaves,
 known results and a proven root, one warp or four per tree, both backups,
-and on NaN and infinite logits and values; ``init_trees`` writes the fresh roots' OBS rows and
-``mcts_vm_root_priors`` gives them the host way's priors. Marked ``gpu``.
+and on NaN and infinite logits and values; ``init_trees`` writes the fresh
+roots' OBS rows and ``mcts_vm_root_priors`` gives them the host way's
+priors. Marked ``gpu``.
 
     pytest -m gpu tests/search/test_device_answer_gpu.py
 """
@@ -189,9 +190,7 @@ def test_fresh_roots_get_their_obs_rows_and_the_host_ways_priors():
     its tree's row (connect4.observation's encoding); mcts_vm_root_priors then
     sets the fresh roots' edge priors to the host way's, from the logits of
     those rows. A kept tree's row and root are left alone."""
-    cp = cupy_module()
-    if cp is None:
-        pytest.skip("CuPy sees no GPU")
+    cp = _cupy()
     from search_service.cuda.module import kernel
     from search_service.games import connect4
 
