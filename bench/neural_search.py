@@ -59,7 +59,12 @@ Three kinds of row (``kind``):
   the CPU reference does; row field ``sims_per_warp``). The latency rows
   too run at each ``--value-sims-per-warp``.
 
-Row fields: kind, handoff, simulations, wave, latency_ms_p50, latency_ms_p99,
+With ``--mps`` both processes are clients of one CUDA MPS server, as ``tandem
+up`` runs them where MPS can run (scheduler/mps.py): the two processes' kernels
+then share the GPU instead of time-slicing between their contexts (row field
+``mps``).
+
+Row fields: mps, kind, handoff, simulations, wave, latency_ms_p50, latency_ms_p99,
 kernel_ms, handoff_us_per_wave, model_us_per_wave, queue_us_per_wave,
 compute_us_per_wave, transport_us_per_wave, bookkeeping_us_per_wave, waves, sync_ms_p50, evals_per_s; batch;
 position_set, evaluator, budget_ms, positions, optimal_move_rate, missed
@@ -67,7 +72,7 @@ position_set, evaluator, budget_ms, positions, optimal_move_rate, missed
 played), simulations_mean; step, from_mark,
 to_mark, us_p50, us_p90, count.
 
-Command (full): ``python3 -m bench.neural_search`` (``--kinds search_quality``: those rows only)
+Command (full): ``python3 -m bench.neural_search --mps`` (``--kinds search_quality``: those rows only)
 Smoke test:     ``python3 -m bench.neural_search --quick`` (CPU reference, small sizes)
 """
 from __future__ import annotations
@@ -89,9 +94,11 @@ from dataclasses import replace
 import numpy as np
 
 from bench import common
+from scheduler import mps
 from stack.stats import percentiles
 from tandem import timeline
 from tandem.config import load_config
+from tandem.device import mps_client_env, mps_directories
 
 BENCHMARK = "neural_search"
 COLUMNS = ("kind", "handoff", "wave", "batch", "position_set", "evaluator", "latency_ms_p50", "kernel_ms", "handoff_us_per_wave",
@@ -342,6 +349,24 @@ def _timed_rows(ways, kinds, args, value_backends, rows: list, marked: list, pro
                 rows.append(row)
 
 
+def _mps_clients(cfg):
+    """Makes this process, and the reward service's it spawns, clients of the
+    MPS control daemon in the config's pipe directory (started if none
+    answers: scheduler/mps.py), as ``tandem up`` runs the services; returns
+    the control (stopped at the end if started here).
+
+    Raises:
+        SystemExit: MPS cannot run here (its message says why).
+    """
+    pipe, logs = mps_directories(cfg.scheduler)
+    control = mps.ensure(pipe, logs, True)
+    if not control.active:
+        raise SystemExit(f"--mps: {control.message}")
+    common.note(f"MPS: {control.message}")
+    os.environ.update(mps_client_env(pipe, logs))
+    return control
+
+
 def main() -> None:
     parser = common.make_parser(__doc__)
     parser.add_argument("--repeats", type=int, default=30)
@@ -363,6 +388,9 @@ def main() -> None:
     parser.add_argument("--serving", choices=("ipc", "in_process"), default="ipc",
                         help="the quality rows' hand-off: the leaf channel to the reward service's own process "
                              "(two processes, as tandem up runs them), or in-process (co-located mode)")
+    parser.add_argument("--mps", action="store_true",
+                        help="run both processes as clients of a CUDA MPS control daemon (attached to, or started "
+                             "and stopped here, as the scheduler does under tandem up); every row gets mps: true")
     parser.add_argument("--value-waves", type=common.int_list, default=None,
                         help="comma list: leaves per wave of the value model's quality rows "
                              "(default: the config's search.value_model_parallel_sims)")
@@ -382,6 +410,7 @@ def main() -> None:
     if args.timeline:  # before the reward service's process starts: it inherits the setting
         timeline.enable(tempfile.mkdtemp(prefix="tandem-timeline-"))
     cfg = load_config()
+    control = _mps_clients(cfg) if args.mps else None  # before this process or the reward service's makes a context
     cfg = replace(cfg, reward=replace(cfg.reward, address=_free_address(), metrics_port=0,
                                       **({"execution_provider": "cpu"} if args.quick else {})))
     variant = (common.chosen_variants(args.backend, args.quick) or [common.CPU_VARIANT])[-1]
@@ -460,12 +489,16 @@ def main() -> None:
             local.stop()
         stop.set()
         service.join(30)
+        if control is not None:  # this process is a client: the daemon quits once it has exited
+            mps.stop(control, wait=False)
     if args.timeline:
         service_marks = [m for path in glob.glob(os.path.join(timeline.FOLDER, "timeline-*.json"))
                          for m in timeline.load(path)]
         for wave, g, marks, searches, how in marked:  # in_process: both services' marks are this process's
             rows += [dict(r, sims_per_warp=g) for r in timeline_rows(wave, marks, service_marks if how == "ipc" else [],
                                                                      searches, how)]
+    for row in rows:
+        row["mps"] = control is not None
     common.finish(BENCHMARK, rows, args.out, COLUMNS)
 
 

@@ -28,7 +28,7 @@ echo "value_model_runs done at $(( $(date +%s) - t0 )) s"
 fi
 if [ "$STEP" = all ] || [ "$STEP" = bench ]; then
 timeout 360 python3 -m bench.neural_search --backend gpu --out "$OUTDIR" --repeats "${REPEATS:-30}" \
-  --positions "${POSITIONS:-200}" 2>&1 | grep -v " INFO \| WARNING " | tail -32
+  --positions "${POSITIONS:-200}" --mps 2>&1 | grep -v " INFO \| WARNING " | tail -32
 echo "bench done at $(( $(date +%s) - t0 )) s"
 OUT=/tmp/stack_gpu TESTS="" FRAMES=${FRAMES:-600} VALUE_FRAMES=${VALUE_FRAMES:-600} bash bench/run_stack_gpu.sh 2>&1 \
   | grep -v "^setup\|^ort \|^NVIDIA" | tail -24

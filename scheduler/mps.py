@@ -103,11 +103,28 @@ def _inactive(base: MpsControl, why: str) -> MpsControl:
                       "(set co_located: true in the config, or start MPS)")
 
 
-def stop(control: MpsControl, timeout_s: float = 10.0) -> bool:
+def stop(control: MpsControl, timeout_s: float = 10.0, wait: bool = True) -> bool:
     """Stops the control daemon if ``control.started`` (``quit``: MPS waits for
-    its clients to finish). Returns whether it was asked to quit; never raises."""
+    its clients to finish). Returns whether it was asked to quit; never raises.
+
+    ``wait=False``: for a caller that is itself an MPS client (a benchmark
+    holding a CUDA context), whose ``quit`` would wait for its own exit: the
+    command goes to a control process of its own session, left to finish
+    once this process has gone."""
     if not control.started:
         return False
+    if not wait:
+        try:
+            proc = subprocess.Popen([control.binary], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL, text=True, start_new_session=True,
+                                    env={**os.environ, **mps_client_env(control.pipe_directory,
+                                                                        control.log_directory)})
+            proc.stdin.write("quit\n")
+            proc.stdin.close()
+        except OSError as exc:
+            log.warning("MPS control daemon: could not send `quit`: %s", exc)
+            return False
+        return True
     try:
         done = _control(control.binary, "quit", mps_client_env(control.pipe_directory, control.log_directory), timeout_s)
     except (OSError, subprocess.TimeoutExpired) as exc:

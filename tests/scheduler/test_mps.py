@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 
 import pytest
 
@@ -91,3 +92,17 @@ def test_tandem_up_gives_every_server_the_same_directories_and_its_pool_cap():
     assert stack._env("reward")["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
     off = dataclasses.replace(cfg, scheduler=dataclasses.replace(cfg.scheduler, mps="off"))
     assert mps_env(off) == {}
+
+
+def test_a_client_asks_the_daemon_it_started_to_quit_without_waiting(on_path):
+    pipe, logs = str(on_path / "pipe"), str(on_path / "log")
+    started = mps.ensure(pipe, logs, has_gpu=True, timeout_s=5.0)
+    attached = mps.ensure(pipe, logs, has_gpu=True)
+    assert not mps.stop(attached, wait=False)  # not ours: left running
+    assert mps.stop(started, wait=False)  # the quit is sent from a process of its own
+    control = on_path / "pipe" / "control"
+    for _ in range(500):  # the stand-in quits at once; bounded, not timed
+        if not control.exists():
+            break
+        time.sleep(0.02)
+    assert not control.exists()
