@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 11 on the GPU in one device call: the GPU tests of the leaf channel, the
-# search and the reward service; python -m bench.neural_search (both hand-offs in
+# search and the reward service; python -m bench.neural_search --mps (both hand-offs in
 # one run); python -m bench.value_model_runs; then the stack as a user runs it (bench/run_stack_gpu.sh: tandem up,
 # tandem play with rollouts and with the value model, 600 frames each). With
 # SOAK=1 it then starts issue 12's 10-minute soak detached, as
