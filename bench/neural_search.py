@@ -398,6 +398,19 @@ def main() -> None:
     kinds = set(args.kinds.split(","))
     if kinds - {"latency", "throughput", "search_quality"}:
         parser.error(f"--kinds: unknown {sorted(kinds - {'latency', 'throughput', 'search_quality'})}")
+    if args.timeline:  # before the reward service's process starts: it inherits the setting
+        timeline.enable(tempfile.mkdtemp(prefix="tandem-timeline-"))
+    cfg = load_config()
+    control = _mps_clients(cfg) if args.mps else None  # before this process or the reward service's makes a context
+    try:
+        _run(args, kinds, cfg, control is not None)
+    finally:
+        if control is not None:  # this process is a client: the daemon quits once it has exited
+            mps.stop(control, wait=False)
+
+
+def _run(args, kinds: set[str], cfg, on_mps: bool) -> None:
+    """The rows of ``kinds`` (main's arguments), written to the result file."""
     from tandem.v1 import reward_pb2_grpc
 
     from reward_service import server as reward_server
@@ -407,10 +420,6 @@ def main() -> None:
     from tandem import in_process
     from tandem.server import channel
 
-    if args.timeline:  # before the reward service's process starts: it inherits the setting
-        timeline.enable(tempfile.mkdtemp(prefix="tandem-timeline-"))
-    cfg = load_config()
-    control = _mps_clients(cfg) if args.mps else None  # before this process or the reward service's makes a context
     cfg = replace(cfg, reward=replace(cfg.reward, address=_free_address(), metrics_port=0,
                                       **({"execution_provider": "cpu"} if args.quick else {})))
     variant = (common.chosen_variants(args.backend, args.quick) or [common.CPU_VARIANT])[-1]
@@ -489,8 +498,6 @@ def main() -> None:
             local.stop()
         stop.set()
         service.join(30)
-        if control is not None:  # this process is a client: the daemon quits once it has exited
-            mps.stop(control, wait=False)
     if args.timeline:
         service_marks = [m for path in glob.glob(os.path.join(timeline.FOLDER, "timeline-*.json"))
                          for m in timeline.load(path)]
@@ -498,7 +505,7 @@ def main() -> None:
             rows += [dict(r, sims_per_warp=g) for r in timeline_rows(wave, marks, service_marks if how == "ipc" else [],
                                                                      searches, how)]
     for row in rows:
-        row["mps"] = control is not None
+        row["mps"] = on_mps
     common.finish(BENCHMARK, rows, args.out, COLUMNS)
 
 

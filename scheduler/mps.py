@@ -28,6 +28,7 @@ from tandem.device import MPS_CONTROL_BINARY, mps_client_env, probe_mps
 log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 10.0  # the daemon must answer within this after `-d`
+_QUITTING: list[subprocess.Popen] = []  # stop(wait=False)'s control processes
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,7 @@ def stop(control: MpsControl, timeout_s: float = 10.0, wait: bool = True) -> boo
         except OSError as exc:
             log.warning("MPS control daemon: could not send `quit`: %s", exc)
             return False
+        _QUITTING.append(proc)  # held, not dropped while it runs (Popen warns then); reaped at this process's exit
         return True
     try:
         done = _control(control.binary, "quit", mps_client_env(control.pipe_directory, control.log_directory), timeout_s)

@@ -95,14 +95,21 @@ def test_tandem_up_gives_every_server_the_same_directories_and_its_pool_cap():
 
 
 def test_a_client_asks_the_daemon_it_started_to_quit_without_waiting(on_path):
+    # This stand-in's quit, like MPS's with a client still attached, ends only once released.
+    script = on_path / "bin" / "nvidia-cuda-mps-control"
+    script.write_text(STAND_IN.replace("quit) rm -f", 'quit) while [ ! -e "$CUDA_MPS_LOG_DIRECTORY/release" ]; '
+                                                     "do sleep 0.02; done; rm -f"))
     pipe, logs = str(on_path / "pipe"), str(on_path / "log")
     started = mps.ensure(pipe, logs, has_gpu=True, timeout_s=5.0)
     attached = mps.ensure(pipe, logs, has_gpu=True)
     assert not mps.stop(attached, wait=False)  # not ours: left running
-    assert mps.stop(started, wait=False)  # the quit is sent from a process of its own
     control = on_path / "pipe" / "control"
-    for _ in range(500):  # the stand-in quits at once; bounded, not timed
+    assert mps.stop(started, wait=False)  # returns with the quit still waiting
+    assert control.exists()
+    (on_path / "log" / "release").touch()  # the client has gone: the daemon quits
+    for _ in range(500):  # bounded, not timed
         if not control.exists():
             break
         time.sleep(0.02)
     assert not control.exists()
+    assert (on_path / "log" / "control.log").read_text().split() == ["start", "quit"]
