@@ -588,7 +588,7 @@ class _Search:
                     ran, live, open_ = _wave_slots(meta, in_wave_of < k, b)
                     if not live.any():
                         return False  # every root is proven
-                has_priors = False
+                has_priors = False  # the host's EVAL rows hold priors (device waves: wherever logits come back)
                 outputs = (None, None)  # device waves: the model's (values, logits) for the backup to read
                 used_model = self.use_model
                 if not on_device:  # the host builds them: exact values where known, the leaves' planes
@@ -598,7 +598,6 @@ class _Search:
                 try:
                     if on_device:
                         outputs = yield from self._device_values(open_, n)
-                        has_priors = outputs[1] is not None
                     elif self.use_model:
                         has_priors = self._model_values(vin, planes, obs_dev, open_, meta["leader"], wants_cupy)
                     elif open_.any():
