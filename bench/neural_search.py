@@ -7,8 +7,11 @@ service by each hand-off (``handoff``), all in one run: ``ipc``, the leaf
 channel (tandem/leaf_channel.py: one Unix-socket message each way per wave)
 with CUDA IPC regions as device waves (the selection kernel writes the leaves
 into the input region, the backup kernel reads the outputs from the output
-region: what a GPU search service does; CUDA events order the two services'
-work, tandem/cuda_events.py); ``ipc_synchronised``, device waves over a
+region: what a GPU search service does; CUDA events and the ready word order
+the two services' work, tandem/cuda_events.py, tandem/ready_word.py, and each
+wave's message is announced ahead of its selection); ``ipc_unannounced``,
+the same without the ready word (the ``ready`` event orders the inputs, and
+each message follows its selection: the way before); ``ipc_synchronised``, device waves over a
 channel without events (each side synchronises its stream before its
 message: the way before events); ``ipc_host``, the same channel with
 the leaves and answers on the host (system regions, or a GPU search without
@@ -128,8 +131,10 @@ def _device_waves(evaluator, rows: int, driven: bool = True):
 
 
 def _row_handoff(evaluator, device) -> str:
-    """A row's ``handoff``: ``ipc`` (device waves), ``ipc_synchronised``
-    (device waves, a channel without events), ``ipc_host`` (the leaf channel
+    """A row's ``handoff``: ``ipc`` (device waves, each wave's message
+    announced ahead of its selection), ``ipc_unannounced`` (device waves
+    ordered by the ready event alone), ``ipc_synchronised`` (device waves, a
+    channel without events), ``ipc_host`` (the leaf channel
     through the host), ``in_process`` / ``in_process_per_wave`` /
     ``in_process_host`` (a reward service in this process: a search driven on
     its critical lane's worker, device waves handed over one by one, host
@@ -140,6 +145,8 @@ def _row_handoff(evaluator, device) -> str:
         return f"{evaluator.handoff}_host"
     if evaluator.handoff == "ipc" and not evaluator.channel.ordered:
         return "ipc_synchronised"
+    if evaluator.handoff == "ipc" and not evaluator.channel.announces:
+        return "ipc_unannounced"
     return f"{evaluator.handoff}_{PER_WAVE}" if device == PER_WAVE else evaluator.handoff
 
 
@@ -306,14 +313,15 @@ def _in_process(cfg, device: bool):
     return LeafChannelEvaluator(port, timeout_s=30, handoff=HANDOFF_IN_PROCESS)
 
 
-def _leaf_channel(stub, max_rows: int, events: bool = True):
+def _leaf_channel(stub, max_rows: int, events: bool = True, announce: bool = True):
     """A leaf-channel evaluator attached to the reward service behind ``stub``,
     carrying waves of up to ``max_rows`` rows (``events``: offer CUDA events
-    to order its waves by)."""
+    to order its waves by; ``announce``: and a ready word, so each wave's
+    message goes ahead of its selection)."""
     from search_service.evaluators import LeafChannelEvaluator
     from tandem.leaf_channel import LeafChannel
 
-    channel = LeafChannel.offered(stub, "connect4_value", max_rows, timeout_s=30, events=events)
+    channel = LeafChannel.offered(stub, "connect4_value", max_rows, timeout_s=30, events=events, announce=announce)
     if channel is None:
         raise SystemExit("the reward service offers no leaf channel (reward.leaf_channel.enabled)")
     common.note(f"leaf channel: {channel.kind} input region, ordered by events: {channel.ordered}")
@@ -446,6 +454,9 @@ def _run(args, kinds: set[str], cfg, on_mps: bool) -> None:
             synchronised = _leaf_channel(stub, max_rows, events=False) if ipc.channel.ordered else None
             if synchronised is not None:  # device waves without events, in the same run
                 ways.insert(1, (synchronised, True))
+            unannounced = _leaf_channel(stub, max_rows, announce=False) if ipc.channel.announces else None
+            if unannounced is not None:  # ordered by the ready event alone: each message after its selection
+                ways.insert(1, (unannounced, True))
             timed(ways)
             # A second reward service, in this process, for the in_process rows (co-located mode's
             # hand-off): started after the two-process rows, whose process it would share.
@@ -465,9 +476,9 @@ def _run(args, kinds: set[str], cfg, on_mps: bool) -> None:
                     pstats.Stats(profiler, stream=fh).sort_stats("tottime").print_stats(40)
                 profiler.dump_stats(out.with_suffix(".prof"))  # the whole profile, for pstats' callers and callees
                 common.note(f"profile of the latency rows: {out}")
-            ipc.channel.close()
-            if synchronised is not None:
-                synchronised.channel.close()
+            for way in (ipc, synchronised, unannounced):
+                if way is not None:
+                    way.channel.close()
             if args.serving == "in_process":  # co-located mode's serving path
                 handoff = HandoffEvaluator(ch, "connect4_value", "auto", address=local_cfg.reward.address)
             else:

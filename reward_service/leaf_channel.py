@@ -36,12 +36,21 @@ Invariants:
   (``Batcher(executed=)``), recorded on the worker before any waiter of the
   run wakes (in a run of worker-answered waves only, just after their
   replies).
-* An ordered channel's ``ready`` event is waited for by the critical lane's
-  worker (session.READY_WAIT_S at most); a wave whose inputs come later is
+* An ordered channel's ready word (tandem/ready_word.py: this wave's
+  sequence number, in the client's ``ready_region``) or ``ready`` event is
+  waited for by the critical lane's worker (session.READY_WAIT_S at most,
+  counted for the word once the channel's previous outputs are done: an
+  announced wave's message comes while the client still waits for them);
+  a wave whose inputs come later, or that its client cancelled, is
   answered DEADLINE_EXCEEDED and gets nothing written into its regions.
-  Its opened event is released when the connection ends.
+  While it waits the worker serves no other request: a wave announced by
+  one search holds the lane for the rest of its previous wave plus its
+  selection (~0.1-0.4 ms), and another search's wave that comes meanwhile
+  runs in the next batch. Its opened event is released when the
+  connection ends.
 * A region is attached to at most one connection (``_attached``): two
   connections writing one output region would answer each other's waves.
+  The ready word's region is a third, read by this host alone (system).
 * Every message gets an answer (``R``/``A`` or ``E`` with a gRPC status); a
   malformed message closes nothing but the answer; the connection closes only
   when its client closes it, the server stops, the socket fails, or it has
@@ -80,6 +89,7 @@ from tandem.cuda_events import IPC_EVENT_HANDLE_BYTES, ExportedEvent, LocalEvent
 from tandem.errors import quote
 from tandem.leaf_channel import (ATTACH, ERROR, MAX_MESSAGE_BYTES, REPLY, REPLY_FORMAT, WAVE, WAVE_FORMAT, OutputSlot,
                                  output_layout, pack_error)
+from tandem.ready_word import WORD_BYTES, WordWait
 
 log = logging.getLogger(__name__)
 
@@ -112,23 +122,38 @@ class _Attachment:
     input_name: str  # the model's one input
     output_names: tuple[str, ...]  # the outputs' names, in slot order
     events: WaveEvents | None = None  # an ordered channel's CUDA events (tandem/cuda_events.py)
+    ready_region: str | None = None  # the client's ready word (tandem/ready_word.py), a system region
+
+    @property
+    def regions(self) -> list[str]:
+        """The regions pinned to the connection."""
+        return [self.input_region, self.output_region, *([self.ready_region] if self.ready_region else [])]
 
 
 @dataclass(frozen=True)
 class WaveEvents:
     """A wave's events (Request.events): ``ready``, the client's, and ``done``,
-    the run's. An ordered channel's: the client's opened here, this server's
-    exported; an in-process port's: two of that process (LocalEvent).
-    ``ready_on_gpu``: the run's stream waits for ``ready`` on the GPU instead
-    of a host poll (a LocalEvent's, for a driven wave: no host waits for the
-    search's kernels, and no peer can die with the record pending)."""
+    the run's. An ordered channel's: the client's opened here, or per wave
+    its ready word's poll (tandem/ready_word.py; None in the attachment's),
+    and this server's exported; an in-process port's: two of that process
+    (LocalEvent). ``ready_on_gpu``: the run's stream waits for ``ready`` on
+    the GPU instead of a host poll (a LocalEvent's, for a driven wave: no
+    host waits for the search's kernels, and no peer can die with the record
+    pending)."""
 
-    ready: OpenedEvent | LocalEvent
+    ready: OpenedEvent | LocalEvent | WordWait | None
     done: ExportedEvent | LocalEvent
     ready_on_gpu: bool = False
 
 
 _FLOAT32 = np.dtype(np.float32)
+_WORD = np.dtype(np.uint64)
+
+
+def _close_ready(events: WaveEvents | None) -> None:
+    """Releases an attachment's opened ``ready`` event, where it has one."""
+    if events is not None and events.ready is not None:
+        events.ready.close()
 REGION_KINDS = ("system", "cuda")  # either region may be either kind
 SOCKET_PREFIX = "tandem-leaf-"  # then the server's pid, "-", an id, ".sock"
 
@@ -393,11 +418,16 @@ class LeafChannelServer:
             req = json.loads(body)
             client_id, model, max_rows = str(req["client_id"]), str(req["model"]), req["max_rows"]
             input_region, output_region = str(req["input_region"]), str(req["output_region"])
-        except (ValueError, KeyError, TypeError, RecursionError) as exc:  # RecursionError: nested too deep
+            ready_region = req.get("ready_region")
+            ready_region = None if ready_region is None else str(ready_region)
+        except (ValueError, KeyError, TypeError, RecursionError, AttributeError) as exc:  # RecursionError: nested too deep
             raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, f"attach: malformed ({type(exc).__name__}: {exc})") from None
         if input_region == output_region:  # one buffer for both would have outputs overwrite the next wave's inputs
             raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, f"input_region and output_region: both {quote(input_region)}; "
                              "the channel needs two regions")
+        if ready_region in (input_region, output_region):  # the word would be overwritten by a wave's tensors
+            raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, f"ready_region: {quote(ready_region)} is also a wave's "
+                             "region; the ready word needs one of its own")
         session = self.sessions.get(model)
         if session is None:
             raise BadRequest(grpc.StatusCode.NOT_FOUND, f"model: no model named {quote(model)} (models: {sorted(self.sessions)})")
@@ -411,30 +441,32 @@ class LeafChannelServer:
         dtype = tensors.numpy_dtype(spec.dtype)
         slots, out_bytes = output_layout([(o.name, row) for o, row in outputs], max_rows)
         in_bytes = max_rows * math.prod(input_row) * dtype.itemsize
-        events = self._open_events(req.get("ready_event"), session)  # last of the checks: closed if a later one fails
+        # last of the checks: closed if a later one fails
+        events = self._open_events(req.get("ready_event"), ready_region is not None, session)
         attachment = _Attachment(client_id, session, max_rows, input_region, input_row, dtype, output_region,
-                                 tuple(slots), in_bytes, out_bytes, spec.name, tuple(s.name for s in slots), events)
+                                 tuple(slots), in_bytes, out_bytes, spec.name, tuple(s.name for s in slots), events,
+                                 ready_region)
         try:
-            with self.regions.acquire(client_id, [input_region, output_region]) as lease:
+            with self.regions.acquire(client_id, attachment.regions) as lease:
                 out_kind = self._check_regions(lease, attachment)
             with self._lock:
-                taken = {input_region, output_region} & self._attached
+                taken = set(attachment.regions) & self._attached
                 if taken:
                     raise BadRequest(grpc.StatusCode.ALREADY_EXISTS,
                                      f"region {quote(min(taken))}: attached to another leaf channel")
-                self._attached |= {input_region, output_region}
+                self._attached |= set(attachment.regions)
         except BaseException:
-            if events is not None:
-                events.ready.close()
+            _close_ready(events)
             raise
         if events is not None and out_kind != "cuda":  # outputs the host writes: the reply alone orders them
-            events.ready.close()
+            _close_ready(events)
             attachment = dataclasses.replace(attachment, events=None)
         return attachment
 
     @staticmethod
-    def _open_events(ready_hex, session: ModelSession) -> WaveEvents | None:
-        """The channel's events where the client offers its ``ready_event``
+    def _open_events(ready_hex, ready_word: bool, session: ModelSession) -> WaveEvents | None:
+        """The channel's events where the client offers a ready word
+        (``ready_word``; its polls are made per wave) or its ``ready_event``
         (hex of a CUDA IPC event handle) and the model's critical lane can
         order by events; else None (the channel synchronises as before).
 
@@ -442,6 +474,8 @@ class LeafChannelServer:
             BadRequest: INVALID_ARGUMENT: not a string of hex, or not a handle's size
                 (a handle the driver cannot open is not ordered by: None).
         """
+        if ready_word:
+            return WaveEvents(None, ExportedEvent()) if session.orders_by_events else None
         if ready_hex is None:
             return None
         try:
@@ -474,32 +508,35 @@ class LeafChannelServer:
             BadRequest: INVALID_ARGUMENT (a region too small or of the wrong kind).
         """
         sizes = lease.describe()
-        for name, need in ((a.input_region, a.input_bytes), (a.output_region, a.output_bytes)):
+        rows = f"{a.max_rows} rows of model {a.session.name!r}"
+        needs = [(a.input_region, a.input_bytes, REGION_KINDS, rows), (a.output_region, a.output_bytes, REGION_KINDS, rows)]
+        if a.ready_region:  # read by this host: system memory
+            needs.append((a.ready_region, WORD_BYTES, ("system",), "the ready word"))
+        for name, need, kinds, what in needs:
             kind, size = sizes[name]
-            if kind not in REGION_KINDS:
+            if kind not in kinds:
                 raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, f"region {quote(name)}: a {kind} region; "
-                                 f"this one must be {' or '.join(REGION_KINDS)}")
+                                 f"this one must be {' or '.join(kinds)}")
             if size < need:
-                raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, f"region {quote(name)}: {size} bytes, but {a.max_rows} rows "
-                                 f"of model {a.session.name!r} need {need}")
+                raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, f"region {quote(name)}: {size} bytes, but {what} "
+                                 f"need {need}")
         return sizes[a.output_region][0]
 
     def _renew(self, a: _Attachment) -> None:
         try:
-            self.regions.status(a.client_id, a.input_region)
-            self.regions.status(a.client_id, a.output_region)
+            for name in a.regions:
+                self.regions.status(a.client_id, name)
         except SharedMemoryError as exc:
             log.warning("leaf channel of client %r: renewing its regions: %s", a.client_id, exc)
 
     def _detach(self, a: _Attachment) -> None:
-        if a.events is not None:
-            try:
-                a.events.ready.close()
-            except Exception as exc:  # noqa: BLE001 - the slot and the regions are freed whatever the driver says
-                log.warning("leaf channel of client %r: releasing its ready_event: %s", a.client_id, exc)
+        try:
+            _close_ready(a.events)
+        except Exception as exc:  # noqa: BLE001 - the slot and the regions are freed whatever the driver says
+            log.warning("leaf channel of client %r: releasing its ready_event: %s", a.client_id, exc)
         with self._lock:
-            self._attached -= {a.input_region, a.output_region}
-        for name in (a.input_region, a.output_region):
+            self._attached -= set(a.regions)
+        for name in a.regions:
             try:
                 self.regions.unregister(a.client_id, name)
             except SharedMemoryError:
@@ -523,7 +560,7 @@ class LeafChannelServer:
             # The worker's send never blocks (a client not reading its replies must not hold
             # the lane): refused, this thread sends instead.
             answer = None if nonblocking is None else (lambda req, seq=seq: _try_send(nonblocking, _reply(seq, req)))
-            done = self._run_wave(a, rows, deadline, answer)
+            done = self._run_wave(a, seq, rows, deadline, answer)
         except BadRequest as exc:
             reason, reply = "invalid_input", pack_error(seq, exc.code, str(exc))
         except SharedMemoryError as exc:
@@ -548,7 +585,7 @@ class LeafChannelServer:
         else:
             self.metrics.failed(name, CRITICAL_LANE, reason, elapsed_s)
 
-    def _run_wave(self, a: _Attachment, rows: int, deadline: float | None, answer):
+    def _run_wave(self, a: _Attachment, seq: int, rows: int, deadline: float | None, answer):
         """Runs rows [0, rows) of the input region and writes the outputs.
         With a CUDA output region the run may write them there itself (a
         bound runner fed device waves only), and the critical lane's worker
@@ -563,7 +600,7 @@ class LeafChannelServer:
             BadRequest: INVALID_ARGUMENT: a region registered again under its name,
                 too small or of the wrong kind.
         """
-        with self.regions.acquire(a.client_id, [a.input_region, a.output_region]) as lease:
+        with self.regions.acquire(a.client_id, a.regions) as lease:
             out_kind = self._check_regions(lease, a)
             timeline.mark("channel.leased")
             # Views of the wave's rows: a CUDA region keeps the ones it made (shared_memory.py).
@@ -572,13 +609,18 @@ class LeafChannelServer:
             if out_kind == "cuda":  # the bound runner writes the outputs there, device to device
                 targets = {s.name: lease.array(a.output_region, s.offset, _FLOAT32, (rows, *s.row))
                            for s in a.outputs}
+            events = a.events
+            if events is not None and a.ready_region:  # this wave's poll of the ready word
+                word = lease.array(a.ready_region, 0, _WORD, (1,))
+                hard_limit = time.monotonic() + READY_WAIT_S if deadline is None else deadline
+                events = WaveEvents(WordWait(word, seq, events.done, hard_limit), events.done)
             timeline.mark("channel.submitted")
             done = run(self.batchers[a.session.name], a.session.name, {a.input_name: feed}, rows,
-                       CRITICAL, deadline, a.output_names, targets, answer, a.events)
+                       CRITICAL, deadline, a.output_names, targets, answer, events)
             if done.inputs_late:  # run without them: its outputs are not this wave's
                 raise Refusal(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline_exceeded",
                               f"wave: its inputs were not written within {READY_WAIT_S * 1e3:g} ms of its run "
-                              "(the client's ready_event)")
+                              "(the client's ready word or ready_event), or the client gave the wave up")
             if done.targets_written:  # written by the run, while the lease held the region
                 return done
             lease.check_live()  # a region unregistered meanwhile gets nothing written

@@ -23,6 +23,7 @@ same tree with rollouts, or answers from it at the deadline.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -183,13 +184,17 @@ class LeafChannelEvaluator:
             EvaluatorUnavailable: the server's status, or a broken connection.
         """
         start = time.perf_counter()
-        cap = time.monotonic() + self.timeout_s
         try:
-            outputs = send(inputs, cap if deadline is None else min(deadline, cap))
+            outputs = send(inputs, self.limit(deadline))
         except LeafChannelError as exc:
             raise self.unavailable(exc) from None
         self.answered(rows, start)
         return outputs
+
+    def limit(self, deadline: float | None) -> float:
+        """A wave's limit (time.monotonic() s): ``deadline``, at most ``timeout_s`` from now."""
+        cap = time.monotonic() + self.timeout_s
+        return cap if deadline is None else min(deadline, cap)
 
     def unavailable(self, exc: LeafChannelError) -> EvaluatorUnavailable:
         """A wave's failure as the search sees it."""
@@ -223,6 +228,8 @@ class DeviceWaves:
         # An in-process port runs a whole search on the model's critical-lane worker (Port.drive);
         # False: one hand-off per wave (benchmarks compare the two).
         self.driven = driven and hasattr(evaluator.channel, "drive")
+        # A leaf channel ordered by events: a wave returns at its reply, and wait_outputs waits for its outputs.
+        self._deferred = isinstance(evaluator.channel, LeafChannel) and evaluator.channel.ordered
 
     @staticmethod
     def fits(channel: LeafChannel) -> bool:
@@ -248,23 +255,84 @@ class DeviceWaves:
         the CUDA backend's rule for using them, which the servicer reports."""
         return rows <= self.max_rows
 
-    def evaluate(self, rows: int):
+    def evaluate(self, rows: int, wait_outputs: bool = True):
         """Runs rows ``[0, rows)`` of :attr:`inputs` (written, and the writing
         kernel finished -- or, :attr:`ordered`, queued on the current stream)
         and returns the output region's views: values CuPy float32
         ``[max_rows, 1]`` and policy logits float32 ``[max_rows, A]`` or None;
         rows ``[0, rows)`` this wave's, valid until the next call.
+        ``wait_outputs=False``: returns at the reply; the caller calls
+        :meth:`wait_outputs` before a kernel reads them (a search's steps do).
 
         Raises:
             EvaluatorUnavailable: as :meth:`LeafChannelEvaluator.__call__`.
         """
-        outputs = self._ev.wave(self._ev.channel.evaluate_device, rows, rows, self.deadline)
+        send = self._ev.channel.evaluate_device
+        if self._deferred and not wait_outputs:
+            send = functools.partial(send, wait_outputs=False)
+        outputs = self._ev.wave(send, rows, rows, self.deadline)
         return outputs["value"], outputs.get("policy_logits")
+
+    @property
+    def announces(self) -> bool:
+        """Whether the next wave's message may go ahead of its inputs
+        (:meth:`announce`; LeafChannel.announces)."""
+        return self._deferred and self._ev.channel.announces
+
+    def announce(self, rows: int) -> None:
+        """Sends the next wave's message (``rows`` rows) before its selection
+        is queued (LeafChannel.announce): the reward service's hand-off runs
+        meanwhile. Then :meth:`inputs_written` after that selection, and
+        :meth:`evaluate` of the same ``rows``; or :meth:`cancel_announced`.
+
+        Raises:
+            EvaluatorUnavailable: the connection broke.
+        """
+        try:
+            self._ev.channel.announce(rows, self._ev.limit(self.deadline))
+        except LeafChannelError as exc:
+            raise self._ev.unavailable(exc) from None
+
+    def inputs_written(self) -> None:
+        """Marks the next wave's inputs written after the kernels queued on
+        the current stream so far (an ordered channel; else nothing to do).
+        A broken CUDA state closes the channel: the wave's :meth:`evaluate` says so."""
+        if self._deferred:
+            try:
+                self._ev.channel.inputs_written()
+            except LeafChannelError:  # the channel closed itself: the wave's evaluate fails, and the search undoes it
+                pass
+
+    def wait_outputs(self) -> None:
+        """Waits for the last wave's outputs to be written, which a kernel may
+        read only after this (:meth:`evaluate` returns at the reply on an
+        ordered channel; elsewhere they are in place already, or ordered on
+        the GPU). Counted in the wave's call time.
+
+        Raises:
+            EvaluatorUnavailable: not written by the deadline, or the server's
+                process broke (an announced wave is given up then).
+        """
+        if not self._deferred:
+            return
+        start = time.perf_counter()
+        try:
+            self._ev.channel.wait_outputs()
+        except LeafChannelError as exc:
+            raise self._ev.unavailable(exc) from None
+        finally:
+            self._ev.totals.call_ms += (time.perf_counter() - start) * 1e3
+
+    def cancel_announced(self) -> None:
+        """Gives up an announced wave whose selection will not come (none: nothing to do)."""
+        if self._deferred:
+            self._ev.channel.cancel_announced()
 
     def run(self, steps):
         """Runs a search's steps generator (search_service/mcts/backend.py:
         it yields the rows of each device wave and gets (values, logits) back
-        as :meth:`evaluate` returns them, or EvaluatorUnavailable thrown in;
+        as :meth:`evaluate` returns them with ``wait_outputs=False`` (it
+        calls :meth:`wait_outputs` itself), or EvaluatorUnavailable thrown in;
         DETACH once it needs no more waves) and returns what it returns.
 
         Its set-up, up to its first wave, runs on this thread. Then, where
@@ -293,7 +361,7 @@ class DeviceWaves:
                 if out is not DETACH:
                     return out
                 rows = DETACH
-        return drive(steps, self.evaluate, rows)
+        return drive(steps, functools.partial(self.evaluate, wait_outputs=False), rows)
 
     def _adapted(self, steps, rows):
         """``steps``, which has just yielded ``rows``, as a port drives it: the

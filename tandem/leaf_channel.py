@@ -36,24 +36,33 @@ client -> server      server -> client
 Ordering: the client writes a wave's inputs (and synchronises a CUDA copy)
 before it sends ``W``; the server reads them only after, and writes the
 outputs before it sends ``R``. A channel of two CUDA regions whose server
-runs it on a bound runner orders them by CUDA events instead
-(tandem/cuda_events.py): the attach carries the client's ``ready_event``
-handle and the layout the server's ``done_event``; the client records
-``ready`` after the kernels that wrote the inputs and sends ``W`` at once,
-the critical lane's worker waits for it (at most 5 ms) before it copies
-them in, records ``done`` after
-its output copies and sends ``R`` once they are queued, not done; the client
-waits for ``done`` before it reads them (:attr:`LeafChannel.ordered`). Each
-side's wait is then for the other's GPU work alone, past the socket hops and
-host work between, not for a synchronisation followed by a hop. One wave is in flight per connection; the
-server answers waves in order, so a client that gave up on a wave (its
-deadline) skips replies whose ``seq`` is older than the wave it waits for.
+runs it on a bound runner orders them on the GPU's side instead
+(:attr:`LeafChannel.ordered`): the layout carries the server's
+``done_event`` (tandem/cuda_events.py), and the attach either a
+``ready_region`` -- a system region holding the client's ready word
+(tandem/ready_word.py): a sequence number its stream stores after the
+kernels that write a wave's inputs -- or, where this process cannot map
+one, its ``ready_event``. The critical lane's worker waits for the word (or
+the event) before it copies the inputs in (at most 5 ms once the previous
+wave's outputs are done), records ``done`` after its output copies and
+sends ``R`` once they are queued, not done; the client waits for ``done``
+before its kernels read them. Each side's wait is then for the other's GPU
+work alone, past the socket hops and host work between, not for a
+synchronisation followed by a hop. With the word, a wave's ``W`` may even
+go before its inputs' kernels are queued (:meth:`LeafChannel.announce`): a
+search sends wave k+1's message as soon as wave k's reply comes, and the
+server's socket, lease and hand-over to its lane run while the client's GPU
+still runs wave k's model and backup and wave k+1's selection. One wave is
+in flight per connection; the server answers waves in order, so a client
+that gave up on a wave (its deadline, or an announced wave cancelled)
+skips replies whose ``seq`` is older than the wave it waits for.
 The connection closing (either side, or a process dying) unregisters its
 regions on the server.
 """
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import struct
 import time
@@ -65,8 +74,11 @@ from tandem.v1 import reward_pb2, reward_pb2_grpc
 
 from tandem import tensors, timeline
 from tandem.cuda_events import ExportedEvent, OpenedEvent
+from tandem.ready_word import WORD_BYTES, ReadyWord
 from tandem.shared_memory_client import CudaSharedMemoryRegion, SystemSharedMemoryRegion, aligned
 from tandem.gpu import cupy_module
+
+log = logging.getLogger(__name__)
 
 ATTACH, WAVE, REPLY, ERROR = b"A", b"W", b"R", b"E"
 WAVE_FORMAT = struct.Struct("<QIq")  # seq, rows, timeout (µs; <= 0: none)
@@ -178,6 +190,9 @@ class LeafChannel:
             else system shared memory.
         events: with two CUDA regions, offer the server CUDA events to order
             waves by (:attr:`ordered`; False: every wave synchronised).
+        announce: with events, a ready word too, where this process can map
+            one (:attr:`announces`; False: the ``ready`` event orders the
+            inputs, and each wave's message follows its kernels).
 
     Raises:
         LeafChannelError: the model's metadata, the registration, the socket
@@ -188,7 +203,7 @@ class LeafChannel:
     def __init__(self, stub: reward_pb2_grpc.RewardServiceStub, path: str, model: str, max_rows: int,
                  device_id: int = -1, timeout_s: float = 5.0,
                  meta: reward_pb2.ModelMetadataResponse | None = None, cuda_outputs: bool = True,
-                 events: bool = True):
+                 events: bool = True, announce: bool = True):
         self.path, self.model, self.max_rows, self._timeout_s = path, model, max_rows, timeout_s
         meta = meta or _metadata(stub, model, timeout_s)
         spec = meta.inputs[0]
@@ -201,6 +216,10 @@ class LeafChannel:
         self._in_view, self._out_views = None, {}
         self._attached = False
         self._ready = self._done = None  # the CUDA events of an ordered channel
+        self._word_region = self._word = None  # its ready word, where this process can map one
+        self._announced = None  # rows of the wave whose message went ahead of its inputs (announce)
+        self._marked = 0  # the last seq whose inputs' ready word or event is queued
+        self._outputs_due = None  # a wave answered, its outputs not waited for yet: its deadline (or False)
         try:
             self._inputs = _input_region(stub, in_bytes, device_id, timeout_s)
             self.kind = self._inputs.kind
@@ -216,8 +235,12 @@ class LeafChannel:
             attach = {"client_id": self._inputs.client_id, "model": model, "max_rows": max_rows,
                       "input_region": self._inputs.name, "output_region": self._outputs_region.name}
             if self.device_outputs and events:
-                self._ready = ExportedEvent()
-                attach["ready_event"] = self._ready.handle.hex()
+                self._word = self._ready_word(stub, timeout_s) if announce else None
+                if self._word is not None:
+                    attach["ready_region"] = self._word_region.name
+                else:
+                    self._ready = ExportedEvent()
+                    attach["ready_event"] = self._ready.handle.hex()
             self._sock.send(ATTACH + json.dumps(attach).encode())
             reply = self._sock.recv(MAX_MESSAGE_BYTES)
         except grpc.RpcError as exc:
@@ -250,14 +273,38 @@ class LeafChannel:
                 this process cannot open (the channel is closed).
         """
         try:
-            handle = json.loads(layout).get("done_event") if self._ready is not None else None
+            offered = self._ready is not None or self._word is not None
+            handle = json.loads(layout).get("done_event") if offered else None
             if handle is not None:
                 self._done = OpenedEvent(bytes.fromhex(handle))
         except (ValueError, TypeError, AttributeError) as exc:  # the server waits for events nobody records
             self.close(wait_detached=False)
             raise LeafChannelError(grpc.StatusCode.INTERNAL, f"attach: the server's done_event: {exc}") from None
-        if self._done is None:
+        if self._done is None:  # synchronised waves: the word (still attached there) and the event go unused
             self._ready = None
+            if self._word is not None:
+                self._word.close()
+                self._word = None
+
+    def _ready_word(self, stub, timeout_s: float) -> ReadyWord | None:
+        """A ready word (tandem/ready_word.py) in a system region of its own,
+        registered for this channel's client; None where this process cannot
+        map one for its GPU (the ``ready`` event orders the waves then).
+
+        Raises:
+            grpc.RpcError: the server refused the region.
+        """
+        self._word_region = SystemSharedMemoryRegion(stub, WORD_BYTES, client_id=self._inputs.client_id,
+                                                     timeout_s=timeout_s)
+        try:
+            return ReadyWord(self._word_region.array(0, np.uint64, (1,)))
+        except RuntimeError as exc:
+            why = str(exc)
+        # Outside the except: its traceback held the view, and the region is not freed under a view.
+        log.info("leaf channel: no ready word (%s); the ready event orders the waves", why)
+        self._word_region.close()
+        self._word_region = None
+        return None
 
     @property
     def ordered(self) -> bool:
@@ -269,12 +316,12 @@ class LeafChannel:
 
     @classmethod
     def offered(cls, stub: reward_pb2_grpc.RewardServiceStub, model: str, max_rows: int,
-                timeout_s: float = 5.0, events: bool = True) -> LeafChannel | None:
+                timeout_s: float = 5.0, events: bool = True, announce: bool = True) -> LeafChannel | None:
         """The leaf channel the reward service behind ``stub`` offers for
         ``model`` (``ModelMetadata.runtime``: its socket and device), attached
         for at most ``max_rows`` rows per wave, fewer where the model's
-        ``max_batch_size`` is smaller; None when it offers none (``events``:
-        as the constructor's).
+        ``max_batch_size`` is smaller; None when it offers none (``events``,
+        ``announce``: as the constructor's).
 
         Raises:
             LeafChannelError: as the constructor.
@@ -287,7 +334,7 @@ class LeafChannel:
         if meta.max_batch_size:  # the server refuses a channel wider than the model's batches
             max_rows = min(max_rows, meta.max_batch_size)
         cuda_outputs = "cuda" in meta.runtime.get(f"{RUNTIME_KEY}_outputs", "system").split(",")
-        return cls(stub, path, model, max_rows, device, timeout_s, meta, cuda_outputs, events)
+        return cls(stub, path, model, max_rows, device, timeout_s, meta, cuda_outputs, events, announce)
 
     def evaluate(self, inputs, deadline: float | None = None) -> dict[str, np.ndarray]:
         """The model's outputs (name -> float32 ``[N, *row]``, copies) for
@@ -333,16 +380,23 @@ class LeafChannel:
         """Whether both regions are CUDA memory (:meth:`evaluate_device` works)."""
         return self.kind == "cuda" and self._outputs_region is not None and self._outputs_region.kind == "cuda"
 
-    def evaluate_device(self, rows: int, deadline: float | None = None) -> dict:
+    def evaluate_device(self, rows: int, deadline: float | None = None, wait_outputs: bool = True) -> dict:
         """Runs rows ``[0, rows)`` already in :attr:`device_inputs` (written and
         synchronised by the caller; on an :attr:`ordered` channel, queued on
         its current stream) and returns the output region's views (name ->
         CuPy float32 ``[max_rows, *row]``, rows ``[0, rows)`` this wave's,
-        valid until the next wave): no copy either way.
+        valid until the next wave): no copy either way. On an announced wave
+        (:meth:`announce`) its message went already: only the reply is waited for.
+
+        ``wait_outputs=False`` (an :attr:`ordered` channel): returns once the
+        server has queued the wave's run, before its outputs are written; the
+        caller does its host work, then calls :meth:`wait_outputs` before any
+        kernel reads them (a later wave or :meth:`close` waits for them too).
 
         Raises:
             LeafChannelError: as :meth:`evaluate`.
-            ValueError: ``rows`` out of 1..max_rows, or not a CUDA channel.
+            ValueError: ``rows`` out of 1..max_rows, or not a CUDA channel, or
+                not the rows announced.
         """
         if not self.device_outputs:
             raise ValueError("evaluate_device: the channel's regions are not both CUDA memory; use evaluate")
@@ -350,24 +404,117 @@ class LeafChannel:
             raise ValueError(f"rows: {rows}, the channel carries 1..{self.max_rows}")
         if self._sock is None:
             raise LeafChannelError(grpc.StatusCode.UNAVAILABLE, "leaf channel closed")
-        self._wave(rows, deadline)
+        self._wave(rows, deadline, wait_outputs)
         return self._out_views
 
-    def _wave(self, rows: int, deadline: float | None) -> None:
-        """Sends one wave of ``rows`` rows (its inputs in place) and waits for
-        its reply (its outputs in place); see :meth:`evaluate` for the errors."""
+    @property
+    def announces(self) -> bool:
+        """Whether waves may be announced (:meth:`announce`): an
+        :attr:`ordered` channel with a ready word (tandem/ready_word.py)."""
+        return self._word is not None and self._done is not None
+
+    def announce(self, rows: int, deadline: float | None = None) -> None:
+        """Sends the next wave's message now, before its inputs are written:
+        the server takes it into its critical lane and waits for the ready
+        word (at most session.READY_WAIT_S once the previous wave's outputs
+        are done). The caller then queues the kernels that write the inputs,
+        calls :meth:`inputs_written`, then :meth:`evaluate_device` with the
+        same ``rows`` for the reply -- or :meth:`cancel_announced`.
+
+        Raises:
+            LeafChannelError: UNAVAILABLE: the connection broke (closed then).
+            ValueError: the channel does not announce, a wave is announced
+                already, or ``rows`` out of 1..max_rows.
+        """
+        if not self.announces:
+            raise ValueError("announce: the channel has no ready word, or is not ordered by events")
+        if self._announced is not None:
+            raise ValueError("announce: a wave is announced already")
+        if not 1 <= rows <= self.max_rows:
+            raise ValueError(f"rows: {rows}, the channel carries 1..{self.max_rows}")
+        self._send(rows, deadline)
+        self._announced = rows
+
+    def inputs_written(self) -> None:
+        """Marks the next wave's inputs written after the work queued on the
+        current stream so far (an :attr:`ordered` channel: its ready word's
+        store, or its ``ready`` event's record; else nothing): call it right
+        after the kernels that write them, before any other work.
+
+        Raises:
+            LeafChannelError: UNAVAILABLE: this process's CUDA state is broken (closed then).
+        """
+        if self._done is None:
+            return
+        seq = self._seq if self._announced is not None else self._seq + 1
+        try:
+            if self._word is not None:
+                self._word.write(seq)
+            else:  # on the current stream; 0: the legacy default one
+                self._ready.record(cupy_module().cuda.get_current_stream().ptr)
+        except Exception as exc:  # CUDARuntimeError
+            self.close(wait_detached=False)
+            raise LeafChannelError(grpc.StatusCode.UNAVAILABLE, f"marking the inputs written: {exc}") from None
+        self._marked = seq
+
+    def cancel_announced(self) -> None:
+        """Gives up the announced wave (none: nothing to do). Where its inputs
+        were not marked written, the ready word tells the server at once; its
+        answer is skipped, as any given-up wave's."""
+        if self._announced is None:
+            return
+        self._announced = None
+        if self._marked != self._seq and self._word is not None:
+            self._word.cancel(self._seq)
+
+    def wait_outputs(self) -> None:
+        """Waits for the outputs of the last wave answered with
+        ``wait_outputs=False`` (none pending: returns at once); an announced
+        wave is cancelled if they never come.
+
+        Raises:
+            LeafChannelError: as :meth:`_wait_done`.
+        """
+        if self._outputs_due is None:
+            return
+        deadline, self._outputs_due = self._outputs_due, None
+        try:
+            self._wait_done(deadline or None)
+        except LeafChannelError:
+            self.cancel_announced()
+            raise
+
+    def _send(self, rows: int, deadline: float | None) -> None:
+        """Sends the next wave's ``W`` message.
+
+        Raises:
+            LeafChannelError: UNAVAILABLE: the connection broke (closed then).
+        """
         self._seq += 1
         timeout_us = 0 if deadline is None else max(int((deadline - time.monotonic()) * 1e6), 1)
-        ordered = self._done is not None
-        if ordered:  # after the kernels that wrote the inputs (on the current stream; 0: the legacy default one)
-            try:
-                self._ready.record(cupy_module().cuda.get_current_stream().ptr)
-            except Exception as exc:  # CUDARuntimeError: this process's CUDA state is broken
-                self.close(wait_detached=False)
-                raise LeafChannelError(grpc.StatusCode.UNAVAILABLE, f"recording the ready_event: {exc}") from None
         try:
             timeline.mark("wave.sent")
             self._sock.send(WAVE + WAVE_FORMAT.pack(self._seq, rows, timeout_us))
+        except OSError as exc:
+            self.close(wait_detached=False)
+            raise LeafChannelError(grpc.StatusCode.UNAVAILABLE, f"socket {self.path}: {exc}") from None
+
+    def _wave(self, rows: int, deadline: float | None, wait_outputs: bool = True) -> None:
+        """Sends one wave of ``rows`` rows (its inputs in place), unless it was
+        announced, and waits for its reply (and, ``wait_outputs``, for its
+        outputs in place); see :meth:`evaluate` for the errors."""
+        self.wait_outputs()  # a previous wave's outputs, never waited for: the caller may read them next
+        if self._announced is not None and rows != self._announced:
+            announced = self._announced
+            self.cancel_announced()
+            raise ValueError(f"rows: {rows}, the wave announced {announced}")
+        ordered = self._done is not None
+        if ordered and self._marked != (self._seq if self._announced is not None else self._seq + 1):
+            self.inputs_written()
+        if self._announced is None:
+            self._send(rows, deadline)
+        self._announced = None
+        try:
             while True:  # answers to waves given up earlier come first: skipped
                 self._sock.settimeout(None if deadline is None else max(deadline - time.monotonic(), 1e-4))
                 reply = self._sock.recv(MAX_MESSAGE_BYTES)
@@ -395,7 +542,10 @@ class LeafChannel:
             raise LeafChannelError(grpc.StatusCode.INTERNAL, f"unexpected message kind {reply[:1]!r}")
         _, self.bucket, self.queue_ms, self.compute_ms = REPLY_FORMAT.unpack_from(reply, 1)
         if ordered:  # the outputs' copies, queued by the server before its reply
-            self._wait_done(deadline)
+            if wait_outputs:
+                self._wait_done(deadline)
+            else:
+                self._outputs_due = deadline or False
 
     def _wait_done(self, deadline: float | None) -> None:
         """Waits for the server's ``done`` event (its wave's output copies):
@@ -444,6 +594,8 @@ class LeafChannel:
         memory this process has freed and reused. ``wait_detached=False``
         (the channel's own closes: a broken socket, a peer not speaking the
         protocol, a broken CUDA context) skips the wait."""
+        self.cancel_announced()  # the server stops waiting for its inputs
+        self._outputs_due = None
         if self._sock is not None:
             if self._attached and wait_detached:
                 self._wait_detached(time.monotonic() + DETACH_WAIT_S)
@@ -456,8 +608,14 @@ class LeafChannel:
                 done.close()
             except Exception:  # noqa: BLE001 - a dead server's event: the regions are freed all the same
                 pass
+        if self._word is not None:  # its last store ends before the word is unmapped
+            word, self._word = self._word, None
+            try:
+                word.close()
+            except Exception:  # noqa: BLE001 - a broken context: the region is freed all the same
+                pass
         self._in_view, self._out_views = None, {}  # views into the regions: released before they are freed
-        for region in (self._inputs, self._outputs_region):
+        for region in (self._inputs, self._outputs_region, self._word_region):
             if region is not None:  # attached: the server unregisters them as the socket closes
                 region.close(unregister=not self._attached)
-        self._inputs = self._outputs_region = None
+        self._inputs = self._outputs_region = self._word_region = None

@@ -358,7 +358,11 @@ class _Search:
         try:
             with nvtx.span("search.evaluate"):
                 _, logits = yield rows
+                if self.device_waves.announces:  # the first wave's message goes while the roots' model runs
+                    self.device_waves.announce(self.n_trees * self.parallel_sims)
+                self.device_waves.wait_outputs()
         except EvaluationFailed as exc:
+            self.device_waves.cancel_announced()
             self._stop_using_model(exc)
             logits = None
             yield DETACH
@@ -547,40 +551,63 @@ class _Search:
         def ordered_live() -> np.ndarray:  # an ordered wave's live trees, from its META rows come back
             return _wave_slots(meta_back.finish().view(abi.META.dtype), in_wave_of < k, b)[1]
 
+        def plan(live: np.ndarray, done: np.ndarray, waves: int = 1) -> tuple[int | None, bool]:
+            """The next wave's simulations per tree, or None and what the loop
+            returns (deadline_reached). ``waves`` 2: asked during the wave
+            before it, counted as run (to announce it)."""
+            if not live.any():
+                return None, False
+            k = k_max if params.simulations is None else min(k_max, params.simulations - int(done[live][0]))
+            if k <= 0:
+                return None, False
+            # At least one wave runs, unless an undone one already took the time; none
+            # starts that is expected to end past the deadline.
+            ran = self.waves or self.failure or waves > 1
+            if ran and clock.out_of_time(waves):
+                return None, True
+            if self.should_stop is not None and ran and self.should_stop():
+                self.stopped = True
+                return None, False
+            return k, False
+
+        select_tail = (np.float64(params.c_puct), np.float64(params.virtual_loss), self.tree_state, meta_dev, paths,
+                       obs_dev)
+
+        def select(k: int) -> tuple:
+            """Queues wave ``k``'s selection (and, ordered, its ready mark and
+            META copy; else waits for them): (start and end, perf_counter s; its
+            kernel args, on_device, ordered, staged)."""
+            timeline.mark("wave.select")
+            t = time.perf_counter()
+            clock.begin_wave()
+            args = (self.pool, np.int64(self.capacity), np.int32(self.node_limit), np.int32(b), np.int32(w),
+                    np.int32(g), np.int32(k_max), np.int32(k))
+            on_device = dw is not None and self.use_model  # the backup kernel reads the model's outputs
+            ordered = on_device and meta_back is not None  # sent unsynchronised: the channel's events order it
+            staged = None
+            with nvtx.span("search.select"):
+                kernel("mcts_vm_select")(grid, block, (*args, *select_tail))
+                if ordered:
+                    dw.inputs_written()  # first: the reward service may be waiting for it already
+                    meta_back.start()
+                else:
+                    staged = stage.get()  # waits for the selection: the leaves are in place
+            timeline.mark("wave.staged")
+            return t, time.perf_counter(), args, on_device, ordered, staged
+
+        # The next wave's k once its message went ahead (announced): it runs, its selection
+        # queued right after this wave's backup (queued: the selection's select() answer).
+        committed = queued = None
         timeline.mark("search.waves_ready")
         try:
             while True:
-                if not live.any():
-                    return False
-                k = k_max if params.simulations is None else min(k_max, params.simulations - int(done[live][0]))
-                if k <= 0:
-                    return False
-                # At least one wave runs, unless an undone one already took the time; none
-                # starts that is expected to end past the deadline.
-                if (self.waves or self.failure) and clock.out_of_time():
-                    return True
-                if self.should_stop is not None and self.waves and self.should_stop():
-                    self.stopped = True
-                    return False
-                timeline.mark("wave.select")
-                t = time.perf_counter()
-                clock.begin_wave()
-                args = (self.pool, np.int64(self.capacity), np.int32(self.node_limit), np.int32(b), np.int32(w),
-                        np.int32(g), np.int32(k_max), np.int32(k))
-                on_device = dw is not None and self.use_model  # the backup kernel reads the model's outputs
-                ordered = on_device and meta_back is not None  # sent unsynchronised: the channel's events order it
-                with nvtx.span("search.select"):
-                    kernel("mcts_vm_select")(
-                        grid, block,
-                        (*args, np.float64(params.c_puct), np.float64(params.virtual_loss), self.tree_state, meta_dev,
-                         paths, obs_dev),
-                    )
-                    if ordered:
-                        meta_back.start()
-                    else:
-                        staged = stage.get()  # waits for the selection: the leaves are in place
-                timeline.mark("wave.staged")
-                t1 = time.perf_counter()
+                if queued is not None:
+                    k, (t, t1, args, on_device, ordered, staged), queued = queued[0], queued[1], None
+                else:
+                    k, deadline_reached = plan(live, done)
+                    if k is None:
+                        return deadline_reached
+                    t, t1, args, on_device, ordered, staged = select(k)
                 open_ = None  # unknown until the META rows are read: an ordered wave values all n rows
                 if not ordered:
                     meta_host, obs_host = abi.carve(staged, *stage_sizes)
@@ -598,6 +625,12 @@ class _Search:
                 try:
                     if on_device:
                         outputs = yield from self._device_values(open_, n)
+                        if ordered and dw.announces:  # while the model runs: its META rows, the next message
+                            live = ordered_live()
+                            committed = plan(live, done + np.where(live, k, 0), 2)[0]
+                            if committed is not None:
+                                dw.announce(n)
+                        dw.wait_outputs()  # before the backup reads them
                     elif self.use_model:
                         has_priors = self._model_values(vin, planes, obs_dev, open_, meta["leader"], wants_cupy)
                     elif open_.any():
@@ -605,6 +638,9 @@ class _Search:
                         sims = done[tree_of[open_]] + in_wave_of[open_]
                         vin["value"][open_] = rollout_values(pos.current, pos.mask, sims, tree_of[open_], params.seed)
                 except EvaluationFailed as exc:
+                    committed = None
+                    if dw is not None:
+                        dw.cancel_announced()
                     with nvtx.span("search.undo"):
                         kernel("mcts_vm_undo")(grid, block, (*args, self.tree_state, meta_dev, paths))
                     self._stop_using_model(exc)
@@ -631,8 +667,12 @@ class _Search:
                     )
                 t3 = time.perf_counter()
                 timeline.mark("wave.backed_up")
-                if ordered:  # the selection ended long before the reply: this waits for nothing
-                    live = ordered_live()
+                clock.end_wave()
+                if committed is not None:  # announced: its selection goes at once, the bookkeeping after
+                    queued, committed = (committed, select(committed)), None
+                elif ordered:
+                    if not dw.announces:  # the selection ended long before the reply: this waits for nothing
+                        live = ordered_live()
                     if not live.any():
                         return False  # every root was proven before this wave
                 self.phase_ms["select"] += (t1 - t) * 1e3
@@ -642,8 +682,9 @@ class _Search:
                 if used_model:
                     self.model_simulations += np.where(live, k, 0)
                 self.waves += 1
-                clock.end_wave()
         finally:  # no pinned buffer goes back to CuPy's pool with its copy still running
+            if dw is not None:  # an announced wave whose selection never came
+                dw.cancel_announced()
             if meta_back is not None:
                 try:
                     meta_back.finish()  # a copy started and not finished: a search ended by an exception

@@ -101,12 +101,13 @@ class WaveClock:
         """The next wave's expected duration (ms): the longest recent one, 0 before any."""
         return max(self._recent, default=0.0)
 
-    def out_of_time(self) -> bool:
-        """True once the deadline has passed or the next wave would end past it."""
+    def out_of_time(self, waves: int = 1) -> bool:
+        """True once the deadline has passed or the next ``waves`` waves would
+        end past it (2: asked while a wave still runs, about the one after)."""
         if self.deadline_ms is None:
             return False
         elapsed_ms = (time.perf_counter() - self.started_at) * 1e3
-        return elapsed_ms + self.expected_wave_ms() >= self.deadline_ms
+        return elapsed_ms + waves * self.expected_wave_ms() >= self.deadline_ms
 
 
 class EvaluationFailed(RuntimeError):

@@ -162,6 +162,7 @@ def status(reply: bytes) -> tuple[grpc.StatusCode, str]:
     ({"ready_event": "not hex"}, grpc.StatusCode.INVALID_ARGUMENT, "ready_event: not hex"),
     ({"ready_event": 7}, grpc.StatusCode.INVALID_ARGUMENT, "ready_event: not hex"),
     ({"ready_event": "00" * 10}, grpc.StatusCode.INVALID_ARGUMENT, "ready_event: 10 bytes"),
+    ({"ready_region": "no-such-region"}, grpc.StatusCode.NOT_FOUND, "not registered"),
 ])
 def test_a_bad_attach_is_refused_and_the_connection_may_attach_again(reward, overrides, code, words):
     service, stub = reward
@@ -187,6 +188,45 @@ def test_a_ready_event_on_a_server_that_cannot_order_by_events_leaves_the_channe
         assert c.wave(3)[:1] == REPLY
     finally:
         c.close()
+
+
+def test_a_ready_region_that_is_a_wave_region_or_too_small_is_refused(reward):
+    """The ready word (tandem/ready_word.py) needs a system region of its own
+    of at least 8 bytes: one of the wave's regions named again, or a smaller
+    one, is INVALID_ARGUMENT naming it; the connection attaches right after."""
+    service, stub = reward
+    c = RawClient(service, stub)
+    small = SystemSharedMemoryRegion(stub, 4, client_id=c.inputs.client_id)
+    try:
+        for region, words in ((c.inputs.name, "is also a wave's region"), (c.outputs.name, "is also a wave's region"),
+                              (small.name, "need 8")):
+            code, message = status(c.attach(ready_region=region))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and words in message and region in message
+        assert c.attach()[:1] == ATTACH
+        assert c.wave(3)[:1] == REPLY
+    finally:
+        c.close()
+        small.close()
+
+
+def test_a_ready_region_is_held_by_the_connection_and_unused_where_waves_are_synchronised(reward):
+    """A well-formed ready word on a server whose critical lane cannot order
+    by events (the CPU here): the attach succeeds without a done_event, its
+    waves are answered once written, whatever the word holds, and the region
+    is unregistered with the others when the connection closes."""
+    service, stub = reward
+    c = RawClient(service, stub)
+    word = SystemSharedMemoryRegion(stub, 8, client_id=c.inputs.client_id)
+    try:
+        reply = c.attach(ready_region=word.name)
+        assert reply[:1] == ATTACH and "done_event" not in json.loads(reply[1:])
+        assert c.wave(3)[:1] == REPLY
+        assert held(service, c.inputs.client_id) == 3
+        c.close()
+        assert wait_for(lambda: held(service, c.inputs.client_id) == 0, 10)
+    finally:
+        c.close()
+        word.close(unregister=False)
 
 
 def test_a_malformed_attach_and_a_wave_before_the_attach_are_refused(reward):

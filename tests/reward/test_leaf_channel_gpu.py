@@ -248,9 +248,63 @@ def test_an_ordered_channel_answers_unsynchronised_device_inputs_as_a_synchronis
         plain.close()
 
 
+def test_an_announced_wave_answers_as_evaluate_and_a_cancelled_one_leaves_the_channel_right(gpu_reward):
+    """Each wave's message goes ahead of its inputs (LeafChannel.announce), as
+    a search sends it: before the previous wave's outputs are waited for, and
+    before the kernels that write its inputs are queued (behind other work
+    on the stream); the server waits for the ready word the stream writes
+    after them. Every answer equals Evaluate's. A wave announced and then
+    cancelled before its inputs are marked is answered and skipped, and the
+    waves after it are right."""
+    _, stub = gpu_reward
+    cp = cupy_module()
+    lc = LeafChannel.offered(stub, MODEL, 1024, 30)
+
+    def want(obs):
+        reply = stub.Evaluate(reward_pb2.EvaluateRequest(model=MODEL, inputs=[tensors.to_proto("board", obs)],
+                                                         request_class=reward_pb2.REQUEST_CLASS_CRITICAL))
+        return {t.name: tensors.from_proto(t) for t in reply.outputs}
+
+    def leaves(obs):  # the inputs, written by kernels behind other work queued on the stream
+        big = cp.asarray(np.repeat(obs[None], 8, axis=0))
+        return (big.sum(axis=0) // 8).astype(cp.uint8)
+
+    try:
+        assert lc.ordered and lc.announces
+        with cp.cuda.Stream(non_blocking=True):
+            waves = [random_boards(n, 300 + n) for n in (1, 37, 256, 1024, 64)]
+            for obs in waves:  # CuPy compiles its kernels now: an announced wave's inputs must follow within
+                lc.device_inputs[: len(obs)] = leaves(obs)  # session.READY_WAIT_S of the previous outputs
+            cp.cuda.get_current_stream().synchronize()
+            answers, views = [], {}
+            for i, obs in enumerate(waves):
+                n = len(obs)
+                lc.announce(n, time.monotonic() + 30)
+                if i:  # the previous wave's outputs, read before this wave's inputs are marked
+                    lc.wait_outputs()
+                    answers.append({k: v[: len(waves[i - 1])].get() for k, v in views.items()})
+                lc.device_inputs[:n] = leaves(obs)
+                lc.inputs_written()
+                views = lc.evaluate_device(n, time.monotonic() + 30, wait_outputs=False)
+            lc.wait_outputs()
+            answers.append({k: v[: len(waves[-1])].get() for k, v in views.items()})
+            for obs, got in zip(waves, answers):
+                expected = want(obs)
+                for name in ("value", "policy_logits"):
+                    np.testing.assert_allclose(got[name], expected[name], atol=1e-4)
+            lc.announce(16, time.monotonic() + 30)
+            lc.cancel_announced()
+            obs = random_boards(16, 5)
+            got = lc.evaluate(obs, time.monotonic() + 30)
+            np.testing.assert_allclose(got["value"], want(obs)["value"], atol=1e-4)
+    finally:
+        lc.close()
+
+
 def test_a_ready_event_the_server_cannot_open_leaves_the_channel_synchronised(gpu_reward, monkeypatch):
-    """A foreign or stale event handle (here 64 bytes no driver made): the
-    server logs it and attaches the channel without events; its waves are
+    """A foreign or stale event handle (here 64 bytes no driver made; a
+    process that cannot map a ready word offers its ready event): the server
+    logs it and attaches the channel without events; its waves are
     synchronised and answered right."""
     import tandem.leaf_channel as client
 
@@ -260,7 +314,11 @@ def test_a_ready_event_the_server_cannot_open_leaves_the_channel_synchronised(gp
         def record(self, stream_ptr):
             raise AssertionError("a channel without the server's done_event records nothing")
 
+    def no_word(view):
+        raise RuntimeError("no mapped memory here")
+
     monkeypatch.setattr(client, "ExportedEvent", Foreign)
+    monkeypatch.setattr(client, "ReadyWord", no_word)
     _, stub = gpu_reward
     lc = LeafChannel.offered(stub, MODEL, 256, 30)
     try:
@@ -274,7 +332,7 @@ def test_a_ready_event_the_server_cannot_open_leaves_the_channel_synchronised(gp
 
 def _wave_behind_a_long_kernel(address, sending, code) -> None:
     """A client whose wave's inputs are queued behind a ~10 s kernel on its
-    stream: its ready event completes only after, if ever (it is killed);
+    stream: its ready word is written only after, if ever (it is killed);
     ``code`` gets the gRPC status value its wave was answered with."""
     from tandem.leaf_channel import LeafChannelError
 
@@ -296,7 +354,7 @@ def _wave_behind_a_long_kernel(address, sending, code) -> None:
 
 def test_a_client_whose_inputs_are_never_written_costs_its_own_wave_only(gpu_reward):
     """A wave whose client's kernels have not written its inputs (its ready
-    event pending: a hung or dying client) is answered DEADLINE_EXCEEDED after
+    word unwritten: a hung or dying client) is answered DEADLINE_EXCEEDED after
     the run's short wait (session.READY_WAIT_S), never by a stream wait on
     another process's event; the service goes on serving other clients'
     waves and Evaluates, right, also after that client is killed."""

@@ -1,0 +1,200 @@
+"""The ready word: a leaf channel's "this wave's inputs are written" signal
+as a sequence number in shared host memory, written by the client's GPU
+stream and read by the reward service's host.
+
+Why not the ``ready`` CUDA event (tandem/cuda_events.py): a poll of an event
+asks for its latest record, so the client may only send a wave's message
+once the record that covers it is queued -- after its selection kernel.
+A word carries the wave's sequence number, so the message can go first
+(``LeafChannel.announce``): the reward service's socket, lease and
+hand-over to its critical lane then run while the client's GPU still runs
+the previous wave's model and backup and this wave's selection, instead of
+after them (docs/design.md, "Announced waves").
+
+The word is an unsigned 64-bit integer at offset 0 of a system shared-memory
+region the client registers with the reward service like its other regions
+(reward_service/shared_memory.py). The client maps it into its GPU's
+address space (``cudaHostRegister``, mapped) and a store queued after the
+kernels that write a wave's inputs puts the wave's sequence number there
+(the driver's ``cuStreamWriteValue64`` where it has it, else a
+one-thread kernel); the server polls it on the host (:class:`WordWait`). A wave
+the client gives up before its kernels are queued is cancelled by a host
+store of ``seq | CANCELLED``, so the server stops waiting at once.
+
+Ordering: a kernel's stores to mapped host memory follow its stream's
+earlier kernels (stream order), and ``__threadfence_system`` orders the
+word after them for any observer; the server reads the inputs (device to
+device) only after it sees the word. A peer that dies leaves the word
+unwritten: the server's poll ends at its limit, as an event's does.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import time
+
+import numpy as np
+
+from tandem.gpu import cupy_module
+
+WORD_BYTES = 8  # uint64 at offset 0 of the region
+CANCELLED = 1 << 63  # or-ed into a sequence number: the client gave that wave up
+# cudaHostRegister flags (CUDA Runtime API): Portable, mapped in every context of this process;
+# Mapped, with a device address for the kernel.
+_REGISTER_PORTABLE, _REGISTER_MAPPED = 0x01, 0x02
+_SPIN_S = 0.002  # a poll yields the GIL between reads this long (s), then sleeps between them
+_BACKOFF_S = 50e-6
+
+_SOURCE = r"""
+extern "C" __global__ void tandem_ready_word(unsigned long long* word, unsigned long long seq) {
+    __threadfence_system();  // what the stream's earlier kernels wrote is visible before the word
+    *(volatile unsigned long long*)word = seq;
+    __threadfence_system();
+}
+"""
+
+
+def _stream_store():
+    """The driver's stream memory operation (``cuStreamWriteValue64``, CUDA
+    Driver API, "Stream Memory Operations"; its default flags order the store
+    after the stream's earlier writes): one call, no kernel launch. None where
+    this driver lacks it."""
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+        fn = getattr(cuda, "cuStreamWriteValue64_v2", None) or cuda.cuStreamWriteValue64
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+
+    def store(stream: int, address: int, seq: int) -> None:
+        status = fn(stream, address, seq, 0)
+        if status:
+            raise RuntimeError(f"cuStreamWriteValue64: CUresult {status}")
+
+    return store
+
+
+def _kernel_store(cupy):
+    """A one-thread kernel's store: where the driver has no stream memory operations."""
+    kernel = cupy.RawKernel(_SOURCE, "tandem_ready_word")
+
+    def store(stream: int, address: int, seq: int) -> None:  # on the current stream, which is ``stream``
+        kernel((1,), (1,), (np.uint64(address), np.uint64(seq)))
+
+    return store
+
+
+class ReadyWord:
+    """The client's end: the word of ``view`` (NumPy uint64 ``[1]`` over a
+    system shared-memory region of this process) mapped for its GPU.
+
+    Raises:
+        RuntimeError: no CuPy GPU here, or the driver refuses to map the
+            memory (``cudaHostRegister``); the caller then orders waves by
+            the ``ready`` event instead.
+    """
+
+    def __init__(self, view: np.ndarray):
+        cupy = cupy_module()
+        if cupy is None:
+            raise RuntimeError("a ready word needs CuPy and a GPU")
+        self._cupy, rt = cupy, cupy.cuda.runtime
+        self.view = view
+        view[0] = 0
+        self._host = view.ctypes.data
+        try:
+            rt.hostRegister(self._host, WORD_BYTES, _REGISTER_PORTABLE | _REGISTER_MAPPED)
+        except rt.CUDARuntimeError as exc:
+            raise RuntimeError(f"cudaHostRegister of the ready word: {exc}") from None
+        try:
+            self._device = rt.pointerGetAttributes(self._host).devicePointer
+            self._store = _stream_store()
+            try:
+                self.write(0)  # the driver takes stream memory operations on this device
+            except RuntimeError:
+                self._store = None
+            if self._store is None:
+                self._store = _kernel_store(cupy)
+                self.write(0)  # its module loads now, not behind the kernels of a wave
+            rt.deviceSynchronize()
+        except Exception:
+            rt.hostUnregister(self._host)
+            raise
+
+    def write(self, seq: int) -> None:
+        """Queues the store of ``seq`` on the current stream, after the work
+        queued there so far (the kernels that write the wave's inputs).
+
+        Raises:
+            RuntimeError: the driver refused the store.
+        """
+        self._store(self._cupy.cuda.get_current_stream().ptr, self._device, seq)
+
+    def cancel(self, seq: int) -> None:
+        """Tells the server that wave ``seq`` will have no inputs (a host store;
+        no kernel for ``seq`` may be queued)."""
+        self.view[0] = seq | CANCELLED
+
+    def close(self) -> None:
+        """Waits for the stores queued (the device synchronised: they may lie on
+        any stream, and a close is rare), then unmaps the word and drops the
+        view, so its region may be freed (safe to call twice)."""
+        self.view = None
+        if self._host:
+            host, self._host = self._host, 0
+            try:
+                self._cupy.cuda.runtime.deviceSynchronize()
+            finally:
+                self._cupy.cuda.runtime.hostUnregister(host)
+
+
+class WordWait:
+    """The server's end for one wave: polls ``view`` (NumPy uint64 ``[1]``
+    over the client's region) for ``seq``; an object a batcher request
+    carries as its ``events.ready`` (reward_service/session.py polls it).
+
+    ``after``: this channel's ``done`` event, whose latest record is the
+    previous wave's: while it is pending the client cannot have written
+    this wave's inputs yet (it waits for those outputs first), so the wait's
+    limit slides on, up to ``hard_limit`` (``time.monotonic()`` s).
+    """
+
+    ready_on_gpu = False
+
+    def __init__(self, view: np.ndarray, seq: int, after=None, hard_limit: float | None = None):
+        self.view, self.seq, self.after, self.hard_limit = view, seq, after, hard_limit
+
+    def wait_host(self, deadline: float | None) -> bool:
+        """True once the word holds ``seq``; False once it says the wave was
+        cancelled or superseded, or the wait has lasted as long as it had
+        until ``deadline`` (``time.monotonic()`` s; None: no limit) counted
+        only while the previous wave's outputs were done. Between reads the
+        GIL is let go (``os.sched_yield``): the wait may last a previous
+        wave's model run, and the service's other threads run on."""
+        start = time.monotonic()
+        spin_until = start + _SPIN_S
+        while True:
+            word = int(self.view[0])
+            if word == self.seq:
+                return True
+            if word & ~CANCELLED >= self.seq:
+                return False
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                if not self._previous_pending(now):
+                    return False
+                deadline = now + (deadline - start)  # the time the client had is counted from its outputs on
+                start = now
+            if now < spin_until:
+                os.sched_yield()  # the GIL goes too; time.sleep(0) would wait out the timer slack (~50 µs)
+            else:
+                time.sleep(_BACKOFF_S)
+
+    def _previous_pending(self, now: float) -> bool:
+        if self.after is None or (self.hard_limit is not None and now >= self.hard_limit):
+            return False
+        try:
+            return not self.after.query()
+        except Exception:  # noqa: BLE001 - CUDARuntimeError: nothing to wait for any more
+            return False
