@@ -165,8 +165,10 @@ class Request:
     instead, on its own thread.
 
     ``events``: a leaf channel's CUDA events (an object with ``ready`` and
-    ``done``: tandem/cuda_events.py), or None. The run waits for ``ready``
-    (a host poll, at most session.READY_WAIT_S and not past ``deadline``)
+    ``done``: tandem/cuda_events.py; ``ready`` may be a ready word's poll,
+    tandem/ready_word.py), or None. The run waits for ``ready`` (a host
+    poll, at most session.READY_WAIT_S -- a ready word's, from its previous
+    outputs' end -- and not past ``deadline``)
     before it reads the feeds, and records ``done`` after it wrote the
     targets; ``inputs_late`` says the wait ran out (the request ran with
     whatever its rows held, and ``targets_written`` stays False: the caller

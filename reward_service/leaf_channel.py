@@ -39,8 +39,9 @@ Invariants:
 * An ordered channel's ready word (tandem/ready_word.py: this wave's
   sequence number, in the client's ``ready_region``) or ``ready`` event is
   waited for by the critical lane's worker (session.READY_WAIT_S at most,
-  counted for the word once the channel's previous outputs are done: an
-  announced wave's message comes while the client still waits for them);
+  counted for the word from the moment the poll sees the channel's previous
+  outputs done, whatever its batch's limit: an announced wave's message
+  comes while the client still waits for them);
   a wave whose inputs come later, or that its client cancelled, is
   answered DEADLINE_EXCEEDED and gets nothing written into its regions.
   While it waits the worker serves no other request: a wave announced by
@@ -148,6 +149,8 @@ class WaveEvents:
 
 _FLOAT32 = np.dtype(np.float32)
 _WORD = np.dtype(np.uint64)
+WORD_WAIT_CAP_S = 1.0  # the longest a wave without a deadline waits for its ready word (its previous outputs'
+# run included: the client writes the inputs only after those outputs are done)
 
 
 def _close_ready(events: WaveEvents | None) -> None:
@@ -612,8 +615,8 @@ class LeafChannelServer:
             events = a.events
             if events is not None and a.ready_region:  # this wave's poll of the ready word
                 word = lease.array(a.ready_region, 0, _WORD, (1,))
-                hard_limit = time.monotonic() + READY_WAIT_S if deadline is None else deadline
-                events = WaveEvents(WordWait(word, seq, events.done, hard_limit), events.done)
+                hard_limit = time.monotonic() + WORD_WAIT_CAP_S if deadline is None else deadline
+                events = WaveEvents(WordWait(word, seq, events.done, READY_WAIT_S, hard_limit), events.done)
             timeline.mark("channel.submitted")
             done = run(self.batchers[a.session.name], a.session.name, {a.input_name: feed}, rows,
                        CRITICAL, deadline, a.output_names, targets, answer, events)

@@ -269,14 +269,18 @@ READY_WAIT_S = 0.005  # how long a run waits for its leaf-channel waves' ready e
 
 
 def _wait_inputs(requests, stream_ptr: int | None = None) -> None:
-    """Waits for the batch's ``ready`` events (Request.events), all within one
-    limit: READY_WAIT_S from now, and no later than the earliest deadline in
-    the batch. A request whose inputs are not written by then (its client
-    hangs, or died with its kernels queued) is marked ``inputs_late``: it runs
-    with whatever its rows hold and nothing is written back to it (its
-    client's output region may still be read by its previous wave's
-    kernels), for its own error answer. So a stuck client costs the lane at
-    most READY_WAIT_S per wave of its, and no other request its answer.
+    """Waits for the batch's ``ready`` events or ready words (Request.events),
+    all within one limit: READY_WAIT_S from now, and no later than the
+    earliest deadline in the batch (a ready word's wait gives its client
+    READY_WAIT_S from its previous outputs' end instead, up to its deadline:
+    tandem/ready_word.py). A request whose inputs are not written by then
+    (its client hangs, or died with its kernels queued, or gave the wave up)
+    is marked ``inputs_late``: it runs with whatever its rows hold and
+    nothing is written back to it (its client's output region may still be
+    read by its previous wave's kernels), for its own error answer. So a
+    stuck client costs the lane at most READY_WAIT_S per wave of its (an
+    announced wave's: its previous outputs' run, then READY_WAIT_S), and no
+    other request its answer.
     ``stream_ptr``: the stream of the run's device-to-device copies, which is
     made to wait on the GPU for the events that allow it (``ready_on_gpu``)
     instead: a driven search's, recorded on a stream that holds that

@@ -348,6 +348,12 @@ class DeviceWaves:
         Raises:
             Exception: whatever the generator raised.
         """
+        try:
+            return self._run(steps)
+        finally:  # a search that ended between an announce and its selection (an error): the wave is given up
+            self.cancel_announced()
+
+    def _run(self, steps):
         finished, rows = advance(steps)
         if finished:
             return rows

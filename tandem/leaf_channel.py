@@ -298,8 +298,8 @@ class LeafChannel:
                                                      timeout_s=timeout_s)
         try:
             return ReadyWord(self._word_region.array(0, np.uint64, (1,)))
-        except RuntimeError as exc:
-            why = str(exc)
+        except Exception as exc:  # noqa: BLE001 - RuntimeError, CUDARuntimeError, CompileException: the event instead
+            why = f"{type(exc).__name__}: {exc}"
         # Outside the except: its traceback held the view, and the region is not freed under a view.
         log.info("leaf channel: no ready word (%s); the ready event orders the waves", why)
         self._word_region.close()
@@ -311,7 +311,8 @@ class LeafChannel:
         """Whether waves are ordered by CUDA events (module docstring): a wave's
         inputs need only be queued on the caller's current stream before
         :meth:`evaluate_device` (no synchronisation); its outputs are in place
-        when it returns, as on any channel."""
+        when it returns, as on any channel, unless it was told not to wait
+        for them (``wait_outputs=False``: then once :meth:`wait_outputs` returns)."""
         return self._done is not None
 
     @classmethod
@@ -446,6 +447,8 @@ class LeafChannel:
         """
         if self._done is None:
             return
+        if self._announced is None and self._marked == self._seq + 1:
+            self._seq += 1  # a number marked and never sent (its wave failed first): never stored twice
         seq = self._seq if self._announced is not None else self._seq + 1
         try:
             if self._word is not None:

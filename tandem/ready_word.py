@@ -103,6 +103,7 @@ class ReadyWord:
         self.view = view
         view[0] = 0
         self._host = view.ctypes.data
+        self._stream = 0  # the stream of the last store
         try:
             rt.hostRegister(self._host, WORD_BYTES, _REGISTER_PORTABLE | _REGISTER_MAPPED)
         except rt.CUDARuntimeError as exc:
@@ -117,7 +118,7 @@ class ReadyWord:
             if self._store is None:
                 self._store = _kernel_store(cupy)
                 self.write(0)  # its module loads now, not behind the kernels of a wave
-            rt.deviceSynchronize()
+            rt.streamSynchronize(self._stream)
         except Exception:
             rt.hostUnregister(self._host)
             raise
@@ -129,7 +130,8 @@ class ReadyWord:
         Raises:
             RuntimeError: the driver refused the store.
         """
-        self._store(self._cupy.cuda.get_current_stream().ptr, self._device, seq)
+        self._stream = self._cupy.cuda.get_current_stream().ptr
+        self._store(self._stream, self._device, seq)
 
     def cancel(self, seq: int) -> None:
         """Tells the server that wave ``seq`` will have no inputs (a host store;
@@ -137,16 +139,20 @@ class ReadyWord:
         self.view[0] = seq | CANCELLED
 
     def close(self) -> None:
-        """Waits for the stores queued (the device synchronised: they may lie on
-        any stream, and a close is rare), then unmaps the word and drops the
-        view, so its region may be freed (safe to call twice)."""
+        """Waits for the last store (its stream synchronised; the device, where
+        that stream is gone), then unmaps the word and drops the view, so its
+        region may be freed (safe to call twice)."""
         self.view = None
         if self._host:
             host, self._host = self._host, 0
+            rt = self._cupy.cuda.runtime
             try:
-                self._cupy.cuda.runtime.deviceSynchronize()
+                try:
+                    rt.streamSynchronize(self._stream)
+                except rt.CUDARuntimeError:  # a stream destroyed since: every stream, then
+                    rt.deviceSynchronize()
             finally:
-                self._cupy.cuda.runtime.hostUnregister(host)
+                rt.hostUnregister(host)
 
 
 class WordWait:
@@ -155,25 +161,31 @@ class WordWait:
     carries as its ``events.ready`` (reward_service/session.py polls it).
 
     ``after``: this channel's ``done`` event, whose latest record is the
-    previous wave's: while it is pending the client cannot have written
-    this wave's inputs yet (it waits for those outputs first), so the wait's
-    limit slides on, up to ``hard_limit`` (``time.monotonic()`` s).
+    previous wave's (None: no previous wave). While it is pending the client
+    cannot have written this wave's inputs (it waits for those outputs
+    first), so the client gets ``window`` s from the moment the poll first
+    sees it done, whatever limit the caller set (a batch's limit is shared,
+    and an announced wave's message comes while its previous outputs are
+    still being made); never past ``hard_limit`` (``time.monotonic()`` s,
+    the wave's deadline).
     """
 
     ready_on_gpu = False
 
-    def __init__(self, view: np.ndarray, seq: int, after=None, hard_limit: float | None = None):
-        self.view, self.seq, self.after, self.hard_limit = view, seq, after, hard_limit
+    def __init__(self, view: np.ndarray, seq: int, after=None, window: float = 0.005,
+                 hard_limit: float | None = None):
+        self.view, self.seq, self.after, self.window, self.hard_limit = view, seq, after, window, hard_limit
 
     def wait_host(self, deadline: float | None) -> bool:
         """True once the word holds ``seq``; False once it says the wave was
-        cancelled or superseded, or the wait has lasted as long as it had
-        until ``deadline`` (``time.monotonic()`` s; None: no limit) counted
-        only while the previous wave's outputs were done. Between reads the
-        GIL is let go (``os.sched_yield``): the wait may last a previous
-        wave's model run, and the service's other threads run on."""
+        cancelled or superseded, or once both ``deadline`` (``time.monotonic()``
+        s; None: none) and the client's window after its previous outputs have
+        passed. Between reads the GIL is let go (``os.sched_yield``): the wait
+        may last a previous wave's model run, and the service's other threads
+        run on."""
         start = time.monotonic()
         spin_until = start + _SPIN_S
+        window_end = None if self.after is not None else start + self.window
         while True:
             word = int(self.view[0])
             if word == self.seq:
@@ -181,20 +193,19 @@ class WordWait:
             if word & ~CANCELLED >= self.seq:
                 return False
             now = time.monotonic()
-            if deadline is not None and now >= deadline:
-                if not self._previous_pending(now):
-                    return False
-                deadline = now + (deadline - start)  # the time the client had is counted from its outputs on
-                start = now
+            if window_end is None and self._previous_done():
+                window_end = now + self.window
+            if self.hard_limit is not None and now >= self.hard_limit:
+                return False
+            if window_end is not None and now >= window_end and (deadline is None or now >= deadline):
+                return False
             if now < spin_until:
                 os.sched_yield()  # the GIL goes too; time.sleep(0) would wait out the timer slack (~50 µs)
             else:
                 time.sleep(_BACKOFF_S)
 
-    def _previous_pending(self, now: float) -> bool:
-        if self.after is None or (self.hard_limit is not None and now >= self.hard_limit):
-            return False
+    def _previous_done(self) -> bool:
         try:
-            return not self.after.query()
+            return self.after.query()
         except Exception:  # noqa: BLE001 - CUDARuntimeError: nothing to wait for any more
-            return False
+            return True

@@ -181,7 +181,10 @@ class CudaBackend:
                 on the host. On an ordered channel (``device_waves.ordered``:
                 CUDA events order the two services' work) the wave is sent as
                 soon as its selection is queued, with all B * K rows, and the
-                META rows come back meanwhile. The fresh roots go the same way: init_trees writes
+                META rows come back meanwhile; on one that announces
+                (``device_waves.announces``: a ready word) the next wave is
+                sent as soon as this one's reply comes, before its selection,
+                and its selection is queued right after this wave's backup. The fresh roots go the same way: init_trees writes
                 their OBS rows into the input region, and mcts_vm_root_priors
                 reads their priors from the output region.
 
@@ -527,7 +530,8 @@ class _Search:
         # device waves the OBS rows are the leaf channel's input region and
         # only the META rows come back; on an ordered channel (DeviceWaves.ordered)
         # they come back into pinned memory while the wave is valued, and are
-        # read after the backup is queued.
+        # read after the backup is queued (before the outputs are waited for,
+        # on one that announces: they plan the next wave).
         ordered_back = dw is not None and dw.ordered
         key = ("waves", cupy.cuda.Device().id, n, dw is None, ordered_back)
         buffers = self.backend.take_scratch(key, lambda: _wave_buffers(n, dw is None, ordered_back))
@@ -668,6 +672,9 @@ class _Search:
                 t3 = time.perf_counter()
                 timeline.mark("wave.backed_up")
                 clock.end_wave()
+                if committed is not None and clock.out_of_time():  # the wait for the outputs took its time
+                    dw.cancel_announced()
+                    committed = None
                 if committed is not None:  # announced: its selection goes at once, the bookkeeping after
                     queued, committed = (committed, select(committed)), None
                 elif ordered:

@@ -103,11 +103,15 @@ class WaveClock:
 
     def out_of_time(self, waves: int = 1) -> bool:
         """True once the deadline has passed or the next ``waves`` waves would
-        end past it (2: asked while a wave still runs, about the one after)."""
+        end past it (2: asked while a wave still runs, about the one after;
+        the running wave counts as long as it has run so far, at least)."""
         if self.deadline_ms is None:
             return False
-        elapsed_ms = (time.perf_counter() - self.started_at) * 1e3
-        return elapsed_ms + waves * self.expected_wave_ms() >= self.deadline_ms
+        now = time.perf_counter()
+        expected_ms = self.expected_wave_ms()
+        if waves > 1:
+            expected_ms = max(expected_ms, (now - self._wave_began) * 1e3)
+        return (now - self.started_at) * 1e3 + waves * expected_ms >= self.deadline_ms
 
 
 class EvaluationFailed(RuntimeError):

@@ -75,7 +75,7 @@ def test_the_limit_counts_only_once_the_previous_wave_s_outputs_are_done(memory)
     """While the previous wave's run is pending the client cannot have written
     this wave's inputs: the wait goes on past its limit and ends with the word."""
     previous = PreviousRun()
-    waiter = WordWait(word, 3, previous, hard_limit=time.monotonic() + 30)
+    waiter = WordWait(word, 3, previous, window=0.01, hard_limit=time.monotonic() + 30)
     result = []
     thread = threading.Thread(target=lambda: result.append(waiter.wait_host(time.monotonic() + 0.01)))
     thread.start()
@@ -85,6 +85,20 @@ def test_the_limit_counts_only_once_the_previous_wave_s_outputs_are_done(memory)
     word[0] = 3
     thread.join(30)
     assert result == [True]
+
+
+def test_the_client_gets_its_window_after_its_previous_outputs_whatever_the_caller_s_limit(memory):
+    """A batch's limit is shared: a wave polled after another's long wait may
+    find it passed. Its client still gets the window, counted from the moment
+    the poll first sees its previous outputs done."""
+    word = word_of(memory)
+    previous = PreviousRun()
+    previous.finished.set()
+    thread = store_later(word, 3)
+    assert WordWait(word, 3, previous, window=30.0, hard_limit=time.monotonic() + 30).wait_host(time.monotonic() - 1)
+    thread.join()
+    assert not WordWait(word, 4, previous, window=0.01, hard_limit=time.monotonic() + 30).wait_host(
+        time.monotonic() - 1)
 
 
 def test_the_hard_limit_ends_a_wait_whose_previous_run_never_ends(memory):
