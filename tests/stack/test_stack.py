@@ -66,7 +66,10 @@ def test_up_status_play_and_stop(config_file, tmp_path):
     )
     try:
         lines = lines_until(up, "tandem is up", timeout_s=120)
-        for _ in endpoints(cfg):  # a line per server
+        addresses = [address for address, _ in endpoints(cfg).values()]
+        for _ in range(len(addresses) + 20):  # a line per server; the children's log lines may come between them
+            if all(address in "".join(lines) for address in addresses):
+                break
             lines.append(up.stdout.readline())
         text = "".join(lines)
         assert list(endpoints(cfg)) == ["scheduler", "reward", "reward_bulk", "search"]  # the bulk server too
