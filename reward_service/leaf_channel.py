@@ -151,14 +151,14 @@ _FLOAT32 = np.dtype(np.float32)
 _WORD = np.dtype(np.uint64)
 WORD_WAIT_CAP_S = 1.0  # the longest a wave without a deadline waits for its ready word (its previous outputs'
 # run included: the client writes the inputs only after those outputs are done)
+REGION_KINDS = ("system", "cuda")  # either region may be either kind
+SOCKET_PREFIX = "tandem-leaf-"  # then the server's pid, "-", an id, ".sock"
 
 
 def _close_ready(events: WaveEvents | None) -> None:
     """Releases an attachment's opened ``ready`` event, where it has one."""
     if events is not None and events.ready is not None:
         events.ready.close()
-REGION_KINDS = ("system", "cuda")  # either region may be either kind
-SOCKET_PREFIX = "tandem-leaf-"  # then the server's pid, "-", an id, ".sock"
 
 
 def remove_stale_sockets(directory: str) -> list[str]:

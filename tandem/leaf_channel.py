@@ -449,7 +449,7 @@ class LeafChannel:
             return
         if self._announced is None and self._marked == self._seq + 1:
             self._seq += 1  # a number marked and never sent (its wave failed first): never stored twice
-        seq = self._seq if self._announced is not None else self._seq + 1
+        seq = self._next_seq
         try:
             if self._word is not None:
                 self._word.write(seq)
@@ -459,6 +459,11 @@ class LeafChannel:
             self.close(wait_detached=False)
             raise LeafChannelError(grpc.StatusCode.UNAVAILABLE, f"marking the inputs written: {exc}") from None
         self._marked = seq
+
+    @property
+    def _next_seq(self) -> int:
+        """The number of the wave whose inputs come next: the announced one's, else the next to send."""
+        return self._seq if self._announced is not None else self._seq + 1
 
     def cancel_announced(self) -> None:
         """Gives up the announced wave (none: nothing to do). Where its inputs
@@ -512,7 +517,7 @@ class LeafChannel:
             self.cancel_announced()
             raise ValueError(f"rows: {rows}, the wave announced {announced}")
         ordered = self._done is not None
-        if ordered and self._marked != (self._seq if self._announced is not None else self._seq + 1):
+        if ordered and self._marked != self._next_seq:
             self.inputs_written()
         if self._announced is None:
             self._send(rows, deadline)

@@ -364,8 +364,7 @@ class _Search:
                 if self.device_waves.announces:  # the first wave's message goes while the roots' model runs
                     self.device_waves.announce(self.n_trees * self.parallel_sims)
                 self.device_waves.wait_outputs()
-        except EvaluationFailed as exc:
-            self.device_waves.cancel_announced()
+        except EvaluationFailed as exc:  # an announced first wave: given up by the channel's failed wait
             self._stop_using_model(exc)
             logits = None
             yield DETACH
@@ -641,10 +640,8 @@ class _Search:
                         pos = connect4.from_observation(planes[open_])
                         sims = done[tree_of[open_]] + in_wave_of[open_]
                         vin["value"][open_] = rollout_values(pos.current, pos.mask, sims, tree_of[open_], params.seed)
-                except EvaluationFailed as exc:
+                except EvaluationFailed as exc:  # an announced next wave: given up by the channel's failed wait
                     committed = None
-                    if dw is not None:
-                        dw.cancel_announced()
                     with nvtx.span("search.undo"):
                         kernel("mcts_vm_undo")(grid, block, (*args, self.tree_state, meta_dev, paths))
                     self._stop_using_model(exc)
@@ -690,8 +687,6 @@ class _Search:
                     self.model_simulations += np.where(live, k, 0)
                 self.waves += 1
         finally:  # no pinned buffer goes back to CuPy's pool with its copy still running
-            if dw is not None:  # an announced wave whose selection never came
-                dw.cancel_announced()
             if meta_back is not None:
                 try:
                     meta_back.finish()  # a copy started and not finished: a search ended by an exception
