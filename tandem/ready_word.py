@@ -103,7 +103,7 @@ class ReadyWord:
         self.view = view
         view[0] = 0
         self._host = view.ctypes.data
-        self._stream = 0  # the stream of the last store
+        self._stream = cupy.cuda.get_current_stream()  # of the last store: held, so close may synchronise it
         try:
             rt.hostRegister(self._host, WORD_BYTES, _REGISTER_PORTABLE | _REGISTER_MAPPED)
         except rt.CUDARuntimeError as exc:
@@ -118,7 +118,7 @@ class ReadyWord:
             if self._store is None:
                 self._store = _kernel_store(cupy)
                 self.write(0)  # its module loads now, not behind the kernels of a wave
-            rt.streamSynchronize(self._stream)
+            self._stream.synchronize()
         except Exception:
             rt.hostUnregister(self._host)
             raise
@@ -130,8 +130,8 @@ class ReadyWord:
         Raises:
             RuntimeError: the driver refused the store.
         """
-        self._stream = self._cupy.cuda.get_current_stream().ptr
-        self._store(self._stream, self._device, seq)
+        self._stream = self._cupy.cuda.get_current_stream()
+        self._store(self._stream.ptr, self._device, seq)
 
     def cancel(self, seq: int) -> None:
         """Tells the server that wave ``seq`` will have no inputs (a host store;
@@ -139,20 +139,17 @@ class ReadyWord:
         self.view[0] = seq | CANCELLED
 
     def close(self) -> None:
-        """Waits for the last store (its stream synchronised; the device, where
-        that stream is gone), then unmaps the word and drops the view, so its
-        region may be freed (safe to call twice)."""
+        """Waits for the last store (its stream synchronised: this object holds
+        that stream, so it outlives its user's ``with``), then unmaps the word
+        and drops the view, so its region may be freed (safe to call twice)."""
         self.view = None
         if self._host:
             host, self._host = self._host, 0
-            rt = self._cupy.cuda.runtime
+            stream, self._stream = self._stream, None
             try:
-                try:
-                    rt.streamSynchronize(self._stream)
-                except rt.CUDARuntimeError:  # a stream destroyed since: every stream, then
-                    rt.deviceSynchronize()
+                stream.synchronize()
             finally:
-                rt.hostUnregister(host)
+                self._cupy.cuda.runtime.hostUnregister(host)
 
 
 class WordWait:

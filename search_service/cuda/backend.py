@@ -346,16 +346,16 @@ class _Search:
             self.phase_ms["evaluate"] += (time.perf_counter() - t) * 1e3
         return init
 
-    def _device_root_priors(self, init_rows: np.ndarray, init):
+    def _device_root_priors(self, rows: int, init):
         """Generator (a device wave): values the fresh roots through the device waves: init_trees wrote
         fresh tree b's OBS row at row b of the input region; one call values
-        rows ``[0, last fresh + 1)``, and ``mcts_vm_root_priors`` sets their
+        rows ``[0, rows)`` (``rows``: the last fresh tree's + 1; announced at
+        the start of :meth:`_steps` where the channel announces), and ``mcts_vm_root_priors`` sets their
         priors from the output region's logits. So the root, like every leaf,
         never crosses the host. Without a policy head the uniform priors
         stay; a failed call stops the model (rollouts value the leaves), as
         on the host way."""
         t = time.perf_counter()
-        rows = int(np.flatnonzero(init_rows["fresh"])[-1]) + 1
         if not self.device_waves.ordered:  # else the channel's event orders init_trees before the model's copy
             cupy.cuda.get_current_stream().synchronize()  # init_trees's rows in place before the call
         try:
@@ -402,6 +402,15 @@ class _Search:
         stopped valuing leaves, or the waves are over: only the answer is
         left); it returns (results, trees). Without device waves it yields
         only DETACH, where the model stops."""
+        fresh = [i for i in range(self.n_trees) if i not in self.kept]
+        root_rows = fresh[-1] + 1 if self.device_waves is not None and fresh else 0
+        if root_rows and self.device_waves.announces:
+            # The roots' wave is announced first: the reward service's socket, lease and hand-over
+            # run while the trees are set up, not after init_trees (docs/design.md, "Announced waves").
+            try:
+                self.device_waves.announce(root_rows)
+            except EvaluationFailed:  # the channel closed itself: the roots' evaluate says so, and is undone
+                pass
         self._allocate()
         timeline.mark("search.allocated")
         init_rows = self._init_rows()
@@ -412,7 +421,7 @@ class _Search:
                                       cupy.cuda.runtime.memcpyHostToDevice, cupy.cuda.get_current_stream().ptr)
         timeline.mark("search.init_copied")
         # With device waves (value-model searches only) the fresh roots' OBS rows go into the input region.
-        on_device = self.device_waves is not None and bool(init_rows["fresh"].any())
+        on_device = root_rows > 0
         kernel("init_trees")(
             ((self.n_trees + 127) // 128,),
             (128,),
@@ -423,7 +432,7 @@ class _Search:
         )
         timeline.mark("search.initialised")
         if on_device:
-            yield from self._device_root_priors(init_rows, init)
+            yield from self._device_root_priors(root_rows, init)
         if self.puct:
             deadline_reached = yield from self._value_model_waves()
             if self.device_waves is not None:

@@ -264,6 +264,13 @@ def model_answer(values, priors, legal: np.ndarray) -> tuple[np.ndarray, np.ndar
     return values, p
 
 
+# best_action's preference among a root's children by their known result (code - ILLEGAL): an
+# immediate win (the child's side to move has lost: TERMINAL_LOSS) first, then a proven win
+# (PROVEN_LOSS), then any child not proven lost for us (not PROVEN_WIN), a proven loss last.
+_CHOICE_TIER = np.ones(tr.PROVEN_DRAW - tr.ILLEGAL + 1, np.int64)
+_CHOICE_TIER[[tr.TERMINAL_LOSS - tr.ILLEGAL, tr.PROVEN_LOSS - tr.ILLEGAL, tr.PROVEN_WIN - tr.ILLEGAL]] = 3, 2, 0
+
+
 def best_action(visits: np.ndarray, q: np.ndarray, legal: np.ndarray | None = None,
                 child_codes: np.ndarray | None = None, priors: np.ndarray | None = None) -> np.ndarray:
     """int64 [B]: the move to play, per row of [B, A]: the most visits, then
@@ -277,11 +284,9 @@ def best_action(visits: np.ndarray, q: np.ndarray, legal: np.ndarray | None = No
     ``priors`` (float32 [B, A], the root's; None: the lowest candidate), as a
     zero-visit AlphaZero player plays its policy head's move."""
     cand = np.ones(visits.shape, bool) if legal is None else legal.astype(bool)
-    if child_codes is not None:
-        won = child_codes == tr.TERMINAL_LOSS  # the child's side to move has lost: an immediate win
-        for better in (won, won | (child_codes == tr.PROVEN_LOSS), child_codes != tr.PROVEN_WIN):
-            narrowed = cand & better
-            cand = np.where(narrowed.any(axis=1, keepdims=True), narrowed, cand)
+    if child_codes is not None:  # the candidates of the best tier present (one pass, no loop over the tiers)
+        tier = np.where(cand, _CHOICE_TIER[child_codes.astype(np.int64) - tr.ILLEGAL], -1)
+        cand &= tier == tier.max(axis=1, keepdims=True)
     visits = np.where(cand, visits, -1)
     most = visits.max(axis=1, keepdims=True)
     top = visits == most
