@@ -90,7 +90,7 @@ from tandem.cuda_events import IPC_EVENT_HANDLE_BYTES, ExportedEvent, LocalEvent
 from tandem.errors import quote
 from tandem.leaf_channel import (ATTACH, ERROR, MAX_MESSAGE_BYTES, REPLY, REPLY_FORMAT, WAVE, WAVE_FORMAT, OutputSlot,
                                  output_layout, pack_error)
-from tandem.ready_word import WORD_BYTES, WordWait
+from tandem.ready_word import WORD_BYTES, MappedWords, WordReleaser, WordWait
 
 log = logging.getLogger(__name__)
 
@@ -124,11 +124,23 @@ class _Attachment:
     output_names: tuple[str, ...]  # the outputs' names, in slot order
     events: WaveEvents | None = None  # an ordered channel's CUDA events (tandem/cuda_events.py)
     ready_region: str | None = None  # the client's ready word (tandem/ready_word.py), a system region
+    words: _GpuWords | None = None  # this server's own mapping of it, where waves wait for it on the GPU
 
     @property
     def regions(self) -> list[str]:
         """The regions pinned to the connection."""
         return [self.input_region, self.output_region, *([self.ready_region] if self.ready_region else [])]
+
+
+@dataclass(frozen=True)
+class _GpuWords:
+    """A connection's ready word mapped for this server's GPU: its own mapping
+    of the client's region (``memory``, reward_service/shared_memory.py), so
+    it outlives the region's registration while a GPU wait may read it, and
+    its registration with the driver (``mapped``)."""
+
+    memory: object
+    mapped: MappedWords
 
 
 @dataclass(frozen=True)
@@ -159,6 +171,19 @@ def _close_ready(events: WaveEvents | None) -> None:
     """Releases an attachment's opened ``ready`` event, where it has one."""
     if events is not None and events.ready is not None:
         events.ready.close()
+
+
+def _unmap_words(words: _GpuWords | None) -> None:
+    """Unregisters and unmaps a connection's ready word (no GPU work may still read it)."""
+    if words is None:
+        return
+    try:
+        words.mapped.unmap()
+    finally:
+        try:
+            words.memory.close()
+        except BufferError:  # a wave's view still lives: the mapping goes with it
+            pass
 
 
 def remove_stale_sockets(directory: str) -> list[str]:
@@ -270,6 +295,7 @@ class LeafChannelServer:
         remove_stale_sockets(directory)
         self.path = os.path.join(directory, f"{SOCKET_PREFIX}{os.getpid()}-{id(self):x}.sock")
         self._lock = threading.Lock()
+        self._releaser = WordReleaser()  # ends every GPU wait on a ready word that does not come
         self._connections: dict[socket.socket, threading.Thread] = {}  # guarded by _lock
         self._attached: set[str] = set()  # region names; guarded by _lock
         self._closed = False
@@ -400,6 +426,8 @@ class LeafChannelServer:
                   "execution_provider": attachment.session.execution_provider}
         if attachment.events is not None:
             layout["done_event"] = attachment.events.done.handle.hex()
+            if attachment.ready_region:
+                layout["ready_wait"] = "gpu" if attachment.words is not None else "host"
         self._send(conn, ATTACH + json.dumps(layout).encode())
         return attachment
 
@@ -449,9 +477,13 @@ class LeafChannelServer:
         attachment = _Attachment(client_id, session, max_rows, input_region, input_row, dtype, output_region,
                                  tuple(slots), in_bytes, out_bytes, spec.name, tuple(s.name for s in slots), events,
                                  ready_region)
+        words = None
         try:
             with self.regions.acquire(client_id, attachment.regions) as lease:
                 out_kind = self._check_regions(lease, attachment)
+                if (events is not None and ready_region and out_kind == "cuda" and req.get("ready_wait") == "gpu"
+                        and self._releaser.available):
+                    words = self._map_words(lease, ready_region)
             with self._lock:
                 taken = set(attachment.regions) & self._attached
                 if taken:
@@ -460,11 +492,31 @@ class LeafChannelServer:
                 self._attached |= set(attachment.regions)
         except BaseException:
             _close_ready(events)
+            _unmap_words(words)
             raise
         if events is not None and out_kind != "cuda":  # outputs the host writes: the reply alone orders them
             _close_ready(events)
             attachment = dataclasses.replace(attachment, events=None)
+        elif words is not None:
+            attachment = dataclasses.replace(attachment, words=words)
         return attachment
+
+    @staticmethod
+    def _map_words(lease, region: str) -> _GpuWords | None:
+        """The ready word's region mapped for this server's GPU, for waits on
+        the GPU; None where the driver refuses (its waves are polled on the host).
+
+        Raises:
+            SharedMemoryError: the region's object is gone or shrank.
+        """
+        memory = lease.own_mapping(region, WORD_BYTES)
+        try:
+            return _GpuWords(memory, MappedWords(memory.writable(0, _WORD, (WORD_BYTES // _WORD.itemsize,))))
+        except Exception as exc:  # noqa: BLE001 - RuntimeError, CUDARuntimeError: polled on the host instead
+            why = f"{type(exc).__name__}: {exc}"
+        log.warning("leaf channel: the ready word cannot be mapped for the GPU (%s); its waves are polled", why)
+        memory.close()
+        return None
 
     @staticmethod
     def _open_events(ready_hex, ready_word: bool, session: ModelSession) -> WaveEvents | None:
@@ -537,6 +589,13 @@ class LeafChannelServer:
             _close_ready(a.events)
         except Exception as exc:  # noqa: BLE001 - the slot and the regions are freed whatever the driver says
             log.warning("leaf channel of client %r: releasing its ready_event: %s", a.client_id, exc)
+        if a.words is not None:  # its GPU waits end, and the work that reads the words, before they are unmapped
+            self._releaser.release(a.words.mapped.view)
+            try:
+                a.session.synchronize_critical()
+                _unmap_words(a.words)
+            except Exception as exc:  # noqa: BLE001 - a broken context: nothing runs on it any more
+                log.warning("leaf channel of client %r: unmapping its ready word: %s", a.client_id, exc)
         with self._lock:
             self._attached -= set(a.regions)
         for name in a.regions:
@@ -613,10 +672,15 @@ class LeafChannelServer:
                 targets = {s.name: lease.array(a.output_region, s.offset, _FLOAT32, (rows, *s.row))
                            for s in a.outputs}
             events = a.events
-            if events is not None and a.ready_region:  # this wave's poll of the ready word
-                word = lease.array(a.ready_region, 0, _WORD, (1,))
+            if events is not None and a.ready_region:  # this wave's wait for the ready word
                 hard_limit = time.monotonic() + WORD_WAIT_CAP_S if deadline is None else deadline
-                events = WaveEvents(WordWait(word, seq, events.done, READY_WAIT_S, hard_limit), events.done)
+                if a.words is not None:  # on the GPU, released by the releaser at the latest
+                    waiter = WordWait(a.words.mapped.view, seq, events.done, READY_WAIT_S, hard_limit,
+                                      (a.words.mapped, self._releaser))
+                else:
+                    waiter = WordWait(lease.array(a.ready_region, 0, _WORD, (WORD_BYTES // _WORD.itemsize,)), seq,
+                                      events.done, READY_WAIT_S, hard_limit)
+                events = WaveEvents(waiter, events.done, waiter.ready_on_gpu)
             timeline.mark("channel.submitted")
             done = run(self.batchers[a.session.name], a.session.name, {a.input_name: feed}, rows,
                        CRITICAL, deadline, a.output_names, targets, answer, events)
@@ -650,6 +714,7 @@ class LeafChannelServer:
         for thread in connections.values():
             thread.join(5.0)
         self._accepter.join(5.0)
+        self._releaser.close()
         try:
             os.unlink(self.path)
         except FileNotFoundError:

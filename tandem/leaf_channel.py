@@ -193,6 +193,10 @@ class LeafChannel:
         announce: with events, a ready word too, where this process can map
             one (:attr:`announces`; False: the ``ready`` event orders the
             inputs, and each wave's message follows its kernels).
+        gpu_wait: with a ready word, ask the server to wait for it on the GPU
+            (``cuStreamWaitValue64``: the run queued at once, no host reaction
+            between the word and the model) where its driver can; False: its
+            worker polls the word (:attr:`ready_wait` says which it chose).
 
     Raises:
         LeafChannelError: the model's metadata, the registration, the socket
@@ -203,7 +207,7 @@ class LeafChannel:
     def __init__(self, stub: reward_pb2_grpc.RewardServiceStub, path: str, model: str, max_rows: int,
                  device_id: int = -1, timeout_s: float = 5.0,
                  meta: reward_pb2.ModelMetadataResponse | None = None, cuda_outputs: bool = True,
-                 events: bool = True, announce: bool = True):
+                 events: bool = True, announce: bool = True, gpu_wait: bool = True):
         self.path, self.model, self.max_rows, self._timeout_s = path, model, max_rows, timeout_s
         meta = meta or _metadata(stub, model, timeout_s)
         spec = meta.inputs[0]
@@ -219,7 +223,8 @@ class LeafChannel:
         self._word_region = self._word = None  # its ready word, where this process can map one
         self._announced = None  # rows of the wave whose message went ahead of its inputs (announce)
         self._marked = 0  # the last seq whose inputs' ready word or event is queued
-        self._outputs_due = None  # a wave answered, its outputs not waited for yet: its deadline (or False)
+        self._outputs_due = None  # a wave answered, its outputs not waited for yet: (its deadline or False, seq)
+        self.ready_wait = None  # how the server waits for the inputs: "gpu" or "host" (the word), "event"; None: synchronised
         try:
             self._inputs = _input_region(stub, in_bytes, device_id, timeout_s)
             self.kind = self._inputs.kind
@@ -238,6 +243,7 @@ class LeafChannel:
                 self._word = self._ready_word(stub, timeout_s) if announce else None
                 if self._word is not None:
                     attach["ready_region"] = self._word_region.name
+                    attach["ready_wait"] = "gpu" if gpu_wait else "host"
                 else:
                     self._ready = ExportedEvent()
                     attach["ready_event"] = self._ready.handle.hex()
@@ -274,9 +280,11 @@ class LeafChannel:
         """
         try:
             offered = self._ready is not None or self._word is not None
-            handle = json.loads(layout).get("done_event") if offered else None
+            layout = json.loads(layout) if offered else {}
+            handle = layout.get("done_event")
             if handle is not None:
                 self._done = OpenedEvent(bytes.fromhex(handle))
+                self.ready_wait = str(layout.get("ready_wait", "host")) if self._word is not None else "event"
         except (ValueError, TypeError, AttributeError) as exc:  # the server waits for events nobody records
             self.close(wait_detached=False)
             raise LeafChannelError(grpc.StatusCode.INTERNAL, f"attach: the server's done_event: {exc}") from None
@@ -297,7 +305,7 @@ class LeafChannel:
         self._word_region = SystemSharedMemoryRegion(stub, WORD_BYTES, client_id=self._inputs.client_id,
                                                      timeout_s=timeout_s)
         try:
-            return ReadyWord(self._word_region.array(0, np.uint64, (1,)))
+            return ReadyWord(self._word_region.array(0, np.uint64, (WORD_BYTES // 8,)))
         except Exception as exc:  # noqa: BLE001 - RuntimeError, CUDARuntimeError, CompileException: the event instead
             why = f"{type(exc).__name__}: {exc}"
         # Outside the except: its traceback held the view, and the region is not freed under a view.
@@ -317,12 +325,13 @@ class LeafChannel:
 
     @classmethod
     def offered(cls, stub: reward_pb2_grpc.RewardServiceStub, model: str, max_rows: int,
-                timeout_s: float = 5.0, events: bool = True, announce: bool = True) -> LeafChannel | None:
+                timeout_s: float = 5.0, events: bool = True, announce: bool = True,
+                gpu_wait: bool = True) -> LeafChannel | None:
         """The leaf channel the reward service behind ``stub`` offers for
         ``model`` (``ModelMetadata.runtime``: its socket and device), attached
         for at most ``max_rows`` rows per wave, fewer where the model's
         ``max_batch_size`` is smaller; None when it offers none (``events``,
-        ``announce``: as the constructor's).
+        ``announce``, ``gpu_wait``: as the constructor's).
 
         Raises:
             LeafChannelError: as the constructor.
@@ -335,7 +344,7 @@ class LeafChannel:
         if meta.max_batch_size:  # the server refuses a channel wider than the model's batches
             max_rows = min(max_rows, meta.max_batch_size)
         cuda_outputs = "cuda" in meta.runtime.get(f"{RUNTIME_KEY}_outputs", "system").split(",")
-        return cls(stub, path, model, max_rows, device, timeout_s, meta, cuda_outputs, events, announce)
+        return cls(stub, path, model, max_rows, device, timeout_s, meta, cuda_outputs, events, announce, gpu_wait)
 
     def evaluate(self, inputs, deadline: float | None = None) -> dict[str, np.ndarray]:
         """The model's outputs (name -> float32 ``[N, *row]``, copies) for
@@ -485,9 +494,9 @@ class LeafChannel:
         """
         if self._outputs_due is None:
             return
-        deadline, self._outputs_due = self._outputs_due, None
+        (deadline, seq), self._outputs_due = self._outputs_due, None
         try:
-            self._wait_done(deadline or None)
+            self._wait_done(deadline or None, seq)
         except LeafChannelError:
             self.cancel_announced()
             raise
@@ -551,20 +560,23 @@ class LeafChannel:
         _, self.bucket, self.queue_ms, self.compute_ms = REPLY_FORMAT.unpack_from(reply, 1)
         if ordered:  # the outputs' copies, queued by the server before its reply
             if wait_outputs:
-                self._wait_done(deadline)
+                self._wait_done(deadline, self._seq)
             else:
-                self._outputs_due = deadline or False
+                self._outputs_due = deadline or False, self._seq
 
-    def _wait_done(self, deadline: float | None) -> None:
-        """Waits for the server's ``done`` event (its wave's output copies):
+    def _wait_done(self, deadline: float | None, seq: int) -> None:
+        """Waits for the server's ``done`` event (wave ``seq``'s output copies):
         the reply came, so the wave's run is queued on the GPU, a few hundred
         µs from done; a wave that straddles the deadline is waited for up to
-        ``DONE_GRACE_S`` past it rather than thrown away.
+        ``DONE_GRACE_S`` past it rather than thrown away. Then, with a ready
+        word, checks that the server did not give the wave up (a GPU wait it
+        released without the word: its outputs were not written).
 
         Raises:
             LeafChannelError: DEADLINE_EXCEEDED (not done by ``deadline`` plus
-                the grace, or ``timeout_s`` without one); UNAVAILABLE (the
-                driver reports an error for it: the channel is closed).
+                the grace, or ``timeout_s`` without one; or given up by the
+                server); UNAVAILABLE (the driver reports an error for it: the
+                channel is closed).
         """
         limit = time.monotonic() + self._timeout_s if deadline is None else deadline + DONE_GRACE_S
         try:
@@ -574,6 +586,10 @@ class LeafChannel:
             raise LeafChannelError(grpc.StatusCode.UNAVAILABLE, f"the server's done_event: {exc}") from None
         if not ok:
             raise LeafChannelError(grpc.StatusCode.DEADLINE_EXCEEDED, "the wave's outputs not written by the deadline")
+        if self._word is not None and self._word.given_up(seq):
+            raise LeafChannelError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                   f"wave {seq}: the reward service gave it up, its ready word not stored within "
+                                   "5 ms of the previous outputs; its outputs were not written")
 
     def _wait_detached(self, limit: float) -> None:
         """Half-closes the socket and reads (and drops) what the server still

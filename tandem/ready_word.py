@@ -1,6 +1,6 @@
 """The ready word: a leaf channel's "this wave's inputs are written" signal
 as a sequence number in shared host memory, written by the client's GPU
-stream and read by the reward service's host.
+stream and waited for by the reward service.
 
 Why not the ``ready`` CUDA event (tandem/cuda_events.py): a poll of an event
 asks for its latest record, so the client may only send a wave's message
@@ -11,39 +11,68 @@ hand-over to its critical lane then run while the client's GPU still runs
 the previous wave's model and backup and this wave's selection, instead of
 after them (docs/design.md, "Announced waves").
 
-The word is an unsigned 64-bit integer at offset 0 of a system shared-memory
-region the client registers with the reward service like its other regions
-(reward_service/shared_memory.py). The client maps it into its GPU's
-address space (``cudaHostRegister``, mapped) and a store queued after the
-kernels that write a wave's inputs puts the wave's sequence number there
-(the driver's ``cuStreamWriteValue64`` where it has it, else a
-one-thread kernel); the server polls it on the host (:class:`WordWait`). A wave
-the client gives up before its kernels are queued is cancelled by a host
-store of ``seq | CANCELLED``, so the server stops waiting at once.
+The region (system shared memory the client registers with the reward
+service like its other regions, reward_service/shared_memory.py) holds two
+unsigned 64-bit words (``WORD_BYTES``):
 
-Ordering: a kernel's stores to mapped host memory follow its stream's
-earlier kernels (stream order), and ``__threadfence_system`` orders the
-word after them for any observer; the server reads the inputs (device to
-device) only after it sees the word. A peer that dies leaves the word
-unwritten: the server's poll ends at its limit, as an event's does.
+* ``[0]``, the ready word: the client maps it into its GPU's address space
+  (``cudaHostRegister``, mapped) and a store queued after the kernels that
+  write a wave's inputs puts the wave's sequence number there (the driver's
+  ``cuStreamWriteValue64`` where it has it, else a one-thread kernel). It
+  only ever grows.
+* ``[1]``, the void word: the number of the last wave given up -- by the
+  client before its inputs were marked (:meth:`ReadyWord.cancel`), or by the
+  reward service, which stopped waiting for them (:meth:`WordWait.abandon`).
+  It is written before the ready word is raised to that number, so whoever
+  sees the ready word at ``seq`` sees the void word too.
+
+The reward service waits for the word in one of two ways. A host poll
+(:meth:`WordWait.wait_host`) by the critical lane's worker before it queues
+the wave's input copy; or, where its driver has stream memory operations, on
+the GPU (:meth:`WordWait.wait_on_stream`: ``cuStreamWaitValue64``, "greater
+or equal", on its own mapping of the region), the run queued behind the wait
+at once, so the model starts as soon as the client's store lands -- no host
+reaction on the GPU's path. A GPU wait is always released by the reward
+service itself: :class:`WordReleaser` abandons a wait whose word has not come
+within its window (void word, then ready word raised to ``seq``), so a client
+that hangs or dies costs the lane that window, never the stream. The run of
+an abandoned wave then reads whatever the input region holds, and its output
+copies are guarded (:func:`guarded_copy`: skipped where the void word holds
+the wave's number), so nothing lands in the client's output region, which
+its previous wave's kernels may still read; the client, once the wave's
+``done`` event is reached, reads the void word and gives the wave up
+(:meth:`ReadyWord.given_up`).
+
+Ordering: a store queued on a stream follows the stream's earlier kernels
+(stream order; the kernel fallback adds ``__threadfence_system``); the server
+reads the inputs (device to device) only after it sees the word. Host stores
+of the void word, then the ready word, are seen in that order (x86-64 keeps
+stores in order; the GPU reads the word after its wait is satisfied).
 """
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
+import threading
 import time
 
 import numpy as np
 
+from tandem.cuda_events import LocalEvent
 from tandem.gpu import cupy_module
 
-WORD_BYTES = 8  # uint64 at offset 0 of the region
-CANCELLED = 1 << 63  # or-ed into a sequence number: the client gave that wave up
+log = logging.getLogger(__name__)
+
+WORD_BYTES = 16  # uint64 [2] at offset 0 of the region: the ready word, then the void word
+READY, VOID = 0, 1  # their indices
 # cudaHostRegister flags (CUDA Runtime API): Portable, mapped in every context of this process;
 # Mapped, with a device address for the kernel.
 _REGISTER_PORTABLE, _REGISTER_MAPPED = 0x01, 0x02
 _SPIN_S = 0.002  # a poll yields the GIL between reads this long (s), then sleeps between them
 _BACKOFF_S = 50e-6
+_WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: until the word, as an unsigned 64-bit number, is >= the value
+_RELEASE_TICK_S = 0.0005  # how often WordReleaser looks at the words it holds (s), while it holds any
 
 _SOURCE = r"""
 extern "C" __global__ void tandem_ready_word(unsigned long long* word, unsigned long long seq) {
@@ -51,7 +80,35 @@ extern "C" __global__ void tandem_ready_word(unsigned long long* word, unsigned 
     *(volatile unsigned long long*)word = seq;
     __threadfence_system();
 }
+
+// Copies n 32-bit words from src to dst unless *void_word == seq: the wave was given up, and dst
+// (the client's output region) may still be read by its previous wave's kernels.
+extern "C" __global__ void tandem_guarded_copy(unsigned int* dst, const unsigned int* src, unsigned long long n,
+                                               const unsigned long long* void_word, unsigned long long seq) {
+    __shared__ int skip;
+    if (threadIdx.x == 0) skip = *(volatile const unsigned long long*)void_word == seq;
+    __syncthreads();
+    if (skip) return;
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)gridDim.x * blockDim.x)
+        dst[i] = src[i];
+}
 """
+
+
+def _driver_function(*names: str):
+    """The first of ``names`` that libcuda exports, or None (no driver here)."""
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    for name in names:
+        fn = getattr(cuda, name, None)
+        if fn is not None:
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint]
+            fn.restype = ctypes.c_int
+            return fn
+    return None
 
 
 def _stream_store():
@@ -59,13 +116,9 @@ def _stream_store():
     Driver API, "Stream Memory Operations"; its default flags order the store
     after the stream's earlier writes): one call, no kernel launch. None where
     this driver lacks it."""
-    try:
-        cuda = ctypes.CDLL("libcuda.so.1")
-        fn = getattr(cuda, "cuStreamWriteValue64_v2", None) or cuda.cuStreamWriteValue64
-    except (OSError, AttributeError):
+    fn = _driver_function("cuStreamWriteValue64_v2", "cuStreamWriteValue64")
+    if fn is None:
         return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint]
-    fn.restype = ctypes.c_int
 
     def store(stream: int, address: int, seq: int) -> None:
         status = fn(stream, address, seq, 0)
@@ -73,6 +126,27 @@ def _stream_store():
             raise RuntimeError(f"cuStreamWriteValue64: CUresult {status}")
 
     return store
+
+
+def stream_wait():
+    """``wait(stream, address, seq)``: the stream's later work waits, on the
+    GPU, until the 64-bit word at device ``address`` is >= ``seq``
+    (``cuStreamWaitValue64``, "greater or equal"; CUDA Driver API, "Stream
+    Memory Operations"). None where this driver lacks it.
+
+    Raises (the returned function):
+        RuntimeError: the driver refused the wait.
+    """
+    fn = _driver_function("cuStreamWaitValue64_v2", "cuStreamWaitValue64")
+    if fn is None:
+        return None
+
+    def wait(stream: int, address: int, seq: int) -> None:
+        status = fn(stream, address, seq, _WAIT_GEQ)
+        if status:
+            raise RuntimeError(f"cuStreamWaitValue64: CUresult {status}")
+
+    return wait
 
 
 def _kernel_store(cupy):
@@ -85,9 +159,71 @@ def _kernel_store(cupy):
     return store
 
 
-class ReadyWord:
-    """The client's end: the word of ``view`` (NumPy uint64 ``[1]`` over a
-    system shared-memory region of this process) mapped for its GPU.
+def guarded_copy(cupy):
+    """``copy(dst, src, nbytes, void_address, seq)``: queues on the current
+    stream a device-to-device copy of ``nbytes`` (a multiple of 4) from
+    device address ``src`` to ``dst``, skipped on the GPU where the void word
+    at device ``void_address`` holds ``seq`` (an abandoned wave's outputs
+    never reach the client's region). A kernel launch, in place of a
+    ``cudaMemcpyAsync``; compiled and loaded here, not at a wave's copy.
+
+    Raises (the returned function):
+        ValueError: ``nbytes`` not a multiple of 4.
+    """
+    kernel = cupy.RawKernel(_SOURCE, "tandem_guarded_copy")
+    kernel.attributes  # noqa: B018 - compiles and loads the module now
+
+    def copy(dst: int, src: int, nbytes: int, void_address: int, seq: int) -> None:
+        if nbytes % 4:
+            raise ValueError(f"guarded copy of {nbytes} bytes: a multiple of 4 expected")
+        n = nbytes // 4
+        kernel((max(min((n + 255) // 256, 64), 1),), (256,),
+               (np.uint64(dst), np.uint64(src), np.uint64(n), np.uint64(void_address), np.uint64(seq)))
+
+    return copy
+
+
+class MappedWords:
+    """The region's two words (``view``: NumPy uint64 ``[2]`` over system
+    shared memory of this process) registered with the driver, mapped for
+    this process's GPU: ``device`` is their device address (the ready word
+    at ``device``, the void word at ``device + 8``).
+
+    Raises:
+        RuntimeError: no CuPy GPU here, or the driver refuses to map the
+            memory (``cudaHostRegister``).
+    """
+
+    def __init__(self, view: np.ndarray):
+        cupy = cupy_module()
+        if cupy is None:
+            raise RuntimeError("a ready word on the GPU needs CuPy and a GPU")
+        self._cupy, rt = cupy, cupy.cuda.runtime
+        self.view = view
+        self._host = view.ctypes.data
+        try:
+            rt.hostRegister(self._host, WORD_BYTES, _REGISTER_PORTABLE | _REGISTER_MAPPED)
+        except rt.CUDARuntimeError as exc:
+            raise RuntimeError(f"cudaHostRegister of the ready word: {exc}") from None
+        try:
+            self.device = rt.pointerGetAttributes(self._host).devicePointer
+        except Exception:
+            rt.hostUnregister(self._host)
+            raise
+
+    def unmap(self) -> None:
+        """Unregisters the memory (safe to call twice); the caller has made
+        sure no queued GPU work still touches it."""
+        self.view = None
+        if self._host:
+            host, self._host = self._host, 0
+            self._cupy.cuda.runtime.hostUnregister(host)
+
+
+class ReadyWord(MappedWords):
+    """The client's end: the region's words (``view``: NumPy uint64 ``[2]``
+    over a system shared-memory region of this process), zeroed and mapped
+    for its GPU.
 
     Raises:
         RuntimeError: no CuPy GPU here, or the driver refuses to map the
@@ -96,20 +232,11 @@ class ReadyWord:
     """
 
     def __init__(self, view: np.ndarray):
-        cupy = cupy_module()
-        if cupy is None:
-            raise RuntimeError("a ready word needs CuPy and a GPU")
-        self._cupy, rt = cupy, cupy.cuda.runtime
-        self.view = view
-        view[0] = 0
-        self._host = view.ctypes.data
+        view[:] = 0
+        super().__init__(view)
+        cupy = self._cupy
         self._stream = cupy.cuda.get_current_stream()  # of the last store: held, so close may synchronise it
         try:
-            rt.hostRegister(self._host, WORD_BYTES, _REGISTER_PORTABLE | _REGISTER_MAPPED)
-        except rt.CUDARuntimeError as exc:
-            raise RuntimeError(f"cudaHostRegister of the ready word: {exc}") from None
-        try:
-            self._device = rt.pointerGetAttributes(self._host).devicePointer
             self._store = _stream_store()
             try:
                 self.write(0)  # the driver takes stream memory operations on this device
@@ -120,7 +247,7 @@ class ReadyWord:
                 self.write(0)  # its module loads now, not behind the kernels of a wave
             self._stream.synchronize()
         except Exception:
-            rt.hostUnregister(self._host)
+            self.unmap()
             raise
 
     def write(self, seq: int) -> None:
@@ -131,78 +258,243 @@ class ReadyWord:
             RuntimeError: the driver refused the store.
         """
         self._stream = self._cupy.cuda.get_current_stream()
-        self._store(self._stream.ptr, self._device, seq)
+        self._store(self._stream.ptr, self.device, seq)
 
     def cancel(self, seq: int) -> None:
-        """Tells the server that wave ``seq`` will have no inputs (a host store;
-        no kernel for ``seq`` may be queued)."""
-        self.view[0] = seq | CANCELLED
+        """Tells the server that wave ``seq`` will have no inputs (host
+        stores: the void word, then the ready word; no kernel for ``seq`` may
+        be queued), which releases its wait at once."""
+        self.view[VOID] = seq
+        self.view[READY] = seq
+
+    def given_up(self, seq: int) -> bool:
+        """Whether wave ``seq`` was given up (its outputs, if its ``done`` came,
+        are not its own: the server abandoned its wait)."""
+        return int(self.view[VOID]) == seq
 
     def close(self) -> None:
         """Waits for the last store (its stream synchronised: this object holds
-        that stream, so it outlives its user's ``with``), then unmaps the word
+        that stream, so it outlives its user's ``with``), then unmaps the words
         and drops the view, so its region may be freed (safe to call twice)."""
-        self.view = None
-        if self._host:
-            host, self._host = self._host, 0
-            stream, self._stream = self._stream, None
-            try:
+        stream, self._stream = self._stream, None
+        try:
+            if stream is not None and self._host:
                 stream.synchronize()
-            finally:
-                self._cupy.cuda.runtime.hostUnregister(host)
+        finally:
+            self.unmap()
 
 
 class WordWait:
-    """The server's end for one wave: polls ``view`` (NumPy uint64 ``[1]``
-    over the client's region) for ``seq``; an object a batcher request
-    carries as its ``events.ready`` (reward_service/session.py polls it).
+    """The server's end for one wave: waits for ``words[READY] >= seq``
+    (``words``: NumPy uint64 ``[2]``, this process's view of the client's
+    region); an object a batcher request carries as its ``events.ready``
+    (reward_service/session.py's ``_wait_inputs`` polls it, or has the run's
+    stream wait for it on the GPU where ``ready_on_gpu``).
 
     ``after``: this channel's ``done`` event, whose latest record is the
     previous wave's (None: no previous wave). While it is pending the client
     cannot have written this wave's inputs (it waits for those outputs
-    first), so the client gets ``window`` s from the moment the poll first
+    first), so the client gets ``window`` s from the moment the wait first
     sees it done, whatever limit the caller set (a batch's limit is shared,
     and an announced wave's message comes while its previous outputs are
     still being made); never past ``hard_limit`` (``time.monotonic()`` s,
     the wave's deadline).
+
+    ``mapped``: the server's :class:`MappedWords` of the region and its
+    :class:`WordReleaser`, ``(mapped, releaser)``, for a wait on the GPU
+    (None: host polls only). ``words`` must then be ``mapped.view``, writable.
     """
 
-    ready_on_gpu = False
+    def __init__(self, words: np.ndarray, seq: int, after=None, window: float = 0.005,
+                 hard_limit: float | None = None, mapped: tuple | None = None):
+        self.words, self.seq, self.after, self.window, self.hard_limit = words, seq, after, window, hard_limit
+        self._mapped = mapped
+        self.ready_on_gpu = mapped is not None
+        self._window_end = None  # monotonic s: the client's window, once its previous outputs are seen done
 
-    def __init__(self, view: np.ndarray, seq: int, after=None, window: float = 0.005,
-                 hard_limit: float | None = None):
-        self.view, self.seq, self.after, self.window, self.hard_limit = view, seq, after, window, hard_limit
+    @property
+    def output_guard(self) -> tuple[int, int] | None:
+        """(the void word's device address, seq) for :func:`guarded_copy`,
+        where the words are mapped for this GPU; else None."""
+        return None if self._mapped is None else (self._mapped[0].device + 8 * VOID, self.seq)
+
+    def ready(self) -> bool | None:
+        """True: the inputs are written; False: the wave was given up (cancelled,
+        abandoned) or superseded; None: not yet."""
+        word = int(self.words[READY])
+        if word < self.seq:
+            return None
+        return word == self.seq and int(self.words[VOID]) != self.seq
 
     def wait_host(self, deadline: float | None) -> bool:
-        """True once the word holds ``seq``; False once it says the wave was
-        cancelled or superseded, or once both ``deadline`` (``time.monotonic()``
-        s; None: none) and the client's window after its previous outputs have
-        passed. Between reads the GIL is let go (``os.sched_yield``): the wait
-        may last a previous wave's model run, and the service's other threads
-        run on."""
-        start = time.monotonic()
-        spin_until = start + _SPIN_S
-        window_end = None if self.after is not None else start + self.window
+        """True once the ready word holds ``seq``; False once the wave was
+        given up or superseded, or once both ``deadline`` (``time.monotonic()``
+        s; None: none) and the client's window after its previous outputs
+        have passed. Between reads the GIL is let go (``os.sched_yield``): the
+        wait may last a previous wave's model run, and the service's other
+        threads run on."""
+        spin_until = time.monotonic() + _SPIN_S
         while True:
-            word = int(self.view[0])
-            if word == self.seq:
-                return True
-            if word & ~CANCELLED >= self.seq:
-                return False
+            state = self.ready()
+            if state is not None:
+                return state
             now = time.monotonic()
-            if window_end is None and self._previous_done():
-                window_end = now + self.window
-            if self.hard_limit is not None and now >= self.hard_limit:
-                return False
-            if window_end is not None and now >= window_end and (deadline is None or now >= deadline):
+            if self.expired(now) and (deadline is None or now >= deadline):
                 return False
             if now < spin_until:
                 os.sched_yield()  # the GIL goes too; time.sleep(0) would wait out the timer slack (~50 µs)
             else:
                 time.sleep(_BACKOFF_S)
 
+    def expired(self, now: float) -> bool:
+        """Whether the client's time for its inputs is over at ``now``
+        (monotonic s): its window after its previous outputs, or the hard limit."""
+        if self.hard_limit is not None and now >= self.hard_limit:
+            return True
+        if self._window_end is None:
+            if self.after is not None and not self._previous_done():
+                return False
+            self._window_end = now + self.window
+        return now >= self._window_end
+
+    def wait_on_stream(self, stream_ptr: int) -> None:
+        """Makes the work queued on ``stream_ptr`` from now on wait, on the
+        GPU, for the ready word, and hands the wait to the releaser, which
+        abandons it once :meth:`expired`. The host goes on at once.
+
+        ``after`` becomes an event recorded on the stream just before the
+        wait (the releaser's mark): the channel's ``done`` gets this wave's
+        own record before the wait can end, so it cannot say when the
+        previous outputs were done.
+
+        Raises:
+            RuntimeError: the driver refused the wait (none is queued then).
+        """
+        mapped, releaser = self._mapped
+        releaser.wait(stream_ptr, mapped.device + 8 * READY, self)
+
+    def abandon(self) -> None:
+        """Gives the wave up on the server's side: the void word, then the
+        ready word raised to ``seq`` (a GPU wait on it ends; the client, or a
+        late store of its own, finds the void word)."""
+        self.words[VOID] = self.seq
+        if int(self.words[READY]) < self.seq:
+            self.words[READY] = self.seq
+
     def _previous_done(self) -> bool:
         try:
             return self.after.query()
         except Exception:  # noqa: BLE001 - CUDARuntimeError: nothing to wait for any more
             return True
+
+
+def _stream_mark(stream_ptr: int) -> LocalEvent:
+    """An event recorded on ``stream_ptr`` after the work queued there so far."""
+    mark = LocalEvent()
+    mark.record(stream_ptr)
+    return mark
+
+
+class WordReleaser:
+    """The reward service's guarantee that every GPU wait on a ready word ends:
+    one thread that looks at the words of the waits queued
+    (:meth:`WordWait.wait_on_stream`) every ``_RELEASE_TICK_S`` while it holds
+    any, drops a wait once its word came (or its wave was given up), and
+    abandons it (:meth:`WordWait.abandon`) once :meth:`WordWait.expired`.
+    Idle, it sleeps on its condition. ``abandoned`` counts the waits it
+    released itself.
+
+    Invariant: a wait is registered under the lock before its
+    ``cuStreamWaitValue64`` is queued, so no queued wait is ever unknown to
+    the releaser; :meth:`release` abandons a connection's waits before its
+    region is unmapped.
+    """
+
+    def __init__(self, wait=None, mark=None):
+        # Stand-ins for tests without a GPU: ``wait`` for the driver's call, ``mark(stream)`` for
+        # the event recorded before it (an object with ``query()``).
+        self._wait = wait or stream_wait()
+        self._mark = mark or _stream_mark
+        self._cond = threading.Condition()
+        self._pending: list[WordWait] = []  # guarded by _cond
+        self.abandoned = 0
+        self._closed = False
+        self._thread = None
+
+    @property
+    def available(self) -> bool:
+        """Whether this driver has stream waits on a word (and has not refused one)."""
+        return self._wait is not None
+
+    def wait(self, stream_ptr: int, address: int, waiter: WordWait) -> None:
+        """Queues ``stream_ptr``'s wait for ``waiter``'s word at device ``address``.
+
+        Raises:
+            RuntimeError: the driver refused it (nothing is held then, and
+                no later wait is tried: ``available`` turns False), or the
+                releaser is closed.
+        """
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the ready-word releaser is closed")
+            if self._wait is None:
+                raise RuntimeError("no stream waits on a ready word here")
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="ready-word-releaser", daemon=True)
+                self._thread.start()
+            waiter.after = self._mark(stream_ptr)  # the previous outputs: what came before the wait
+            self._pending.append(waiter)
+            try:
+                self._wait(stream_ptr, address, waiter.seq)
+            except BaseException as exc:
+                self._pending.remove(waiter)
+                if isinstance(exc, RuntimeError):  # the driver's refusal: every later wave is polled instead
+                    log.warning("leaf channel: %s; ready words are polled on the host from now on", str(exc))
+                    self._wait = None
+                raise
+            self._cond.notify()
+
+    def release(self, words: np.ndarray | None = None) -> None:
+        """Abandons at once every wait held on ``words`` (a connection's
+        region, before it is unmapped; None: every wait)."""
+        with self._cond:
+            keep = []
+            for w in self._pending:
+                if words is None or w.words is words:
+                    self._abandon(w)
+                else:
+                    keep.append(w)
+            self._pending = keep
+
+    def close(self) -> None:
+        """Abandons every wait held and stops the thread."""
+        self.release()
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(5.0)
+
+    def _abandon(self, w: WordWait) -> None:
+        if w.ready() is None:
+            w.abandon()
+            self.abandoned += 1
+            log.warning("leaf channel: wave %d's ready word did not come in time; its GPU wait released, "
+                        "the wave given up", w.seq)
+
+    def _run(self) -> None:
+        with self._cond:
+            while not self._closed:
+                if not self._pending:
+                    self._cond.wait()
+                    continue
+                now, keep = time.monotonic(), []
+                for w in self._pending:
+                    if w.ready() is not None:
+                        continue  # came, or given up by the client: the GPU wait has ended
+                    if w.expired(now):
+                        self._abandon(w)
+                    else:
+                        keep.append(w)
+                self._pending = keep
+                self._cond.wait(_RELEASE_TICK_S)

@@ -27,6 +27,7 @@ from tandem import tensors
 from tandem.config import LeafChannelConfig
 from tandem.leaf_channel import (ATTACH, ERROR, MAX_MESSAGE_BYTES, REPLY, WAVE, WAVE_FORMAT, LeafChannel,
                                  LeafChannelError, unpack_error)
+from tandem.ready_word import WORD_BYTES
 from tandem.server import channel
 from tandem.shared_memory_client import SystemSharedMemoryRegion
 
@@ -192,14 +193,15 @@ def test_a_ready_event_on_a_server_that_cannot_order_by_events_leaves_the_channe
 
 def test_a_ready_region_that_is_a_wave_region_or_too_small_is_refused(reward):
     """The ready word (tandem/ready_word.py) needs a system region of its own
-    of at least 8 bytes: one of the wave's regions named again, or a smaller
-    one, is INVALID_ARGUMENT naming it; the connection attaches right after."""
+    of at least WORD_BYTES (its two words): one of the wave's regions named
+    again, or a smaller one, is INVALID_ARGUMENT naming it; the connection
+    attaches right after."""
     service, stub = reward
     c = RawClient(service, stub)
-    small = SystemSharedMemoryRegion(stub, 4, client_id=c.inputs.client_id)
+    small = SystemSharedMemoryRegion(stub, 8, client_id=c.inputs.client_id)
     try:
         for region, words in ((c.inputs.name, "is also a wave's region"), (c.outputs.name, "is also a wave's region"),
-                              (small.name, "need 8")):
+                              (small.name, f"need {WORD_BYTES}")):
             code, message = status(c.attach(ready_region=region))
             assert code == grpc.StatusCode.INVALID_ARGUMENT and words in message and region in message
         assert c.attach()[:1] == ATTACH
@@ -216,7 +218,7 @@ def test_a_ready_region_is_held_by_the_connection_and_unused_where_waves_are_syn
     is unregistered with the others when the connection closes."""
     service, stub = reward
     c = RawClient(service, stub)
-    word = SystemSharedMemoryRegion(stub, 8, client_id=c.inputs.client_id)
+    word = SystemSharedMemoryRegion(stub, WORD_BYTES, client_id=c.inputs.client_id)
     try:
         reply = c.attach(ready_region=word.name)
         assert reply[:1] == ATTACH and "done_event" not in json.loads(reply[1:])

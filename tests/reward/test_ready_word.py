@@ -1,38 +1,43 @@
-"""The ready word's poll (tandem/ready_word.py, WordWait), the reward
-service's end, over a word in real POSIX shared memory written by another
-thread as the client's GPU stream would write it. The GPU's end (ReadyWord)
-is tested with the leaf channel in tests/reward/test_leaf_channel_gpu.py."""
+"""The ready word's waits (tandem/ready_word.py), the reward service's end,
+over the two words in real POSIX shared memory written by another thread as
+the client's GPU stream would write them: WordWait's host poll, and
+WordReleaser, which ends every GPU wait (here its driver call is a
+recording stand-in: the stream wait itself needs a GPU and is tested with
+the leaf channel in tests/reward/test_leaf_channel_gpu.py, as is ReadyWord)."""
 from __future__ import annotations
 
 import threading
 import time
 from multiprocessing import shared_memory
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from tandem.ready_word import CANCELLED, WordWait
+from tandem.ready_word import READY, VOID, WORD_BYTES, WordReleaser, WordWait
 
 
 @pytest.fixture()
 def memory():
-    shm = shared_memory.SharedMemory(create=True, size=8)
+    shm = shared_memory.SharedMemory(create=True, size=WORD_BYTES)
     yield shm
     shm.close()  # the tests' views are gone with their frames
     shm.unlink()
 
 
-def word_of(shm) -> np.ndarray:
-    """The word, uint64 [1], zeroed."""
-    view = np.frombuffer(shm.buf, np.uint64, 1)
-    view[0] = 0
+def words_of(shm) -> np.ndarray:
+    """The two words, uint64 [2], zeroed."""
+    view = np.frombuffer(shm.buf, np.uint64, 2)
+    view[:] = 0
     return view
 
 
-def store_later(view: np.ndarray, value: int, after_s: float = 0.02) -> threading.Thread:
+def store_later(view: np.ndarray, value: int, after_s: float = 0.02, void: int | None = None) -> threading.Thread:
     def store():
         time.sleep(after_s)
-        view[0] = value
+        if void is not None:  # a cancel: the void word first
+            view[VOID] = void
+        view[READY] = value
 
     thread = threading.Thread(target=store)
     thread.start()
@@ -40,24 +45,32 @@ def store_later(view: np.ndarray, value: int, after_s: float = 0.02) -> threadin
 
 
 def test_the_wave_s_sequence_number_ends_the_wait(memory):
-    word = word_of(memory)
-    thread = store_later(word, 3)
-    assert WordWait(word, 3).wait_host(time.monotonic() + 30)
+    words = words_of(memory)
+    thread = store_later(words, 3)
+    assert WordWait(words, 3).wait_host(time.monotonic() + 30)
     thread.join()
 
 
-@pytest.mark.parametrize("value", [3 | CANCELLED, 4, 4 | CANCELLED])
-def test_a_cancelled_or_superseded_wave_ends_the_wait_unwritten(memory, value):
-    word = word_of(memory)
-    thread = store_later(word, value)
-    assert not WordWait(word, 3).wait_host(time.monotonic() + 30)
+@pytest.mark.parametrize("value, void", [(3, 3), (4, None), (4, 3)])
+def test_a_cancelled_or_superseded_wave_ends_the_wait_unwritten(memory, value, void):
+    words = words_of(memory)
+    thread = store_later(words, value, void=void)
+    assert not WordWait(words, 3).wait_host(time.monotonic() + 30)
+    thread.join()
+
+
+def test_a_void_word_of_an_earlier_wave_does_not_void_this_one(memory):
+    words = words_of(memory)
+    words[VOID] = 2  # wave 2 was given up; wave 3's inputs come
+    thread = store_later(words, 3)
+    assert WordWait(words, 3).wait_host(time.monotonic() + 30)
     thread.join()
 
 
 def test_an_older_sequence_number_is_waited_past_until_the_limit(memory):
-    word = word_of(memory)
-    word[0] = 2  # the previous wave's
-    assert not WordWait(word, 3).wait_host(time.monotonic() + 0.01)
+    words = words_of(memory)
+    words[READY] = 2  # the previous wave's
+    assert not WordWait(words, 3).wait_host(time.monotonic() + 0.01)
 
 
 class PreviousRun:
@@ -71,18 +84,18 @@ class PreviousRun:
 
 
 def test_the_limit_counts_only_once_the_previous_wave_s_outputs_are_done(memory):
-    word = word_of(memory)
     """While the previous wave's run is pending the client cannot have written
     this wave's inputs: the wait goes on past its limit and ends with the word."""
+    words = words_of(memory)
     previous = PreviousRun()
-    waiter = WordWait(word, 3, previous, window=0.01, hard_limit=time.monotonic() + 30)
+    waiter = WordWait(words, 3, previous, window=0.01, hard_limit=time.monotonic() + 30)
     result = []
     thread = threading.Thread(target=lambda: result.append(waiter.wait_host(time.monotonic() + 0.01)))
     thread.start()
     time.sleep(0.05)  # five limits: still waiting
     assert thread.is_alive()
     previous.finished.set()
-    word[0] = 3
+    words[READY] = 3
     thread.join(30)
     assert result == [True]
 
@@ -91,17 +104,127 @@ def test_the_client_gets_its_window_after_its_previous_outputs_whatever_the_call
     """A batch's limit is shared: a wave polled after another's long wait may
     find it passed. Its client still gets the window, counted from the moment
     the poll first sees its previous outputs done."""
-    word = word_of(memory)
+    words = words_of(memory)
     previous = PreviousRun()
     previous.finished.set()
-    thread = store_later(word, 3)
-    assert WordWait(word, 3, previous, window=30.0, hard_limit=time.monotonic() + 30).wait_host(time.monotonic() - 1)
+    thread = store_later(words, 3)
+    assert WordWait(words, 3, previous, window=30.0, hard_limit=time.monotonic() + 30).wait_host(time.monotonic() - 1)
     thread.join()
-    assert not WordWait(word, 4, previous, window=0.01, hard_limit=time.monotonic() + 30).wait_host(
+    assert not WordWait(words, 4, previous, window=0.01, hard_limit=time.monotonic() + 30).wait_host(
         time.monotonic() - 1)
 
 
 def test_the_hard_limit_ends_a_wait_whose_previous_run_never_ends(memory):
-    word = word_of(memory)
-    waiter = WordWait(word, 3, PreviousRun(), hard_limit=time.monotonic() + 0.05)
+    words = words_of(memory)
+    waiter = WordWait(words, 3, PreviousRun(), hard_limit=time.monotonic() + 0.05)
     assert not waiter.wait_host(time.monotonic() + 0.01)
+
+
+class StreamWaits:
+    """The driver's ``cuStreamWaitValue64`` as WordReleaser calls it: records each (stream, address, seq)."""
+
+    def __init__(self, refuse: bool = False):
+        self.calls, self.refuse = [], refuse
+
+    def __call__(self, stream: int, address: int, seq: int) -> None:
+        if self.refuse:
+            raise RuntimeError("cuStreamWaitValue64: CUresult 1")
+        self.calls.append((stream, address, seq))
+
+
+def done_mark(stream: int) -> PreviousRun:
+    """The releaser's mark of a stream whose earlier work is done."""
+    mark = PreviousRun()
+    mark.finished.set()
+    return mark
+
+
+def waiter_on_gpu(words, seq, releaser, **kw) -> WordWait:
+    mapped = SimpleNamespace(device=0x7000, view=words)  # MappedWords' two fields
+    return WordWait(words, seq, mapped=(mapped, releaser), **kw)
+
+
+def until(condition, timeout_s: float = 30.0) -> bool:
+    end = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.001)
+    return True
+
+
+def test_a_gpu_wait_whose_word_never_comes_is_abandoned_after_the_client_s_window(memory):
+    """The releaser ends the wait itself: the void word names the wave, then
+    the ready word is raised to it (what releases the stream); the output
+    guard names the void word's device address."""
+    words = words_of(memory)
+    words[READY] = 2
+    waits = StreamWaits()
+    releaser = WordReleaser(waits, done_mark)
+    try:
+        waiter = waiter_on_gpu(words, 3, releaser, window=0.02)
+        assert waiter.ready_on_gpu and waiter.output_guard == (0x7000 + 8, 3)
+        waiter.wait_on_stream(0x42)
+        assert waits.calls == [(0x42, 0x7000, 3)]
+        assert until(lambda: releaser.abandoned == 1)
+        assert list(words) == [3, 3] and waiter.ready() is False
+    finally:
+        releaser.close()
+
+
+def test_a_gpu_wait_whose_word_comes_is_dropped_untouched(memory):
+    words = words_of(memory)
+    releaser = WordReleaser(StreamWaits(), done_mark)
+    try:
+        waiter = waiter_on_gpu(words, 3, releaser, window=0.05)
+        waiter.wait_on_stream(0x42)
+        words[READY] = 3
+        time.sleep(0.2)  # four windows: the releaser has looked many times
+        assert releaser.abandoned == 0 and list(words) == [3, 0]
+    finally:
+        releaser.close()
+
+
+def test_a_gpu_wait_is_not_abandoned_while_the_previous_outputs_are_pending(memory):
+    words = words_of(memory)
+    previous = PreviousRun()
+    releaser = WordReleaser(StreamWaits(), lambda stream: previous)  # the work queued before the wait: pending
+    try:
+        waiter_on_gpu(words, 3, releaser, window=0.01, hard_limit=time.monotonic() + 30).wait_on_stream(0x42)
+        time.sleep(0.1)
+        assert releaser.abandoned == 0 and words[VOID] == 0
+        previous.finished.set()
+        assert until(lambda: releaser.abandoned == 1) and list(words) == [3, 3]
+    finally:
+        releaser.close()
+
+
+def test_release_abandons_one_connection_s_waits_at_once_and_close_every_one(memory):
+    words = words_of(memory)
+    other = np.zeros(2, np.uint64)
+    releaser = WordReleaser(StreamWaits(), done_mark)
+    try:
+        waiter_on_gpu(words, 5, releaser, window=30.0).wait_on_stream(1)
+        waiter_on_gpu(other, 7, releaser, window=30.0).wait_on_stream(2)
+        releaser.release(words)
+        assert list(words) == [5, 5] and list(other) == [0, 0]
+    finally:
+        releaser.close()
+    assert list(other) == [7, 7] and releaser.abandoned == 2
+    with pytest.raises(RuntimeError, match="closed"):
+        waiter_on_gpu(other, 8, releaser).wait_on_stream(2)
+
+
+def test_a_wait_the_driver_refuses_is_not_held_and_none_is_tried_again(memory):
+    words = words_of(memory)
+    releaser = WordReleaser(StreamWaits(refuse=True), done_mark)
+    try:
+        with pytest.raises(RuntimeError, match="CUresult"):
+            waiter_on_gpu(words, 3, releaser, window=0.0).wait_on_stream(1)
+        time.sleep(0.05)
+        assert releaser.abandoned == 0 and list(words) == [0, 0]
+        assert not releaser.available  # the driver's refusal holds: later waves are polled
+        with pytest.raises(RuntimeError, match="no stream waits"):
+            waiter_on_gpu(words, 4, releaser).wait_on_stream(1)
+    finally:
+        releaser.close()
