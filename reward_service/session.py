@@ -309,7 +309,7 @@ def _wait_inputs(requests, stream_ptr: int | None = None) -> None:
                 req.events.ready.wait_on_stream(stream_ptr)
                 continue
             except RuntimeError as exc:  # the driver refused a ready word's GPU wait: polled instead
-                log.warning("a wave's wait on the GPU refused (%s); polled on the host", exc)
+                log.debug("a wave's wait on the GPU refused (%s); polled on the host", exc)
         waiting.append(req)
     if not waiting:
         return
