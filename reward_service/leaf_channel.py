@@ -37,21 +37,35 @@ Invariants:
   run wakes (in a run of worker-answered waves only, just after their
   replies).
 * An ordered channel's ready word (tandem/ready_word.py: this wave's
-  sequence number, in the client's ``ready_region``) or ``ready`` event is
-  waited for by the critical lane's worker (session.READY_WAIT_S at most,
-  counted for the word from the moment the poll sees the channel's previous
-  outputs done, whatever its batch's limit: an announced wave's message
-  comes while the client still waits for them);
-  a wave whose inputs come later, or that its client cancelled, is
-  answered DEADLINE_EXCEEDED and gets nothing written into its regions.
-  While it waits the worker serves no other request: a wave announced by
-  one search holds the lane for the rest of its previous wave plus its
-  selection (~0.1-0.4 ms), and another search's wave that comes meanwhile
-  runs in the next batch. Its opened event is released when the
-  connection ends.
+  sequence number, in the client's ``ready_region``) is waited for on the
+  GPU where the client asks (``ready_wait: gpu``) and the driver can: the
+  critical lane's stream waits for it (``cuStreamWaitValue64`` on this
+  server's own mapping of the region, ``_GpuWords``), the run and the
+  output copies are queued behind the wait at once, and the worker answers
+  the wave as soon as they are queued. The server's ``WordReleaser`` ends
+  every such wait itself: a word that has not come session.READY_WAIT_S
+  after the stream's earlier work is done (or by the wave's deadline) is
+  abandoned -- the void word names the wave, the ready word is raised to
+  it -- so the stream never waits on a client for longer; the abandoned
+  wave's output copies are skipped on the GPU (guarded by the void word),
+  and its client, reading the void word once ``done`` is reached, fails
+  the wave DEADLINE_EXCEEDED. A connection's waits are abandoned, and the
+  lane's stream synchronised, before its word's mapping is released. Else
+  the word (``ready_wait: host``), or the ``ready`` event, is polled by the
+  critical lane's worker (session.READY_WAIT_S at most, counted for the
+  word from the moment the poll sees the channel's previous outputs done,
+  whatever its batch's limit: an announced wave's message comes while the
+  client still waits for them); a wave whose inputs come later, or that
+  its client cancelled, is answered DEADLINE_EXCEEDED and gets nothing
+  written into its regions. Either way the lane runs nothing else
+  meanwhile: a wave announced by one search holds it for the rest of its
+  previous wave plus its selection (~0.1-0.4 ms), and another search's
+  wave that comes meanwhile runs after it. Its opened event is released
+  when the connection ends.
 * A region is attached to at most one connection (``_attached``): two
   connections writing one output region would answer each other's waves.
-  The ready word's region is a third, read by this host alone (system).
+  The ready word's region is a third, system memory (read by this host, or
+  by this GPU through this server's own mapping).
 * Every message gets an answer (``R``/``A`` or ``E`` with a gRPC status); a
   malformed message closes nothing but the answer; the connection closes only
   when its client closes it, the server stops, the socket fails, or it has
@@ -77,6 +91,7 @@ from dataclasses import dataclass
 
 import grpc
 import numpy as np
+from prometheus_client import Counter
 from tandem.v1 import reward_pb2
 
 from reward_service.batcher import LANES
@@ -90,10 +105,13 @@ from tandem.cuda_events import IPC_EVENT_HANDLE_BYTES, ExportedEvent, LocalEvent
 from tandem.errors import quote
 from tandem.leaf_channel import (ATTACH, ERROR, MAX_MESSAGE_BYTES, REPLY, REPLY_FORMAT, WAVE, WAVE_FORMAT, OutputSlot,
                                  output_layout, pack_error)
-from tandem.ready_word import WORD_BYTES, MappedWords, WordReleaser, WordWait
+from tandem.ready_word import MAX_SEQ, WORD_BYTES, MappedWords, WordReleaser, WordWait
 
 log = logging.getLogger(__name__)
 
+GIVEN_UP = Counter("tandem_leaf_channel_waves_given_up", "Leaf-channel waves whose ready word did not come in time "
+                   "(their GPU wait released by the server, its client told by the void word; each was answered, "
+                   "so it is counted among the model's successes too).")
 CRITICAL = reward_pb2.REQUEST_CLASS_CRITICAL
 CRITICAL_LANE = LANES[CRITICAL]  # a wave's lane in the per-model metrics
 
@@ -295,7 +313,8 @@ class LeafChannelServer:
         remove_stale_sockets(directory)
         self.path = os.path.join(directory, f"{SOCKET_PREFIX}{os.getpid()}-{id(self):x}.sock")
         self._lock = threading.Lock()
-        self._releaser = WordReleaser()  # ends every GPU wait on a ready word that does not come
+        # ends every GPU wait on a ready word that does not come
+        self._releaser = WordReleaser(on_abandon=lambda waiter: GIVEN_UP.inc())
         self._connections: dict[socket.socket, threading.Thread] = {}  # guarded by _lock
         self._attached: set[str] = set()  # region names; guarded by _lock
         self._closed = False
@@ -359,6 +378,7 @@ class LeafChannelServer:
 
     def _serve(self, conn: socket.socket) -> None:
         attachment = None
+        last_seq = 0  # the last wave's number (a GPU wait's numbers must grow)
         since = time.monotonic()  # the connection's start, or its last message
         # The same socket for the critical lane's worker to answer on without blocking
         # (a socket's timeout is per object; a send on a timeout socket waits up to it).
@@ -387,7 +407,7 @@ class LeafChannelServer:
                 if kind == ATTACH and attachment is None:
                     attachment = self._attach_message(conn, message)
                 elif kind == WAVE and attachment is not None:
-                    self._wave_message(conn, nonblocking, attachment, message)
+                    last_seq = self._wave_message(conn, nonblocking, attachment, message, last_seq)
                 else:
                     what = "an attach first" if attachment is None else "a wave"
                     self._send(conn, pack_error(0, grpc.StatusCode.FAILED_PRECONDITION,
@@ -565,8 +585,12 @@ class LeafChannelServer:
         sizes = lease.describe()
         rows = f"{a.max_rows} rows of model {a.session.name!r}"
         needs = [(a.input_region, a.input_bytes, REGION_KINDS, rows), (a.output_region, a.output_bytes, REGION_KINDS, rows)]
-        if a.ready_region:  # read by this host: system memory
+        if a.ready_region:  # read by this host (and GPU): system memory, its words aligned
             needs.append((a.ready_region, WORD_BYTES, ("system",), "the ready word"))
+            offset = lease.system_offset(a.ready_region)
+            if offset is not None and offset % 8:
+                raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, f"region {quote(a.ready_region)}: offset {offset} "
+                                 "is not a multiple of 8; the ready word is a uint64")
         for name, need, kinds, what in needs:
             kind, size = sizes[name]
             if kind not in kinds:
@@ -593,8 +617,12 @@ class LeafChannelServer:
             self._releaser.release(a.words.mapped.view)
             try:
                 a.session.synchronize_critical()
-                _unmap_words(a.words)
             except Exception as exc:  # noqa: BLE001 - a broken context: nothing runs on it any more
+                log.warning("leaf channel of client %r: synchronising before its ready word is unmapped: %s",
+                            a.client_id, exc)
+            try:
+                _unmap_words(a.words)
+            except Exception as exc:  # noqa: BLE001 - the slot and the regions are freed whatever the driver says
                 log.warning("leaf channel of client %r: unmapping its ready word: %s", a.client_id, exc)
         with self._lock:
             self._attached -= set(a.regions)
@@ -607,7 +635,8 @@ class LeafChannelServer:
     # -- waves ------------------------------------------------------------------------
 
     def _wave_message(self, conn: socket.socket, nonblocking: socket.socket | None, a: _Attachment,
-                      message: bytes) -> None:
+                      message: bytes, last_seq: int) -> int:
+        """Answers one ``W`` message; returns the connection's last wave number."""
         start = time.perf_counter()
         seq, rows, done, reason = 0, 0, None, None
         try:
@@ -615,6 +644,10 @@ class LeafChannelServer:
                 raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT,
                                  f"wave: {len(message)} bytes, expected {1 + WAVE_FORMAT.size}")
             seq, rows, timeout_us = WAVE_FORMAT.unpack_from(message, 1)
+            if a.words is not None and not last_seq < seq < MAX_SEQ:  # the GPU's compare is cyclic
+                raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, f"wave: seq {seq} must be above the last "
+                                 f"({last_seq}) and below 2^62: the ready word's numbers grow")
+            last_seq = max(last_seq, seq)
             if not 1 <= rows <= a.max_rows:
                 raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, f"wave: rows {rows} out of range 1..{a.max_rows} "
                                  "(the attached regions' size)")
@@ -646,6 +679,7 @@ class LeafChannelServer:
             self.metrics.succeeded(name, CRITICAL_LANE, rows, elapsed_s, done.queue_ms / 1e3)
         else:
             self.metrics.failed(name, CRITICAL_LANE, reason, elapsed_s)
+        return last_seq
 
     def _run_wave(self, a: _Attachment, seq: int, rows: int, deadline: float | None, answer):
         """Runs rows [0, rows) of the input region and writes the outputs.

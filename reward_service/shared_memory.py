@@ -675,6 +675,11 @@ class Lease:
         """Region name -> (kind, byte_size) of every region held."""
         return {n: (r.memory.kind, r.byte_size) for n, r in self._regions.items()}
 
+    def system_offset(self, region: str) -> int | None:
+        """The held region's offset in its POSIX object (None: a CUDA region)."""
+        memory = self._regions[region].memory
+        return memory.offset if memory.kind == "system" else None
+
     def own_mapping(self, region: str, byte_size: int) -> _SystemMemory:
         """A mapping of its own of the first ``byte_size`` bytes of the held
         system region ``region``, which the caller closes: it outlives the

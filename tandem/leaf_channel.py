@@ -42,11 +42,14 @@ runs it on a bound runner orders them on the GPU's side instead
 ``ready_region`` -- a system region holding the client's ready word
 (tandem/ready_word.py): a sequence number its stream stores after the
 kernels that write a wave's inputs -- or, where this process cannot map
-one, its ``ready_event``. The critical lane's worker waits for the word (or
-the event) before it copies the inputs in (at most 5 ms once the previous
-wave's outputs are done), records ``done`` after its output copies and
-sends ``R`` once they are queued, not done; the client waits for ``done``
-before its kernels read them. Each side's wait is then for the other's GPU
+one, its ``ready_event``. The server's critical-lane stream waits for the
+word on the GPU (``ready_wait: gpu``, its run queued behind the wait at
+once), or its worker polls the word (or the event) before it copies the
+inputs in (at most 5 ms once the previous wave's outputs are done: a word
+that comes later gets its wave given up, and the void word beside it says
+so); it records ``done`` after its output copies and sends ``R`` once they
+are queued, not done; the client waits for ``done`` before its kernels
+read them, then reads the void word. Each side's wait is then for the other's GPU
 work alone, past the socket hops and host work between, not for a
 synchronisation followed by a hop. With the word, a wave's ``W`` may even
 go before its inputs' kernels are queued (:meth:`LeafChannel.announce`): a
@@ -284,7 +287,7 @@ class LeafChannel:
             handle = layout.get("done_event")
             if handle is not None:
                 self._done = OpenedEvent(bytes.fromhex(handle))
-                self.ready_wait = str(layout.get("ready_wait", "host")) if self._word is not None else "event"
+                self.ready_wait = str(layout.get("ready_wait", "")) if self._word is not None else "event"
         except (ValueError, TypeError, AttributeError) as exc:  # the server waits for events nobody records
             self.close(wait_detached=False)
             raise LeafChannelError(grpc.StatusCode.INTERNAL, f"attach: the server's done_event: {exc}") from None
@@ -420,8 +423,10 @@ class LeafChannel:
     @property
     def announces(self) -> bool:
         """Whether waves may be announced (:meth:`announce`): an
-        :attr:`ordered` channel with a ready word (tandem/ready_word.py)."""
-        return self._word is not None and self._done is not None
+        :attr:`ordered` channel with a ready word (tandem/ready_word.py)
+        whose server says how it waits for it (one that predates the void
+        word would run a cancelled wave: its waves follow their kernels)."""
+        return self._word is not None and self._done is not None and self.ready_wait in ("gpu", "host")
 
     def announce(self, rows: int, deadline: float | None = None) -> None:
         """Sends the next wave's message now, before its inputs are written:

@@ -18,13 +18,16 @@ unsigned 64-bit words (``WORD_BYTES``):
 * ``[0]``, the ready word: the client maps it into its GPU's address space
   (``cudaHostRegister``, mapped) and a store queued after the kernels that
   write a wave's inputs puts the wave's sequence number there (the driver's
-  ``cuStreamWriteValue64`` where it has it, else a one-thread kernel). It
-  only ever grows.
-* ``[1]``, the void word: the number of the last wave given up -- by the
-  client before its inputs were marked (:meth:`ReadyWord.cancel`), or by the
-  reward service, which stopped waiting for them (:meth:`WordWait.abandon`).
-  It is written before the ready word is raised to that number, so whoever
-  sees the ready word at ``seq`` sees the void word too.
+  ``cuStreamWriteValue64`` where it has it, else a one-thread kernel). The
+  numbers grow (one wave in flight per channel) and stay below ``MAX_SEQ``:
+  the GPU's "greater or equal" is a cyclic compare.
+* ``[1]``, the void word: the highest number given up -- by the client
+  before its inputs were marked (:meth:`ReadyWord.cancel`, after its last
+  store has landed), or by the reward service, which stopped waiting for
+  them (:meth:`WordWait.abandon`). It only grows, so a wave is given up
+  where it is at or past the wave's number, whatever came after. It is
+  written before the ready word is raised to that number, so whoever sees
+  the ready word at ``seq`` sees the void word too.
 
 The reward service waits for the word in one of two ways. A host poll
 (:meth:`WordWait.wait_host`) by the critical lane's worker before it queues
@@ -33,15 +36,19 @@ the GPU (:meth:`WordWait.wait_on_stream`: ``cuStreamWaitValue64``, "greater
 or equal", on its own mapping of the region), the run queued behind the wait
 at once, so the model starts as soon as the client's store lands -- no host
 reaction on the GPU's path. A GPU wait is always released by the reward
-service itself: :class:`WordReleaser` abandons a wait whose word has not come
-within its window (void word, then ready word raised to ``seq``), so a client
-that hangs or dies costs the lane that window, never the stream. The run of
-an abandoned wave then reads whatever the input region holds, and its output
-copies are guarded (:func:`guarded_copy`: skipped where the void word holds
-the wave's number), so nothing lands in the client's output region, which
-its previous wave's kernels may still read; the client, once the wave's
+service itself: :class:`WordReleaser` holds every wait until its stream is
+past it, and abandons one whose word has not come within its window (void
+word, then ready word raised to ``seq``; forced a window later, whatever a
+client wrote), so a client that hangs, dies or writes nonsense costs the
+lane that window, never the stream. The run of an abandoned wave then reads
+whatever the input region holds, and its output copies are guarded
+(:func:`guarded_copy`: skipped where the void word is at or past the wave's
+number), so nothing lands in the client's output region, which its
+previous wave's kernels may still read; the client, once the wave's
 ``done`` event is reached, reads the void word and gives the wave up
-(:meth:`ReadyWord.given_up`).
+(:meth:`ReadyWord.given_up`). A copy may be cut short where the wave is
+abandoned while it runs -- its word came at the window's very end, so the
+previous wave's kernels are done -- and the client gives that wave up too.
 
 Ordering: a store queued on a stream follows the stream's earlier kernels
 (stream order; the kernel fallback adds ``__threadfence_system``); the server
@@ -71,8 +78,17 @@ READY, VOID = 0, 1  # their indices
 _REGISTER_PORTABLE, _REGISTER_MAPPED = 0x01, 0x02
 _SPIN_S = 0.002  # a poll yields the GIL between reads this long (s), then sleeps between them
 _BACKOFF_S = 50e-6
-_WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: until the word, as an unsigned 64-bit number, is >= the value
-_RELEASE_TICK_S = 0.0005  # how often WordReleaser looks at the words it holds (s), while it holds any
+# CU_STREAM_WAIT_VALUE_GEQ: until (int64)(word - value) >= 0, a cyclic compare (CUDA Driver API), so
+# sequence numbers stay below MAX_SEQ and the host compares as the GPU does (_at_or_past).
+_WAIT_GEQ = 0x0
+MAX_SEQ = 1 << 62  # the reward service refuses a wave numbered past this
+_NOT_SUPPORTED = 801  # CUDA_ERROR_NOT_SUPPORTED: the driver has no stream waits at all
+_RELEASE_TICK_S = 0.001  # how often WordReleaser looks at the words it holds (s), while it holds any
+
+
+def _at_or_past(word: int, seq: int) -> bool:
+    """``word >= seq`` as ``cuStreamWaitValue64``'s GEQ compares them (cyclic, 64-bit)."""
+    return (word - seq) & ((1 << 64) - 1) < 1 << 63
 
 _SOURCE = r"""
 extern "C" __global__ void tandem_ready_word(unsigned long long* word, unsigned long long seq) {
@@ -81,12 +97,12 @@ extern "C" __global__ void tandem_ready_word(unsigned long long* word, unsigned 
     __threadfence_system();
 }
 
-// Copies n 32-bit words from src to dst unless *void_word == seq: the wave was given up, and dst
+// Copies n 32-bit words from src to dst unless *void_word >= seq: the wave was given up, and dst
 // (the client's output region) may still be read by its previous wave's kernels.
 extern "C" __global__ void tandem_guarded_copy(unsigned int* dst, const unsigned int* src, unsigned long long n,
                                                const unsigned long long* void_word, unsigned long long seq) {
     __shared__ int skip;
-    if (threadIdx.x == 0) skip = *(volatile const unsigned long long*)void_word == seq;
+    if (threadIdx.x == 0) skip = *(volatile const unsigned long long*)void_word >= seq;
     __syncthreads();
     if (skip) return;
     for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
@@ -135,7 +151,7 @@ def stream_wait():
     Memory Operations"). None where this driver lacks it.
 
     Raises (the returned function):
-        RuntimeError: the driver refused the wait.
+        RuntimeError: the driver refused the wait (its ``status``: the CUresult).
     """
     fn = _driver_function("cuStreamWaitValue64_v2", "cuStreamWaitValue64")
     if fn is None:
@@ -144,7 +160,9 @@ def stream_wait():
     def wait(stream: int, address: int, seq: int) -> None:
         status = fn(stream, address, seq, _WAIT_GEQ)
         if status:
-            raise RuntimeError(f"cuStreamWaitValue64: CUresult {status}")
+            exc = RuntimeError(f"cuStreamWaitValue64: CUresult {status}")
+            exc.status = status
+            raise exc
 
     return wait
 
@@ -163,7 +181,7 @@ def guarded_copy(cupy):
     """``copy(dst, src, nbytes, void_address, seq)``: queues on the current
     stream a device-to-device copy of ``nbytes`` (a multiple of 4) from
     device address ``src`` to ``dst``, skipped on the GPU where the void word
-    at device ``void_address`` holds ``seq`` (an abandoned wave's outputs
+    at device ``void_address`` is at or past ``seq`` (an abandoned wave's outputs
     never reach the client's region). A kernel launch, in place of a
     ``cudaMemcpyAsync``; compiled and loaded here, not at a wave's copy.
 
@@ -261,16 +279,21 @@ class ReadyWord(MappedWords):
         self._store(self._stream.ptr, self.device, seq)
 
     def cancel(self, seq: int) -> None:
-        """Tells the server that wave ``seq`` will have no inputs (host
-        stores: the void word, then the ready word; no kernel for ``seq`` may
-        be queued), which releases its wait at once."""
-        self.view[VOID] = seq
+        """Tells the server that wave ``seq`` will have no inputs (no store for
+        ``seq`` may be queued): the last store queued is waited for first (a
+        late store of an earlier number would lower the word), then host
+        stores of the void word, then the ready word, release its wait at once."""
+        if self._stream is not None:
+            self._stream.synchronize()
+        self.view[VOID] = max(int(self.view[VOID]), seq)
         self.view[READY] = seq
 
     def given_up(self, seq: int) -> bool:
-        """Whether wave ``seq`` was given up (its outputs, if its ``done`` came,
-        are not its own: the server abandoned its wait)."""
-        return int(self.view[VOID]) == seq
+        """Whether wave ``seq`` was given up -- by this client, or by the
+        server, which abandoned its wait (its outputs, if its ``done`` came,
+        were not written). The void word only grows: a later wave given up
+        too still says so."""
+        return int(self.view[VOID]) >= seq
 
     def close(self) -> None:
         """Waits for the last store (its stream synchronised: this object holds
@@ -311,6 +334,8 @@ class WordWait:
         self._mapped = mapped
         self.ready_on_gpu = mapped is not None
         self._window_end = None  # monotonic s: the client's window, once its previous outputs are seen done
+        self.passed = None  # a GPU wait's: an event recorded right after it (query(): the stream is past it)
+        self.abandoned = False
 
     @property
     def output_guard(self) -> tuple[int, int] | None:
@@ -320,11 +345,13 @@ class WordWait:
 
     def ready(self) -> bool | None:
         """True: the inputs are written; False: the wave was given up (cancelled,
-        abandoned) or superseded; None: not yet."""
+        abandoned: the void word at or past ``seq``) or superseded; None: not yet."""
+        if int(self.words[VOID]) >= self.seq:
+            return False
         word = int(self.words[READY])
-        if word < self.seq:
+        if not _at_or_past(word, self.seq):
             return None
-        return word == self.seq and int(self.words[VOID]) != self.seq
+        return word == self.seq
 
     def wait_host(self, deadline: float | None) -> bool:
         """True once the ready word holds ``seq``; False once the wave was
@@ -373,12 +400,15 @@ class WordWait:
         mapped, releaser = self._mapped
         releaser.wait(stream_ptr, mapped.device + 8 * READY, self)
 
-    def abandon(self) -> None:
-        """Gives the wave up on the server's side: the void word, then the
-        ready word raised to ``seq`` (a GPU wait on it ends; the client, or a
-        late store of its own, finds the void word)."""
-        self.words[VOID] = self.seq
-        if int(self.words[READY]) < self.seq:
+    def abandon(self, force: bool = False) -> None:
+        """Gives the wave up on the server's side: the void word raised to
+        ``seq``, then the ready word, where it is below ``seq`` (a GPU wait
+        on it ends; the client, or a late store of its own, finds the void
+        word); ``force``: set to ``seq`` whatever it holds (a word no
+        store of the protocol wrote)."""
+        if int(self.words[VOID]) < self.seq:
+            self.words[VOID] = self.seq
+        if force or not _at_or_past(int(self.words[READY]), self.seq):
             self.words[READY] = self.seq
 
     def _previous_done(self) -> bool:
@@ -397,104 +427,145 @@ def _stream_mark(stream_ptr: int) -> LocalEvent:
 
 class WordReleaser:
     """The reward service's guarantee that every GPU wait on a ready word ends:
-    one thread that looks at the words of the waits queued
-    (:meth:`WordWait.wait_on_stream`) every ``_RELEASE_TICK_S`` while it holds
-    any, drops a wait once its word came (or its wave was given up), and
-    abandons it (:meth:`WordWait.abandon`) once :meth:`WordWait.expired`.
-    Idle, it sleeps on its condition. ``abandoned`` counts the waits it
-    released itself.
+    one thread that looks at the waits queued (:meth:`WordWait.wait_on_stream`)
+    every ``_RELEASE_TICK_S`` while it holds any. A wait is held until the
+    stream is past it (its ``passed`` event, recorded right after it): a
+    host read of the word alone cannot say so, since the word may still
+    change before the GPU looks. One not past once :meth:`WordWait.expired`
+    is abandoned (:meth:`WordWait.abandon`), and again, forced, a window
+    later: whatever a client writes into its word, the stream goes on.
+    Idle, the thread sleeps on its condition. ``abandoned`` counts the waves
+    it gave up; ``on_abandon(waiter)`` is called for each (outside the lock).
 
-    Invariant: a wait is registered under the lock before its
+    Invariants: a wait is registered under the lock before its
     ``cuStreamWaitValue64`` is queued, so no queued wait is ever unknown to
-    the releaser; :meth:`release` abandons a connection's waits before its
-    region is unmapped.
+    the releaser; a wait whose registration or driver call failed is not
+    held (the wave is polled on the host); :meth:`release` abandons a
+    connection's waits before its region is unmapped; a driver without
+    stream waits (CUDA_ERROR_NOT_SUPPORTED) turns them off for good, any
+    other refusal costs one wave's host poll.
     """
 
-    def __init__(self, wait=None, mark=None):
+    def __init__(self, wait=None, mark=None, on_abandon=None):
         # Stand-ins for tests without a GPU: ``wait`` for the driver's call, ``mark(stream)`` for
-        # the event recorded before it (an object with ``query()``).
+        # an event recorded on the stream (an object with ``query()``).
         self._wait = wait or stream_wait()
         self._mark = mark or _stream_mark
+        self._on_abandon = on_abandon
         self._cond = threading.Condition()
         self._pending: list[WordWait] = []  # guarded by _cond
         self.abandoned = 0
         self._closed = False
-        self._thread = None
+        self._thread = None  # started at the first wait
 
     @property
     def available(self) -> bool:
-        """Whether this driver has stream waits on a word (and has not refused one)."""
+        """Whether this driver has stream waits on a word."""
         return self._wait is not None
 
     def wait(self, stream_ptr: int, address: int, waiter: WordWait) -> None:
-        """Queues ``stream_ptr``'s wait for ``waiter``'s word at device ``address``.
+        """Queues ``stream_ptr``'s wait for ``waiter``'s word at device
+        ``address``, between two marks: ``waiter.after``, the work before it
+        (its window starts once that is done), and ``waiter.passed``.
 
         Raises:
-            RuntimeError: the driver refused it (nothing is held then, and
-                no later wait is tried: ``available`` turns False), or the
-                releaser is closed.
+            RuntimeError: the releaser is closed, or its thread cannot run,
+                or the driver refused the wait (nothing is held then).
         """
+        waiter.after = self._mark(stream_ptr)  # the previous outputs: what came before the wait
         with self._cond:
             if self._closed:
                 raise RuntimeError("the ready-word releaser is closed")
             if self._wait is None:
                 raise RuntimeError("no stream waits on a ready word here")
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="ready-word-releaser", daemon=True)
-                self._thread.start()
-            waiter.after = self._mark(stream_ptr)  # the previous outputs: what came before the wait
+            if self._thread is None or not self._thread.is_alive():
+                thread = threading.Thread(target=self._run, name="ready-word-releaser", daemon=True)
+                thread.start()  # raises RuntimeError where no thread can start: nothing is held
+                self._thread = thread
             self._pending.append(waiter)
             try:
                 self._wait(stream_ptr, address, waiter.seq)
             except BaseException as exc:
                 self._pending.remove(waiter)
-                if isinstance(exc, RuntimeError):  # the driver's refusal: every later wave is polled instead
+                if getattr(exc, "status", None) == _NOT_SUPPORTED:  # every later wave is polled instead
                     log.warning("leaf channel: %s; ready words are polled on the host from now on", str(exc))
                     self._wait = None
                 raise
             self._cond.notify()
+        waiter.passed = self._mark(stream_ptr)  # the worker queues nothing on this stream in between
 
     def release(self, words: np.ndarray | None = None) -> None:
         """Abandons at once every wait held on ``words`` (a connection's
-        region, before it is unmapped; None: every wait)."""
+        region, before it is unmapped; None: every wait), forced."""
         with self._cond:
-            keep = []
-            for w in self._pending:
-                if words is None or w.words is words:
-                    self._abandon(w)
-                else:
-                    keep.append(w)
-            self._pending = keep
+            given_up = [w for w in self._pending if words is None or w.words is words]
+            for w in given_up:
+                self._abandon(w, force=True)
+            self._pending = [w for w in self._pending if w not in given_up]
+        self._report(given_up)
 
     def close(self) -> None:
-        """Abandons every wait held and stops the thread."""
-        self.release()
+        """Abandons every wait held and stops the thread; later waits are refused."""
         with self._cond:
             self._closed = True
+            given_up = list(self._pending)
+            for w in given_up:
+                self._abandon(w, force=True)
+            self._pending = []
             self._cond.notify()
+        self._report(given_up)
         if self._thread is not None:
             self._thread.join(5.0)
 
-    def _abandon(self, w: WordWait) -> None:
-        if w.ready() is None:
-            w.abandon()
+    def _abandon(self, w: WordWait, force: bool = False) -> None:
+        if not w.abandoned:
+            if w.ready() is not None and not force:
+                return  # the word came: the GPU is about to pass the wait
+            w.abandoned = True
             self.abandoned += 1
-            log.warning("leaf channel: wave %d's ready word did not come in time; its GPU wait released, "
-                        "the wave given up", w.seq)
+        w.abandon(force)
+
+    def _report(self, waiters) -> None:
+        for w in waiters:
+            if w.abandoned and self._on_abandon is not None:
+                self._on_abandon(w)
 
     def _run(self) -> None:
-        with self._cond:
-            while not self._closed:
+        while True:
+            with self._cond:
+                if self._closed:
+                    return
                 if not self._pending:
                     self._cond.wait()
                     continue
-                now, keep = time.monotonic(), []
-                for w in self._pending:
-                    if w.ready() is not None:
-                        continue  # came, or given up by the client: the GPU wait has ended
-                    if w.expired(now):
-                        self._abandon(w)
-                    else:
-                        keep.append(w)
-                self._pending = keep
+                given_up = []
+                try:
+                    given_up = self._tick(time.monotonic())
+                except Exception:  # noqa: BLE001 - a query that failed: logged, the loop goes on
+                    log.exception("ready-word releaser: a look at the pending waits failed")
                 self._cond.wait(_RELEASE_TICK_S)
+            self._report(given_up)
+
+    def _tick(self, now: float) -> list[WordWait]:
+        """One look at every pending wait (under the lock): drops those the
+        stream is past; abandons those expired, again forced a window later.
+        Returns the waits given up in this look."""
+        keep, given_up = [], []
+        for w in self._pending:
+            if w.passed is not None and _passed(w.passed):
+                continue
+            keep.append(w)
+            if w.expired(now):  # a window later and still not past: forced, whatever the word says
+                first = not w.abandoned
+                self._abandon(w, force=w.expired(now - w.window))
+                if first and w.abandoned:
+                    given_up.append(w)
+        self._pending = keep
+        return given_up
+
+
+def _passed(event) -> bool:
+    try:
+        return event.query()
+    except Exception:  # noqa: BLE001 - CUDARuntimeError: a broken context runs nothing any more
+        return True

@@ -402,17 +402,19 @@ class _Search:
         stopped valuing leaves, or the waves are over: only the answer is
         left); it returns (results, trees). Without device waves it yields
         only DETACH, where the model stops."""
+        self._allocate()
+        timeline.mark("search.allocated")
         fresh = [i for i in range(self.n_trees) if i not in self.kept]
         root_rows = fresh[-1] + 1 if self.device_waves is not None and fresh else 0
         if root_rows and self.device_waves.announces:
-            # The roots' wave is announced first: the reward service's socket, lease and hand-over
-            # run while the trees are set up, not after init_trees (docs/design.md, "Announced waves").
+            # The roots' wave is announced now: the reward service's socket, lease and hand-over run
+            # while the trees are initialised, not after init_trees (docs/design.md, "Announced waves").
+            # Not before the allocation: a first pool of its size may take longer than the client's
+            # window for the inputs (5 ms), and a roots' wave given up turns the model off.
             try:
                 self.device_waves.announce(root_rows)
             except EvaluationFailed:  # the channel closed itself: the roots' evaluate says so, and is undone
                 pass
-        self._allocate()
-        timeline.mark("search.allocated")
         init_rows = self._init_rows()
         timeline.mark("search.init_rows")
         init = self.init_dev

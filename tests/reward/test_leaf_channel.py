@@ -211,6 +211,25 @@ def test_a_ready_region_that_is_a_wave_region_or_too_small_is_refused(reward):
         small.close()
 
 
+def test_a_ready_region_at_an_offset_not_a_multiple_of_8_is_refused(reward):
+    """The ready word is a uint64 the GPU waits on and the host stores: an
+    unaligned one is INVALID_ARGUMENT naming its region and offset."""
+    _, stub = reward
+    c = RawClient(reward[0], stub)
+    shm = shared_memory.SharedMemory(create=True, size=64)
+    try:
+        stub.RegisterSharedMemory(reward_pb2.RegisterSharedMemoryRequest(
+            client_id=c.inputs.client_id, name="word-at-4", byte_size=WORD_BYTES,
+            system=reward_pb2.SystemSharedMemory(key=shm.name, offset=4)))
+        code, message = status(c.attach(ready_region="word-at-4"))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "word-at-4" in message and "offset 4" in message
+        assert c.attach()[:1] == ATTACH
+    finally:
+        c.close()
+        shm.close()
+        shm.unlink()
+
+
 def test_a_ready_region_is_held_by_the_connection_and_unused_where_waves_are_synchronised(reward):
     """A well-formed ready word on a server whose critical lane cannot order
     by events (the CPU here): the attach succeeds without a done_event, its

@@ -6,6 +6,7 @@ recording stand-in: the stream wait itself needs a GPU and is tested with
 the leaf channel in tests/reward/test_leaf_channel_gpu.py, as is ReadyWord)."""
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from multiprocessing import shared_memory
@@ -21,7 +22,8 @@ from tandem.ready_word import READY, VOID, WORD_BYTES, WordReleaser, WordWait
 def memory():
     shm = shared_memory.SharedMemory(create=True, size=WORD_BYTES)
     yield shm
-    shm.close()  # the tests' views are gone with their frames
+    gc.collect()  # a raised exception's traceback holds the test's views in a cycle
+    shm.close()
     shm.unlink()
 
 
@@ -120,27 +122,61 @@ def test_the_hard_limit_ends_a_wait_whose_previous_run_never_ends(memory):
     assert not waiter.wait_host(time.monotonic() + 0.01)
 
 
-class StreamWaits:
-    """The driver's ``cuStreamWaitValue64`` as WordReleaser calls it: records each (stream, address, seq)."""
+class Gpu:
+    """The driver as WordReleaser uses it, for a CPU: ``wait`` records each
+    (stream, address, seq); ``mark`` returns the event recorded before a
+    wait (``before``: done unless given) or, right after one, the one that
+    says the stream is past it -- once the stream has reached the wait
+    (``reached``) and the word, compared as the GPU does, is at or past its
+    number (then it stays past)."""
 
-    def __init__(self, refuse: bool = False):
-        self.calls, self.refuse = [], refuse
+    def __init__(self, refuse: int | None = None, before: PreviousRun | None = None):
+        self.calls, self.refuse, self.before, self.reached = [], refuse, before, True
+        self.words: dict[int, np.ndarray] = {}
+        self._queued = None
 
-    def __call__(self, stream: int, address: int, seq: int) -> None:
-        if self.refuse:
-            raise RuntimeError("cuStreamWaitValue64: CUresult 1")
+    def address(self, words: np.ndarray) -> int:
+        address = 0x7000 + 0x100 * len(self.words)
+        self.words[address] = words
+        return address
+
+    def wait(self, stream: int, address: int, seq: int) -> None:
+        if self.refuse is not None:
+            exc = RuntimeError(f"cuStreamWaitValue64: CUresult {self.refuse}")
+            exc.status = self.refuse
+            raise exc
         self.calls.append((stream, address, seq))
+        self._queued = (self.words[address - 8 * READY], seq)
+
+    def mark(self, stream: int):
+        if self._queued is None:
+            return self.before or done_run()
+        (words, seq), self._queued = self._queued, None
+        return Past(self, words, seq)
 
 
-def done_mark(stream: int) -> PreviousRun:
-    """The releaser's mark of a stream whose earlier work is done."""
-    mark = PreviousRun()
-    mark.finished.set()
-    return mark
+class Past:
+    def __init__(self, gpu: Gpu, words: np.ndarray, seq: int):
+        self.gpu, self.words, self.seq, self.past = gpu, words, seq, False
+
+    def query(self) -> bool:
+        word = int(self.words[READY])
+        self.past = self.past or (self.gpu.reached and (word - self.seq) % (1 << 64) < 1 << 63)
+        return self.past
 
 
-def waiter_on_gpu(words, seq, releaser, **kw) -> WordWait:
-    mapped = SimpleNamespace(device=0x7000, view=words)  # MappedWords' two fields
+def done_run() -> PreviousRun:
+    run = PreviousRun()
+    run.finished.set()
+    return run
+
+
+def releaser_of(gpu: Gpu, **kw) -> WordReleaser:
+    return WordReleaser(gpu.wait, gpu.mark, **kw)
+
+
+def waiter_on_gpu(gpu: Gpu, words, seq, releaser, **kw) -> WordWait:
+    mapped = SimpleNamespace(device=gpu.address(words), view=words)  # MappedWords' two fields
     return WordWait(words, seq, mapped=(mapped, releaser), **kw)
 
 
@@ -155,31 +191,34 @@ def until(condition, timeout_s: float = 30.0) -> bool:
 
 def test_a_gpu_wait_whose_word_never_comes_is_abandoned_after_the_client_s_window(memory):
     """The releaser ends the wait itself: the void word names the wave, then
-    the ready word is raised to it (what releases the stream); the output
-    guard names the void word's device address."""
+    the ready word is raised to it (what releases the stream), and it is
+    held until the stream is past it; the output guard names the void
+    word's device address; on_abandon hears of it once."""
     words = words_of(memory)
     words[READY] = 2
-    waits = StreamWaits()
-    releaser = WordReleaser(waits, done_mark)
+    gpu, heard = Gpu(), []
+    releaser = releaser_of(gpu, on_abandon=heard.append)
     try:
-        waiter = waiter_on_gpu(words, 3, releaser, window=0.02)
+        waiter = waiter_on_gpu(gpu, words, 3, releaser, window=0.02)
         assert waiter.ready_on_gpu and waiter.output_guard == (0x7000 + 8, 3)
         waiter.wait_on_stream(0x42)
-        assert waits.calls == [(0x42, 0x7000, 3)]
-        assert until(lambda: releaser.abandoned == 1)
-        assert list(words) == [3, 3] and waiter.ready() is False
+        assert gpu.calls == [(0x42, 0x7000, 3)]
+        assert until(lambda: releaser.abandoned == 1 and not releaser._pending)  # noqa: SLF001
+        assert list(words) == [3, 3] and waiter.ready() is False and heard == [waiter]
     finally:
         releaser.close()
+    assert heard == [waiter]
 
 
 def test_a_gpu_wait_whose_word_comes_is_dropped_untouched(memory):
     words = words_of(memory)
-    releaser = WordReleaser(StreamWaits(), done_mark)
+    gpu = Gpu()
+    releaser = releaser_of(gpu)
     try:
-        waiter = waiter_on_gpu(words, 3, releaser, window=0.05)
-        waiter.wait_on_stream(0x42)
+        waiter_on_gpu(gpu, words, 3, releaser, window=0.05).wait_on_stream(0x42)
         words[READY] = 3
-        time.sleep(0.2)  # four windows: the releaser has looked many times
+        assert until(lambda: not releaser._pending)  # noqa: SLF001
+        time.sleep(0.2)  # four windows
         assert releaser.abandoned == 0 and list(words) == [3, 0]
     finally:
         releaser.close()
@@ -188,9 +227,10 @@ def test_a_gpu_wait_whose_word_comes_is_dropped_untouched(memory):
 def test_a_gpu_wait_is_not_abandoned_while_the_previous_outputs_are_pending(memory):
     words = words_of(memory)
     previous = PreviousRun()
-    releaser = WordReleaser(StreamWaits(), lambda stream: previous)  # the work queued before the wait: pending
+    gpu = Gpu(before=previous)  # the work queued before the wait: pending
+    releaser = releaser_of(gpu)
     try:
-        waiter_on_gpu(words, 3, releaser, window=0.01, hard_limit=time.monotonic() + 30).wait_on_stream(0x42)
+        waiter_on_gpu(gpu, words, 3, releaser, window=0.01, hard_limit=time.monotonic() + 30).wait_on_stream(0x42)
         time.sleep(0.1)
         assert releaser.abandoned == 0 and words[VOID] == 0
         previous.finished.set()
@@ -199,32 +239,77 @@ def test_a_gpu_wait_is_not_abandoned_while_the_previous_outputs_are_pending(memo
         releaser.close()
 
 
+def test_a_word_lowered_after_the_abandon_is_raised_again_until_the_stream_is_past(memory):
+    """A late store of an earlier number (the client's, landing after the
+    server gave the wave up) lowers the word before the stream looks: the
+    releaser holds the wait until the stream is past it and raises the word
+    again, so the wait ends all the same."""
+    words = words_of(memory)
+    gpu = Gpu()
+    gpu.reached = False  # the stream has not reached the wait yet
+    releaser = releaser_of(gpu)
+    try:
+        waiter_on_gpu(gpu, words, 3, releaser, window=0.01).wait_on_stream(0x42)
+        assert until(lambda: releaser.abandoned == 1)
+        words[READY] = 2  # the late store
+        gpu.reached = True
+        assert until(lambda: not releaser._pending)  # noqa: SLF001
+        assert list(words) == [3, 3] and releaser.abandoned == 1
+    finally:
+        releaser.close()
+
+
+def test_the_host_compares_as_the_gpu_does_cyclically(memory):
+    """cuStreamWaitValue64's "greater or equal" is cyclic: a word 2^63 or more
+    above the number is below it. Such a word is "not yet" for the host too,
+    so the releaser does not drop a wait the GPU still blocks on."""
+    words = words_of(memory)
+    words[READY] = (1 << 63) + 10
+    assert WordWait(words, 3).ready() is None
+    words[READY] = 5
+    assert WordWait(words, 3).ready() is False  # superseded: past it, not it
+
+
 def test_release_abandons_one_connection_s_waits_at_once_and_close_every_one(memory):
     words = words_of(memory)
     other = np.zeros(2, np.uint64)
-    releaser = WordReleaser(StreamWaits(), done_mark)
+    gpu = Gpu()
+    gpu.reached = False
+    releaser = releaser_of(gpu)
     try:
-        waiter_on_gpu(words, 5, releaser, window=30.0).wait_on_stream(1)
-        waiter_on_gpu(other, 7, releaser, window=30.0).wait_on_stream(2)
+        waiter_on_gpu(gpu, words, 5, releaser, window=30.0).wait_on_stream(1)
+        waiter_on_gpu(gpu, other, 7, releaser, window=30.0).wait_on_stream(2)
         releaser.release(words)
         assert list(words) == [5, 5] and list(other) == [0, 0]
     finally:
         releaser.close()
     assert list(other) == [7, 7] and releaser.abandoned == 2
     with pytest.raises(RuntimeError, match="closed"):
-        waiter_on_gpu(other, 8, releaser).wait_on_stream(2)
+        waiter_on_gpu(gpu, other, 8, releaser).wait_on_stream(2)
 
 
-def test_a_wait_the_driver_refuses_is_not_held_and_none_is_tried_again(memory):
+def test_a_driver_without_stream_waits_is_not_asked_again(memory):
     words = words_of(memory)
-    releaser = WordReleaser(StreamWaits(refuse=True), done_mark)
+    releaser = releaser_of(Gpu(refuse=801))  # CUDA_ERROR_NOT_SUPPORTED
     try:
-        with pytest.raises(RuntimeError, match="CUresult"):
-            waiter_on_gpu(words, 3, releaser, window=0.0).wait_on_stream(1)
+        with pytest.raises(RuntimeError, match="CUresult 801"):
+            waiter_on_gpu(Gpu(), words, 3, releaser, window=0.0).wait_on_stream(1)
         time.sleep(0.05)
-        assert releaser.abandoned == 0 and list(words) == [0, 0]
-        assert not releaser.available  # the driver's refusal holds: later waves are polled
+        assert releaser.abandoned == 0 and list(words) == [0, 0] and not releaser._pending  # noqa: SLF001
+        assert not releaser.available  # later waves are polled
         with pytest.raises(RuntimeError, match="no stream waits"):
-            waiter_on_gpu(words, 4, releaser).wait_on_stream(1)
+            waiter_on_gpu(Gpu(), words, 4, releaser).wait_on_stream(1)
+    finally:
+        releaser.close()
+
+
+def test_another_refusal_costs_one_wave_only(memory):
+    words = words_of(memory)
+    gpu = Gpu(refuse=1)  # CUDA_ERROR_INVALID_VALUE: this wave's address, say
+    releaser = releaser_of(gpu)
+    try:
+        with pytest.raises(RuntimeError, match="CUresult 1"):
+            waiter_on_gpu(gpu, words, 3, releaser).wait_on_stream(1)
+        assert releaser.available and not releaser._pending  # noqa: SLF001
     finally:
         releaser.close()
