@@ -170,7 +170,8 @@ class WaveEvents:
     (LocalEvent). ``ready_on_gpu``: the run's stream waits for ``ready`` on
     the GPU instead of a host poll (a LocalEvent's, for a driven wave: no
     host waits for the search's kernels, and no peer can die with the record
-    pending)."""
+    pending; or a ready word's, whose wait this server's WordReleaser ends
+    itself, whatever the client does)."""
 
     ready: OpenedEvent | LocalEvent | WordWait | None
     done: ExportedEvent | LocalEvent

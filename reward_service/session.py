@@ -299,7 +299,10 @@ def _wait_inputs(requests, stream_ptr: int | None = None) -> None:
     made to wait on the GPU for the events that allow it (``ready_on_gpu``)
     instead: a driven search's, recorded on a stream that holds that
     search's kernels alone (reward_service/in_process.py), so the wait lasts
-    its selection, never another client's work. None: every event polled."""
+    its selection, never another client's work; or a leaf channel's ready
+    word, whose wait the server's WordReleaser ends at the limits above
+    (tandem/ready_word.py; a wait the driver refuses is polled). None:
+    every event polled."""
     waiting = []
     for req in requests:
         if req.events is None:
