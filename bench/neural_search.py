@@ -8,11 +8,8 @@ channel (tandem/leaf_channel.py: one Unix-socket message each way per wave)
 with CUDA IPC regions as device waves (the selection kernel writes the leaves
 into the input region, the backup kernel reads the outputs from the output
 region: what a GPU search service does; CUDA events and the ready word order
-the two services' work, tandem/cuda_events.py, tandem/ready_word.py, each
-wave's message is announced ahead of its selection, and the reward
-service's stream waits for the ready word on the GPU); ``ipc_word_polled``,
-the same with the word polled by the reward service's worker before it
-queues the run (the way before); ``ipc_unannounced``,
+the two services' work, tandem/cuda_events.py, tandem/ready_word.py, and each
+wave's message is announced ahead of its selection); ``ipc_unannounced``,
 the same without the ready word (the ``ready`` event orders the inputs, and
 each message follows its selection: the way before); ``ipc_synchronised``, device waves over a
 channel without events (each side synchronises its stream before its
@@ -135,9 +132,7 @@ def _device_waves(evaluator, rows: int, driven: bool = True):
 
 def _row_handoff(evaluator, device) -> str:
     """A row's ``handoff``: ``ipc`` (device waves, each wave's message
-    announced ahead of its selection, the reward service's stream waiting
-    for its ready word on the GPU), ``ipc_word_polled`` (the same, the word
-    polled by the reward service's worker), ``ipc_unannounced`` (device waves
+    announced ahead of its selection), ``ipc_unannounced`` (device waves
     ordered by the ready event alone), ``ipc_synchronised`` (device waves, a
     channel without events), ``ipc_host`` (the leaf channel
     through the host), ``in_process`` / ``in_process_per_wave`` /
@@ -152,8 +147,6 @@ def _row_handoff(evaluator, device) -> str:
         return "ipc_synchronised"
     if evaluator.handoff == "ipc" and not evaluator.channel.announces:
         return "ipc_unannounced"
-    if evaluator.handoff == "ipc" and evaluator.channel.ready_wait == "host":
-        return "ipc_word_polled"
     return f"{evaluator.handoff}_{PER_WAVE}" if device == PER_WAVE else evaluator.handoff
 
 
@@ -320,17 +313,15 @@ def _in_process(cfg, device: bool):
     return LeafChannelEvaluator(port, timeout_s=30, handoff=HANDOFF_IN_PROCESS)
 
 
-def _leaf_channel(stub, max_rows: int, events: bool = True, announce: bool = True, gpu_wait: bool = True):
+def _leaf_channel(stub, max_rows: int, events: bool = True, announce: bool = True):
     """A leaf-channel evaluator attached to the reward service behind ``stub``,
     carrying waves of up to ``max_rows`` rows (``events``: offer CUDA events
     to order its waves by; ``announce``: and a ready word, so each wave's
-    message goes ahead of its selection; ``gpu_wait``: waited for on the
-    reward service's GPU, else polled by its worker)."""
+    message goes ahead of its selection)."""
     from search_service.evaluators import LeafChannelEvaluator
     from tandem.leaf_channel import LeafChannel
 
-    channel = LeafChannel.offered(stub, "connect4_value", max_rows, timeout_s=30, events=events, announce=announce,
-                                  gpu_wait=gpu_wait)
+    channel = LeafChannel.offered(stub, "connect4_value", max_rows, timeout_s=30, events=events, announce=announce)
     if channel is None:
         raise SystemExit("the reward service offers no leaf channel (reward.leaf_channel.enabled)")
     common.note(f"leaf channel: {channel.kind} input region, ordered by events: {channel.ordered}")
@@ -466,9 +457,6 @@ def _run(args, kinds: set[str], cfg, on_mps: bool) -> None:
             unannounced = _leaf_channel(stub, max_rows, announce=False) if ipc.channel.announces else None
             if unannounced is not None:  # ordered by the ready event alone: each message after its selection
                 ways.insert(1, (unannounced, True))
-            polled = _leaf_channel(stub, max_rows, gpu_wait=False) if ipc.channel.ready_wait == "gpu" else None
-            if polled is not None:  # the ready word polled by the reward service's worker
-                ways.insert(1, (polled, True))
             timed(ways)
             # A second reward service, in this process, for the in_process rows (co-located mode's
             # hand-off): started after the two-process rows, whose process it would share.
@@ -488,7 +476,7 @@ def _run(args, kinds: set[str], cfg, on_mps: bool) -> None:
                     pstats.Stats(profiler, stream=fh).sort_stats("tottime").print_stats(40)
                 profiler.dump_stats(out.with_suffix(".prof"))  # the whole profile, for pstats' callers and callees
                 common.note(f"profile of the latency rows: {out}")
-            for way in (ipc, synchronised, unannounced, polled):
+            for way in (ipc, synchronised, unannounced):
                 if way is not None:
                     way.channel.close()
             if args.serving == "in_process":  # co-located mode's serving path

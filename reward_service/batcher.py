@@ -168,14 +168,11 @@ class Request:
     ``done``: tandem/cuda_events.py; ``ready`` may be a ready word's poll,
     tandem/ready_word.py), or None. The run waits for ``ready`` (a host
     poll, at most session.READY_WAIT_S -- a ready word's, from its previous
-    outputs' end -- and not past ``deadline``; or, ``events.ready_on_gpu``,
-    a wait queued on the runner's stream, which the ready word's releaser
-    ends at the same limits)
+    outputs' end -- and not past ``deadline``)
     before it reads the feeds, and records ``done`` after it wrote the
-    targets; ``inputs_late`` says a host poll ran out (the request ran with
+    targets; ``inputs_late`` says the wait ran out (the request ran with
     whatever its rows held, and ``targets_written`` stays False: the caller
-    answers it with an error; a GPU wait's wave given up is told to its
-    client by its void word instead, its copies skipped on the GPU). A run whose every request has targets and events is not
+    answers it with an error). A run whose every request has targets and events is not
     synchronised at all: ``targets_written`` then means the copies are queued
     on the runner's stream, ordered before ``done``, and ``compute_ms`` is the
     host's time to queue the run, not the GPU's.

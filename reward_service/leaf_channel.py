@@ -37,35 +37,21 @@ Invariants:
   run wakes (in a run of worker-answered waves only, just after their
   replies).
 * An ordered channel's ready word (tandem/ready_word.py: this wave's
-  sequence number, in the client's ``ready_region``) is waited for on the
-  GPU where the client asks (``ready_wait: gpu``) and the driver can: the
-  critical lane's stream waits for it (``cuStreamWaitValue64`` on this
-  server's own mapping of the region, ``_GpuWords``), the run and the
-  output copies are queued behind the wait at once, and the worker answers
-  the wave as soon as they are queued. The server's ``WordReleaser`` ends
-  every such wait itself: a word that has not come session.READY_WAIT_S
-  after the stream's earlier work is done (or by the wave's deadline) is
-  abandoned -- the void word names the wave, the ready word is raised to
-  it -- so the stream never waits on a client for longer; the abandoned
-  wave's output copies are skipped on the GPU (guarded by the void word),
-  and its client, reading the void word once ``done`` is reached, fails
-  the wave DEADLINE_EXCEEDED. A connection's waits are abandoned, and the
-  lane's stream synchronised, before its word's mapping is released. Else
-  the word (``ready_wait: host``), or the ``ready`` event, is polled by the
-  critical lane's worker (session.READY_WAIT_S at most, counted for the
-  word from the moment the poll sees the channel's previous outputs done,
-  whatever its batch's limit: an announced wave's message comes while the
-  client still waits for them); a wave whose inputs come later, or that
-  its client cancelled, is answered DEADLINE_EXCEEDED and gets nothing
-  written into its regions. Either way the lane runs nothing else
-  meanwhile: a wave announced by one search holds it for the rest of its
-  previous wave plus its selection (~0.1-0.4 ms), and another search's
-  wave that comes meanwhile runs after it. Its opened event is released
-  when the connection ends.
+  sequence number, in the client's ``ready_region``) or ``ready`` event is
+  waited for by the critical lane's worker (session.READY_WAIT_S at most,
+  counted for the word from the moment the poll sees the channel's previous
+  outputs done, whatever its batch's limit: an announced wave's message
+  comes while the client still waits for them);
+  a wave whose inputs come later, or that its client cancelled, is
+  answered DEADLINE_EXCEEDED and gets nothing written into its regions.
+  While it waits the worker serves no other request: a wave announced by
+  one search holds the lane for the rest of its previous wave plus its
+  selection (~0.1-0.4 ms), and another search's wave that comes meanwhile
+  runs in the next batch. Its opened event is released when the
+  connection ends.
 * A region is attached to at most one connection (``_attached``): two
   connections writing one output region would answer each other's waves.
-  The ready word's region is a third, system memory (read by this host, or
-  by this GPU through this server's own mapping).
+  The ready word's region is a third, read by this host alone (system).
 * Every message gets an answer (``R``/``A`` or ``E`` with a gRPC status); a
   malformed message closes nothing but the answer; the connection closes only
   when its client closes it, the server stops, the socket fails, or it has
@@ -91,7 +77,6 @@ from dataclasses import dataclass
 
 import grpc
 import numpy as np
-from prometheus_client import Counter
 from tandem.v1 import reward_pb2
 
 from reward_service.batcher import LANES
@@ -105,13 +90,10 @@ from tandem.cuda_events import IPC_EVENT_HANDLE_BYTES, ExportedEvent, LocalEvent
 from tandem.errors import quote
 from tandem.leaf_channel import (ATTACH, ERROR, MAX_MESSAGE_BYTES, REPLY, REPLY_FORMAT, WAVE, WAVE_FORMAT, OutputSlot,
                                  output_layout, pack_error)
-from tandem.ready_word import MAX_SEQ, WORD_BYTES, MappedWords, WordReleaser, WordWait
+from tandem.ready_word import WORD_BYTES, WordWait
 
 log = logging.getLogger(__name__)
 
-GIVEN_UP = Counter("tandem_leaf_channel_waves_given_up", "Leaf-channel waves whose ready word did not come in time "
-                   "(their GPU wait released by the server, its client told by the void word; each was answered, "
-                   "so it is counted among the model's successes too).")
 CRITICAL = reward_pb2.REQUEST_CLASS_CRITICAL
 CRITICAL_LANE = LANES[CRITICAL]  # a wave's lane in the per-model metrics
 
@@ -142,23 +124,11 @@ class _Attachment:
     output_names: tuple[str, ...]  # the outputs' names, in slot order
     events: WaveEvents | None = None  # an ordered channel's CUDA events (tandem/cuda_events.py)
     ready_region: str | None = None  # the client's ready word (tandem/ready_word.py), a system region
-    words: _GpuWords | None = None  # this server's own mapping of it, where waves wait for it on the GPU
 
     @property
     def regions(self) -> list[str]:
         """The regions pinned to the connection."""
         return [self.input_region, self.output_region, *([self.ready_region] if self.ready_region else [])]
-
-
-@dataclass(frozen=True)
-class _GpuWords:
-    """A connection's ready word mapped for this server's GPU: its own mapping
-    of the client's region (``memory``, reward_service/shared_memory.py), so
-    it outlives the region's registration while a GPU wait may read it, and
-    its registration with the driver (``mapped``)."""
-
-    memory: object
-    mapped: MappedWords
 
 
 @dataclass(frozen=True)
@@ -170,8 +140,7 @@ class WaveEvents:
     (LocalEvent). ``ready_on_gpu``: the run's stream waits for ``ready`` on
     the GPU instead of a host poll (a LocalEvent's, for a driven wave: no
     host waits for the search's kernels, and no peer can die with the record
-    pending; or a ready word's, whose wait this server's WordReleaser ends
-    itself, whatever the client does)."""
+    pending)."""
 
     ready: OpenedEvent | LocalEvent | WordWait | None
     done: ExportedEvent | LocalEvent
@@ -190,19 +159,6 @@ def _close_ready(events: WaveEvents | None) -> None:
     """Releases an attachment's opened ``ready`` event, where it has one."""
     if events is not None and events.ready is not None:
         events.ready.close()
-
-
-def _unmap_words(words: _GpuWords | None) -> None:
-    """Unregisters and unmaps a connection's ready word (no GPU work may still read it)."""
-    if words is None:
-        return
-    try:
-        words.mapped.unmap()
-    finally:
-        try:
-            words.memory.close()
-        except BufferError:  # a wave's view still lives: the mapping goes with it
-            pass
 
 
 def remove_stale_sockets(directory: str) -> list[str]:
@@ -314,8 +270,6 @@ class LeafChannelServer:
         remove_stale_sockets(directory)
         self.path = os.path.join(directory, f"{SOCKET_PREFIX}{os.getpid()}-{id(self):x}.sock")
         self._lock = threading.Lock()
-        # ends every GPU wait on a ready word that does not come
-        self._releaser = WordReleaser(on_abandon=lambda waiter: GIVEN_UP.inc())
         self._connections: dict[socket.socket, threading.Thread] = {}  # guarded by _lock
         self._attached: set[str] = set()  # region names; guarded by _lock
         self._closed = False
@@ -379,7 +333,6 @@ class LeafChannelServer:
 
     def _serve(self, conn: socket.socket) -> None:
         attachment = None
-        last_seq = 0  # the last wave's number (a GPU wait's numbers must grow)
         since = time.monotonic()  # the connection's start, or its last message
         # The same socket for the critical lane's worker to answer on without blocking
         # (a socket's timeout is per object; a send on a timeout socket waits up to it).
@@ -408,7 +361,7 @@ class LeafChannelServer:
                 if kind == ATTACH and attachment is None:
                     attachment = self._attach_message(conn, message)
                 elif kind == WAVE and attachment is not None:
-                    last_seq = self._wave_message(conn, nonblocking, attachment, message, last_seq)
+                    self._wave_message(conn, nonblocking, attachment, message)
                 else:
                     what = "an attach first" if attachment is None else "a wave"
                     self._send(conn, pack_error(0, grpc.StatusCode.FAILED_PRECONDITION,
@@ -447,8 +400,6 @@ class LeafChannelServer:
                   "execution_provider": attachment.session.execution_provider}
         if attachment.events is not None:
             layout["done_event"] = attachment.events.done.handle.hex()
-            if attachment.ready_region:
-                layout["ready_wait"] = "gpu" if attachment.words is not None else "host"
         self._send(conn, ATTACH + json.dumps(layout).encode())
         return attachment
 
@@ -498,13 +449,9 @@ class LeafChannelServer:
         attachment = _Attachment(client_id, session, max_rows, input_region, input_row, dtype, output_region,
                                  tuple(slots), in_bytes, out_bytes, spec.name, tuple(s.name for s in slots), events,
                                  ready_region)
-        words = None
         try:
             with self.regions.acquire(client_id, attachment.regions) as lease:
                 out_kind = self._check_regions(lease, attachment)
-                if (events is not None and ready_region and out_kind == "cuda" and req.get("ready_wait") == "gpu"
-                        and self._releaser.available):
-                    words = self._map_words(lease, ready_region)
             with self._lock:
                 taken = set(attachment.regions) & self._attached
                 if taken:
@@ -513,31 +460,11 @@ class LeafChannelServer:
                 self._attached |= set(attachment.regions)
         except BaseException:
             _close_ready(events)
-            _unmap_words(words)
             raise
         if events is not None and out_kind != "cuda":  # outputs the host writes: the reply alone orders them
             _close_ready(events)
             attachment = dataclasses.replace(attachment, events=None)
-        elif words is not None:
-            attachment = dataclasses.replace(attachment, words=words)
         return attachment
-
-    @staticmethod
-    def _map_words(lease, region: str) -> _GpuWords | None:
-        """The ready word's region mapped for this server's GPU, for waits on
-        the GPU; None where the driver refuses (its waves are polled on the host).
-
-        Raises:
-            SharedMemoryError: the region's object is gone or shrank.
-        """
-        memory = lease.own_mapping(region, WORD_BYTES)
-        try:
-            return _GpuWords(memory, MappedWords(memory.writable(0, _WORD, (WORD_BYTES // _WORD.itemsize,))))
-        except Exception as exc:  # noqa: BLE001 - RuntimeError, CUDARuntimeError: polled on the host instead
-            why = f"{type(exc).__name__}: {exc}"
-        log.warning("leaf channel: the ready word cannot be mapped for the GPU (%s); its waves are polled", why)
-        memory.close()
-        return None
 
     @staticmethod
     def _open_events(ready_hex, ready_word: bool, session: ModelSession) -> WaveEvents | None:
@@ -586,7 +513,7 @@ class LeafChannelServer:
         sizes = lease.describe()
         rows = f"{a.max_rows} rows of model {a.session.name!r}"
         needs = [(a.input_region, a.input_bytes, REGION_KINDS, rows), (a.output_region, a.output_bytes, REGION_KINDS, rows)]
-        if a.ready_region:  # read by this host (and GPU): system memory, its words aligned
+        if a.ready_region:  # read by this host: system memory, the word aligned (a torn read would misorder)
             needs.append((a.ready_region, WORD_BYTES, ("system",), "the ready word"))
             offset = lease.system_offset(a.ready_region)
             if offset is not None and offset % 8:
@@ -614,17 +541,6 @@ class LeafChannelServer:
             _close_ready(a.events)
         except Exception as exc:  # noqa: BLE001 - the slot and the regions are freed whatever the driver says
             log.warning("leaf channel of client %r: releasing its ready_event: %s", a.client_id, exc)
-        if a.words is not None:  # its GPU waits end, and the work that reads the words, before they are unmapped
-            self._releaser.release(a.words.mapped.view)
-            try:
-                a.session.synchronize_critical()
-            except Exception as exc:  # noqa: BLE001 - a broken context: nothing runs on it any more
-                log.warning("leaf channel of client %r: synchronising before its ready word is unmapped: %s",
-                            a.client_id, exc)
-            try:
-                _unmap_words(a.words)
-            except Exception as exc:  # noqa: BLE001 - the slot and the regions are freed whatever the driver says
-                log.warning("leaf channel of client %r: unmapping its ready word: %s", a.client_id, exc)
         with self._lock:
             self._attached -= set(a.regions)
         for name in a.regions:
@@ -636,8 +552,7 @@ class LeafChannelServer:
     # -- waves ------------------------------------------------------------------------
 
     def _wave_message(self, conn: socket.socket, nonblocking: socket.socket | None, a: _Attachment,
-                      message: bytes, last_seq: int) -> int:
-        """Answers one ``W`` message; returns the connection's last wave number."""
+                      message: bytes) -> None:
         start = time.perf_counter()
         seq, rows, done, reason = 0, 0, None, None
         try:
@@ -645,10 +560,6 @@ class LeafChannelServer:
                 raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT,
                                  f"wave: {len(message)} bytes, expected {1 + WAVE_FORMAT.size}")
             seq, rows, timeout_us = WAVE_FORMAT.unpack_from(message, 1)
-            if a.words is not None and not last_seq < seq < MAX_SEQ:  # the GPU's compare is cyclic
-                raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, f"wave: seq {seq} must be above the last "
-                                 f"({last_seq}) and below 2^62: the ready word's numbers grow")
-            last_seq = max(last_seq, seq)
             if not 1 <= rows <= a.max_rows:
                 raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, f"wave: rows {rows} out of range 1..{a.max_rows} "
                                  "(the attached regions' size)")
@@ -680,7 +591,6 @@ class LeafChannelServer:
             self.metrics.succeeded(name, CRITICAL_LANE, rows, elapsed_s, done.queue_ms / 1e3)
         else:
             self.metrics.failed(name, CRITICAL_LANE, reason, elapsed_s)
-        return last_seq
 
     def _run_wave(self, a: _Attachment, seq: int, rows: int, deadline: float | None, answer):
         """Runs rows [0, rows) of the input region and writes the outputs.
@@ -707,15 +617,10 @@ class LeafChannelServer:
                 targets = {s.name: lease.array(a.output_region, s.offset, _FLOAT32, (rows, *s.row))
                            for s in a.outputs}
             events = a.events
-            if events is not None and a.ready_region:  # this wave's wait for the ready word
+            if events is not None and a.ready_region:  # this wave's poll of the ready word
+                word = lease.array(a.ready_region, 0, _WORD, (1,))
                 hard_limit = time.monotonic() + WORD_WAIT_CAP_S if deadline is None else deadline
-                if a.words is not None:  # on the GPU, released by the releaser at the latest
-                    waiter = WordWait(a.words.mapped.view, seq, events.done, READY_WAIT_S, hard_limit,
-                                      (a.words.mapped, self._releaser))
-                else:
-                    waiter = WordWait(lease.array(a.ready_region, 0, _WORD, (WORD_BYTES // _WORD.itemsize,)), seq,
-                                      events.done, READY_WAIT_S, hard_limit)
-                events = WaveEvents(waiter, events.done, waiter.ready_on_gpu)
+                events = WaveEvents(WordWait(word, seq, events.done, READY_WAIT_S, hard_limit), events.done)
             timeline.mark("channel.submitted")
             done = run(self.batchers[a.session.name], a.session.name, {a.input_name: feed}, rows,
                        CRITICAL, deadline, a.output_names, targets, answer, events)
@@ -749,7 +654,6 @@ class LeafChannelServer:
         for thread in connections.values():
             thread.join(5.0)
         self._accepter.join(5.0)
-        self._releaser.close()
         try:
             os.unlink(self.path)
         except FileNotFoundError:

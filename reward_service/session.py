@@ -66,7 +66,6 @@ from tandem import nvtx, tensors, timeline
 from tandem.config import ModelConfig, RewardConfig, resolve_path
 from tandem.errors import quote
 from tandem.gpu import cuda_device_count, cupy_module
-from tandem.ready_word import guarded_copy
 from tandem.stream_priority import nearest_allowed
 
 log = logging.getLogger(__name__)
@@ -125,7 +124,6 @@ class _CupyDevice:
         self._cp, self._cupyx = cupy, cupyx
         self.stream_priority = stream_priority
         self.stream = cupy.cuda.Stream(non_blocking=True, priority=stream_priority)
-        self._guarded_copy = guarded_copy(cupy)  # tandem/ready_word.py's kernel, loaded before any request
 
     @property
     def stream_handle(self) -> str:
@@ -168,22 +166,10 @@ class _CupyDevice:
         IPC memory, already written) into rows ``start:`` of ``dev``."""
         self._copy(dev, start, src, 0, len(src))
 
-    def copy_out(self, dst, src, start: int, guard: tuple[int, int] | None = None) -> None:
+    def copy_out(self, dst, src, start: int) -> None:
         """Device to device, on this stream: rows ``start:start + len(dst)`` of
-        ``src`` (a bound output) into ``dst`` (another process's CUDA IPC
-        memory). ``guard``: (device address of a ready word's void word,
-        seq): skipped on the GPU where it holds seq (tandem/ready_word.py)."""
-        if guard is None:
-            self._copy(dst, 0, src, start, len(dst))
-            return
-        if dst.dtype != src.dtype or dst.shape[1:] != src.shape[1:] or not (dst.flags.c_contiguous
-                                                                           and src.flags.c_contiguous):
-            raise ValueError("a guarded copy needs C-contiguous arrays of one row shape and dtype")
-        if start + len(dst) > len(src):
-            raise ValueError(f"copy of {len(dst)} rows from row {start} of {len(src)}")
-        row = _row_bytes(dst)
-        with self.stream:
-            self._guarded_copy(dst.data.ptr, src.data.ptr + start * row, len(dst) * row, *guard)
+        ``src`` (a bound output) into ``dst`` (another process's CUDA IPC memory)."""
+        self._copy(dst, 0, src, start, len(dst))
 
     def zero(self, dev, start: int, stop: int) -> None:
         if dev.flags.c_contiguous:  # one cudaMemsetAsync: no slice, no kernel launch from Python
@@ -299,21 +285,15 @@ def _wait_inputs(requests, stream_ptr: int | None = None) -> None:
     made to wait on the GPU for the events that allow it (``ready_on_gpu``)
     instead: a driven search's, recorded on a stream that holds that
     search's kernels alone (reward_service/in_process.py), so the wait lasts
-    its selection, never another client's work; or a leaf channel's ready
-    word, whose wait the server's WordReleaser ends at the limits above
-    (tandem/ready_word.py; a wait the driver refuses is polled). None:
-    every event polled."""
+    its selection, never another client's work. None: every event polled."""
     waiting = []
     for req in requests:
         if req.events is None:
             continue
         if stream_ptr is not None and req.events.ready_on_gpu:
-            try:
-                req.events.ready.wait_on_stream(stream_ptr)
-                continue
-            except RuntimeError as exc:  # the driver refused a ready word's GPU wait: polled instead
-                log.debug("a wave's wait on the GPU refused (%s); polled on the host", exc)
-        waiting.append(req)
+            req.events.ready.wait_on_stream(stream_ptr)
+        else:
+            waiting.append(req)
     if not waiting:
         return
     deadlines = [r.deadline for r in requests if r.deadline is not None]
@@ -397,10 +377,8 @@ class _BoundRunner:
             (req, off) for req, off in zip(device_batch.requests, device_batch.offsets)
             if req.targets and not req.inputs_late]
         for req, off in targeted:
-            # A ready word waited for on the GPU: copies skipped there if the wave is given up.
-            guard = getattr(req.events.ready, "output_guard", None) if req.events is not None else None
             for name, target in req.targets.items():
-                dev.copy_out(target, slot.dev_out[name], off, guard)
+                dev.copy_out(target, slot.dev_out[name], off)
         everyone = device_batch is not None and len(targeted) == len(device_batch.requests)
         if not everyone:
             for name, d in slot.dev_out.items():
@@ -786,11 +764,6 @@ class ModelSession:
         """Whether the critical lane can order leaf-channel waves by CUDA
         events (a bound runner on a CuPy stream; Request.events)."""
         return isinstance(self._critical, _BoundRunner) and isinstance(self._critical.device, _CupyDevice)
-
-    def synchronize_critical(self) -> None:
-        """Waits for the work queued on the critical lane's stream (none: returns)."""
-        if self.orders_by_events:
-            self._critical.device.synchronize()
 
     def lane_runners(self, lane: int | None = None) -> list:
         """The runners ``lane`` (``CRITICAL`` or ``BULK``) runs on; None: every

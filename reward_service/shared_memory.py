@@ -177,10 +177,6 @@ class _SystemMemory:
     def write(self, offset: int, array: np.ndarray) -> None:
         np.copyto(np.ndarray(array.shape, array.dtype, self._window(offset, array.nbytes)), array)
 
-    def writable(self, offset: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
-        """A writable NumPy array over the region's bytes from ``offset``, not copied."""
-        return np.ndarray(shape, dtype, self._window(offset, math.prod(shape) * dtype.itemsize))
-
     def close(self) -> None:
         """Unmaps and closes the descriptor; raises BufferError (and unmaps
         nothing) while arrays over the mapping live. Idempotent."""
@@ -679,18 +675,6 @@ class Lease:
         """The held region's offset in its POSIX object (None: a CUDA region)."""
         memory = self._regions[region].memory
         return memory.offset if memory.kind == "system" else None
-
-    def own_mapping(self, region: str, byte_size: int) -> _SystemMemory:
-        """A mapping of its own of the first ``byte_size`` bytes of the held
-        system region ``region``, which the caller closes: it outlives the
-        region's registration (a client may unregister or re-register the
-        name; the pages stay while the mapping lives).
-
-        Raises:
-            SharedMemoryError: the object is gone or shrank (as at registration).
-        """
-        memory = self._regions[region].memory
-        return _SystemMemory(memory.key, memory.offset, byte_size)
 
     def array(self, region: str, offset: int, dtype: np.dtype, shape: tuple[int, ...]):
         """``shape`` of ``dtype`` at ``offset`` of the held region ``region``, not

@@ -42,14 +42,11 @@ runs it on a bound runner orders them on the GPU's side instead
 ``ready_region`` -- a system region holding the client's ready word
 (tandem/ready_word.py): a sequence number its stream stores after the
 kernels that write a wave's inputs -- or, where this process cannot map
-one, its ``ready_event``. The server's critical-lane stream waits for the
-word on the GPU (``ready_wait: gpu``, its run queued behind the wait at
-once), or its worker polls the word (or the event) before it copies the
-inputs in (at most 5 ms once the previous wave's outputs are done: a word
-that comes later gets its wave given up, and the void word beside it says
-so); it records ``done`` after its output copies and sends ``R`` once they
-are queued, not done; the client waits for ``done`` before its kernels
-read them, then reads the void word. Each side's wait is then for the other's GPU
+one, its ``ready_event``. The critical lane's worker waits for the word (or
+the event) before it copies the inputs in (at most 5 ms once the previous
+wave's outputs are done), records ``done`` after its output copies and
+sends ``R`` once they are queued, not done; the client waits for ``done``
+before its kernels read them. Each side's wait is then for the other's GPU
 work alone, past the socket hops and host work between, not for a
 synchronisation followed by a hop. With the word, a wave's ``W`` may even
 go before its inputs' kernels are queued (:meth:`LeafChannel.announce`): a
@@ -196,10 +193,6 @@ class LeafChannel:
         announce: with events, a ready word too, where this process can map
             one (:attr:`announces`; False: the ``ready`` event orders the
             inputs, and each wave's message follows its kernels).
-        gpu_wait: with a ready word, ask the server to wait for it on the GPU
-            (``cuStreamWaitValue64``: the run queued at once, no host reaction
-            between the word and the model) where its driver can; False: its
-            worker polls the word (:attr:`ready_wait` says which it chose).
 
     Raises:
         LeafChannelError: the model's metadata, the registration, the socket
@@ -210,7 +203,7 @@ class LeafChannel:
     def __init__(self, stub: reward_pb2_grpc.RewardServiceStub, path: str, model: str, max_rows: int,
                  device_id: int = -1, timeout_s: float = 5.0,
                  meta: reward_pb2.ModelMetadataResponse | None = None, cuda_outputs: bool = True,
-                 events: bool = True, announce: bool = True, gpu_wait: bool = True):
+                 events: bool = True, announce: bool = True):
         self.path, self.model, self.max_rows, self._timeout_s = path, model, max_rows, timeout_s
         meta = meta or _metadata(stub, model, timeout_s)
         spec = meta.inputs[0]
@@ -226,8 +219,7 @@ class LeafChannel:
         self._word_region = self._word = None  # its ready word, where this process can map one
         self._announced = None  # rows of the wave whose message went ahead of its inputs (announce)
         self._marked = 0  # the last seq whose inputs' ready word or event is queued
-        self._outputs_due = None  # a wave answered, its outputs not waited for yet: (its deadline or False, seq)
-        self.ready_wait = None  # how the server waits for the inputs: "gpu" or "host" (the word), "event"; None: synchronised
+        self._outputs_due = None  # a wave answered, its outputs not waited for yet: its deadline (or False)
         try:
             self._inputs = _input_region(stub, in_bytes, device_id, timeout_s)
             self.kind = self._inputs.kind
@@ -246,7 +238,6 @@ class LeafChannel:
                 self._word = self._ready_word(stub, timeout_s) if announce else None
                 if self._word is not None:
                     attach["ready_region"] = self._word_region.name
-                    attach["ready_wait"] = "gpu" if gpu_wait else "host"
                 else:
                     self._ready = ExportedEvent()
                     attach["ready_event"] = self._ready.handle.hex()
@@ -283,11 +274,9 @@ class LeafChannel:
         """
         try:
             offered = self._ready is not None or self._word is not None
-            layout = json.loads(layout) if offered else {}
-            handle = layout.get("done_event")
+            handle = json.loads(layout).get("done_event") if offered else None
             if handle is not None:
                 self._done = OpenedEvent(bytes.fromhex(handle))
-                self.ready_wait = str(layout.get("ready_wait", "")) if self._word is not None else "event"
         except (ValueError, TypeError, AttributeError) as exc:  # the server waits for events nobody records
             self.close(wait_detached=False)
             raise LeafChannelError(grpc.StatusCode.INTERNAL, f"attach: the server's done_event: {exc}") from None
@@ -308,7 +297,7 @@ class LeafChannel:
         self._word_region = SystemSharedMemoryRegion(stub, WORD_BYTES, client_id=self._inputs.client_id,
                                                      timeout_s=timeout_s)
         try:
-            return ReadyWord(self._word_region.array(0, np.uint64, (WORD_BYTES // 8,)))
+            return ReadyWord(self._word_region.array(0, np.uint64, (1,)))
         except Exception as exc:  # noqa: BLE001 - RuntimeError, CUDARuntimeError, CompileException: the event instead
             why = f"{type(exc).__name__}: {exc}"
         # Outside the except: its traceback held the view, and the region is not freed under a view.
@@ -328,13 +317,12 @@ class LeafChannel:
 
     @classmethod
     def offered(cls, stub: reward_pb2_grpc.RewardServiceStub, model: str, max_rows: int,
-                timeout_s: float = 5.0, events: bool = True, announce: bool = True,
-                gpu_wait: bool = True) -> LeafChannel | None:
+                timeout_s: float = 5.0, events: bool = True, announce: bool = True) -> LeafChannel | None:
         """The leaf channel the reward service behind ``stub`` offers for
         ``model`` (``ModelMetadata.runtime``: its socket and device), attached
         for at most ``max_rows`` rows per wave, fewer where the model's
         ``max_batch_size`` is smaller; None when it offers none (``events``,
-        ``announce``, ``gpu_wait``: as the constructor's).
+        ``announce``: as the constructor's).
 
         Raises:
             LeafChannelError: as the constructor.
@@ -347,7 +335,7 @@ class LeafChannel:
         if meta.max_batch_size:  # the server refuses a channel wider than the model's batches
             max_rows = min(max_rows, meta.max_batch_size)
         cuda_outputs = "cuda" in meta.runtime.get(f"{RUNTIME_KEY}_outputs", "system").split(",")
-        return cls(stub, path, model, max_rows, device, timeout_s, meta, cuda_outputs, events, announce, gpu_wait)
+        return cls(stub, path, model, max_rows, device, timeout_s, meta, cuda_outputs, events, announce)
 
     def evaluate(self, inputs, deadline: float | None = None) -> dict[str, np.ndarray]:
         """The model's outputs (name -> float32 ``[N, *row]``, copies) for
@@ -423,10 +411,8 @@ class LeafChannel:
     @property
     def announces(self) -> bool:
         """Whether waves may be announced (:meth:`announce`): an
-        :attr:`ordered` channel with a ready word (tandem/ready_word.py)
-        whose server says how it waits for it (one that predates the void
-        word would run a cancelled wave: its waves follow their kernels)."""
-        return self._word is not None and self._done is not None and self.ready_wait in ("gpu", "host")
+        :attr:`ordered` channel with a ready word (tandem/ready_word.py)."""
+        return self._word is not None and self._done is not None
 
     def announce(self, rows: int, deadline: float | None = None) -> None:
         """Sends the next wave's message now, before its inputs are written:
@@ -499,9 +485,9 @@ class LeafChannel:
         """
         if self._outputs_due is None:
             return
-        (deadline, seq), self._outputs_due = self._outputs_due, None
+        deadline, self._outputs_due = self._outputs_due, None
         try:
-            self._wait_done(deadline or None, seq)
+            self._wait_done(deadline or None)
         except LeafChannelError:
             self.cancel_announced()
             raise
@@ -565,23 +551,20 @@ class LeafChannel:
         _, self.bucket, self.queue_ms, self.compute_ms = REPLY_FORMAT.unpack_from(reply, 1)
         if ordered:  # the outputs' copies, queued by the server before its reply
             if wait_outputs:
-                self._wait_done(deadline, self._seq)
+                self._wait_done(deadline)
             else:
-                self._outputs_due = deadline or False, self._seq
+                self._outputs_due = deadline or False
 
-    def _wait_done(self, deadline: float | None, seq: int) -> None:
-        """Waits for the server's ``done`` event (wave ``seq``'s output copies):
+    def _wait_done(self, deadline: float | None) -> None:
+        """Waits for the server's ``done`` event (its wave's output copies):
         the reply came, so the wave's run is queued on the GPU, a few hundred
         µs from done; a wave that straddles the deadline is waited for up to
-        ``DONE_GRACE_S`` past it rather than thrown away. Then, with a ready
-        word, checks that the server did not give the wave up (a GPU wait it
-        released without the word: its outputs were not written).
+        ``DONE_GRACE_S`` past it rather than thrown away.
 
         Raises:
             LeafChannelError: DEADLINE_EXCEEDED (not done by ``deadline`` plus
-                the grace, or ``timeout_s`` without one; or given up by the
-                server); UNAVAILABLE (the driver reports an error for it: the
-                channel is closed).
+                the grace, or ``timeout_s`` without one); UNAVAILABLE (the
+                driver reports an error for it: the channel is closed).
         """
         limit = time.monotonic() + self._timeout_s if deadline is None else deadline + DONE_GRACE_S
         try:
@@ -591,10 +574,6 @@ class LeafChannel:
             raise LeafChannelError(grpc.StatusCode.UNAVAILABLE, f"the server's done_event: {exc}") from None
         if not ok:
             raise LeafChannelError(grpc.StatusCode.DEADLINE_EXCEEDED, "the wave's outputs not written by the deadline")
-        if self._word is not None and self._word.given_up(seq):
-            raise LeafChannelError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                   f"wave {seq}: the reward service gave it up, its ready word not stored within "
-                                   "5 ms of the previous outputs; its outputs were not written")
 
     def _wait_detached(self, limit: float) -> None:
         """Half-closes the socket and reads (and drops) what the server still

@@ -27,7 +27,6 @@ from tandem import tensors
 from tandem.config import LeafChannelConfig
 from tandem.leaf_channel import (ATTACH, ERROR, MAX_MESSAGE_BYTES, REPLY, WAVE, WAVE_FORMAT, LeafChannel,
                                  LeafChannelError, unpack_error)
-from tandem.ready_word import WORD_BYTES
 from tandem.server import channel
 from tandem.shared_memory_client import SystemSharedMemoryRegion
 
@@ -193,15 +192,14 @@ def test_a_ready_event_on_a_server_that_cannot_order_by_events_leaves_the_channe
 
 def test_a_ready_region_that_is_a_wave_region_or_too_small_is_refused(reward):
     """The ready word (tandem/ready_word.py) needs a system region of its own
-    of at least WORD_BYTES (its two words): one of the wave's regions named
-    again, or a smaller one, is INVALID_ARGUMENT naming it; the connection
-    attaches right after."""
+    of at least 8 bytes: one of the wave's regions named again, or a smaller
+    one, is INVALID_ARGUMENT naming it; the connection attaches right after."""
     service, stub = reward
     c = RawClient(service, stub)
-    small = SystemSharedMemoryRegion(stub, 8, client_id=c.inputs.client_id)
+    small = SystemSharedMemoryRegion(stub, 4, client_id=c.inputs.client_id)
     try:
         for region, words in ((c.inputs.name, "is also a wave's region"), (c.outputs.name, "is also a wave's region"),
-                              (small.name, f"need {WORD_BYTES}")):
+                              (small.name, "need 8")):
             code, message = status(c.attach(ready_region=region))
             assert code == grpc.StatusCode.INVALID_ARGUMENT and words in message and region in message
         assert c.attach()[:1] == ATTACH
@@ -212,14 +210,15 @@ def test_a_ready_region_that_is_a_wave_region_or_too_small_is_refused(reward):
 
 
 def test_a_ready_region_at_an_offset_not_a_multiple_of_8_is_refused(reward):
-    """The ready word is a uint64 the GPU waits on and the host stores: an
-    unaligned one is INVALID_ARGUMENT naming its region and offset."""
+    """The ready word is a uint64 the host reads while the client's GPU
+    stores it: an unaligned one (a read that may tear) is INVALID_ARGUMENT
+    naming its region and offset; the connection attaches right after."""
     _, stub = reward
     c = RawClient(reward[0], stub)
     shm = shared_memory.SharedMemory(create=True, size=64)
     try:
         stub.RegisterSharedMemory(reward_pb2.RegisterSharedMemoryRequest(
-            client_id=c.inputs.client_id, name="word-at-4", byte_size=WORD_BYTES,
+            client_id=c.inputs.client_id, name="word-at-4", byte_size=8,
             system=reward_pb2.SystemSharedMemory(key=shm.name, offset=4)))
         code, message = status(c.attach(ready_region="word-at-4"))
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "word-at-4" in message and "offset 4" in message
@@ -237,7 +236,7 @@ def test_a_ready_region_is_held_by_the_connection_and_unused_where_waves_are_syn
     is unregistered with the others when the connection closes."""
     service, stub = reward
     c = RawClient(service, stub)
-    word = SystemSharedMemoryRegion(stub, WORD_BYTES, client_id=c.inputs.client_id)
+    word = SystemSharedMemoryRegion(stub, 8, client_id=c.inputs.client_id)
     try:
         reply = c.attach(ready_region=word.name)
         assert reply[:1] == ATTACH and "done_event" not in json.loads(reply[1:])

@@ -248,19 +248,17 @@ def test_an_ordered_channel_answers_unsynchronised_device_inputs_as_a_synchronis
         plain.close()
 
 
-@pytest.mark.parametrize("gpu_wait", [True, False], ids=["gpu_wait", "host_poll"])
-def test_an_announced_wave_answers_as_evaluate_and_a_cancelled_one_leaves_the_channel_right(gpu_reward, gpu_wait):
+def test_an_announced_wave_answers_as_evaluate_and_a_cancelled_one_leaves_the_channel_right(gpu_reward):
     """Each wave's message goes ahead of its inputs (LeafChannel.announce), as
     a search sends it: before the previous wave's outputs are waited for, and
     before the kernels that write its inputs are queued (behind other work
     on the stream); the server waits for the ready word the stream writes
-    after them, on its GPU (its stream's cuStreamWaitValue64) or by its
-    worker's poll. Every answer equals Evaluate's. A wave announced and then
+    after them. Every answer equals Evaluate's. A wave announced and then
     cancelled before its inputs are marked is answered and skipped, and the
     waves after it are right."""
     _, stub = gpu_reward
     cp = cupy_module()
-    lc = LeafChannel.offered(stub, MODEL, 1024, 30, gpu_wait=gpu_wait)
+    lc = LeafChannel.offered(stub, MODEL, 1024, 30)
 
     def want(obs):
         reply = stub.Evaluate(reward_pb2.EvaluateRequest(model=MODEL, inputs=[tensors.to_proto("board", obs)],
@@ -272,7 +270,7 @@ def test_an_announced_wave_answers_as_evaluate_and_a_cancelled_one_leaves_the_ch
         return (big.sum(axis=0) // 8).astype(cp.uint8)
 
     try:
-        assert lc.ordered and lc.announces and lc.ready_wait == ("gpu" if gpu_wait else "host")
+        assert lc.ordered and lc.announces
         with cp.cuda.Stream(non_blocking=True):
             waves = [random_boards(n, 300 + n) for n in (1, 37, 256, 1024, 64)]
             for obs in waves:  # CuPy compiles its kernels now: an announced wave's inputs must follow within
@@ -299,60 +297,6 @@ def test_an_announced_wave_answers_as_evaluate_and_a_cancelled_one_leaves_the_ch
             obs = random_boards(16, 5)
             got = lc.evaluate(obs, time.monotonic() + 30)
             np.testing.assert_allclose(got["value"], want(obs)["value"], atol=1e-4)
-    finally:
-        lc.close()
-
-
-SPIN_SOURCE = r'''extern "C" __global__ void spin_ns(long long ns) {
-    unsigned long long t0, t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < (unsigned long long)ns);
-}'''
-
-
-def test_a_wave_whose_ready_word_comes_late_is_given_up_and_nothing_is_written(gpu_reward):
-    """The server's stream waits for the ready word on the GPU; a wave whose
-    word comes past the client's window (its store queued behind a 50 ms
-    kernel) is released by the server's releaser, not waited for: the
-    client's wait for its outputs ends DEADLINE_EXCEEDED saying the server
-    gave it up, the output region keeps what it held (the output copies,
-    guarded on the GPU by the void word, were skipped: the previous wave's
-    kernels may still read it), and the next wave answers as Evaluate."""
-    _, stub = gpu_reward
-    cp = cupy_module()
-    from tandem.leaf_channel import LeafChannelError
-
-    spin = cp.RawKernel(SPIN_SOURCE, "spin_ns")
-    lc = LeafChannel.offered(stub, MODEL, 256, 30)
-    obs = random_boards(32, 21)
-    reply = stub.Evaluate(reward_pb2.EvaluateRequest(model=MODEL, inputs=[tensors.to_proto("board", obs)],
-                                                     request_class=reward_pb2.REQUEST_CLASS_CRITICAL))
-    want = {t.name: tensors.from_proto(t) for t in reply.outputs}
-    try:
-        assert lc.announces and lc.ready_wait == "gpu"
-        with cp.cuda.Stream(non_blocking=True):
-            spin((1,), (1,), (np.int64(1000),))  # compiled and loaded before any wave waits on it
-            lc.device_inputs[:32] = cp.asarray(obs)
-            outputs = lc.evaluate_device(32, time.monotonic() + 30)
-            np.testing.assert_allclose(outputs["value"][:32].get(), want["value"], atol=1e-4)
-            for view in outputs.values():
-                view.fill(-7.0)
-            cp.cuda.get_current_stream().synchronize()
-            lc.announce(32, time.monotonic() + 30)
-            spin((1,), (1,), (np.int64(50_000_000),))  # 50 ms: ten times the server's window
-            lc.device_inputs[:32] = cp.asarray(obs)
-            lc.inputs_written()
-            lc.evaluate_device(32, time.monotonic() + 30, wait_outputs=False)
-            with pytest.raises(LeafChannelError) as failed:
-                lc.wait_outputs()
-            assert failed.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and "gave it up" in str(failed.value)
-            cp.cuda.get_current_stream().synchronize()  # the spin over: the next wave's word comes in time
-            for view in outputs.values():
-                assert (view.get() == -7.0).all()
-            lc.device_inputs[:32] = cp.asarray(obs)
-            again = lc.evaluate_device(32, time.monotonic() + 30)
-            for name in ("value", "policy_logits"):
-                np.testing.assert_allclose(again[name][:32].get(), want[name], atol=1e-4)
     finally:
         lc.close()
 
@@ -410,12 +354,10 @@ def _wave_behind_a_long_kernel(address, sending, code) -> None:
 
 def test_a_client_whose_inputs_are_never_written_costs_its_own_wave_only(gpu_reward):
     """A wave whose client's kernels have not written its inputs (its ready
-    word unwritten: a hung or dying client) is given up after the run's short
-    wait (session.READY_WAIT_S; the server's GPU wait on the word released
-    by its own releaser, never a stream wait on another process's event):
-    the client's wave ends DEADLINE_EXCEEDED; the service goes on serving
-    other clients' waves and Evaluates, right, also after that client is
-    killed (its word's GPU mapping released and unmapped as it detaches)."""
+    word unwritten: a hung or dying client) is answered DEADLINE_EXCEEDED after
+    the run's short wait (session.READY_WAIT_S), never by a stream wait on
+    another process's event; the service goes on serving other clients'
+    waves and Evaluates, right, also after that client is killed."""
     cfg, stub = gpu_reward
     spawn = mp.get_context("spawn")
     sending, code = spawn.Event(), spawn.Value("i", -1)
