@@ -139,8 +139,7 @@ class ReadyWord:
         first (its stream synchronised: a cancel is an error or deadline
         path), so no late store of an earlier number overwrites the cancel
         and keeps the server polling to its limit."""
-        if self._stream is not None:
-            self._stream.synchronize()
+        self._stream.synchronize()
         self.view[0] = seq | CANCELLED
 
     def close(self) -> None:

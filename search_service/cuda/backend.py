@@ -320,14 +320,14 @@ class _Search:
         for i, t in self.kept.items():
             pl.copy_into(self.pool.data.ptr + i * cap * pl.NODE_BYTES, cap, t)
 
-    def _init_rows(self) -> np.ndarray:
-        """The B trees' INIT rows (abi.INIT.dtype [B]), what init_trees reads."""
+    def _init_rows(self, fresh: np.ndarray) -> np.ndarray:
+        """The B trees' INIT rows (abi.INIT.dtype [B]), what init_trees reads;
+        ``fresh``: bool [B], the trees not passed in."""
         b = self.n_trees
         init = np.zeros(b, abi.INIT.dtype)
         init["current"] = self.roots.current
         init["mask"] = self.roots.mask
         init["nodes"] = self.nodes_in_use
-        fresh = np.array([i not in self.kept for i in range(b)])
         init["fresh"] = fresh
         if self.puct and fresh.any():
             idx = np.flatnonzero(fresh)
@@ -349,8 +349,8 @@ class _Search:
     def _device_root_priors(self, rows: int, init):
         """Generator (a device wave): values the fresh roots through the device waves: init_trees wrote
         fresh tree b's OBS row at row b of the input region; one call values
-        rows ``[0, rows)`` (``rows``: the last fresh tree's + 1; announced at
-        the start of :meth:`_steps` where the channel announces), and ``mcts_vm_root_priors`` sets their
+        rows ``[0, rows)`` (``rows``: the last fresh tree's + 1; announced by
+        :meth:`_steps` once the trees are allocated, where the channel announces), and ``mcts_vm_root_priors`` sets their
         priors from the output region's logits. So the root, like every leaf,
         never crosses the host. Without a policy head the uniform priors
         stay; a failed call stops the model (rollouts value the leaves), as
@@ -404,8 +404,8 @@ class _Search:
         only DETACH, where the model stops."""
         self._allocate()
         timeline.mark("search.allocated")
-        fresh = [i for i in range(self.n_trees) if i not in self.kept]
-        root_rows = fresh[-1] + 1 if self.device_waves is not None and fresh else 0
+        fresh = np.array([i not in self.kept for i in range(self.n_trees)])
+        root_rows = int(np.flatnonzero(fresh)[-1]) + 1 if self.device_waves is not None and fresh.any() else 0
         if root_rows and self.device_waves.announces:
             # The roots' wave is announced now: the reward service's socket, lease and hand-over run
             # while the trees are initialised, not after init_trees (docs/design.md, "Announced waves").
@@ -415,7 +415,7 @@ class _Search:
                 self.device_waves.announce(root_rows)
             except EvaluationFailed:  # the channel closed itself: the roots' evaluate says so, and is undone
                 pass
-        init_rows = self._init_rows()
+        init_rows = self._init_rows(fresh)
         timeline.mark("search.init_rows")
         init = self.init_dev
         self._init_host[:] = init_rows.view(np.uint8)  # pinned: the copy below is queued, not staged by the driver
