@@ -50,6 +50,12 @@ Three kinds of row (``kind``):
   searches (``us_p50``, ``us_p90``, ``count``; pairs seen fewer times than
   the row has searches are left out), and ``search.start`` -> ``search.end``
   (``step``: ``total``; else ``consecutive``).
+* ``gpu_timeline`` (``--timeline --gpu-marks``): the same from the GPU marks
+  (tandem/timeline.py: when each stream reached a point, on the GPU's
+  clock); the latency rows get ``handoff_gpu_us_per_wave``, what the
+  hand-off leaves the GPU idle a wave (the selection's end to the model's
+  start, plus the output copies' end to the backup's start). The stamps'
+  kernels lengthen those rows' searches: their latencies are not the clean ones.
 * ``search_quality``: ``optimal_move_rate`` with a 16 ms deadline per
   position (each its own search, as served: the cache and the coalescing of
   the serving path in front of the reward service, the leaf channel where it
@@ -68,7 +74,7 @@ then share the GPU instead of time-slicing between their contexts (row field
 ``mps``).
 
 Row fields: mps, kind, handoff, simulations, wave, latency_ms_p50, latency_ms_p99,
-kernel_ms, handoff_us_per_wave, model_us_per_wave, queue_us_per_wave,
+kernel_ms, handoff_us_per_wave, handoff_gpu_us_per_wave, model_us_per_wave, queue_us_per_wave,
 compute_us_per_wave, transport_us_per_wave, bookkeeping_us_per_wave, waves, sync_ms_p50, evals_per_s; batch;
 position_set, evaluator, budget_ms, positions, optimal_move_rate, missed
 (the missed positions' move strings), played (the column each missed one
@@ -303,6 +309,20 @@ def timeline_rows(wave: int, search_marks: list, service_marks: list, searches: 
     return rows
 
 
+def _gpu_handoff(rows: list[dict], gpu_rows: list[dict], wave: int, g: int, how: str) -> None:
+    """Sets ``handoff_gpu_us_per_wave`` of the latency row of (``wave``,
+    ``g``, ``how``) from its GPU marks: what the hand-off leaves the GPU idle
+    a wave, p50 of ``gpu.selected`` → ``gpu.model_start`` plus p50 of
+    ``gpu.model_end`` → ``gpu.backup`` (the stamps' own kernels included)."""
+    gap = {(r["from_mark"], r["to_mark"]): r["us_p50"] for r in gpu_rows}
+    legs = (("gpu.selected", "gpu.model_start"), ("gpu.model_end", "gpu.backup"))
+    if not all(leg in gap for leg in legs):
+        return
+    for row in rows:
+        if row["kind"] == "latency" and (row["wave"], row.get("sims_per_warp"), row["handoff"]) == (wave, g, how):
+            row["handoff_gpu_us_per_wave"] = sum(gap[leg] for leg in legs)
+
+
 def _in_process(cfg, device: bool):
     """An evaluator over a port of the reward service started in this
     process (handoff ``in_process``), as co-located mode's search gets one."""
@@ -338,13 +358,14 @@ def _timed_rows(ways, kinds, args, value_backends, rows: list, marked: list, pro
             if profiler:
                 profiler.enable()
             timeline.take()  # only this row's marks from here
+            timeline.take_gpu()
             row = common.attempt(f"latency {direct.handoff} device={device} wave {wave} G {g}", latency,
                                  value_backends[g], direct, wave, 64 if args.quick else 1000,
                                  2 if args.quick else args.repeats, device)
             if profiler:
                 profiler.disable()
             if row and args.timeline and row["handoff"] in ("ipc", "in_process", f"in_process_{PER_WAVE}"):
-                marked.append((wave, g, timeline.take(), row["repeats"], row["handoff"]))
+                marked.append((wave, g, timeline.take(), row["repeats"], row["handoff"], timeline.take_gpu()))
             if row:
                 row["sims_per_warp"] = g
                 common.progress(row)
@@ -390,6 +411,9 @@ def main() -> None:
     parser.add_argument("--value-sims-per-warp", type=common.int_list, default=[1],
                         help="comma list: simulations per warp (CUDA) of the latency rows and the value model's "
                              "quality rows (default 1)")
+    parser.add_argument("--gpu-marks", action="store_true",
+                        help="with --timeline: GPU marks too (tandem/timeline.py; each a small kernel on its stream, "
+                             "so the latency rows of such a run are not the clean ones) and the gpu_timeline rows")
     parser.add_argument("--handoffs", default="",
                         help="comma list: only the latency and throughput rows of these hand-offs (e.g. "
                              "in_process,ipc; default: every one)")
@@ -407,7 +431,7 @@ def main() -> None:
     if kinds - {"latency", "throughput", "search_quality"}:
         parser.error(f"--kinds: unknown {sorted(kinds - {'latency', 'throughput', 'search_quality'})}")
     if args.timeline:  # before the reward service's process starts: it inherits the setting
-        timeline.enable(tempfile.mkdtemp(prefix="tandem-timeline-"))
+        timeline.enable(tempfile.mkdtemp(prefix="tandem-timeline-"), gpu=args.gpu_marks)
     cfg = load_config()
     control = _mps_clients(cfg) if args.mps else None  # before this process or the reward service's makes a context
     try:
@@ -512,9 +536,15 @@ def _run(args, kinds: set[str], cfg, on_mps: bool) -> None:
     if args.timeline:
         service_marks = [m for path in glob.glob(os.path.join(timeline.FOLDER, "timeline-*.json"))
                          for m in timeline.load(path)]
-        for wave, g, marks, searches, how in marked:  # in_process: both services' marks are this process's
+        service_gpu = [m for path in glob.glob(os.path.join(timeline.FOLDER, "gpu-timeline-*.json"))
+                       for m in timeline.load(path)]
+        for wave, g, marks, searches, how, gpu in marked:  # in_process: both services' marks are this process's
             rows += [dict(r, sims_per_warp=g) for r in timeline_rows(wave, marks, service_marks if how == "ipc" else [],
                                                                      searches, how)]
+            gpu_rows = [dict(r, kind="gpu_timeline", sims_per_warp=g)
+                        for r in timeline_rows(wave, gpu, service_gpu if how == "ipc" else [], searches, how)]
+            rows += gpu_rows
+            _gpu_handoff(rows, gpu_rows, wave, g, how)
     for row in rows:
         row["mps"] = on_mps
     common.finish(BENCHMARK, rows, args.out, COLUMNS)

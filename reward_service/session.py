@@ -357,6 +357,9 @@ class _BoundRunner:
         events = [] if device_batch is None else [r.events for r in device_batch.requests if r.events is not None]
         if device_batch is not None:  # the inputs are on the device already: no host copy at all
             _wait_inputs(device_batch.requests, dev.stream.ptr)  # the copies below come after the waits
+            if timeline.GPU_ENABLED:
+                with dev.stream:
+                    timeline.gpu_mark("gpu.model_start")
             for name, d in slot.dev_in.items():
                 for req, off in zip(device_batch.requests, device_batch.offsets):
                     dev.copy_device(d, off, req.feeds[name])
@@ -379,6 +382,9 @@ class _BoundRunner:
         for req, off in targeted:
             for name, target in req.targets.items():
                 dev.copy_out(target, slot.dev_out[name], off)
+        if device_batch is not None and timeline.GPU_ENABLED:
+            with dev.stream:
+                timeline.gpu_mark("gpu.model_end")
         everyone = device_batch is not None and len(targeted) == len(device_batch.requests)
         if not everyone:
             for name, d in slot.dev_out.items():

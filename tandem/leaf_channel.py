@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
 import struct
 import time
@@ -87,6 +88,10 @@ ERROR_FORMAT = struct.Struct("<QI")  # seq (0: the attach), grpc status code val
 MAX_MESSAGE_BYTES = 4096  # attach and error messages; a wave is 21 bytes
 DONE_GRACE_S = 0.0005  # how long past its deadline an ordered wave's queued run is waited for (s)
 DETACH_WAIT_S = 1.0  # how long close() waits for the server to let go of the regions (s)
+# How long a wave's reply is read for without blocking before the read blocks (s): the
+# reply comes ~0.1-0.3 ms after the message, and a thread woken from a blocking read
+# starts cold (docs/benchmarks.md, "The reply read without blocking"). 0: block at once.
+REPLY_SPIN_S = 0.002
 RUNTIME_KEY = "leaf_channel"  # ModelMetadata.runtime key holding the server's socket path
 
 
@@ -524,8 +529,7 @@ class LeafChannel:
         self._announced = None
         try:
             while True:  # answers to waves given up earlier come first: skipped
-                self._sock.settimeout(None if deadline is None else max(deadline - time.monotonic(), 1e-4))
-                reply = self._sock.recv(MAX_MESSAGE_BYTES)
+                reply = self._recv_reply(deadline)
                 if not reply:
                     raise OSError("the server closed the connection")
                 if reply[:1] == REPLY and len(reply) != 1 + REPLY_FORMAT.size:
@@ -554,6 +558,26 @@ class LeafChannel:
                 self._wait_done(deadline)
             else:
                 self._outputs_due = deadline or False
+
+    def _recv_reply(self, deadline: float | None) -> bytes:
+        """The next message from the server: read without blocking for up
+        to REPLY_SPIN_S (the GIL let go between reads), then waited for.
+
+        Raises:
+            TimeoutError: none by ``deadline``. OSError: the socket broke.
+        """
+        if REPLY_SPIN_S > 0:
+            spin_until = time.monotonic() + REPLY_SPIN_S
+            if deadline is not None:
+                spin_until = min(spin_until, deadline)
+            self._sock.settimeout(None)  # blocking: MSG_DONTWAIT reads at once, and a send may still wait
+            while time.monotonic() < spin_until:
+                try:
+                    return self._sock.recv(MAX_MESSAGE_BYTES, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    os.sched_yield()  # the GIL goes too
+        self._sock.settimeout(None if deadline is None else max(deadline - time.monotonic(), 1e-4))
+        return self._sock.recv(MAX_MESSAGE_BYTES)
 
     def _wait_done(self, deadline: float | None) -> None:
         """Waits for the server's ``done`` event (its wave's output copies):

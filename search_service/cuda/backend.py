@@ -101,6 +101,10 @@ _BUDGET_NONE = 1 << 30  # "no simulation budget" (deadline only)
 STOP_SLICE = 1024  # simulations per tree per launch when a stop request must be polled
 _SCRATCH_KEEP = 8  # buffers kept per kind and shape: searches that run at once
 _SCRATCH_KEYS = 32  # kinds and shapes kept at most
+_RES_OFFSET = {f.name: f.offset for f in abi.RESULT.fields}  # RES field -> its first word
+_RES_COUNTERS = ("nodes", "max_depth", "done", "exhausted", "deadline", "pv_length")  # one word each, in this order
+_RES_NODES, _RES_PV = _RES_OFFSET["nodes"], _RES_OFFSET["pv"]
+assert [_RES_OFFSET[f] for f in _RES_COUNTERS] == list(range(_RES_NODES, _RES_NODES + len(_RES_COUNTERS)))
 
 
 class CudaBackend:
@@ -369,6 +373,7 @@ class _Search:
             logits = None
             yield DETACH
         if logits is not None:
+            timeline.gpu_mark("gpu.backup")
             kernel("mcts_vm_root_priors")(
                 ((self.n_trees + 127) // 128,), (128,),
                 (self.pool, np.int64(self.capacity), np.int32(self.n_trees), init, self.device_waves.inputs, logits),
@@ -434,6 +439,7 @@ class _Search:
         )
         timeline.mark("search.initialised")
         if on_device:
+            timeline.gpu_mark("gpu.selected")  # the roots' OBS rows are written
             yield from self._device_root_priors(root_rows, init)
         if self.puct:
             deadline_reached = yield from self._value_model_waves()
@@ -601,6 +607,8 @@ class _Search:
             staged = None
             with nvtx.span("search.select"):
                 kernel("mcts_vm_select")(grid, block, (*args, *select_tail))
+                if on_device:
+                    timeline.gpu_mark("gpu.selected")
                 if ordered:
                     dw.inputs_written()  # first: the reward service may be waiting for it already
                     meta_back.start()
@@ -669,6 +677,8 @@ class _Search:
                         vin_dev.set(vin.view(np.float32))
                     null = np.uint64(0)
                     values, logits = (null if x is None else x for x in outputs)
+                    if on_device:
+                        timeline.gpu_mark("gpu.backup")
                     backup_kernel(
                         grid, block,
                         (
@@ -756,41 +766,41 @@ class _Search:
         self.failure = str(exc) or type(exc).__name__
 
     # -- answer ---------------------------------------------------------------------------
-    def _root_priors(self, visits: np.ndarray) -> np.ndarray | None:
+    def _root_priors(self, root_visits: np.ndarray) -> np.ndarray | None:
         """float32 [B, A]: the roots' priors, read from the pools (one small
-        copy) only where a tree has no root visit at all (best_action's
-        policy move); else None."""
-        if (visits.sum(axis=1) > 0).all():
+        copy) only where a tree has no root visit at all (``root_visits``:
+        int64 [B], the roots' completed simulations; best_action's policy
+        move); else None."""
+        if root_visits.all():
             return None
         start = pl.offsets(self.capacity)[0]  # the root's row of records: its edges
         rows = self.pool[:, start : start + abi.NODE_ROW.itemsize].get()
         return np.ascontiguousarray(rows).view(abi.NODE_ROW)["edges"]["prior"].reshape(self.n_trees, A)
 
-    def _num_nodes(self, res: np.ndarray) -> np.ndarray:
-        """int64 [B]: slots in use (claims past the limit were refused)."""
-        return np.minimum(res["nodes"].astype(np.int64), np.maximum(self.node_limit, self.nodes_in_use))
+    def _num_nodes(self, claimed: np.ndarray) -> np.ndarray:
+        """int64 [B]: slots in use, from ``claimed`` (int [B], RES ``nodes``:
+        claims past the limit were refused)."""
+        return np.minimum(claimed, np.maximum(self.node_limit, self.nodes_in_use))
 
     def _results(self, res: np.ndarray, deadline_reached: bool | None, kernel_ms: float | None) -> list[SearchResult]:
-        # Whole-batch arrays and lists first: per-tree Python work is what a
-        # large batch pays on the host.
-        visits = res["visits"].astype(np.int64)
+        # Whole-batch arrays and lists first, in as few NumPy calls as may be: each costs the
+        # host a few µs while the caller waits for its answer, whatever B (docs/benchmarks.md).
+        words = res.view(np.int32).reshape(self.n_trees, abi.RESULT.words)  # [B, 74]: the RES rows as words
+        visits = res["visits"].astype(np.int64)  # [B, A]
         value = res["value_sum"].astype(np.float64)
         q = np.where(visits > 0, value / np.maximum(visits, 1), 0.0)
         q32 = q.astype(np.float32)
-        root_value = value.sum(axis=1) / np.maximum(visits.sum(axis=1), 1)
+        total = visits.sum(axis=1)  # [B]: the roots' completed simulations
         outcome = res["outcome"].astype(np.int8)  # [B, 1 + A]: the root's known result, then its children's
         proven = outcome[:, 0]
-        root_value = np.where(proven != tr.NOT_TERMINAL, tr.OUTCOME_VALUE[proven], root_value).tolist()
+        root_value = np.where(proven != tr.NOT_TERMINAL, tr.OUTCOME_VALUE[proven],
+                              value.sum(axis=1) / np.maximum(total, 1)).tolist()
         action = best_action(visits, q, connect4.legal_bits(self.roots.mask), outcome[:, 1:],
-                             self._root_priors(visits)).tolist()
-        proven = proven.tolist()
-        nodes = self._num_nodes(res).tolist()
-        done, depth, exhausted = res["done"].tolist(), res["max_depth"].tolist(), (res["exhausted"] != 0).tolist()
-        if deadline_reached is None:
-            reached = ((res["deadline"] != 0) | self.host_deadline).tolist()
-        else:
-            reached = [deadline_reached] * self.n_trees
-        pv_len, pv = res["pv_length"].tolist(), res["pv"].tolist()
+                             self._root_priors(total)).tolist()
+        counters = words[:, _RES_NODES : _RES_NODES + len(_RES_COUNTERS)].tolist()  # [B][6]: _RES_COUNTERS
+        pv = words[:, _RES_PV : _RES_PV + abi.MAX_DEPTH].tolist()
+        nodes = self._num_nodes(words[:, _RES_NODES]).tolist()
+        proven, used = proven.tolist(), self.model_simulations.tolist()
         ms = self.phase_ms
         common = {
             "warps_per_tree": self.warps_per_tree,
@@ -800,33 +810,33 @@ class _Search:
             "pool_bytes": self.capacity * pl.NODE_BYTES,
             "stopped": self.stopped,
         }
-        return [
-            SearchResult(
+        results = []
+        for i, (_, depth, done, exhausted, deadline, pv_len) in enumerate(counters):
+            results.append(SearchResult(
                 action=action[i],
                 visit_counts=visits[i],
                 q_values=q32[i],
                 root_value=root_value[i],
-                principal_variation=pv[i][: pv_len[i]],
-                simulations=done[i],
-                max_depth=depth[i],
+                principal_variation=pv[i][:pv_len],
+                simulations=done,
+                max_depth=depth,
                 tree_nodes=nodes[i],
-                pool_exhausted=exhausted[i],
-                deadline_reached=reached[i],
+                pool_exhausted=exhausted != 0,
+                deadline_reached=(deadline != 0 or self.host_deadline) if deadline_reached is None else deadline_reached,
                 select_ms=ms["select"],
                 expand_ms=ms["expand"],
                 evaluate_ms=ms["evaluate"],
                 backup_ms=ms["backup"],
                 tree_reused=i in self.kept,
-                model_simulations=int(self.model_simulations[i]),
+                model_simulations=used[i],
                 evaluation_failure=self.failure,
                 proven=proven[i],
-                extras={"waves": self.waves if self.puct else -(-done[i] // self.parallel_sims), **common},
-            )
-            for i in range(self.n_trees)
-        ]
+                extras={"waves": self.waves if self.puct else -(-done // self.parallel_sims), **common},
+            ))
+        return results
 
     def _trees(self, res: np.ndarray) -> list[pl.CudaTree]:
-        nodes = self._num_nodes(res).tolist()
+        nodes = self._num_nodes(res["nodes"]).tolist()
         cur, mask, ev, cap = self.roots.current.tolist(), self.roots.mask.tolist(), self.params.evaluator, self.capacity
         return [pl.CudaTree(self.pool, i, cap, nodes[i], cur[i], mask[i], ev) for i in range(self.n_trees)]
 
