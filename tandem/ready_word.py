@@ -85,6 +85,30 @@ def _kernel_store(cupy):
     return store
 
 
+def mapped_store(cupy, device_address: int):
+    """``store(stream, address, seq)``, the store of a uint64 at a device
+    address of mapped host memory queued on a stream after its earlier
+    work: the driver's stream memory operation where this device takes it,
+    else a one-thread kernel. A first store of 0 at ``device_address`` is
+    made (and synchronised) to choose, so later ones cost no module load.
+
+    Raises:
+        RuntimeError: the driver refused both.
+    """
+    stream = cupy.cuda.get_current_stream()
+    store = _stream_store()
+    if store is not None:
+        try:
+            store(stream.ptr, device_address, 0)  # the driver takes stream memory operations on this device
+        except RuntimeError:
+            store = None
+    if store is None:
+        store = _kernel_store(cupy)
+        store(stream.ptr, device_address, 0)  # its module loads now, not behind the kernels of a wave
+    stream.synchronize()
+    return store
+
+
 class ReadyWord:
     """The client's end: the word of ``view`` (NumPy uint64 ``[1]`` over a
     system shared-memory region of this process) mapped for its GPU.
@@ -110,15 +134,7 @@ class ReadyWord:
             raise RuntimeError(f"cudaHostRegister of the ready word: {exc}") from None
         try:
             self._device = rt.pointerGetAttributes(self._host).devicePointer
-            self._store = _stream_store()
-            try:
-                self.write(0)  # the driver takes stream memory operations on this device
-            except RuntimeError:
-                self._store = None
-            if self._store is None:
-                self._store = _kernel_store(cupy)
-                self.write(0)  # its module loads now, not behind the kernels of a wave
-            self._stream.synchronize()
+            self._store = mapped_store(cupy, self._device)
         except Exception:
             rt.hostUnregister(self._host)
             raise

@@ -64,6 +64,7 @@ clock cycles; a search with a deadline and no simulation budget allocates
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from typing import Callable
@@ -91,7 +92,7 @@ from search_service.mcts.backend import (
 )
 from search_service.mcts.philox import seed_key
 from search_service.mcts.rollout import rollout_values
-from tandem import nvtx, timeline
+from tandem import nvtx, ready_word, timeline
 
 log = logging.getLogger(__name__)
 A = connect4.NUM_ACTIONS
@@ -101,6 +102,7 @@ _BUDGET_NONE = 1 << 30  # "no simulation budget" (deadline only)
 STOP_SLICE = 1024  # simulations per tree per launch when a stop request must be polled
 _SCRATCH_KEEP = 8  # buffers kept per kind and shape: searches that run at once
 _SCRATCH_KEYS = 32  # kinds and shapes kept at most
+COPY_SPIN_S = 0.005  # how long a copy back is waited for by reading its word before the event's wait (s)
 _RES_OFFSET = {f.name: f.offset for f in abi.RESULT.fields}  # RES field -> its first word
 _RES_COUNTERS = ("nodes", "max_depth", "done", "exhausted", "deadline", "pv_length")  # one word each, in this order
 _RES_NODES, _RES_PV = _RES_OFFSET["nodes"], _RES_OFFSET["pv"]
@@ -320,7 +322,8 @@ class _Search:
         self.pool = cupy.empty((b, cap * pl.NODE_BYTES), np.uint8)
         self._state_key = ("state", cupy.cuda.Device().id, b)
         self._state = self.backend.take_scratch(self._state_key, lambda: _state_buffers(b))
-        self.tree_state, self.cycles, self.clock_start, self.result_rows, self.init_dev, self._init_host = self._state
+        (self.tree_state, self.cycles, self.clock_start, self.result_rows, self.init_dev, self._init_host,
+         self._results_back) = self._state
         for i, t in self.kept.items():
             pl.copy_into(self.pool.data.ptr + i * cap * pl.NODE_BYTES, cap, t)
 
@@ -458,7 +461,9 @@ class _Search:
                 self.result_rows,
             ),
         )
-        res = self.result_rows.get().view(abi.RESULT.dtype)  # [B]; the stream synchronised: the scratch is free
+        self._results_back.start()
+        # [B]: copied out of the pinned buffer, which goes back with the scratch (the stream is done with it)
+        res = self._results_back.finish().copy().view(abi.RESULT.dtype)
         self.backend.give_scratch(self._state_key, self._state)
         if self._waves is not None:
             self.backend.give_scratch(*self._waves)
@@ -853,14 +858,15 @@ def _wave_slots(meta: np.ndarray, in_wave: np.ndarray, b: int) -> tuple[np.ndarr
 def _state_buffers(b: int) -> tuple:
     """A call's small per-tree device state, one allocation carved (abi's
     rows): TS int32 [B * 8], CYC uint64 [B * 4], the deadline clock's start
-    uint64 [1], RES uint8 [B * 296], INIT uint32 [B * 16]; and the INIT
-    rows' pinned host staging, uint8 [B * 64]."""
+    uint64 [1], RES uint8 [B * 296], INIT uint32 [B * 16]; the INIT
+    rows' pinned host staging, uint8 [B * 64]; and the RES rows' copy back
+    (an _AsyncCopy)."""
     import cupyx  # noqa: PLC0415 - with CuPy
 
     sizes = (b * abi.TREE_STATE.nbytes, b * abi.CYCLES.nbytes, 8, b * abi.RESULT.nbytes, b * abi.INIT.nbytes)
     ts, cyc, t0, res, init = abi.carve(cupy.empty(sum(sizes), np.uint8), *sizes)
     return (ts.view(np.int32), cyc.view(np.uint64), t0.view(np.uint64), res, init.view(np.uint32),
-            cupyx.empty_pinned(b * abi.INIT.nbytes, np.uint8))
+            cupyx.empty_pinned(b * abi.INIT.nbytes, np.uint8), _AsyncCopy(res))
 
 
 def _wave_buffers(n: int, with_obs: bool, ordered: bool) -> tuple:
@@ -880,26 +886,52 @@ def _wave_buffers(n: int, with_obs: bool, ordered: bool) -> tuple:
 
 class _AsyncCopy:
     """A device buffer's copy into pinned host memory, queued on the current
-    stream (:meth:`start`) and waited for on the host later (:meth:`finish`)."""
+    stream (:meth:`start`) and waited for on the host later (:meth:`finish`).
+
+    The wait reads a word of the pinned buffer that the stream sets to the
+    copy's number after the copy (tandem/ready_word.py's mapped store): plain
+    memory reads keep the thread on its core, where a wait in the driver
+    let it go cold -- the host work after it took up to 4x its warm time
+    on the H200's host (docs/benchmarks.md, "Waits that keep the host
+    warm"). Past ``COPY_SPIN_S`` the copy's event is waited for instead."""
 
     def __init__(self, dev: cupy.ndarray):
         import cupyx  # noqa: PLC0415 - with CuPy
 
         self._dev = dev
-        self._host = cupyx.empty_pinned(dev.nbytes, np.uint8)
+        self.nbytes = dev.nbytes
+        at = -(-self.nbytes // 8) * 8  # the word, 8-byte aligned after the copy
+        self._buffer = cupyx.empty_pinned(at + 8, np.uint8)
+        self._host = self._buffer[: self.nbytes]
+        self._word = self._buffer[at:].view(np.uint64)
+        self._word[0] = 0
+        self._word_dev = cupy.cuda.runtime.pointerGetAttributes(self._word.ctypes.data).devicePointer
+        self._store = ready_word.mapped_store(cupy, self._word_dev)
+        self._seq = 0
         self._event = cupy.cuda.Event(block=False, disable_timing=True)
 
     def start(self) -> None:
         stream = cupy.cuda.get_current_stream()
         # The runtime's copy, not ndarray.get(out=, blocking=False): that measured slower, 0.90 of a
         # synchronised search against 0.77 (one run each; neural_search_latency_cupy_get_f807e0c.json).
-        cupy.cuda.runtime.memcpyAsync(self._host.ctypes.data, self._dev.data.ptr, self._dev.nbytes,
+        cupy.cuda.runtime.memcpyAsync(self._host.ctypes.data, self._dev.data.ptr, self.nbytes,
                                       cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr)
+        self._seq += 1
+        self._store(stream.ptr, self._word_dev, self._seq)
         self._event.record(stream)
 
     def finish(self) -> np.ndarray:
-        """uint8 [nbytes]: the copy, once done (a view, valid until the next start)."""
-        self._event.synchronize()
+        """uint8 [nbytes]: the copy, once done (a view, valid until the next start).
+
+        Raises:
+            cupy.cuda.runtime.CUDARuntimeError: the copy failed.
+        """
+        word, seq = self._word, self._seq
+        if COPY_SPIN_S > 0:
+            spin_until = time.monotonic() + COPY_SPIN_S
+            while int(word[0]) != seq and time.monotonic() < spin_until:
+                os.sched_yield()  # the GIL goes too
+        self._event.synchronize()  # done already where the word came; else the backstop
         return self._host
 
 
