@@ -95,3 +95,48 @@ def test_the_rows_are_the_gaps_between_consecutive_marks():
     assert ("search.end", "search.start") not in rows  # 2 gaps for 3 searches: fewer than the searches
     assert all(r["kind"] == "timeline" and r["wave"] == 256 for r in rows.values())
     assert np.isfinite([r["us_p90"] for r in rows.values()]).all()
+
+
+def test_off_a_gpu_mark_queues_nothing(monkeypatch):
+    monkeypatch.setattr(timeline, "GPU_ENABLED", False)
+    timeline.gpu_mark("gpu.selected")  # no CuPy call: this runs without a GPU
+    assert timeline.take_gpu() == []
+
+
+def test_the_gpu_handoff_is_the_two_idle_legs_of_a_wave():
+    from bench.neural_search import _gpu_handoff
+
+    us = 1000  # ns
+    gpu = []
+    for w in range(3):  # per wave: selection done, model start 20 µs later, model end, backup 5 µs after it
+        t = w * 1000 * us
+        gpu += [(t, "gpu.selected"), (t + 20 * us, "gpu.model_start"), (t + 320 * us, "gpu.model_end"),
+                (t + 325 * us, "gpu.backup")]
+    gpu_rows = timeline_rows(256, gpu, [], 3)
+    rows = [dict(kind="latency", wave=256, sims_per_warp=32, handoff="ipc"),
+            dict(kind="latency", wave=128, sims_per_warp=32, handoff="ipc")]
+    _gpu_handoff(rows, gpu_rows, 256, 32, "ipc")
+    assert rows[0]["handoff_gpu_us_per_wave"] == pytest.approx(25.0)
+    assert "handoff_gpu_us_per_wave" not in rows[1]
+    _gpu_handoff(rows, gpu_rows[:1], 128, 32, "ipc")  # a leg missing: nothing set
+    assert "handoff_gpu_us_per_wave" not in rows[1]
+
+
+@pytest.mark.gpu
+def test_gpu_marks_follow_their_stream_on_the_gpus_clock(monkeypatch):
+    cp = pytest.importorskip("cupy")
+    monkeypatch.setattr(timeline, "GPU_ENABLED", True)
+    timeline.take_gpu()
+    busy = cp.RawKernel(r"""extern "C" __global__ void busy(long long ns) {
+        unsigned long long t0, t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+        do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
+    }""", "busy")
+    with cp.cuda.Stream(non_blocking=True):
+        timeline.gpu_mark("gpu.selected")
+        busy((1,), (1,), (np.int64(200_000),))  # 200 µs on the GPU
+        timeline.gpu_mark("gpu.model_start")
+    (t0, a), (t1, b) = timeline.take_gpu()
+    assert (a, b) == ("gpu.selected", "gpu.model_start")
+    assert t1 - t0 >= 200_000  # ns: the second stamp ran after the kernel, whatever the host did
+    assert timeline.take_gpu() == []
