@@ -430,6 +430,8 @@ def main() -> None:
     kinds = set(args.kinds.split(","))
     if kinds - {"latency", "throughput", "search_quality"}:
         parser.error(f"--kinds: unknown {sorted(kinds - {'latency', 'throughput', 'search_quality'})}")
+    if args.gpu_marks and not args.timeline:
+        parser.error("--gpu-marks needs --timeline")
     if args.timeline:  # before the reward service's process starts: it inherits the setting
         timeline.enable(tempfile.mkdtemp(prefix="tandem-timeline-"), gpu=args.gpu_marks)
     cfg = load_config()
@@ -463,7 +465,7 @@ def _run(args, kinds: set[str], cfg, on_mps: bool) -> None:
     service.start()
     if not ready.wait(300):
         raise SystemExit("the reward service did not start in 300 s")
-    rows, marked = [], []  # marked: (wave, G, this process's marks, searches, handoff) of the timed latency rows
+    rows, marked = [], []  # marked: (wave, G, this process's marks, searches, handoff, its GPU marks) of the timed latency rows
     profiler = cProfile.Profile() if args.profile else None
     value_backends = {g: backend if g == 1 else common.make_backend(variant, g) for g in args.value_sims_per_warp}
     timed = functools.partial(_timed_rows, kinds=kinds, args=args, value_backends=value_backends, rows=rows,

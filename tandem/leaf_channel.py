@@ -576,6 +576,11 @@ class LeafChannel:
                     return self._sock.recv(MAX_MESSAGE_BYTES, socket.MSG_DONTWAIT)
                 except BlockingIOError:
                     os.sched_yield()  # the GIL goes too
+            if deadline is not None and time.monotonic() >= deadline:  # spun to it: no blocking read after
+                try:
+                    return self._sock.recv(MAX_MESSAGE_BYTES, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    raise TimeoutError("no reply by the deadline") from None
         self._sock.settimeout(None if deadline is None else max(deadline - time.monotonic(), 1e-4))
         return self._sock.recv(MAX_MESSAGE_BYTES)
 

@@ -85,16 +85,23 @@ def _kernel_store(cupy):
     return store
 
 
+_chosen: dict[int, object] = {}  # device id -> the store mapped_store chose there
+
+
 def mapped_store(cupy, device_address: int):
     """``store(stream, address, seq)``, the store of a uint64 at a device
     address of mapped host memory queued on a stream after its earlier
     work: the driver's stream memory operation where this device takes it,
-    else a one-thread kernel. A first store of 0 at ``device_address`` is
-    made (and synchronised) to choose, so later ones cost no module load.
+    else a one-thread kernel. The first call on a device chooses with a
+    store of 0 at ``device_address`` (synchronised, so later ones cost no
+    module load); later calls reuse the choice and wait for nothing.
 
     Raises:
         RuntimeError: the driver refused both.
     """
+    device = cupy.cuda.Device().id
+    if device in _chosen:
+        return _chosen[device]
     stream = cupy.cuda.get_current_stream()
     store = _stream_store()
     if store is not None:
@@ -106,6 +113,7 @@ def mapped_store(cupy, device_address: int):
         store = _kernel_store(cupy)
         store(stream.ptr, device_address, 0)  # its module loads now, not behind the kernels of a wave
     stream.synchronize()
+    _chosen[device] = store
     return store
 
 

@@ -106,7 +106,7 @@ def take_gpu() -> list[tuple[int, str]]:
     """This process's GPU marks so far (ns of the GPU's clock, name), oldest
     first, once the device has run them (it is synchronised); the list
     starts empty again."""
-    global _gpu_names
+    global _gpu_names, _next_slot
     if _gpu is None:
         return []
     import cupy  # noqa: PLC0415
@@ -114,6 +114,7 @@ def take_gpu() -> list[tuple[int, str]]:
     names, _gpu_names = _gpu_names, []
     cupy.cuda.Device().synchronize()
     at = _gpu[1].get()
+    _next_slot = itertools.count().__next__  # the slots are free again
     return sorted((int(at[slot]), name) for slot, name in names)
 
 

@@ -917,8 +917,10 @@ class _AsyncCopy:
         cupy.cuda.runtime.memcpyAsync(self._host.ctypes.data, self._dev.data.ptr, self.nbytes,
                                       cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr)
         self._seq += 1
-        self._store(stream.ptr, self._word_dev, self._seq)
-        self._event.record(stream)
+        try:
+            self._store(stream.ptr, self._word_dev, self._seq)
+        finally:  # the event covers the copy whatever the store did: finish's backstop
+            self._event.record(stream)
 
     def finish(self) -> np.ndarray:
         """uint8 [nbytes]: the copy, once done (a view, valid until the next start).

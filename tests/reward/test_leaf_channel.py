@@ -738,3 +738,29 @@ def test_offered_narrows_the_channel_to_the_models_max_batch_size():
     finally:
         ch.close()
         service.stop()
+
+
+@pytest.mark.parametrize("spin_s", [0.0, 0.002])
+def test_the_reply_read_spins_then_blocks_and_keeps_the_deadline(monkeypatch, spin_s):
+    """The client's reply read (read without blocking for REPLY_SPIN_S, then
+    blocking to the deadline): a reply already sent comes back, one sent
+    during the wait too, a closed peer reads as b'' (the caller's
+    UNAVAILABLE), and none by the deadline is TimeoutError (the caller's
+    DEADLINE_EXCEEDED) -- also where the deadline falls inside the spin."""
+    from tandem import leaf_channel as client
+
+    monkeypatch.setattr(client, "REPLY_SPIN_S", spin_s)
+    ours, peer = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    chan = type("Chan", (), {"_sock": ours})()
+    read = client.LeafChannel._recv_reply
+    try:
+        peer.send(b"R1")
+        assert read(chan, time.monotonic() + 30) == b"R1"
+        threading.Timer(0.02, peer.send, args=(b"R2",)).start()
+        assert read(chan, None) == b"R2"
+        with pytest.raises(TimeoutError):
+            read(chan, time.monotonic() + 0.001)  # inside the spin where there is one
+        peer.close()
+        assert read(chan, time.monotonic() + 30) == b""
+    finally:
+        ours.close()
