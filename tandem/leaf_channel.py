@@ -90,7 +90,7 @@ DONE_GRACE_S = 0.0005  # how long past its deadline an ordered wave's queued run
 DETACH_WAIT_S = 1.0  # how long close() waits for the server to let go of the regions (s)
 # How long a wave's reply is read for without blocking before the read blocks (s): the
 # reply comes ~0.1-0.3 ms after the message, and a thread woken from a blocking read
-# starts cold (docs/benchmarks.md, "The reply read without blocking"). 0: block at once.
+# starts cold (docs/benchmarks.md, "Waits that keep the host warm"). 0: block at once.
 REPLY_SPIN_S = 0.002
 RUNTIME_KEY = "leaf_channel"  # ModelMetadata.runtime key holding the server's socket path
 
@@ -568,19 +568,18 @@ class LeafChannel:
         """
         if REPLY_SPIN_S > 0:
             spin_until = time.monotonic() + REPLY_SPIN_S
-            if deadline is not None:
-                spin_until = min(spin_until, deadline)
             self._sock.settimeout(None)  # blocking: MSG_DONTWAIT reads at once, and a send may still wait
-            while time.monotonic() < spin_until:
+            while True:
                 try:
                     return self._sock.recv(MAX_MESSAGE_BYTES, socket.MSG_DONTWAIT)
                 except BlockingIOError:
-                    os.sched_yield()  # the GIL goes too
-            if deadline is not None and time.monotonic() >= deadline:  # spun to it: no blocking read after
-                try:
-                    return self._sock.recv(MAX_MESSAGE_BYTES, socket.MSG_DONTWAIT)
-                except BlockingIOError:
-                    raise TimeoutError("no reply by the deadline") from None
+                    pass
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:  # no blocking read past it
+                    raise TimeoutError("no reply by the deadline")
+                if now >= spin_until:
+                    break
+                os.sched_yield()  # the GIL goes too
         self._sock.settimeout(None if deadline is None else max(deadline - time.monotonic(), 1e-4))
         return self._sock.recv(MAX_MESSAGE_BYTES)
 

@@ -473,9 +473,10 @@ class _Search:
             self._split_kernel_time(kernel_ms, res)
         else:
             self.phase_ms["backup"] += (time.perf_counter() - t) * 1e3
-        results = self._results(res, deadline_reached, kernel_ms)
+        nodes = self._num_nodes(res["nodes"]).tolist()  # [B]: slots in use, for the results and the trees
+        results = self._results(res, nodes, deadline_reached, kernel_ms)
         timeline.mark("search.answered")
-        out = results, self._trees(res)
+        out = results, self._trees(nodes)
         timeline.mark("search.end")
         return out
 
@@ -787,7 +788,8 @@ class _Search:
         claims past the limit were refused)."""
         return np.minimum(claimed, np.maximum(self.node_limit, self.nodes_in_use))
 
-    def _results(self, res: np.ndarray, deadline_reached: bool | None, kernel_ms: float | None) -> list[SearchResult]:
+    def _results(self, res: np.ndarray, nodes: list[int], deadline_reached: bool | None,
+                 kernel_ms: float | None) -> list[SearchResult]:
         # Whole-batch arrays and lists first, in as few NumPy calls as may be: each costs the
         # host a few µs while the caller waits for its answer, whatever B (docs/benchmarks.md).
         words = res.view(np.int32).reshape(self.n_trees, abi.RESULT.words)  # [B, 74]: the RES rows as words
@@ -804,7 +806,6 @@ class _Search:
                              self._root_priors(total)).tolist()
         counters = words[:, _RES_NODES : _RES_NODES + len(_RES_COUNTERS)].tolist()  # [B][6]: _RES_COUNTERS
         pv = words[:, _RES_PV : _RES_PV + abi.MAX_DEPTH].tolist()
-        nodes = self._num_nodes(words[:, _RES_NODES]).tolist()
         proven, used = proven.tolist(), self.model_simulations.tolist()
         ms = self.phase_ms
         common = {
@@ -840,8 +841,7 @@ class _Search:
             ))
         return results
 
-    def _trees(self, res: np.ndarray) -> list[pl.CudaTree]:
-        nodes = self._num_nodes(res["nodes"]).tolist()
+    def _trees(self, nodes: list[int]) -> list[pl.CudaTree]:
         cur, mask, ev, cap = self.roots.current.tolist(), self.roots.mask.tolist(), self.params.evaluator, self.capacity
         return [pl.CudaTree(self.pool, i, cap, nodes[i], cur[i], mask[i], ev) for i in range(self.n_trees)]
 
@@ -899,10 +899,10 @@ class _AsyncCopy:
         import cupyx  # noqa: PLC0415 - with CuPy
 
         self._dev = dev
-        self.nbytes = dev.nbytes
-        at = -(-self.nbytes // 8) * 8  # the word, 8-byte aligned after the copy
+        self._nbytes = dev.nbytes
+        at = -(-self._nbytes // 8) * 8  # the word, 8-byte aligned after the copy
         self._buffer = cupyx.empty_pinned(at + 8, np.uint8)
-        self._host = self._buffer[: self.nbytes]
+        self._host = self._buffer[: self._nbytes]
         self._word = self._buffer[at:].view(np.uint64)
         self._word[0] = 0
         self._word_dev = cupy.cuda.runtime.pointerGetAttributes(self._word.ctypes.data).devicePointer
@@ -914,7 +914,7 @@ class _AsyncCopy:
         stream = cupy.cuda.get_current_stream()
         # The runtime's copy, not ndarray.get(out=, blocking=False): that measured slower, 0.90 of a
         # synchronised search against 0.77 (one run each; neural_search_latency_cupy_get_f807e0c.json).
-        cupy.cuda.runtime.memcpyAsync(self._host.ctypes.data, self._dev.data.ptr, self.nbytes,
+        cupy.cuda.runtime.memcpyAsync(self._host.ctypes.data, self._dev.data.ptr, self._nbytes,
                                       cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr)
         self._seq += 1
         try:
