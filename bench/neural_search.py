@@ -75,7 +75,8 @@ then share the GPU instead of time-slicing between their contexts (row field
 
 Row fields: mps, kind, handoff, simulations, wave, latency_ms_p50, latency_ms_p99,
 kernel_ms, handoff_us_per_wave, handoff_gpu_us_per_wave, model_us_per_wave, queue_us_per_wave,
-compute_us_per_wave, transport_us_per_wave, bookkeeping_us_per_wave, waves, sync_ms_p50, evals_per_s; batch;
+compute_us_per_wave, transport_us_per_wave, bookkeeping_us_per_wave, waves, gated_waves (of them, waves whose
+backup waited for the outputs on the GPU), sync_ms_p50, evals_per_s; batch;
 position_set, evaluator, budget_ms, positions, optimal_move_rate, missed
 (the missed positions' move strings), played (the column each missed one
 played), simulations_mean; step, from_mark,
@@ -105,7 +106,7 @@ import numpy as np
 from bench import common
 from scheduler import mps
 from stack.stats import percentiles
-from tandem import timeline
+from tandem import outputs_gate, timeline
 from tandem.config import load_config
 from tandem.device import mps_client_env, mps_directories
 
@@ -140,7 +141,9 @@ def _row_handoff(evaluator, device) -> str:
     """A row's ``handoff``: ``ipc`` (device waves, each wave's message
     announced ahead of its selection), ``ipc_unannounced`` (device waves
     ordered by the ready event alone), ``ipc_synchronised`` (device waves, a
-    channel without events), ``ipc_host`` (the leaf channel
+    channel without events), ``ipc_ungated`` (announced device waves whose
+    host waits for the outputs before it queues the backup, where ``ipc``'s
+    backup waits on the GPU: tandem/outputs_gate.py), ``ipc_host`` (the leaf channel
     through the host), ``in_process`` / ``in_process_per_wave`` /
     ``in_process_host`` (a reward service in this process: a search driven on
     its critical lane's worker, device waves handed over one by one, host
@@ -153,6 +156,8 @@ def _row_handoff(evaluator, device) -> str:
         return "ipc_synchronised"
     if evaluator.handoff == "ipc" and not evaluator.channel.announces:
         return "ipc_unannounced"
+    if evaluator.handoff == "ipc" and not evaluator.channel.gates and outputs_gate.enabled():
+        return "ipc_ungated"
     return f"{evaluator.handoff}_{PER_WAVE}" if device == PER_WAVE else evaluator.handoff
 
 
@@ -172,7 +177,7 @@ def latency(backend, evaluator, wave: int, simulations: int, repeats: int, devic
         kw = {"device_waves": waves}
     handoff = _row_handoff(evaluator, device)
     backend.search(root, params, evaluator, **kw)  # warm-up: kernels, the reward session's buckets
-    ms, sync_ms, kernel, waves = [], [], [], []
+    ms, sync_ms, kernel, waves, gated = [], [], [], [], []
     per_wave = {k: [] for k in ("handoff", "model", "queue", "compute", "call_rest", "bookkeeping")}  # µs
     for seed in range(repeats):
         before = dataclasses.replace(evaluator.totals)
@@ -192,13 +197,14 @@ def latency(backend, evaluator, wave: int, simulations: int, repeats: int, devic
                               ("bookkeeping", r.evaluate_ms - call)):
             per_wave[key].append(total_ms * 1e3 / n)
         waves.append(after.calls - before.calls)
+        gated.append(r.extras.get("gated_waves", 0))
     p50, p99 = percentiles(ms, 50, 99)
     med = {k: float(np.median(v)) for k, v in per_wave.items()}
     return dict(kind="latency", handoff=handoff, simulations=simulations, wave=wave, latency_ms_p50=p50,
                 latency_ms_p99=p99, kernel_ms=float(np.median(kernel)), handoff_us_per_wave=med["handoff"],
                 model_us_per_wave=med["model"], queue_us_per_wave=med["queue"], compute_us_per_wave=med["compute"],
                 transport_us_per_wave=med["call_rest"], bookkeeping_us_per_wave=med["bookkeeping"],
-                waves=float(np.median(waves)), sync_ms_p50=float(np.median(sync_ms)),
+                waves=float(np.median(waves)), gated_waves=float(np.median(gated)), sync_ms_p50=float(np.median(sync_ms)),
                 evals_per_s=simulations / (p50 / 1e3), repeats=repeats)
 
 
@@ -333,18 +339,22 @@ def _in_process(cfg, device: bool):
     return LeafChannelEvaluator(port, timeout_s=30, handoff=HANDOFF_IN_PROCESS)
 
 
-def _leaf_channel(stub, max_rows: int, events: bool = True, announce: bool = True):
+def _leaf_channel(stub, max_rows: int, events: bool = True, announce: bool = True, gate: bool | None = None):
     """A leaf-channel evaluator attached to the reward service behind ``stub``,
     carrying waves of up to ``max_rows`` rows (``events``: offer CUDA events
     to order its waves by; ``announce``: and a ready word, so each wave's
-    message goes ahead of its selection)."""
+    message goes ahead of its selection; ``gate``: and a done word, so each
+    wave's backup waits for its outputs on the GPU; None: where
+    ``outputs_gate.enabled()``)."""
     from search_service.evaluators import LeafChannelEvaluator
     from tandem.leaf_channel import LeafChannel
 
-    channel = LeafChannel.offered(stub, "connect4_value", max_rows, timeout_s=30, events=events, announce=announce)
+    channel = LeafChannel.offered(stub, "connect4_value", max_rows, timeout_s=30, events=events, announce=announce,
+                                  gate=gate)
     if channel is None:
         raise SystemExit("the reward service offers no leaf channel (reward.leaf_channel.enabled)")
-    common.note(f"leaf channel: {channel.kind} input region, ordered by events: {channel.ordered}")
+    common.note(f"leaf channel: {channel.kind} input region, ordered by events: {channel.ordered}, "
+                f"outputs gated: {channel.gates}")
     return LeafChannelEvaluator(channel, timeout_s=30)  # as the gRPC evaluator it is measured against
 
 
@@ -483,6 +493,9 @@ def _run(args, kinds: set[str], cfg, on_mps: bool) -> None:
             unannounced = _leaf_channel(stub, max_rows, announce=False) if ipc.channel.announces else None
             if unannounced is not None:  # ordered by the ready event alone: each message after its selection
                 ways.insert(1, (unannounced, True))
+            ungated = _leaf_channel(stub, max_rows, gate=False) if ipc.channel.gates else None
+            if ungated is not None:  # the host waits for the outputs before it queues the backup
+                ways.insert(1, (ungated, True))
             timed(ways)
             # A second reward service, in this process, for the in_process rows (co-located mode's
             # hand-off): started after the two-process rows, whose process it would share.
@@ -502,7 +515,7 @@ def _run(args, kinds: set[str], cfg, on_mps: bool) -> None:
                     pstats.Stats(profiler, stream=fh).sort_stats("tottime").print_stats(40)
                 profiler.dump_stats(out.with_suffix(".prof"))  # the whole profile, for pstats' callers and callees
                 common.note(f"profile of the latency rows: {out}")
-            for way in (ipc, synchronised, unannounced):
+            for way in (ipc, synchronised, unannounced, ungated):
                 if way is not None:
                     way.channel.close()
             if args.serving == "in_process":  # co-located mode's serving path

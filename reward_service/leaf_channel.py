@@ -90,7 +90,8 @@ from tandem.cuda_events import IPC_EVENT_HANDLE_BYTES, ExportedEvent, LocalEvent
 from tandem.errors import quote
 from tandem.leaf_channel import (ATTACH, ERROR, MAX_MESSAGE_BYTES, REPLY, REPLY_FORMAT, WAVE, WAVE_FORMAT, OutputSlot,
                                  output_layout, pack_error)
-from tandem.ready_word import WORD_BYTES, WordWait
+from tandem.gpu import cupy_module
+from tandem.ready_word import WORD_BYTES, WordWait, mapped_store
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +125,7 @@ class _Attachment:
     output_names: tuple[str, ...]  # the outputs' names, in slot order
     events: WaveEvents | None = None  # an ordered channel's CUDA events (tandem/cuda_events.py)
     ready_region: str | None = None  # the client's ready word (tandem/ready_word.py), a system region
+    done_word: int | None = None  # offset of the done word in the output region (tandem/outputs_gate.py)
 
     @property
     def regions(self) -> list[str]:
@@ -145,6 +147,9 @@ class WaveEvents:
     ready: OpenedEvent | LocalEvent | WordWait | None
     done: ExportedEvent | LocalEvent
     ready_on_gpu: bool = False
+    # (device address, seq): the run's stream stores seq there after the output copies,
+    # before ``done`` (the client's done word, tandem/outputs_gate.py); None: no word
+    done_word: tuple[int, int] | None = None
 
 
 _FLOAT32 = np.dtype(np.float32)
@@ -153,6 +158,11 @@ WORD_WAIT_CAP_S = 1.0  # the longest a wave without a deadline waits for its rea
 # run included: the client writes the inputs only after those outputs are done)
 REGION_KINDS = ("system", "cuda")  # either region may be either kind
 SOCKET_PREFIX = "tandem-leaf-"  # then the server's pid, "-", an id, ".sock"
+
+
+def _address(view) -> int:
+    """The device address of a CuPy view into a CUDA region."""
+    return view.data.ptr
 
 
 def _close_ready(events: WaveEvents | None) -> None:
@@ -400,6 +410,7 @@ class LeafChannelServer:
                   "execution_provider": attachment.session.execution_provider}
         if attachment.events is not None:
             layout["done_event"] = attachment.events.done.handle.hex()
+            layout["done_word"] = attachment.done_word is not None
         self._send(conn, ATTACH + json.dumps(layout).encode())
         return attachment
 
@@ -414,7 +425,10 @@ class LeafChannelServer:
                 signature does not fit the channel), ALREADY_EXISTS (a region
                 attached elsewhere); INVALID_ARGUMENT for a malformed
                 ``ready_event`` (one the driver cannot open, stale or foreign,
-                leaves the channel synchronised: no ``done_event`` in the layout).
+                leaves the channel synchronised: no ``done_event`` in the layout);
+                INVALID_ARGUMENT for a ``done_word`` offset that is not a multiple
+                of 8 at or past the outputs (tandem/outputs_gate.py), or past the
+                output region's end.
             SharedMemoryError: a region that is not registered or not the client's.
         """
         try:
@@ -423,6 +437,7 @@ class LeafChannelServer:
             input_region, output_region = str(req["input_region"]), str(req["output_region"])
             ready_region = req.get("ready_region")
             ready_region = None if ready_region is None else str(ready_region)
+            done_word = req.get("done_word")
         except (ValueError, KeyError, TypeError, RecursionError, AttributeError) as exc:  # RecursionError: nested too deep
             raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, f"attach: malformed ({type(exc).__name__}: {exc})") from None
         if input_region == output_region:  # one buffer for both would have outputs overwrite the next wave's inputs
@@ -443,12 +458,17 @@ class LeafChannelServer:
         spec, input_row, outputs = model_signature(session)
         dtype = tensors.numpy_dtype(spec.dtype)
         slots, out_bytes = output_layout([(o.name, row) for o, row in outputs], max_rows)
+        if done_word is not None and (not isinstance(done_word, int) or isinstance(done_word, bool)
+                                      or done_word < out_bytes or done_word % WORD_BYTES):
+            raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT,
+                             f"done_word: {quote(str(done_word))}, must be a multiple of {WORD_BYTES} at or past "
+                             f"the outputs' {out_bytes} bytes of the output region")
         in_bytes = max_rows * math.prod(input_row) * dtype.itemsize
         # last of the checks: closed if a later one fails
         events = self._open_events(req.get("ready_event"), ready_region is not None, session)
         attachment = _Attachment(client_id, session, max_rows, input_region, input_row, dtype, output_region,
                                  tuple(slots), in_bytes, out_bytes, spec.name, tuple(s.name for s in slots), events,
-                                 ready_region)
+                                 ready_region, done_word)
         try:
             with self.regions.acquire(client_id, attachment.regions) as lease:
                 out_kind = self._check_regions(lease, attachment)
@@ -464,6 +484,11 @@ class LeafChannelServer:
         if events is not None and out_kind != "cuda":  # outputs the host writes: the reply alone orders them
             _close_ready(events)
             attachment = dataclasses.replace(attachment, events=None)
+        if attachment.events is None:
+            attachment = dataclasses.replace(attachment, done_word=None)
+        elif attachment.done_word is not None:  # the store's module loads now, not at the first wave
+            with self.regions.acquire(client_id, attachment.regions) as lease:
+                mapped_store(cupy_module(), _address(lease.array(output_region, done_word, _WORD, (1,))))
         return attachment
 
     @staticmethod
@@ -512,7 +537,10 @@ class LeafChannelServer:
         """
         sizes = lease.describe()
         rows = f"{a.max_rows} rows of model {a.session.name!r}"
-        needs = [(a.input_region, a.input_bytes, REGION_KINDS, rows), (a.output_region, a.output_bytes, REGION_KINDS, rows)]
+        out_need, out_what = a.output_bytes, rows
+        if a.done_word is not None:
+            out_need, out_what = a.done_word + WORD_BYTES, f"{rows} and the done word"
+        needs = [(a.input_region, a.input_bytes, REGION_KINDS, rows), (a.output_region, out_need, REGION_KINDS, out_what)]
         if a.ready_region:  # read by this host: system memory, the word aligned (a torn read would misorder)
             needs.append((a.ready_region, WORD_BYTES, ("system",), "the ready word"))
             offset = lease.system_offset(a.ready_region)
@@ -621,6 +649,9 @@ class LeafChannelServer:
                 word = lease.array(a.ready_region, 0, _WORD, (1,))
                 hard_limit = time.monotonic() + WORD_WAIT_CAP_S if deadline is None else deadline
                 events = WaveEvents(WordWait(word, seq, events.done, READY_WAIT_S, hard_limit), events.done)
+            if events is not None and a.done_word is not None and out_kind == "cuda":
+                done_word = (_address(lease.array(a.output_region, a.done_word, _WORD, (1,))), seq)
+                events = dataclasses.replace(events, done_word=done_word)
             timeline.mark("channel.submitted")
             done = run(self.batchers[a.session.name], a.session.name, {a.input_name: feed}, rows,
                        CRITICAL, deadline, a.output_names, targets, answer, events)
@@ -633,6 +664,8 @@ class LeafChannelServer:
             lease.check_live()  # a region unregistered meanwhile gets nothing written
             for slot in a.outputs:
                 lease.write(a.output_region, slot.offset, wave_output(done, slot.name, slot.row, rows, a.session.name))
+            if a.done_word is not None and out_kind == "cuda":  # after the outputs, as a bound runner's store
+                lease.write(a.output_region, a.done_word, np.array([seq], _WORD))
             return done
 
     def close(self) -> None:

@@ -66,6 +66,7 @@ from tandem import nvtx, tensors, timeline
 from tandem.config import ModelConfig, RewardConfig, resolve_path
 from tandem.errors import quote
 from tandem.gpu import cuda_device_count, cupy_module
+from tandem.ready_word import mapped_store
 from tandem.stream_priority import nearest_allowed
 
 log = logging.getLogger(__name__)
@@ -389,7 +390,11 @@ class _BoundRunner:
         if not everyone:
             for name, d in slot.dev_out.items():
                 dev.download(slot.host_out[name], d, rows)
-        for ev in events:  # after the targets' copies: the client waits for it
+        for req, _ in targeted:  # after the targets' copies: the client's gate waits for it
+            if req.events is not None and req.events.done_word is not None:
+                address, seq = req.events.done_word
+                mapped_store(cupy_module(), address)(dev.stream.ptr, address, seq)
+        for ev in events:  # after the targets' copies (and words): the client waits for it
             ev.done.record(dev.stream.ptr)
         if not (everyone and len(events) == len(device_batch.requests)):  # else no host waits for the GPU
             dev.synchronize()

@@ -323,6 +323,13 @@ class DeviceWaves:
         finally:
             self._ev.totals.call_ms += (time.perf_counter() - start) * 1e3
 
+    def outputs_gate(self):
+        """The last wave's outputs' gate (LeafChannel.outputs_gate,
+        tandem/outputs_gate.py), or None: the caller then calls
+        :meth:`wait_outputs` before the kernels that read them; with one, it
+        queues the gate and those kernels first, then calls it."""
+        return self._ev.channel.outputs_gate() if self._deferred else None
+
     def cancel_announced(self) -> None:
         """Gives up an announced wave whose selection will not come (none: nothing to do)."""
         if self._deferred:
@@ -544,8 +551,8 @@ class HandoffEvaluator:
                 self.why_grpc = "the reward service offers no leaf channel"
             else:
                 ipc = LeafChannelEvaluator(channel, self.timeout_s)
-                log.warning("search service: leaf channel to the reward service attached (%s input region, %s)",
-                            channel.kind, channel.path)
+                log.warning("search service: leaf channel to the reward service attached (%s input region, %s; "
+                            "outputs gated on the GPU: %s)", channel.kind, channel.path, channel.gates)
         except (LeafChannelError, grpc.RpcError, OSError, ValueError) as exc:
             why = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
             self.why_grpc = f"leaf channel: {why}"

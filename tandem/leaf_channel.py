@@ -73,7 +73,7 @@ import grpc
 import numpy as np
 from tandem.v1 import reward_pb2, reward_pb2_grpc
 
-from tandem import tensors, timeline
+from tandem import outputs_gate, tensors, timeline
 from tandem.cuda_events import ExportedEvent, OpenedEvent
 from tandem.ready_word import WORD_BYTES, ReadyWord
 from tandem.shared_memory_client import CudaSharedMemoryRegion, SystemSharedMemoryRegion, aligned
@@ -87,6 +87,7 @@ REPLY_FORMAT = struct.Struct("<QIff")  # seq, padded batch rows, queue ms, model
 ERROR_FORMAT = struct.Struct("<QI")  # seq (0: the attach), grpc status code value; then a UTF-8 message
 MAX_MESSAGE_BYTES = 4096  # attach and error messages; a wave is 21 bytes
 DONE_GRACE_S = 0.0005  # how long past its deadline an ordered wave's queued run is waited for (s)
+GATE_SLACK_S = 0.002  # a gate closes by itself this long after the host's wait would have given up (s)
 DETACH_WAIT_S = 1.0  # how long close() waits for the server to let go of the regions (s)
 # How long a wave's reply is read for without blocking before the read blocks (s): the
 # reply comes ~0.1-0.3 ms after the message, and a thread woken from a blocking read
@@ -198,6 +199,8 @@ class LeafChannel:
         announce: with events, a ready word too, where this process can map
             one (:attr:`announces`; False: the ``ready`` event orders the
             inputs, and each wave's message follows its kernels).
+        gate: with a ready word, a done word too (:meth:`outputs_gate`,
+            tandem/outputs_gate.py); None: where ``outputs_gate.enabled()``.
 
     Raises:
         LeafChannelError: the model's metadata, the registration, the socket
@@ -208,7 +211,7 @@ class LeafChannel:
     def __init__(self, stub: reward_pb2_grpc.RewardServiceStub, path: str, model: str, max_rows: int,
                  device_id: int = -1, timeout_s: float = 5.0,
                  meta: reward_pb2.ModelMetadataResponse | None = None, cuda_outputs: bool = True,
-                 events: bool = True, announce: bool = True):
+                 events: bool = True, announce: bool = True, gate: bool | None = None):
         self.path, self.model, self.max_rows, self._timeout_s = path, model, max_rows, timeout_s
         meta = meta or _metadata(stub, model, timeout_s)
         spec = meta.inputs[0]
@@ -225,6 +228,12 @@ class LeafChannel:
         self._announced = None  # rows of the wave whose message went ahead of its inputs (announce)
         self._marked = 0  # the last seq whose inputs' ready word or event is queued
         self._outputs_due = None  # a wave answered, its outputs not waited for yet: its deadline (or False)
+        self._done_word = None  # the done word's device address, where the server stores it (outputs_gate)
+        self._cancel = None  # this channel's cancel word (outputs_gate.CancelWord)
+        self._gated = None  # the token of the wave whose gate is queued and whose outputs are not waited for
+        wants_gate = (outputs_gate.enabled() if gate is None else gate) and events and announce
+        if wants_gate and device_id >= 0 and cuda_outputs:  # room for the done word after the outputs
+            out_bytes = outputs_gate.done_word_offset(out_bytes) + outputs_gate.WORD_BYTES
         try:
             self._inputs = _input_region(stub, in_bytes, device_id, timeout_s)
             self.kind = self._inputs.kind
@@ -243,6 +252,8 @@ class LeafChannel:
                 self._word = self._ready_word(stub, timeout_s) if announce else None
                 if self._word is not None:
                     attach["ready_region"] = self._word_region.name
+                    if wants_gate:
+                        attach["done_word"] = out_bytes - outputs_gate.WORD_BYTES
                 else:
                     self._ready = ExportedEvent()
                     attach["ready_event"] = self._ready.handle.hex()
@@ -261,6 +272,8 @@ class LeafChannel:
             raise LeafChannelError(grpc.StatusCode.UNAVAILABLE, f"socket {path}: closed during the attach")
         self._attached = True
         self._open_done_event(reply[1:])
+        if self._done is not None and "done_word" in attach:
+            self._open_gate(reply[1:], attach["done_word"])
         self._seq = 0
         self._in_view = self._inputs.array(0, self.input_dtype, (max_rows, *self.input_row))
         self._out_views = {s.name: self._outputs_region.array(s.offset, np.dtype(np.float32), (max_rows, *s.row))
@@ -290,6 +303,22 @@ class LeafChannel:
             if self._word is not None:
                 self._word.close()
                 self._word = None
+
+    def _open_gate(self, layout: bytes, offset: int) -> None:
+        """Takes a cancel word and loads the gate's kernel where the server
+        stores the done word (its layout says so); else waves go ungated."""
+        if not json.loads(layout).get("done_word"):
+            return
+        try:
+            self._cancel = outputs_gate.CancelWord()
+            outputs_gate.load()
+        except Exception as exc:  # noqa: BLE001 - RuntimeError, CUDARuntimeError, CompileException: ungated
+            log.info("leaf channel: no outputs' gate (%s: %s)", type(exc).__name__, exc)
+            if self._cancel is not None:
+                self._cancel.release()
+                self._cancel = None
+            return
+        self._done_word = self._outputs_region.array(offset, np.dtype(np.uint64), (1,)).data.ptr
 
     def _ready_word(self, stub, timeout_s: float) -> ReadyWord | None:
         """A ready word (tandem/ready_word.py) in a system region of its own,
@@ -322,12 +351,13 @@ class LeafChannel:
 
     @classmethod
     def offered(cls, stub: reward_pb2_grpc.RewardServiceStub, model: str, max_rows: int,
-                timeout_s: float = 5.0, events: bool = True, announce: bool = True) -> LeafChannel | None:
+                timeout_s: float = 5.0, events: bool = True, announce: bool = True,
+                gate: bool | None = None) -> LeafChannel | None:
         """The leaf channel the reward service behind ``stub`` offers for
         ``model`` (``ModelMetadata.runtime``: its socket and device), attached
         for at most ``max_rows`` rows per wave, fewer where the model's
         ``max_batch_size`` is smaller; None when it offers none (``events``,
-        ``announce``: as the constructor's).
+        ``announce``, ``gate``: as the constructor's).
 
         Raises:
             LeafChannelError: as the constructor.
@@ -340,7 +370,7 @@ class LeafChannel:
         if meta.max_batch_size:  # the server refuses a channel wider than the model's batches
             max_rows = min(max_rows, meta.max_batch_size)
         cuda_outputs = "cuda" in meta.runtime.get(f"{RUNTIME_KEY}_outputs", "system").split(",")
-        return cls(stub, path, model, max_rows, device, timeout_s, meta, cuda_outputs, events, announce)
+        return cls(stub, path, model, max_rows, device, timeout_s, meta, cuda_outputs, events, announce, gate)
 
     def evaluate(self, inputs, deadline: float | None = None) -> dict[str, np.ndarray]:
         """The model's outputs (name -> float32 ``[N, *row]``, copies) for
@@ -480,10 +510,30 @@ class LeafChannel:
         if self._marked != self._seq and self._word is not None:
             self._word.cancel(self._seq)
 
+    @property
+    def gates(self) -> bool:
+        """Whether a wave's outputs may be gated on the GPU (:meth:`outputs_gate`)."""
+        return self._done_word is not None
+
+    def outputs_gate(self) -> outputs_gate.Gate | None:
+        """The gate (tandem/outputs_gate.py) of the last wave answered with
+        ``wait_outputs=False`` whose outputs are not waited for yet: the
+        caller queues it (``outputs_gate.queue``) and, behind it, the kernels
+        that read the outputs, then calls :meth:`wait_outputs`, which closes
+        the gate if they never come. None where the channel does not gate, or
+        no such wave is pending."""
+        if self._done_word is None or self._outputs_due is None:
+            return None
+        deadline = self._outputs_due or time.monotonic() + self._timeout_s
+        limit_s = deadline + DONE_GRACE_S + GATE_SLACK_S - time.monotonic()
+        self._gated = outputs_gate.CancelWord.token()
+        return outputs_gate.Gate(self._done_word, self._seq, self._cancel.address, self._gated,
+                                 max(int(limit_s * 1e9), 0))
+
     def wait_outputs(self) -> None:
         """Waits for the outputs of the last wave answered with
         ``wait_outputs=False`` (none pending: returns at once); an announced
-        wave is cancelled if they never come.
+        wave is cancelled, and a gated one's gate closed, if they never come.
 
         Raises:
             LeafChannelError: as :meth:`_wait_done`.
@@ -494,8 +544,16 @@ class LeafChannel:
         try:
             self._wait_done(deadline or None)
         except LeafChannelError:
+            self._close_gate()
             self.cancel_announced()
             raise
+        self._gated = None
+
+    def _close_gate(self) -> None:
+        """Closes a queued gate whose outputs are not waited for (none: nothing to do)."""
+        if self._gated is not None:
+            self._cancel.cancel(self._gated)
+            self._gated = None
 
     def _send(self, rows: int, deadline: float | None) -> None:
         """Sends the next wave's ``W`` message.
@@ -631,7 +689,11 @@ class LeafChannel:
         (the channel's own closes: a broken socket, a peer not speaking the
         protocol, a broken CUDA context) skips the wait."""
         self.cancel_announced()  # the server stops waiting for its inputs
+        self._close_gate()  # the search's stream goes on at once: the wave is undone there
         self._outputs_due = None
+        if self._cancel is not None:  # its gates are closed: a later channel may take it
+            self._cancel.release()
+            self._cancel, self._done_word = None, None
         if self._sock is not None:
             if self._attached and wait_detached:
                 self._wait_detached(time.monotonic() + DETACH_WAIT_S)

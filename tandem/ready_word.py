@@ -90,8 +90,8 @@ _chosen: dict[int, object] = {}  # device id -> the store mapped_store chose the
 
 def mapped_store(cupy, device_address: int):
     """``store(stream, address, seq)``, the store of a uint64 at a device
-    address of mapped host memory queued on a stream after its earlier
-    work: the driver's stream memory operation where this device takes it,
+    address (mapped host memory, or device memory: the outputs' done word,
+    tandem/outputs_gate.py) queued on a stream after its earlier work: the driver's stream memory operation where this device takes it,
     else a one-thread kernel. The first call on a device chooses with a
     store of 0 at ``device_address`` (synchronised, so later ones cost no
     module load); later calls reuse the choice and wait for nothing.

@@ -92,7 +92,7 @@ from search_service.mcts.backend import (
 )
 from search_service.mcts.philox import seed_key
 from search_service.mcts.rollout import rollout_values
-from tandem import nvtx, ready_word, timeline
+from tandem import nvtx, outputs_gate, ready_word, timeline
 
 log = logging.getLogger(__name__)
 A = connect4.NUM_ACTIONS
@@ -309,6 +309,7 @@ class _Search:
         self.warps_per_tree, self.sims_per_warp = backend.split(self.parallel_sims, self.puct)
         self.phase_ms = dict.fromkeys(abi.PHASES, 0.0)  # wall-clock ms per phase, over the call
         self.waves = 0
+        self.gated_waves = 0  # waves whose backup waited for the outputs on the GPU (tandem/outputs_gate.py)
         self.model_simulations = np.zeros(b, np.int64)  # per tree: simulations whose leaf the model valued
         # The device hand-off, where it carries a whole wave (B * K slots, one row each).
         fits = device_waves is not None and device_waves.carries(b * params.parallel_sims)
@@ -558,7 +559,7 @@ class _Search:
         key = ("waves", cupy.cuda.Device().id, n, dw is None, ordered_back)
         buffers = self.backend.take_scratch(key, lambda: _wave_buffers(n, dw is None, ordered_back))
         self._waves = (key, buffers)  # given back once the search's stream is synchronised
-        stage, meta_dev, obs_dev, meta_back, paths, vin_dev = buffers
+        stage, meta_dev, obs_dev, meta_back, paths, vin_dev, verdict = buffers
         if dw is not None:
             obs_dev = dw.inputs.reshape(-1, abi.OBS.words)[:n]
         stage_sizes = (meta_dev.nbytes, stage.nbytes - meta_dev.nbytes)  # the host copy of stage, carved alike
@@ -645,6 +646,7 @@ class _Search:
                         return False  # every root is proven
                 has_priors = False  # the host's EVAL rows hold priors (device waves: wherever logits come back)
                 outputs = (None, None)  # device waves: the model's (values, logits) for the backup to read
+                gate = None  # their gate, where the backup waits for them on the GPU (tandem/outputs_gate.py)
                 used_model = self.use_model
                 if not on_device:  # the host builds them: exact values where known, the leaves' planes
                     vin = np.zeros(n, abi.EVAL.dtype)
@@ -658,7 +660,9 @@ class _Search:
                             committed = plan(live, done + np.where(live, k, 0), 2)[0]
                             if committed is not None:
                                 dw.announce(n)
-                        dw.wait_outputs()  # before the backup reads them
+                        gate = dw.outputs_gate() if ordered else None
+                        if gate is None:
+                            dw.wait_outputs()  # before the backup reads them
                     elif self.use_model:
                         has_priors = self._model_values(vin, planes, obs_dev, open_, meta["leader"], wants_cupy)
                     elif open_.any():
@@ -683,14 +687,18 @@ class _Search:
                         vin_dev.set(vin.view(np.float32))
                     null = np.uint64(0)
                     values, logits = (null if x is None else x for x in outputs)
+                    if gate is not None:  # the backup waits for the outputs on the GPU, not here
+                        outputs_gate.queue(gate, verdict.data.ptr)
+                        self.gated_waves += 1
                     if on_device:
                         timeline.gpu_mark("gpu.backup")
                     backup_kernel(
                         grid, block,
                         (
-                            self.pool, np.int64(self.capacity), np.int32(b), np.int32(w), np.int32(g), np.int32(k_max),
-                            np.int32(k), self.tree_state, meta_dev, paths, vin_dev, np.int32(has_priors),
-                            np.int32(on_device), values, logits, obs_dev if on_device else null,
+                            self.pool, np.int64(self.capacity), np.int32(self.node_limit), np.int32(b), np.int32(w),
+                            np.int32(g), np.int32(k_max), np.int32(k), self.tree_state, meta_dev, paths, vin_dev,
+                            np.int32(has_priors), np.int32(on_device), values, logits,
+                            obs_dev if on_device else null, null if gate is None else verdict,
                         ),
                     )
                 t3 = time.perf_counter()
@@ -706,8 +714,21 @@ class _Search:
                         live = ordered_live()
                     if not live.any():
                         return False  # every root was proven before this wave
+                waited = 0.0  # s: a gated wave's wait for its outputs, after its backup was queued
+                if gate is not None:
+                    t4 = time.perf_counter()
+                    try:  # the outputs, behind the backup (and the next selection) already queued
+                        dw.wait_outputs()
+                    except EvaluationFailed as exc:  # the gate closed: the backup undid the wave
+                        self._gate_closed(exc, queued, grid, block, meta_dev, paths)
+                        queued = None
+                        self.phase_ms["evaluate"] += (time.perf_counter() - t1) * 1e3
+                        live = ordered_live()
+                        yield DETACH
+                        continue
+                    waited = time.perf_counter() - t4  # the evaluation's, as an ungated wave's wait is
                 self.phase_ms["select"] += (t1 - t) * 1e3
-                self.phase_ms["evaluate"] += (t2 - t1) * 1e3
+                self.phase_ms["evaluate"] += (t2 - t1 + waited) * 1e3
                 self.phase_ms["backup"] += (t3 - t2) * 1e3
                 done += np.where(live, k, 0)
                 if used_model:
@@ -767,6 +788,16 @@ class _Search:
             values, logits = yield rows
         return values, logits
 
+    def _gate_closed(self, exc: EvaluationFailed, queued, grid, block, meta_dev, paths) -> None:
+        """A gated wave's outputs never came: its backup undid it on the GPU;
+        the next wave (``queued``: announced, its selection queued behind that
+        backup; or None) is undone and given up too, and the model is not
+        used again in this search."""
+        if queued is not None:
+            kernel("mcts_vm_undo")(grid, block, (*queued[1][2], self.tree_state, meta_dev, paths))
+            self.device_waves.cancel_announced()
+        self._stop_using_model(exc)
+
     def _stop_using_model(self, exc: EvaluationFailed) -> None:
         self.use_model = False
         self.failure = str(exc) or type(exc).__name__
@@ -815,6 +846,7 @@ class _Search:
             "kernel_ms": kernel_ms,
             "pool_bytes": self.capacity * pl.NODE_BYTES,
             "stopped": self.stopped,
+            "gated_waves": self.gated_waves,
         }
         results = []
         for i, (_, depth, done, exhausted, deadline, pv_len) in enumerate(counters):
@@ -875,13 +907,15 @@ def _wave_buffers(n: int, with_obs: bool, ordered: bool) -> tuple:
     wave's selection hands the host, copied back in one piece), its META
     view int32 [n * 4] and OBS view uint8 [n, 84] (None without), the META
     rows' copy back into pinned memory (``ordered``; else None), ``paths``
-    int32 [n * MAX_DEPTH] and the EVAL rows float32 [n * 8]."""
+    int32 [n * MAX_DEPTH], the EVAL rows float32 [n * 8] and the outputs'
+    gate's verdict int32 [1] (tandem/outputs_gate.py; ``ordered``, else None)."""
     sizes = (n * abi.META.nbytes, n * abi.OBS.nbytes if with_obs else 0)
     stage = cupy.empty(sum(sizes), np.uint8)
     meta_dev, obs_dev = abi.carve(stage, *sizes)
     return (stage, meta_dev, obs_dev.reshape(n, abi.OBS.words) if with_obs else None,
             _AsyncCopy(meta_dev) if ordered else None,
-            cupy.empty(n * abi.MAX_DEPTH, np.int32), cupy.empty(n * abi.EVAL.words, np.float32))
+            cupy.empty(n * abi.MAX_DEPTH, np.int32), cupy.empty(n * abi.EVAL.words, np.float32),
+            cupy.zeros(1, np.int32) if ordered else None)
 
 
 class _AsyncCopy:

@@ -91,8 +91,9 @@ def _backup(name, shape, pool, tsa, meta, paths, vin, has_priors=False, outputs=
     b = pool.shape[0]
     values, logits = (null if x is None else x for x in outputs or (None, None))
     kernel(name)(*_launch(b, shape), (
-        pool, np.int64(CAP), *_sizes(b, shape), tsa, meta, paths, cp.zeros(1, np.float32) if vin is None else vin,
-        np.int32(has_priors), np.int32(outputs is not None), values, logits, null if obs is None else obs))
+        pool, np.int64(CAP), np.int32(CAP), *_sizes(b, shape), tsa, meta, paths,
+        cp.zeros(1, np.float32) if vin is None else vin, np.int32(has_priors), np.int32(outputs is not None), values,
+        logits, null if obs is None else obs, null))
 
 
 def _host_rows(meta: np.ndarray, obs: np.ndarray, values: np.ndarray, logits: np.ndarray | None,

@@ -283,6 +283,33 @@ __device__ void masked_priors(const float* l, const unsigned char* o, float* p) 
   for (int a = 0; a < NUM_ACTIONS; ++a) p[a] = e[a] / total;
 }
 
+// Takes a wave back out of a tree: the warp's simulations' virtual losses
+// released and, by the tree's first warp, the nodes the wave created (slots
+// TS_WAVE_BASE .. TS_NODES, below the limit) unlinked from their parents,
+// TS_NODES back to the base. Nothing is backed up (mcts_vm_undo; vm_backup
+// where the outputs' gate closed).
+__device__ void vm_undo_warp(const VmWarp& v, int limit, const int* meta, const int* paths) {
+  const int lane = v.lane, g = v.g;
+  const TreeView& t = v.t;
+  int* ts = v.ts;
+  const long long q0 = v.q0;
+  if (lane < g) {
+    const int depth = ((const int4*)meta)[q0 + lane].y;
+    const int* p = paths + (q0 + lane) * MAX_DEPTH;
+    for (int d = 0; d < depth; ++d) atomicAdd((unsigned long long*)(t.rows + p[d]), (u64)0 - VLOSS_ONE);
+  }
+  if (v.job.first != 0) return;
+  const int base = ts[TS_WAVE_BASE], top = min(ts[TS_NODES], limit);
+  for (int s = base + lane; s < top; s += 32) {
+    const int4 h = t.rows[(long long)s * ROW + HEADER];  // .z parent, .w action
+    t.child[(long long)h.z * ROW + h.w] = UNEXPANDED;
+  }
+  __syncwarp();
+  if (lane == 0) ts[TS_NODES] = base;
+}
+
+#define GATE_OPEN 1  // tandem/outputs_gate.py: OPEN
+
 // Value model, second half of a wave. Each simulation's leaf value (for the
 // leaf's side to move) and, for the evaluating simulation of each new node,
 // its priors come either from vin, the EVAL rows the host built (priors
@@ -298,10 +325,15 @@ __device__ void masked_priors(const float* l, const unsigned char* o, float* p) 
 // (selection of the next wave runs in a later launch). Then backup as in
 // rollout_search. (One launch: a kernel of its own that built the EVAL rows
 // from the outputs first cost every wave ~10 µs of GPU and a launch.)
+// `verdict` (null: none) is the outputs' gate's (tandem/outputs_gate.py), read
+// after the gate's kernel ended: GATE_OPEN, the outputs are this wave's; else
+// they never came, and the wave is undone instead (vm_undo_warp; `limit` the
+// node limit), as mcts_vm_undo would.
 template <int AGG>
-__device__ void vm_backup(unsigned char* pool, long long cap, int n_trees, int W, int G, int K, int k_wave, int* tsa,
-                          const int* meta, const int* paths, const float* vin, int has_priors, int from_outputs,
-                          const float* values, const float* logits, const unsigned char* obs) {
+__device__ void vm_backup(unsigned char* pool, long long cap, int limit, int n_trees, int W, int G, int K, int k_wave,
+                          int* tsa, const int* meta, const int* paths, const float* vin, int has_priors,
+                          int from_outputs, const float* values, const float* logits, const unsigned char* obs,
+                          const int* verdict) {
   __shared__ float s_vals[WARPS_PER_BLOCK][32];
   __shared__ int s_deps[WARPS_PER_BLOCK][32];
   VmWarp vw;
@@ -312,6 +344,10 @@ __device__ void vm_backup(unsigned char* pool, long long cap, int n_trees, int W
   const long long q0 = vw.q0;
   const WarpJob& job = vw.job;
   if (((const int4*)meta)[q0].z == NO_SIMULATION) return;  // the root is proven: nothing ran
+  if (verdict != nullptr && *(volatile const int*)verdict != GATE_OPEN) {  // the outputs never came: undone
+    vm_undo_warp(vw, limit, meta, paths);
+    return;
+  }
   int depth = 0, leaf = -1, code = NOT_TERMINAL;
   float v = 0.0f;
   if (lane < g) {
@@ -352,33 +388,14 @@ __device__ void vm_backup(unsigned char* pool, long long cap, int n_trees, int W
 
 // Value model, instead of the backup when the wave's evaluation failed (the
 // reward service failed, or could not answer by the deadline): takes the
-// wave back out of the trees -- every simulation's virtual losses released,
-// the nodes the wave created (slots TS_WAVE_BASE .. TS_NODES, below the
-// limit) unlinked from their parents, TS_NODES back to the base. Nothing is
-// backed up. The same grid as mcts_vm_select; warp 0 of a tree unlinks.
+// wave back out of the trees (vm_undo_warp). The same grid as mcts_vm_select.
 extern "C" __global__ void __launch_bounds__(32 * WARPS_PER_BLOCK) mcts_vm_undo(
     unsigned char* pool, long long cap, int limit, int n_trees, int W, int G, int K, int k_wave, int* tsa,
     const int* meta, const int* paths) {
   VmWarp v;
   if (!vm_warp(pool, cap, n_trees, W, G, K, k_wave, tsa, v)) return;
-  const int lane = v.lane, g = v.g;
-  const TreeView& t = v.t;
-  int* ts = v.ts;
-  const long long q0 = v.q0;
-  if (((const int4*)meta)[q0].z == NO_SIMULATION) return;
-  if (lane < g) {
-    const int depth = ((const int4*)meta)[q0 + lane].y;
-    const int* p = paths + (q0 + lane) * MAX_DEPTH;
-    for (int d = 0; d < depth; ++d) atomicAdd((unsigned long long*)(t.rows + p[d]), (u64)0 - VLOSS_ONE);
-  }
-  if (v.job.first != 0) return;
-  const int base = ts[TS_WAVE_BASE], top = min(ts[TS_NODES], limit);
-  for (int s = base + lane; s < top; s += 32) {
-    const int4 h = t.rows[(long long)s * ROW + HEADER];  // .z parent, .w action
-    t.child[(long long)h.z * ROW + h.w] = UNEXPANDED;
-  }
-  __syncwarp();
-  if (lane == 0) ts[TS_NODES] = base;
+  if (((const int4*)meta)[v.q0].z == NO_SIMULATION) return;
+  vm_undo_warp(v, limit, meta, paths);
 }
 
 // Value model with device waves, after init_trees wrote each fresh root's OBS
@@ -397,19 +414,19 @@ extern "C" __global__ void mcts_vm_root_priors(unsigned char* pool, long long ca
 }
 
 extern "C" __global__ void __launch_bounds__(32 * WARPS_PER_BLOCK) mcts_vm_backup_global(
-    unsigned char* pool, long long cap, int n_trees, int W, int G, int K, int k_wave, int* tsa, const int* meta,
-    const int* paths, const float* vin, int has_priors, int from_outputs, const float* values, const float* logits,
-    const unsigned char* obs) {
-  vm_backup<0>(pool, cap, n_trees, W, G, K, k_wave, tsa, meta, paths, vin, has_priors, from_outputs, values, logits,
-                 obs);
+    unsigned char* pool, long long cap, int limit, int n_trees, int W, int G, int K, int k_wave, int* tsa,
+    const int* meta, const int* paths, const float* vin, int has_priors, int from_outputs, const float* values,
+    const float* logits, const unsigned char* obs, const int* verdict) {
+  vm_backup<0>(pool, cap, limit, n_trees, W, G, K, k_wave, tsa, meta, paths, vin, has_priors, from_outputs, values,
+                 logits, obs, verdict);
 }
 
 extern "C" __global__ void __launch_bounds__(32 * WARPS_PER_BLOCK) mcts_vm_backup_aggregated(
-    unsigned char* pool, long long cap, int n_trees, int W, int G, int K, int k_wave, int* tsa, const int* meta,
-    const int* paths, const float* vin, int has_priors, int from_outputs, const float* values, const float* logits,
-    const unsigned char* obs) {
-  vm_backup<1>(pool, cap, n_trees, W, G, K, k_wave, tsa, meta, paths, vin, has_priors, from_outputs, values, logits,
-                 obs);
+    unsigned char* pool, long long cap, int limit, int n_trees, int W, int G, int K, int k_wave, int* tsa,
+    const int* meta, const int* paths, const float* vin, int has_priors, int from_outputs, const float* values,
+    const float* logits, const unsigned char* obs, const int* verdict) {
+  vm_backup<1>(pool, cap, limit, n_trees, W, G, K, k_wave, tsa, meta, paths, vin, has_priors, from_outputs, values,
+                 logits, obs, verdict);
 }
 
 // Results, one warp per tree, after the search: a RES row per tree (the root's
