@@ -487,8 +487,15 @@ class LeafChannelServer:
         if attachment.events is None:
             attachment = dataclasses.replace(attachment, done_word=None)
         elif attachment.done_word is not None:  # the store's module loads now, not at the first wave
-            with self.regions.acquire(client_id, attachment.regions) as lease:
-                mapped_store(cupy_module(), _address(lease.array(output_region, done_word, _WORD, (1,))))
+            try:
+                with self.regions.acquire(client_id, attachment.regions) as lease:
+                    word = lease.array(output_region, done_word, _WORD, (1,))
+                    with word.device:
+                        mapped_store(cupy_module(), _address(word))
+            except Exception as exc:  # noqa: BLE001 - the channel goes on ungated rather than refused
+                log.warning("leaf channel of client %r: no done word (%s: %s); its waves go ungated",
+                            client_id, type(exc).__name__, exc)
+                attachment = dataclasses.replace(attachment, done_word=None)
         return attachment
 
     @staticmethod

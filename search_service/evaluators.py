@@ -330,6 +330,12 @@ class DeviceWaves:
         queues the gate and those kernels first, then calls it."""
         return self._ev.channel.outputs_gate() if self._deferred else None
 
+    def abandon_outputs(self) -> None:
+        """Gives up the last wave's outputs (LeafChannel.abandon_outputs): a
+        search that ends on an error leaves no gate open."""
+        if self._deferred:
+            self._ev.channel.abandon_outputs()
+
     def cancel_announced(self) -> None:
         """Gives up an announced wave whose selection will not come (none: nothing to do)."""
         if self._deferred:

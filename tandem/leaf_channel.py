@@ -88,6 +88,7 @@ ERROR_FORMAT = struct.Struct("<QI")  # seq (0: the attach), grpc status code val
 MAX_MESSAGE_BYTES = 4096  # attach and error messages; a wave is 21 bytes
 DONE_GRACE_S = 0.0005  # how long past its deadline an ordered wave's queued run is waited for (s)
 GATE_SLACK_S = 0.002  # a gate closes by itself this long after the host's wait would have given up (s)
+GATE_REPORT_S = 1.0  # how long after that the host waits for the gate's verdict at most (s)
 DETACH_WAIT_S = 1.0  # how long close() waits for the server to let go of the regions (s)
 # How long a wave's reply is read for without blocking before the read blocks (s): the
 # reply comes ~0.1-0.3 ms after the message, and a thread woken from a blocking read
@@ -229,8 +230,9 @@ class LeafChannel:
         self._marked = 0  # the last seq whose inputs' ready word or event is queued
         self._outputs_due = None  # a wave answered, its outputs not waited for yet: its deadline (or False)
         self._done_word = None  # the done word's device address, where the server stores it (outputs_gate)
-        self._cancel = None  # this channel's cancel word (outputs_gate.CancelWord)
-        self._gated = None  # the token of the wave whose gate is queued and whose outputs are not waited for
+        self._outputs_seq = 0  # the seq of that wave
+        self._gate_words = None  # this channel's cancel and report words (outputs_gate.GateWords)
+        self._gated = None  # (token, limit) of a gate queued whose verdict the host has not read yet
         wants_gate = (outputs_gate.enabled() if gate is None else gate) and events and announce
         if wants_gate and device_id >= 0 and cuda_outputs:  # room for the done word after the outputs
             out_bytes = outputs_gate.done_word_offset(out_bytes) + outputs_gate.WORD_BYTES
@@ -310,15 +312,18 @@ class LeafChannel:
         if not json.loads(layout).get("done_word"):
             return
         try:
-            self._cancel = outputs_gate.CancelWord()
+            self._gate_words = outputs_gate.GateWords()
             outputs_gate.load()
+            word = self._outputs_region.array(offset, np.dtype(np.uint64), (1,))
+            word.fill(0)  # uninitialised memory: it might hold the first wave's number
+            cupy_module().cuda.get_current_stream().synchronize()
         except Exception as exc:  # noqa: BLE001 - RuntimeError, CUDARuntimeError, CompileException: ungated
             log.info("leaf channel: no outputs' gate (%s: %s)", type(exc).__name__, exc)
-            if self._cancel is not None:
-                self._cancel.release()
-                self._cancel = None
+            if self._gate_words is not None:
+                self._gate_words.release()
+                self._gate_words = None
             return
-        self._done_word = self._outputs_region.array(offset, np.dtype(np.uint64), (1,)).data.ptr
+        self._done_word = word.data.ptr
 
     def _ready_word(self, stub, timeout_s: float) -> ReadyWord | None:
         """A ready word (tandem/ready_word.py) in a system region of its own,
@@ -519,41 +524,74 @@ class LeafChannel:
         """The gate (tandem/outputs_gate.py) of the last wave answered with
         ``wait_outputs=False`` whose outputs are not waited for yet: the
         caller queues it (``outputs_gate.queue``) and, behind it, the kernels
-        that read the outputs, then calls :meth:`wait_outputs`, which closes
-        the gate if they never come. None where the channel does not gate, or
-        no such wave is pending."""
+        that read them, then calls :meth:`wait_outputs`, which closes the
+        gate if they never come and answers by the gate's verdict. None where
+        the channel does not gate, or no such wave is pending."""
         if self._done_word is None or self._outputs_due is None:
             return None
         deadline = self._outputs_due or time.monotonic() + self._timeout_s
-        limit_s = deadline + DONE_GRACE_S + GATE_SLACK_S - time.monotonic()
-        self._gated = outputs_gate.CancelWord.token()
-        return outputs_gate.Gate(self._done_word, self._seq, self._cancel.address, self._gated,
-                                 max(int(limit_s * 1e9), 0))
+        limit = deadline + DONE_GRACE_S + GATE_SLACK_S  # when the gate closes by itself
+        token = outputs_gate.GateWords.token()
+        self._gated = (token, limit + GATE_REPORT_S)
+        words = self._gate_words
+        return outputs_gate.Gate(self._done_word, self._outputs_seq, words.cancel_address, words.report_address,
+                                 token, max(int((limit - time.monotonic()) * 1e9), 0))
 
     def wait_outputs(self) -> None:
         """Waits for the outputs of the last wave answered with
         ``wait_outputs=False`` (none pending: returns at once); an announced
-        wave is cancelled, and a gated one's gate closed, if they never come.
+        wave is cancelled if they never come. A gated wave's gate is closed
+        then, and the wave is judged by the gate's verdict: written outputs
+        that came after the host gave up still count, and a gate whose time
+        ran out fails the wave whatever the host saw.
 
         Raises:
-            LeafChannelError: as :meth:`_wait_done`.
+            LeafChannelError: as :meth:`_wait_done`; DEADLINE_EXCEEDED (the
+                gate closed by itself), UNAVAILABLE (the channel closed with
+                the gate open, which closed it).
         """
-        if self._outputs_due is None:
+        if self._outputs_due is None and self._gated is None:
             return
-        deadline, self._outputs_due = self._outputs_due, None
-        try:
-            self._wait_done(deadline or None)
-        except LeafChannelError:
-            self._close_gate()
-            self.cancel_announced()
-            raise
-        self._gated = None
-
-    def _close_gate(self) -> None:
-        """Closes a queued gate whose outputs are not waited for (none: nothing to do)."""
+        due, self._outputs_due = self._outputs_due, None
+        failure = None
+        if due is not None:
+            try:
+                self._wait_done(due or None)
+            except LeafChannelError as exc:
+                failure = exc
+        else:  # closed while the gate was open
+            failure = LeafChannelError(grpc.StatusCode.UNAVAILABLE, "the leaf channel closed during the wave")
         if self._gated is not None:
-            self._cancel.cancel(self._gated)
-            self._gated = None
+            failure = self._gate_verdict(failure)
+        if failure is not None:
+            self.cancel_announced()
+            raise failure
+
+    def _gate_verdict(self, failure: LeafChannelError | None) -> LeafChannelError | None:
+        """Closes the pending gate where the host's wait failed, reads its
+        verdict and returns the wave's failure (None: the outputs came)."""
+        (token, limit), self._gated = self._gated, None
+        words = self._gate_words
+        if failure is not None:
+            words.cancel(token)
+        verdict = words.verdict(token, limit)
+        if self._done_word is None:  # closed: the pair goes back now that its last gate is done
+            words.release()
+            self._gate_words = None
+        if verdict == outputs_gate.OPEN:
+            return None
+        if verdict is None:
+            return LeafChannelError(grpc.StatusCode.INTERNAL, "the outputs' gate reported no verdict")
+        return failure or LeafChannelError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                           "the wave's outputs came after its gate closed")
+
+    def abandon_outputs(self) -> None:
+        """Gives up the outputs of the last wave answered (none: nothing to
+        do): a gate still open is closed, its wave undone by the kernels
+        behind it; for a search that ends on an error."""
+        self._outputs_due = None
+        if self._gated is not None:
+            self._gate_verdict(LeafChannelError(grpc.StatusCode.CANCELLED, "abandoned"))
 
     def _send(self, rows: int, deadline: float | None) -> None:
         """Sends the next wave's ``W`` message.
@@ -615,7 +653,7 @@ class LeafChannel:
             if wait_outputs:
                 self._wait_done(deadline)
             else:
-                self._outputs_due = deadline or False
+                self._outputs_due, self._outputs_seq = deadline or False, self._seq
 
     def _recv_reply(self, deadline: float | None) -> bytes:
         """The next message from the server: read without blocking for up
@@ -688,12 +726,14 @@ class LeafChannel:
         memory this process has freed and reused. ``wait_detached=False``
         (the channel's own closes: a broken socket, a peer not speaking the
         protocol, a broken CUDA context) skips the wait."""
+        if self._gated is not None:  # first: the search's stream goes on at once, the wave undone there
+            self._gate_words.cancel(self._gated[0])  # its verdict is read by the next wait_outputs
         self.cancel_announced()  # the server stops waiting for its inputs
-        self._close_gate()  # the search's stream goes on at once: the wave is undone there
         self._outputs_due = None
-        if self._cancel is not None:  # its gates are closed: a later channel may take it
-            self._cancel.release()
-            self._cancel, self._done_word = None, None
+        self._done_word = None
+        if self._gate_words is not None and self._gated is None:  # no gate of its pending: a later channel may take it
+            self._gate_words.release()
+            self._gate_words = None
         if self._sock is not None:
             if self._attached and wait_detached:
                 self._wait_detached(time.monotonic() + DETACH_WAIT_S)

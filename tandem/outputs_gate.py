@@ -20,13 +20,19 @@ How, each side's part:
   done word until it holds the wave's number, then writes OPEN to the
   search's verdict word (int32, device memory) and ends; the backup kernel
   reads the verdict, and backs the wave up (OPEN) or undoes it (CLOSED).
-* the **cancel word**: a uint64 of this process's pinned, mapped host
-  memory, one per channel. The channel's host still waits for ``done``
-  after the backup and the next selection are queued; where that wait fails
-  (the deadline; the reward service died), it stores the wave's token there
-  and the gate closes at once. A gate also closes by itself ``timeout_ns``
-  after it started (``%globaltimer``), so the stream never waits for good,
-  whatever the host does.
+* the **cancel word** and the **report word**: two uint64 of this
+  process's pinned, mapped host memory, a pair per channel
+  (:class:`GateWords`). The channel's host still waits for ``done`` after
+  the backup and the next selection are queued; where that wait fails (the
+  deadline; the reward service died), it stores the wave's token in the
+  cancel word and the gate closes at once. A gate also closes by itself
+  ``timeout_ns`` after it started (``%globaltimer``), so the stream never
+  waits for good, whatever the host does. Either way the gate writes
+  ``token * 2 + verdict`` to the report word, and the host counts the wave
+  by that (:meth:`GateWords.verdict`), never by its own wait: a done word
+  that lands just after the host gave up still opens the gate, and a host
+  whose wait succeeded after the gate's time ran out must not count a wave
+  that was undone.
 
 Not a stream wait (``cudaStreamWaitEvent`` on the peer's event, or
 ``cuStreamWaitValue64``): a waiting stream cannot be released by this
@@ -37,17 +43,19 @@ the host can always close. It runs only where both services are clients of
 one MPS server (:func:`enabled`): without MPS, the contexts time-slice, and
 a spinning kernel would hold the GPU from the reward service's model.
 
-Tokens: a cancel word is reused by a later channel of this process once its
-channel closed (the pinned block is never freed: a gate may still read it),
-so a gate waits for a process-wide unique token there, never a channel's
-sequence number.
+Tokens: a pair of words is reused by a later channel of this process once
+its channel closed, the longest-free pair first (the pinned block is never
+freed: a gate may still read it), so a gate waits for a process-wide unique
+token there, never a channel's sequence number.
 """
 from __future__ import annotations
 
+import collections
 import ctypes
 import itertools
 import os
 import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,7 +64,7 @@ from tandem.gpu import cupy_module
 
 OPEN, CLOSED = 1, 0  # the verdict word's values (search.cu: GATE_OPEN)
 WORD_BYTES = 8
-CANCEL_WORDS = 4096  # cancel words in this process's pinned block (32 KiB): channels open at once
+PAIRS = 4096  # pairs of words in this process's pinned block (64 KiB): channels open at once
 # cudaHostAlloc flags (CUDA Runtime API): Portable, Mapped.
 _ALLOC_PORTABLE, _ALLOC_MAPPED = 0x01, 0x02
 ENV = "TANDEM_OUTPUTS_GATE"  # "1": on, "0": off, unset: where this process is an MPS client
@@ -64,7 +72,7 @@ ENV = "TANDEM_OUTPUTS_GATE"  # "1": on, "0": off, unset: where this process is a
 _SOURCE = r"""
 extern "C" __global__ void tandem_outputs_gate(const unsigned long long* done, unsigned long long seq,
                                                const unsigned long long* cancel, unsigned long long token,
-                                               long long timeout_ns, int* verdict) {
+                                               long long timeout_ns, int* verdict, unsigned long long* report) {
   unsigned long long start, now;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
   int open = 0;
@@ -77,6 +85,8 @@ extern "C" __global__ void tandem_outputs_gate(const unsigned long long* done, u
   }
   __threadfence();  // the outputs, written before the done word, are read after the verdict
   *(volatile int*)verdict = open;
+  __threadfence_system();
+  *(volatile unsigned long long*)report = token * 2 + open;
 }
 """
 
@@ -101,73 +111,90 @@ def enabled() -> bool:
 @dataclass(frozen=True)
 class Gate:
     """One wave's gate: what :func:`queue` needs. Device addresses (int):
-    ``done``, the channel's done word; ``cancel``, its cancel word.
-    ``seq``: the wave's number; ``token``: what a cancel stores;
-    ``timeout_ns``: when the gate closes by itself (ns after it starts)."""
+    ``done``, the channel's done word; ``cancel`` and ``report``, its
+    GateWords'. ``seq``: the wave's number; ``token``: what a cancel
+    stores; ``timeout_ns``: when the gate closes by itself (ns after it
+    starts)."""
 
     done: int
     seq: int
     cancel: int
+    report: int
     token: int
     timeout_ns: int
 
 
-class CancelWord:
-    """One cancel word of this process's pinned block: ``address`` for the
-    GPU, :meth:`cancel` from the host, :meth:`release` once its channel closed.
+class GateWords:
+    """A channel's pair of words in this process's pinned block: the cancel
+    word (``cancel_address`` for the GPU, :meth:`cancel` from the host) and
+    the report word (``report_address``, :meth:`verdict`);
+    :meth:`release` once its channel closed.
 
     Raises:
-        RuntimeError: no CuPy GPU here, or every word is taken.
+        RuntimeError: no CuPy GPU here, or every pair is taken.
     """
 
     _lock = threading.Lock()
-    _block = None  # (host view uint64 [CANCEL_WORDS], device address of word 0)
-    _free: list[int] = []
+    _block = None  # (host view uint64 [PAIRS, 2], device address of word 0)
+    _free: collections.deque[int] = collections.deque()
     _tokens = itertools.count(1)
 
     def __init__(self):
-        with CancelWord._lock:
-            if CancelWord._block is None:
-                CancelWord._block = _pinned_block()
-                CancelWord._free = list(range(CANCEL_WORDS - 1, -1, -1))
-            if not CancelWord._free:
-                raise RuntimeError(f"all {CANCEL_WORDS} cancel words are taken")
-            self._index = CancelWord._free.pop()
-        view, base = CancelWord._block
-        self._view = view[self._index : self._index + 1]
-        self.address = base + self._index * WORD_BYTES
+        with GateWords._lock:
+            if GateWords._block is None:
+                GateWords._block = _pinned_block()
+                GateWords._free.extend(range(PAIRS))
+            if not GateWords._free:
+                raise RuntimeError(f"all {PAIRS} pairs of gate words are taken")
+            self._index = GateWords._free.popleft()  # the longest free: a late gate of its last channel is done
+        view, base = GateWords._block
+        self._view = view[self._index]
+        self.cancel_address = base + self._index * 2 * WORD_BYTES
+        self.report_address = self.cancel_address + WORD_BYTES
 
     @staticmethod
     def token() -> int:
         """A token no gate of this process waited for before."""
-        with CancelWord._lock:
-            return next(CancelWord._tokens)
+        with GateWords._lock:
+            return next(GateWords._tokens)
 
     def cancel(self, token: int) -> None:
         """Closes the gate that waits for ``token``: a host store, seen by the
         gate's next read."""
         self._view[0] = token
 
+    def verdict(self, token: int, limit: float) -> int | None:
+        """The verdict of the gate of ``token`` (OPEN or CLOSED), read from the
+        report word once the gate wrote it; None if it did not by ``limit``
+        (``time.monotonic()`` s). The thread yields between reads."""
+        while True:
+            report = int(self._view[1])
+            if report >> 1 == token:
+                return report & 1
+            if time.monotonic() >= limit:
+                return None
+            os.sched_yield()
+
     def release(self) -> None:
-        """Gives the word back for a later channel (safe to call twice)."""
+        """Gives the pair back for a later channel (safe to call twice)."""
         if self._index is not None:
-            with CancelWord._lock:
-                CancelWord._free.append(self._index)
+            with GateWords._lock:
+                GateWords._free.append(self._index)
             self._index = None
 
 
 def _pinned_block():
-    """CANCEL_WORDS words of pinned host memory mapped for the GPU, zeroed:
-    (host view, device address). Never freed: a gate may read any word."""
+    """PAIRS pairs of words of pinned host memory mapped for the GPU, zeroed:
+    (host view uint64 [PAIRS, 2], device address). Never freed: a gate may
+    read any word."""
     cupy = cupy_module()
     if cupy is None:
         raise RuntimeError("the outputs' gate needs CuPy and a GPU")
     rt = cupy.cuda.runtime
-    nbytes = CANCEL_WORDS * WORD_BYTES
-    ptr = rt.hostAlloc(nbytes, _ALLOC_PORTABLE | _ALLOC_MAPPED)
-    view = np.ctypeslib.as_array((ctypes.c_uint64 * CANCEL_WORDS).from_address(ptr))
+    ptr = rt.hostAlloc(PAIRS * 2 * WORD_BYTES, _ALLOC_PORTABLE | _ALLOC_MAPPED)
+    view = np.ctypeslib.as_array((ctypes.c_uint64 * (PAIRS * 2)).from_address(ptr)).reshape(PAIRS, 2)
     view[:] = 0
-    return view, rt.hostGetDevicePointer(ptr, 0)
+    return view, rt.pointerGetAttributes(ptr).devicePointer
 
 
 _kernels: dict[int, object] = {}  # device id -> the gate's kernel, compiled
@@ -195,11 +222,12 @@ def load():
 def queue(gate: Gate, verdict_address: int) -> None:
     """Queues ``gate``'s kernel on the current stream: the stream's later
     work runs once the wave's outputs are written (OPEN at
-    ``verdict_address``, int32 device memory) or the gate closed (CLOSED).
+    ``verdict_address``, int32 device memory) or the gate closed (CLOSED);
+    the gate reports its verdict to the host too (GateWords.verdict).
 
     Raises:
         cupy.cuda.driver.CUDADriverError: the launch failed.
     """
     u64 = np.uint64
     load()((1,), (1,), (u64(gate.done), u64(gate.seq), u64(gate.cancel), u64(gate.token),
-                        np.int64(gate.timeout_ns), u64(verdict_address)))
+                        np.int64(gate.timeout_ns), u64(verdict_address), u64(gate.report)))

@@ -79,8 +79,9 @@ def _kernel_store(cupy):
     """A one-thread kernel's store: where the driver has no stream memory operations."""
     kernel = cupy.RawKernel(_SOURCE, "tandem_ready_word")
 
-    def store(stream: int, address: int, seq: int) -> None:  # on the current stream, which is ``stream``
-        kernel((1,), (1,), (np.uint64(address), np.uint64(seq)))
+    def store(stream: int, address: int, seq: int) -> None:
+        with cupy.cuda.ExternalStream(stream):  # ``stream``, whatever this thread's current one is
+            kernel((1,), (1,), (np.uint64(address), np.uint64(seq)))
 
     return store
 
@@ -91,8 +92,9 @@ _chosen: dict[int, object] = {}  # device id -> the store mapped_store chose the
 def mapped_store(cupy, device_address: int):
     """``store(stream, address, seq)``, the store of a uint64 at a device
     address (mapped host memory, or device memory: the outputs' done word,
-    tandem/outputs_gate.py) queued on a stream after its earlier work: the driver's stream memory operation where this device takes it,
-    else a one-thread kernel. The first call on a device chooses with a
+    tandem/outputs_gate.py) queued on a stream after its earlier work: the
+    driver's stream memory operation where this device takes it, else a
+    one-thread kernel. The first call on a device chooses with a
     store of 0 at ``device_address`` (synchronised, so later ones cost no
     module load); later calls reuse the choice and wait for nothing.
 

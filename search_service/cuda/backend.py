@@ -707,26 +707,30 @@ class _Search:
                 if committed is not None and clock.out_of_time():  # the wait for the outputs took its time
                     dw.cancel_announced()
                     committed = None
-                if committed is not None:  # announced: its selection goes at once, the bookkeeping after
+                selected_next = committed is not None
+                if selected_next:  # announced: its selection goes at once, the bookkeeping after
                     queued, committed = (committed, select(committed)), None
-                elif ordered:
-                    if not dw.announces:  # the selection ended long before the reply: this waits for nothing
-                        live = ordered_live()
-                    if not live.any():
-                        return False  # every root was proven before this wave
                 waited = 0.0  # s: a gated wave's wait for its outputs, after its backup was queued
                 if gate is not None:
                     t4 = time.perf_counter()
                     try:  # the outputs, behind the backup (and the next selection) already queued
                         dw.wait_outputs()
-                    except EvaluationFailed as exc:  # the gate closed: the backup undid the wave
+                    except EvaluationFailed as exc:  # the gate's verdict: closed, and the backup undid the wave
                         self._gate_closed(exc, queued, grid, block, meta_dev, paths)
+                        if queued is not None:
+                            clock.end_wave()  # the next wave, undone too: its time counted as a wave's
                         queued = None
+                        self.phase_ms["select"] += (t1 - t) * 1e3
                         self.phase_ms["evaluate"] += (time.perf_counter() - t1) * 1e3
                         live = ordered_live()
                         yield DETACH
                         continue
                     waited = time.perf_counter() - t4  # the evaluation's, as an ungated wave's wait is
+                if not selected_next and ordered:
+                    if not dw.announces:  # the selection ended long before the reply: this waits for nothing
+                        live = ordered_live()
+                    if not live.any():
+                        return False  # every root was proven before this wave
                 self.phase_ms["select"] += (t1 - t) * 1e3
                 self.phase_ms["evaluate"] += (t2 - t1 + waited) * 1e3
                 self.phase_ms["backup"] += (t3 - t2) * 1e3
@@ -734,7 +738,10 @@ class _Search:
                 if used_model:
                     self.model_simulations += np.where(live, k, 0)
                 self.waves += 1
-        finally:  # no pinned buffer goes back to CuPy's pool with its copy still running
+        finally:
+            if dw is not None:  # a search ended by an exception leaves no gate open (else nothing pending)
+                dw.abandon_outputs()
+            # no pinned buffer goes back to CuPy's pool with its copy still running
             if meta_back is not None:
                 try:
                     meta_back.finish()  # a copy started and not finished: a search ended by an exception

@@ -26,69 +26,84 @@ def cp():
     return cupy
 
 
-def _queued(cp, done, cancel, seq=5, token=None, timeout_ns=FOREVER_NS):
+def _queued(cp, done, words, seq=5, timeout_ns=FOREVER_NS):
     """A gate for ``seq`` queued on a stream of its own: (stream, verdict, token)."""
-    token = outputs_gate.CancelWord.token() if token is None else token
+    token = outputs_gate.GateWords.token()
     verdict = cp.full(1, -1, np.int32)
     cp.cuda.Device().synchronize()  # the verdict's fill is done before the gate's stream starts
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
-        outputs_gate.queue(outputs_gate.Gate(done.data.ptr, seq, cancel.address, token, timeout_ns),
-                           verdict.data.ptr)
+        outputs_gate.queue(outputs_gate.Gate(done.data.ptr, seq, words.cancel_address, words.report_address, token,
+                                             timeout_ns), verdict.data.ptr)
     return stream, verdict, token
 
 
-def _still_waiting(stream) -> bool:
-    time.sleep(0.05)  # the gate had time to see a word that would end it (none should)
-    return not stream.done
+def _still_waiting(stream, verdict, words, token) -> bool:
+    """The gate has not ended: its stream is not done, and it wrote neither verdict."""
+    time.sleep(0.05)  # a gate that had started would have seen a word that ends it by now (none should)
+    # verdict.get() on the legacy default stream: the gate's stream is non-blocking, so no wait for it
+    return not stream.done and int(verdict.get()[0]) == -1 and words.verdict(token, time.monotonic()) is None
+
+
+def _verdicts(stream, verdict, words, token) -> tuple[int, int]:
+    """The gate's verdict as the backup reads it, and as it reported it to the host."""
+    stream.synchronize()
+    return int(verdict.get()[0]), words.verdict(token, time.monotonic() + 10)
 
 
 def test_the_done_words_number_opens_the_gate_and_an_older_one_does_not(cp):
-    done, cancel = cp.zeros(1, np.uint64), outputs_gate.CancelWord()
+    done, words = cp.zeros(1, np.uint64), outputs_gate.GateWords()
     try:
         done[:] = 4  # the previous wave's number
-        stream, verdict, _ = _queued(cp, done, cancel, seq=5)
-        assert _still_waiting(stream)
+        stream, verdict, token = _queued(cp, done, words, seq=5)
+        assert _still_waiting(stream, verdict, words, token)
         other = cp.cuda.Stream(non_blocking=True)  # as the reward service's stream stores it
         mapped_store(cp, done.data.ptr)(other.ptr, done.data.ptr, 5)
-        stream.synchronize()
-        assert int(verdict.get()[0]) == outputs_gate.OPEN
+        assert _verdicts(stream, verdict, words, token) == (outputs_gate.OPEN, outputs_gate.OPEN)
     finally:
-        cancel.release()
+        words.release()
 
 
 def test_the_cancel_words_token_closes_the_gate_and_another_token_does_not(cp):
-    done, cancel = cp.zeros(1, np.uint64), outputs_gate.CancelWord()
+    done, words = cp.zeros(1, np.uint64), outputs_gate.GateWords()
     try:
-        stream, verdict, token = _queued(cp, done, cancel)
-        cancel.cancel(outputs_gate.CancelWord.token())  # another wave's token: not this gate's
-        assert _still_waiting(stream)
-        cancel.cancel(token)
-        stream.synchronize()
-        assert int(verdict.get()[0]) == outputs_gate.CLOSED
+        stream, verdict, token = _queued(cp, done, words)
+        words.cancel(outputs_gate.GateWords.token())  # another wave's token: not this gate's
+        assert _still_waiting(stream, verdict, words, token)
+        words.cancel(token)
+        assert _verdicts(stream, verdict, words, token) == (outputs_gate.CLOSED, outputs_gate.CLOSED)
     finally:
-        cancel.release()
+        words.release()
 
 
 def test_a_gate_closes_by_itself_once_its_time_is_up(cp):
-    done, cancel = cp.zeros(1, np.uint64), outputs_gate.CancelWord()
+    done, words = cp.zeros(1, np.uint64), outputs_gate.GateWords()
     try:
-        stream, verdict, _ = _queued(cp, done, cancel, timeout_ns=1_000_000)
-        stream.synchronize()
-        assert int(verdict.get()[0]) == outputs_gate.CLOSED
+        stream, verdict, token = _queued(cp, done, words, timeout_ns=1_000_000)
+        assert _verdicts(stream, verdict, words, token) == (outputs_gate.CLOSED, outputs_gate.CLOSED)
     finally:
-        cancel.release()
+        words.release()
 
 
-def test_a_released_cancel_word_is_reused_and_tokens_never_repeat(cp):
-    first = outputs_gate.CancelWord()
-    address = first.address
+def test_released_words_are_reused_longest_free_first_and_tokens_never_repeat(cp):
+    first, second = outputs_gate.GateWords(), outputs_gate.GateWords()
+    addresses = (first.cancel_address, second.cancel_address)
     first.release()
     first.release()  # twice: nothing more
-    second = outputs_gate.CancelWord()
+    second.release()
+    taken = []
     try:
-        assert second.address == address
-        tokens = [outputs_gate.CancelWord.token() for _ in range(100)]
+        while True:  # every free pair (another test's open channel may hold one)
+            try:
+                taken.append(outputs_gate.GateWords())
+            except RuntimeError as exc:
+                assert "taken" in str(exc)
+                break
+        got = [w.cancel_address for w in taken]
+        assert addresses[0] in got and addresses[1] in got
+        assert got.index(addresses[0]) < got.index(addresses[1])  # released first, reused first
+        tokens = [outputs_gate.GateWords.token() for _ in range(100)]
         assert len(set(tokens)) == 100 and tokens == sorted(tokens)
     finally:
-        second.release()
+        for w in taken:
+            w.release()
