@@ -205,13 +205,12 @@ def test_a_backup_behind_a_closed_gate_undoes_the_wave_and_one_behind_an_open_ga
     kernel("mcts_vm_undo")(*_launch(b, shape), (undone[0], np.int64(CAP), np.int32(CAP), *_sizes(b, shape),
                                                 undone[1], meta, paths))
     assert not np.array_equal(undone[0].get(), pool.get())  # the wave had something to undo
-    for verdict, (want_pool, want_tsa) in ((outputs_gate.CLOSED, undone), (outputs_gate.OPEN, None)):
+    backed_up = (pool.copy(), tsa.copy())  # the same backup with no gate
+    _backup(name, shape, *backed_up, meta, paths, None, outputs=(values, logits), obs=obs)
+    for verdict, (want_pool, want_tsa) in ((outputs_gate.CLOSED, undone), (outputs_gate.OPEN, backed_up)):
         got_pool, got_tsa = pool.copy(), tsa.copy()
         _backup(name, shape, got_pool, got_tsa, meta, paths, None, outputs=(values, logits), obs=obs,
                 verdict=cp.full(1, verdict, np.int32))
-        if want_pool is None:  # the same backup with no gate
-            want_pool, want_tsa = pool.copy(), tsa.copy()
-            _backup(name, shape, want_pool, want_tsa, meta, paths, None, outputs=(values, logits), obs=obs)
         np.testing.assert_array_equal(got_tsa.get(), want_tsa.get())
         np.testing.assert_array_equal(got_pool.get(), want_pool.get())
 
