@@ -26,6 +26,14 @@ def cp():
     return cupy
 
 
+@pytest.fixture()
+def parts(cp):
+    """A done word (zeroed, device memory) and a pair of gate words, given back after."""
+    words = outputs_gate.GateWords()
+    yield cp.zeros(1, np.uint64), words
+    words.release()
+
+
 def _queued(cp, done, words, seq=5, timeout_ns=FOREVER_NS):
     """A gate for ``seq`` queued on a stream of its own: (stream, verdict, token)."""
     token = outputs_gate.GateWords.token()
@@ -51,38 +59,29 @@ def _verdicts(stream, verdict, words, token) -> tuple[int, int]:
     return int(verdict.get()[0]), words.verdict(token, time.monotonic() + 10)
 
 
-def test_the_done_words_number_opens_the_gate_and_an_older_one_does_not(cp):
-    done, words = cp.zeros(1, np.uint64), outputs_gate.GateWords()
-    try:
-        done[:] = 4  # the previous wave's number
-        stream, verdict, token = _queued(cp, done, words, seq=5)
-        assert _still_waiting(stream, verdict, words, token)
-        other = cp.cuda.Stream(non_blocking=True)  # as the reward service's stream stores it
-        mapped_store(cp, done.data.ptr)(other.ptr, done.data.ptr, 5)
-        assert _verdicts(stream, verdict, words, token) == (outputs_gate.OPEN, outputs_gate.OPEN)
-    finally:
-        words.release()
+def test_the_done_words_number_opens_the_gate_and_an_older_one_does_not(cp, parts):
+    done, words = parts
+    done[:] = 4  # the previous wave's number
+    stream, verdict, token = _queued(cp, done, words, seq=5)
+    assert _still_waiting(stream, verdict, words, token)
+    other = cp.cuda.Stream(non_blocking=True)  # as the reward service's stream stores it
+    mapped_store(cp, done.data.ptr)(other.ptr, done.data.ptr, 5)
+    assert _verdicts(stream, verdict, words, token) == (outputs_gate.OPEN, outputs_gate.OPEN)
 
 
-def test_the_cancel_words_token_closes_the_gate_and_another_token_does_not(cp):
-    done, words = cp.zeros(1, np.uint64), outputs_gate.GateWords()
-    try:
-        stream, verdict, token = _queued(cp, done, words)
-        words.cancel(outputs_gate.GateWords.token())  # another wave's token: not this gate's
-        assert _still_waiting(stream, verdict, words, token)
-        words.cancel(token)
-        assert _verdicts(stream, verdict, words, token) == (outputs_gate.CLOSED, outputs_gate.CLOSED)
-    finally:
-        words.release()
+def test_the_cancel_words_token_closes_the_gate_and_another_token_does_not(cp, parts):
+    done, words = parts
+    stream, verdict, token = _queued(cp, done, words)
+    words.cancel(outputs_gate.GateWords.token())  # another wave's token: not this gate's
+    assert _still_waiting(stream, verdict, words, token)
+    words.cancel(token)
+    assert _verdicts(stream, verdict, words, token) == (outputs_gate.CLOSED, outputs_gate.CLOSED)
 
 
-def test_a_gate_closes_by_itself_once_its_time_is_up(cp):
-    done, words = cp.zeros(1, np.uint64), outputs_gate.GateWords()
-    try:
-        stream, verdict, token = _queued(cp, done, words, timeout_ns=1_000_000)
-        assert _verdicts(stream, verdict, words, token) == (outputs_gate.CLOSED, outputs_gate.CLOSED)
-    finally:
-        words.release()
+def test_a_gate_closes_by_itself_once_its_time_is_up(cp, parts):
+    done, words = parts
+    stream, verdict, token = _queued(cp, done, words, timeout_ns=1_000_000)
+    assert _verdicts(stream, verdict, words, token) == (outputs_gate.CLOSED, outputs_gate.CLOSED)
 
 
 def test_released_words_are_reused_longest_free_first_and_tokens_never_repeat(cp):
