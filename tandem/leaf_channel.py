@@ -575,13 +575,16 @@ class LeafChannel:
         if failure is not None:
             words.cancel(token)
         verdict = words.verdict(token, limit)
+        if verdict is None:  # not started by its limit (work ahead of it on the stream), or a broken context:
+            # the pair is never lent again (a late report would land in another channel's), nor the channel
+            self._gate_words = None
+            self.close(wait_detached=False)
+            return failure or LeafChannelError(grpc.StatusCode.INTERNAL, "the outputs' gate reported no verdict")
         if self._done_word is None:  # closed: the pair goes back now that its last gate is done
             words.release()
             self._gate_words = None
         if verdict == outputs_gate.OPEN:
             return None
-        if verdict is None:
-            return LeafChannelError(grpc.StatusCode.INTERNAL, "the outputs' gate reported no verdict")
         return failure or LeafChannelError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                            "the wave's outputs came after its gate closed")
 
