@@ -160,11 +160,6 @@ REGION_KINDS = ("system", "cuda")  # either region may be either kind
 SOCKET_PREFIX = "tandem-leaf-"  # then the server's pid, "-", an id, ".sock"
 
 
-def _address(view) -> int:
-    """The device address of a CuPy view into a CUDA region."""
-    return view.data.ptr
-
-
 def _close_ready(events: WaveEvents | None) -> None:
     """Releases an attachment's opened ``ready`` event, where it has one."""
     if events is not None and events.ready is not None:
@@ -491,7 +486,7 @@ class LeafChannelServer:
                 with self.regions.acquire(client_id, attachment.regions) as lease:
                     word = lease.array(output_region, done_word, _WORD, (1,))
                     with word.device:
-                        mapped_store(cupy_module(), _address(word))
+                        mapped_store(cupy_module(), word.data.ptr)
             except Exception as exc:  # noqa: BLE001 - the channel goes on ungated rather than refused
                 log.warning("leaf channel of client %r: no done word (%s: %s); its waves go ungated",
                             client_id, type(exc).__name__, exc)
@@ -657,7 +652,7 @@ class LeafChannelServer:
                 hard_limit = time.monotonic() + WORD_WAIT_CAP_S if deadline is None else deadline
                 events = WaveEvents(WordWait(word, seq, events.done, READY_WAIT_S, hard_limit), events.done)
             if events is not None and a.done_word is not None and out_kind == "cuda":
-                done_word = (_address(lease.array(a.output_region, a.done_word, _WORD, (1,))), seq)
+                done_word = (lease.array(a.output_region, a.done_word, _WORD, (1,)).data.ptr, seq)
                 events = dataclasses.replace(events, done_word=done_word)
             timeline.mark("channel.submitted")
             done = run(self.batchers[a.session.name], a.session.name, {a.input_name: feed}, rows,

@@ -234,8 +234,9 @@ class LeafChannel:
         self._gate_words = None  # this channel's cancel and report words (outputs_gate.GateWords)
         self._gated = None  # (token, limit) of a gate queued whose verdict the host has not read yet
         wants_gate = (outputs_gate.enabled() if gate is None else gate) and events and announce
-        if wants_gate and device_id >= 0 and cuda_outputs:  # room for the done word after the outputs
-            out_bytes = outputs_gate.done_word_offset(out_bytes) + outputs_gate.WORD_BYTES
+        done_offset = out_bytes  # the done word's, after the outputs (64-byte aligned)
+        if wants_gate and device_id >= 0 and cuda_outputs:
+            out_bytes += outputs_gate.WORD_BYTES
         try:
             self._inputs = _input_region(stub, in_bytes, device_id, timeout_s)
             self.kind = self._inputs.kind
@@ -255,7 +256,7 @@ class LeafChannel:
                 if self._word is not None:
                     attach["ready_region"] = self._word_region.name
                     if wants_gate:
-                        attach["done_word"] = out_bytes - outputs_gate.WORD_BYTES
+                        attach["done_word"] = done_offset
                 else:
                     self._ready = ExportedEvent()
                     attach["ready_event"] = self._ready.handle.hex()

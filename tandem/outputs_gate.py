@@ -10,11 +10,11 @@ process the stream waits on the event itself (1.6 µs).
 
 How, each side's part:
 
-* the **done word**: a uint64 at the end of the client's CUDA output region
-  (:func:`done_word_offset`). The reward service's stream stores the wave's
-  sequence number there after its output copies (``cuStreamWriteValue64``,
-  ordered after them: tandem/ready_word.py's ``mapped_store``), before it
-  records ``done``.
+* the **done word**: a uint64 at the end of the client's CUDA output region,
+  right after the outputs (64-byte aligned). The reward service's stream
+  stores the wave's sequence number there after its output copies
+  (``cuStreamWriteValue64``, ordered after them: tandem/ready_word.py's
+  ``mapped_store``), before it records ``done``.
 * the **gate**: a one-thread kernel on the search's stream, queued at the
   wave's reply (before its outputs exist) ahead of the backup. It reads the
   done word until it holds the wave's number, then writes OPEN to the
@@ -51,7 +51,6 @@ token there, never a channel's sequence number.
 from __future__ import annotations
 
 import collections
-import ctypes
 import itertools
 import os
 import threading
@@ -65,8 +64,6 @@ from tandem.gpu import cupy_module
 OPEN, CLOSED = 1, 0  # the verdict word's values (search.cu: GATE_OPEN)
 WORD_BYTES = 8
 PAIRS = 4096  # pairs of words in this process's pinned block (64 KiB): channels open at once
-# cudaHostAlloc flags (CUDA Runtime API): Portable, Mapped.
-_ALLOC_PORTABLE, _ALLOC_MAPPED = 0x01, 0x02
 ENV = "TANDEM_OUTPUTS_GATE"  # "1": on, "0": off, unset: where this process is an MPS client
 
 _SOURCE = r"""
@@ -89,12 +86,6 @@ extern "C" __global__ void tandem_outputs_gate(const unsigned long long* done, u
   *(volatile unsigned long long*)report = token * 2 + open;
 }
 """
-
-
-def done_word_offset(output_bytes: int) -> int:
-    """The done word's offset in an output region whose outputs take
-    ``output_bytes`` (64-byte aligned already: leaf_channel.output_layout)."""
-    return output_bytes
 
 
 def enabled() -> bool:
@@ -190,11 +181,11 @@ def _pinned_block():
     cupy = cupy_module()
     if cupy is None:
         raise RuntimeError("the outputs' gate needs CuPy and a GPU")
-    rt = cupy.cuda.runtime
-    ptr = rt.hostAlloc(PAIRS * 2 * WORD_BYTES, _ALLOC_PORTABLE | _ALLOC_MAPPED)
-    view = np.ctypeslib.as_array((ctypes.c_uint64 * (PAIRS * 2)).from_address(ptr)).reshape(PAIRS, 2)
+    import cupyx  # noqa: PLC0415 - with CuPy
+
+    view = cupyx.empty_pinned((PAIRS, 2), np.uint64)  # mapped for the GPU too (unified addressing)
     view[:] = 0
-    return view, rt.pointerGetAttributes(ptr).devicePointer
+    return view, cupy.cuda.runtime.pointerGetAttributes(view.ctypes.data).devicePointer
 
 
 _kernels: dict[int, object] = {}  # device id -> the gate's kernel, compiled
