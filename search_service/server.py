@@ -19,7 +19,9 @@ import math
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import grpc
 from prometheus_client import Counter, Gauge, Histogram
@@ -35,6 +37,7 @@ from search_service.mcts import tree as tr
 from search_service.mcts.backend import SearchParams
 from search_service.sessions import SessionStore
 from search_service.streams import StreamSet
+from search_service.wave_loop import Job, Refused, WaveLoop
 from tandem import nvtx, pools
 from tandem.config import TandemConfig
 from tandem.errors import quote
@@ -76,6 +79,52 @@ _PROVEN = {  # tree codes of a root's known result -> the response's
 }
 
 
+ANSWER_GRACE_S = 10.0  # past its deadline, how long a caller waits for the wave loop before INTERNAL
+
+
+@dataclass(eq=False)
+class _Item:
+    """One validated search of a call: its request, game, root position (Positions [1]),
+    params, whether it continues its session's tree, and that tree once taken."""
+
+    request: search_pb2.SearchRequest
+    game: object
+    position: object
+    params: SearchParams
+    reuse: bool
+    tree: object = None
+
+
+def _response(item: _Item, r, handoff: str, backend: str, total_ms: float) -> search_pb2.SearchResponse:
+    """The answer to one search: its result ``r`` in the request's game's notation."""
+    game = item.game
+    return search_pb2.SearchResponse(
+        action=r.action,
+        move=game.move_to_text(r.action),
+        visit_counts=[int(v) for v in r.visit_counts],
+        q_values=[float(q) for q in r.q_values],
+        root_value=float(r.root_value),
+        principal_variation=list(r.principal_variation),
+        principal_variation_moves="".join(game.move_to_text(a) for a in r.principal_variation),
+        simulations=r.simulations,
+        latency=search_pb2.LatencyBreakdown(
+            select_ms=r.select_ms, expand_ms=r.expand_ms, evaluate_ms=r.evaluate_ms,
+            backup_ms=r.backup_ms, total_ms=total_ms,
+        ),
+        backend=backend,
+        evaluator=_EVALUATOR_CODES[_evaluator_used(item.params, r)],
+        max_depth=r.max_depth,
+        tree_nodes=r.tree_nodes,
+        tree_reused=r.tree_reused,
+        pool_exhausted=r.pool_exhausted,
+        deadline_reached=r.deadline_reached,
+        model_simulations=r.model_simulations,
+        handoff=handoff,
+        evaluation_failure=r.evaluation_failure,
+        proven=_PROVEN[r.proven],
+    )
+
+
 def _evaluator_used(params: SearchParams, r) -> str:
     """What valued the leaves: the value model if it valued any (``model_simulations``
     says how many), rollouts if it valued none."""
@@ -110,46 +159,69 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
         # Backends that take device_waves get a leaf channel of CUDA regions lent per search (HandoffEvaluator.lend).
         self._lend = getattr(handoff, "lend", None) if "device_waves" in takes else None
         self.cancelled = 0  # searches stopped because the caller went away (tests read it)
+        # Every search in flight as one batch of trees, where the backend can batch them.
+        self.loop = None
+        if hasattr(backend, "open_batch"):
+            self.loop = WaveLoop(backend, evaluator, cfg.search.max_trees, cfg.search.wave_target_ms or None,
+                                 self.streams.launching)
+
+    @property
+    def evaluator(self):
+        """The leaf evaluator of value-model searches (the wave loop's too)."""
+        return self._evaluator
+
+    @evaluator.setter
+    def evaluator(self, evaluator) -> None:
+        self._evaluator = evaluator
+        if getattr(self, "loop", None) is not None:
+            self.loop.evaluator = evaluator
+
+    def close(self) -> None:
+        """Stops the wave loop (searches still in it fail)."""
+        if self.loop is not None:
+            self.loop.close()
 
     # -- validation -------------------------------------------------------
-    def _position(self, request, game, context):
+    def _position(self, request, game, context, where: str = ""):
         try:
             position = game.parse_moves(request.moves)
         except ValueError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"moves: {exc}")
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{where}moves: {exc}")
         if request.HasField("board"):
             b = request.board
             try:
                 from_board = game.from_cells(b.rows, b.columns, b.cells)
             except ValueError as exc:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"board: {exc}")
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{where}board: {exc}")
             if request.moves and not game.same_position(position, from_board):
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "board: does not match the position of moves")
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{where}board: does not match the position of moves")
             position = from_board
         if bool(game.is_terminal(position)[0]):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "position: the game is already over (won or drawn)")
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{where}position: the game is already over (won or drawn)")
         return position
 
-    def _params(self, request, context) -> SearchParams:
+    def _params(self, request, context, where: str = "") -> SearchParams:
         cfg = self.cfg
         sims, deadline = request.simulations, request.deadline_ms
         if not math.isfinite(deadline) or deadline < 0:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"deadline_ms: must be a finite number >= 0, got {deadline}")
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"{where}deadline_ms: must be a finite number >= 0, got {deadline}")
         if sims == 0 and deadline == 0:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "simulations, deadline_ms: set at least one budget")
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{where}simulations, deadline_ms: set at least one budget")
         if sims > cfg.max_simulations:
             context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, f"simulations: {sims} exceeds the limit of {cfg.max_simulations}"
+                grpc.StatusCode.INVALID_ARGUMENT, f"{where}simulations: {sims} exceeds the limit of {cfg.max_simulations}"
             )
         if deadline > cfg.max_deadline_ms:
             context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, f"deadline_ms: {deadline} exceeds the limit of {cfg.max_deadline_ms}"
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{where}deadline_ms: {deadline} exceeds the limit of {cfg.max_deadline_ms}"
             )
         # Never open-ended (search_service/budget.py); the gRPC deadline is applied at the
-        # start of the search itself (_started_by), so the time spent until then counts.
+        # start of the search itself (_answer), so the time spent until then counts.
         deadline = search_deadline_ms(deadline, None, cfg.max_deadline_ms)
         if request.evaluator not in (search_pb2.EVALUATOR_UNSPECIFIED, *_EVALUATORS):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"evaluator: unknown value {request.evaluator}")
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{where}evaluator: unknown value {request.evaluator}")
         evaluator = _EVALUATORS.get(request.evaluator, self.default_evaluator)
         return SearchParams(
             simulations=sims or None,
@@ -162,20 +234,115 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
             seed=request.seed or int.from_bytes(os.urandom(8), "little"),
         )
 
+    def _prepare(self, request, context, where: str = "") -> _Item:
+        """A validated request (``where``: its place in a batch call, for the messages); aborts otherwise."""
+        game = GAMES.get(request.game)
+        if game is None:
+            context.abort(grpc.StatusCode.NOT_FOUND,
+                          f"{where}game: unknown game {quote(request.game)} (games: {sorted(GAMES)})")
+        if len(request.session_id) > MAX_SESSION_ID_CHARS:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"{where}session_id: longer than {MAX_SESSION_ID_CHARS} characters")
+        position = self._position(request, game, context, where)
+        params = self._params(request, context, where)
+        reuse = bool(request.session_id and request.moves and not request.HasField("board"))
+        return _Item(request, game, position, params, reuse)
+
     # -- RPCs -------------------------------------------------------------
     def Search(self, request, context):
         received = time.perf_counter()
-        game = GAMES.get(request.game)
-        if game is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"game: unknown game {quote(request.game)} (games: {sorted(GAMES)})")
-        if len(request.session_id) > MAX_SESSION_ID_CHARS:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"session_id: longer than {MAX_SESSION_ID_CHARS} characters")
-        position = self._position(request, game, context)
-        params = self._params(request, context)
-        reuse = request.session_id and request.moves and not request.HasField("board")
-        tree = self.sessions.take(request.session_id, request.moves, self.backend.reroot) if reuse else None
-        params = dataclasses.replace(params, deadline_ms=search_deadline_ms(
-            params.deadline_ms, context.time_remaining(), self.cfg.max_deadline_ms))  # the caller's deadline, now
+        return self._answer([self._prepare(request, context)], context, received)[0]
+
+    def SearchBatch(self, request, context):
+        received = time.perf_counter()
+        searches, limit = request.searches, self.cfg.max_batch_searches
+        if not searches:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"searches: empty; send 1 to {limit} positions")
+        if len(searches) > limit:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"searches: {len(searches)} positions exceed the limit of {limit} (search.max_batch_searches)")
+        games = sorted({s.game for s in searches})
+        if len(games) > 1:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"searches: one game per call, got {', '.join(quote(g) for g in games)}")
+        first: dict[str, int] = {}
+        for i, s in enumerate(searches):
+            if s.session_id and first.setdefault(s.session_id, i) != i:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"searches[{i}].session_id: {quote(s.session_id[:64])} is also searches"
+                              f"[{first[s.session_id]}]'s (one search per session in a call)")
+        items = [self._prepare(s, context, f"searches[{i}].") for i, s in enumerate(searches)]
+        return search_pb2.SearchBatchResponse(results=self._answer(items, context, received))
+
+    def _answer(self, items: list[_Item], context, received: float) -> list:
+        """Searches the validated ``items`` (their sessions' trees taken now,
+        every deadline bound by the caller's) and answers them in order."""
+        remaining = context.time_remaining()
+        for item in items:
+            item.params = dataclasses.replace(item.params, deadline_ms=search_deadline_ms(
+                item.params.deadline_ms, remaining, self.cfg.max_deadline_ms))  # the caller's deadline, now
+            req = item.request
+            item.tree = self.sessions.take(req.session_id, req.moves, self.backend.reroot) if item.reuse else None
+        if self.loop is not None:
+            outs = self._run_in_loop(items, context)
+        elif len(items) == 1:
+            outs = [self._run_alone(items[0], context)]
+        else:  # a backend that cannot batch trees across calls: one search per position, side by side
+            with ThreadPoolExecutor(len(items), thread_name_prefix="search-batch") as pool:
+                outs = list(pool.map(lambda item: self._run_alone(item, context), items))
+        if not context.is_active():
+            # Nobody is waiting for these answers: keep no tree, say why in the log.
+            with self._lock:
+                self.cancelled += len(items)
+            CANCELLED.inc(len(items))
+            log.debug("%d search(es) cancelled by the caller after %s simulations", len(items),
+                      [r.simulations for r, _, _ in outs])
+            context.abort(grpc.StatusCode.CANCELLED, "the caller went away")
+        responses = []
+        for item, (r, tree, handoff) in zip(items, outs):
+            if r.evaluation_failure:
+                # A wave cut off by the deadline is the anytime search working (debug); a model
+                # that failed while time was left is worth a warning.
+                (log.debug if r.deadline_reached else log.warning)(
+                    "value model stopped after %d of %d simulations (%s): %s", r.model_simulations, r.simulations,
+                    r.evaluation_failure, "answered from the tree" if r.deadline_reached else "went on with rollouts")
+            if item.reuse:
+                if not self.sessions.put(item.request.session_id, item.request.moves, tree):
+                    log.debug("session tree not kept: larger than search.max_session_bytes")
+            total_ms = (time.perf_counter() - received) * 1e3
+            self._observe(item.request, r, total_ms)
+            responses.append(_response(item, r, handoff, self.backend.name, total_ms))
+        SESSIONS.set(len(self.sessions))
+        SESSION_BYTES.set(self.sessions.nbytes)
+        return responses
+
+    def _run_in_loop(self, items: list[_Item], context) -> list[tuple]:
+        """The items as jobs of the wave loop (one batch of trees with every search in flight)."""
+        stop = lambda: not context.is_active()  # noqa: E731 - one callable: asked once a wave for all
+        jobs = [Job(item.position, item.tree, item.params, stop) for item in items]
+        try:
+            self.loop.submit(jobs)
+        except Refused as exc:
+            for item in items:  # refused, not accepted: the sessions keep their trees
+                if item.reuse and item.tree is not None:
+                    self.sessions.put(item.request.session_id, item.request.moves, item.tree)
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        outs = []
+        for job in jobs:
+            wait_s = (job.params.deadline_ms or self.cfg.max_deadline_ms) / 1e3 + ANSWER_GRACE_S
+            if not job.done.wait(wait_s):
+                context.abort(grpc.StatusCode.INTERNAL, f"the wave loop gave no answer within {wait_s:.1f} s")
+            if job.error is not None:
+                self._abort_on(job.error, context)
+            handoff = ""
+            if job.params.evaluator == "value_model":
+                handoff = getattr(self.handoff, "handoff", HANDOFF_GRPC)
+            outs.append((job.result, job.out_tree, handoff))
+        return outs
+
+    def _run_alone(self, item: _Item, context) -> tuple:
+        """One search on the backend's own call (backends without a batch of trees: the CUDA backend)."""
+        params = item.params
         started = time.monotonic()
         deadline = started + params.deadline_ms / 1e3 if params.deadline_ms else None
         evaluator = None
@@ -191,64 +358,23 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
                     stop["device_waves"] = waves
                 # A wave the model cannot value is undone by the backend, which goes
                 # on in the same tree with rollouts, or answers at the deadline.
-                results, trees = self.backend.search(position, params, evaluator, [tree], **stop)
+                results, trees = self.backend.search(item.position, params, evaluator, [item.tree], **stop)
             handoff = ""  # this search's own: the shared evaluator's last is another search's
             if params.evaluator == "value_model":
                 lent = waves is not None and waves.carries(params.parallel_sims)  # one tree: B = 1
                 handoff = waves.handoff if lent else getattr(self.handoff, "handoff", HANDOFF_GRPC)
         except Exception as exc:
-            if not pools.is_out_of_memory(exc):
-                raise
-            EXHAUSTED.inc()
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"search memory pool full ({self.cfg.memory_pool_bytes or 'no'} byte limit): {exc}")
-        r = results[0]
-        if r.evaluation_failure:
-            # A wave cut off by the deadline is the anytime search working (debug); a model
-            # that failed while time was left is worth a warning.
-            (log.debug if r.deadline_reached else log.warning)("value model stopped after %d of %d simulations (%s): %s",
-                        r.model_simulations, r.simulations, r.evaluation_failure,
-                        "answered from the tree" if r.deadline_reached else "went on with rollouts")
-        if not context.is_active():
-            # Nobody is waiting for this answer: keep no tree, say why in the log.
-            with self._lock:
-                self.cancelled += 1
-            CANCELLED.inc()
-            log.debug("search cancelled by its caller after %d simulations (%d waves)",
-                     r.simulations, r.extras.get("waves", -1))
-            context.abort(grpc.StatusCode.CANCELLED, "the caller went away")
-        if reuse:
-            if not self.sessions.put(request.session_id, request.moves, trees[0]):
-                log.debug("session tree not kept: larger than search.max_session_bytes")
-            SESSIONS.set(len(self.sessions))
-            SESSION_BYTES.set(self.sessions.nbytes)
-        total_ms = (time.perf_counter() - received) * 1e3
-        self._observe(request, r, total_ms)
-        return search_pb2.SearchResponse(
-            action=r.action,
-            move=game.move_to_text(r.action),
-            visit_counts=[int(v) for v in r.visit_counts],
-            q_values=[float(q) for q in r.q_values],
-            root_value=float(r.root_value),
-            principal_variation=list(r.principal_variation),
-            principal_variation_moves="".join(game.move_to_text(a) for a in r.principal_variation),
-            simulations=r.simulations,
-            latency=search_pb2.LatencyBreakdown(
-                select_ms=r.select_ms, expand_ms=r.expand_ms, evaluate_ms=r.evaluate_ms,
-                backup_ms=r.backup_ms, total_ms=total_ms,
-            ),
-            backend=self.backend.name,
-            evaluator=_EVALUATOR_CODES[_evaluator_used(params, r)],
-            max_depth=r.max_depth,
-            tree_nodes=r.tree_nodes,
-            tree_reused=r.tree_reused,
-            pool_exhausted=r.pool_exhausted,
-            deadline_reached=r.deadline_reached,
-            model_simulations=r.model_simulations,
-            handoff=handoff,
-            evaluation_failure=r.evaluation_failure,
-            proven=_PROVEN[r.proven],
-        )
+            self._abort_on(exc, context)
+        return results[0], trees[0], handoff
+
+    def _abort_on(self, exc: BaseException, context) -> None:
+        """Aborts with the status a search's failure maps to (RESOURCE_EXHAUSTED: the
+        memory pool is full); re-raises any other failure (INTERNAL)."""
+        if not pools.is_out_of_memory(exc):
+            raise exc
+        EXHAUSTED.inc()
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                      f"search memory pool full ({self.cfg.memory_pool_bytes or 'no'} byte limit): {exc}")
 
     def ListGames(self, request, context):
         return search_pb2.ListGamesResponse(
@@ -362,7 +488,7 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True) -> Service:
                       f"search.backend.{servicer.backend.name}"),
     )
     service.servicer = servicer
-    service.on_close = lambda: (coalescer.close(), handoff.close(), reward_channel.close())
+    service.on_close = lambda: (servicer.close(), coalescer.close(), handoff.close(), reward_channel.close())
     return service
 
 

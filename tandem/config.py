@@ -281,6 +281,14 @@ class SearchConfig:
     # beyond it go through the dispatcher. 0 = none. Each takes a reward.leaf_channel
     # connection (max_connections).
     device_channels: int = 4
+    # Every search in flight advances as one batch of trees, one wave at a time
+    # (search_service/wave_loop.py; backends that batch trees: the CPU reference).
+    max_trees: int = 1024  # searches in flight at once (joined or waiting); more: RESOURCE_EXHAUSTED
+    max_batch_searches: int = 256  # positions in one SearchBatch call; more: INVALID_ARGUMENT
+    # Searches bounded by a deadline alone take fewer simulations a wave where a wave
+    # at parallel_sims each would take longer than this (ms): under load waves stay
+    # short, every search gets several in its frame and newcomers join soon. 0: never.
+    wave_target_ms: float = 4.0
     server: ServerConfig = field(default_factory=ServerConfig)
 
 
@@ -308,7 +316,7 @@ _CHOICES = {
 }
 # Fields that may be zero (meaning "off" or "default"); every other number must be positive.
 _MAY_BE_ZERO = {"metrics_port", "gpu_memory_bytes", "memory_pool_bytes", "intra_op_threads", "max_queue_delay_us",
-                "evaluation_cache_bytes", "max_bytes_in_flight", "device_channels"}
+                "evaluation_cache_bytes", "max_bytes_in_flight", "device_channels", "wave_target_ms"}
 # Sections that validate themselves (their dataclass's __post_init__), where zero may be meaningful.
 _SELF_CHECKED = {"urgency"}
 # Lists of numbers checked by their own rule instead (in _check_list).

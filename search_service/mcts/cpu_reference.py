@@ -1,5 +1,11 @@
 """The CPU reference MCTS: B trees searched together with NumPy.
 
+The trees are a :class:`CpuTreeBatch`, which searches join and leave between
+waves (search_service/mcts/batch.py): a ``search`` call joins its B roots to
+a batch of its own and steps it until every tree is done; the search
+service's wave loop steps one batch of every search in flight. Each tree has
+its own budget (:mod:`search_service.mcts.plan`), seed and statistics.
+
 Algorithm (one *wave* per loop, K = ``parallel_sims`` simulations per tree):
 
 1. **Select** (Chaslot et al. 2008, "Parallel Monte-Carlo tree search", and
@@ -61,8 +67,8 @@ With ``parallel_sims = 1`` this is plain sequential MCTS; with a fixed seed the
 search is deterministic for any ``parallel_sims``. The budget is checked
 between waves: the last wave is cut short so exactly ``simulations`` run, and
 a ``deadline_ms`` (counted from the call, tree set-up included) ends the
-search before a wave expected to end past it (:class:`WaveClock`: as long as
-the longest of the last four; at least one wave always runs), and so
+search before a wave expected to end past it (:class:`~search_service.mcts.plan.WaveTimes`:
+as long as the longest of the last four; at least one wave always runs), and so
 does ``should_stop()`` returning true (the caller went away: the server passes
 "the RPC is no longer active"). For PUCT a fresh root is evaluated first (for
 its priors; not a simulation).
@@ -82,11 +88,12 @@ from search_service.mcts.backend import (
     LeafEvaluator,
     SearchParams,
     SearchResult,
-    WaveClock,
     best_action,
     check_call,
     model_answer,
 )
+from search_service.mcts.batch import ended_by, search_alone
+from search_service.mcts.plan import Member
 from search_service.mcts.rollout import rollout_values
 from tandem import nvtx
 
@@ -133,7 +140,17 @@ class CpuReferenceBackend:
             ValueError: a finished root, a tree rooted at another position, or
                 no ``evaluator`` for ``value_model``.
         """
-        return _Search(roots, params, evaluator, trees, should_stop).run()
+        started = time.perf_counter()
+        batch = self.open_batch(params, evaluator)
+        batch.join(roots, trees, [params.seed] * len(roots), list(range(len(roots))))
+        deadline = None if params.deadline_ms is None else started + params.deadline_ms / 1e3
+        return search_alone(batch, [Member(params.simulations, deadline, should_stop) for _ in range(len(roots))])
+
+    @staticmethod
+    def open_batch(params: SearchParams, evaluator: LeafEvaluator | None = None) -> "CpuTreeBatch":
+        """An empty :class:`CpuTreeBatch` with ``params``' constants (their
+        budget and seed are the members'; search_service/mcts/batch.py)."""
+        return CpuTreeBatch(params, evaluator)
 
     @staticmethod
     def reroot(tree: tr.Tree, actions: list[int]) -> tr.Tree | None:
@@ -141,51 +158,110 @@ class CpuReferenceBackend:
         return tr.reroot(tree, actions)
 
 
-class _Search:
-    """One search call: the batched tree, the wave loop, and its bookkeeping."""
+_ROW_FIELDS = {  # per-tree state of a CpuTreeBatch: name -> dtype (row b: tree b)
+    "seed": np.uint64,  # its search's 64-bit Philox key
+    "stream": np.int64,  # its Philox tree word: the tree's index within its own request
+    "done": np.int64,  # simulations completed since it joined
+    "model_simulations": np.int64,  # of those, the ones the value model valued
+    "waves": np.int64,  # completed waves it took part in
+    "reused": bool,  # a tree passed in is searched further
+    "pool_exhausted": bool,
+    "max_depth": np.int64,  # longest selection path since it joined
+    "use_model": bool,  # its leaves are valued by the model (False after an EvaluationFailed)
+    "failure": object,  # why the model stopped valuing its leaves ("" while it does)
+    "ms": (np.float64, 4),  # wall-clock ms of the waves it took part in: select, expand, evaluate, backup
+}
+_PHASES = ("select", "expand", "evaluate", "backup")
 
-    def __init__(self, roots: Positions, params: SearchParams, evaluator: LeafEvaluator | None, trees,
-                 should_stop: Callable[[], bool] | None = None):
-        self.t0 = time.perf_counter()
-        self.clock = WaveClock(params.deadline_ms, self.t0)
+
+class CpuTreeBatch:
+    """B trees searched together with NumPy, joined and left between waves
+    (search_service/mcts/batch.py's :class:`TreeBatch`; the module docstring
+    has the algorithm). The trees share ``params``' constants (K =
+    ``parallel_sims``, the evaluator, the exploration constants, the node
+    limit); each has its own seed, budget and statistics.
+
+    Not thread-safe: one thread (a ``search`` call, or the search service's
+    wave loop) owns a batch.
+    """
+
+    def __init__(self, params: SearchParams, evaluator: LeafEvaluator | None = None):
+        if params.evaluator == "value_model" and evaluator is None:
+            raise ValueError("evaluator 'value_model' needs a leaf evaluator")
         self.p = params
-        self.should_stop = should_stop
-        self.stopped = False
+        self.k_max = params.parallel_sims
         self.evaluator = evaluator
         self.puct = params.evaluator == "value_model"  # PUCT selection with priors
-        self.use_model = self.puct  # leaves valued by the model; False after an EvaluationFailed
-        self.failure = ""  # why the model stopped valuing leaves ("" while it does)
-        self.model_simulations = np.zeros(len(roots), np.int64)  # per tree
-        trees = check_call(roots, params, evaluator, trees)
-        b = len(roots)
-        self.reused = np.zeros(b, bool)
-        kept = []
+        self.tree = tr.gather([], 1)
+        self.tree.evaluator = params.evaluator
+        self.row = {name: np.zeros(0, dt) if not isinstance(dt, tuple) else np.zeros((0, dt[1]), dt[0])
+                    for name, dt in _ROW_FIELDS.items()}
+        self._views()
+
+    def __len__(self) -> int:
+        return self.tree.batch
+
+    @property
+    def b(self) -> int:
+        return self.tree.batch
+
+    @property
+    def done(self) -> np.ndarray:
+        return self.row["done"]
+
+    def live(self) -> np.ndarray:
+        return self.tree.node_terminal[:, 0] == tr.NOT_TERMINAL
+
+    def failed(self) -> np.ndarray:
+        return self.row["failure"] != ""
+
+    # -- joining and leaving -------------------------------------------------
+    def join(self, roots: Positions, trees: list | None, seeds: list[int], streams: list[int]) -> None:
+        p = self.p
+        trees = check_call(roots, p, self.evaluator, trees)
+        n = len(roots)
+        reused = np.zeros(n, bool)
         for i, t in enumerate(trees):
-            if t is None or t.evaluator != params.evaluator:
+            if t is None or t.evaluator != p.evaluator:
                 continue
             if t.batch != 1:
                 raise ValueError(f"trees[{i}] holds {t.batch} trees; pass single trees")
             if not (t.node_current[0, 0] == roots.current[i] and t.node_mask[0, 0] == roots.mask[i]):
                 raise ValueError(f"trees[{i}] is rooted at another position than roots[{i}]")
-            self.reused[i] = True
-            kept.append(i)
-        # Pool size: room for one node per simulation (the most a search can
-        # add) when that is known, else a start that grows; never past max_nodes.
-        used = max([int(trees[i].num_nodes[0]) for i in kept], default=1)
-        adds = params.simulations if params.simulations is not None else max(_INITIAL_CAPACITY, params.parallel_sims)
-        capacity = max(used, min(params.max_nodes, used + adds))
-        if kept:
-            filler = tr.new_trees(roots, 1, params.evaluator)
-            singles = tr.split(filler)
-            self.tree = tr.gather([trees[i] if self.reused[i] else singles[i] for i in range(b)], capacity)
-            self.tree.evaluator = params.evaluator
-        else:
-            self.tree = tr.new_trees(roots, capacity, params.evaluator)
-        self.b = b
-        self.pool_exhausted = np.zeros(b, bool)
-        self.max_depth = np.zeros(b, np.int64)
-        self.ms = dict(select=0.0, expand=0.0, evaluate=0.0, backup=0.0)
-        self.waves = 0
+            reused[i] = True
+        fresh = tr.split(tr.new_trees(roots, 1, p.evaluator))
+        joining = [trees[i] if reused[i] else fresh[i] for i in range(n)]
+        # Pool size: room for one node per simulation (the most a search can add)
+        # when that is known, else a start that grows; never past max_nodes.
+        used = max([int(t.num_nodes[0]) for t in joining] + [int(self.tree.num_nodes.max(initial=1))])
+        adds = p.simulations if p.simulations is not None else max(_INITIAL_CAPACITY, p.parallel_sims)
+        capacity = max(used, min(p.max_nodes, used + adds), self.tree.capacity)
+        first = self.b
+        self.tree = tr.gather(tr.split(self.tree) + joining, capacity)
+        self.tree.evaluator = p.evaluator
+        added = {name: np.zeros((n, *self.row[name].shape[1:]), self.row[name].dtype) for name in _ROW_FIELDS}
+        added["seed"][:] = np.asarray(seeds, np.uint64)
+        added["stream"][:] = streams
+        added["reused"][:] = reused
+        added["use_model"][:] = self.puct
+        added["failure"][:] = ""
+        self.row = {name: np.concatenate([self.row[name], added[name]]) for name in _ROW_FIELDS}
+        self._views()
+        if self.puct:
+            self._evaluate_fresh_roots(np.arange(first, self.b))
+
+    def leave(self, rows: list[int], members: list) -> tuple[list[SearchResult], list[tr.Tree]]:
+        index = np.asarray(rows, np.int64)
+        results = self._results(index, [ended_by(m) for m in members])
+        trees = [tr.gather([t], int(t.num_nodes[0])) for t in (tr.split(self.tree)[i] for i in rows)]
+        for t in trees:
+            t.evaluator = self.p.evaluator
+        keep = np.ones(self.b, bool)
+        keep[index] = False
+        self.tree = tr.take(self.tree, keep)
+        self.row = {name: self.row[name][keep] for name in _ROW_FIELDS}
+        self._views()
+        return results, trees
 
     # -- flat views over the batched pool (row = tree * capacity + slot) ----
     def _views(self) -> None:
@@ -207,49 +283,17 @@ class _Search:
             self.tree = tr.grow(self.tree, min(self.p.max_nodes, max(need, 2 * self.tree.capacity)))
         self._views()
 
-    # -- the wave loop -----------------------------------------------------
-    def run(self) -> tuple[list[SearchResult], list[tr.Tree]]:
-        p = self.p
-        self._views()
-        if self.puct:
-            self._evaluate_fresh_roots()
-        done = np.zeros(self.b, np.int64)  # simulations completed per tree
-        deadline_reached = False
-        while True:
-            live = self.tree.node_terminal[:, 0] == tr.NOT_TERMINAL  # a proven root takes no more simulations
-            if not live.any():
-                break
-            k = p.parallel_sims if p.simulations is None else min(p.parallel_sims, p.simulations - int(done[live][0]))
-            if k <= 0:
-                break
-            # At least one wave runs, unless an undone one already took the time.
-            if (self.waves or self.failure) and self.clock.out_of_time():
-                deadline_reached = True
-                break
-            if self.should_stop is not None and self.waves and self.should_stop():
-                self.stopped = True
-                break
-            self.clock.begin_wave()  # a pool that grows counts in its wave's time
-            self._ensure_capacity(k)
-            ks = np.where(live, k, 0)
-            used_model = self.use_model
-            completed = self._wave(ks, done)
-            self.clock.end_wave()
-            if not completed:
-                continue  # undone: the loop goes on with rollouts, or ends at the deadline
-            done += ks
-            if used_model:
-                self.model_simulations += ks
-            self.waves += 1
-        return self._results(done, deadline_reached), tr.split(self.tree)
-
-    def _wave(self, ks: np.ndarray, done: np.ndarray) -> bool:
-        """One wave of ``ks[b]`` simulations in tree b (int64 [B]; ``done``:
-        each tree's completed simulations); False if its evaluation failed and
-        the wave was undone (the tree is as it was before it)."""
+    # -- a wave -------------------------------------------------------------
+    def wave(self, ks: np.ndarray) -> bool:
+        """One wave of ``ks[b]`` simulations in tree b (int64 [B], 0: none);
+        False if its evaluation failed and the wave was undone (the trees are
+        as they were before it; those that used the model go on with rollouts)."""
+        self._ensure_capacity(int(ks.max()))  # a pool that grows counts in its wave's time
+        in_wave = ks > 0
+        used_model = self.row["use_model"] & in_wave
         t = time.perf_counter()
         with nvtx.span("search.select"):
-            walk = self._select(ks, done)
+            walk = self._select(ks, self.done)
         t1 = time.perf_counter()
         before = self.tree.num_nodes.copy()
         with nvtx.span("search.expand"):
@@ -260,20 +304,23 @@ class _Search:
                 values = self._evaluate(walk, leaf)
         except EvaluationFailed as exc:
             self._undo(walk, before)
-            self._stop_using_model(exc)
-            self.ms["evaluate"] += (time.perf_counter() - t2) * 1e3
+            self._stop_using_model(used_model, exc)
+            self.row["ms"][in_wave, 2] += (time.perf_counter() - t2) * 1e3
             return False
         t3 = time.perf_counter()
         with nvtx.span("search.backup"):
             self._backup(walk, leaf, values)
         t4 = time.perf_counter()
-        for name, dt in zip(("select", "expand", "evaluate", "backup"), (t1 - t, t2 - t1, t3 - t2, t4 - t3)):
-            self.ms[name] += dt * 1e3
+        self.row["ms"][in_wave] += np.array([t1 - t, t2 - t1, t3 - t2, t4 - t3]) * 1e3
+        self.row["done"] += ks
+        self.row["model_simulations"] += np.where(used_model, ks, 0)
+        self.row["waves"] += in_wave
         return True
 
-    def _stop_using_model(self, exc: EvaluationFailed) -> None:
-        self.use_model = False
-        self.failure = str(exc) or type(exc).__name__
+    def _stop_using_model(self, rows: np.ndarray, exc: EvaluationFailed) -> None:
+        """Trees ``rows`` (bool [B] or int [M]) value their leaves by rollouts from now on."""
+        self.row["use_model"][rows] = False
+        self.row["failure"][rows] = str(exc) or type(exc).__name__
 
     def _undo(self, walk: dict, num_nodes: np.ndarray) -> None:
         """Takes a selected and expanded wave back out of the tree: releases
@@ -409,7 +456,7 @@ class _Search:
             first_of_tree = np.searchsorted(u_tree, u_tree, side="left")
             slot = tree.num_nodes[u_tree].astype(np.int64) + (np.arange(uniq.size) - first_of_tree)
             fits = slot < self.p.max_nodes
-            self.pool_exhausted[u_tree[~fits]] = True
+            self.row["pool_exhausted"][u_tree[~fits]] = True
             f_rows = u_tree[fits] * cap + slot[fits]
             if f_rows.size:
                 self.node_current[f_rows] = cur[fits]
@@ -441,11 +488,16 @@ class _Search:
         open_ = np.flatnonzero(leaf["terminal"] == tr.NOT_TERMINAL)
         if open_.size == 0:
             return values
-        if not self.use_model:
-            values[open_] = rollout_values(
-                leaf["current"][open_], leaf["mask"][open_], walk["sim"][open_], walk["tree_of"][open_], self.p.seed
-            )
-            return values
+        tree_of = walk["tree_of"][open_]
+        by_rollout = ~self.row["use_model"][tree_of]
+        if by_rollout.any():
+            roll = open_[by_rollout]
+            t = tree_of[by_rollout]
+            values[roll] = rollout_values(leaf["current"][roll], leaf["mask"][roll], walk["sim"][roll],
+                                          self.row["stream"][t], self.row["seed"][t])
+            open_ = open_[~by_rollout]
+            if open_.size == 0:
+                return values
         # Value model: one call per wave, one row per distinct leaf (selections
         # that stopped at the same missing child share it).
         keys = leaf["key"][open_]
@@ -465,8 +517,9 @@ class _Search:
         values, priors = self.evaluator(connect4.observation(pos))
         return model_answer(values, priors, connect4.legal_bits(mask))
 
-    def _evaluate_fresh_roots(self) -> None:
-        fresh = np.flatnonzero(self.tree.node_visits[:, 0] == 0)
+    def _evaluate_fresh_roots(self, joined: np.ndarray) -> None:
+        """Values the roots of trees ``joined`` (int [M]) never evaluated, for their priors."""
+        fresh = joined[self.tree.node_visits[joined, 0] == 0]
         if fresh.size == 0:
             return
         t = time.perf_counter()
@@ -474,12 +527,12 @@ class _Search:
         try:
             _, priors = self._call_model(self.node_current[rows], self.node_mask[rows])
         except EvaluationFailed as exc:
-            self._stop_using_model(exc)  # uniform priors stay; rollouts value the leaves
+            self._stop_using_model(fresh, exc)  # uniform priors stay; rollouts value the leaves
             priors = None
         if priors is not None:
             self.prior[rows] = priors
         self.node_visits[rows] = 1  # the root's own evaluation: sqrt(N) > 0 at the first choice
-        self.ms["evaluate"] += (time.perf_counter() - t) * 1e3
+        self.row["ms"][fresh, 2] += (time.perf_counter() - t) * 1e3
 
     # -- 4. backup ---------------------------------------------------------
     @staticmethod
@@ -504,7 +557,7 @@ class _Search:
         np.add.at(self.node_visits, rows, 1)
         leaf_rows = leaf["row"][leaf["row"] >= 0]
         np.add.at(self.node_visits, leaf_rows, 1)
-        np.maximum.at(self.max_depth, walk["tree_of"], depth)
+        np.maximum.at(self.row["max_depth"], walk["tree_of"], depth)
         self._solve(walk)
 
     # -- 5. solve ----------------------------------------------------------
@@ -518,17 +571,18 @@ class _Search:
                 self.node_terminal[rows] = tr.solve(self.children[rows], self._child_codes(rows))
 
     # -- answer --------------------------------------------------------------
-    def _results(self, done: int, deadline_reached: bool) -> list[SearchResult]:
-        t = self.tree
-        visits = t.edge_visits[:, 0].astype(np.int64)  # [B, A]
-        value = t.edge_value[:, 0].astype(np.float64)
+    def _results(self, index: np.ndarray, ends: list[tuple[bool, bool]]) -> list[SearchResult]:
+        """The results of trees ``index`` (int [M]); ``ends[i]``: (deadline_reached, stopped) of tree ``index[i]``."""
+        t, row = self.tree, {name: values[index] for name, values in self.row.items()}
+        visits = t.edge_visits[index, 0].astype(np.int64)  # [M, A]
+        value = t.edge_value[index, 0].astype(np.float64)
         q = np.where(visits > 0, value / np.maximum(visits, 1), 0.0)
         root_value = value.sum(axis=1) / np.maximum(visits.sum(axis=1), 1)
-        proven = t.node_terminal[:, 0]
+        proven = t.node_terminal[index, 0]
         root_value = np.where(proven != tr.NOT_TERMINAL, tr.OUTCOME_VALUE[proven], root_value)
-        action = best_action(visits, q, connect4.legal_bits(t.node_mask[:, 0]),
-                             self._child_codes(np.arange(self.b) * self.cap), t.prior[:, 0])
-        pv = self._principal_variations()
+        action = best_action(visits, q, connect4.legal_bits(t.node_mask[index, 0]),
+                             self._child_codes(index * self.cap), t.prior[index, 0])
+        pv = self._principal_variations(index)
         return [
             SearchResult(
                 action=int(action[i]),
@@ -536,29 +590,30 @@ class _Search:
                 q_values=q[i].astype(np.float32),
                 root_value=float(root_value[i]),
                 principal_variation=pv[i],
-                simulations=int(done[i]),
-                max_depth=int(self.max_depth[i]),
-                tree_nodes=int(t.num_nodes[i]),
-                pool_exhausted=bool(self.pool_exhausted[i]),
-                deadline_reached=deadline_reached,
-                select_ms=self.ms["select"],
-                expand_ms=self.ms["expand"],
-                evaluate_ms=self.ms["evaluate"],
-                backup_ms=self.ms["backup"],
-                tree_reused=bool(self.reused[i]),
-                model_simulations=int(self.model_simulations[i]),
-                evaluation_failure=self.failure,
+                simulations=int(row["done"][i]),
+                max_depth=int(row["max_depth"][i]),
+                tree_nodes=int(t.num_nodes[b]),
+                pool_exhausted=bool(row["pool_exhausted"][i]),
+                deadline_reached=ends[i][0],
+                select_ms=float(row["ms"][i, 0]),
+                expand_ms=float(row["ms"][i, 1]),
+                evaluate_ms=float(row["ms"][i, 2]),
+                backup_ms=float(row["ms"][i, 3]),
+                tree_reused=bool(row["reused"][i]),
+                model_simulations=int(row["model_simulations"][i]),
+                evaluation_failure=row["failure"][i],
                 proven=int(proven[i]),
-                extras={"waves": self.waves, "stopped": self.stopped},
+                extras={"waves": int(row["waves"][i]), "stopped": ends[i][1]},
             )
-            for i in range(self.b)
+            for i, b in enumerate(index.tolist())
         ]
 
-    def _principal_variations(self) -> list[list[int]]:
-        b, cap = self.b, self.cap
-        pv: list[list[int]] = [[] for _ in range(b)]
-        live = np.arange(b)
-        rows = live * cap
+    def _principal_variations(self, index: np.ndarray) -> list[list[int]]:
+        """The principal variation of each tree ``index[i]``: the most-visited path from its root."""
+        cap = self.cap
+        pv: list[list[int]] = [[] for _ in range(index.size)]
+        live = np.arange(index.size)
+        rows = index * cap
         for _ in range(MAX_DEPTH):
             n = self.visits[rows].astype(np.int64)
             q = np.where(n > 0, self.value[rows] / np.maximum(n, 1), 0.0)
@@ -568,7 +623,7 @@ class _Search:
                 pv[i].append(int(act))
             child = self.children[rows, a]
             go = ok & (child >= 0)
-            live, rows = live[go], live[go] * cap + child[go]
+            live, rows = live[go], index[live[go]] * cap + child[go]
             if live.size == 0:
                 break
         return pv

@@ -85,7 +85,13 @@ def seed_key(seed: int) -> np.ndarray:
     return np.array([seed & 0xFFFFFFFF, seed >> 32], dtype=np.uint32)
 
 
-def rollout_words(sims: np.ndarray, trees: np.ndarray, plies: int, seed: int) -> np.ndarray:
+def seed_keys(seeds: np.ndarray) -> np.ndarray:
+    """uint32 [M, 2]: the Philox keys of M 64-bit seeds (uint64 [M]; low word first)."""
+    s = np.asarray(seeds, np.uint64)
+    return np.stack([s & _LO32, s >> _32], axis=-1).astype(np.uint32)
+
+
+def rollout_words(sims: np.ndarray, trees: np.ndarray, plies: int, seed: int | np.ndarray) -> np.ndarray:
     """uint32 [M, plies']: the words rollouts draw (see the module docstring).
 
     Args:
@@ -93,6 +99,8 @@ def rollout_words(sims: np.ndarray, trees: np.ndarray, plies: int, seed: int) ->
         trees: int [M], tree index ``t`` of each rollout.
         plies: how many moves each rollout may need; ``plies'`` is that rounded
             up to a multiple of 4. Column ``i`` holds the word for move ``i``.
+        seed: the search's 64-bit seed, or each rollout's (uint64 [M]: a batch
+            of trees from several searches).
     """
     blocks = -(-plies // 4)
     m = sims.shape[0]
@@ -101,4 +109,5 @@ def rollout_words(sims: np.ndarray, trees: np.ndarray, plies: int, seed: int) ->
     ctr[..., 1] = trees[:, None]
     ctr[..., 2] = np.arange(blocks, dtype=np.uint64)[None, :]
     ctr[..., 3] = STREAM_ROLLOUT
-    return philox4x32(ctr, seed_key(seed)).reshape(m, blocks * 4)
+    key = seed_key(int(seed)) if np.ndim(seed) == 0 else seed_keys(seed)[:, None, :]
+    return philox4x32(ctr, key).reshape(m, blocks * 4)

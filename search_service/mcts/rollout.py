@@ -49,7 +49,8 @@ def full_columns(mask: np.ndarray) -> np.ndarray:
     return ((((mask >> _S5) & _C) * _MAGIC) >> _S36) & _M127
 
 
-def rollout_values(current: np.ndarray, mask: np.ndarray, sims: np.ndarray, trees: np.ndarray, seed: int) -> np.ndarray:
+def rollout_values(current: np.ndarray, mask: np.ndarray, sims: np.ndarray, trees: np.ndarray,
+                   seed: int | np.ndarray) -> np.ndarray:
     """float32 [M]: results of random games from M unfinished positions, for
     each position's side to move (+1 win, 0 draw, -1 loss).
 
@@ -57,7 +58,8 @@ def rollout_values(current: np.ndarray, mask: np.ndarray, sims: np.ndarray, tree
         current, mask: uint64 [M], the leaf positions (none may be finished).
         sims, trees: int [M], the simulation and tree index of each rollout
             (the Philox counter words 0 and 1).
-        seed: the 64-bit search seed (the Philox key).
+        seed: the 64-bit search seed (the Philox key), or each rollout's
+            (uint64 [M]: trees of several searches in one batch).
     """
     m = current.shape[0]
     if m == 0:

@@ -170,6 +170,11 @@ def grow(tree: Tree, capacity: int) -> Tree:
     return bigger
 
 
+def take(tree: Tree, index: np.ndarray) -> Tree:
+    """The trees ``index`` (int [M] or bool [B]) of ``tree``, as one batch (copies)."""
+    return replace(tree, **{name: getattr(tree, name)[index] for name in _NODE_FIELDS + _EDGE_FIELDS + ("num_nodes",)})
+
+
 def split(tree: Tree) -> list[Tree]:
     """The B trees as batches of one (views: no copy)."""
     return [

@@ -128,6 +128,18 @@ class SearchResponse(_message.Message):
     proven: ProvenResult
     def __init__(self, action: _Optional[int] = ..., move: _Optional[str] = ..., visit_counts: _Optional[_Iterable[int]] = ..., q_values: _Optional[_Iterable[float]] = ..., root_value: _Optional[float] = ..., principal_variation: _Optional[_Iterable[int]] = ..., principal_variation_moves: _Optional[str] = ..., simulations: _Optional[int] = ..., latency: _Optional[_Union[LatencyBreakdown, _Mapping]] = ..., backend: _Optional[str] = ..., evaluator: _Optional[_Union[Evaluator, str]] = ..., max_depth: _Optional[int] = ..., tree_nodes: _Optional[int] = ..., tree_reused: bool = ..., pool_exhausted: bool = ..., deadline_reached: bool = ..., model_simulations: _Optional[int] = ..., handoff: _Optional[str] = ..., evaluation_failure: _Optional[str] = ..., proven: _Optional[_Union[ProvenResult, str]] = ...) -> None: ...
 
+class SearchBatchRequest(_message.Message):
+    __slots__ = ("searches",)
+    SEARCHES_FIELD_NUMBER: _ClassVar[int]
+    searches: _containers.RepeatedCompositeFieldContainer[SearchRequest]
+    def __init__(self, searches: _Optional[_Iterable[_Union[SearchRequest, _Mapping]]] = ...) -> None: ...
+
+class SearchBatchResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[SearchResponse]
+    def __init__(self, results: _Optional[_Iterable[_Union[SearchResponse, _Mapping]]] = ...) -> None: ...
+
 class ListGamesRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

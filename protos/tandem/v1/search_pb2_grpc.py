@@ -39,6 +39,11 @@ class SearchServiceStub(object):
                 request_serializer=tandem_dot_v1_dot_search__pb2.SearchRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_search__pb2.SearchResponse.FromString,
                 _registered_method=True)
+        self.SearchBatch = channel.unary_unary(
+                '/tandem.v1.SearchService/SearchBatch',
+                request_serializer=tandem_dot_v1_dot_search__pb2.SearchBatchRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_search__pb2.SearchBatchResponse.FromString,
+                _registered_method=True)
         self.ListGames = channel.unary_unary(
                 '/tandem.v1.SearchService/ListGames',
                 request_serializer=tandem_dot_v1_dot_search__pb2.ListGamesRequest.SerializeToString,
@@ -54,6 +59,20 @@ class SearchServiceServicer(object):
         position, a zero / negative / too large budget.
         NOT_FOUND: unknown game.
         UNAVAILABLE: the value model is requested but the reward service is down.
+        RESOURCE_EXHAUSTED: the service is at capacity (search.max_trees searches
+        in flight, or its next wave is expected to take longer than this
+        search's deadline leaves): answered at once, never late.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SearchBatch(self, request, context):
+        """Searches several positions of one game in one call (SearchBatchRequest).
+        INVALID_ARGUMENT: no search, more than search.max_batch_searches, two
+        games, one session_id twice, or any search invalid as in Search (the
+        message names it: "searches[3].moves: ..."). Other errors as in Search,
+        for the whole call.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -72,6 +91,11 @@ def add_SearchServiceServicer_to_server(servicer, server):
                     servicer.Search,
                     request_deserializer=tandem_dot_v1_dot_search__pb2.SearchRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_search__pb2.SearchResponse.SerializeToString,
+            ),
+            'SearchBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.SearchBatch,
+                    request_deserializer=tandem_dot_v1_dot_search__pb2.SearchBatchRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_search__pb2.SearchBatchResponse.SerializeToString,
             ),
             'ListGames': grpc.unary_unary_rpc_method_handler(
                     servicer.ListGames,
@@ -106,6 +130,33 @@ class SearchService(object):
             '/tandem.v1.SearchService/Search',
             tandem_dot_v1_dot_search__pb2.SearchRequest.SerializeToString,
             tandem_dot_v1_dot_search__pb2.SearchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SearchBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.SearchService/SearchBatch',
+            tandem_dot_v1_dot_search__pb2.SearchBatchRequest.SerializeToString,
+            tandem_dot_v1_dot_search__pb2.SearchBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

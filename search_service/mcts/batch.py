@@ -1,0 +1,131 @@
+"""A batch of trees that searches join and leave between waves, and the one
+step that advances it.
+
+A backend that batches trees across searches offers ``open_batch(params,
+evaluator)`` returning a :class:`TreeBatch`: B trees, one per search in
+flight (rows), each with its own Philox key (``seed``) and tree index
+(``stream``: the tree's index within its own request, so its rollouts draw
+the numbers they would draw if that request ran alone). :func:`step` plans a
+wave (:mod:`search_service.mcts.plan`), lets the members that are done leave,
+and runs the wave over the rest; the search service's wave loop calls it
+forever (admitting newcomers between calls), a backend's own ``search``
+calls it until its members are gone (:func:`search_alone`).
+
+Independence: a tree's selections, expansions and backups read and write
+its own rows only, and its rollouts draw from (seed, stream, simulation); so
+at a fixed simulation cap and seed a tree searched beside others equals the
+same search run alone (the tests check it), except for what the value model
+answers (one call values every tree's leaves; a model whose answer for a row
+depends on the other rows breaks it) and for a wave undone because the
+model failed (every tree that used the model in it undoes it).
+"""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+
+from search_service.mcts.plan import END_DEADLINE, END_STOPPED, Member, WaveTimes, plan_wave
+
+if TYPE_CHECKING:
+    from search_service.games.connect4 import Positions
+    from search_service.mcts.backend import SearchResult
+
+
+class TreeBatch(Protocol):
+    """B trees searched wave by wave (rows ``0 .. B-1``, in the order they joined)."""
+
+    k_max: int  # K: simulations per tree per wave (the params' parallel_sims)
+
+    def __len__(self) -> int:
+        """B, the trees in the batch."""
+        ...
+
+    @property
+    def done(self) -> np.ndarray:
+        """int64 [B]: simulations completed per tree since it joined."""
+        ...
+
+    def live(self) -> np.ndarray:
+        """bool [B]: trees whose root is not proven."""
+        ...
+
+    def failed(self) -> np.ndarray:
+        """bool [B]: trees the value model failed for (an undone wave, or a
+        root it could not value): that took their time, as a wave does."""
+        ...
+
+    def join(self, roots: "Positions", trees: list, seeds: list[int], streams: list[int]) -> None:
+        """Appends one tree per root (rows B .. B + len(roots) - 1): ``trees[i]``
+        (a single tree rooted at ``roots[i]``, searched further; copied) or a
+        fresh one (None, or a tree built with another evaluator); PUCT roots
+        that have never been evaluated are valued now (their priors).
+
+        Raises:
+            ValueError: a finished root or a tree rooted elsewhere (nothing joins).
+        """
+        ...
+
+    def wave(self, ks: np.ndarray) -> bool:
+        """One wave: ``ks[b]`` simulations in tree b (int64 [B], 0: none).
+        False if the value model could not value it: the wave is undone in
+        every tree (as if it never ran) and the trees that used the model go
+        on with rollouts (their results' ``evaluation_failure`` says why)."""
+        ...
+
+    def leave(self, rows: list[int], members: list[Member]) -> "tuple[list[SearchResult], list]":
+        """Removes ``rows`` (ascending) from the batch: their results (fields
+        per tree; ``members[i].end`` says whether a deadline or a stop ended
+        row ``rows[i]``) and their trees, single and compact, for reuse."""
+        ...
+
+
+def step(batch: TreeBatch, members: list[Member], times: WaveTimes,
+         wave_target_ms: float | None = None) -> "list[tuple[Member, SearchResult, object]]":
+    """Plans the next wave of ``batch`` (``members[b]``: row b's budget), lets
+    the members that are done leave (removed from ``members`` and the batch)
+    and runs the wave over the rest, timed into ``times``.
+
+    Returns:
+        (member, result, tree) of each member that left, in row order.
+    """
+    for m, failed in zip(members, batch.failed()):
+        m.tried = m.tried or bool(failed)
+    plan = plan_wave(members, batch.done, batch.live(), times, batch.k_max, wave_target_ms)
+    left = []
+    if plan.leaving:
+        gone = [members[i] for i in plan.leaving]
+        results, trees = batch.leave(plan.leaving, gone)
+        left = list(zip(gone, results, trees))
+        keep = np.ones(len(members), bool)
+        keep[plan.leaving] = False
+        members[:] = [m for m, k in zip(members, keep) if k]
+        plan.ks = plan.ks[keep]
+    if plan.ks.any():
+        t = time.perf_counter()
+        batch.wave(plan.ks)
+        times.add(int(plan.ks.sum()), (time.perf_counter() - t) * 1e3)
+        for m, k in zip(members, plan.ks):
+            m.tried = m.tried or bool(k)
+    return left
+
+
+def search_alone(batch: TreeBatch, members: list[Member]) -> "tuple[list[SearchResult], list]":
+    """Runs ``batch`` (its rows joined, ``members[b]`` row b's budget) until
+    every member has left: a backend's ``search`` call. Returns the results and
+    trees in row order."""
+    order = {id(m): i for i, m in enumerate(members)}
+    results: list = [None] * len(members)
+    trees: list = [None] * len(members)
+    members = list(members)
+    times = WaveTimes()
+    while members:
+        for m, r, t in step(batch, members, times):
+            results[order[id(m)]], trees[order[id(m)]] = r, t
+    return results, trees
+
+
+def ended_by(member: Member) -> tuple[bool, bool]:
+    """(deadline_reached, stopped) for a member that left."""
+    return member.end == END_DEADLINE, member.end == END_STOPPED

@@ -1,0 +1,144 @@
+"""Planning the waves of a batch of trees: how many simulations each tree takes
+in the next wave, and which searches leave the batch before it.
+
+A batch holds B trees, one per search in flight; every search has its own
+budget (a simulation cap, a deadline, a stop check) and joins or leaves the
+batch between waves, whoever else is in it (a ragged batch). Planning is a
+pure function of the members' budgets, the trees' completed simulations and
+the batch's recent wave times, so the CPU reference, the CUDA backend and the
+search service's wave loop (search_service/wave_loop.py) share it.
+
+Rules (per member, in this order; the CPU reference's single-search rules,
+per tree):
+
+1. its root is proven: it leaves (``END_PROVEN``);
+2. its simulation cap is reached: it leaves (``END_BUDGET``); else it takes
+   ``k = min(K, cap - done)`` simulations (K = ``parallel_sims``);
+3. once it has taken part in a wave (completed or undone), it leaves before a
+   wave expected to end past its deadline (``END_DEADLINE``): at least one
+   wave always runs;
+4. once it has taken part in a wave, its ``should_stop()`` returning true
+   makes it leave (``END_STOPPED``; each distinct callable is called once per
+   plan: it takes a lock in gRPC).
+
+How long the next wave will take (:class:`WaveTimes`): as long as the longest
+of the recent waves, scaled up where the next one carries more leaves than it
+did (never assumed faster because it carries fewer). Searches bounded by a
+deadline alone (no simulation cap) share the GPU fairly under load: where the
+wave at K each would take longer than ``wave_target_ms``, each of them takes
+the same smaller k, so waves stay short, every member gets several of them in
+its frame and newcomers join soon. Searches with a simulation cap always take
+K (their trees equal the same search run alone, whatever shares the batch).
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+END_BUDGET, END_PROVEN, END_DEADLINE, END_STOPPED = "budget", "proven", "deadline", "stopped"
+
+
+@dataclass
+class Member:
+    """One search's budget in a batch of trees (one tree).
+
+    ``deadline`` is absolute, in ``time.perf_counter()`` seconds (None: none);
+    ``simulations`` caps the simulations this search runs (None: none).
+    """
+
+    simulations: int | None
+    deadline: float | None
+    should_stop: Callable[[], bool] | None = None
+    tried: bool = False  # took part in a wave, completed or undone
+    end: str = ""  # why it left (END_*), once it has
+    owner: Any = None  # whoever waits for its answer (the wave loop's job)
+
+
+class WaveTimes:
+    """The batch's last ``window`` waves, as (leaves, ms), and what the next
+    one is expected to take. Not thread-safe: the wave loop's thread owns it
+    (readers elsewhere take a copy with :meth:`expected_ms`, which reads a
+    snapshot of the deque)."""
+
+    def __init__(self, window: int = 4):
+        self._recent: deque[tuple[int, float]] = deque(maxlen=window)
+
+    def add(self, leaves: int, ms: float) -> None:
+        """Records a wave of ``leaves`` simulations that took ``ms`` (undone waves too)."""
+        self._recent.append((max(int(leaves), 1), float(ms)))
+
+    def expected_ms(self, leaves: int) -> float:
+        """ms the next wave of ``leaves`` simulations is expected to take: the
+        longest recent wave, scaled by ``leaves / its leaves`` where that is
+        over 1; 0 before any wave."""
+        return max((ms * max(1.0, leaves / n) for n, ms in tuple(self._recent)), default=0.0)
+
+
+@dataclass
+class Plan:
+    """The next wave: ``ks`` int64 [B] simulations per tree (0: none this
+    wave), and the rows that leave before it (their members' ``end`` set)."""
+
+    ks: np.ndarray
+    leaving: list[int]
+    expected_ms: float  # the wave's expected duration (0: unknown)
+
+
+def plan_wave(members: list[Member], done: np.ndarray, live: np.ndarray, times: WaveTimes, k_max: int,
+              wave_target_ms: float | None = None, now: float | None = None) -> Plan:
+    """Plans the next wave of a batch (module docstring's rules).
+
+    Args:
+        members: B members, row b's budget.
+        done: int [B], simulations completed per tree.
+        live: bool [B], trees whose root is not proven.
+        times: the batch's recent waves.
+        k_max: K, simulations per tree per wave (>= 1).
+        wave_target_ms: the longest a wave should take where deadline-only
+            members can take fewer simulations (None: no target).
+        now: ``time.perf_counter()`` (None: read it).
+
+    Returns:
+        The plan; a member that leaves gets its ``end``.
+    """
+    now = time.perf_counter() if now is None else now
+    b = len(members)
+    ks = np.zeros(b, np.int64)
+    leaving: list[int] = []
+    for i, m in enumerate(members):
+        if not live[i]:
+            m.end = END_PROVEN
+        elif m.simulations is not None and done[i] >= m.simulations:
+            m.end = END_BUDGET
+        else:
+            ks[i] = k_max if m.simulations is None else min(k_max, m.simulations - int(done[i]))
+            continue
+        leaving.append(i)
+    # The deadline, against the wave at K each (the most it can take; fair shares can only shorten it).
+    expected = times.expected_ms(int(ks.sum()))
+    for i, m in enumerate(members):
+        if ks[i] and m.tried and m.deadline is not None and now + expected / 1e3 >= m.deadline:
+            m.end, ks[i] = END_DEADLINE, 0
+            leaving.append(i)
+    asked: dict[int, bool] = {}  # id(should_stop) -> its answer: one call per plan
+    for i, m in enumerate(members):
+        if ks[i] and m.tried and m.should_stop is not None:
+            key = id(m.should_stop)
+            if key not in asked:
+                asked[key] = bool(m.should_stop())
+            if asked[key]:
+                m.end, ks[i] = END_STOPPED, 0
+                leaving.append(i)
+    expected = times.expected_ms(int(ks.sum()))
+    if wave_target_ms is not None and expected > wave_target_ms:
+        shared = np.array([ks[i] > 0 and m.simulations is None for i, m in enumerate(members)], bool)
+        if shared.any():
+            k = max(1, min(k_max, math.floor(k_max * wave_target_ms / expected)))
+            ks[shared] = np.minimum(ks[shared], k)
+            expected = times.expected_ms(int(ks.sum()))
+    return Plan(ks, sorted(leaving), expected)

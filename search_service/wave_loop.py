@@ -1,0 +1,274 @@
+"""The wave loop: every search in flight advances as one batch of trees.
+
+Searches that share their constants (the evaluator, K = ``parallel_sims``,
+the exploration constants, the node limit: a *lane*) are the rows of one
+:class:`~search_service.mcts.batch.TreeBatch`, stepped by one thread of
+their own: each wave selects in every live tree, values all their leaves in
+one model call (or one batch of rollouts) and backs them up. A search joins
+at the next wave boundary and leaves when its own budget ends it (its
+deadline, its simulation cap, its root proven, its caller gone): a ragged
+batch (search_service/mcts/plan.py has the rules). A ``Search`` call is one
+job; a ``SearchBatch`` call is K jobs submitted at once.
+
+Admission (at :meth:`WaveLoop.submit`, on the caller's thread, answered at
+once, never late): more trees in flight than ``max_trees``, or a deadline
+shorter than the wave its lane is expected to run next once it has joined
+(a search that cannot get one wave, the minimum useful search), is refused
+with :class:`Refused` (RESOURCE_EXHAUSTED). A lane with no search in flight
+admits any deadline: a lone search always gets its one wave, as a
+backend's own ``search`` does.
+
+Invariants (``_lock`` guards ``_in_flight`` and every lane's ``queue`` and
+``closed``):
+
+* a job is in exactly one place: a lane's ``queue`` (submitted, not joined),
+  its lane's ``members`` (joined), or answered;
+* only a lane's thread takes from its queue, and only it touches its batch,
+  ``members`` and ``times``;
+* a job is answered exactly once (a result and a tree, or an error), then
+  its ``done`` event is set; ``_in_flight`` counts the jobs submitted and not
+  yet answered;
+* a failure outside the model (an exception from the batch) fails every job
+  of that lane's batch, which starts empty again; the other lanes go on.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from search_service.mcts.backend import SearchParams, SearchResult
+from search_service.mcts.batch import step
+from search_service.mcts.plan import Member, WaveTimes
+
+log = logging.getLogger(__name__)
+
+TREES = Gauge("tandem_search_batch_trees", "Searches in flight in the wave loop (joined or waiting to join).")
+WAVE_TREES = Histogram("tandem_search_wave_trees", "Trees in one wave of the wave loop.",
+                       buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024))
+REFUSED = Counter("tandem_search_refused", "Searches refused at admission (RESOURCE_EXHAUSTED).", ["reason"])
+
+
+class Refused(Exception):
+    """A search the wave loop cannot serve usefully: the server answers
+    RESOURCE_EXHAUSTED with this message."""
+
+
+@dataclass(eq=False)  # compared by identity
+class Job:
+    """One search: a root (Positions of one), the tree to search further or
+    None, its params (budget, seed) and its caller's stop check."""
+
+    roots: Any  # Positions [1]
+    tree: Any
+    params: SearchParams
+    should_stop: Callable[[], bool] | None = None
+    stream: int = 0  # the tree's Philox tree word (its index within its own request)
+    started: float = field(default_factory=time.perf_counter)  # s: its deadline counts from here
+    done: threading.Event = field(default_factory=threading.Event)
+    result: SearchResult | None = None
+    out_tree: Any = None
+    error: BaseException | None = None
+
+    @property
+    def deadline(self) -> float | None:
+        """perf_counter s by which it answers (None: no deadline)."""
+        p = self.params
+        return None if p.deadline_ms is None else self.started + p.deadline_ms / 1e3
+
+    def answer(self, result=None, tree=None, error: BaseException | None = None) -> None:
+        self.result, self.out_tree, self.error = result, tree, error
+        self.done.set()
+
+
+def lane_key(params: SearchParams) -> SearchParams:
+    """The constants a lane's searches share: ``params`` less their budget and seed."""
+    return dataclasses.replace(params, simulations=1, deadline_ms=None, seed=0)
+
+
+class _Lane:
+    def __init__(self, key: SearchParams, batch):
+        self.key = key  # lane_key: the constants its searches share
+        self.batch = batch
+        self.k_max = key.parallel_sims
+        self.queue: list[Job] = []  # guarded by WaveLoop._lock
+        self.members: list[Member] = []  # the lane's thread only; members[b] is row b
+        self.times = WaveTimes()  # the lane's thread writes; submit reads expected_ms (a snapshot)
+        self.thread: threading.Thread | None = None
+
+
+class WaveLoop:
+    """Runs submitted searches as batches of trees (module docstring).
+
+    Args:
+        backend: a backend with ``open_batch(params, evaluator)``.
+        evaluator: the leaf evaluator of value-model searches; with an
+            ``until(deadline)`` method (``time.monotonic()`` s) each wave's
+            call is bound by the latest deadline among its trees.
+        max_trees: searches in flight at most (joined or waiting); more are refused.
+        wave_target_ms: deadline-only searches take fewer simulations a wave
+            where a wave would take longer (plan.py); None: always K.
+        launching: a context manager factory every wave runs inside (the
+            CUDA stream of the scheduler's priority); None: none.
+    """
+
+    def __init__(self, backend, evaluator=None, max_trees: int = 1024, wave_target_ms: float | None = None,
+                 launching: Callable[[], Any] | None = None):
+        self.backend = backend
+        self.evaluator = evaluator
+        self.max_trees = max_trees
+        self.wave_target_ms = wave_target_ms
+        self.launching = launching or nullcontext
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._lanes: dict[SearchParams, _Lane] = {}  # guarded by _lock
+        self._in_flight = 0  # guarded by _lock
+        self._closed = False  # guarded by _lock
+
+    # -- the callers' side ------------------------------------------------------
+    def submit(self, jobs: list[Job]) -> None:
+        """Queues ``jobs`` to join their lanes' batches at the next wave
+        boundary; all or none.
+
+        Raises:
+            Refused: the loop is full (``max_trees``), or a job's deadline is
+                shorter than its lane's next wave is expected to take.
+            RuntimeError: the loop is closed.
+        """
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the wave loop is closed")
+            if self._in_flight + len(jobs) > self.max_trees:
+                REFUSED.labels("full").inc(len(jobs))
+                raise Refused(f"the search service is at capacity: {self._in_flight} searches in flight, "
+                              f"{len(jobs)} more would pass search.max_trees ({self.max_trees})")
+            lanes = [self._lane(job.params) for job in jobs]
+            adding: dict[int, int] = {}
+            for lane in lanes:
+                adding[id(lane)] = adding.get(id(lane), 0) + lane.k_max
+            now = time.perf_counter()
+            for job, lane in zip(jobs, lanes):
+                busy = len(lane.members) + len(lane.queue)  # the lane thread's list: a racy length is enough here
+                if not busy or job.deadline is None:
+                    continue
+                leaves = (busy * lane.k_max) + adding[id(lane)]
+                expected = lane.times.expected_ms(leaves)
+                left_ms = (job.deadline - now) * 1e3
+                if left_ms < expected:
+                    REFUSED.labels("deadline").inc(len(jobs))
+                    raise Refused(f"the search service is at capacity: its next wave is expected to take "
+                                  f"{expected:.1f} ms, more than the {max(left_ms, 0):.1f} ms this search has left "
+                                  f"of deadline_ms; answer sooner with a longer deadline or fewer searches")
+            for job, lane in zip(jobs, lanes):
+                lane.queue.append(job)
+            self._in_flight += len(jobs)
+            TREES.set(self._in_flight)
+            self._wake.notify_all()
+
+    def in_flight(self) -> int:
+        """Searches submitted and not yet answered."""
+        with self._lock:
+            return self._in_flight
+
+    def close(self) -> None:
+        """Stops the lanes; jobs not yet answered fail with RuntimeError."""
+        with self._lock:
+            self._closed = True
+            self._wake.notify_all()
+            threads = [lane.thread for lane in self._lanes.values() if lane.thread is not None]
+        for t in threads:
+            t.join(5)
+
+    def _lane(self, params: SearchParams) -> _Lane:  # caller holds _lock
+        key = lane_key(params)
+        lane = self._lanes.get(key)
+        if lane is None:
+            lane = self._lanes[key] = _Lane(key, self.backend.open_batch(key, self._bound_evaluator))
+            lane.thread = threading.Thread(target=self._run, args=(lane,), name=f"wave-loop-{key.evaluator}",
+                                           daemon=True)
+            lane.thread.start()
+        return lane
+
+    # -- the lane's thread --------------------------------------------------------
+    _wave_deadline = threading.local()  # per lane thread: the monotonic deadline the evaluator's call is bound by
+
+    def _bound_evaluator(self, observations):
+        until = getattr(self.evaluator, "until", None)
+        deadline = getattr(self._wave_deadline, "value", None)
+        return (until(deadline) if until else self.evaluator)(observations)
+
+    def _take(self, lane: _Lane) -> list[Job] | None:
+        """The jobs queued for ``lane`` (waiting while it has none and no
+        member); None once closed."""
+        with self._lock:
+            while not lane.queue and not lane.members and not self._closed:
+                self._wake.wait()
+            if self._closed:
+                return None
+            jobs, lane.queue = lane.queue, []
+            return jobs
+
+    def _answered(self, n: int) -> None:
+        with self._lock:
+            self._in_flight -= n
+            TREES.set(self._in_flight)
+
+    def _run(self, lane: _Lane) -> None:
+        try:
+            while (jobs := self._take(lane)) is not None:
+                self._join(lane, jobs)
+                if lane.members:
+                    self._step(lane)
+        finally:
+            self._fail_all(lane, RuntimeError("the search service is stopping"))
+
+    def _join(self, lane: _Lane, jobs: list[Job]) -> None:
+        for job in jobs:
+            self._set_wave_deadline([job.deadline])
+            try:
+                lane.batch.join(job.roots, [job.tree], [job.params.seed], [job.stream])
+            except Exception as exc:  # noqa: BLE001 - this job's alone: the batch is as it was
+                job.answer(error=exc)
+                self._answered(1)
+                continue
+            lane.members.append(Member(job.params.simulations, job.deadline, job.should_stop, owner=job))
+
+    def _step(self, lane: _Lane) -> None:
+        self._set_wave_deadline([m.deadline for m in lane.members])
+        WAVE_TREES.observe(len(lane.members))
+        try:
+            with self.launching():
+                left = step(lane.batch, lane.members, lane.times, self.wave_target_ms)
+        except Exception as exc:  # noqa: BLE001 - every job of the batch fails with it; the lane goes on empty
+            log.exception("a wave of %d searches failed", len(lane.members))
+            self._fail_all(lane, exc)
+            return
+        for member, result, tree in left:
+            member.owner.answer(result, tree)
+        if left:
+            self._answered(len(left))
+
+    def _set_wave_deadline(self, deadlines: list[float | None]) -> None:
+        """The evaluator's calls are bound by the latest of ``deadlines`` (perf_counter s; None: none)."""
+        if any(d is None for d in deadlines):
+            self._wave_deadline.value = None
+            return
+        self._wave_deadline.value = time.monotonic() + (max(deadlines) - time.perf_counter())
+
+    def _fail_all(self, lane: _Lane, exc: BaseException) -> None:
+        with self._lock:
+            queued, lane.queue = lane.queue, []
+        jobs = [m.owner for m in lane.members] + queued
+        lane.members.clear()
+        lane.batch = self.backend.open_batch(lane.key, self._bound_evaluator)
+        lane.times = WaveTimes()
+        for job in jobs:
+            job.answer(error=exc)
+        if jobs:
+            self._answered(len(jobs))
