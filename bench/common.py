@@ -319,9 +319,9 @@ def versions() -> dict:
     }
 
 
-def write_results(benchmark: str, rows: list[dict], out_dir: Path | None = None) -> Path:
-    """Writes ``<out_dir>/<benchmark>.json`` (see the module docstring) and
-    returns its path."""
+def write_results(benchmark: str, rows: list[dict], out_dir: Path | None = None, summary: dict | None = None) -> Path:
+    """Writes ``<out_dir>/<benchmark>.json`` (see the module docstring; with
+    ``summary``, figures over the rows) and returns its path."""
     out_dir = Path(out_dir) if out_dir is not None else RESULTS_DIR
     out_dir.mkdir(parents=True, exist_ok=True)
     gpu, _ = gpu_info()
@@ -332,6 +332,7 @@ def write_results(benchmark: str, rows: list[dict], out_dir: Path | None = None)
         "versions": versions(),
         "command": shlex.join(getattr(sys, "orig_argv", [sys.executable, *sys.argv])),
         "rows": rows,
+        **({"summary": summary} if summary else {}),
     }
     path = out_dir / f"{benchmark}.json"
     path.write_text(json.dumps(doc, indent=2) + "\n")

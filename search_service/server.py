@@ -37,7 +37,7 @@ from search_service.mcts import tree as tr
 from search_service.mcts.backend import SearchParams
 from search_service.sessions import SessionStore
 from search_service.streams import StreamSet
-from search_service.wave_loop import Job, Refused, WaveLoop
+from search_service.wave_loop import Job, Refused, Stopping, WaveLoop
 from tandem import nvtx, pools
 from tandem.config import TandemConfig
 from tandem.errors import quote
@@ -143,12 +143,24 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
         # the HandoffEvaluator inside the cache and the coalescer.
         self.handoff = handoff
         self.streams = streams or StreamSet(cfg.search.stream_priorities)
-        self.backend = backend
+        self.loop = None
         self.evaluator = evaluator
+        self.backend = backend  # and the wave loop, where it batches trees
         self.sessions = SessionStore(cfg.search.max_sessions, cfg.search.session_ttl_ms, cfg.search.max_session_bytes)
         self._lock = threading.Lock()
         self._load = {"phase": 0, "search_depth": 0, "deadline_slack_ms": 0.0, "served": 0}  # guarded by _lock
         self._since = time.monotonic()  # guarded by _lock
+        self.cancelled = 0  # searches stopped because the caller went away (tests read it)
+
+    @property
+    def backend(self):
+        """The search backend; setting it starts a wave loop for it where it
+        batches trees across searches (``open_batch``), else none."""
+        return self._backend
+
+    @backend.setter
+    def backend(self, backend) -> None:
+        self._backend = backend
         # Backends that take should_stop stop a search whose caller went away
         # between waves; older ones run to their budget (the answer is dropped).
         try:
@@ -157,12 +169,12 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
             takes = {}
         self._can_stop = "should_stop" in takes
         # Backends that take device_waves get a leaf channel of CUDA regions lent per search (HandoffEvaluator.lend).
-        self._lend = getattr(handoff, "lend", None) if "device_waves" in takes else None
-        self.cancelled = 0  # searches stopped because the caller went away (tests read it)
-        # Every search in flight as one batch of trees, where the backend can batch them.
+        self._lend = getattr(self.handoff, "lend", None) if "device_waves" in takes else None
+        if self.loop is not None:
+            self.loop.close()
         self.loop = None
-        if hasattr(backend, "open_batch"):
-            self.loop = WaveLoop(backend, evaluator, cfg.search.max_trees, cfg.search.wave_target_ms or None,
+        if hasattr(backend, "open_batch"):  # every search in flight as one batch of trees
+            self.loop = WaveLoop(backend, self.evaluator, self.cfg.max_trees, self.cfg.wave_target_ms or None,
                                  self.streams.launching)
 
     @property
@@ -322,6 +334,8 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
         jobs = [Job(item.position, item.tree, item.params, stop) for item in items]
         try:
             self.loop.submit(jobs)
+        except Stopping as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except Refused as exc:
             for item in items:  # refused, not accepted: the sessions keep their trees
                 if item.reuse and item.tree is not None:
@@ -369,7 +383,10 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
 
     def _abort_on(self, exc: BaseException, context) -> None:
         """Aborts with the status a search's failure maps to (RESOURCE_EXHAUSTED: the
-        memory pool is full); re-raises any other failure (INTERNAL)."""
+        memory pool is full; UNAVAILABLE: the service is stopping); re-raises any
+        other failure (INTERNAL)."""
+        if isinstance(exc, Stopping):
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         if not pools.is_out_of_memory(exc):
             raise exc
         EXHAUSTED.inc()

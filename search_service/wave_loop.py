@@ -55,6 +55,10 @@ WAVE_TREES = Histogram("tandem_search_wave_trees", "Trees in one wave of the wav
 REFUSED = Counter("tandem_search_refused", "Searches refused at admission (RESOURCE_EXHAUSTED).", ["reason"])
 
 
+class Stopping(RuntimeError):
+    """The loop closed before the search was answered: the server answers UNAVAILABLE."""
+
+
 class Refused(Exception):
     """A search the wave loop cannot serve usefully: the server answers
     RESOURCE_EXHAUSTED with this message."""
@@ -139,11 +143,11 @@ class WaveLoop:
         Raises:
             Refused: the loop is full (``max_trees``), or a job's deadline is
                 shorter than its lane's next wave is expected to take.
-            RuntimeError: the loop is closed.
+            Stopping: the loop is closed.
         """
         with self._lock:
             if self._closed:
-                raise RuntimeError("the wave loop is closed")
+                raise Stopping("the search service is stopping")
             if self._in_flight + len(jobs) > self.max_trees:
                 REFUSED.labels("full").inc(len(jobs))
                 raise Refused(f"the search service is at capacity: {self._in_flight} searches in flight, "
@@ -177,7 +181,7 @@ class WaveLoop:
             return self._in_flight
 
     def close(self) -> None:
-        """Stops the lanes; jobs not yet answered fail with RuntimeError."""
+        """Stops the lanes; jobs not yet answered fail with :class:`Stopping`."""
         with self._lock:
             self._closed = True
             self._wake.notify_all()
@@ -226,7 +230,7 @@ class WaveLoop:
                 if lane.members:
                     self._step(lane)
         finally:
-            self._fail_all(lane, RuntimeError("the search service is stopping"))
+            self._fail_all(lane, Stopping("the search service is stopping"))
 
     def _join(self, lane: _Lane, jobs: list[Job]) -> None:
         for job in jobs:

@@ -111,6 +111,7 @@ def _play_options(args, cfg: TandemConfig):
         position_sets=tuple(args.positions) if args.positions else PlayOptions.position_sets,
         simulations=args.simulations,
         evaluator=args.evaluator,
+        agents=args.agents,
         model=cfg.search.value_model,
         seed=args.seed,
     )
@@ -223,6 +224,10 @@ def _add_play_args(p: argparse.ArgumentParser) -> None:
                    help="leaf evaluation: random rollouts, or the value model on the reward service; auto "
                         "(default): the search service's search.evaluator, whose auto is the value model on a "
                         "GPU and rollouts on the CPU (the report's backends say which ran)")
+    p.add_argument("--agents", type=_number(int, 0), default=1,
+                   help="agents of this engine: each frame searches this many positions, in one SearchBatch "
+                        "call where more than one (at most the search service's search.max_batch_searches; "
+                        "default 1: one Search)")
     p.add_argument("--seed", type=int, default=1, help="seed of the position order and the searches (default 1)")
     p.add_argument("--report", help="write the report as JSON here")
 

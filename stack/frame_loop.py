@@ -129,7 +129,7 @@ def paced(fps: float, *, engines: int = 1, frames: int | None = None, duration_s
 class Record:
     """One request of a frame: when it was due and sent, and how it ended."""
 
-    kind: str  # "search" | "evaluate"
+    kind: str  # "search" | "search_batch" (one call for an engine's agents) | "evaluate"
     engine: int
     frame: int
     scheduled: float  # time.monotonic() the frame was due
@@ -199,6 +199,9 @@ class SentFrame:
             if rec.kind == "search":
                 rec.evaluator = search_pb2.Evaluator.Name(reply.evaluator)
                 rec.simulations = reply.simulations
+            elif rec.kind == "search_batch":  # an engine's agents: the least searched of them
+                rec.evaluator = search_pb2.Evaluator.Name(reply.results[0].evaluator)
+                rec.simulations = min(r.simulations for r in reply.results)
             else:
                 rec.server_queue_ms, rec.server_compute_ms = reply.queue_ms, reply.compute_ms
             code = "OK"
@@ -244,12 +247,14 @@ class FrameClient:
             self._metadata = self._reward.ModelMetadata(reward_pb2.ModelMetadataRequest(model=self.model), timeout=10)
         return self._metadata
 
-    def send(self, tick: Tick, moves: str, *, simulations: int, evaluator: str, seed: int, timeout_s: float,
-             session_id: str = "", deadline_ms: float = 0.0,
+    def send(self, tick: Tick, moves: str | list[str], *, simulations: int, evaluator: str, seed: int,
+             timeout_s: float, session_id: str = "", deadline_ms: float = 0.0,
              evaluate: Callable[[], np.ndarray] | None = None) -> SentFrame:
         """Sends the frame's ``Search`` of the position after ``moves`` and, with
         ``evaluate``, an ``Evaluate`` (request class critical) of the array it returns;
-        neither waits for an answer.
+        neither waits for an answer. ``moves`` a list: one ``SearchBatch`` of
+        those positions instead (an engine's agents; agent j's seed is ``seed +
+        j``, its session ``session_id-j``).
 
         ``simulations`` 0: the ``deadline_ms`` alone bounds the search; ``deadline_ms``
         0: the simulations alone; ``timeout_s``: the gRPC deadline of both calls.
@@ -262,12 +267,20 @@ class FrameClient:
         """
         if evaluator not in EVALUATORS:
             raise ValueError(f"evaluator: must be one of {sorted(EVALUATORS)}, got {evaluator!r}")
-        request = search_pb2.SearchRequest(
-            game="connect4", moves=moves, simulations=simulations, deadline_ms=deadline_ms,
-            phase=game_phase(len(moves)), evaluator=EVALUATORS[evaluator], seed=seed, session_id=session_id)
+        def request(m: str, j: int | None = None) -> search_pb2.SearchRequest:
+            return search_pb2.SearchRequest(
+                game="connect4", moves=m, simulations=simulations, deadline_ms=deadline_ms,
+                phase=game_phase(len(m)), evaluator=EVALUATORS[evaluator], seed=seed + (j or 0),
+                session_id=f"{session_id}-{j}" if session_id and j is not None else session_id)
+
         frame = SentFrame(tick, expected=1 if evaluate is None else 2)
-        frame._track(Record("search", tick.engine, tick.frame, tick.due, time.monotonic()),
-                     lambda: self._search.Search.future(request, timeout=timeout_s))
+        if isinstance(moves, str):
+            frame._track(Record("search", tick.engine, tick.frame, tick.due, time.monotonic()),
+                         lambda: self._search.Search.future(request(moves), timeout=timeout_s))
+        else:
+            batch = search_pb2.SearchBatchRequest(searches=[request(m, j) for j, m in enumerate(moves)])
+            frame._track(Record("search_batch", tick.engine, tick.frame, tick.due, time.monotonic()),
+                         lambda: self._search.SearchBatch.future(batch, timeout=timeout_s))
         if evaluate is not None:
             ev = reward_pb2.EvaluateRequest(
                 model=self.model, inputs=[tensors.to_proto(self.metadata().inputs[0].name, evaluate())],

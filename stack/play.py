@@ -3,7 +3,9 @@
 For ``frames`` frames at ``fps`` it sends, per frame, one ``Search`` of a real
 labelled Connect Four position (the frame budget as the search deadline) and
 one ``Evaluate`` of the same position by the value model, both at once, and
-then scores the answers against the solver:
+then scores the answers against the solver. With ``agents`` > 1 the frame's
+search is one ``SearchBatch`` of that many positions (an engine with many
+NPCs), each scored, and the Evaluate values the first:
 
 * ``optimal_move_rate``: over positions the side to move does not lose, the
   share of searches whose move keeps the solver's result (a win stays a win,
@@ -54,6 +56,7 @@ class PlayOptions:
     model: str = "connect4_value"
     seed: int = 1
     session_id: str = ""
+    agents: int = 1  # positions searched per frame; > 1: in one SearchBatch call
 
 
 def _outcome(x: float) -> int:
@@ -81,14 +84,23 @@ class _Tally:
     proven: int = 0  # searches whose root the solver proved
     proven_right: int = 0  # ... with the solver's result (win, loss or draw)
 
-    def score(self, pos: LabelledPosition, frame: SentFrame) -> bool:
-        """Adds one frame's answers (or its failure); True if it was answered."""
+    def score(self, positions: list[LabelledPosition], frame: SentFrame) -> bool:
+        """Adds one frame's answers (or its failure); True if it was answered.
+        ``positions``: the frame's, one per agent (its first: the Evaluate's)."""
         code = frame.failure()
         if code is not None:
             self.errors[code] = self.errors.get(code, 0) + 1
             return False
-        s_reply, e_reply = frame.replies()
+        reply, e_reply = frame.replies()
         self.frame_ms.append(frame_loop.frame_latency_ms(frame.records, since=frame.records[0].sent))
+        for pos, s_reply in zip(positions, getattr(reply, "results", [reply])):
+            self._score_search(pos, s_reply)
+        value = float(tensors.from_proto(e_reply.outputs[0]).reshape(-1)[0])
+        self.agree += _outcome(value) == int(np.sign(positions[0].score))
+        return True
+
+    def _score_search(self, pos: LabelledPosition, s_reply) -> None:
+        """One agent's search answer, against the solver."""
         self.simulations.append(s_reply.simulations)
         self.search_ms.append(s_reply.latency.total_ms)
         self.backends.add(s_reply.backend)
@@ -107,9 +119,6 @@ class _Tally:
             self.not_lost += 1
             self.kept += pos.keeps_result(s_reply.action)
         self.best += pos.is_best(s_reply.action)
-        value = float(tensors.from_proto(e_reply.outputs[0]).reshape(-1)[0])
-        self.agree += _outcome(value) == int(np.sign(pos.score))
-        return True
 
 
 _PROVEN_SIGN = {search_pb2.PROVEN_RESULT_WIN: 1, search_pb2.PROVEN_RESULT_LOSS: -1, search_pb2.PROVEN_RESULT_DRAW: 0}
@@ -139,16 +148,17 @@ def _play_frames(opts: PlayOptions, client: FrameClient, positions: list[Labelle
     tally = _Tally()
     for tick in frame_loop.paced(opts.fps, frames=opts.frames):
         interrupt.raise_if_interrupted()  # a Ctrl-C whose KeyboardInterrupt gRPC swallowed
-        pos = positions[tick.frame % len(positions)]
-        obs = frame_loop.board_observation(pos.moves)
-        frame = client.send(tick, pos.moves, simulations=opts.simulations, evaluator=opts.evaluator,
+        agents = [positions[(tick.frame * opts.agents + j) % len(positions)] for j in range(opts.agents)]
+        obs = frame_loop.board_observation(agents[0].moves)
+        moves = agents[0].moves if opts.agents == 1 else [p.moves for p in agents]
+        frame = client.send(tick, moves, simulations=opts.simulations, evaluator=opts.evaluator,
                             seed=opts.seed * 1_000_003 + tick.frame + 1, session_id=opts.session_id,
                             deadline_ms=budget_ms * SEARCH_SHARE_OF_FRAME,
                             # A late answer is a missed frame, not an error: the gRPC deadline is generous.
                             timeout_s=max(10 * budget_ms / 1000.0, 1.0), evaluate=lambda: obs)
         while not frame.wait(INTERRUPT_POLL_S):  # a Ctrl-C lost inside a gRPC callback still stops the wait
             interrupt.raise_if_interrupted()
-        if tally.score(pos, frame) and log and (tick.frame + 1) % max(opts.frames // 10, 1) == 0:
+        if tally.score(agents, frame) and log and (tick.frame + 1) % max(opts.frames // 10, 1) == 0:
             log(f"frame {tick.frame + 1}/{opts.frames}: p50 {percentiles(tally.frame_ms, 50)[0]:.2f} ms")
     return tally
 
@@ -165,7 +175,8 @@ def _report(opts: PlayOptions, t: _Tally, reward_execution_provider: str) -> dic
         "positions": list(opts.position_sets),
         "optimal_move_rate": round(t.kept / t.not_lost, 4) if t.not_lost else None,
         "positions_not_lost": t.not_lost,
-        "best_score_move_rate": round(t.best / answered, 4) if answered else None,
+        "agents": opts.agents,
+        "best_score_move_rate": round(t.best / len(t.simulations), 4) if t.simulations else None,
         "value_sign_agreement": round(t.agree / answered, 4) if answered else None,
         "frame_latency_ms": summary(t.frame_ms),
         "search_latency_ms": summary(t.search_ms),

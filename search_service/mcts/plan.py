@@ -21,9 +21,8 @@ per tree):
    makes it leave (``END_STOPPED``; each distinct callable is called once per
    plan: it takes a lock in gRPC).
 
-How long the next wave will take (:class:`WaveTimes`): as long as the longest
-of the recent waves, scaled up where the next one carries more leaves than it
-did (never assumed faster because it carries fewer). Searches bounded by a
+How long the next wave will take: :class:`WaveTimes`, a fixed cost per wave
+plus a cost per simulation, learnt from the recent waves. Searches bounded by a
 deadline alone (no simulation cap) share the GPU fairly under load: where the
 wave at K each would take longer than ``wave_target_ms``, each of them takes
 the same smaller k, so waves stay short, every member gets several of them in
@@ -60,23 +59,37 @@ class Member:
 
 
 class WaveTimes:
-    """The batch's last ``window`` waves, as (leaves, ms), and what the next
-    one is expected to take. Not thread-safe: the wave loop's thread owns it
-    (readers elsewhere take a copy with :meth:`expected_ms`, which reads a
-    snapshot of the deque)."""
+    """The batch's recent waves, as (leaves, ms), and what the next one is
+    expected to take: an affine model, ``overhead + per_leaf * leaves``, with
+    ``overhead`` the quickest of the last ``history`` waves (a wave's fixed
+    cost: launches, the model call's round trip) and ``per_leaf`` the largest
+    of the last ``window`` waves' ``(ms - overhead) / leaves`` (pessimistic).
+    A search alone (the same leaves every wave) is so expected to take its
+    longest recent wave, the CPU reference's rule. Where every recent wave
+    had the same size the model cannot tell fixed from per-leaf cost and
+    takes it all as fixed: the first wave of a batch that grows at once may
+    run long, and the next ones are planned from it.
 
-    def __init__(self, window: int = 4):
+    Not thread-safe: the wave loop's thread writes it; other threads may call
+    :meth:`expected_ms`, which reads snapshots of the deques."""
+
+    def __init__(self, window: int = 4, history: int = 32):
         self._recent: deque[tuple[int, float]] = deque(maxlen=window)
+        self._history: deque[float] = deque(maxlen=history)
 
     def add(self, leaves: int, ms: float) -> None:
         """Records a wave of ``leaves`` simulations that took ``ms`` (undone waves too)."""
         self._recent.append((max(int(leaves), 1), float(ms)))
+        self._history.append(float(ms))
 
     def expected_ms(self, leaves: int) -> float:
-        """ms the next wave of ``leaves`` simulations is expected to take: the
-        longest recent wave, scaled by ``leaves / its leaves`` where that is
-        over 1; 0 before any wave."""
-        return max((ms * max(1.0, leaves / n) for n, ms in tuple(self._recent)), default=0.0)
+        """ms a wave of ``leaves`` simulations is expected to take; 0 before any wave."""
+        recent, history = tuple(self._recent), tuple(self._history)
+        if not recent:
+            return 0.0
+        overhead = min(history)
+        per_leaf = max((ms - overhead) / n for n, ms in recent)
+        return overhead + per_leaf * max(int(leaves), 1)
 
 
 @dataclass

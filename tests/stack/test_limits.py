@@ -26,7 +26,7 @@ from scheduler.main import start as start_scheduler
 from search_service import server as search_server
 from search_service.games import connect4
 from search_service.mcts.backend import SearchParams
-from search_service.mcts.cpu_reference import CpuReferenceBackend
+from search_service.mcts.cpu_reference import CpuReferenceBackend, CpuTreeBatch
 from tandem.device import cpu_only
 
 C = grpc.StatusCode
@@ -41,7 +41,8 @@ def figures():
 
 
 class RecordingBackend:
-    """The CPU backend, recording each search's simulations, waves and whether it was stopped."""
+    """The CPU backend, recording each search's simulations, waves and whether
+    it was stopped, as the search service runs it (in its wave loop's batch)."""
 
     name = "cpu_reference"
 
@@ -52,16 +53,32 @@ class RecordingBackend:
         self.finished = threading.Event()
 
     def search(self, roots, params, evaluator=None, trees=None, *, should_stop=None):
-        self.started.set()
-        results, out = self.inner.search(roots, params, evaluator, trees, should_stop=should_stop)
-        r = results[0]
-        self.calls.append({"simulations": r.simulations, "waves": r.extras["waves"], "stopped": r.extras["stopped"],
-                           "budget": params.simulations, "deadline_ms": params.deadline_ms})
-        self.finished.set()
-        return results, out
+        return self.inner.search(roots, params, evaluator, trees, should_stop=should_stop)
+
+    def open_batch(self, params, evaluator=None):
+        return RecordingBatch(self, params, evaluator)
 
     def reroot(self, tree, actions):
         return self.inner.reroot(tree, actions)
+
+
+class RecordingBatch(CpuTreeBatch):
+    def __init__(self, owner: RecordingBackend, params, evaluator):
+        super().__init__(params, evaluator)
+        self.owner = owner
+
+    def join(self, roots, trees, seeds, streams):
+        self.owner.started.set()
+        return super().join(roots, trees, seeds, streams)
+
+    def leave(self, rows, members):
+        results, trees = super().leave(rows, members)
+        for r, m in zip(results, members):
+            self.owner.calls.append({"simulations": r.simulations, "waves": r.extras["waves"],
+                                     "stopped": r.extras["stopped"], "budget": m.simulations,
+                                     "deadline_ms": m.owner.params.deadline_ms})
+        self.owner.finished.set()
+        return results, trees
 
 
 def _search_server(**search):

@@ -1,0 +1,220 @@
+"""The engines curve: N independent game engines (`tandem play` processes) at
+60 FPS against one `tandem up`, as a game server runs them.
+
+For each policy (``scheduler.policy``) it starts `tandem up` with the shipped
+config (the policy changed, nothing else), and for each row starts N `tandem
+play` processes at once, each ``--agents`` positions a frame (one
+``SearchBatch`` where more than one), each ``--frames`` frames, with an
+evaluator, optionally beside a trainer that sends 64-frame batches to the
+bulk server by shared memory for the row's whole length
+(loadtest/background.py). A row pools its engines' reports:
+
+* ``missed_frame_share``: missed frames (late or failed) over all frames;
+* ``frame_ms_p50``: the median of the engines' p50s; ``frame_ms_p99``: the
+  worst engine's p99;
+* ``simulations_per_frame``: the mean over engines of each one's mean per
+  agent; ``optimal_move_rate``: over all agents' positions not lost;
+* ``trainer_frames_per_s``: the trainer's rate during the row (0: none).
+
+"Games per GPU" is the largest ``engines * agents_per_engine`` of a value-model
+row without a trainer whose missed share is at most 0.5 % and whose agents
+get at least 100 simulations a frame. Writes ``bench/results/engines.json``
+and ``engines.png`` (missed share and simulations per frame against engines).
+
+Usage (GPU: the default curve, then the contended table):
+    python -m bench.engines --engines 1,8,32,64,128 --evaluators value_model,rollout \
+        --batch 16x16,1x256 --contended 64 --policies default,dynamic,static
+CPU smoke test: ``python -m bench.engines --quick``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+from bench.common import RESULTS_DIR, int_list, make_parser, note, print_rows, progress, write_results
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = ROOT / "deploy" / "config" / "tandem.yaml"
+TANDEM = [sys.executable, "-m", "stack"]
+COLUMNS = ("engines", "agents_per_engine", "evaluator", "policy", "trainer", "missed_frame_share", "frame_ms_p50",
+           "frame_ms_p99", "simulations_per_frame", "optimal_move_rate", "trainer_frames_per_s")
+MISSED_TARGET = 0.005  # "games per GPU": at most 0.5 % of frames missed ...
+MIN_SIMULATIONS = 100  # ... and at least this many simulations per agent a frame
+
+
+def _config(policy: str, out: Path) -> Path:
+    cfg = yaml.safe_load(SHIPPED.read_text())
+    cfg.setdefault("scheduler", {})["policy"] = policy
+    path = out / f"tandem_{policy}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+class Stack:
+    """`tandem up` with ``config``, until :meth:`stop`."""
+
+    def __init__(self, config: Path, logs: Path):
+        self.config = config
+        self.proc = subprocess.Popen([*TANDEM, "up", "--config", str(config), "--log-dir", str(logs)],
+                                     stdout=open(logs / "up.log", "w"), stderr=subprocess.STDOUT, cwd=ROOT)
+        deadline = time.monotonic() + 300
+        while subprocess.run([*TANDEM, "status", "--config", str(config)], cwd=ROOT,
+                             capture_output=True).returncode != 0:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"tandem up did not become SERVING (see {logs / 'up.log'})")
+            time.sleep(1)
+
+    def stop(self) -> None:
+        self.proc.send_signal(2)  # SIGINT: drains and stops them all
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def _trainer(config: Path, seconds: float, report: Path) -> subprocess.Popen:
+    code = ("import json, sys, time\n"
+            "from loadtest.background import BackgroundProcess\n"
+            "from tandem.config import bulk_address, load_config\n"
+            "if __name__ == '__main__':\n"
+            "    cfg = load_config(sys.argv[1])\n"
+            "    bg = BackgroundProcess(bulk_address(cfg), cfg, batch=64, workers=2, transport='shm')\n"
+            "    bg.start(); t = time.monotonic(); time.sleep(float(sys.argv[2]))\n"
+            "    frames = bg.report()['frames']; rate = frames / (time.monotonic() - t); bg.stop(); bg.close()\n"
+            "    json.dump({'frames_per_s': rate}, open(sys.argv[3], 'w'))\n")
+    script = report.with_suffix(".py")
+    script.write_text(code)
+    return subprocess.Popen([sys.executable, str(script), str(config), str(seconds), str(report)], cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def run_row(config: Path, work: Path, engines: int, agents: int, evaluator: str, frames: int, fps: float,
+            trainer: str) -> dict:
+    """One row: ``engines`` play processes at once (and the trainer); their pooled figures."""
+    tag = f"{engines}x{agents}_{evaluator}_{trainer}_{config.stem}"
+    reports = [work / f"{tag}_{e}.json" for e in range(engines)]
+    train_report = work / f"{tag}_trainer.json"
+    train = _trainer(config, frames / fps + 10, train_report) if trainer != "none" else None
+    if train is not None:
+        time.sleep(5)  # the trainer at full rate before the engines start
+    plays = [subprocess.Popen([*TANDEM, "play", "--config", str(config), "--frames", str(frames), "--fps", str(fps),
+                               "--agents", str(agents), "--evaluator", evaluator, "--seed", str(e + 1),
+                               "--report", str(r)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             for e, r in enumerate(reports)]
+    for p in plays:
+        p.wait()
+    trainer_rate = 0.0
+    if train is not None:
+        train.wait()
+        trainer_rate = json.loads(train_report.read_text())["frames_per_s"] if train_report.exists() else None
+    done = [json.loads(r.read_text()) for r in reports if r.exists()]
+    if len(done) < engines:
+        note(f"{tag}: {engines - len(done)} engine(s) wrote no report")
+    total = frames * engines  # engines that wrote nothing missed all their frames
+    missed = sum(r["missed_frames"] for r in done) + frames * (engines - len(done))
+    p50s = sorted(r["frame_latency_ms"]["p50"] for r in done if r["frame_latency_ms"]["p50"] is not None)
+    p99s = [r["frame_latency_ms"]["p99"] for r in done if r["frame_latency_ms"]["p99"] is not None]
+    sims = [r["simulations_per_frame"]["mean"] for r in done if r["simulations_per_frame"]["mean"] is not None]
+    not_lost = sum(r["positions_not_lost"] for r in done)
+    kept = sum((r["optimal_move_rate"] or 0) * r["positions_not_lost"] for r in done)
+    return {
+        "engines": engines,
+        "agents_per_engine": agents,
+        "evaluator": evaluator,
+        "policy": config.stem.removeprefix("tandem_"),
+        "trainer": trainer,
+        "missed_frame_share": round(missed / total, 4),
+        "frame_ms_p50": p50s[len(p50s) // 2] if p50s else None,
+        "frame_ms_p99": max(p99s) if p99s else None,
+        "simulations_per_frame": round(sum(sims) / len(sims), 1) if sims else 0.0,
+        "optimal_move_rate": round(kept / not_lost, 4) if not_lost else None,
+        "trainer_frames_per_s": trainer_rate,
+        "frames_per_engine": frames,
+        "errors": {k: v for r in done for k, v in r["errors"].items()},
+        "backends": sorted({b for r in done for b in r["backends"]["search"]}),
+    }
+
+
+def games_per_gpu(rows: list[dict]) -> int:
+    """The most agents (engines x agents each) of a value-model row without a
+    trainer that keeps the targets (module docstring); 0 if none does."""
+    ok = [r["engines"] * r["agents_per_engine"] for r in rows
+          if r["evaluator"] == "value_model" and r["trainer"] == "none" and r["missed_frame_share"] <= MISSED_TARGET
+          and r["simulations_per_frame"] >= MIN_SIMULATIONS]
+    return max(ok, default=0)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for ev in sorted({r["evaluator"] for r in rows}):
+        curve = sorted((r["engines"] * r["agents_per_engine"], r) for r in rows
+                       if r["evaluator"] == ev and r["trainer"] == "none" and r["policy"] == rows[0]["policy"])
+        xs = [n for n, _ in curve]
+        ax1.plot(xs, [100 * r["missed_frame_share"] for _, r in curve], "o-", label=ev)
+        ax2.plot(xs, [r["simulations_per_frame"] for _, r in curve], "o-", label=ev)
+    for ax, label in ((ax1, "missed frames (%)"), (ax2, "simulations per agent a frame")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("agents (engines x agents each)")
+        ax.set_ylabel(label)
+        ax.legend()
+    ax1.axhline(100 * MISSED_TARGET, color="grey", lw=0.5)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> None:
+    ap = make_parser(__doc__)
+    ap.add_argument("--engines", type=int_list, default=[1, 8, 32, 64, 128])
+    ap.add_argument("--evaluators", default="value_model,rollout")
+    ap.add_argument("--batch", default="16x16,1x256", help="rows of engines x agents each, sending batch calls")
+    ap.add_argument("--contended", type=int, default=64, help="engines beside the trainer (0: no such rows)")
+    ap.add_argument("--policies", default="default,dynamic,static", help="policies of the contended rows")
+    ap.add_argument("--frames", type=int, default=600)
+    ap.add_argument("--fps", type=float, default=60.0)
+    args = ap.parse_args()
+    if args.quick:
+        args.engines, args.evaluators, args.batch, args.contended, args.frames = [1, 2], "rollout", "1x4", 2, 60
+        args.policies = "default"
+    evaluators = [e for e in args.evaluators.split(",") if e]
+    batches = [tuple(int(x) for x in b.split("x")) for b in args.batch.split(",") if b]
+    policies = [p for p in args.policies.split(",") if p]
+    out = Path(args.out) if args.out else RESULTS_DIR
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="engines_") as tmp:
+        work = Path(tmp)
+        for i, policy in enumerate(policies):
+            config = _config(policy, work)
+            logs = work / f"logs_{policy}"
+            logs.mkdir()
+            stack = Stack(config, logs)
+            try:
+                plan = [] if i else [(n, 1, ev, "none") for ev in evaluators for n in args.engines]
+                plan += [] if i else [(n, k, evaluators[0], "none") for n, k in batches]
+                plan += [(args.contended, 1, evaluators[0], "shm")] if args.contended else []
+                for engines, agents, ev, trainer in plan:
+                    row = run_row(config, work, engines, agents, ev, args.frames, args.fps, trainer)
+                    progress(row)
+                    rows.append(row)
+            finally:
+                stack.stop()
+    write_results("engines", rows, out, summary={"games_per_gpu": games_per_gpu(rows)})
+    plot(rows, out / "engines.png")
+    print_rows(rows, COLUMNS)
+    print(f"games per GPU (value model, <= {100 * MISSED_TARGET:g} % missed, >= {MIN_SIMULATIONS} simulations): "
+          f"{games_per_gpu(rows)}")
+
+
+if __name__ == "__main__":
+    main()

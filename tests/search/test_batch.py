@@ -1,0 +1,296 @@
+"""One batch of trees for every search in flight (CPU reference): the wave
+plan's rules, a tree searched beside others equal to the same search alone
+(rollouts and the shipped value model), ragged joins and leaves, and the
+wave loop's admission, fairness and failures."""
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from search_service.games import connect4 as c4
+from search_service.mcts import tree as tr
+from search_service.mcts.backend import EvaluationFailed, SearchParams
+from search_service.mcts.batch import step
+from search_service.mcts.cpu_reference import CpuReferenceBackend
+from search_service.mcts.plan import END_BUDGET, END_DEADLINE, END_PROVEN, END_STOPPED, Member, WaveTimes, plan_wave
+from search_service.wave_loop import Job, Refused, WaveLoop
+
+BACKEND = CpuReferenceBackend()
+MODEL = Path(__file__).resolve().parents[2] / "reward_service" / "models" / "connect4_value.onnx"
+TREE_FIELDS = ("node_current", "node_mask", "node_terminal", "node_visits", "node_parent", "node_action",
+               "children", "edge_visits", "edge_value", "edge_vloss", "prior")
+
+
+def params(**kw) -> SearchParams:
+    return SearchParams(**{"simulations": None, "deadline_ms": None, **kw})
+
+
+def alone(moves: str, **kw):
+    """The search run by itself: (result, tree)."""
+    evaluator = kw.pop("evaluator_fn", None)
+    results, trees = BACKEND.search(c4.parse_moves(moves), params(**kw), evaluator)
+    return results[0], trees[0]
+
+
+def same_tree(a: tr.Tree, b: tr.Tree) -> None:
+    n = int(a.num_nodes[0])
+    assert n == int(b.num_nodes[0])
+    for name in TREE_FIELDS:
+        np.testing.assert_array_equal(getattr(a, name)[0, :n], getattr(b, name)[0, :n], err_msg=name)
+
+
+def same_result(a, b) -> None:
+    assert (a.action, a.simulations, a.principal_variation, a.proven, a.model_simulations) == \
+        (b.action, b.simulations, b.principal_variation, b.proven, b.model_simulations)
+    np.testing.assert_array_equal(a.visit_counts, b.visit_counts)
+    np.testing.assert_array_equal(a.q_values, b.q_values)
+
+
+# -- the plan ------------------------------------------------------------------------
+
+
+def test_the_plan_lets_proven_capped_late_and_stopped_members_leave():
+    times = WaveTimes()
+    times.add(64, 10.0)  # a wave of 64 simulations took 10 ms
+    now = 100.0
+    calls = []
+    stop = lambda: calls.append(1) or True  # noqa: E731
+    members = [
+        Member(None, None),  # 0: runs on
+        Member(None, None),  # 1: root proven
+        Member(8, None),  # 2: cap reached
+        Member(10, None),  # 3: 2 left of its cap
+        Member(None, now + 0.005, tried=True),  # 4: 5 ms left, a wave takes >= 10
+        Member(None, now + 0.005),  # 5: the same, but it has had no wave yet: one always runs
+        Member(None, None, stop, tried=True),  # 6 and 7: one stop check, asked once
+        Member(None, None, stop, tried=True),
+    ]
+    done = np.array([0, 0, 8, 8, 0, 0, 0, 0])
+    live = np.array([True, False, True, True, True, True, True, True])
+    plan = plan_wave(members, done, live, times, 16, now=now)
+    assert plan.leaving == [1, 2, 4, 6, 7]
+    assert [members[i].end for i in plan.leaving] == [END_PROVEN, END_BUDGET, END_DEADLINE, END_STOPPED, END_STOPPED]
+    assert plan.ks.tolist() == [16, 0, 0, 2, 0, 16, 0, 0] and len(calls) == 1
+
+
+def test_deadline_only_members_share_a_wave_that_would_run_long_and_capped_ones_keep_k():
+    times = WaveTimes()
+    times.add(1, 0.0)  # no fixed cost
+    times.add(32, 8.0)  # 0.25 ms a simulation: 4 trees at K 16 would take 16 ms
+    members = [Member(None, None), Member(None, None), Member(None, None), Member(1000, None)]
+    plan = plan_wave(members, np.zeros(4), np.ones(4, bool), times, 16, wave_target_ms=4.0, now=0.0)
+    assert plan.ks.tolist() == [4, 4, 4, 16]  # floor(16 * 4 / 16) each, fairly; the capped one exact
+    assert plan_wave(members, np.zeros(4), np.ones(4, bool), times, 16, now=0.0).ks.tolist() == [16] * 4
+
+
+def test_wave_times_expect_a_fixed_cost_and_a_pessimistic_cost_per_simulation():
+    times = WaveTimes(window=2)
+    assert times.expected_ms(100) == 0.0
+    times.add(32, 2.0)
+    assert times.expected_ms(2048) == 2.0  # one size seen: all of it taken as the fixed cost
+    times.add(100, 5.0)
+    assert times.expected_ms(100) == pytest.approx(5.0) and times.expected_ms(200) == pytest.approx(8.0)
+    times.add(100, 4.0)
+    assert times.expected_ms(100) == pytest.approx(5.0)  # the longest recent wave of a size
+    times.add(100, 4.0)  # the 5 ms wave has left the window; the 2 ms one stays the fixed cost
+    assert times.expected_ms(100) == pytest.approx(4.0) and times.expected_ms(1) == pytest.approx(2.02)
+
+
+# -- independence: a tree beside others equals it alone --------------------------------
+
+
+def run_ragged(specs, k: int, evaluator="rollout", evaluator_fn=None):
+    """Searches ``specs`` ((moves, simulations, seed, join_at_wave)) in one batch,
+    each joining at its wave; returns {index: (result, tree)} once all left."""
+    batch = BACKEND.open_batch(params(simulations=1, parallel_sims=k, evaluator=evaluator), evaluator_fn)
+    members: list[Member] = []
+    out, times, wave = {}, WaveTimes(), 0
+    while len(out) < len(specs):
+        for i, (moves, sims, seed, at) in enumerate(specs):
+            if at == wave:
+                batch.join(c4.parse_moves(moves), [None], [seed], [0])
+                members.append(Member(sims, None, owner=i))
+        for m, r, t in step(batch, members, times):
+            out[m.owner] = (r, t)
+        wave += 1
+    return out
+
+
+@pytest.mark.parametrize("k", [1, 4, 16])
+def test_rollout_trees_in_a_ragged_batch_equal_the_same_searches_alone(k):
+    specs = [("4453", 200, 11, 0), ("", 64, 12, 0), ("1234567", 150, 13, 2), ("4453", 90, 14, 5), ("33", 37, 15, 7)]
+    together = run_ragged(specs, k)
+    for i, (moves, sims, seed, _) in enumerate(specs):
+        r, t = alone(moves, simulations=sims, seed=seed, parallel_sims=k)
+        same_result(together[i][0], r)
+        same_tree(together[i][1], t)
+        assert together[i][0].simulations == sims
+
+
+class OnnxValueModel:
+    """The shipped value model, run by ONNX Runtime on the CPU (no service)."""
+
+    def __init__(self):
+        self.session = ort.InferenceSession(str(MODEL), providers=["CPUExecutionProvider"])
+        self.inputs = [i.name for i in self.session.get_inputs()]
+
+    def __call__(self, obs):
+        value, logits = self.session.run(None, {self.inputs[0]: np.ascontiguousarray(obs, np.uint8)})
+        e = np.exp(logits - logits.max(axis=1, keepdims=True))
+        return value.reshape(-1), e / e.sum(axis=1, keepdims=True)
+
+
+def test_value_model_trees_in_a_ragged_batch_equal_the_same_searches_alone():
+    model = OnnxValueModel()
+    specs = [("4453", 96, 1, 0), ("", 64, 2, 0), ("3344", 128, 3, 1), ("7", 40, 4, 3)]
+    together = run_ragged(specs, 8, "value_model", model)
+    for i, (moves, sims, seed, _) in enumerate(specs):
+        r, t = alone(moves, simulations=sims, seed=seed, parallel_sims=8, evaluator="value_model",
+                     evaluator_fn=model)
+        assert r.model_simulations == sims
+        same_result(together[i][0], r)
+        same_tree(together[i][1], t)
+
+
+def test_a_session_tree_joins_a_batch_and_continues_as_it_would_alone():
+    first, tree = alone("44", simulations=120, seed=5, parallel_sims=4)
+    kept = tr.reroot(tree, [3, 3])  # the moves "44" and "44" played: rooted at "4444"
+    assert kept is not None
+    results, trees = BACKEND.search(c4.parse_moves("4444"), params(simulations=80, seed=6, parallel_sims=4), None,
+                                    [kept])
+    batch = BACKEND.open_batch(params(simulations=1, parallel_sims=4))
+    batch.join(c4.parse_moves("1"), [None], [9], [0])  # another search, already under way
+    members = [Member(300, None)]
+    times = WaveTimes()
+    step(batch, members, times)
+    batch.join(c4.parse_moves("4444"), [kept], [6], [0])
+    members.append(Member(80, None, owner="session"))
+    left = []
+    while members:
+        left += step(batch, members, times)
+    (r, t), = [(r, t) for m, r, t in left if m.owner == "session"]
+    assert r.tree_reused and results[0].tree_reused
+    same_result(r, results[0])
+    same_tree(t, trees[0])
+
+
+# -- the wave loop ---------------------------------------------------------------------
+
+
+def job(moves: str, **kw) -> Job:
+    return Job(c4.parse_moves(moves), None, params(**kw))
+
+
+def test_searches_submitted_from_many_threads_are_answered_as_alone():
+    loop = WaveLoop(BACKEND)
+    try:
+        jobs = [job("4453", simulations=50 + 10 * i, seed=100 + i, parallel_sims=4) for i in range(8)]
+        threads = [threading.Thread(target=loop.submit, args=([j],)) for j in jobs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for i, j in enumerate(jobs):
+            assert j.done.wait(60) and j.error is None
+            r, _ = alone("4453", simulations=50 + 10 * i, seed=100 + i, parallel_sims=4)
+            same_result(j.result, r)
+        assert loop.in_flight() == 0
+    finally:
+        loop.close()
+
+
+def test_a_full_loop_refuses_at_once_and_keeps_serving():
+    loop = WaveLoop(BACKEND, max_trees=2)
+    try:
+        with pytest.raises(Refused, match="max_trees"):
+            loop.submit([job("", simulations=10), job("1", simulations=10), job("2", simulations=10)])
+        ok = [job("", simulations=10, seed=1), job("1", simulations=10, seed=2)]
+        loop.submit(ok)
+        assert all(j.done.wait(30) and j.error is None and j.result.simulations == 10 for j in ok)
+    finally:
+        loop.close()
+
+
+class SlowModel:
+    """Values every leaf 0 after ``delay_s`` (a slow reward service)."""
+
+    def __init__(self, delay_s: float, fail_after: int | None = None, error=EvaluationFailed):
+        self.delay_s, self.fail_after, self.error, self.calls = delay_s, fail_after, error, 0
+
+    def __call__(self, obs):
+        self.calls += 1
+        time.sleep(self.delay_s)
+        if self.fail_after is not None and self.calls > self.fail_after:
+            raise self.error("the model broke")
+        return np.zeros(len(obs), np.float32), None
+
+
+def wait_for_a_wave(loop: WaveLoop) -> None:
+    lane = next(iter(loop._lanes.values()))
+    deadline = time.monotonic() + 30
+    while lane.times.expected_ms(1) == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_a_deadline_shorter_than_the_next_wave_is_refused_at_once_when_the_loop_is_busy():
+    loop = WaveLoop(BACKEND, SlowModel(0.05))
+    try:
+        busy = job("", deadline_ms=3000, parallel_sims=4, evaluator="value_model")
+        loop.submit([busy])
+        wait_for_a_wave(loop)  # waves take >= 50 ms now
+        began = time.perf_counter()
+        with pytest.raises(Refused, match="expected to take"):
+            loop.submit([job("4", deadline_ms=10, parallel_sims=4, evaluator="value_model")])
+        assert time.perf_counter() - began < 0.05  # answered at once, not at its deadline
+        late = job("4", deadline_ms=1000, parallel_sims=4, evaluator="value_model")
+        loop.submit([late])  # time enough for a wave: admitted
+        assert late.done.wait(30) and late.error is None and late.result.simulations > 0
+        assert busy.done.wait(30) and busy.result.deadline_reached
+    finally:
+        loop.close()
+
+
+def test_every_search_answers_by_its_deadline_while_others_join_and_leave():
+    """Deadlines of 40 to 200 ms over waves of about 10 ms: each answers with
+    the simulations it had, none after its deadline by more than one wave's
+    scheduling slack, the late joiners included."""
+    loop = WaveLoop(BACKEND, SlowModel(0.01))
+    try:
+        jobs = []
+        for i, ms in enumerate([200, 40, 120, 80, 160, 60]):
+            jobs.append(job("4453", deadline_ms=ms, parallel_sims=4, evaluator="value_model", seed=i + 1))
+            loop.submit([jobs[-1]])
+            time.sleep(0.015)
+        for j in jobs:
+            assert j.done.wait(30) and j.error is None
+            assert j.result.deadline_reached and j.result.simulations > 0
+    finally:
+        loop.close()
+
+
+def test_a_model_failure_sends_the_batch_on_with_rollouts_and_a_broken_batch_fails_only_its_searches():
+    loop = WaveLoop(BACKEND, SlowModel(0.0, fail_after=3))
+    try:
+        a = job("", simulations=40, parallel_sims=4, evaluator="value_model", seed=1)
+        loop.submit([a])
+        assert a.done.wait(30) and a.error is None
+        assert a.result.simulations == 40 and 0 < a.result.model_simulations < 40
+        assert "the model broke" in a.result.evaluation_failure
+    finally:
+        loop.close()
+    loop = WaveLoop(BACKEND, SlowModel(0.0, fail_after=2, error=RuntimeError))
+    try:
+        broken = job("", simulations=400, parallel_sims=4, evaluator="value_model", seed=1)
+        loop.submit([broken])
+        assert broken.done.wait(30) and isinstance(broken.error, RuntimeError)
+        fine = job("", simulations=20, parallel_sims=4, seed=2)  # a rollout search: another lane, unharmed
+        loop.submit([fine])
+        assert fine.done.wait(30) and fine.error is None and fine.result.simulations == 20
+        assert loop.in_flight() == 0
+    finally:
+        loop.close()
