@@ -297,11 +297,16 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
             item.tree = self.sessions.take(req.session_id, req.moves, self.backend.reroot) if item.reuse else None
         if self.loop is not None:
             outs = self._run_in_loop(items, context)
-        elif len(items) == 1:
-            outs = [self._run_alone(items[0], context)]
-        else:  # a backend that cannot batch trees across calls: one search per position, side by side
-            with ThreadPoolExecutor(len(items), thread_name_prefix="search-batch") as pool:
-                outs = list(pool.map(lambda item: self._run_alone(item, context), items))
+        else:  # a backend that cannot batch trees across calls: one call per group of like searches
+            groups: dict[SearchParams, list[int]] = {}
+            for i, item in enumerate(items):
+                groups.setdefault(dataclasses.replace(item.params, seed=0), []).append(i)
+            outs = [None] * len(items)
+            with ThreadPoolExecutor(len(groups), thread_name_prefix="search-batch") as pool:
+                for group, answers in zip(groups.values(), pool.map(
+                        lambda group: self._run_alone([items[i] for i in group], context), groups.values())):
+                    for i, out in zip(group, answers):
+                        outs[i] = out
         if not context.is_active():
             # Nobody is waiting for these answers: keep no tree, say why in the log.
             with self._lock:
@@ -354,9 +359,11 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
             outs.append((job.result, job.out_tree, handoff))
         return outs
 
-    def _run_alone(self, item: _Item, context) -> tuple:
-        """One search on the backend's own call (backends without a batch of trees: the CUDA backend)."""
-        params = item.params
+    def _run_alone(self, items: list[_Item], context) -> list[tuple]:
+        """Searches ``items`` (one budget, the first one's seed) in one call of
+        the backend, one tree each: for backends without a batch of trees
+        across calls (the CUDA backend)."""
+        params = items[0].params
         started = time.monotonic()
         deadline = started + params.deadline_ms / 1e3 if params.deadline_ms else None
         evaluator = None
@@ -366,20 +373,21 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
         # The caller may cancel, or its deadline pass, mid-search: stop between waves.
         stop = {"should_stop": lambda: not context.is_active()} if self._can_stop else {}
         lend = self._lend if params.evaluator == "value_model" and self._lend else None
+        roots = items[0].game.stack([item.position for item in items])
         try:
             with nvtx.span("search"), self.streams.launching(), (lend(deadline) if lend else nullcontext()) as waves:
                 if waves is not None:
                     stop["device_waves"] = waves
                 # A wave the model cannot value is undone by the backend, which goes
                 # on in the same tree with rollouts, or answers at the deadline.
-                results, trees = self.backend.search(item.position, params, evaluator, [item.tree], **stop)
+                results, trees = self.backend.search(roots, params, evaluator, [item.tree for item in items], **stop)
             handoff = ""  # this search's own: the shared evaluator's last is another search's
             if params.evaluator == "value_model":
-                lent = waves is not None and waves.carries(params.parallel_sims)  # one tree: B = 1
+                lent = waves is not None and waves.carries(len(items) * params.parallel_sims)
                 handoff = waves.handoff if lent else getattr(self.handoff, "handoff", HANDOFF_GRPC)
         except Exception as exc:
             self._abort_on(exc, context)
-        return results[0], trees[0], handoff
+        return [(r, t, handoff) for r, t in zip(results, trees)]
 
     def _abort_on(self, exc: BaseException, context) -> None:
         """Aborts with the status a search's failure maps to (RESOURCE_EXHAUSTED: the
@@ -501,7 +509,7 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True) -> Service:
         stream_priorities=list(streams.held),
         memory_bytes=cfg.search.memory_pool_bytes,
         follow_scheduler=follow_scheduler,
-        capabilities=("search.sessions", "search.evaluator.rollout", "search.evaluator.value_model",
+        capabilities=("search.sessions", "search.batch", "search.evaluator.rollout", "search.evaluator.value_model",
                       f"search.backend.{servicer.backend.name}"),
     )
     service.servicer = servicer

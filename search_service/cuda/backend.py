@@ -99,6 +99,7 @@ A = connect4.NUM_ACTIONS
 BACKUPS = ("warp_aggregated", "global_atomic")
 SCALE_TABLE = 1 << 18  # UCT scale(N) = c_uct * sqrt(ln N) from NumPy for N below this (2 MiB)
 _BUDGET_NONE = 1 << 30  # "no simulation budget" (deadline only)
+_NULL = np.uint64(0)  # a null pointer argument of a kernel
 STOP_SLICE = 1024  # simulations per tree per launch when a stop request must be polled
 _SCRATCH_KEEP = 8  # buffers kept per kind and shape: searches that run at once
 _SCRATCH_KEYS = 32  # kinds and shapes kept at most
@@ -505,7 +506,7 @@ class _Search:
                     np.int32(self.warps_per_tree), np.int32(g), np.int32(self.parallel_sims), np.int32(budget),
                     np.int64(deadline_ns), self.clock_start, self.tree_state, self.cycles, np.float64(params.c_uct),
                     np.float64(params.virtual_loss), scale, np.int32(SCALE_TABLE),
-                    np.uint32(key[0]), np.uint32(key[1]),
+                    np.uint32(key[0]), np.uint32(key[1]), _NULL, _NULL,  # one budget and key for every tree
                 ),
                 shared_mem=smem,
             )
@@ -598,7 +599,7 @@ class _Search:
             return k, False
 
         select_tail = (np.float64(params.c_puct), np.float64(params.virtual_loss), self.tree_state, meta_dev, paths,
-                       obs_dev)
+                       obs_dev, _NULL)  # _NULL: k simulations in every tree
 
         def select(k: int) -> tuple:
             """Queues wave ``k``'s selection (and, ordered, its ready mark and
@@ -672,7 +673,7 @@ class _Search:
                 except EvaluationFailed as exc:  # an announced next wave: given up by the channel's failed wait
                     committed = None
                     with nvtx.span("search.undo"):
-                        kernel("mcts_vm_undo")(grid, block, (*args, self.tree_state, meta_dev, paths))
+                        kernel("mcts_vm_undo")(grid, block, (*args, self.tree_state, meta_dev, paths, _NULL))
                     self._stop_using_model(exc)
                     self.phase_ms["select"] += (t1 - t) * 1e3
                     self.phase_ms["evaluate"] += (time.perf_counter() - t1) * 1e3
@@ -698,7 +699,7 @@ class _Search:
                             self.pool, np.int64(self.capacity), np.int32(self.node_limit), np.int32(b), np.int32(w),
                             np.int32(g), np.int32(k_max), np.int32(k), self.tree_state, meta_dev, paths, vin_dev,
                             np.int32(has_priors), np.int32(on_device), values, logits,
-                            obs_dev if on_device else null, null if gate is None else verdict,
+                            obs_dev if on_device else null, null if gate is None else verdict, _NULL,
                         ),
                     )
                 t3 = time.perf_counter()
@@ -801,7 +802,7 @@ class _Search:
         backup; or None) is undone and given up too, and the model is not
         used again in this search."""
         if queued is not None:
-            kernel("mcts_vm_undo")(grid, block, (*queued[1][2], self.tree_state, meta_dev, paths))
+            kernel("mcts_vm_undo")(grid, block, (*queued[1][2], self.tree_state, meta_dev, paths, _NULL))
             self.device_waves.cancel_announced()
         self._stop_using_model(exc)
 

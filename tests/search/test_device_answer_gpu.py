@@ -59,7 +59,8 @@ def _trees_mid_wave(shape: tuple[int, int, int], waves: int, seed: int):
     rng = np.random.default_rng(seed)
     for wave in range(waves + 1):
         kernel("mcts_vm_select")(*_launch(b, shape), (pool, np.int64(CAP), np.int32(CAP), *_sizes(b, shape),
-                                                      np.float64(1.5), np.float64(1.0), tsa, meta, paths, obs))
+                                                      np.float64(1.5), np.float64(1.0), tsa, meta, paths, obs,
+                                                      np.uint64(0)))
         if wave == waves:
             return pool, tsa, meta, paths, obs
         vin = np.zeros(n, abi.EVAL.dtype)
@@ -94,7 +95,7 @@ def _backup(name, shape, pool, tsa, meta, paths, vin, has_priors=False, outputs=
     kernel(name)(*_launch(b, shape), (
         pool, np.int64(CAP), np.int32(CAP), *_sizes(b, shape), tsa, meta, paths,
         cp.zeros(1, np.float32) if vin is None else vin, np.int32(has_priors), np.int32(outputs is not None), values,
-        logits, null if obs is None else obs, null if verdict is None else verdict))
+        logits, null if obs is None else obs, null if verdict is None else verdict, null))
 
 
 def _host_rows(meta: np.ndarray, obs: np.ndarray, values: np.ndarray, logits: np.ndarray | None,
@@ -203,7 +204,7 @@ def test_a_backup_behind_a_closed_gate_undoes_the_wave_and_one_behind_an_open_ga
     b, name = len(ROOTS), "mcts_vm_backup_aggregated"
     undone = (pool.copy(), tsa.copy())
     kernel("mcts_vm_undo")(*_launch(b, shape), (undone[0], np.int64(CAP), np.int32(CAP), *_sizes(b, shape),
-                                                undone[1], meta, paths))
+                                                undone[1], meta, paths, np.uint64(0)))
     assert not np.array_equal(undone[0].get(), pool.get())  # the wave had something to undo
     backed_up = (pool.copy(), tsa.copy())  # the same backup with no gate
     _backup(name, shape, *backed_up, meta, paths, None, outputs=(values, logits), obs=obs)

@@ -370,6 +370,17 @@ def test_a_frame_with_a_search_and_an_evaluate(client):
     assert frame_latency_ms(frame.records, tick.due) == pytest.approx((max(s.done, e.done) - tick.due) * 1e3)
 
 
+def test_a_frame_of_several_agents_is_one_search_batch(client):
+    tick, frame = _send(client, ["4453", "121212", ""], simulations=24, evaluator="rollout", session_id="npc")
+    assert frame.failure() is None and [r.kind for r in frame.records] == ["search_batch"]
+    (reply,) = frame.replies()
+    assert isinstance(reply, search_pb2.SearchBatchResponse) and len(reply.results) == 3
+    assert reply.results[1].action == 0  # "121212": the side to move wins in column 1 at once
+    assert frame.records[0].simulations == min(r.simulations for r in reply.results)
+    assert reply.results[0].simulations == 24 and reply.results[2].simulations == 24
+    assert frame.records[0].evaluator == "EVALUATOR_ROLLOUT"
+
+
 def test_metadata_is_asked_once(client):
     meta = client.metadata()
     assert meta.name == "connect4_value" and len(meta.inputs) >= 1

@@ -94,10 +94,17 @@ __device__ __forceinline__ bool warp_job(int n_trees, int W, int G, int K, WarpJ
 // Rollout search: the whole search in one launch (select, expand, rollout,
 // backup per wave, waves until the budget or the deadline). cyc: the CYC rows,
 // clock64 cycles spent per phase, summed over the tree's warps (lane 0's clock).
+//
+// A batch of trees from several searches (search_service/cuda/tree_batch.py)
+// gives each tree its own budget (`budgets` int [n_trees], the simulations it
+// may have claimed by the launch's end; null: `budget` for all) and its own
+// Philox key and tree word (`keys` u32 [n_trees][3]: k0, k1, the tree's index
+// within its own search call; null: k0, k1 and the tree's index b).
 template <int AGG>
 __device__ void rollout_search(unsigned char* pool, long long cap, int limit, int n_trees, int W, int G, int K,
                                int budget, long long deadline_ns, u64* t0, int* tsa, u64* cyc, double c,
-                               double vl, const double* scale, int n_scale, u32 k0, u32 k1) {
+                               double vl, const double* scale, int n_scale, u32 k0, u32 k1, const int* budgets,
+                               const u32* keys) {
   extern __shared__ __align__(16) unsigned char smem[];
   unsigned char* table = smem;
   for (int i = threadIdx.x; i < COLUMN_TABLE_BYTES; i += blockDim.x) {
@@ -114,6 +121,13 @@ __device__ void rollout_search(unsigned char* pool, long long cap, int limit, in
   const TreeView t = tree_view(pool, cap, job.b);
   int* ts = tsa + (long long)job.b * TS_WORDS;
   const SelectParams sp = {0, c, vl, scale, n_scale};
+  if (budgets != nullptr) budget = budgets[job.b];
+  u32 tree_word = (u32)job.b;
+  if (keys != nullptr) {
+    k0 = keys[(long long)job.b * 3];
+    k1 = keys[(long long)job.b * 3 + 1];
+    tree_word = keys[(long long)job.b * 3 + 2];
+  }
   u64 start = 0;
   if (deadline_ns > 0 && lane == 0) {
     const u64 now = global_timer_ns();
@@ -154,7 +168,7 @@ __device__ void rollout_search(unsigned char* pool, long long cap, int limit, in
     float v = 0.0f;
     if (active) {
       v = term != NOT_TERMINAL ? outcome_value(term)  // terminal or proven: exact
-                               : rollout_value(cur, msk, (u32)(s0 + lane), (u32)job.b, k0, k1, table);
+                               : rollout_value(cur, msk, (u32)(s0 + lane), tree_word, k0, k1, table);
     }
     const long long c3 = clock64();
     backup_wave<AGG>(t, ts, path, vals, deps, lane, g, mine.depth, v, leaf);
@@ -179,15 +193,17 @@ __device__ void rollout_search(unsigned char* pool, long long cap, int limit, in
 extern "C" __global__ void __launch_bounds__(32 * WARPS_PER_BLOCK) mcts_rollout_global(
     unsigned char* pool, long long cap, int limit, int n_trees, int W, int G, int K, int budget,
     long long deadline_ns, u64* t0, int* tsa, u64* cyc, double c, double vl, const double* scale, int n_scale,
-    u32 k0, u32 k1) {
-  rollout_search<0>(pool, cap, limit, n_trees, W, G, K, budget, deadline_ns, t0, tsa, cyc, c, vl, scale, n_scale, k0, k1);
+    u32 k0, u32 k1, const int* budgets, const u32* keys) {
+  rollout_search<0>(pool, cap, limit, n_trees, W, G, K, budget, deadline_ns, t0, tsa, cyc, c, vl, scale, n_scale, k0, k1,
+                    budgets, keys);
 }
 
 extern "C" __global__ void __launch_bounds__(32 * WARPS_PER_BLOCK) mcts_rollout_aggregated(
     unsigned char* pool, long long cap, int limit, int n_trees, int W, int G, int K, int budget,
     long long deadline_ns, u64* t0, int* tsa, u64* cyc, double c, double vl, const double* scale, int n_scale,
-    u32 k0, u32 k1) {
-  rollout_search<1>(pool, cap, limit, n_trees, W, G, K, budget, deadline_ns, t0, tsa, cyc, c, vl, scale, n_scale, k0, k1);
+    u32 k0, u32 k1, const int* budgets, const u32* keys) {
+  rollout_search<1>(pool, cap, limit, n_trees, W, G, K, budget, deadline_ns, t0, tsa, cyc, c, vl, scale, n_scale, k0, k1,
+                    budgets, keys);
 }
 
 // A warp's share of a value-model wave: its tree, its simulations g (0: none
@@ -200,11 +216,14 @@ struct VmWarp {
   long long q0;
 };
 
+// `ks` (int [n_trees]; null: k_wave for every tree): a batch of trees from
+// several searches, each taking its own number of simulations this wave
+// (search_service/mcts/plan.py); its slots j >= ks[b] are not written.
 __device__ __forceinline__ bool vm_warp(unsigned char* pool, long long cap, int n_trees, int W, int G, int K,
-                                        int k_wave, int* tsa, VmWarp& v) {
+                                        int k_wave, const int* ks, int* tsa, VmWarp& v) {
   if (!warp_job(n_trees, W, G, K, v.job)) return false;
   v.lane = threadIdx.x & 31;
-  v.g = min(v.job.sims, k_wave - v.job.first);
+  v.g = min(v.job.sims, (ks != nullptr ? ks[v.job.b] : k_wave) - v.job.first);
   if (v.g <= 0) return false;
   v.t = tree_view(pool, cap, v.job.b);
   v.ts = tsa + (long long)v.job.b * TS_WORDS;
@@ -221,9 +240,9 @@ __device__ __forceinline__ bool vm_warp(unsigned char* pool, long long cap, int 
 // NO_SIMULATION (terminal), depth 0, leaf -1.
 extern "C" __global__ void __launch_bounds__(32 * WARPS_PER_BLOCK) mcts_vm_select(
     unsigned char* pool, long long cap, int limit, int n_trees, int W, int G, int K, int k_wave, double c,
-    double vl, int* tsa, int* meta, int* paths, unsigned char* obs) {
+    double vl, int* tsa, int* meta, int* paths, unsigned char* obs, const int* ks) {
   VmWarp v;
-  if (!vm_warp(pool, cap, n_trees, W, G, K, k_wave, tsa, v)) return;
+  if (!vm_warp(pool, cap, n_trees, W, G, K, k_wave, ks, tsa, v)) return;
   const int lane = v.lane, g = v.g;
   const TreeView& t = v.t;
   int* ts = v.ts;
@@ -333,11 +352,11 @@ template <int AGG>
 __device__ void vm_backup(unsigned char* pool, long long cap, int limit, int n_trees, int W, int G, int K, int k_wave,
                           int* tsa, const int* meta, const int* paths, const float* vin, int has_priors,
                           int from_outputs, const float* values, const float* logits, const unsigned char* obs,
-                          const int* verdict) {
+                          const int* verdict, const int* ks) {
   __shared__ float s_vals[WARPS_PER_BLOCK][32];
   __shared__ int s_deps[WARPS_PER_BLOCK][32];
   VmWarp vw;
-  if (!vm_warp(pool, cap, n_trees, W, G, K, k_wave, tsa, vw)) return;
+  if (!vm_warp(pool, cap, n_trees, W, G, K, k_wave, ks, tsa, vw)) return;
   const int lane = vw.lane, g = vw.g, warp = threadIdx.x >> 5;
   const TreeView& t = vw.t;
   int* ts = vw.ts;
@@ -391,9 +410,9 @@ __device__ void vm_backup(unsigned char* pool, long long cap, int limit, int n_t
 // wave back out of the trees (vm_undo_warp). The same grid as mcts_vm_select.
 extern "C" __global__ void __launch_bounds__(32 * WARPS_PER_BLOCK) mcts_vm_undo(
     unsigned char* pool, long long cap, int limit, int n_trees, int W, int G, int K, int k_wave, int* tsa,
-    const int* meta, const int* paths) {
+    const int* meta, const int* paths, const int* ks) {
   VmWarp v;
-  if (!vm_warp(pool, cap, n_trees, W, G, K, k_wave, tsa, v)) return;
+  if (!vm_warp(pool, cap, n_trees, W, G, K, k_wave, ks, tsa, v)) return;
   if (((const int4*)meta)[v.q0].z == NO_SIMULATION) return;
   vm_undo_warp(v, limit, meta, paths);
 }
@@ -416,17 +435,17 @@ extern "C" __global__ void mcts_vm_root_priors(unsigned char* pool, long long ca
 extern "C" __global__ void __launch_bounds__(32 * WARPS_PER_BLOCK) mcts_vm_backup_global(
     unsigned char* pool, long long cap, int limit, int n_trees, int W, int G, int K, int k_wave, int* tsa,
     const int* meta, const int* paths, const float* vin, int has_priors, int from_outputs, const float* values,
-    const float* logits, const unsigned char* obs, const int* verdict) {
+    const float* logits, const unsigned char* obs, const int* verdict, const int* ks) {
   vm_backup<0>(pool, cap, limit, n_trees, W, G, K, k_wave, tsa, meta, paths, vin, has_priors, from_outputs, values,
-                 logits, obs, verdict);
+                 logits, obs, verdict, ks);
 }
 
 extern "C" __global__ void __launch_bounds__(32 * WARPS_PER_BLOCK) mcts_vm_backup_aggregated(
     unsigned char* pool, long long cap, int limit, int n_trees, int W, int G, int K, int k_wave, int* tsa,
     const int* meta, const int* paths, const float* vin, int has_priors, int from_outputs, const float* values,
-    const float* logits, const unsigned char* obs, const int* verdict) {
+    const float* logits, const unsigned char* obs, const int* verdict, const int* ks) {
   vm_backup<1>(pool, cap, limit, n_trees, W, G, K, k_wave, tsa, meta, paths, vin, has_priors, from_outputs, values,
-                 logits, obs, verdict);
+                 logits, obs, verdict, ks);
 }
 
 // Results, one warp per tree, after the search: a RES row per tree (the root's
