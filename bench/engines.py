@@ -36,6 +36,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from collections import Counter
+
 import yaml
 
 from bench.common import RESULTS_DIR, int_list, make_parser, note, print_rows, progress, write_results
@@ -137,7 +139,7 @@ def run_row(config: Path, work: Path, engines: int, agents: int, evaluator: str,
         "optimal_move_rate": round(kept / not_lost, 4) if not_lost else None,
         "trainer_frames_per_s": trainer_rate,
         "frames_per_engine": frames,
-        "errors": {k: v for r in done for k, v in r["errors"].items()},
+        "errors": dict(sum((Counter(r["errors"]) for r in done), Counter())),
         "backends": sorted({b for r in done for b in r["backends"]["search"]}),
     }
 

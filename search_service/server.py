@@ -300,7 +300,7 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
         else:  # a backend that cannot batch trees across calls: one call per group of like searches
             groups: dict[SearchParams, list[int]] = {}
             for i, item in enumerate(items):
-                groups.setdefault(dataclasses.replace(item.params, seed=0), []).append(i)
+                groups.setdefault(item.params, []).append(i)
             outs = [None] * len(items)
             with ThreadPoolExecutor(len(groups), thread_name_prefix="search-batch") as pool:
                 for group, answers in zip(groups.values(), pool.map(
@@ -360,9 +360,9 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
         return outs
 
     def _run_alone(self, items: list[_Item], context) -> list[tuple]:
-        """Searches ``items`` (one budget, the first one's seed) in one call of
-        the backend, one tree each: for backends without a batch of trees
-        across calls (the CUDA backend)."""
+        """Searches ``items`` (one budget and seed; tree b's rollouts draw as
+        the b-th of one call's) in one call of the backend, one tree each: for
+        backends without a batch of trees across calls (the CUDA backend)."""
         params = items[0].params
         started = time.monotonic()
         deadline = started + params.deadline_ms / 1e3 if params.deadline_ms else None

@@ -41,11 +41,13 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import numpy as np
 from prometheus_client import Counter, Gauge, Histogram
 
+from search_service.games import connect4
 from search_service.mcts.backend import SearchParams, SearchResult
-from search_service.mcts.batch import step
-from search_service.mcts.plan import Member, WaveTimes
+from search_service.mcts.batch import leave, run_wave
+from search_service.mcts.plan import Member, WaveTimes, fair_share
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +94,9 @@ class Job:
 
 
 def lane_key(params: SearchParams) -> SearchParams:
-    """The constants a lane's searches share: ``params`` less their budget and seed."""
-    return dataclasses.replace(params, simulations=1, deadline_ms=None, seed=0)
+    """The constants a lane's searches share: ``params`` less their budget and
+    seed (a nominal deadline stands for the members' own)."""
+    return dataclasses.replace(params, simulations=None, deadline_ms=1.0, seed=0)
 
 
 class _Lane:
@@ -161,8 +164,10 @@ class WaveLoop:
                 busy = len(lane.members) + len(lane.queue)  # the lane thread's list: a racy length is enough here
                 if not busy or job.deadline is None:
                     continue
-                leaves = (busy * lane.k_max) + adding[id(lane)]
-                expected = lane.times.expected_ms(leaves)
+                # Its lane's next wave with it, every member at K and then at its fair share (all taken
+                # as deadline-only: the wave the plan would run at most).
+                ks = np.full(busy + adding[id(lane)] // lane.k_max, lane.k_max, np.int64)
+                expected = fair_share(ks, np.ones(ks.size, bool), lane.times, lane.k_max, self.wave_target_ms)
                 left_ms = (job.deadline - now) * 1e3
                 if left_ms < expected:
                     REFUSED.labels("deadline").inc(len(jobs))
@@ -230,45 +235,76 @@ class WaveLoop:
                 if lane.members:
                     self._step(lane)
         finally:
-            self._fail_all(lane, Stopping("the search service is stopping"))
+            self._fail_all(lane, Stopping("the search service is stopping"), queued=True)
 
     def _join(self, lane: _Lane, jobs: list[Job]) -> None:
-        for job in jobs:
-            self._set_wave_deadline([job.deadline])
-            try:
-                lane.batch.join(job.roots, [job.tree], [job.params.seed], [job.stream])
-            except Exception as exc:  # noqa: BLE001 - this job's alone: the batch is as it was
-                job.answer(error=exc)
-                self._answered(1)
-                continue
-            lane.members.append(Member(job.params.simulations, job.deadline, job.should_stop, owner=job))
+        """Joins ``jobs`` to the lane's batch: all in one call (one gather of
+        the trees), or one by one where that fails, so a job that cannot join
+        (answered with its error) costs only itself."""
+        if not jobs:
+            return
+        self._set_wave_deadline([job.deadline for job in jobs], lane)
+        try:
+            self._join_all(lane, jobs)
+        except Exception:  # noqa: BLE001 - the batch is as it was: find the job that cannot join
+            for job in jobs:
+                try:
+                    self._join_all(lane, [job])
+                except Exception as exc:  # noqa: BLE001 - this job's alone
+                    job.answer(error=exc)
+                    self._answered(1)
+
+    def _join_all(self, lane: _Lane, jobs: list[Job]) -> None:
+        roots = jobs[0].roots if len(jobs) == 1 else _stack([job.roots for job in jobs])
+        lane.batch.join(roots, [job.tree for job in jobs], [job.params.seed for job in jobs],
+                        [job.stream for job in jobs])
+        lane.members += [Member(job.params.simulations, job.deadline, job.should_stop, owner=job) for job in jobs]
 
     def _step(self, lane: _Lane) -> None:
-        self._set_wave_deadline([m.deadline for m in lane.members])
+        """One step of the lane's batch: the members that are done leave and
+        are answered, then the wave runs (its failure fails only its members)."""
         WAVE_TREES.observe(len(lane.members))
         try:
-            with self.launching():
-                left = step(lane.batch, lane.members, lane.times, self.wave_target_ms)
+            left, ks = leave(lane.batch, lane.members, lane.times, self.wave_target_ms)
         except Exception as exc:  # noqa: BLE001 - every job of the batch fails with it; the lane goes on empty
-            log.exception("a wave of %d searches failed", len(lane.members))
+            log.exception("planning a wave of %d searches failed", len(lane.members))
             self._fail_all(lane, exc)
             return
         for member, result, tree in left:
             member.owner.answer(result, tree)
         if left:
             self._answered(len(left))
+        if not lane.members:
+            return
+        self._set_wave_deadline([m.deadline for m in lane.members], lane)
+        try:
+            with self.launching():
+                run_wave(lane.batch, lane.members, ks, lane.times)
+        except Exception as exc:  # noqa: BLE001 - every job of the batch fails with it; the lane goes on empty
+            log.exception("a wave of %d searches failed", len(lane.members))
+            self._fail_all(lane, exc)
 
-    def _set_wave_deadline(self, deadlines: list[float | None]) -> None:
-        """The evaluator's calls are bound by the latest of ``deadlines`` (perf_counter s; None: none)."""
-        if any(d is None for d in deadlines):
+    def _set_wave_deadline(self, deadlines: list[float | None], lane: _Lane) -> None:
+        """The evaluator's calls are bound by the earliest of ``deadlines``
+        (perf_counter s; None: none), so a stalled model holds no search past
+        its own deadline; but never sooner than two of the lane's expected
+        waves from now (a search with less time left was admitted alone)."""
+        known = [d for d in deadlines if d is not None]
+        if not known:
             self._wave_deadline.value = None
             return
-        self._wave_deadline.value = time.monotonic() + (max(deadlines) - time.perf_counter())
+        now = time.perf_counter()
+        bound = max(min(known), now + 2 * lane.times.expected_ms(len(lane.members) * lane.k_max) / 1e3)
+        self._wave_deadline.value = time.monotonic() + (bound - now)
 
-    def _fail_all(self, lane: _Lane, exc: BaseException) -> None:
-        with self._lock:
-            queued, lane.queue = lane.queue, []
-        jobs = [m.owner for m in lane.members] + queued
+    def _fail_all(self, lane: _Lane, exc: BaseException, queued: bool = False) -> None:
+        """Answers the lane's joined jobs (and, ``queued``, those waiting to join)
+        with ``exc``; the lane goes on with an empty batch."""
+        jobs = [m.owner for m in lane.members]
+        if queued:
+            with self._lock:
+                jobs += lane.queue
+                lane.queue = []
         lane.members.clear()
         lane.batch = self.backend.open_batch(lane.key, self._bound_evaluator)
         lane.times = WaveTimes()
@@ -276,3 +312,8 @@ class WaveLoop:
             job.answer(error=exc)
         if jobs:
             self._answered(len(jobs))
+
+
+def _stack(roots: list):
+    """One Positions of several jobs' roots (each Positions [1])."""
+    return connect4.stack(roots)

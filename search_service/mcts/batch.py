@@ -6,18 +6,19 @@ evaluator)`` returning a :class:`TreeBatch`: B trees, one per search in
 flight (rows), each with its own Philox key (``seed``) and tree index
 (``stream``: the tree's index within its own request, so its rollouts draw
 the numbers they would draw if that request ran alone). :func:`step` plans a
-wave (:mod:`search_service.mcts.plan`), lets the members that are done leave,
-and runs the wave over the rest; the search service's wave loop calls it
-forever (admitting newcomers between calls), a backend's own ``search``
-calls it until its members are gone (:func:`search_alone`).
+wave (:mod:`search_service.mcts.plan`), lets the members that are done leave
+(:func:`leave`), and runs the wave over the rest (:func:`run_wave`); the
+search service's wave loop does the same forever, answering the leavers
+before the wave and admitting newcomers between steps; a backend's own
+``search`` steps until its members are gone (:func:`search_alone`).
 
 Independence: a tree's selections, expansions and backups read and write
 its own rows only, and its rollouts draw from (seed, stream, simulation); so
 at a fixed simulation cap and seed a tree searched beside others equals the
 same search run alone (the tests check it), except for what the value model
 answers (one call values every tree's leaves; a model whose answer for a row
-depends on the other rows breaks it) and for a wave undone because the
-model failed (every tree that used the model in it undoes it).
+depends on the other rows breaks it) and for a wave the model failed (every
+tree that used the model in it undoes it; the trees on rollouts keep theirs).
 """
 from __future__ import annotations
 
@@ -81,15 +82,12 @@ class TreeBatch(Protocol):
         ...
 
 
-def step(batch: TreeBatch, members: list[Member], times: WaveTimes,
-         wave_target_ms: float | None = None) -> "list[tuple[Member, SearchResult, object]]":
-    """Plans the next wave of ``batch`` (``members[b]``: row b's budget), lets
-    the members that are done leave (removed from ``members`` and the batch)
-    and runs the wave over the rest, timed into ``times``.
-
-    Returns:
-        (member, result, tree) of each member that left, in row order.
-    """
+def leave(batch: TreeBatch, members: list[Member], times: WaveTimes,
+          wave_target_ms: float | None = None) -> "tuple[list[tuple[Member, SearchResult, object]], np.ndarray]":
+    """Plans the next wave of ``batch`` (``members[b]``: row b's budget) and
+    lets the members that are done leave (removed from ``members`` and the
+    batch). Returns (member, result, tree) of each member that left, in row
+    order, and the wave's simulations per remaining tree (int64 [B'])."""
     for m, failed in zip(members, batch.failed()):
         m.tried = m.tried or bool(failed)
     plan = plan_wave(members, batch.done, batch.live(), times, batch.k_max, wave_target_ms)
@@ -102,12 +100,30 @@ def step(batch: TreeBatch, members: list[Member], times: WaveTimes,
         keep[plan.leaving] = False
         members[:] = [m for m, k in zip(members, keep) if k]
         plan.ks = plan.ks[keep]
-    if plan.ks.any():
-        t = time.perf_counter()
-        batch.wave(plan.ks)
-        times.add(int(plan.ks.sum()), (time.perf_counter() - t) * 1e3)
-        for m, k in zip(members, plan.ks):
-            m.tried = m.tried or bool(k)
+    return left, plan.ks
+
+
+def run_wave(batch: TreeBatch, members: list[Member], ks: np.ndarray, times: WaveTimes) -> None:
+    """Runs the wave ``ks`` (from :func:`leave`) over ``batch``, timed into ``times``."""
+    if not ks.any():
+        return
+    t = time.perf_counter()
+    batch.wave(ks)
+    times.add(int(ks.sum()), (time.perf_counter() - t) * 1e3)
+    for m, k in zip(members, ks):
+        m.tried = m.tried or bool(k)
+
+
+def step(batch: TreeBatch, members: list[Member], times: WaveTimes,
+         wave_target_ms: float | None = None) -> "list[tuple[Member, SearchResult, object]]":
+    """:func:`leave`, then :func:`run_wave`: one step of a batch whose leavers
+    need not be answered before the wave (a backend's own ``search``).
+
+    Returns:
+        (member, result, tree) of each member that left, in row order.
+    """
+    left, ks = leave(batch, members, times, wave_target_ms)
+    run_wave(batch, members, ks, times)
     return left
 
 

@@ -248,7 +248,11 @@ class CpuTreeBatch:
         self.row = {name: np.concatenate([self.row[name], added[name]]) for name in _ROW_FIELDS}
         self._views()
         if self.puct:
-            self._evaluate_fresh_roots(np.arange(first, self.b))
+            try:
+                self._evaluate_fresh_roots(np.arange(first, self.b))
+            except BaseException:  # nothing joins: the batch is as it was
+                self._keep(np.arange(self.b) < first)
+                raise
 
     def leave(self, rows: list[int], members: list) -> tuple[list[SearchResult], list[tr.Tree]]:
         index = np.asarray(rows, np.int64)
@@ -258,10 +262,21 @@ class CpuTreeBatch:
             t.evaluator = self.p.evaluator
         keep = np.ones(self.b, bool)
         keep[index] = False
-        self.tree = tr.take(self.tree, keep)
+        self._keep(keep)
+        return results, trees
+
+    def _keep(self, keep: np.ndarray) -> None:
+        """Keeps the rows ``keep`` (bool [B]) only; the pools shrink to a
+        quarter where the trees left use less than that (a large tree that
+        left does not size every later row)."""
+        tree = tr.take(self.tree, keep)
+        used = int(tree.num_nodes.max(initial=1))
+        if 4 * used < tree.capacity and tree.capacity > _INITIAL_CAPACITY:
+            tree = tr.gather(tr.split(tree), max(_INITIAL_CAPACITY, 2 * used))
+        tree.evaluator = self.p.evaluator
+        self.tree = tree
         self.row = {name: self.row[name][keep] for name in _ROW_FIELDS}
         self._views()
-        return results, trees
 
     # -- flat views over the batched pool (row = tree * capacity + slot) ----
     def _views(self) -> None:
@@ -286,8 +301,9 @@ class CpuTreeBatch:
     # -- a wave -------------------------------------------------------------
     def wave(self, ks: np.ndarray) -> bool:
         """One wave of ``ks[b]`` simulations in tree b (int64 [B], 0: none);
-        False if its evaluation failed and the wave was undone (the trees are
-        as they were before it; those that used the model go on with rollouts)."""
+        False if the model could not value it: the trees that used the model
+        undo it (they are as they were before it) and go on with rollouts,
+        the trees on rollouts keep theirs."""
         self._ensure_capacity(int(ks.max()))  # a pool that grows counts in its wave's time
         in_wave = ks > 0
         used_model = self.row["use_model"] & in_wave
@@ -299,42 +315,46 @@ class CpuTreeBatch:
         with nvtx.span("search.expand"):
             leaf = self._expand(walk)
         t2 = time.perf_counter()
-        try:
-            with nvtx.span("search.evaluate"):
-                values = self._evaluate(walk, leaf)
-        except EvaluationFailed as exc:
-            self._undo(walk, before)
-            self._stop_using_model(used_model, exc)
-            self.row["ms"][in_wave, 2] += (time.perf_counter() - t2) * 1e3
-            return False
+        with nvtx.span("search.evaluate"):
+            values, failure = self._evaluate(walk, leaf)
         t3 = time.perf_counter()
-        with nvtx.span("search.backup"):
-            self._backup(walk, leaf, values)
+        done = in_wave
+        if failure is not None:  # the model's trees undo the wave; those on rollouts keep theirs
+            failed = used_model[walk["tree_of"]]  # [W]: the selections of the model's trees
+            self._undo(_columns(walk, failed), before, used_model)
+            self._stop_using_model(used_model, failure)
+            self.row["ms"][used_model, 2] += (t3 - t2) * 1e3
+            done = in_wave & ~used_model
+            walk, leaf, values = _columns(walk, ~failed), _columns(leaf, ~failed), values[~failed]
+            used_model = np.zeros_like(used_model)
+        if walk["depth"].size:
+            with nvtx.span("search.backup"):
+                self._backup(walk, leaf, values)
         t4 = time.perf_counter()
-        self.row["ms"][in_wave] += np.array([t1 - t, t2 - t1, t3 - t2, t4 - t3]) * 1e3
-        self.row["done"] += ks
+        self.row["ms"][done] += np.array([t1 - t, t2 - t1, t3 - t2, t4 - t3]) * 1e3
+        self.row["done"] += np.where(done, ks, 0)
         self.row["model_simulations"] += np.where(used_model, ks, 0)
-        self.row["waves"] += in_wave
-        return True
+        self.row["waves"] += done
+        return failure is None
 
     def _stop_using_model(self, rows: np.ndarray, exc: EvaluationFailed) -> None:
         """Trees ``rows`` (bool [B] or int [M]) value their leaves by rollouts from now on."""
         self.row["use_model"][rows] = False
         self.row["failure"][rows] = str(exc) or type(exc).__name__
 
-    def _undo(self, walk: dict, num_nodes: np.ndarray) -> None:
-        """Takes a selected and expanded wave back out of the tree: releases
-        its virtual losses and unlinks the nodes it added (slots past
-        ``num_nodes``, reused by later waves). ``pool_exhausted`` stays as the
-        wave left it (the pool did fill)."""
+    def _undo(self, walk: dict, num_nodes: np.ndarray, trees: np.ndarray) -> None:
+        """Takes a selected and expanded wave back out of trees ``trees`` (bool
+        [B]; ``walk``: their selections): releases its virtual losses and
+        unlinks the nodes it added (slots past ``num_nodes``, reused by later
+        waves). ``pool_exhausted`` stays as the wave left it (the pool did fill)."""
         _, edges = self._path_edges(walk)
         np.add.at(self.vloss.reshape(-1), edges, -1)
         tree = self.tree
-        for b in np.flatnonzero(tree.num_nodes != num_nodes):
+        for b in np.flatnonzero(trees & (tree.num_nodes != num_nodes)):
             slots = np.arange(num_nodes[b], tree.num_nodes[b])
             parents = b * self.cap + tree.node_parent[b, slots].astype(np.int64)
             self.children[parents, tree.node_action[b, slots].astype(np.int64)] = tr.UNEXPANDED
-        tree.num_nodes[:] = num_nodes
+        tree.num_nodes[trees] = num_nodes[trees]
 
     # -- 1. selection ------------------------------------------------------
     def _select(self, ks: np.ndarray, done: np.ndarray) -> dict:
@@ -482,12 +502,14 @@ class CpuTreeBatch:
         return dict(row=leaf_row, current=leaf_current, mask=leaf_mask, terminal=leaf_terminal, key=edge_key)
 
     # -- 3. evaluation -----------------------------------------------------
-    def _evaluate(self, walk: dict, leaf: dict) -> np.ndarray:
-        """float32 [W]: each selection's leaf value for the leaf's side to move."""
+    def _evaluate(self, walk: dict, leaf: dict) -> tuple[np.ndarray, EvaluationFailed | None]:
+        """float32 [W]: each selection's leaf value for the leaf's side to move,
+        and the model's failure (None where it valued its leaves; its trees'
+        values are then meaningless)."""
         values = tr.OUTCOME_VALUE[leaf["terminal"]]  # exact where the result is known, 0 elsewhere
         open_ = np.flatnonzero(leaf["terminal"] == tr.NOT_TERMINAL)
         if open_.size == 0:
-            return values
+            return values, None
         tree_of = walk["tree_of"][open_]
         by_rollout = ~self.row["use_model"][tree_of]
         if by_rollout.any():
@@ -497,19 +519,22 @@ class CpuTreeBatch:
                                           self.row["stream"][t], self.row["seed"][t])
             open_ = open_[~by_rollout]
             if open_.size == 0:
-                return values
+                return values, None
         # Value model: one call per wave, one row per distinct leaf (selections
         # that stopped at the same missing child share it).
         keys = leaf["key"][open_]
         _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
         who = open_[first]
-        v, priors = self._call_model(leaf["current"][who], leaf["mask"][who])
+        try:
+            v, priors = self._call_model(leaf["current"][who], leaf["mask"][who])
+        except EvaluationFailed as exc:
+            return values, exc
         values[open_] = v[inverse]
         rows = leaf["row"][who]
         if priors is not None:
             has_node = rows >= 0
             self.prior[rows[has_node]] = priors[has_node]
-        return values
+        return values, None
 
     def _call_model(self, current: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
         """Values float32 [M] and masked, renormalised priors float32 [M, A] (or None)."""
@@ -627,6 +652,11 @@ class CpuTreeBatch:
             if live.size == 0:
                 break
         return pv
+
+
+def _columns(d: dict, cols: np.ndarray) -> dict:
+    """A wave's per-selection arrays (the last axis of each: W) restricted to ``cols`` (bool [W])."""
+    return {k: v[..., cols] if isinstance(v, np.ndarray) else v for k, v in d.items()}
 
 
 def _groups(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

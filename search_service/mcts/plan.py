@@ -102,6 +102,20 @@ class Plan:
     expected_ms: float  # the wave's expected duration (0: unknown)
 
 
+def fair_share(ks: np.ndarray, shared: np.ndarray, times: WaveTimes, k_max: int,
+               wave_target_ms: float | None) -> float:
+    """Shrinks, in place, the simulations ``ks`` (int64 [B]) of the members
+    ``shared`` (bool [B]: bounded by a deadline alone) to one equal k where
+    the wave would take longer than ``wave_target_ms``; returns the wave's
+    expected ms after it."""
+    expected = times.expected_ms(int(ks.sum()))
+    if wave_target_ms is not None and expected > wave_target_ms and shared.any():
+        k = max(1, min(k_max, math.floor(k_max * wave_target_ms / expected)))
+        ks[shared] = np.minimum(ks[shared], k)
+        expected = times.expected_ms(int(ks.sum()))
+    return expected
+
+
 def plan_wave(members: list[Member], done: np.ndarray, live: np.ndarray, times: WaveTimes, k_max: int,
               wave_target_ms: float | None = None, now: float | None = None) -> Plan:
     """Plans the next wave of a batch (module docstring's rules).
@@ -123,21 +137,18 @@ def plan_wave(members: list[Member], done: np.ndarray, live: np.ndarray, times: 
     b = len(members)
     ks = np.zeros(b, np.int64)
     leaving: list[int] = []
+
+    def leave(i: int, end: str) -> None:
+        members[i].end, ks[i] = end, 0
+        leaving.append(i)
+
     for i, m in enumerate(members):
         if not live[i]:
-            m.end = END_PROVEN
+            leave(i, END_PROVEN)
         elif m.simulations is not None and done[i] >= m.simulations:
-            m.end = END_BUDGET
+            leave(i, END_BUDGET)
         else:
             ks[i] = k_max if m.simulations is None else min(k_max, m.simulations - int(done[i]))
-            continue
-        leaving.append(i)
-    # The deadline, against the wave at K each (the most it can take; fair shares can only shorten it).
-    expected = times.expected_ms(int(ks.sum()))
-    for i, m in enumerate(members):
-        if ks[i] and m.tried and m.deadline is not None and now + expected / 1e3 >= m.deadline:
-            m.end, ks[i] = END_DEADLINE, 0
-            leaving.append(i)
     asked: dict[int, bool] = {}  # id(should_stop) -> its answer: one call per plan
     for i, m in enumerate(members):
         if ks[i] and m.tried and m.should_stop is not None:
@@ -145,13 +156,12 @@ def plan_wave(members: list[Member], done: np.ndarray, live: np.ndarray, times: 
             if key not in asked:
                 asked[key] = bool(m.should_stop())
             if asked[key]:
-                m.end, ks[i] = END_STOPPED, 0
-                leaving.append(i)
-    expected = times.expected_ms(int(ks.sum()))
-    if wave_target_ms is not None and expected > wave_target_ms:
-        shared = np.array([ks[i] > 0 and m.simulations is None for i, m in enumerate(members)], bool)
-        if shared.any():
-            k = max(1, min(k_max, math.floor(k_max * wave_target_ms / expected)))
-            ks[shared] = np.minimum(ks[shared], k)
-            expected = times.expected_ms(int(ks.sum()))
-    return Plan(ks, sorted(leaving), expected)
+                leave(i, END_STOPPED)
+    # The deadline, against the wave as planned (its fair shares included); those
+    # that leave only shorten it.
+    shared = np.array([m.simulations is None for m in members], bool)
+    expected = fair_share(ks, shared & (ks > 0), times, k_max, wave_target_ms)
+    for i, m in enumerate(members):
+        if ks[i] and m.tried and m.deadline is not None and now + expected / 1e3 >= m.deadline:
+            leave(i, END_DEADLINE)
+    return Plan(ks, sorted(leaving), times.expected_ms(int(ks.sum())))

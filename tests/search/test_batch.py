@@ -107,7 +107,7 @@ def test_wave_times_expect_a_fixed_cost_and_a_pessimistic_cost_per_simulation():
 def run_ragged(specs, k: int, evaluator="rollout", evaluator_fn=None):
     """Searches ``specs`` ((moves, simulations, seed, join_at_wave)) in one batch,
     each joining at its wave; returns {index: (result, tree)} once all left."""
-    batch = BACKEND.open_batch(params(simulations=1, parallel_sims=k, evaluator=evaluator), evaluator_fn)
+    batch = BACKEND.open_batch(params(deadline_ms=1.0, parallel_sims=k, evaluator=evaluator), evaluator_fn)
     members: list[Member] = []
     out, times, wave = {}, WaveTimes(), 0
     while len(out) < len(specs):
@@ -163,7 +163,7 @@ def test_a_session_tree_joins_a_batch_and_continues_as_it_would_alone():
     assert kept is not None
     results, trees = BACKEND.search(c4.parse_moves("4444"), params(simulations=80, seed=6, parallel_sims=4), None,
                                     [kept])
-    batch = BACKEND.open_batch(params(simulations=1, parallel_sims=4))
+    batch = BACKEND.open_batch(params(deadline_ms=1.0, parallel_sims=4))
     batch.join(c4.parse_moves("1"), [None], [9], [0])  # another search, already under way
     members = [Member(300, None)]
     times = WaveTimes()
@@ -294,3 +294,73 @@ def test_a_model_failure_sends_the_batch_on_with_rollouts_and_a_broken_batch_fai
         assert loop.in_flight() == 0
     finally:
         loop.close()
+
+
+def test_a_search_that_leaves_is_answered_before_the_next_wave_runs():
+    """Waves of 0.2 s: the capped search's answer is set while the next
+    wave's model call (for the other search) is still under way."""
+    model = SlowModel(0.2)
+    calls_at_answer = []
+    loop = WaveLoop(BACKEND, model)
+    try:
+        long = job("", deadline_ms=5000, parallel_sims=4, evaluator="value_model", seed=1)
+        short = job("4", simulations=4, parallel_sims=4, evaluator="value_model", seed=2)
+        loop.submit([long, short])
+        assert short.done.wait(30) and short.error is None and short.result.simulations == 4
+        calls_at_answer.append(model.calls)  # root evaluation + one wave: 2 calls; the next wave's is the 3rd
+        assert calls_at_answer[0] <= 3
+        time.sleep(0.05)
+        assert not long.done.is_set()
+    finally:
+        loop.close()
+    assert isinstance(long.error, Exception)  # answered (Stopping) when the loop closed
+
+
+def test_a_wave_that_fails_does_not_lose_the_searches_that_left_before_it():
+    loop = WaveLoop(BACKEND, SlowModel(0.0, fail_after=3, error=RuntimeError))
+    try:
+        # Calls: the two roots (one call), wave 1, wave 2 (the capped search's last), wave 3 raises.
+        capped = job("4", simulations=8, parallel_sims=4, evaluator="value_model", seed=1)
+        other = job("", simulations=400, parallel_sims=4, evaluator="value_model", seed=2)
+        loop.submit([capped, other])
+        assert capped.done.wait(30) and other.done.wait(30)
+        assert capped.error is None and capped.result.simulations == 8
+        assert isinstance(other.error, RuntimeError) and loop.in_flight() == 0
+    finally:
+        loop.close()
+
+
+def test_trees_on_rollouts_keep_a_wave_the_model_failed_for_others():
+    model = SlowModel(0.0, fail_after=0)  # every call fails
+    batch = BACKEND.open_batch(params(deadline_ms=1.0, parallel_sims=4, evaluator="value_model"), model)
+    batch.join(c4.parse_moves("4"), [None], [1], [0])  # its root's evaluation fails: rollouts from now on
+    assert batch.failed().tolist() == [True]
+    model.fail_after = None  # the next root is valued
+    batch.join(c4.parse_moves("3"), [None], [2], [0])
+    model.fail_after = model.calls  # and every wave's call fails
+    assert not batch.wave(np.array([4, 4]))
+    assert batch.done.tolist() == [4, 0]  # the rollout tree kept its wave, the model's tree undid it
+    assert batch.failed().tolist() == [True, True]
+    results, trees = batch.leave([0, 1], [Member(None, None), Member(None, None)])
+    assert [r.simulations for r in results] == [4, 0] and int(trees[1].num_nodes[0]) == 1
+    assert not trees[1].edge_vloss.any() and not trees[0].edge_vloss.any()
+
+
+def test_a_root_evaluation_that_raises_leaves_the_batch_as_it_was():
+    model = SlowModel(0.0, fail_after=0, error=RuntimeError)
+    batch = BACKEND.open_batch(params(deadline_ms=1.0, parallel_sims=4, evaluator="value_model"), model)
+    with pytest.raises(RuntimeError):
+        batch.join(c4.parse_moves("4"), [None], [1], [0])
+    assert len(batch) == 0 and batch.done.size == 0
+
+
+def test_the_pools_shrink_once_a_large_tree_has_left():
+    batch = BACKEND.open_batch(params(deadline_ms=1.0, parallel_sims=16))
+    batch.join(c4.stack([c4.parse_moves(""), c4.parse_moves("4")]), [None, None], [1, 2], [0, 1])
+    members, times, grown = [Member(20_000, None), Member(16, None)], WaveTimes(), 0
+    while members:
+        step(batch, members, times)
+        grown = max(grown, batch.tree.capacity)
+    assert grown > 20_000 and len(batch) == 0
+    batch.join(c4.parse_moves("1"), [None], [3], [0])
+    assert batch.tree.capacity <= 8192

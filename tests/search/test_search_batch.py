@@ -147,9 +147,10 @@ def test_a_backend_without_a_batch_of_trees_searches_a_batch_call_in_one_call_pe
     try:
         assert servicer.loop is None
         r = stub.SearchBatch(batch(req(moves="4", simulations=40, seed=3), req(moves="3", simulations=40, seed=3),
-                                   req(moves="2", simulations=30, seed=3)), timeout=60).results
-        assert [x.simulations for x in r] == [40, 40, 30]
-        assert sorted(servicer.backend.calls) == [1, 2]  # the two of one budget in one call
+                                   req(moves="2", simulations=30, seed=3), req(moves="1", simulations=30, seed=4)),
+                             timeout=60).results
+        assert [x.simulations for x in r] == [40, 40, 30, 30]
+        assert sorted(servicer.backend.calls) == [1, 1, 2]  # the two of one budget and seed in one call
     finally:
         servicer.backend = batching
     assert servicer.loop is not None
