@@ -88,6 +88,7 @@ from search_service.mcts.backend import (
     best_action,
     check_call,
     drive,
+    kept_trees,
     model_answer,
 )
 from search_service.mcts.philox import seed_key
@@ -285,16 +286,8 @@ class _Search:
         b = len(roots)
         self.n_trees = b
         self.roots = roots
-        self.kept: dict[int, pl.CudaTree] = {}  # tree index -> the tree passed in to search further
-        for i, t in enumerate(trees):
-            if t is None or t.evaluator != params.evaluator:
-                continue
-            if t.batch != 1:
-                raise ValueError(f"trees[{i}] holds {t.batch} trees; pass single trees")
-            t = pl.as_cuda_tree(t)
-            if not (t.root_current == int(roots.current[i]) and t.root_mask == int(roots.mask[i])):
-                raise ValueError(f"trees[{i}] is rooted at another position than roots[{i}]")
-            self.kept[i] = t
+        # tree index -> the tree passed in to search further
+        self.kept: dict[int, pl.CudaTree] = kept_trees(roots, trees, params.evaluator, pl.as_cuda_tree)
         # int64 [B]: slots in use before the search (a fresh tree: its root)
         self.nodes_in_use = np.array([self.kept[i].num_nodes if i in self.kept else 1 for i in range(b)], np.int64)
         used = int(self.nodes_in_use.max())
@@ -651,7 +644,7 @@ class _Search:
                 used_model = self.use_model
                 if not on_device:  # the host builds them: exact values where known, the leaves' planes
                     vin = np.zeros(n, abi.EVAL.dtype)
-                    vin["value"] = np.where(ran, tr.OUTCOME_VALUE[np.maximum(meta["terminal"], 0)], 0.0)
+                    vin["value"] = tr.OUTCOME_VALUE[np.where(ran, meta["terminal"], tr.NOT_TERMINAL)]  # ran: written
                     planes = (obs_host if dw is None else obs_dev.get()).reshape(n, 2, connect4.ROWS, connect4.COLUMNS)
                 try:
                     if on_device:
@@ -751,28 +744,8 @@ class _Search:
 
     def _model_values(self, vin: np.ndarray, planes: np.ndarray, obs_dev, open_: np.ndarray, leader: np.ndarray,
                       wants_cupy: bool) -> bool:
-        """Fills the EVAL rows of the wave's open leaves from one model call
-        (each distinct leaf once: its leader's row); returns has_priors.
-
-        Raises:
-            EvaluationFailed: the evaluator could not value the leaves.
-        """
-        n = len(vin)
-        rows = np.flatnonzero(open_ & (leader == np.arange(n)))
-        if rows.size == 0:
-            return False
-        obs = obs_dev[cupy.asarray(rows)].reshape(-1, 2, connect4.ROWS, connect4.COLUMNS) if wants_cupy else planes[rows]
-        top = planes[rows, :, -1, :]  # uint8 [M, 2, A]: the top row of both stone planes
-        legal = (top[:, 0] | top[:, 1]) == 0
-        with nvtx.span("search.evaluate"):
-            values, priors = _model_answer(self.evaluator, obs, legal)
-        by_slot = np.zeros(n, np.float32)
-        by_slot[rows] = values
-        vin["value"][open_] = by_slot[leader[open_]]
-        if priors is None:
-            return False
-        vin["priors"][rows] = priors
-        return True
+        """:func:`model_values` with this search's evaluator."""
+        return model_values(self.evaluator, vin, planes, obs_dev, open_, leader, wants_cupy)
 
     def _device_values(self, open_: np.ndarray | None, n: int):
         """Generator: values the wave's leaves as one device wave (their OBS
@@ -829,24 +802,7 @@ class _Search:
 
     def _results(self, res: np.ndarray, nodes: list[int], deadline_reached: bool | None,
                  kernel_ms: float | None) -> list[SearchResult]:
-        # Whole-batch arrays and lists first, in as few NumPy calls as may be: each costs the
-        # host a few µs while the caller waits for its answer, whatever B (docs/benchmarks.md).
-        words = res.view(np.int32).reshape(self.n_trees, abi.RESULT.words)  # [B, 74]: the RES rows as words
-        visits = res["visits"].astype(np.int64)  # [B, A]
-        value = res["value_sum"].astype(np.float64)
-        q = np.where(visits > 0, value / np.maximum(visits, 1), 0.0)
-        q32 = q.astype(np.float32)
-        total = visits.sum(axis=1)  # [B]: the roots' completed simulations
-        outcome = res["outcome"].astype(np.int8)  # [B, 1 + A]: the root's known result, then its children's
-        proven = outcome[:, 0]
-        root_value = np.where(proven != tr.NOT_TERMINAL, tr.OUTCOME_VALUE[proven],
-                              value.sum(axis=1) / np.maximum(total, 1)).tolist()
-        action = best_action(visits, q, connect4.legal_bits(self.roots.mask), outcome[:, 1:],
-                             self._root_priors(total)).tolist()
-        counters = words[:, _RES_NODES : _RES_NODES + len(_RES_COUNTERS)].tolist()  # [B][6]: _RES_COUNTERS
-        pv = words[:, _RES_PV : _RES_PV + abi.MAX_DEPTH].tolist()
-        proven, used = proven.tolist(), self.model_simulations.tolist()
-        ms = self.phase_ms
+        used, ms = self.model_simulations.tolist(), self.phase_ms
         common = {
             "warps_per_tree": self.warps_per_tree,
             "sims_per_warp": self.sims_per_warp,
@@ -857,18 +813,12 @@ class _Search:
             "gated_waves": self.gated_waves,
         }
         results = []
-        for i, (_, depth, done, exhausted, deadline, pv_len) in enumerate(counters):
+        for i, (fields, deadline) in enumerate(result_fields(res, self.roots.mask, self._root_priors)):
+            done = fields["simulations"]
             results.append(SearchResult(
-                action=action[i],
-                visit_counts=visits[i],
-                q_values=q32[i],
-                root_value=root_value[i],
-                principal_variation=pv[i][:pv_len],
-                simulations=done,
-                max_depth=depth,
+                **fields,
                 tree_nodes=nodes[i],
-                pool_exhausted=exhausted != 0,
-                deadline_reached=(deadline != 0 or self.host_deadline) if deadline_reached is None else deadline_reached,
+                deadline_reached=(deadline or self.host_deadline) if deadline_reached is None else deadline_reached,
                 select_ms=ms["select"],
                 expand_ms=ms["expand"],
                 evaluate_ms=ms["evaluate"],
@@ -876,7 +826,6 @@ class _Search:
                 tree_reused=i in self.kept,
                 model_simulations=used[i],
                 evaluation_failure=self.failure,
-                proven=proven[i],
                 extras={"waves": self.waves if self.puct else -(-done // self.parallel_sims), **common},
             ))
         return results
@@ -884,6 +833,68 @@ class _Search:
     def _trees(self, nodes: list[int]) -> list[pl.CudaTree]:
         cur, mask, ev, cap = self.roots.current.tolist(), self.roots.mask.tolist(), self.params.evaluator, self.capacity
         return [pl.CudaTree(self.pool, i, cap, nodes[i], cur[i], mask[i], ev) for i in range(self.n_trees)]
+
+
+def model_values(evaluator, vin: np.ndarray, planes: np.ndarray, obs_dev, open_: np.ndarray, leader: np.ndarray,
+                 wants_cupy: bool) -> bool:
+    """Fills the EVAL rows ``vin`` (abi.EVAL.dtype [n]) of a wave's open
+    leaves (``open_`` bool [n]) from one call of ``evaluator`` (each distinct
+    leaf once: its leader's row, ``leader`` int [n]; observations from
+    ``planes`` uint8 [n, 2, 6, 7] on the host, or the OBS rows ``obs_dev`` on
+    the device where ``wants_cupy``); returns has_priors.
+
+    Raises:
+        EvaluationFailed: the evaluator could not value the leaves.
+    """
+    n = len(vin)
+    rows = np.flatnonzero(open_ & (leader == np.arange(n)))
+    if rows.size == 0:
+        return False
+    obs = obs_dev[cupy.asarray(rows)].reshape(-1, 2, connect4.ROWS, connect4.COLUMNS) if wants_cupy else planes[rows]
+    top = planes[rows, :, -1, :]  # uint8 [M, 2, A]: the top row of both stone planes
+    legal = (top[:, 0] | top[:, 1]) == 0
+    with nvtx.span("search.evaluate"):
+        values, priors = _model_answer(evaluator, obs, legal)
+    by_slot = np.zeros(n, np.float32)
+    by_slot[rows] = values
+    vin["value"][open_] = by_slot[leader[open_]]
+    if priors is None:
+        return False
+    vin["priors"][rows] = priors
+    return True
+
+
+def result_fields(res: np.ndarray, masks: np.ndarray,
+                  root_priors: Callable[[np.ndarray], np.ndarray | None]) -> list[tuple[dict, bool]]:
+    """The :class:`SearchResult` fields that M trees' RES rows give (``res``:
+    abi.RESULT.dtype [M]; ``masks``: uint64 [M], the roots' occupied cells;
+    ``root_priors(total)``: the roots' priors float32 [M, A] where a tree has
+    no root visit at all, given the roots' visits int64 [M], else None), with
+    whether its deadline stopped a warp of the tree, one pair per tree.
+    Whole-batch arrays and lists first, in as few NumPy calls as may be: each
+    costs the host a few µs while the caller waits for its answer, whatever M
+    (docs/benchmarks.md)."""
+    m = len(res)
+    words = res.view(np.int32).reshape(m, abi.RESULT.words)  # [M, 74]: the RES rows as words
+    visits = res["visits"].astype(np.int64)  # [M, A]
+    value = res["value_sum"].astype(np.float64)
+    q = np.where(visits > 0, value / np.maximum(visits, 1), 0.0)
+    q32 = q.astype(np.float32)
+    total = visits.sum(axis=1)  # [M]: the roots' completed simulations
+    outcome = res["outcome"].astype(np.int8)  # [M, 1 + A]: the root's known result, then its children's
+    proven = outcome[:, 0]
+    root_value = np.where(proven != tr.NOT_TERMINAL, tr.OUTCOME_VALUE[proven],
+                          value.sum(axis=1) / np.maximum(total, 1)).tolist()
+    action = best_action(visits, q, connect4.legal_bits(masks), outcome[:, 1:], root_priors(total)).tolist()
+    counters = words[:, _RES_NODES : _RES_NODES + len(_RES_COUNTERS)].tolist()  # [M][6]: _RES_COUNTERS
+    pv = words[:, _RES_PV : _RES_PV + abi.MAX_DEPTH].tolist()
+    proven = proven.tolist()
+    return [
+        (dict(action=action[i], visit_counts=visits[i], q_values=q32[i], root_value=root_value[i],
+              principal_variation=pv[i][:pv_len], simulations=done, max_depth=depth, pool_exhausted=exhausted != 0,
+              proven=proven[i]), deadline != 0)
+        for i, (_, depth, done, exhausted, deadline, pv_len) in enumerate(counters)
+    ]
 
 
 def _wave_slots(meta: np.ndarray, in_wave: np.ndarray, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -295,6 +295,28 @@ def best_action(visits: np.ndarray, q: np.ndarray, legal: np.ndarray | None = No
     return np.argmax(np.where(top, q, -np.inf), axis=1)
 
 
+def kept_trees(roots: "Positions", trees: list, evaluator: str, convert=None) -> dict:
+    """The trees passed in to be searched further: {i: ``trees[i]``} (through
+    ``convert``, e.g. an upload to the device) for each single tree built
+    with ``evaluator`` (another evaluator's is replaced by a fresh tree).
+
+    Raises:
+        ValueError: a tree holding several, or rooted elsewhere than ``roots[i]``.
+    """
+    kept = {}
+    for i, t in enumerate(trees):
+        if t is None or t.evaluator != evaluator:
+            continue
+        if t.batch != 1:
+            raise ValueError(f"trees[{i}] holds {t.batch} trees; pass single trees")
+        t = convert(t) if convert is not None else t
+        root = t.root_positions()
+        if not (root.current[0] == roots.current[i] and root.mask[0] == roots.mask[i]):
+            raise ValueError(f"trees[{i}] is rooted at another position than roots[{i}]")
+        kept[i] = t
+    return kept
+
+
 def check_call(roots: "Positions", params: SearchParams, evaluator: LeafEvaluator | None, trees) -> list:
     """Checks one ``search()`` call's arguments, the same for every backend.
 

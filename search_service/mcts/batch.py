@@ -75,10 +75,12 @@ class TreeBatch(Protocol):
         on with rollouts (their results' ``evaluation_failure`` says why)."""
         ...
 
-    def leave(self, rows: list[int], members: list[Member]) -> "tuple[list[SearchResult], list]":
+    def leave(self, rows: list[int], members: list[Member]) -> "tuple[list[SearchResult], list, np.ndarray]":
         """Removes ``rows`` (ascending) from the batch: their results (fields
         per tree; ``members[i].end`` says whether a deadline or a stop ended
-        row ``rows[i]``) and their trees, single and compact, for reuse."""
+        row ``rows[i]``), their trees, single and compact, for reuse, and the
+        rows left, in their new order (int [B']: new row r was row
+        ``kept[r]``; a batch may move rows to fill the holes)."""
         ...
 
 
@@ -94,12 +96,10 @@ def leave(batch: TreeBatch, members: list[Member], times: WaveTimes,
     left = []
     if plan.leaving:
         gone = [members[i] for i in plan.leaving]
-        results, trees = batch.leave(plan.leaving, gone)
+        results, trees, kept = batch.leave(plan.leaving, gone)
         left = list(zip(gone, results, trees))
-        keep = np.ones(len(members), bool)
-        keep[plan.leaving] = False
-        members[:] = [m for m, k in zip(members, keep) if k]
-        plan.ks = plan.ks[keep]
+        members[:] = [members[i] for i in kept]
+        plan.ks = plan.ks[kept]
     return left, plan.ks
 
 

@@ -90,6 +90,7 @@ from search_service.mcts.backend import (
     SearchResult,
     best_action,
     check_call,
+    kept_trees,
     model_answer,
 )
 from search_service.mcts.batch import ended_by, search_alone
@@ -221,14 +222,7 @@ class CpuTreeBatch:
         trees = check_call(roots, p, self.evaluator, trees)
         n = len(roots)
         reused = np.zeros(n, bool)
-        for i, t in enumerate(trees):
-            if t is None or t.evaluator != p.evaluator:
-                continue
-            if t.batch != 1:
-                raise ValueError(f"trees[{i}] holds {t.batch} trees; pass single trees")
-            if not (t.node_current[0, 0] == roots.current[i] and t.node_mask[0, 0] == roots.mask[i]):
-                raise ValueError(f"trees[{i}] is rooted at another position than roots[{i}]")
-            reused[i] = True
+        reused[list(kept_trees(roots, trees, p.evaluator))] = True
         fresh = tr.split(tr.new_trees(roots, 1, p.evaluator))
         joining = [trees[i] if reused[i] else fresh[i] for i in range(n)]
         # Pool size: room for one node per simulation (the most a search can add)
@@ -254,7 +248,7 @@ class CpuTreeBatch:
                 self._keep(np.arange(self.b) < first)
                 raise
 
-    def leave(self, rows: list[int], members: list) -> tuple[list[SearchResult], list[tr.Tree]]:
+    def leave(self, rows: list[int], members: list) -> tuple[list[SearchResult], list[tr.Tree], np.ndarray]:
         index = np.asarray(rows, np.int64)
         results = self._results(index, [ended_by(m) for m in members])
         trees = [tr.gather([t], int(t.num_nodes[0])) for t in (tr.split(self.tree)[i] for i in rows)]
@@ -263,7 +257,7 @@ class CpuTreeBatch:
         keep = np.ones(self.b, bool)
         keep[index] = False
         self._keep(keep)
-        return results, trees
+        return results, trees, np.flatnonzero(keep)
 
     def _keep(self, keep: np.ndarray) -> None:
         """Keeps the rows ``keep`` (bool [B]) only; the pools shrink to a

@@ -104,10 +104,11 @@ def test_wave_times_expect_a_fixed_cost_and_a_pessimistic_cost_per_simulation():
 # -- independence: a tree beside others equals it alone --------------------------------
 
 
-def run_ragged(specs, k: int, evaluator="rollout", evaluator_fn=None):
-    """Searches ``specs`` ((moves, simulations, seed, join_at_wave)) in one batch,
-    each joining at its wave; returns {index: (result, tree)} once all left."""
-    batch = BACKEND.open_batch(params(deadline_ms=1.0, parallel_sims=k, evaluator=evaluator), evaluator_fn)
+def run_ragged(specs, k: int, evaluator="rollout", evaluator_fn=None, backend=BACKEND):
+    """Searches ``specs`` ((moves, simulations, seed, join_at_wave)) in one
+    batch of ``backend``'s, each joining at its wave; returns {index: (result,
+    tree)} once all left."""
+    batch = backend.open_batch(params(deadline_ms=1.0, parallel_sims=k, evaluator=evaluator), evaluator_fn)
     members: list[Member] = []
     out, times, wave = {}, WaveTimes(), 0
     while len(out) < len(specs):
@@ -341,7 +342,8 @@ def test_trees_on_rollouts_keep_a_wave_the_model_failed_for_others():
     assert not batch.wave(np.array([4, 4]))
     assert batch.done.tolist() == [4, 0]  # the rollout tree kept its wave, the model's tree undid it
     assert batch.failed().tolist() == [True, True]
-    results, trees = batch.leave([0, 1], [Member(None, None), Member(None, None)])
+    results, trees, kept = batch.leave([0, 1], [Member(None, None), Member(None, None)])
+    assert kept.size == 0
     assert [r.simulations for r in results] == [4, 0] and int(trees[1].num_nodes[0]) == 1
     assert not trees[1].edge_vloss.any() and not trees[0].edge_vloss.any()
 

@@ -72,13 +72,13 @@ class RecordingBatch(CpuTreeBatch):
         return super().join(roots, trees, seeds, streams)
 
     def leave(self, rows, members):
-        results, trees = super().leave(rows, members)
+        results, trees, kept = super().leave(rows, members)
         for r, m in zip(results, members):
             self.owner.calls.append({"simulations": r.simulations, "waves": r.extras["waves"],
                                      "stopped": r.extras["stopped"], "budget": m.simulations,
                                      "deadline_ms": m.owner.params.deadline_ms})
         self.owner.finished.set()
-        return results, trees
+        return results, trees, kept
 
 
 def _search_server(**search):

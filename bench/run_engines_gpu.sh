@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The engines curve on the GPU machine, in two device calls (each under the 10-minute limit). Setup as
+# bench/gpu_setup.sh says (carry [".whl"]). Then:
+#   bash bench/run_engines_gpu.sh curve      # N = 1, 8, 32, 64, 128 per evaluator, and the batch-call rows
+#   bash bench/run_engines_gpu.sh contended  # N = 64 beside the bulk-server trainer, per policy
+# Each writes $OUT/engines_<mode>.json, engines_<mode>.png and a short table (last).
+set -o pipefail
+export PYTHONUNBUFFERED=1
+OUTDIR=${OUT:-runs/engines_gpu}
+mkdir -p "$OUTDIR"
+source bench/gpu_setup.sh > /dev/null
+case "${1:-curve}" in
+  curve) python3 -m bench.engines --engines 1,8,32,64,128 --evaluators value_model,rollout --batch 16x16,1x256 \
+           --contended 0 --policies default --out "$OUTDIR/curve" ;;
+  contended) python3 -m bench.engines --engines "" --evaluators value_model --batch "" --contended 64 \
+           --policies default,dynamic,static --out "$OUTDIR/contended" ;;
+esac
+for f in "$OUTDIR"/*/engines.json; do cp "$f" "$OUTDIR/engines_$(basename "$(dirname "$f")").json"; done
+for f in "$OUTDIR"/*/engines.png; do cp "$f" "$OUTDIR/engines_$(basename "$(dirname "$f")").png"; done

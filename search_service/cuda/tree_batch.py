@@ -1,0 +1,357 @@
+"""Device trees that searches join and leave between waves: the CUDA
+backend's :class:`~search_service.mcts.batch.TreeBatch`.
+
+NOT YET RUN ON A GPU: compiled by NVRTC and checked against the CPU
+reference only by the GPU tests (tests/search/test_cuda_batch_gpu.py),
+which have not run yet; ``CudaBackend`` does not offer ``open_batch`` until
+they pass, so the search service does not use it (docs/decisions/0001).
+
+Layout: one slab of ``S`` tree slots (rows ``0 .. B-1`` in use), each a
+node pool of ``cap`` = ``max_nodes`` slots (pool.py's region), with its TS,
+CYC, RES and INIT rows and, per row, a Philox key row (k0, k1, the tree's
+index within its own call) and the wave's simulations (``ks``). The slab
+doubles when a join needs more rows (the rows in use are copied); the rows
+that leave below the new end are filled by the rows that stay past it (their
+used slots, TS, CYC and key rows moved), so ``leave`` returns the new order.
+Every row holds a whole pool of ``max_nodes`` slots and the slab does not
+shrink: a lane's memory is its most trees at once times ``max_nodes * 176``
+bytes.
+
+A wave (``wave(ks)``):
+
+* value model: ``mcts_vm_select`` over the B rows with each tree's k
+  (``ks``: slots ``j >= ks[b]`` are not written), the META and OBS rows back
+  to the host, one model call for the open leaves of the trees that use the
+  model and Philox rollouts on the host for the others, the EVAL rows up,
+  ``mcts_vm_backup_*``; where the model fails, ``mcts_vm_undo`` with the
+  model's trees' k (the others 0) and the backup with the others' k;
+* rollouts: one launch of ``mcts_rollout_*`` with each tree's budget (its
+  simulations claimed so far + its k) and Philox key row, no deadline in the
+  kernel (the plan keeps it).
+
+After each wave and each join ``finish_trees`` writes every row's RES row,
+copied back: the trees' simulations done, node counts and roots' known
+results (:meth:`live`), and, at ``leave``, their answers.
+"""
+from __future__ import annotations
+
+import time
+
+import cupy
+import numpy as np
+
+from search_service.cuda import abi
+from search_service.cuda import pool as pl
+from search_service.cuda.backend import (
+    SCALE_TABLE,
+    _NULL,
+    _call_model,
+    _wave_slots,
+    model_values,
+    result_fields,
+)
+from search_service.cuda.module import kernel
+from search_service.games import connect4
+from search_service.games.connect4 import Positions
+from search_service.mcts import tree as tr
+from search_service.mcts.backend import EvaluationFailed, SearchParams, SearchResult, check_call, kept_trees
+from search_service.mcts.batch import ended_by
+from search_service.mcts.rollout import rollout_values
+
+A = connect4.NUM_ACTIONS
+_KEY_WORDS = 3  # a tree's Philox key row: k0, k1, its tree word
+_HOST_FIELDS = {  # per-row host state: name -> dtype (row b: tree b)
+    "seed": np.uint64,
+    "stream": np.int64,
+    "current": np.uint64,  # the root's position
+    "mask": np.uint64,
+    "floor": np.int64,  # node slots in use at the join (a kept tree may hold more than max_nodes)
+    "model_simulations": np.int64,
+    "waves": np.int64,
+    "reused": bool,
+    "use_model": bool,
+    "failure": object,
+    "ms": (np.float64, 4),  # select, expand, evaluate, backup: wall-clock ms of its waves
+}
+
+
+class CudaTreeBatch:
+    """B device trees searched together (module docstring). Not thread-safe:
+    one thread owns a batch and runs it on the current CuPy stream."""
+
+    def __init__(self, backend, params: SearchParams, evaluator=None):
+        if params.evaluator == "value_model" and evaluator is None:
+            raise ValueError("evaluator 'value_model' needs a leaf evaluator")
+        self.backend, self.p, self.evaluator = backend, params, evaluator
+        self.k_max = params.parallel_sims
+        self.puct = params.evaluator == "value_model"
+        self.w, self.g = backend.split(self.k_max, self.puct)
+        self.cap = min(params.max_nodes, pl.MAX_CAPACITY)
+        self.slots = 0  # S: rows the slab holds
+        self.b = 0  # B: rows in use
+        self.row = {name: np.zeros(0, dt) if not isinstance(dt, tuple) else np.zeros((0, dt[1]), dt[0])
+                    for name, dt in _HOST_FIELDS.items()}
+        self.res = np.zeros(0, abi.RESULT.dtype)  # the RES rows as of the last refresh
+        self._grow(8)
+
+    def __len__(self) -> int:
+        return self.b
+
+    # -- the slab ------------------------------------------------------------------------
+    def _grow(self, slots: int) -> None:
+        """Makes room for ``slots`` rows, the rows in use copied."""
+        if slots <= self.slots:
+            return
+        slots = max(slots, 2 * self.slots)
+        n, k = slots, self.k_max
+        pool = cupy.empty((n, self.cap * pl.NODE_BYTES), np.uint8)
+        ts = cupy.zeros(n * abi.TREE_STATE.words, np.int32)
+        cyc = cupy.zeros(n * abi.CYCLES.words, np.uint64)
+        if self.b:
+            pool[: self.b] = self.pool[: self.b]
+            ts[: self.b * abi.TREE_STATE.words] = self.ts[: self.b * abi.TREE_STATE.words]
+            cyc[: self.b * abi.CYCLES.words] = self.cyc[: self.b * abi.CYCLES.words]
+        self.pool, self.ts, self.cyc = pool, ts, cyc
+        self.res_dev = cupy.empty(n * abi.RESULT.nbytes, np.uint8)
+        self.init_dev = cupy.empty(n * abi.INIT.words, np.uint32)
+        keys = cupy.zeros(n * _KEY_WORDS, np.uint32)
+        if self.b:
+            keys[: self.b * _KEY_WORDS] = self.keys[: self.b * _KEY_WORDS]
+        self.keys = keys
+        self.ks_dev = cupy.zeros(n, np.int32)  # a wave's k per tree (value model) or budget (rollouts)
+        self.t0 = cupy.zeros(1, np.uint64)
+        if self.puct:
+            sizes = (n * k * abi.META.nbytes, n * k * abi.OBS.nbytes)
+            self.stage = cupy.empty(sum(sizes), np.uint8)
+            meta, obs = abi.carve(self.stage, *sizes)
+            self.meta_dev, self.obs_dev = meta, obs.reshape(n * k, abi.OBS.words)
+            self.paths = cupy.empty(n * k * abi.MAX_DEPTH, np.int32)
+            self.vin_dev = cupy.empty(n * k * abi.EVAL.words, np.float32)
+        self.slots = slots
+
+    def _ptr(self, row: int) -> int:
+        return self.pool.data.ptr + row * self.cap * pl.NODE_BYTES
+
+    def _refresh(self) -> None:
+        """Every row's RES row, written on the device and copied back (waits for the stream)."""
+        if not self.b:
+            self.res = np.zeros(0, abi.RESULT.dtype)
+            return
+        kernel("finish_trees")(
+            ((self.b + abi.WARPS_PER_BLOCK - 1) // abi.WARPS_PER_BLOCK,), (32 * abi.WARPS_PER_BLOCK,),
+            (self.pool, np.int64(self.cap), np.int32(self.b), self.ts, self.cyc, self.res_dev))
+        self.res = self.res_dev[: self.b * abi.RESULT.nbytes].get().view(abi.RESULT.dtype)
+
+    # -- TreeBatch ---------------------------------------------------------------------
+    @property
+    def done(self) -> np.ndarray:
+        return self.res["done"].astype(np.int64)
+
+    def live(self) -> np.ndarray:
+        return self.res["outcome"][:, 0].astype(np.int8) == tr.NOT_TERMINAL
+
+    def failed(self) -> np.ndarray:
+        return self.row["failure"] != ""
+
+    def join(self, roots: Positions, trees: list | None, seeds: list[int], streams: list[int]) -> None:
+        p = self.p
+        trees = check_call(roots, p, self.evaluator, trees)
+        n = len(roots)
+        kept = {i: t for i, t in kept_trees(roots, trees, p.evaluator, pl.as_cuda_tree).items()
+                if t.num_nodes <= self.cap}  # a larger one (a smaller max_nodes since) starts afresh
+        fresh = np.array([i not in kept for i in range(n)])
+        init = np.zeros(n, abi.INIT.dtype)
+        init["current"], init["mask"] = roots.current, roots.mask
+        init["nodes"] = [kept[i].num_nodes if i in kept else 1 for i in range(n)]
+        init["fresh"] = fresh
+        use_model = np.full(n, self.puct)
+        failure = np.full(n, "", object)
+        t = time.perf_counter()
+        if self.puct and fresh.any():  # the roots' priors first: a failure that raises changes nothing
+            idx = np.flatnonzero(fresh)
+            init["root_visits"][idx] = 1  # the root's own evaluation: sqrt(N) > 0 at the first choice
+            try:
+                _, priors = _call_model(self.evaluator, roots.current[idx], roots.mask[idx])
+            except EvaluationFailed as exc:  # uniform priors stay; rollouts value the leaves
+                use_model[idx], failure[idx], priors = False, str(exc) or type(exc).__name__, None
+            if priors is not None:
+                init["has_priors"][idx] = 1
+                init["priors"][idx] = priors
+        root_ms = (time.perf_counter() - t) * 1e3
+        first = self.b
+        self._grow(first + n)
+        for i, tree in kept.items():
+            pl.copy_into(self._ptr(first + i), self.cap, tree)
+        self.init_dev[first * abi.INIT.words : (first + n) * abi.INIT.words].set(init.view(np.uint32))
+        keys = np.zeros((n, _KEY_WORDS), np.uint32)
+        seed = np.asarray(seeds, np.uint64)
+        keys[:, 0], keys[:, 1], keys[:, 2] = seed & np.uint64(0xFFFFFFFF), seed >> np.uint64(32), streams
+        self.keys[first * _KEY_WORDS : (first + n) * _KEY_WORDS].set(keys.reshape(-1))
+        ts_at, cyc_at = first * abi.TREE_STATE.words, first * abi.CYCLES.words
+        kernel("init_trees")(
+            ((n + 127) // 128,), (128,),
+            (self.pool[first:], np.int64(self.cap), np.int32(n), self.init_dev[first * abi.INIT.words :],
+             self.ts[ts_at:], self.cyc[cyc_at:], self.t0, _NULL))
+        added = {name: np.zeros((n, *self.row[name].shape[1:]), self.row[name].dtype) for name in _HOST_FIELDS}
+        added["seed"][:], added["stream"][:] = seed, streams
+        added["current"][:], added["mask"][:] = roots.current, roots.mask
+        added["floor"][:] = init["nodes"]
+        added["reused"][:] = ~fresh
+        added["use_model"][:], added["failure"][:] = use_model, failure
+        added["ms"][fresh & self.puct, 2] = root_ms
+        self.row = {name: np.concatenate([self.row[name], added[name]]) for name in _HOST_FIELDS}
+        self.b += n
+        self._refresh()
+
+    def wave(self, ks: np.ndarray) -> bool:
+        return self._model_wave(ks) if self.puct else self._rollout_wave(ks)
+
+    def leave(self, rows: list[int], members: list) -> tuple[list[SearchResult], list[pl.CudaTree], np.ndarray]:
+        index = np.asarray(rows, np.int64)
+        results = self._results(index, [ended_by(m) for m in members])
+        nodes = self._nodes()
+        trees = []
+        for i in rows:  # a compact copy of each (capacity: its node count)
+            n = int(nodes[i])
+            dst = cupy.empty((1, n * pl.NODE_BYTES), np.uint8)
+            src = pl.CudaTree(self.pool, i, self.cap, n, 0, 0)
+            pl.copy_into(dst.data.ptr, n, src)
+            trees.append(pl.CudaTree(dst, 0, n, n, int(self.row["current"][i]), int(self.row["mask"][i]),
+                                     self.p.evaluator))
+        order = self._fill_holes(set(rows), nodes)
+        self.row = {name: values[order] for name, values in self.row.items()}
+        self.res = self.res[order]
+        self.b = len(order)
+        return results, trees, order
+
+    # -- inside ---------------------------------------------------------------------------
+    def _nodes(self) -> np.ndarray:
+        """int64 [B]: slots in use per tree (claims past the node limit were refused)."""
+        return np.minimum(self.res["nodes"].astype(np.int64), np.maximum(self.cap, self.row["floor"]))
+
+    def _fill_holes(self, leaving: set[int], nodes: np.ndarray) -> np.ndarray:
+        """Moves the rows that stay past the new end into the rows below it
+        that leave; returns the new order (int [B']: new row r was row order[r])."""
+        stay = [r for r in range(self.b) if r not in leaving]
+        order = list(range(len(stay)))
+        holes = [r for r in sorted(leaving) if r < len(stay)]
+        movers = [r for r in stay if r >= len(stay)]
+        ts_w, cyc_w = abi.TREE_STATE.words, abi.CYCLES.words
+        for hole, row in zip(holes, movers):
+            pl.copy_into(self._ptr(hole), self.cap, pl.CudaTree(self.pool, row, self.cap, int(nodes[row]), 0, 0))
+            self.ts[hole * ts_w : (hole + 1) * ts_w] = self.ts[row * ts_w : (row + 1) * ts_w]
+            self.cyc[hole * cyc_w : (hole + 1) * cyc_w] = self.cyc[row * cyc_w : (row + 1) * cyc_w]
+            self.keys[hole * _KEY_WORDS : (hole + 1) * _KEY_WORDS] = self.keys[row * _KEY_WORDS : (row + 1) * _KEY_WORDS]
+            order[hole] = row
+        return np.array(order, np.int64)
+
+    def _results(self, index: np.ndarray, ends: list[tuple[bool, bool]]) -> list[SearchResult]:
+        res, row, nodes = self.res[index], {k: v[index] for k, v in self.row.items()}, self._nodes()[index]
+
+        def root_priors(total: np.ndarray) -> np.ndarray | None:
+            if total.all():
+                return None
+            start = pl.offsets(self.cap)[0]
+            rows = self.pool[cupy.asarray(index), start : start + abi.NODE_ROW.itemsize].get()
+            return np.ascontiguousarray(rows).view(abi.NODE_ROW)["edges"]["prior"].reshape(len(index), A)
+
+        return [
+            SearchResult(
+                **fields, tree_nodes=int(nodes[i]), deadline_reached=ends[i][0],
+                select_ms=float(row["ms"][i, 0]), expand_ms=float(row["ms"][i, 1]),
+                evaluate_ms=float(row["ms"][i, 2]), backup_ms=float(row["ms"][i, 3]),
+                tree_reused=bool(row["reused"][i]), model_simulations=int(row["model_simulations"][i]),
+                evaluation_failure=row["failure"][i],
+                extras={"waves": int(row["waves"][i]), "stopped": ends[i][1], "warps_per_tree": self.w,
+                        "sims_per_warp": self.g, "backup": self.backend.backup},
+            )
+            for i, (fields, _) in enumerate(result_fields(res, row["mask"], root_priors))
+        ]
+
+    def _vm_args(self, k_wave: int) -> tuple:
+        return (self.pool, np.int64(self.cap), np.int32(self.cap), np.int32(self.b), np.int32(self.w),
+                np.int32(self.g), np.int32(self.k_max), np.int32(k_wave))
+
+    def _grid(self) -> tuple[tuple[int], tuple[int]]:
+        warps = self.b * self.w
+        return ((warps + abi.WARPS_PER_BLOCK - 1) // abi.WARPS_PER_BLOCK,), (32 * abi.WARPS_PER_BLOCK,)
+
+    def _model_wave(self, ks: np.ndarray) -> bool:
+        b, k = self.b, self.k_max
+        n = b * k
+        grid, block = self._grid()
+        args = self._vm_args(int(ks.max()))
+        t = time.perf_counter()
+        self.ks_dev[:b].set(ks.astype(np.int32))
+        kernel("mcts_vm_select")(grid, block, (*args, np.float64(self.p.c_puct), np.float64(self.p.virtual_loss),
+                                               self.ts, self.meta_dev, self.paths, self.obs_dev, self.ks_dev))
+        meta = self.meta_dev[: n * abi.META.nbytes].get().view(abi.META.dtype)  # waits for the selection
+        planes = self.obs_dev[:n].get().reshape(n, 2, connect4.ROWS, connect4.COLUMNS)
+        t1 = time.perf_counter()
+        slot = np.arange(n)
+        tree_of, j = slot // k, slot % k
+        in_wave = j < ks[tree_of]
+        ran, _, open_ = _wave_slots(meta, in_wave, b)  # slots past a tree's k hold no META row: never read
+        vin = np.zeros(n, abi.EVAL.dtype)
+        vin["value"] = tr.OUTCOME_VALUE[np.where(ran, meta["terminal"], tr.NOT_TERMINAL)]
+        by_model = self.row["use_model"][tree_of]
+        roll = open_ & ~by_model
+        if roll.any():
+            pos = connect4.from_observation(planes[roll])
+            t_of = tree_of[roll]
+            vin["value"][roll] = rollout_values(pos.current, pos.mask, self.done[t_of] + j[roll],
+                                                self.row["stream"][t_of], self.row["seed"][t_of])
+            # Their new nodes keep the uniform priors where the backup writes the model's (one flag a launch).
+            lead = roll & (meta["leader"] == slot)
+            vin["priors"][lead] = tr.init_edges(pos.mask[lead[roll]], np.zeros(int(lead.sum()), np.int8))[1]
+        used = self.row["use_model"] & (ks > 0)
+        has_priors, failure = False, None
+        try:
+            has_priors = model_values(self.evaluator, vin, planes, self.obs_dev, open_ & by_model, meta["leader"],
+                                      bool(getattr(self.evaluator, "accepts_cupy", False)))
+        except EvaluationFailed as exc:
+            failure = exc
+        t2 = time.perf_counter()
+        backed = ks
+        if failure is not None:  # the model's trees undo the wave; those on rollouts keep theirs
+            self.ks_dev[:b].set(np.where(used, ks, 0).astype(np.int32))
+            kernel("mcts_vm_undo")(grid, block, (*args, self.ts, self.meta_dev, self.paths, self.ks_dev))
+            backed = np.where(used, 0, ks)
+            self.ks_dev[:b].set(backed.astype(np.int32))
+            self.row["use_model"][used] = False
+            self.row["failure"][used] = str(failure) or type(failure).__name__
+            self.row["ms"][used, 2] += (t2 - t1) * 1e3
+            has_priors, used = False, np.zeros(b, bool)
+        self.vin_dev[: n * abi.EVAL.words].set(vin.view(np.float32))
+        name = "mcts_vm_backup_aggregated" if self.backend.backup == "warp_aggregated" else "mcts_vm_backup_global"
+        kernel(name)(grid, block, (*args, self.ts, self.meta_dev, self.paths, self.vin_dev, np.int32(has_priors),
+                                   np.int32(0), _NULL, _NULL, _NULL, _NULL, self.ks_dev))
+        self._refresh()
+        t3 = time.perf_counter()
+        done = backed > 0
+        self.row["ms"][done] += np.array([t1 - t, 0.0, t2 - t1, t3 - t2]) * 1e3
+        self.row["model_simulations"] += np.where(used, ks, 0)
+        self.row["waves"] += done
+        return failure is None
+
+    def _rollout_wave(self, ks: np.ndarray) -> bool:
+        b, g = self.b, self.g
+        t = time.perf_counter()
+        # Each tree may have claimed its simulations so far (all completed: the last launch ended) + its k.
+        self.ks_dev[:b].set((self.done + ks).astype(np.int32))
+        grid, block = self._grid()
+        smem = abi.COLUMN_TABLE_BYTES + abi.WARPS_PER_BLOCK * (g * abi.MAX_DEPTH + 64) * 4
+        name = "mcts_rollout_aggregated" if self.backend.backup == "warp_aggregated" else "mcts_rollout_global"
+        kernel(name)(grid, block, (
+            self.pool, np.int64(self.cap), np.int32(self.cap), np.int32(b), np.int32(self.w), np.int32(g),
+            np.int32(self.k_max), np.int32(0), np.int64(0), self.t0, self.ts, self.cyc, np.float64(self.p.c_uct),
+            np.float64(self.p.virtual_loss), self.backend.scale_table(self.p.c_uct), np.int32(SCALE_TABLE),
+            np.uint32(0), np.uint32(0), self.ks_dev, self.keys), shared_mem=smem)
+        self._refresh()
+        ms = (time.perf_counter() - t) * 1e3
+        done = ks > 0
+        self.row["ms"][done, 2] += ms  # one kernel: select, expand, rollouts and backup inside
+        self.row["waves"] += done
+        return True
+
+

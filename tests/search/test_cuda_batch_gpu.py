@@ -1,0 +1,138 @@
+"""The CUDA backend's batch of trees (search_service/cuda/tree_batch.py)
+against the CPU reference: rollout and value-model trees joining a ragged
+batch at different waves, each equal to the same search alone on the CPU
+(one warp per tree: the reference's order), rows moved into the holes of
+those that left, the slab grown past its first rows, and a wave the model
+fails undone only in the model's trees. Every test needs a GPU (marker
+``gpu``)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+cupy = pytest.importorskip("cupy")
+
+from test_batch import SlowModel, run_ragged, same_result  # noqa: E402
+from test_cpu_mcts import toy_model  # noqa: E402
+
+from search_service.cuda import CudaBackend  # noqa: E402
+from search_service.cuda.tree_batch import CudaTreeBatch  # noqa: E402
+from search_service.games import connect4 as c4  # noqa: E402
+from search_service.mcts import tree as tr  # noqa: E402
+from search_service.mcts.backend import SearchParams  # noqa: E402
+from search_service.mcts.cpu_reference import CpuReferenceBackend  # noqa: E402
+from search_service.mcts.plan import Member  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+CPU = CpuReferenceBackend()
+FIELDS = ("node_current", "node_mask", "node_terminal", "node_visits", "node_parent", "node_action",
+          "children", "edge_visits", "edge_value", "edge_vloss", "prior")
+
+
+class OneWarpBackend(CudaBackend):
+    """The CUDA backend with one warp per tree (G = 32) and its batch of trees."""
+
+    def __init__(self):
+        super().__init__(sims_per_warp=32, value_sims_per_warp=32)
+
+    def open_batch(self, params, evaluator=None):
+        return CudaTreeBatch(self, params, evaluator)
+
+
+GPU = OneWarpBackend()
+SPECS = [("4453", 200, 11, 0), ("", 64, 12, 0), ("1234567", 150, 13, 2), ("4453", 90, 14, 5), ("33", 37, 15, 7),
+         ("4", 120, 16, 7), ("5", 40, 17, 8), ("6", 64, 18, 8), ("7", 80, 19, 9), ("2", 30, 20, 9)]
+
+
+def alone(moves: str, **kw):
+    evaluator = kw.pop("evaluator_fn", None)
+    results, trees = CPU.search(c4.parse_moves(moves), SearchParams(**{"simulations": None, "deadline_ms": None, **kw}),
+                                evaluator)
+    return results[0], trees[0]
+
+
+@pytest.mark.parametrize("k", [1, 8, 16])
+def test_rollout_trees_in_a_ragged_device_batch_equal_the_reference_alone(k):
+    """Ten searches (more than the slab's first eight rows), joining at
+    waves 0 to 9 and leaving as their caps end them."""
+    together = run_ragged(SPECS, k, backend=GPU)
+    for i, (moves, sims, seed, _) in enumerate(SPECS):
+        r, t = alone(moves, simulations=sims, seed=seed, parallel_sims=k)
+        same_result(together[i][0], r)
+        host = together[i][1].to_host()
+        n = int(t.num_nodes[0])
+        assert int(host.num_nodes[0]) == n
+        for name in FIELDS:
+            np.testing.assert_array_equal(getattr(host, name)[0, :n], getattr(t, name)[0, :n], err_msg=name)
+
+
+def test_value_model_trees_in_a_ragged_device_batch_match_the_reference_alone():
+    """Up to float32 rounding of the value sums (the warp adds them in
+    another order): the same visit counts and moves."""
+    specs = SPECS[:6]
+    together = run_ragged(specs, 8, "value_model", toy_model, backend=GPU)
+    for i, (moves, sims, seed, _) in enumerate(specs):
+        r, _ = alone(moves, simulations=sims, seed=seed, parallel_sims=8, evaluator="value_model",
+                     evaluator_fn=toy_model)
+        g = together[i][0]
+        assert g.simulations == r.simulations == g.model_simulations == sims
+        np.testing.assert_array_equal(g.visit_counts, r.visit_counts)
+        np.testing.assert_allclose(g.q_values, r.q_values, atol=1e-5)
+        assert g.action == r.action
+
+
+def policy_model(obs):
+    """toy_model's values with priors that depend on the position (no service)."""
+    values, _ = toy_model(obs)
+    logits = (obs[:, 0].sum(axis=1) - obs[:, 1].sum(axis=1)).astype(np.float32)  # [M, 7]: stones per column
+    e = np.exp(logits - logits.max(axis=1, keepdims=True))
+    return values, e / e.sum(axis=1, keepdims=True)
+
+
+def test_value_model_trees_with_priors_and_short_last_waves_match_the_reference_alone():
+    """Caps that are not multiples of K (a last wave of fewer simulations in
+    some trees only: slots past their k hold no META row) and a policy head."""
+    specs = [("4453", 45, 1, 0), ("", 13, 2, 0), ("3344", 61, 3, 1), ("7", 6, 4, 2)]
+    together = run_ragged(specs, 8, "value_model", policy_model, backend=GPU)
+    for i, (moves, sims, seed, _) in enumerate(specs):
+        r, _ = alone(moves, simulations=sims, seed=seed, parallel_sims=8, evaluator="value_model",
+                     evaluator_fn=policy_model)
+        g = together[i][0]
+        assert g.simulations == r.simulations == sims
+        np.testing.assert_array_equal(g.visit_counts, r.visit_counts)
+        assert g.action == r.action
+
+
+def test_a_failed_wave_is_undone_only_in_the_models_trees_on_the_device():
+    model = SlowModel(0.0, fail_after=0)
+    params = SearchParams(simulations=None, deadline_ms=1.0, parallel_sims=4, evaluator="value_model")
+    batch = GPU.open_batch(params, model)
+    batch.join(c4.parse_moves("4"), [None], [1], [0])  # its root's evaluation fails: rollouts from now on
+    model.fail_after = None
+    batch.join(c4.parse_moves("3"), [None], [2], [0])
+    model.fail_after = model.calls
+    assert not batch.wave(np.array([4, 4]))
+    assert batch.done.tolist() == [4, 0] and batch.failed().tolist() == [True, True]
+    results, trees, kept = batch.leave([0, 1], [Member(None, None), Member(None, None)])
+    assert [r.simulations for r in results] == [4, 0] and kept.size == 0
+    host = trees[1].to_host()
+    assert int(host.num_nodes[0]) == 1 and not host.edge_vloss.any() and not trees[0].to_host().edge_vloss.any()
+
+
+def test_rows_that_stay_fill_the_holes_and_keep_their_trees():
+    params = SearchParams(simulations=None, deadline_ms=1.0, parallel_sims=4)
+    batch = GPU.open_batch(params)
+    moves = ["", "1", "2", "3", "4"]
+    batch.join(c4.stack([c4.parse_moves(m) for m in moves]), [None] * 5, [1, 2, 3, 4, 5], [0] * 5)
+    for _ in range(3):
+        batch.wave(np.full(len(batch), 4))
+    before = batch.res.copy()
+    results, _, kept = batch.leave([0, 2], [Member(None, None), Member(None, None)])
+    assert kept.tolist() == [3, 1, 4] and len(batch) == 3  # rows 3 and 4 moved into rows 0 and 2
+    assert [r.simulations for r in results] == [12, 12]
+    batch._refresh()  # the RES rows of the moved device rows
+    np.testing.assert_array_equal(batch.res["visits"], before["visits"][kept])
+    batch.wave(np.full(3, 4))
+    assert batch.done.tolist() == [16, 16, 16]
+    assert (batch.res["outcome"][:, 0] == tr.NOT_TERMINAL).all()
