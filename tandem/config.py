@@ -334,6 +334,11 @@ _MAX_BY_NAME = {
     "value_model_sims_per_warp": 32,  # a warp's 32 lanes
 }
 _MAX_BY_SUFFIX = (("_port", 65535), ("_bytes", 2**62), ("_ms", 86_400_000.0), ("_us", 86_400_000_000.0))
+# Lower bounds of durations that a smaller positive value cannot mean (a typo, or seconds
+# written as ms): a lease shorter than 100 ms expires between two reports of a loaded host.
+_MIN_BY_NAME = {"lease_ttl_ms": 100.0, "report_interval_ms": 10.0, "request_message_timeout_ms": 1.0,
+                "grace_period_ms": 1.0, "keepalive_min_ping_interval_ms": 1000, "max_deadline_ms": 1.0,
+                "session_ttl_ms": 1.0, "wave_target_ms": 0.1}
 _MAX_INT = _INT32_MAX  # any other count or size
 
 
@@ -421,6 +426,9 @@ def _check(obj: Any, key: str = "") -> None:
             bound = _upper_bound(f.name, value)
             if bound is not None and value > bound:
                 raise ConfigError(f"{path}: must be <= {bound}, got {value}")
+            floor = _MIN_BY_NAME.get(f.name)
+            if floor is not None and 0 < value < floor:
+                raise ConfigError(f"{path}: must be >= {floor}{' (or 0)' if f.name in _MAY_BE_ZERO else ''}, got {value}")
         choices = _CHOICES.get(path)
         if choices and value not in choices:
             raise ConfigError(f"{path}: must be one of {', '.join(choices)}, got {_quote(value)}")
@@ -587,16 +595,43 @@ def parse_config(data: Any) -> TandemConfig:
     return cfg
 
 
+MAX_CONFIG_BYTES = 1 << 20  # a config file is a few KiB; more is not one (e.g. --config /dev/zero)
+MAX_NESTING = 32  # mappings and lists inside each other; the schema needs 4
+
+
 class _NoAliasLoader(yaml.SafeLoader):
-    """PyYAML's safe loader with anchors and aliases refused: an alias is
+    """PyYAML's safe loader with anchors and aliases refused (an alias is
     expanded into a new copy wherever it is used, so nine nested aliases in a
-    few hundred bytes ("billion laughs") become billions of nodes."""
+    few hundred bytes -- "billion laughs" -- become billions of nodes), a key
+    given twice in one mapping refused (the last would silently win: a second
+    ``auth_token: ""`` would turn authentication off), and nesting deeper than
+    MAX_NESTING refused before the composer recurses into it."""
 
     def compose_node(self, parent, index):
         if self.check_event(yaml.AliasEvent):
             mark = self.peek_event().start_mark
             raise yaml.YAMLError(f"line {mark.line + 1}: YAML aliases (*name) are not allowed in the config")
+        if self.check_event(yaml.MappingStartEvent, yaml.SequenceStartEvent):
+            self._depth = getattr(self, "_depth", 0) + 1
+            try:
+                if self._depth > MAX_NESTING:
+                    mark = self.peek_event().start_mark
+                    raise yaml.YAMLError(f"line {mark.line + 1}: nested deeper than {MAX_NESTING} levels")
+                return super().compose_node(parent, index)
+            finally:
+                self._depth -= 1
         return super().compose_node(parent, index)
+
+    def construct_mapping(self, node, deep=False):
+        seen: set = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if not isinstance(key, (str, int, float, bool)):
+                continue  # an unhashable key: the schema refuses it by name later
+            if key in seen:
+                raise yaml.YAMLError(f"line {key_node.start_mark.line + 1}: {key}: the key is given twice")
+            seen.add(key)
+        return super().construct_mapping(node, deep)
 
 
 def _parse_yaml(text: str) -> Any:
@@ -625,15 +660,22 @@ def load_config(path: str | Path | None = None) -> TandemConfig:
     ``tandem/bundled/tandem.yaml``, which is ``deploy/config/tandem.yaml``).
 
     Raises:
-        ConfigError: the file is missing, is not UTF-8 YAML, uses YAML aliases
-            (refused: their expansion is unbounded), or fails validation. The
-            message is one line naming the file and the key.
+        ConfigError: the file is missing, larger than MAX_CONFIG_BYTES, not
+            UTF-8 YAML, uses YAML aliases (refused: their expansion is
+            unbounded), gives a key twice, nests deeper than MAX_NESTING, or
+            fails validation. The message is one line naming the file and the
+            key (or line).
     """
     path = Path(path) if path else DEFAULT_CONFIG
     try:
-        text = path.read_text(encoding="utf-8")
+        with open(path, "rb") as f:  # bounded: a device or a huge file is not read to its end
+            raw = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as exc:
         raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: larger than {MAX_CONFIG_BYTES} bytes, not a config file")
+    try:
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start})") from None
     try:

@@ -51,6 +51,12 @@ def test_shipped_config_loads_and_matches_defaults():
         ({"search": {"max_sessions": 2**40}}, "search.max_sessions: must be <= 2147483647"),
         ({"search": {"value_model_sims_per_warp": 33}}, "search.value_model_sims_per_warp: must be <= 32"),
         ({"search": {"value_model_sims_per_warp": 0}}, "search.value_model_sims_per_warp"),
+        # Issue 41: a duration a positive value below its floor cannot mean.
+        ({"scheduler": {"lease_ttl_ms": 0.001}}, "scheduler.lease_ttl_ms: must be >= 100.0, got 0.001"),
+        ({"search": {"max_deadline_ms": 0.5}}, "search.max_deadline_ms: must be >= 1.0"),
+        ({"search": {"wave_target_ms": 0.01}}, "search.wave_target_ms: must be >= 0.1 (or 0)"),
+        ({"search": {"max_trees": 0}}, "search.max_trees: must be > 0"),
+        ({"search": {"max_batch_searches": -1}}, "search.max_batch_searches: must be > 0"),
         ({"search": {"evaluator": "x" * 10_000}}, "search.evaluator: must be one of"),
         ({"reward": {"models": [{"name": "m", "path": "reward_service/models/connect4_value.onnx",
                                  "precision": "fp8"}]}}, "reward.models[0].precision: must be one of fp32, fp16, auto"),
@@ -110,6 +116,34 @@ def test_missing_and_malformed_files(tmp_path):
     with pytest.raises(ConfigError) as info:
         load_config(multiline)
     assert "not valid YAML" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_key_given_twice_is_refused_naming_its_line(tmp_path):
+    """The last of two keys would win silently: a second ``auth_token: ""``
+    would turn authentication off."""
+    twice = tmp_path / "twice.yaml"
+    twice.write_text('auth_token: "s3cret"\nsearch:\n  backend: cpu\nauth_token: ""\n')
+    with pytest.raises(ConfigError) as info:
+        load_config(twice)
+    assert "twice.yaml: not valid YAML: line 4: auth_token: the key is given twice" in str(info.value)
+    nested = tmp_path / "nested.yaml"
+    nested.write_text("search:\n  backend: cpu\n  backend: cuda\n")
+    with pytest.raises(ConfigError, match="line 3: backend: the key is given twice"):
+        load_config(nested)
+    same_name = tmp_path / "same_name.yaml"  # one name in two mappings is two keys
+    same_name.write_text("search:\n  address: 127.0.0.1:50152\nreward:\n  address: 127.0.0.1:50151\n")
+    assert load_config(same_name).search.address == "127.0.0.1:50152"
+
+
+def test_unbounded_and_deeply_nested_input_is_refused_in_one_line(tmp_path):
+    with pytest.raises(ConfigError, match=r"/dev/zero: larger than 1048576 bytes, not a config file"):
+        load_config("/dev/zero")
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("search: " + "[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(deep)
+    message = str(info.value)
+    assert "deep.yaml: not valid YAML: line 1: nested deeper than 32 levels" in message and len(message) < 200
 
 
 def test_urgency_weights_come_from_the_yaml_and_may_be_zero():
