@@ -68,20 +68,41 @@ def _watch_parent(parent: int, interval_s: float = 1.0) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-def wait_serving(address: str, cfg: TandemConfig, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+def wait_serving(address: str, cfg: TandemConfig, timeout_s: float, proc: subprocess.Popen | None = None,
+                 log_path: Path | None = None) -> None:
     """Waits until ``address`` reports SERVING.
 
     Raises:
-        RuntimeError: the process exited, or ``timeout_s`` passed first.
+        RuntimeError: the process exited (with the last line of its log,
+            ``log_path``, where it has one: why it could not start), or
+            ``timeout_s`` passed first.
     """
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
         if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"server for {address} exited with status {proc.returncode}")
+            why = _last_line(log_path) if log_path is not None else ""
+            raise RuntimeError(f"server for {address} exited with status {proc.returncode}"
+                               + (f": {why} (log: {log_path})" if why else ""))
         if health_status(address, cfg, timeout_s=0.5) == "SERVING":
             return
         time.sleep(0.05)
     raise RuntimeError(f"{address} did not report SERVING within {timeout_s:.0f} s")
+
+
+LAST_LINE_CHARS = 300  # of a failed server's log, in tandem up's own message
+
+
+def _last_line(path: Path) -> str:
+    """The last non-empty line of the log at ``path`` (at most LAST_LINE_CHARS
+    characters, from its last 64 KiB), or "" where there is none."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(f.tell() - 65536, 0))
+            lines = [line.strip() for line in f.read().decode("utf-8", "replace").splitlines() if line.strip()]
+    except OSError:
+        return ""
+    return lines[-1][:LAST_LINE_CHARS] if lines else ""
 
 
 def _can_bind(address: str) -> bool:
@@ -141,7 +162,8 @@ class Stack:
             for name in self.processes():
                 self.spawn(name)
                 for server in self._serves(name):
-                    wait_serving(addresses[server], self.cfg, timeout_s, self.procs[name])
+                    wait_serving(addresses[server], self.cfg, timeout_s, self.procs[name],
+                                 self.log_dir / f"{name}.log" if self.log_dir else None)
         except BaseException:
             self.stop()
             raise

@@ -130,6 +130,20 @@ def test_up_refuses_a_bad_config(tmp_path):
     assert "search.backend: must be one of" in result.stderr
 
 
+def test_up_says_why_a_server_could_not_start(config_file, tmp_path):
+    """A model file ONNX Runtime cannot load: tandem up's own message carries
+    the reward server's last log line (not only its exit status)."""
+    not_onnx = tmp_path / "not_a_model.onnx"
+    not_onnx.write_text("this is not an ONNX model\n")
+    data = yaml.safe_load(config_file.read_text())
+    data["reward"]["models"] = [{"name": "connect4_value", "path": str(not_onnx)}]
+    config_file.write_text(yaml.safe_dump(data))
+    result = _tandem("up", "--config", str(config_file), "--log-dir", str(tmp_path / "logs"))
+    assert result.returncode != 0
+    out = result.stdout + result.stderr
+    assert "exited with status 1: " in out and "not_a_model.onnx" in out and "reward.log" in out, out
+
+
 def test_up_refuses_ports_already_in_use(config_file):
     import socket
 
