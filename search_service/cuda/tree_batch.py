@@ -2,9 +2,10 @@
 backend's :class:`~search_service.mcts.batch.TreeBatch`.
 
 NOT YET RUN ON A GPU: compiled by NVRTC and checked against the CPU
-reference only by the GPU tests (tests/search/test_cuda_batch_gpu.py),
-which have not run yet; ``CudaBackend`` does not offer ``open_batch`` until
-they pass, so the search service does not use it (docs/decisions/0001).
+reference only by the GPU tests (tests/search/test_cuda_batch_gpu.py, and
+the device waves' in tests/reward/test_leaf_channel_gpu.py), which have not
+run yet; ``CudaBackend`` does not offer ``open_batch`` until they pass, so
+the search service does not use it (docs/decisions/0001).
 
 Layout: one slab of ``S`` tree slots (rows ``0 .. B-1`` in use), each a
 node pool of ``cap`` = ``max_nodes`` slots (pool.py's region), with its TS,
@@ -19,12 +20,18 @@ bytes.
 
 A wave (``wave(ks)``):
 
-* value model: ``mcts_vm_select`` over the B rows with each tree's k
-  (``ks``: slots ``j >= ks[b]`` are not written), the META and OBS rows back
-  to the host, one model call for the open leaves of the trees that use the
-  model and Philox rollouts on the host for the others, the EVAL rows up,
-  ``mcts_vm_backup_*``; where the model fails, ``mcts_vm_undo`` with the
-  model's trees' k (the others 0) and the backup with the others' k;
+* value model, by device waves (a leaf channel's CUDA regions lent for the
+  wave, where every tree of the wave uses the model): ``mcts_vm_select``
+  over the B rows with each tree's k (``ks``: slots ``j >= ks[b]`` are not
+  written) writes the leaves into the channel's input region, the reward
+  service values rows ``[0, B * K)``, ``mcts_vm_backup_*`` reads its output
+  region; a wave the model fails is undone (``mcts_vm_undo``);
+* value model, by the host (no channel, or some trees on rollouts): the META
+  and OBS rows back to the host, one model call for the open leaves of the
+  trees that use the model and Philox rollouts on the host for the others,
+  the EVAL rows up, ``mcts_vm_backup_*``; where the model fails,
+  ``mcts_vm_undo`` with the model's trees' k (the others 0) and the backup
+  with the others' k;
 * rollouts: one launch of ``mcts_rollout_*`` with each tree's budget (its
   simulations claimed so far + its k) and Philox key row, no deadline in the
   kernel (the plan keeps it).
@@ -77,12 +84,29 @@ _HOST_FIELDS = {  # per-row host state: name -> dtype (row b: tree b)
 
 class CudaTreeBatch:
     """B device trees searched together (module docstring). Not thread-safe:
-    one thread owns a batch and runs it on the current CuPy stream."""
+    one thread owns a batch and runs it on the current CuPy stream.
 
-    def __init__(self, backend, params: SearchParams, evaluator=None):
+    Args:
+        backend: the :class:`~search_service.cuda.backend.CudaBackend` (its
+            backup variant, G, scale tables).
+        params: the constants the trees share (their budgets are the members').
+        evaluator: the leaf evaluator of value-model trees (host waves).
+        lend: ``lend()`` -> a context manager of a
+            :class:`~search_service.evaluators.DeviceWaves` or None, asked
+            once a value-model wave: where it gives one that carries the
+            wave's B * K rows and every tree of the wave uses the model, the
+            selection writes the leaves into its input region and the backup
+            reads the model's outputs from its output region (no leaf on the
+            host); else the wave goes by the host.
+    """
+
+    def __init__(self, backend, params: SearchParams, evaluator=None, lend=None):
         if params.evaluator == "value_model" and evaluator is None:
             raise ValueError("evaluator 'value_model' needs a leaf evaluator")
         self.backend, self.p, self.evaluator = backend, params, evaluator
+        # lend(): a context manager giving a DeviceWaves (the leaf channel's CUDA regions) or None,
+        # per wave (search_service/evaluators.py HandoffEvaluator.lend); None: every wave by the host.
+        self.lend = lend
         self.k_max = params.parallel_sims
         self.puct = params.evaluator == "value_model"
         self.w, self.g = backend.split(self.k_max, self.puct)
@@ -277,14 +301,71 @@ class CudaTreeBatch:
         return ((warps + abi.WARPS_PER_BLOCK - 1) // abi.WARPS_PER_BLOCK,), (32 * abi.WARPS_PER_BLOCK,)
 
     def _model_wave(self, ks: np.ndarray) -> bool:
-        b, k = self.b, self.k_max
-        n = b * k
+        n = self.b * self.k_max
+        if self.lend is None or not self.row["use_model"][ks > 0].all():
+            return self._host_wave(ks)
+        with self.lend() as dw:
+            if dw is None or not dw.carries(n):
+                return self._host_wave(ks)
+            return self._device_wave(ks, dw)
+
+    def _select(self, ks: np.ndarray, obs) -> tuple:
+        """Queues the selection of wave ``ks`` (OBS rows into ``obs``): its kernels' (grid, block, args)."""
         grid, block = self._grid()
         args = self._vm_args(int(ks.max()))
-        t = time.perf_counter()
-        self.ks_dev[:b].set(ks.astype(np.int32))
+        self.ks_dev[: self.b].set(ks.astype(np.int32))
         kernel("mcts_vm_select")(grid, block, (*args, np.float64(self.p.c_puct), np.float64(self.p.virtual_loss),
-                                               self.ts, self.meta_dev, self.paths, self.obs_dev, self.ks_dev))
+                                               self.ts, self.meta_dev, self.paths, obs, self.ks_dev))
+        return grid, block, args
+
+    def _backup_kernel(self):
+        return kernel("mcts_vm_backup_aggregated" if self.backend.backup == "warp_aggregated"
+                      else "mcts_vm_backup_global")
+
+    def _count(self, ks: np.ndarray, backed: np.ndarray, used: np.ndarray, ms: tuple[float, float, float]) -> None:
+        """A wave's bookkeeping: ``backed`` (int64 [B]) simulations backed up per
+        tree, ``used`` (bool [B]) the trees the model valued, ``ms`` its select,
+        evaluate and backup times."""
+        done = backed > 0
+        self.row["ms"][done] += np.array([ms[0], 0.0, ms[1], ms[2]])
+        self.row["model_simulations"] += np.where(used, ks, 0)
+        self.row["waves"] += done
+
+    def _device_wave(self, ks: np.ndarray, dw) -> bool:
+        """A wave whose leaves and model outputs stay on the device (``dw``'s regions)."""
+        n = self.b * self.k_max
+        t = time.perf_counter()
+        obs = dw.inputs.reshape(-1, abi.OBS.words)[:n]
+        grid, block, args = self._select(ks, obs)
+        dw.inputs_written()  # an ordered channel: the reward service's copy waits for the selection
+        cupy.cuda.get_current_stream().synchronize()  # the leaves in place (and the roots' proofs known)
+        t1 = time.perf_counter()
+        try:
+            values, logits = dw.evaluate(n)
+        except EvaluationFailed as exc:
+            t2 = time.perf_counter()
+            kernel("mcts_vm_undo")(grid, block, (*args, self.ts, self.meta_dev, self.paths, self.ks_dev))
+            used = ks > 0
+            self.row["use_model"][used] = False
+            self.row["failure"][used] = str(exc) or type(exc).__name__
+            self.row["ms"][used, 2] += (t2 - t1) * 1e3
+            self._refresh()
+            return False
+        t2 = time.perf_counter()
+        self._backup_kernel()(grid, block, (*args, self.ts, self.meta_dev, self.paths, self.vin_dev, np.int32(0),
+                                            np.int32(1), values, _NULL if logits is None else logits, obs, _NULL,
+                                            self.ks_dev))
+        self._refresh()
+        t3 = time.perf_counter()
+        self._count(ks, ks, ks > 0, ((t1 - t) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3))
+        return True
+
+    def _host_wave(self, ks: np.ndarray) -> bool:
+        """A wave whose leaves come to the host: the model's by one evaluator call, the others' by rollouts."""
+        b, k = self.b, self.k_max
+        n = b * k
+        t = time.perf_counter()
+        grid, block, args = self._select(ks, self.obs_dev)
         meta = self.meta_dev[: n * abi.META.nbytes].get().view(abi.META.dtype)  # waits for the selection
         planes = self.obs_dev[:n].get().reshape(n, 2, connect4.ROWS, connect4.COLUMNS)
         t1 = time.perf_counter()
@@ -323,15 +404,11 @@ class CudaTreeBatch:
             self.row["ms"][used, 2] += (t2 - t1) * 1e3
             has_priors, used = False, np.zeros(b, bool)
         self.vin_dev[: n * abi.EVAL.words].set(vin.view(np.float32))
-        name = "mcts_vm_backup_aggregated" if self.backend.backup == "warp_aggregated" else "mcts_vm_backup_global"
-        kernel(name)(grid, block, (*args, self.ts, self.meta_dev, self.paths, self.vin_dev, np.int32(has_priors),
-                                   np.int32(0), _NULL, _NULL, _NULL, _NULL, self.ks_dev))
+        self._backup_kernel()(grid, block, (*args, self.ts, self.meta_dev, self.paths, self.vin_dev,
+                                            np.int32(has_priors), np.int32(0), _NULL, _NULL, _NULL, _NULL, self.ks_dev))
         self._refresh()
         t3 = time.perf_counter()
-        done = backed > 0
-        self.row["ms"][done] += np.array([t1 - t, 0.0, t2 - t1, t3 - t2]) * 1e3
-        self.row["model_simulations"] += np.where(used, ks, 0)
-        self.row["waves"] += done
+        self._count(ks, backed, used, ((t1 - t) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3))
         return failure is None
 
     def _rollout_wave(self, ks: np.ndarray) -> bool:

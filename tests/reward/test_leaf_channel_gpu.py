@@ -429,3 +429,44 @@ def test_a_client_whose_inputs_are_never_written_costs_its_own_wave_only(gpu_rew
             lc.close()
     finally:
         child.kill()
+
+
+def test_a_batch_of_device_trees_values_its_waves_by_the_device_channels(gpu_reward):
+    """The CUDA batch of trees (search_service/cuda/tree_batch.py) lent a
+    device channel a wave: ragged value-model searches, every simulation
+    valued by the model through the CUDA regions, none on the host."""
+    from search_service.cuda import CudaBackend
+    from search_service.cuda.tree_batch import CudaTreeBatch
+    from search_service.evaluators import HandoffEvaluator
+    from search_service.games import connect4
+    from search_service.mcts.backend import SearchParams
+    from search_service.mcts.batch import step
+    from search_service.mcts.plan import Member, WaveTimes
+
+    cfg, _ = gpu_reward
+    with channel(cfg.reward.address) as ch:
+        handoff = HandoffEvaluator(ch, MODEL, "ipc", device_channels=1)
+        try:
+            assert handoff.wait_attached(30.0) and handoff.wait_device_channels(30.0) == 1
+
+            params = SearchParams(simulations=None, deadline_ms=1.0, parallel_sims=32, evaluator="value_model")
+            batch = CudaTreeBatch(CudaBackend(value_sims_per_warp=32), params, handoff,
+                                  lend=lambda: handoff.lend(None))
+            before = handoff._device_free[0].totals.calls
+            specs = [("4453", 256, 0), ("", 128, 0), ("3344", 96, 1), ("7", 200, 3)]
+            members, times, out, wave = [], WaveTimes(), {}, 0
+            while len(out) < len(specs):
+                for i, (moves, sims, at) in enumerate(specs):
+                    if at == wave:
+                        batch.join(connect4.parse_moves(moves), [None], [i + 1], [0])
+                        members.append(Member(sims, None, owner=i))
+                for m, r, _ in step(batch, members, times):
+                    out[m.owner] = r
+                wave += 1
+            for i, (_, sims, _) in enumerate(specs):
+                r = out[i]
+                assert r.simulations == r.model_simulations == sims and int(r.visit_counts.sum()) == sims
+                assert not r.evaluation_failure
+            assert handoff._device_free[0].totals.calls - before >= 8  # the waves went by the device channel
+        finally:
+            handoff.close()
