@@ -175,7 +175,7 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
         self.loop = None
         if hasattr(backend, "open_batch"):  # every search in flight as one batch of trees
             self.loop = WaveLoop(backend, self.evaluator, self.cfg.max_trees, self.cfg.wave_target_ms or None,
-                                 self.streams.launching)
+                                 self.streams.launching, getattr(self.handoff, "lend", None))
 
     @property
     def evaluator(self):

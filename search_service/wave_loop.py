@@ -34,6 +34,7 @@ Invariants (``_lock`` guards ``_in_flight`` and every lane's ``queue`` and
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import threading
 import time
@@ -123,12 +124,18 @@ class WaveLoop:
             where a wave would take longer (plan.py); None: always K.
         launching: a context manager factory every wave runs inside (the
             CUDA stream of the scheduler's priority); None: none.
+        lend: ``lend(deadline)`` -> a context manager of a device channel or
+            None (search_service/evaluators.py HandoffEvaluator.lend), passed
+            as ``lend()`` to backends whose ``open_batch`` takes it (a wave's
+            leaves by the leaf channel's CUDA regions), bound by the wave's
+            deadline; None: none.
     """
 
     def __init__(self, backend, evaluator=None, max_trees: int = 1024, wave_target_ms: float | None = None,
-                 launching: Callable[[], Any] | None = None):
+                 launching: Callable[[], Any] | None = None, lend: Callable[[float | None], Any] | None = None):
         self.backend = backend
         self.evaluator = evaluator
+        self.lend = lend
         self.max_trees = max_trees
         self.wave_target_ms = wave_target_ms
         self.launching = launching or nullcontext
@@ -198,7 +205,7 @@ class WaveLoop:
         key = lane_key(params)
         lane = self._lanes.get(key)
         if lane is None:
-            lane = self._lanes[key] = _Lane(key, self.backend.open_batch(key, self._bound_evaluator))
+            lane = self._lanes[key] = _Lane(key, self._open(key))
             lane.thread = threading.Thread(target=self._run, args=(lane,), name=f"wave-loop-{key.evaluator}",
                                            daemon=True)
             lane.thread.start()
@@ -206,6 +213,13 @@ class WaveLoop:
 
     # -- the lane's thread --------------------------------------------------------
     _wave_deadline = threading.local()  # per lane thread: the monotonic deadline the evaluator's call is bound by
+
+    def _open(self, key: SearchParams):
+        """A new batch of ``key``'s lane (with a device channel lent a wave, where the backend takes one)."""
+        if self.lend is not None and "lend" in inspect.signature(self.backend.open_batch).parameters:
+            return self.backend.open_batch(key, self._bound_evaluator,
+                                           lend=lambda: self.lend(getattr(self._wave_deadline, "value", None)))
+        return self.backend.open_batch(key, self._bound_evaluator)
 
     def _bound_evaluator(self, observations):
         until = getattr(self.evaluator, "until", None)
@@ -306,7 +320,7 @@ class WaveLoop:
                 jobs += lane.queue
                 lane.queue = []
         lane.members.clear()
-        lane.batch = self.backend.open_batch(lane.key, self._bound_evaluator)
+        lane.batch = self._open(lane.key)
         lane.times = WaveTimes()
         for job in jobs:
             job.answer(error=exc)
