@@ -28,8 +28,11 @@ Invariants (``_lock`` guards ``_in_flight`` and every lane's ``queue`` and
 * a job is answered exactly once (a result and a tree, or an error), then
   its ``done`` event is set; ``_in_flight`` counts the jobs submitted and not
   yet answered;
+* a job that leaves is answered before the lane's next wave runs (that wave
+  is why it left: it would end past its deadline);
 * a failure outside the model (an exception from the batch) fails every job
-  of that lane's batch, which starts empty again; the other lanes go on.
+  joined to that lane's batch, which starts empty again; the jobs still
+  queued join it, and the other lanes go on.
 """
 from __future__ import annotations
 
@@ -118,7 +121,8 @@ class WaveLoop:
         backend: a backend with ``open_batch(params, evaluator)``.
         evaluator: the leaf evaluator of value-model searches; with an
             ``until(deadline)`` method (``time.monotonic()`` s) each wave's
-            call is bound by the latest deadline among its trees.
+            call is bound by the earliest deadline among its trees (never
+            sooner than two expected waves away: ``_set_wave_deadline``).
         max_trees: searches in flight at most (joined or waiting); more are refused.
         wave_target_ms: deadline-only searches take fewer simulations a wave
             where a wave would take longer (plan.py); None: always K.
