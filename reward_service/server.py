@@ -48,6 +48,17 @@ SHM_REGIONS = Gauge("tandem_reward_shared_memory_regions", "Shared-memory region
 SHM_BYTES = Gauge("tandem_reward_shared_memory_bytes", "Bytes of the shared-memory regions registered.")
 
 
+def clear_chain(exc: BaseException) -> None:
+    """Clears the finished frames of ``exc``'s traceback and of the errors it
+    was raised from or during (``__cause__``, ``__context__``): their locals go
+    at once, not at a garbage collection (a frame still running is kept)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__
+
+
 class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
     """Evaluate / ModelMetadata / ListModels over a dict of ModelSessions, each
     behind its own dynamic batcher (reward_service/batcher.py: a critical and a
@@ -124,16 +135,19 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
                     try:
                         reply, rows = self._evaluate(session, request, lease, context)
                     except BaseException as exc:
-                        # The failed call's frames would keep its arrays over shared memory (and so
-                        # the mappings of regions unregistered meanwhile) until a garbage collection.
-                        traceback.clear_frames(exc.__traceback__)
+                        # The failed call's frames (and those of the errors it was raised from) would
+                        # keep its arrays -- the request's tensors, or arrays over shared memory and so
+                        # the mappings of regions unregistered meanwhile -- until a garbage collection.
+                        clear_chain(exc)
                         raise
+            # A refusal is answered from a copy without a traceback: the exception itself, kept in
+            # this frame while abort raises from it, would hold this frame through its traceback.
             except OverBudget as exc:  # reward.max_bytes_in_flight (reward_service/admission.py)
                 refused = Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, "bytes_in_flight", f"model {session.name!r}: {exc}")
             except SharedMemoryError as exc:
                 refused = Refusal(exc.code, "shared_memory", str(exc))
             except Refusal as exc:
-                refused = exc
+                refused = Refusal(exc.code, exc.reason, exc.message)
             else:
                 self.metrics.succeeded(session.name, lane, rows, time.perf_counter() - start, reply.queue_ms / 1e3)
                 return reply

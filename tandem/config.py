@@ -335,8 +335,8 @@ _MAX_BY_NAME = {
 }
 _MAX_BY_SUFFIX = (("_port", 65535), ("_bytes", 2**62), ("_ms", 86_400_000.0), ("_us", 86_400_000_000.0))
 # Lower bounds of durations that a smaller positive value cannot mean (a typo, or seconds
-# written as ms): a lease shorter than 100 ms expires between two reports of a loaded host.
-_MIN_BY_NAME = {"lease_ttl_ms": 100.0, "report_interval_ms": 10.0, "request_message_timeout_ms": 1.0,
+# written as ms): a lease of 0.001 ms is expired before its first report arrives.
+_MIN_BY_NAME = {"lease_ttl_ms": 10.0, "report_interval_ms": 10.0, "request_message_timeout_ms": 1.0,
                 "grace_period_ms": 1.0, "keepalive_min_ping_interval_ms": 1000, "max_deadline_ms": 1.0,
                 "session_ttl_ms": 1.0, "wave_target_ms": 0.1}
 _MAX_INT = _INT32_MAX  # any other count or size

@@ -245,6 +245,8 @@ class Guard(grpc.ServerInterceptor):
             try:
                 return inner(argument, context, *callback)
             except Exception as exc:
+                if _passes(context, exc):
+                    raise  # as it is: a frame of ours that held it would keep it, its request and its traceback alive
                 _internal(context, method, exc)
 
         if handler.response_streaming and non_blocking:
@@ -308,6 +310,8 @@ class _Responses:
             raise
         except Exception as exc:
             self._release()
+            if _passes(self._context, exc):
+                raise
             _internal(self._context, self._method, exc)
 
     def _release(self) -> None:
@@ -323,12 +327,19 @@ class _Responses:
         self._release()
 
 
+def _passes(context: _Context, exc: Exception) -> bool:
+    """Whether ``exc`` goes on as it is: an abort, or a gRPC error. The caller
+    re-raises it with a bare ``raise``: re-raised from a function that took it
+    as a parameter, its traceback would hold that function's frame, which
+    holds it -- a cycle that kept a refused request's memory (the message and
+    every frame's copies of it) until a garbage collection."""
+    return context.aborted or isinstance(exc, grpc.RpcError)
+
+
 def _internal(context: _Context, method: str, exc: Exception) -> None:
-    """Re-raises an abort or a gRPC error; answers NotImplementedError UNIMPLEMENTED
-    (gRPC's generated base classes raise it for every method not overridden) and
-    anything else INTERNAL."""
-    if context.aborted or isinstance(exc, grpc.RpcError):
-        raise exc
+    """Answers NotImplementedError UNIMPLEMENTED (gRPC's generated base classes
+    raise it for every method not overridden) and anything else INTERNAL
+    (``exc``: not one that :func:`_passes`)."""
     if isinstance(exc, NotImplementedError):  # a generated servicer base's method this server does not serve
         context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{method}: not served here")
     log.exception("%s failed", method)

@@ -52,7 +52,7 @@ def test_shipped_config_loads_and_matches_defaults():
         ({"search": {"value_model_sims_per_warp": 33}}, "search.value_model_sims_per_warp: must be <= 32"),
         ({"search": {"value_model_sims_per_warp": 0}}, "search.value_model_sims_per_warp"),
         # Issue 41: a duration a positive value below its floor cannot mean.
-        ({"scheduler": {"lease_ttl_ms": 0.001}}, "scheduler.lease_ttl_ms: must be >= 100.0, got 0.001"),
+        ({"scheduler": {"lease_ttl_ms": 0.001}}, "scheduler.lease_ttl_ms: must be >= 10.0, got 0.001"),
         ({"search": {"max_deadline_ms": 0.5}}, "search.max_deadline_ms: must be >= 1.0"),
         ({"search": {"wave_target_ms": 0.01}}, "search.wave_target_ms: must be >= 0.1 (or 0)"),
         ({"search": {"max_trees": 0}}, "search.max_trees: must be > 0"),

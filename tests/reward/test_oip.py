@@ -312,3 +312,40 @@ def test_cuda_shared_memory_without_a_gpu_is_a_failed_precondition(served):
         client.register_cuda_shared_memory("gpu_in", base64.b64encode(bytes(64)), 0, 1024)  # tritonclient decodes it
     assert info.value.status() == "StatusCode.FAILED_PRECONDITION"
     assert not client.get_cuda_shared_memory_status().regions
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def test_a_refused_large_request_frees_its_memory_at_once(served):
+    """Six refused 8 MiB ModelInfers (the shape disagrees with the bytes), the
+    garbage collector off: the process's RSS (the server is in it) stays
+    within 50 MiB of where three earlier ones left it (they warm gRPC's and
+    the allocator's buffers). A refusal used to keep several times its size
+    alive until a collection: cycles through the guard's frame
+    (tandem/guard.py, _passes) and through the refusal kept in
+    RewardServicer.Evaluate's frame (reward_service/server.py, clear_chain)."""
+    import gc
+
+    _, _, _, oip_stub = served
+    size = 8 << 20
+    request = _raw(tensor={"shape": [1, 2, 6, 7]}, raw_input_contents=[bytes(size)])
+
+    def refuse(times: int) -> None:
+        for _ in range(times):
+            with pytest.raises(grpc.RpcError) as info:
+                oip_stub.ModelInfer(request, timeout=30)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+    gc.collect()
+    gc.disable()
+    try:
+        refuse(3)
+        before = _rss_bytes()
+        refuse(6)
+        grown = _rss_bytes() - before
+    finally:
+        gc.enable()
+    assert grown < 50 << 20, f"RSS grew {grown / 2**20:.0f} MiB"
