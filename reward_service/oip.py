@@ -292,6 +292,13 @@ def _evaluate_request(session, request, context) -> tuple[reward_pb2.EvaluateReq
     def refuse(message: str):
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
 
+    # Counts first, before any work per entry: a message of millions of entries is refused at once.
+    for field, count, most in (("inputs", len(request.inputs), len(session.inputs)),
+                               ("outputs", len(request.outputs), len(session.outputs)),
+                               ("raw_input_contents", len(request.raw_input_contents), len(session.inputs)),
+                               ("parameters", len(request.parameters), len(REQUEST_PARAMETERS))):
+        if count > most:
+            refuse(f"{field}: {count} entries; model {session.name!r} takes at most {most}")
     request_class, timeout_s = PRIORITY_LEVELS[DEFAULT_PRIORITY_LEVEL], None
     for key, p in request.parameters.items():
         value = _parameter_value(p)
