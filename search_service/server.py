@@ -302,11 +302,15 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
             for i, item in enumerate(items):
                 groups.setdefault(item.params, []).append(i)
             outs = [None] * len(items)
-            with ThreadPoolExecutor(len(groups), thread_name_prefix="search-batch") as pool:
-                for group, answers in zip(groups.values(), pool.map(
-                        lambda group: self._run_alone([items[i] for i in group], context), groups.values())):
-                    for i, out in zip(group, answers):
-                        outs[i] = out
+            run = lambda group: self._run_alone([items[i] for i in group], context)  # noqa: E731
+            if len(groups) == 1:  # on this thread: a Search's own path, no hand-off to another
+                answers = [run(next(iter(groups.values())))]
+            else:
+                with ThreadPoolExecutor(len(groups), thread_name_prefix="search-batch") as pool:
+                    answers = list(pool.map(run, groups.values()))
+            for group, group_outs in zip(groups.values(), answers):
+                for i, out in zip(group, group_outs):
+                    outs[i] = out
         if not context.is_active():
             # Nobody is waiting for these answers: keep no tree, say why in the log.
             with self._lock:
