@@ -20,12 +20,13 @@ from typing import Callable, Iterable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import Histogram, start_http_server
+from prometheus_client import Histogram
 
 from tandem import contract
 from tandem.channel_options import CHANNEL_OPTIONS
 from tandem.config import ServerConfig, TandemConfig, resolve_path
 from tandem.guard import HEALTH_WORKERS, REFUSAL_WORKERS, Admission, Guard
+from tandem.metrics_http import BoundedServer, serve_metrics
 from tandem.v1 import contract_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -189,14 +190,20 @@ def build_server(
     return running
 
 
-def start_metrics(port: int, host: str = "127.0.0.1") -> None:
-    """Serves Prometheus metrics on http://``host``:``port``/metrics (0: off);
-    ``host`` is the server's own bind host, so containers expose it too."""
-    if port:
-        try:
-            start_http_server(port, addr=host)
-        except OSError as exc:
-            raise RuntimeError(f"metrics_port {port} on {host}: {exc.strerror}") from None
+def start_metrics(port: int, host: str = "127.0.0.1") -> BoundedServer | None:
+    """Serves Prometheus metrics on http://``host``:``port``/metrics (0: off),
+    on a bounded server (tandem/metrics_http.py); ``host`` is the server's own
+    bind host, so containers expose it too. Returns the HTTP server (None: off).
+
+    Raises:
+        RuntimeError: the port cannot be bound.
+    """
+    if not port:
+        return None
+    try:
+        return serve_metrics(port, host)
+    except OSError as exc:
+        raise RuntimeError(f"metrics_port {port} on {host}: {exc.strerror}") from None
 
 
 def serve_until_signalled(running: RunningServer, grace_ms: float, on_stop: Callable[[], None] | None = None) -> None:
