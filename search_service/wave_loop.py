@@ -167,9 +167,9 @@ class WaveLoop:
                 raise Refused(f"the search service is at capacity: {self._in_flight} searches in flight, "
                               f"{len(jobs)} more would pass search.max_trees ({self.max_trees})")
             lanes = [self._lane(job.params) for job in jobs]
-            adding: dict[int, int] = {}
+            adding: dict[int, int] = {}  # id(lane) -> its jobs in this call
             for lane in lanes:
-                adding[id(lane)] = adding.get(id(lane), 0) + lane.k_max
+                adding[id(lane)] = adding.get(id(lane), 0) + 1
             now = time.perf_counter()
             for job, lane in zip(jobs, lanes):
                 busy = len(lane.members) + len(lane.queue)  # the lane thread's list: a racy length is enough here
@@ -177,7 +177,7 @@ class WaveLoop:
                     continue
                 # Its lane's next wave with it, every member at K and then at its fair share (all taken
                 # as deadline-only: the wave the plan would run at most).
-                ks = np.full(busy + adding[id(lane)] // lane.k_max, lane.k_max, np.int64)
+                ks = np.full(busy + adding[id(lane)], lane.k_max, np.int64)
                 expected = fair_share(ks, np.ones(ks.size, bool), lane.times, lane.k_max, self.wave_target_ms)
                 left_ms = (job.deadline - now) * 1e3
                 if left_ms < expected:
@@ -273,8 +273,7 @@ class WaveLoop:
                     self._answered(1)
 
     def _join_all(self, lane: _Lane, jobs: list[Job]) -> None:
-        roots = jobs[0].roots if len(jobs) == 1 else _stack([job.roots for job in jobs])
-        lane.batch.join(roots, [job.tree for job in jobs], [job.params.seed for job in jobs],
+        lane.batch.join(connect4.stack([job.roots for job in jobs]), [job.tree for job in jobs], [job.params.seed for job in jobs],
                         [job.stream for job in jobs])
         lane.members += [Member(job.params.simulations, job.deadline, job.should_stop, owner=job) for job in jobs]
 
@@ -330,8 +329,3 @@ class WaveLoop:
             job.answer(error=exc)
         if jobs:
             self._answered(len(jobs))
-
-
-def _stack(roots: list):
-    """One Positions of several jobs' roots (each Positions [1])."""
-    return connect4.stack(roots)

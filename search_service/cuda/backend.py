@@ -658,7 +658,8 @@ class _Search:
                         if gate is None:
                             dw.wait_outputs()  # before the backup reads them
                     elif self.use_model:
-                        has_priors = self._model_values(vin, planes, obs_dev, open_, meta["leader"], wants_cupy)
+                        has_priors = model_values(self.evaluator, vin, planes, obs_dev, open_, meta["leader"],
+                                                  wants_cupy)
                     elif open_.any():
                         pos = connect4.from_observation(planes[open_])
                         sims = done[tree_of[open_]] + in_wave_of[open_]
@@ -741,11 +742,6 @@ class _Search:
                     meta_back.finish()  # a copy started and not finished: a search ended by an exception
                 except Exception:  # noqa: BLE001 - a broken context: the exception under way says more
                     log.exception("the META rows' copy back could not be waited for")
-
-    def _model_values(self, vin: np.ndarray, planes: np.ndarray, obs_dev, open_: np.ndarray, leader: np.ndarray,
-                      wants_cupy: bool) -> bool:
-        """:func:`model_values` with this search's evaluator."""
-        return model_values(self.evaluator, vin, planes, obs_dev, open_, leader, wants_cupy)
 
     def _device_values(self, open_: np.ndarray | None, n: int):
         """Generator: values the wave's leaves as one device wave (their OBS

@@ -172,7 +172,6 @@ _ROW_FIELDS = {  # per-tree state of a CpuTreeBatch: name -> dtype (row b: tree 
     "failure": object,  # why the model stopped valuing its leaves ("" while it does)
     "ms": (np.float64, 4),  # wall-clock ms of the waves it took part in: select, expand, evaluate, backup
 }
-_PHASES = ("select", "expand", "evaluate", "backup")
 
 
 class CpuTreeBatch:
@@ -251,7 +250,8 @@ class CpuTreeBatch:
     def leave(self, rows: list[int], members: list) -> tuple[list[SearchResult], list[tr.Tree], np.ndarray]:
         index = np.asarray(rows, np.int64)
         results = self._results(index, [ended_by(m) for m in members])
-        trees = [tr.gather([t], int(t.num_nodes[0])) for t in (tr.split(self.tree)[i] for i in rows)]
+        singles = tr.split(self.tree)
+        trees = [tr.gather([singles[i]], int(singles[i].num_nodes[0])) for i in rows]
         for t in trees:
             t.evaluator = self.p.evaluator
         keep = np.ones(self.b, bool)

@@ -99,7 +99,6 @@ class Plan:
 
     ks: np.ndarray
     leaving: list[int]
-    expected_ms: float  # the wave's expected duration (0: unknown)
 
 
 def fair_share(ks: np.ndarray, shared: np.ndarray, times: WaveTimes, k_max: int,
@@ -164,4 +163,4 @@ def plan_wave(members: list[Member], done: np.ndarray, live: np.ndarray, times: 
     for i, m in enumerate(members):
         if ks[i] and m.tried and m.deadline is not None and now + expected / 1e3 >= m.deadline:
             leave(i, END_DEADLINE)
-    return Plan(ks, sorted(leaving), times.expected_ms(int(ks.sum())))
+    return Plan(ks, sorted(leaving))
