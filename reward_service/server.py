@@ -1,13 +1,11 @@
 """RewardService: serves the configured ONNX models over gRPC."""
 from __future__ import annotations
 
-import ipaddress
 import logging
 import threading
 import time
 import traceback
 from contextlib import contextmanager
-from urllib.parse import unquote
 
 import grpc
 import numpy as np
@@ -24,7 +22,7 @@ from reward_service.refusal import Refusal
 from reward_service.session import InputError, ModelSession, runners_per_model
 from reward_service.shared_memory import Lease, RegionStatus, RegionTable, SharedMemoryError
 from tandem import in_process as tandem_in_process
-from tandem import tensors
+from tandem import peer, tensors
 from tandem.config import SharedMemoryConfig, TandemConfig
 from tandem.errors import quote
 from tandem.gpu import cuda_device_count
@@ -194,7 +192,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
 
     def RegisterSharedMemory(self, request, context):
         with _shared_memory_status(context):
-            if self.shared_memory.local_clients_only and not _is_local_peer(context.peer()):
+            if self.shared_memory.local_clients_only and not peer.is_local(context.peer()):
                 raise SharedMemoryError(grpc.StatusCode.PERMISSION_DENIED,
                                         f"peer {context.peer()}: shared memory is for clients on the server's host "
                                         f"(reward.shared_memory.local_clients_only)")
@@ -349,21 +347,6 @@ def _output_refs(session: ModelSession, request, names: tuple[str, ...], rows: i
         nbytes = rows * int(np.prod(row, dtype=np.int64)) * tensors.numpy_dtype(spec.dtype).itemsize if static else None
         lease.check_output(name, ref, spec.dtype, nbytes)
     return refs
-
-
-def _is_local_peer(peer: str) -> bool:
-    """Whether a gRPC peer ("ipv4:127.0.0.1:5000", "ipv6:%5B::1%5D:5000",
-    "unix:/path") is on this host: a loopback address or a Unix socket."""
-    scheme, _, rest = unquote(peer).partition(":")
-    if scheme.startswith("unix"):
-        return True
-    host = rest.rpartition(":")[0].strip("[]")
-    try:
-        address = ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:127.0.0.1
-    return address.is_loopback or bool(mapped and mapped.is_loopback)
 
 
 def _region_status(r: RegionStatus) -> reward_pb2.SharedMemoryRegionStatus:

@@ -410,15 +410,6 @@ def test_a_mapping_is_closed_only_after_the_last_array_over_it_is_gone(objects):
     table.close()
 
 
-@pytest.mark.parametrize("peer, local", [
-    ("ipv4:127.0.0.1:5000", True), ("ipv4:127.8.9.1:5000", True), ("ipv6:[::1]:5000", True),
-    ("ipv6:%5B::1%5D:5000", True), ("ipv6:[::ffff:127.0.0.1]:5000", True), ("unix:/tmp/tandem.sock", True),
-    ("ipv4:10.1.2.3:5000", False), ("ipv6:[2001:db8::1]:5000", False), ("garbage", False),
-])
-def test_only_peers_on_the_servers_host_may_register(peer, local):
-    assert reward_server._is_local_peer(peer) is local
-
-
 # -- the trainer of the load test -------------------------------------------------------------------
 
 
