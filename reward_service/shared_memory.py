@@ -489,7 +489,7 @@ class RegionTable:
             for r in regions:
                 r.expires = now + self._ttl_s
             return [RegionStatus(r.name, r.memory.kind, r.byte_size, r.memory.describe(), r.uses,
-                                 (r.expires - now) * 1e3) for r in regions]
+                                 min((r.expires - now) * 1e3, self.cfg.lease_ttl_ms)) for r in regions]  # no float overshoot
 
     # -- use -----------------------------------------------------------------------
 
