@@ -212,6 +212,20 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
         self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
+    def parse_known_args(self, args=None, namespace=None):
+        # argparse reports an unknown option before the command as "the following arguments are
+        # required: command", which hides the typo: name it first.
+        argv = sys.argv[1:] if args is None else list(args)
+        if self._subparsers is not None:
+            for token in argv:
+                if not token.startswith("-"):
+                    break
+                name = token.split("=", 1)[0]
+                if not any(o == name or (name.startswith("--") and o.startswith(name))
+                           for o in self._option_string_actions):
+                    self.error(f"unrecognized argument {token!r} before the command")
+        return super().parse_known_args(argv, namespace)
+
 
 def _add_play_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--frames", type=_number(int, 0), default=600, help="frames to play (default 600)")

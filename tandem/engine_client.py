@@ -240,13 +240,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--frames", type=int, default=30)
     p.add_argument("--fps", type=float, default=60.0)
     args = p.parse_args(argv)
-    budget_ms = 1000.0 / args.fps
-    with open_channel(args.search) as ch:
+    try:
+        return _play(args.search, args.frames, args.fps)
+    except ContractError as exc:  # one line, as the tandem commands print theirs; exit 1
+        print(f"{p.prog}: {exc}", file=sys.stderr)
+    except grpc.RpcError as exc:
+        hint = " (is the search service running at that address?)" if exc.code() in (
+            grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) else ""
+        print(f"{p.prog}: {args.search}: {exc.code().name}: {exc.details()}{hint}", file=sys.stderr)
+    return 1
+
+
+def _play(address: str, frames: int, fps: float) -> int:
+    budget_ms = 1000.0 / fps
+    with open_channel(address) as ch:
         reply = handshake(ch, "tandem.v1.SearchService")
         print(f"server {reply.server_version}: {reply.api_version} revision {reply.api_revision}; "
               f"capabilities {', '.join(reply.capabilities)}")
         client, fallbacks, played = EngineClient(ch), 0, []
-        for frame in range(args.frames):
+        for frame in range(frames):
             start = time.monotonic()
             # A stand-in for the engine's game: positions after 0..6 moves of one opening (none is over yet).
             moves = "445566"[: frame % 7]
@@ -256,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 played.append(f"{moves or '-'}:{answer.move}")
             time.sleep(max(0.0, budget_ms / 1000.0 - (time.monotonic() - start)))
-        print(f"{args.frames} frames, {fallbacks} fallbacks; position:move {' '.join(played[:7])}")
+        print(f"{frames} frames, {fallbacks} fallbacks; position:move {' '.join(played[:7])}")
     return 0
 
 

@@ -122,3 +122,15 @@ def test_runs_as_a_program(servers):
                         "--frames", "8", "--fps", "5"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "tandem.v1 revision" in r.stdout and "8 frames" in r.stdout
+
+
+@pytest.mark.parametrize("target, says", [
+    ("reward", "server lacks ['tandem.v1.SearchService']"),  # a reward service where the search was meant
+    ("dead", "is the search service running at that address?"),  # nothing listens
+])
+def test_as_a_program_a_wrong_address_is_one_line_and_exit_1(servers, target, says):
+    address = servers.reward.address if target == "reward" else "127.0.0.1:1"
+    r = subprocess.run([sys.executable, "-m", "tandem.engine_client", "--search", address, "--frames", "1"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    assert r.stderr.count("\n") == 1 and says in r.stderr and "Traceback" not in r.stderr, r.stderr

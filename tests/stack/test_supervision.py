@@ -248,6 +248,8 @@ def test_status_and_play_name_the_service_that_is_down(config_file):
     (("health", "127.0.0.1:1", "--timeout-s", "0"), "tandem health: argument --timeout-s: must be > 0"),
     (("play", "--evaluator", "oracle"), "tandem play: argument --evaluator: invalid choice: 'oracle'"),
     (("play", "--bogus"), "tandem: unrecognized arguments: --bogus"),
+    (("--bogus", "status"), "tandem: unrecognized argument '--bogus' before the command"),
+    (("--bogus",), "tandem: unrecognized argument '--bogus' before the command"),
     ((), "tandem: the following arguments are required: command"),
 ])
 def test_a_bad_argument_gets_one_line_and_exit_code_2(args, message):
