@@ -1,11 +1,14 @@
 # The two set-up commands of the README:
 #   make demo   creates .venv, starts tandem up, plays the bundled positions, prints the report, stops
-#   make test   creates .venv with the test extra and runs the tests (what CI runs)
+#               (CONFIG=PATH: a config of your own, e.g. other ports where the default ones are taken)
+#   make test   creates .venv with the test extra and runs the tests (what CI runs; ARGS="..." goes to pytest)
 # Both install ONNX Runtime through one of two extras: gpu (onnxruntime-gpu, CuPy,
 # NVML) where nvidia-smi lists a CUDA GPU, cpu (onnxruntime) elsewhere. FLAVOUR=cpu
 # or FLAVOUR=gpu chooses by hand.
 PYTHON  ?= python3
 VENV    ?= .venv
+CONFIG  ?=
+ARGS    ?=
 BIN      = $(VENV)/bin
 FLAVOUR ?= $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU' && echo gpu || echo cpu)
 ifeq ($(FLAVOUR),gpu)
@@ -37,10 +40,10 @@ $(VENV)/.installed-test-$(FLAVOUR): pyproject.toml | $(BIN)/python
 	touch $@
 
 demo: $(VENV)/.installed-$(FLAVOUR)
-	$(BIN)/tandem demo --frames 600 --report runs/demo_report.json --log-dir runs/logs
+	$(BIN)/tandem demo --frames 600 --report runs/demo_report.json --log-dir runs/logs $(if $(CONFIG),--config $(CONFIG))
 
 test: $(VENV)/.installed-test-$(FLAVOUR)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs

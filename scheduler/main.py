@@ -85,8 +85,10 @@ def log_findings(device: DeviceInfo, policy_name: str) -> None:
     log.info("MPS: %s", device.mps_message)
     if device.priorities_enforced:
         log.info("%s", device.message)
+    elif not device.has_gpu:  # nothing to enforce: not worth a warning on a CPU host
+        log.info("no GPU: the models and the search run on the CPU; stream priorities and MPS do not apply")
     else:
-        log.warning("STREAM PRIORITIES ARE NOT ENFORCED ACROSS PROCESSES: %s%s", device.message,
+        log.warning("stream priorities are not enforced across processes: %s%s", device.message,
                     f"; policy {policy_name!r} assigns priorities that only act within one process"
                     if policy_name != "default" else "")
 

@@ -137,7 +137,11 @@ def _run_play(args, cfg: TandemConfig) -> int:
     print_report(report)
     if args.report:
         write_report(report, args.report)
-        print(f"report written to {args.report}")
+        print(f"{'partial report' if report['interrupted'] else 'report'} written to {args.report}")
+    if report["interrupted"]:
+        print(f"tandem {args.command}: interrupted after {report['frames']} of {opts.frames} frames",
+              file=sys.stderr, flush=True)
+        return interrupt.EXIT_INTERRUPTED
     return 0 if report["frames_answered"] == report["frames"] else 1
 
 

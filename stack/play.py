@@ -83,6 +83,8 @@ class _Tally:
     failure_reasons: dict[str, int] = field(default_factory=dict)  # those searches by their failure's first words
     proven: int = 0  # searches whose root the solver proved
     proven_right: int = 0  # ... with the solver's result (win, loss or draw)
+    played: int = 0  # frames sent and waited for
+    interrupted: bool = False  # Ctrl-C ended the frames early: the report covers ``played``
 
     def score(self, positions: list[LabelledPosition], frame: SentFrame) -> bool:
         """Adds one frame's answers (or its failure); True if it was answered.
@@ -146,6 +148,15 @@ def _play_frames(opts: PlayOptions, client: FrameClient, positions: list[Labelle
     a late frame starts at once); ``log`` (None: quiet) gets the p50 ten times."""
     budget_ms = frame_loop.frame_budget_ms(opts.fps)
     tally = _Tally()
+    try:
+        _frames(opts, client, positions, log, budget_ms, tally)
+    except KeyboardInterrupt:  # Ctrl-C: the frames played so far still make a report
+        tally.interrupted = True
+    return tally
+
+
+def _frames(opts: PlayOptions, client: FrameClient, positions: list[LabelledPosition], log, budget_ms: float,
+            tally: _Tally) -> None:
     for tick in frame_loop.paced(opts.fps, frames=opts.frames):
         interrupt.raise_if_interrupted()  # a Ctrl-C whose KeyboardInterrupt gRPC swallowed
         agents = [positions[(tick.frame * opts.agents + j) % len(positions)] for j in range(opts.agents)]
@@ -158,9 +169,10 @@ def _play_frames(opts: PlayOptions, client: FrameClient, positions: list[Labelle
                             timeout_s=max(10 * budget_ms / 1000.0, 1.0), evaluate=lambda: obs)
         while not frame.wait(INTERRUPT_POLL_S):  # a Ctrl-C lost inside a gRPC callback still stops the wait
             interrupt.raise_if_interrupted()
-        if tally.score(agents, frame) and log and (tick.frame + 1) % max(opts.frames // 10, 1) == 0:
+        answered = tally.score(agents, frame)
+        tally.played += 1
+        if answered and log and (tick.frame + 1) % max(opts.frames // 10, 1) == 0:
             log(f"frame {tick.frame + 1}/{opts.frames}: p50 {percentiles(tally.frame_ms, 50)[0]:.2f} ms")
-    return tally
 
 
 def _report(opts: PlayOptions, t: _Tally, reward_execution_provider: str) -> dict:
@@ -168,7 +180,8 @@ def _report(opts: PlayOptions, t: _Tally, reward_execution_provider: str) -> dic
     budget_ms = frame_loop.frame_budget_ms(opts.fps)
     answered = len(t.frame_ms)
     return {
-        "frames": opts.frames,
+        "frames": t.played,
+        "interrupted": t.interrupted,  # by Ctrl-C, after ``frames`` of the ``--frames`` asked for
         "frames_answered": answered,
         "fps_target": opts.fps,
         "frame_budget_ms": round(budget_ms, 3),
@@ -223,10 +236,26 @@ def print_report(report: dict) -> None:
                 f"backends               search {', '.join(report['backends']['search'])} "
                 f"({', '.join(report['backends']['evaluator'])}), reward {report['backends']['reward_execution_provider']}"
                 + (f", leaves by {_counts(report['backends']['handoff'])}" if report["backends"]["handoff"] else ""),
-                f"errors                 {report['errors'] or 'none'}",
-            ]
+                f"errors                 {_counts(report['errors']) if report['errors'] else 'none'}",
+            ] + _notes(report)
         )
     )
+
+
+REPORT_DOC = "README.md, section 'The report'"  # where each line of the report is explained
+
+
+def _notes(report: dict) -> list[str]:
+    """Lines under the figures: why a CPU run misses frames, and where each line is explained."""
+    notes = []
+    on_cpu = (report["backends"]["reward_execution_provider"] == "CPUExecutionProvider"
+              or "cpu_reference" in report["backends"]["search"])
+    if report["missed_frames"] and on_cpu:
+        notes.append("note: on the CPU some missed frames are expected: the search, the model and this engine share "
+                     "the host's cores; the frame figures tandem is built for are measured on a GPU (README, Figures)")
+    if report.get("interrupted"):
+        notes.append(f"note: interrupted (Ctrl-C) after {report['frames']} frames; the figures cover those")
+    return notes + [f"(each line is explained in {REPORT_DOC})"]
 
 
 def write_report(report: dict, path: str | Path) -> None:

@@ -156,7 +156,8 @@ class Stack:
         """
         busy = [f"{name}: {addr}" for name, addr in self._ports() if not _can_bind(addr)]
         if busy:
-            raise RuntimeError(f"already in use (is another tandem up running?): {', '.join(busy)}")
+            raise RuntimeError(f"already in use (is another tandem up running?): {', '.join(busy)}; to run beside "
+                               f"it, give a config with other addresses: --config PATH (make demo CONFIG=PATH)")
         try:
             addresses = self.addresses()
             for name in self.processes():

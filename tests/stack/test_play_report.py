@@ -1,0 +1,51 @@
+"""`tandem play`'s report against real servers on loopback (CPU): a Ctrl-C
+mid-game still gives the report of the frames played, and the printed
+report names where each line is explained."""
+from __future__ import annotations
+
+import pytest
+from conftest import loopback_config
+
+from reward_service import server as reward_server
+from search_service import server as search_server
+from stack.play import REPORT_DOC, PlayOptions, play, print_report
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    cfg = loopback_config(search={"backend": "cpu"})
+    reward = reward_server.start(cfg, follow_scheduler=False)
+    search = search_server.start(cfg, follow_scheduler=False)
+    yield cfg
+    search.stop()
+    reward.stop()
+
+
+def _ctrl_c_at(frame: int):
+    def log(line: str) -> None:
+        if line.startswith(f"frame {frame}/"):
+            raise KeyboardInterrupt  # where a Ctrl-C lands: the main thread, between frames
+    return log
+
+
+def test_a_ctrl_c_mid_game_reports_the_frames_played(cfg, capsys):
+    opts = PlayOptions(cfg.search.address, cfg.reward.address, frames=10, fps=10.0, simulations=20,
+                       evaluator="rollout")
+    report = play(opts, cfg, log=_ctrl_c_at(3))
+    assert report["interrupted"] is True
+    assert report["frames"] == 3 and report["frames_answered"] == 3 and not report["errors"]
+    assert report["simulations_per_frame"]["min"] == 20
+    print_report(report)
+    out = capsys.readouterr().out
+    assert "interrupted (Ctrl-C) after 3 frames" in out and f"(each line is explained in {REPORT_DOC})" in out
+
+
+def test_a_whole_game_is_not_marked_interrupted_and_errors_print_as_counts(cfg, capsys):
+    opts = PlayOptions(cfg.search.address, cfg.reward.address, frames=2, fps=10.0, simulations=20,
+                       evaluator="rollout")
+    report = play(opts, cfg, log=None)
+    assert report["interrupted"] is False and report["frames"] == 2
+    report["errors"] = {"UNAVAILABLE": 2}
+    print_report(report)
+    out = capsys.readouterr().out
+    assert "errors                 UNAVAILABLE (2 frames)" in out and "interrupted" not in out
