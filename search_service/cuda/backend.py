@@ -809,7 +809,8 @@ class _Search:
             "gated_waves": self.gated_waves,
         }
         results = []
-        for i, (fields, deadline) in enumerate(result_fields(res, self.roots.mask, self._root_priors)):
+        for i, (fields, deadline) in enumerate(result_fields(res, self.roots.current, self.roots.mask,
+                                                             self._root_priors)):
             done = fields["simulations"]
             results.append(SearchResult(
                 **fields,
@@ -860,10 +861,11 @@ def model_values(evaluator, vin: np.ndarray, planes: np.ndarray, obs_dev, open_:
     return True
 
 
-def result_fields(res: np.ndarray, masks: np.ndarray,
+def result_fields(res: np.ndarray, currents: np.ndarray, masks: np.ndarray,
                   root_priors: Callable[[np.ndarray], np.ndarray | None]) -> list[tuple[dict, bool]]:
     """The :class:`SearchResult` fields that M trees' RES rows give (``res``:
-    abi.RESULT.dtype [M]; ``masks``: uint64 [M], the roots' occupied cells;
+    abi.RESULT.dtype [M]; ``currents``, ``masks``: uint64 [M], the roots' side
+    to move's stones and occupied cells;
     ``root_priors(total)``: the roots' priors float32 [M, A] where a tree has
     no root visit at all, given the roots' visits int64 [M], else None), with
     whether its deadline stopped a warp of the tree, one pair per tree.
@@ -881,7 +883,8 @@ def result_fields(res: np.ndarray, masks: np.ndarray,
     proven = outcome[:, 0]
     root_value = np.where(proven != tr.NOT_TERMINAL, tr.OUTCOME_VALUE[proven],
                           value.sum(axis=1) / np.maximum(total, 1)).tolist()
-    action = best_action(visits, q, connect4.legal_bits(masks), outcome[:, 1:], root_priors(total)).tolist()
+    action = best_action(visits, q, connect4.legal_bits(masks), outcome[:, 1:], root_priors(total),
+                         connect4.loses_at_once_bits(currents, masks)).tolist()
     counters = words[:, _RES_NODES : _RES_NODES + len(_RES_COUNTERS)].tolist()  # [M][6]: _RES_COUNTERS
     pv = words[:, _RES_PV : _RES_PV + abi.MAX_DEPTH].tolist()
     proven = proven.tolist()

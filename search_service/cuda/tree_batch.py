@@ -289,7 +289,7 @@ class CudaTreeBatch:
                 extras={"waves": int(row["waves"][i]), "stopped": ends[i][1], "warps_per_tree": self.w,
                         "sims_per_warp": self.g, "backup": self.backend.backup},
             )
-            for i, (fields, _) in enumerate(result_fields(res, row["mask"], root_priors))
+            for i, (fields, _) in enumerate(result_fields(res, row["current"], row["mask"], root_priors))
         ]
 
     def _vm_args(self, k_wave: int) -> tuple:

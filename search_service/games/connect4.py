@@ -100,6 +100,20 @@ def play_bits(current: np.ndarray, mask: np.ndarray, actions: np.ndarray) -> tup
     return current ^ mask, mask | move
 
 
+def loses_at_once_bits(current: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """bool [B, 7]: legal columns after which the opponent has four in a row with
+    its next stone (a move that loses at once; a move that wins is never one).
+    ``current``, ``mask``: uint64 [B], the side to move's stones and the occupied cells."""
+    cols = np.arange(COLUMNS)
+    ours, theirs, m = current[:, None], (current ^ mask)[:, None], mask[:, None]  # [B, 1]
+    child = m | ((m + BOTTOM[cols]) & COLUMN_MASK[cols])  # [B, 7]: the cells after our stone in each column
+    wins = has_four(ours | (child ^ m))  # [B, 7]: that stone makes our four
+    reply = (child[..., None] + BOTTOM[cols]) & COLUMN_MASK[cols]  # [B, 7, 7]: their stone in each column after
+    reply_legal = (child[..., None] & TOP[cols]) == 0
+    threat = (reply_legal & has_four(theirs[..., None] | reply)).any(axis=-1)  # [B, 7]
+    return legal_bits(mask) & ~wins & threat
+
+
 # -- public API ---------------------------------------------------------------
 
 

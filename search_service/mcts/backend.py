@@ -266,26 +266,40 @@ def model_answer(values, priors, legal: np.ndarray) -> tuple[np.ndarray, np.ndar
 
 # best_action's preference among a root's children by their known result (code - ILLEGAL): an
 # immediate win (the child's side to move has lost: TERMINAL_LOSS) first, then a proven win
-# (PROVEN_LOSS), then any child not proven lost for us (not PROVEN_WIN), a proven loss last.
-_CHOICE_TIER = np.ones(tr.PROVEN_DRAW - tr.ILLEGAL + 1, np.int64)
-_CHOICE_TIER[[tr.TERMINAL_LOSS - tr.ILLEGAL, tr.PROVEN_LOSS - tr.ILLEGAL, tr.PROVEN_WIN - tr.ILLEGAL]] = 3, 2, 0
+# (PROVEN_LOSS), then any child not proven lost for us (not PROVEN_WIN), then a proven loss; a
+# move that lets the opponent win at once (proven or not yet) comes last, so that a lost position
+# resists as long as it can instead of playing an unsearched blunder.
+_CHOICE_TIER = np.full(tr.PROVEN_DRAW - tr.ILLEGAL + 1, 2, np.int64)
+_CHOICE_TIER[[tr.TERMINAL_LOSS - tr.ILLEGAL, tr.PROVEN_LOSS - tr.ILLEGAL, tr.PROVEN_WIN - tr.ILLEGAL]] = 4, 3, 1
+_LOSES_AT_ONCE_TIER = 0
 
 
 def best_action(visits: np.ndarray, q: np.ndarray, legal: np.ndarray | None = None,
-                child_codes: np.ndarray | None = None, priors: np.ndarray | None = None) -> np.ndarray:
+                child_codes: np.ndarray | None = None, priors: np.ndarray | None = None,
+                loses_at_once: np.ndarray | None = None) -> np.ndarray:
     """int64 [B]: the move to play, per row of [B, A]: the most visits, then
     the higher Q, then the lower index, among the candidates. Candidates are
     the ``legal`` actions (bool [B, A]; None: all); with the children's known
     results (``child_codes`` int8 [B, A], ``Tree.node_terminal`` codes) only
     the winning ones if any (an immediate win first), else those not proven
-    lost. Both backends choose with this, so they agree. A row with no visits
+    lost, else the proven losses that do not lose at once (``loses_at_once``
+    bool [B, A], the game's rules: the opponent wins with its next move; such
+    a move is a last resort even when the search has not proven it, since a
+    move visited once or twice is not yet proven). In a lost position this
+    plays the most searched of the moves that hold longest, as a solver's
+    longest-resistance choice would, not an unsearched blunder.
+    Both backends choose with this, so they agree. A row with no visits
     at all (answered before its first wave, e.g. a first search cut by a
     deadline shorter than its start-up) plays its policy: the highest of
     ``priors`` (float32 [B, A], the root's; None: the lowest candidate), as a
     zero-visit AlphaZero player plays its policy head's move."""
     cand = np.ones(visits.shape, bool) if legal is None else legal.astype(bool)
     if child_codes is not None:  # the candidates of the best tier present (one pass, no loop over the tiers)
-        tier = np.where(cand, _CHOICE_TIER[child_codes.astype(np.int64) - tr.ILLEGAL], -1)
+        tier = _CHOICE_TIER[child_codes.astype(np.int64) - tr.ILLEGAL]
+        if loses_at_once is not None:
+            tier = np.where(loses_at_once & (tier <= _CHOICE_TIER[tr.NOT_TERMINAL - tr.ILLEGAL]),
+                            _LOSES_AT_ONCE_TIER, tier)
+        tier = np.where(cand, tier, -1)
         cand &= tier == tier.max(axis=1, keepdims=True)
     visits = np.where(cand, visits, -1)
     most = visits.max(axis=1, keepdims=True)

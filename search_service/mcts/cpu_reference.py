@@ -600,7 +600,8 @@ class CpuTreeBatch:
         proven = t.node_terminal[index, 0]
         root_value = np.where(proven != tr.NOT_TERMINAL, tr.OUTCOME_VALUE[proven], root_value)
         action = best_action(visits, q, connect4.legal_bits(t.node_mask[index, 0]),
-                             self._child_codes(index * self.cap), t.prior[index, 0])
+                             self._child_codes(index * self.cap), t.prior[index, 0],
+                             connect4.loses_at_once_bits(t.node_current[index, 0], t.node_mask[index, 0]))
         pv = self._principal_variations(index)
         return [
             SearchResult(

@@ -188,12 +188,17 @@ def test_invariants_with_many_warps_per_tree(backup, k, spw):
         h = t.to_host()
         check_invariants(h, 200_000)  # virtual loss back to zero, child slots inside the pool, ...
         assert h.node_visits[0, 0] == n and r.tree_nodes == int(h.num_nodes[0]) <= n + 1
-        # The most visited move, unless the solver proved it lost (or proved the root).
+        # The most visited move, unless the solver proved it lost, it lets the opponent win at once,
+        # or the root is proven.
         kids = h.children[0, 0]
         codes = np.where(kids >= 0, h.node_terminal[0, np.maximum(kids, 0)], tr.NOT_TERMINAL)
-        if not r.proven and codes[r.principal_variation[0]] != tr.PROVEN_WIN:
-            assert r.action == r.principal_variation[0] and r.visit_counts[r.action] == r.visit_counts.max()
-        assert codes[r.action] != tr.PROVEN_WIN or (codes[kids != tr.ILLEGAL] == tr.PROVEN_WIN).all()
+        root = c4.parse_moves(text)
+        at_once = c4.loses_at_once_bits(root.current, root.mask)[0]
+        pv0 = r.principal_variation[0]
+        if not r.proven and codes[pv0] != tr.PROVEN_WIN and not at_once[pv0]:
+            assert r.action == pv0 and r.visit_counts[r.action] == r.visit_counts.max()
+        lost = (codes == tr.PROVEN_WIN) | at_once
+        assert not lost[r.action] or lost[kids != tr.ILLEGAL].all()
         c4.parse_moves(text + c4.moves_to_text(r.principal_variation))  # the PV is a legal line
 
 

@@ -73,3 +73,64 @@ def test_a_proven_tree_stops_while_the_others_of_its_batch_go_on():
     assert open_.simulations == 200 and int(open_.visit_counts.sum()) == 200
     for t in trees:
         check_invariants(t, max_nodes=1 << 20)
+
+
+# -- a lost position resists as long as it can ----------------------------------------------------------
+
+
+def _random_positions(n: int, seed: int) -> c4.Positions:
+    rng = np.random.default_rng(seed)
+    found = []
+    while len(found) < n:
+        p = c4.empty()
+        for _ in range(int(rng.integers(0, 40))):
+            legal = np.flatnonzero(c4.legal_mask(p)[0])
+            if len(legal) == 0 or c4.is_terminal(p)[0]:
+                break
+            p = c4.play(p, rng.choice(legal))
+        if not c4.is_terminal(p)[0]:
+            found.append(p)
+    return c4.stack(found)
+
+
+def test_loses_at_once_is_a_legal_move_after_which_the_opponent_wins_with_its_next_stone():
+    p = _random_positions(300, seed=11)
+    got = c4.loses_at_once_bits(p.current, p.mask)
+    for b in range(len(p)):
+        one = c4.take(p, [b])
+        for a in range(c4.NUM_ACTIONS):
+            expected = False
+            if c4.legal_mask(one)[0, a]:
+                child = c4.play(one, a)
+                expected = not c4.last_mover_won(child)[0] and bool(c4.winning_moves(child)[0].any())
+            assert got[b, a] == expected, (c4.to_text(one), a)
+    assert got.any() and not got.all()  # the sample holds both kinds
+
+
+def test_best_action_in_a_lost_position_prefers_the_proven_loss_that_holds_to_an_unsearched_blunder():
+    N, W = tr.NOT_TERMINAL, tr.PROVEN_WIN  # codes of the children: W = the opponent's proven win
+    visits = np.array([[1, 1, 0, 1998, 0, 0, 0]])
+    codes = np.array([[N, N, N, W, N, N, N]], np.int8)
+    legal = np.array([[1, 1, 0, 1, 0, 0, 0]], bool)
+    at_once = np.array([[1, 1, 0, 0, 0, 0, 0]], bool)
+    assert best_action(visits, np.zeros((1, 7)), legal, codes) == 0  # without the rules: the unproven blunder
+    assert best_action(visits, np.zeros((1, 7)), legal, codes, loses_at_once=at_once) == 3
+    # A move that holds is still preferred to a proven loss, and a win to everything.
+    codes2 = np.array([[N, N, N, W, N, N, tr.PROVEN_LOSS]], np.int8)
+    legal2 = np.array([[1, 1, 1, 1, 0, 0, 1]], bool)
+    assert best_action(visits, np.zeros((1, 7)), legal2, codes[:, :7], loses_at_once=at_once) == 2
+    assert best_action(visits, np.zeros((1, 7)), legal2, codes2, loses_at_once=at_once) == 6
+
+
+# A lost position (issue 40's report): columns 1 and 2 let the opponent win at once, column 4 is
+# proven lost but holds longer; the value-model search gave columns 1 and 2 one visit each.
+LOST = "44723653614611335573773455421566672712"
+
+
+@pytest.mark.parametrize("evaluator", ["value_model", "rollout"])
+def test_a_lost_position_plays_the_move_that_holds_longest(evaluator):
+    fn = onnx_evaluator(MODEL, threads=1) if evaluator == "value_model" else None
+    results, _ = search(LOST, simulations=2000, parallel_sims=16, evaluator=evaluator, evaluator_fn=fn, seed=7)
+    root = c4.parse_moves(LOST)
+    assert c4.loses_at_once_bits(root.current, root.mask)[0].tolist() == [1, 1, 0, 0, 0, 0, 0]
+    assert results[0].action == 3
