@@ -35,7 +35,7 @@ from search_service.games import GAMES
 from search_service.leaf_cache import CachedEvaluator, EvaluationCache
 from search_service.mcts import tree as tr
 from search_service.mcts.backend import SearchParams
-from search_service.sessions import SessionStore
+from search_service.sessions import Owners, SessionStore
 from search_service.streams import StreamSet
 from search_service.wave_loop import Job, Refused, Stopping, WaveLoop
 from tandem import nvtx, pools
@@ -85,13 +85,15 @@ ANSWER_GRACE_S = 10.0  # past its deadline, how long a caller waits for the wave
 @dataclass(eq=False)
 class _Item:
     """One validated search of a call: its request, game, root position (Positions [1]),
-    params, whether it continues its session's tree, and that tree once taken."""
+    params, whether it continues its session's tree, that session's store key
+    ((owner, session id), set with the tree) and that tree once taken."""
 
     request: search_pb2.SearchRequest
     game: object
     position: object
     params: SearchParams
     reuse: bool
+    session: tuple | None = None
     tree: object = None
 
 
@@ -147,6 +149,7 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
         self.evaluator = evaluator
         self.backend = backend  # and the wave loop, where it batches trees
         self.sessions = SessionStore(cfg.search.max_sessions, cfg.search.session_ttl_ms, cfg.search.max_session_bytes)
+        self.owners = Owners()  # who a caller is, for its sessions
         self._lock = threading.Lock()
         self._load = {"phase": 0, "search_depth": 0, "deadline_slack_ms": 0.0, "served": 0}  # guarded by _lock
         self._since = time.monotonic()  # guarded by _lock
@@ -290,11 +293,18 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
         """Searches the validated ``items`` (their sessions' trees taken now,
         every deadline bound by the caller's) and answers them in order."""
         remaining = context.time_remaining()
+        # Sessions are the caller's own: another user naming the same id gets a session of its
+        # own (a fresh tree), exactly as for an id nobody holds. Not an error status: an unknown
+        # id is no error, so any refusal would tell that the id is someone's, and a refusal would
+        # let a client claim a predictable id ("engine-0") before its user does and lock them out.
+        who = self.owners(context.peer()) if any(item.reuse for item in items) else None
         for item in items:
             item.params = dataclasses.replace(item.params, deadline_ms=search_deadline_ms(
                 item.params.deadline_ms, remaining, self.cfg.max_deadline_ms))  # the caller's deadline, now
-            req = item.request
-            item.tree = self.sessions.take(req.session_id, req.moves, self.backend.reroot) if item.reuse else None
+            if item.reuse:
+                req = item.request
+                item.session = (who, req.session_id)
+                item.tree = self.sessions.take(item.session, req.moves, self.backend.reroot)
         if self.loop is not None:
             outs = self._run_in_loop(items, context)
         else:  # a backend that cannot batch trees across calls: one call per group of like searches
@@ -328,7 +338,7 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
                     "value model stopped after %d of %d simulations (%s): %s", r.model_simulations, r.simulations,
                     r.evaluation_failure, "answered from the tree" if r.deadline_reached else "went on with rollouts")
             if item.reuse:
-                if not self.sessions.put(item.request.session_id, item.request.moves, tree):
+                if not self.sessions.put(item.session, item.request.moves, tree):
                     log.debug("session tree not kept: larger than search.max_session_bytes")
             total_ms = (time.perf_counter() - received) * 1e3
             self._observe(item.request, r, total_ms)
@@ -348,7 +358,7 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
         except Refused as exc:
             for item in items:  # refused, not accepted: the sessions keep their trees
                 if item.reuse and item.tree is not None:
-                    self.sessions.put(item.request.session_id, item.request.moves, item.tree)
+                    self.sessions.put(item.session, item.request.moves, item.tree)
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         outs = []
         for job in jobs:

@@ -1,4 +1,4 @@
-"""Trees kept between consecutive moves of one game, by session id.
+"""Trees kept between consecutive moves of one game, by owner and session id.
 
 A session remembers the move string its tree is rooted at. When the next
 request's move string extends it, the tree is re-rooted at the position those
@@ -6,6 +6,11 @@ extra moves reach (the played child is promoted to root); anything else starts
 a fresh tree. Least recently used sessions go first when ``max_sessions`` is
 reached or the trees kept hold more than ``max_bytes`` together (a tree larger
 than that alone is not kept), and any session unused for ``ttl_ms`` is dropped.
+
+A session belongs to the caller that first named it: the store is keyed by
+(:func:`owner`, session id), so a caller of another user naming the same id
+names a session of its own, and can neither continue, reset nor end the
+first caller's tree (see :func:`owner` for who counts as one caller).
 
 Thread safety: ``_lock`` guards ``_entries`` and ``_bytes``. A tree is *taken*
 out of the store while a search runs on it, so two concurrent requests of one
@@ -17,7 +22,9 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Hashable
+
+from tandem import peer as peers
 
 
 @dataclass
@@ -36,6 +43,60 @@ def tree_bytes(tree: Any) -> int:
     return sum(int(getattr(v, "nbytes", 0)) for v in values)
 
 
+def owner(peer: str) -> Hashable:
+    """Who owns the sessions a gRPC peer (``context.peer()``) names: on this
+    host, the user owning the client's socket (``("uid", 1000)``); a remote
+    peer, its address without the port (``("host", "10.0.0.5")``, the best a
+    shared token leaves); a peer whose user cannot be told (a Unix socket, a
+    connection already gone) ``("unknown",)``, one owner for all of them.
+
+    Clients of one user are one owner: they are kept apart only by choosing
+    session ids the others cannot guess (128 random bits, ``uuid.uuid4()``).
+    Reads /proc/net/tcp{,6} (tandem/peer.py; 2-4 ms on a VM): see :class:`Owners`.
+    """
+    uid = peers.uid(peer)
+    if uid is not None:
+        return ("uid", uid)
+    p = peers.parse(peer)
+    if p.scheme in ("ipv4", "ipv6") and not p.local:
+        return ("host", p.host)
+    return ("unknown",)
+
+
+class Owners:
+    """:func:`owner`, remembered per peer address for ``ttl_s`` seconds, so that
+    a game's moves do not each read /proc/net/tcp (milliseconds of a frame).
+
+    Within ``ttl_s`` of a lookup, a new connection from the same address and
+    port is taken for the same user: only after the first one closed and
+    another user bound its port (on loopback the kernel lets a port in
+    TIME_WAIT be reused after 1 s), so keep ``ttl_s`` at about a second.
+    At most ``max_entries`` peers are remembered (the oldest go first).
+    Thread safe.
+    """
+
+    def __init__(self, ttl_s: float = 1.0, max_entries: int = 4096):
+        self.ttl_s = ttl_s
+        self.max_entries = max_entries
+        self._lock = threading.Lock()
+        self._seen: OrderedDict[str, tuple[float, Hashable]] = OrderedDict()  # guarded by _lock
+
+    def __call__(self, peer: str) -> Hashable:
+        now = time.monotonic()
+        with self._lock:
+            hit = self._seen.get(peer)
+        if hit is not None and now - hit[0] < self.ttl_s:
+            return hit[1]
+        found = owner(peer)
+        if found[0] == "uid":  # a failed lookup is not remembered: the next call tries again
+            with self._lock:
+                self._seen.pop(peer, None)
+                self._seen[peer] = (now, found)
+                while len(self._seen) > self.max_entries:
+                    self._seen.popitem(last=False)
+        return found
+
+
 class SessionStore:
     """Args:
         max_sessions: trees kept at most (count).
@@ -49,33 +110,34 @@ class SessionStore:
         self.ttl_s = ttl_ms / 1000.0
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
-        self._entries: OrderedDict[str, _Entry] = OrderedDict()  # guarded by _lock
+        self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()  # guarded by _lock
         self._bytes = 0  # guarded by _lock: the kept trees' tree_bytes, summed
 
-    def take(self, session_id: str, moves: str, reroot: Callable[[Any, list[int]], Any]) -> Any | None:
+    def take(self, key: Hashable, moves: str, reroot: Callable[[Any, list[int]], Any]) -> Any | None:
         """Removes and returns the session's tree re-rooted at ``moves``, or None.
 
-        ``reroot(tree, actions)`` promotes the child reached by the 0-based
-        ``actions`` to root (or returns None when it is not in the tree).
+        ``key``: the session's (:func:`owner`, session id). ``reroot(tree, actions)``
+        promotes the child reached by the 0-based ``actions`` to root (or
+        returns None when it is not in the tree).
         """
         with self._lock:
             self._expire()
-            entry = self._pop(session_id)
+            entry = self._pop(key)
         if entry is None or not moves.startswith(entry.moves):
             return None
         extra = [int(c) - 1 for c in moves[len(entry.moves):]]
         return reroot(entry.tree, extra) if extra else entry.tree
 
-    def put(self, session_id: str, moves: str, tree: Any) -> bool:
-        """Keeps ``tree`` for the session (least recently used ones go to make
-        room). Returns False when the tree alone is larger than ``max_bytes``
-        (it is not kept)."""
+    def put(self, key: Hashable, moves: str, tree: Any) -> bool:
+        """Keeps ``tree`` for the session ``key`` (as in :meth:`take`; least
+        recently used sessions go to make room). Returns False when the tree
+        alone is larger than ``max_bytes`` (it is not kept)."""
         nbytes = tree_bytes(tree)
         with self._lock:
-            self._pop(session_id)
+            self._pop(key)
             if self.max_bytes is not None and nbytes > self.max_bytes:
                 return False
-            self._entries[session_id] = _Entry(moves, tree, time.monotonic(), nbytes)
+            self._entries[key] = _Entry(moves, tree, time.monotonic(), nbytes)
             self._bytes += nbytes
             while len(self._entries) > self.max_sessions or (self.max_bytes is not None and self._bytes > self.max_bytes):
                 self._pop(next(iter(self._entries)))
@@ -91,8 +153,8 @@ class SessionStore:
         with self._lock:
             return self._bytes
 
-    def _pop(self, session_id: str) -> _Entry | None:  # caller holds _lock
-        entry = self._entries.pop(session_id, None)
+    def _pop(self, key: Hashable) -> _Entry | None:  # caller holds _lock
+        entry = self._entries.pop(key, None)
         if entry is not None:
             self._bytes -= entry.nbytes
         return entry

@@ -9,8 +9,8 @@
   tandem convert-fp16 MODEL.onnx     FP16 model with an FP32 last layer, + latency/accuracy report
 
 Exit codes: 0 done (up: stopped on request, every server cleanly); 1 failed (a
-server could not start or used up its restarts, a service is unreachable, a
-frame went unanswered); 2 a bad argument or config (one line on stderr); 130
+server could not start, did not stop cleanly or was crash-looping under
+--on-crash-loop stop, a service is unreachable, a frame went unanswered); 2 a bad argument or config (one line on stderr); 130
 interrupted by Ctrl-C (up: Ctrl-C is how it stops, 0).
 """
 from __future__ import annotations
@@ -67,7 +67,8 @@ def cmd_up(args) -> int:
 
     cfg = _config(args)
     print(describe_compute(cfg), flush=True)
-    policy = RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window_s)
+    policy = RestartPolicy(max_restarts=args.max_restarts, window_s=args.restart_window_s,
+                           max_delay_s=args.max_restart_delay_s, give_up=args.on_crash_loop == "stop")
     stack = Stack(cfg, args.config, log_dir=args.log_dir)
     stack.start()
     print("tandem is up:", flush=True)
@@ -276,9 +277,16 @@ def parser() -> argparse.ArgumentParser:
     p = command("up", cmd_up, "start scheduler, reward and search services")
     p.add_argument("--log-dir", type=Path, help="write each server's log here")
     p.add_argument("--max-restarts", type=_number(int, 0, strict=False), default=5,
-                   help="restarts of one server within --restart-window-s before all stop (default 5; 0: none)")
+                   help="restarts of one server in a row, each run shorter than --restart-window-s, after which "
+                        "it is crash-looping (default 5)")
     p.add_argument("--restart-window-s", type=_number(float, 0), default=60.0,
-                   help="seconds over which --max-restarts counts (default 60)")
+                   help="a server that runs this long (s) is no longer restarting in a row (default 60)")
+    p.add_argument("--max-restart-delay-s", type=_number(float, 0.5, strict=False), default=60.0,
+                   help="the restart delay (0.5 s, doubling with each restart in a row) is at most this (s; "
+                        "default 60)")
+    p.add_argument("--on-crash-loop", choices=("restart", "stop"), default="restart",
+                   help="a crash-looping server: restart it on at the capped delay while the others serve "
+                        "(default), or stop all and exit 1")
     command("status", cmd_status, "print what the scheduler knows")
     p = command("doctor", cmd_doctor, "check this host for MPS, priorities, memory, copies, clocks; print fixes")
     p.add_argument("--deep", action="store_true", help="also time priorities across two processes (GPU, ~10 s)")

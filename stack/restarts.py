@@ -1,13 +1,19 @@
 """``tandem up``'s restart policy, and the record of restarts that ``tandem status`` prints.
 
-A server that exits while ``tandem up`` runs is started again after a delay
-that doubles with each restart in the window (``first_delay_s`` .. ``max_delay_s``);
-the others keep serving. A server that exits more than ``max_restarts`` times
-within ``window_s`` is not restarted: ``tandem up`` stops all and exits 1.
+A server that exits while ``tandem up`` runs is started again, after a delay
+that doubles with each restart in a row (``first_delay_s`` .. ``max_delay_s``);
+the others keep serving. Restarts are *in a row* while each run ends within
+``window_s`` of its start; a run that lasts ``window_s`` ends the series (the
+next exit waits ``first_delay_s`` again). A server restarted more than
+``max_restarts`` times in a row is *crash-looping*: the supervisor says so
+(its log, ``tandem status``) and goes on restarting it at the capped delay,
+until it runs ``window_s`` or the user stops ``tandem up``; with ``give_up``
+(``tandem up --on-crash-loop stop``) it stops all and exits 1 instead.
 
-The supervisor writes each server's pid, restarts and last exit status to
-:func:`record_path` (JSON, replaced atomically on every change, removed when it
-stops); ``tandem status`` reads it.
+The supervisor writes each server's pid, restarts, state, last exit status
+and, while it is crash-looping, its last log line to :func:`record_path`
+(JSON, replaced atomically on every change, removed when it stops);
+``tandem status`` reads it.
 """
 from __future__ import annotations
 
@@ -15,8 +21,7 @@ import json
 import os
 import tempfile
 import time
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from tandem.config import TandemConfig
@@ -24,54 +29,71 @@ from tandem.config import TandemConfig
 
 @dataclass(frozen=True)
 class RestartPolicy:
+    """Seconds are wall seconds; ``max_restarts`` counts restarts in a row."""
+
     first_delay_s: float = 0.5
-    max_delay_s: float = 10.0
-    max_restarts: int = 5  # within window_s; 0: never restart (a dead server stops all)
+    max_delay_s: float = 60.0
+    max_restarts: int = 5  # in a row, each run shorter than window_s; then crash-looping
     window_s: float = 60.0
+    give_up: bool = False  # crash-looping stops all (tandem up exits 1) instead of restarting on
 
     def __post_init__(self):
         if self.max_restarts < 0:
             raise ValueError(f"max_restarts: must be >= 0, got {self.max_restarts}")
         if not self.window_s > 0:
             raise ValueError(f"window_s: must be > 0, got {self.window_s}")
+        if not 0 < self.first_delay_s <= self.max_delay_s:
+            raise ValueError(f"first_delay_s, max_delay_s: must be 0 < first <= max, got "
+                             f"{self.first_delay_s}, {self.max_delay_s}")
 
-    def delay_s(self, recent: int) -> float:
-        """Seconds to wait before the restart that follows ``recent`` restarts in the window."""
-        return min(self.first_delay_s * 2.0 ** recent, self.max_delay_s)
+    def delay_s(self, in_a_row: int) -> float:
+        """Seconds to wait before the restart that follows ``in_a_row`` restarts in a row."""
+        return min(self.first_delay_s * 2.0 ** min(in_a_row, 64), self.max_delay_s)
 
 
 @dataclass
 class ChildRecord:
-    """One server process's restart history (monotonic seconds)."""
+    """One server process's restart history (``time.monotonic()`` seconds)."""
 
     pid: int
+    started: float = 0.0  # when the running (or last) process was started
     restarts: int = 0
     last_exit: int | None = None
     restart_at: float | None = None  # set while it is dead and waiting for its restart
-    _recent: deque = field(default_factory=deque, repr=False)  # times of restarts within the window
+    in_a_row: int = 0  # restarts since a run last lasted window_s
+    crash_looping: bool = False
+    last_line: str = ""  # its last log line, as of its last exit
 
     def exited(self, code: int, now: float, policy: RestartPolicy) -> float | None:
-        """Records an exit; returns when to restart it, or None when the budget is spent."""
+        """Records an exit; returns when to restart it, or None where it is
+        crash-looping and ``policy.give_up``."""
         self.last_exit = code
-        while self._recent and now - self._recent[0] > policy.window_s:
-            self._recent.popleft()
-        if len(self._recent) >= policy.max_restarts:
+        if now - self.started >= policy.window_s:
+            self.in_a_row = 0  # it ran long enough: this exit starts a new series
+        self.crash_looping = self.in_a_row >= policy.max_restarts
+        if self.crash_looping and policy.give_up:
             return None
-        self.restart_at = now + policy.delay_s(len(self._recent))
+        self.restart_at = now + policy.delay_s(self.in_a_row)
         return self.restart_at
 
     def restarted(self, pid: int, now: float) -> None:
-        self.pid, self.restart_at = pid, None
+        self.pid, self.started, self.restart_at = pid, now, None
         self.restarts += 1
-        self._recent.append(now)
+        self.in_a_row += 1
 
-    def recent(self) -> int:
-        """Restarts counted against the budget (those within the window, as of the last exit)."""
-        return len(self._recent)
+    def settled(self, now: float, policy: RestartPolicy) -> bool:
+        """Ends a crash loop once the server has run ``policy.window_s``; True if it did."""
+        if not self.crash_looping or self.restart_at is not None or now - self.started < policy.window_s:
+            return False
+        self.crash_looping, self.in_a_row, self.last_line = False, 0, ""
+        return True
 
     def as_json(self, now: float) -> dict:
         state = "running" if self.restart_at is None else f"restarting in {max(self.restart_at - now, 0):.1f} s"
-        return {"pid": self.pid, "restarts": self.restarts, "last_exit": self.last_exit, "state": state}
+        if self.crash_looping:
+            state = f"CRASH-LOOPING ({self.in_a_row} restarts in a row), {state}"
+        return {"pid": self.pid, "restarts": self.restarts, "last_exit": self.last_exit, "state": state,
+                "crash_looping": self.crash_looping, "last_line": self.last_line}
 
 
 def record_path(cfg: TandemConfig) -> Path:

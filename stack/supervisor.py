@@ -2,9 +2,9 @@
 reward service, its bulk server where ``reward.bulk_server.enabled``, the
 search service), started in order,
 each awaited until its health service reports SERVING, started again when one
-exits (with backoff and a budget, stack/restarts.py) while the others keep
-serving, and all stopped together (SIGTERM, drain, then SIGKILL) so that none
-is left orphaned."""
+exits (with a growing delay; one that keeps exiting is reported crash-looping
+and restarted on, stack/restarts.py) while the others keep serving, and all
+stopped together (SIGTERM, drain, then SIGKILL) so that none is left orphaned."""
 from __future__ import annotations
 
 import ctypes
@@ -18,6 +18,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from stack.restarts import ChildRecord, RestartPolicy, record_path, write_record
 from tandem import device
@@ -69,20 +70,19 @@ def _watch_parent(parent: int, interval_s: float = 1.0) -> None:
 
 
 def wait_serving(address: str, cfg: TandemConfig, timeout_s: float, proc: subprocess.Popen | None = None,
-                 log_path: Path | None = None) -> None:
+                 why: Callable[[], str] | None = None) -> None:
     """Waits until ``address`` reports SERVING.
 
     Raises:
-        RuntimeError: the process exited (with the last line of its log,
-            ``log_path``, where it has one: why it could not start), or
-            ``timeout_s`` passed first.
+        RuntimeError: the process exited (with ``why()``, where given: its
+            last log line, why it could not start), or ``timeout_s`` passed first.
     """
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
         if proc is not None and proc.poll() is not None:
-            why = _last_line(log_path) if log_path is not None else ""
+            reason = why() if why is not None else ""
             raise RuntimeError(f"server for {address} exited with status {proc.returncode}"
-                               + (f": {why} (log: {log_path})" if why else ""))
+                               + (f": {reason}" if reason else ""))
         if health_status(address, cfg, timeout_s=0.5) == "SERVING":
             return
         time.sleep(0.05)
@@ -103,6 +103,35 @@ def _last_line(path: Path) -> str:
     except OSError:
         return ""
     return lines[-1][:LAST_LINE_CHARS] if lines else ""
+
+
+class OutputTail:
+    """Copies a server's output (a pipe) to this process's stderr, line by line,
+    and keeps its last non-empty line: ``tandem up`` without ``--log-dir``
+    can still say why a server exited. A thread reads until the pipe closes."""
+
+    def __init__(self, pipe):
+        self.last = ""
+        self._thread = threading.Thread(target=self._pump, args=(pipe,), name="server-output", daemon=True)
+        self._thread.start()
+
+    def _pump(self, pipe) -> None:
+        with pipe:
+            for line in pipe:
+                text = line.decode("utf-8", "replace").strip()
+                if text:
+                    self.last = text[:LAST_LINE_CHARS]
+                try:
+                    sys.stderr.buffer.write(line)
+                    sys.stderr.buffer.flush()
+                except (OSError, ValueError):  # our stderr is gone: keep reading, or the server blocks
+                    pass
+
+    def last_line(self, wait_s: float = 2.0) -> str:
+        """The last line, once the pipe is read to its end (at most ``wait_s``
+        seconds: a process the server started may hold the pipe open)."""
+        self._thread.join(wait_s)
+        return self.last
 
 
 def _can_bind(address: str) -> bool:
@@ -130,6 +159,7 @@ class Stack:
     # Extra environment per server name, e.g. {"reward": {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50"}}:
     # what must be set before a process creates its CUDA context.
     env: dict[str, dict[str, str]] = field(default_factory=dict)
+    tails: dict[str, OutputTail] = field(default_factory=dict)  # without log_dir: each server's output
 
     def addresses(self) -> dict[str, str]:
         return {name: address for name, (address, _) in endpoints(self.cfg).items()}
@@ -164,7 +194,7 @@ class Stack:
                 self.spawn(name)
                 for server in self._serves(name):
                     wait_serving(addresses[server], self.cfg, timeout_s, self.procs[name],
-                                 self.log_dir / f"{name}.log" if self.log_dir else None)
+                                 lambda name=name: self.why(name))
         except BaseException:
             self.stop()
             raise
@@ -175,23 +205,44 @@ class Stack:
         It gets a session of its own: a Ctrl-C in the terminal reaches only the
         supervisor, which then stops the servers in order (a server that had
         the SIGINT too would be stopping already when the SIGTERM came).
+        Its output goes to ``log_dir/NAME.log``, or without a ``log_dir``
+        through this process (:class:`OutputTail`) to its stderr.
         """
         cmd = [sys.executable, "-m", "stack", "serve", name]
         if self.config_path:
             cmd += ["--config", str(self.config_path)]
-        out = None
         if self.log_dir:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             out = open(self.log_dir / f"{name}.log", "ab")
+        else:
+            out = subprocess.PIPE
         try:
             self.procs[name] = subprocess.Popen(
-                cmd, stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True,
+                cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                 env={**os.environ, **self._env(name), PARENT_ENV: str(os.getpid())},
             )
         finally:
-            if out:
+            if out is not subprocess.PIPE:
                 out.close()  # the child has its own copy
+        if out is subprocess.PIPE:
+            self.tails[name] = OutputTail(self.procs[name].stdout)
         return self.procs[name]
+
+    def last_line(self, name: str) -> str:
+        """The last non-empty line server ``name`` wrote (its log, or its
+        output through this process), or ""."""
+        if self.log_dir:
+            return _last_line(self.log_dir / f"{name}.log")
+        tail = self.tails.get(name)
+        return tail.last_line() if tail is not None else ""
+
+    def why(self, name: str, line: str | None = None) -> str:
+        """Server ``name``'s last line (``line``, where already read), with
+        where its log is: for a message saying why it exited ("" where it wrote nothing)."""
+        line = self.last_line(name) if line is None else line
+        if line and self.log_dir:
+            return f"{line} (log: {self.log_dir / f'{name}.log'})"
+        return line
 
     def _env(self, name: str) -> dict[str, str]:
         """The server's extra environment: the shared MPS directories, its MPS
@@ -258,19 +309,21 @@ class Stack:
 
 def run_until_signalled(stack: Stack, policy: RestartPolicy | None = None) -> int:
     """Supervises the started ``stack`` until SIGINT/SIGTERM: a server that exits
-    is started again under ``policy`` (None: the default :class:`RestartPolicy`)
-    while the others keep serving (the record ``tandem status`` prints is kept
-    at :func:`~stack.restarts.record_path`).
+    is started again under ``policy`` (None: the default :class:`RestartPolicy`),
+    a crash-looping one too (at the capped delay), while the others keep serving
+    (the record ``tandem status`` prints is kept at :func:`~stack.restarts.record_path`).
 
     Returns the exit status for the CLI: 0 when stopped on request with every
-    server stopping cleanly; 1 when a server used up its restarts (all are
-    stopped) or a server did not stop cleanly.
+    server stopping cleanly; 1 when a server did not stop cleanly (one that
+    was crash-looping, for one), or with ``policy.give_up`` when a server was
+    crash-looping (all are stopped).
     """
     policy = policy or RestartPolicy()
     stopping = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda s, _f: stopping.append(s))
-    children = {name: ChildRecord(proc.pid) for name, proc in stack.procs.items()}
+    now = time.monotonic()
+    children = {name: ChildRecord(proc.pid, started=now) for name, proc in stack.procs.items()}
     path = record_path(stack.cfg)
     write_record(path, children)
     try:
@@ -291,29 +344,51 @@ def run_until_signalled(stack: Stack, policy: RestartPolicy | None = None) -> in
 
 
 class _GaveUp(Exception):
-    """A server exited more often than the restart policy allows."""
+    """A server is crash-looping and the policy says to stop all (``give_up``)."""
 
 
 def _supervise_once(stack: Stack, children: dict[str, ChildRecord], policy: RestartPolicy, now: float) -> bool:
-    """Notes servers that exited and starts those whose delay has passed; True if anything changed.
+    """Notes servers that exited, starts those whose delay has passed and ends
+    the crash loops of those that have run ``policy.window_s``; True if anything changed.
 
     Raises:
-        _GaveUp: a server exited with its restarts used up.
+        _GaveUp: a server is crash-looping and ``policy.give_up``.
     """
     changed = False
     for name, child in children.items():
         proc = stack.procs[name]
         if child.restart_at is None and proc.poll() is not None:
-            if child.exited(proc.returncode, now, policy) is None:
-                raise _GaveUp(
-                    f"{name} exited (status {proc.returncode}) after {child.recent()} restarts within "
-                    f"{policy.window_s:.0f} s: giving up, stopping the others")
-            log.error("%s exited (status %s): restarting it in %.1f s (restart %d of %d within %.0f s); "
-                      "the others keep serving", name, proc.returncode, child.restart_at - now,
-                      child.recent() + 1, policy.max_restarts, policy.window_s)
+            child.last_line = stack.last_line(name)
+            _note_exit(name, child, child.exited(proc.returncode, now, policy), now, policy,
+                       stack.why(name, child.last_line))
             changed = True
         elif child.restart_at is not None and now >= child.restart_at:
             child.restarted(stack.spawn(name).pid, now)
             log.warning("%s started again (pid %d, restart %d)", name, child.pid, child.restarts)
             changed = True
+        elif child.settled(now, policy):
+            log.warning("%s has run %.0f s since its last restart: no longer crash-looping", name, policy.window_s)
+            changed = True
     return changed
+
+
+def _note_exit(name: str, child: ChildRecord, restart_at: float | None, now: float, policy: RestartPolicy,
+               why: str) -> None:
+    """Logs a server's exit and what happens next (its last log line, ``why``, where it wrote one).
+
+    Raises:
+        _GaveUp: it is crash-looping and ``policy.give_up`` (``restart_at`` None).
+    """
+    last = f"; its last log line: {why}" if why else ""
+    series = (f"{child.in_a_row} restarts in a row, each run shorter than {policy.window_s:.0f} s")
+    if restart_at is None:
+        raise _GaveUp(f"{name} exited (status {child.last_exit}) after {series}: crash-looping, "
+                      f"giving up (--on-crash-loop stop), stopping the others{last}")
+    if child.crash_looping:
+        log.error("%s is crash-looping: exited (status %s) after %s; restarting it in %.1f s (at most %.0f s "
+                  "apart), the others keep serving%s", name, child.last_exit, series, restart_at - now,
+                  policy.max_delay_s, last)
+    else:
+        log.error("%s exited (status %s): restarting it in %.1f s (restart %d in a row; crash-looping after %d); "
+                  "the others keep serving%s", name, child.last_exit, restart_at - now, child.in_a_row + 1,
+                  policy.max_restarts, last)

@@ -154,9 +154,9 @@ def test_session_store_bounds_bytes_least_recently_used_first():
     store = SessionStore(max_sessions=100, ttl_ms=60_000, max_bytes=2500)
     assert tree_bytes(_Tree(1000)) == 1000
     for name in "abc":
-        assert store.put(name, "4", _Tree(1000))
+        assert store.put(("owner", name), "4", _Tree(1000))
     assert len(store) == 2 and store.nbytes == 2000  # "a" went for "c"
-    assert store.take("a", "4", lambda t, a: t) is None
-    assert store.take("b", "4", lambda t, a: t) is not None and store.nbytes == 1000
-    assert not store.put("big", "4", _Tree(3000))  # larger than the bound alone: not kept
+    assert store.take(("owner", "a"), "4", lambda t, a: t) is None
+    assert store.take(("owner", "b"), "4", lambda t, a: t) is not None and store.nbytes == 1000
+    assert not store.put(("owner", "big"), "4", _Tree(3000))  # larger than the bound alone: not kept
     assert len(store) == 1 and store.nbytes == 1000

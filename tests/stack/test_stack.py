@@ -130,18 +130,22 @@ def test_up_refuses_a_bad_config(tmp_path):
     assert "search.backend: must be one of" in result.stderr
 
 
-def test_up_says_why_a_server_could_not_start(config_file, tmp_path):
+@pytest.mark.parametrize("log_dir", [True, False])
+def test_up_says_why_a_server_could_not_start(config_file, tmp_path, log_dir):
     """A model file ONNX Runtime cannot load: tandem up's own message carries
-    the reward server's last log line (not only its exit status)."""
+    the reward server's last log line (not only its exit status), from its log
+    with --log-dir, from its output (which tandem up passes on) without."""
     not_onnx = tmp_path / "not_a_model.onnx"
     not_onnx.write_text("this is not an ONNX model\n")
     data = yaml.safe_load(config_file.read_text())
     data["reward"]["models"] = [{"name": "connect4_value", "path": str(not_onnx)}]
     config_file.write_text(yaml.safe_dump(data))
-    result = _tandem("up", "--config", str(config_file), "--log-dir", str(tmp_path / "logs"))
-    assert result.returncode != 0
-    out = result.stdout + result.stderr
-    assert "exited with status 1: " in out and "not_a_model.onnx" in out and "reward.log" in out, out
+    result = _tandem("up", "--config", str(config_file), *(("--log-dir", str(tmp_path / "logs")) if log_dir else ()))
+    assert result.returncode == 1
+    message = result.stderr.strip().splitlines()[-1]  # tandem up's own, after the servers' output
+    assert message.startswith("tandem: server for ") and "exited with status 1: " in message, result.stderr
+    assert "not_a_model.onnx" in message and "INVALID_PROTOBUF" in message, message
+    assert ("reward.log" in message) is log_dir, message
 
 
 def test_up_refuses_ports_already_in_use(config_file):

@@ -1,8 +1,10 @@
 """Supervision and the command line, with real processes on loopback:
 
 * ``tandem up`` starts a SIGKILLed server again while the others keep serving,
-  ``tandem status`` shows the restart, and a server that keeps dying uses up
-  its restarts and stops all with a clear message;
+  ``tandem status`` shows the restart; a server that keeps dying is
+  crash-looping: restarted on at a growing delay while the others keep
+  serving, with its last log line in the output and ``tandem status``, or,
+  with ``--on-crash-loop stop``, all stop with a clear message;
 * Ctrl-C (SIGINT to the command's process group, as a terminal sends it) stops
   ``tandem up``, ``play`` and ``demo`` promptly with a truthful exit code;
 * ``tandem status`` and ``tandem play`` say which service is down;
@@ -162,9 +164,51 @@ def test_a_killed_server_is_restarted_and_the_others_keep_serving(config_file, t
         up.kill()
 
 
-def test_a_server_that_keeps_dying_uses_up_its_restarts_and_all_stop(config_file, tmp_path):
+def test_a_crash_looping_server_is_restarted_on_while_the_others_keep_serving(config_file, tmp_path):
+    """The reward service's model is broken while it runs and it is killed: every restart exits at
+    start. tandem up (without --log-dir: the last line comes through its own output) says it is
+    crash-looping and why, restarts it at a growing delay, and the others keep serving until Ctrl-C."""
+    model = tmp_path / "connect4_value.onnx"
+    model.write_bytes(Path("reward_service/models/connect4_value.onnx").read_bytes())
+    data = yaml.safe_load(config_file.read_text())
+    data["reward"]["models"] = [{"name": "connect4_value", "path": str(model)}]
+    config_file.write_text(yaml.safe_dump(data))
+    cfg = load_config(config_file)
+    up = Command("up", "--config", str(config_file), "--max-restarts", "2", "--restart-window-s", "600")
+    try:
+        up.wait_for("tandem is up")
+        before = _servers(up.proc.pid)
+        model.write_text("this is not an ONNX model\n")
+        os.kill(before["reward"], signal.SIGKILL)
+        up.wait_for("reward is crash-looping: exited (status 1) after 2 restarts in a row")
+        up.wait_for("reward is crash-looping: exited (status 1) after 3 restarts in a row")
+        loop = [line for line in up.lines if "reward is crash-looping" in line]
+        assert str(model) in loop[0] and "its last log line: " in loop[0], loop[0]
+        # The delay grows: 0.5, 1 (before the loop), then 2, 4 (the cap is 60 s).
+        delays = [float(line.split("restarting it in ")[1].split(" s")[0]) for line in up.lines
+                  if "reward" in line and "restarting it in" in line]
+        assert delays[:4] == [0.5, 1.0, 2.0, 4.0], delays
+        # The others keep serving: same processes, searches answered (from rollouts: no value model).
+        assert _search(cfg) is not None
+        after = _servers(up.proc.pid)
+        assert after["scheduler"] == before["scheduler"] and after["search"] == before["search"]
+        assert up.proc.poll() is None
+
+        status = _tandem("status", "--config", str(config_file))
+        assert "CRASH-LOOPING (" in status.stdout and "restarts in a row)" in status.stdout, status.stdout
+        assert "last log line: " in status.stdout and str(model) in status.stdout, status.stdout
+
+        code, _ = up.ctrl_c()
+        assert code in (0, 1), up.output  # 1: the crash-looping server's last exit was not clean
+        assert "stopped: scheduler exit 0, reward exit " in up.output and "search exit 0" in up.output
+        assert _poll(lambda: not any(_alive(p) for p in after.values()), 15), "orphaned servers"
+    finally:
+        up.kill()
+
+
+def test_on_crash_loop_stop_gives_up_and_stops_all(config_file, tmp_path):
     up = Command("up", "--config", str(config_file), "--log-dir", str(tmp_path / "logs"),
-                 "--max-restarts", "1", "--restart-window-s", "600")
+                 "--max-restarts", "1", "--restart-window-s", "600", "--on-crash-loop", "stop")
     try:
         up.wait_for("tandem is up")
         first = _servers(up.proc.pid)
@@ -172,7 +216,8 @@ def test_a_server_that_keeps_dying_uses_up_its_restarts_and_all_stop(config_file
         assert _poll(lambda: _servers(up.proc.pid).get("scheduler", first["scheduler"]) != first["scheduler"], 60)
         os.kill(_servers(up.proc.pid)["scheduler"], signal.SIGKILL)
         assert up.proc.wait(timeout=60) == 1
-        up.wait_for("scheduler exited (status -9) after 1 restarts within 600 s: giving up, stopping the others")
+        up.wait_for("scheduler exited (status -9) after 1 restarts in a row, each run shorter than 600 s: "
+                    "crash-looping, giving up (--on-crash-loop stop), stopping the others")
         assert _poll(lambda: not any(_alive(p) for p in first.values()), 15), "orphaned servers"
     finally:
         up.kill()
@@ -245,6 +290,8 @@ def test_status_and_play_name_the_service_that_is_down(config_file):
     (("play", "--frames", "-1"), "tandem play: argument --frames: must be > 0, got '-1'"),
     (("demo", "--simulations", "many"), "tandem demo: argument --simulations: expected an integer, got 'many'"),
     (("up", "--max-restarts", "-1"), "tandem up: argument --max-restarts: must be >= 0, got '-1'"),
+    (("up", "--max-restart-delay-s", "0.1"), "tandem up: argument --max-restart-delay-s: must be >= 0.5, got '0.1'"),
+    (("up", "--on-crash-loop", "ignore"), "tandem up: argument --on-crash-loop: invalid choice: 'ignore'"),
     (("health", "127.0.0.1:1", "--timeout-s", "0"), "tandem health: argument --timeout-s: must be > 0"),
     (("play", "--evaluator", "oracle"), "tandem play: argument --evaluator: invalid choice: 'oracle'"),
     (("play", "--bogus"), "tandem: unrecognized arguments: --bogus"),

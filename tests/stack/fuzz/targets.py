@@ -67,6 +67,9 @@ class FakeContext:
     def time_remaining(self):
         return None
 
+    def peer(self):
+        return "unix:fuzz"  # one owner of every session (search_service.sessions.owner)
+
     def is_active(self):
         return True
 
