@@ -527,6 +527,7 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True) -> Service:
                       f"search.backend.{servicer.backend.name}"),
     )
     service.servicer = servicer
+    servicer.owners.local_port = service.port  # from now on a caller's uid is one netlink lookup (tandem/peer.py)
     service.on_close = lambda: (servicer.close(), coalescer.close(), handoff.close(), reward_channel.close())
     return service
 

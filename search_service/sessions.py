@@ -43,7 +43,7 @@ def tree_bytes(tree: Any) -> int:
     return sum(int(getattr(v, "nbytes", 0)) for v in values)
 
 
-def owner(peer: str) -> Hashable:
+def owner(peer: str, local_port: int = 0) -> Hashable:
     """Who owns the sessions a gRPC peer (``context.peer()``) names: on this
     host, the user owning the client's socket (``("uid", 1000)``); a remote
     peer, its address without the port (``("host", "10.0.0.5")``, the best a
@@ -52,9 +52,11 @@ def owner(peer: str) -> Hashable:
 
     Clients of one user are one owner: they are kept apart only by choosing
     session ids the others cannot guess (128 random bits, ``uuid.uuid4()``).
-    Reads /proc/net/tcp{,6} (tandem/peer.py; 2-4 ms on a VM): see :class:`Owners`.
+    ``local_port``: the server's port, for the kernel's exact lookup of the
+    connection (tandem/peer.py: tens of µs); 0: /proc/net/tcp{,6} are read
+    instead (2-4 ms on a VM; see :class:`Owners`).
     """
-    uid = peers.uid(peer)
+    uid = peers.uid(peer, local_port)
     if uid is not None:
         return ("uid", uid)
     p = peers.parse(peer)
@@ -64,8 +66,10 @@ def owner(peer: str) -> Hashable:
 
 
 class Owners:
-    """:func:`owner`, remembered per peer address for ``ttl_s`` seconds, so that
-    a game's moves do not each read /proc/net/tcp (milliseconds of a frame).
+    """:func:`owner` of each caller. Once ``local_port`` (the server's port) is
+    set, every call asks the kernel for its own connection (exact, no memory);
+    before, :func:`owner` is remembered per peer address for ``ttl_s`` seconds,
+    so that a game's moves do not each read /proc/net/tcp (milliseconds of a frame).
 
     Within ``ttl_s`` of a lookup, a new connection from the same address and
     port is taken for the same user: only after the first one closed and
@@ -80,8 +84,11 @@ class Owners:
         self.max_entries = max_entries
         self._lock = threading.Lock()
         self._seen: OrderedDict[str, tuple[float, Hashable]] = OrderedDict()  # guarded by _lock
+        self.local_port = 0  # set once the server listens (one int write; read anywhere)
 
     def __call__(self, peer: str) -> Hashable:
+        if self.local_port:
+            return owner(peer, self.local_port)
         now = time.monotonic()
         with self._lock:
             hit = self._seen.get(peer)

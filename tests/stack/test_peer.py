@@ -1,5 +1,6 @@
 """tandem/peer.py: a gRPC peer's locality and, over real loopback connections, its socket's owner."""
 import os
+import socket
 import subprocess
 import sys
 from concurrent import futures
@@ -74,3 +75,35 @@ def test_a_loopback_peer_of_another_user_is_that_user(server):
             "except grpc.RpcError: pass\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
     assert recorder.seen == [65534]
+
+
+class _PortRecorder(health.HealthServicer):
+    """Looks the caller up both ways: the kernel's exact lookup and the /proc tables."""
+
+    def __init__(self):
+        super().__init__()
+        self.port, self.seen = 0, []
+
+    def Check(self, request, context):
+        p = peer.parse(context.peer())
+        family = socket.AF_INET if p.scheme == "ipv4" else socket.AF_INET6
+        exact = [peer._diag_uid(family, p.host, p.port, host, self.port) for host in peer._server_hosts(p)]
+        self.seen.append((next((u for u in exact if u is not None), None), peer.uid(context.peer())))
+        return super().Check(request, context)
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "[::1]"])
+def test_the_kernel_s_exact_lookup_agrees_with_the_proc_tables(host):
+    recorder = _PortRecorder()
+    srv = grpc.server(futures.ThreadPoolExecutor(2))
+    health_pb2_grpc.add_HealthServicer_to_server(recorder, srv)
+    try:
+        recorder.port = srv.add_insecure_port(f"{host}:0")
+    except RuntimeError:
+        pytest.skip(f"{host} cannot be bound here")
+    srv.start()
+    try:
+        _check(f"{host}:{recorder.port}")
+    finally:
+        srv.stop(0)
+    assert recorder.seen == [(os.getuid(), os.getuid())]
