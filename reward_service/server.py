@@ -23,6 +23,7 @@ from reward_service.session import InputError, ModelSession, runners_per_model
 from reward_service.shared_memory import Lease, RegionStatus, RegionTable, SharedMemoryError
 from tandem import in_process as tandem_in_process
 from tandem import peer, tensors
+from tandem.failover import STANDBY_KEY
 from tandem.config import SharedMemoryConfig, TandemConfig
 from tandem.errors import quote
 from tandem.gpu import cuda_device_count
@@ -80,7 +81,9 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
 
     As the bulk server (``critical_address`` set: reward.bulk_server, a
     process of its own that serves bulk clients) a critical Evaluate is
-    FAILED_PRECONDITION, naming the reward service that serves it.
+    FAILED_PRECONDITION, naming the reward service that serves it, unless
+    the bulk server is the reward service's ``standby`` (it then has a
+    critical lane per model, for clients whose reward service is down).
 
     Thread safety: the batchers and the region table are thread-safe; the only
     other shared mutable state is the load counters, guarded by ``_lock``.
@@ -88,11 +91,13 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
 
     def __init__(self, sessions: dict[str, ModelSession], batchers: dict[str, Batcher],
                  shared_memory: SharedMemoryConfig | None = None, metrics: ModelMetrics | None = None,
-                 max_bytes_in_flight: int = 0, critical_address: str = "", bulk_address: str = ""):
+                 max_bytes_in_flight: int = 0, critical_address: str = "", bulk_address: str = "",
+                 standby: bool = False):
         self.sessions = sessions
         # The bulk server: where critical requests go instead ("" on the reward service itself).
         self.critical_address = critical_address
         self.bulk_address = bulk_address  # the reward service: its bulk server's address, if one runs
+        self.standby = standby  # the reward service: its bulk server is its standby; the bulk server: it is one
         self.metrics = metrics or ModelMetrics(list(sessions))  # per-model figures (reward_service/model_metrics.py)
         self.batchers = batchers
         self.budget = ByteBudget(max_bytes_in_flight)  # reward_service/admission.py
@@ -123,7 +128,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         IN_FLIGHT.inc()
         try:
             try:
-                if self.critical_address and lane == LANES[reward_pb2.REQUEST_CLASS_CRITICAL]:
+                if self.critical_address and not self.standby and lane == LANES[reward_pb2.REQUEST_CLASS_CRITICAL]:
                     raise Refusal(grpc.StatusCode.FAILED_PRECONDITION, "wrong_server",
                                   f"request_class: this is the reward service's bulk server (reward.bulk_server), "
                                   f"which serves bulk requests only; send critical ones to the reward service at "
@@ -255,8 +260,10 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         names its bulk server (``bulk_server``, where one runs), the bulk
         server the reward service for critical requests (``critical_server``)."""
         if self.critical_address:
-            return {"role": "bulk server", "critical_server": self.critical_address}
-        return {"role": "reward service", **({BULK_SERVER_KEY: self.bulk_address} if self.bulk_address else {})}
+            return {"role": "bulk server, standby for critical requests" if self.standby else "bulk server",
+                    "critical_server": self.critical_address}
+        return {"role": "reward service", **({BULK_SERVER_KEY: self.bulk_address} if self.bulk_address else {}),
+                **({STANDBY_KEY: self.bulk_address} if self.bulk_address and self.standby else {})}
 
     def ListModels(self, request, context):
         return reward_pb2.ListModelsResponse(models=sorted(self.sessions))
@@ -374,7 +381,7 @@ def _warm_up(servicer: RewardServicer) -> None:
     for s in servicer.sessions.values():
         inputs = [tensors.to_proto(x.name, np.zeros([1 if d == -1 else d for d in x.shape], tensors.numpy_dtype(x.dtype)))
                   for x in s.inputs]
-        for request_class in classes[1:] if servicer.critical_address else classes:
+        for request_class in classes[1:] if servicer.critical_address and not servicer.standby else classes:
             request = reward_pb2.EvaluateRequest(model=s.name, inputs=inputs, request_class=request_class)
             servicer.Evaluate(request, _WarmUpContext())
 
@@ -402,9 +409,11 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True, bulk_server: bool = 
     before the service serves) and serves on ``cfg.reward.address``.
 
     With ``bulk_server``: the bulk server instead (``reward.bulk_server``, a
-    process of its own): the same models without critical lanes, no leaf
-    channel, on ``cfg.reward.bulk_server.address``; critical requests there are
-    FAILED_PRECONDITION.
+    process of its own): the same models, no leaf channel, on
+    ``cfg.reward.bulk_server.address``; as the reward service's standby
+    (``reward.bulk_server.standby``) with a critical lane each, for clients
+    whose reward service is down (tandem/failover.py), else without, and
+    critical requests there are FAILED_PRECONDITION.
 
     Raises:
         RuntimeError: a model cannot be loaded, or the address cannot be bound;
@@ -418,8 +427,9 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True, bulk_server: bool = 
                            f"to serve one on {bulk_cfg.address})")
     # The memory pool is split evenly over every runner (models x (stream priorities + the critical
     # lane's own)), and each runner's share over its sessions (one per batch bucket).
-    per_runner = cfg.reward.memory_pool_bytes // max(len(models) * runners_per_model(cfg.reward, not bulk_server), 1)
-    sessions = {m.name: ModelSession(m, cfg.reward, pool_bytes=per_runner, warm=False, critical_lane=not bulk_server)
+    critical_lane = not bulk_server or bulk_cfg.standby  # the bulk server's only as the standby
+    per_runner = cfg.reward.memory_pool_bytes // max(len(models) * runners_per_model(cfg.reward, critical_lane), 1)
+    sessions = {m.name: ModelSession(m, cfg.reward, pool_bytes=per_runner, warm=False, critical_lane=critical_lane)
                 for m in models}
     providers = sorted({s.execution_provider for s in sessions.values()})
     log.warning("reward service: execution provider(s) in use: %s", ", ".join(providers))
@@ -431,7 +441,8 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True, bulk_server: bool = 
     servicer = RewardServicer(sessions, {name: _batcher(s, cfg, metrics) for name, s in sessions.items()},
                               cfg.reward.shared_memory, metrics, cfg.reward.max_bytes_in_flight,
                               critical_address=cfg.reward.address if bulk_server else "",
-                              bulk_address=bulk_cfg.address if bulk_cfg.enabled and not bulk_server else "")
+                              bulk_address=bulk_cfg.address if bulk_cfg.enabled and not bulk_server else "",
+                              standby=bulk_cfg.enabled and bulk_cfg.standby)
     BYTES_IN_FLIGHT.set_function(lambda: servicer.budget.held)
     for name, b in servicer.batchers.items():
         for lane in LANES.values():
@@ -511,7 +522,7 @@ def _capabilities(open_inference_protocol: bool, servicer: RewardServicer) -> li
     its address in ModelMetadata.runtime["bulk_server"])."""
     out = ["reward.request_classes", "reward.shared_memory.system"]
     if servicer.critical_address:
-        out.append("reward.bulk_only")
+        out.append("reward.standby" if servicer.standby else "reward.bulk_only")
     else:
         out.append("reward.leaf_channel")
     if servicer.bulk_address:

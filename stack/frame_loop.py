@@ -29,6 +29,7 @@ from tandem.v1 import reward_pb2, reward_pb2_grpc, search_pb2, search_pb2_grpc
 
 from search_service.games import connect4
 from tandem import tensors
+from tandem.failover import STANDBY_KEY, Failover
 from tandem.positions import LabelledPosition, load_set
 from tandem.server import channel
 
@@ -140,6 +141,7 @@ class Record:
     simulations: int | None = None  # search answers: simulations completed
     server_queue_ms: float | None = None  # evaluate answers: the reward batcher's wait (server-side)
     server_compute_ms: float | None = None  # evaluate answers: the model run of its batch (server-side)
+    server: str = ""  # evaluate answers: "primary" (the reward service) or "standby" (tandem/failover.py)
 
 
 def frame_latency_ms(records: list[Record], since: float) -> float | None:
@@ -204,6 +206,7 @@ class SentFrame:
                 rec.simulations = min(r.simulations for r in reply.results)
             else:
                 rec.server_queue_ms, rec.server_compute_ms = reply.queue_ms, reply.compute_ms
+                rec.server = getattr(f, "server", "primary")
             code = "OK"
         except grpc.RpcError as exc:
             code = exc.code().name
@@ -226,25 +229,36 @@ CLOSE_TIMEOUT_S = 2.0  # a channel's close takes milliseconds; beyond this it is
 
 class FrameClient:
     """An engine's connections to the search and reward services: a frame's
-    ``Search`` and ``Evaluate``, sent at once."""
+    ``Search`` and ``Evaluate``, sent at once. The Evaluate goes to the reward
+    service's standby while the reward service is down, where the reward
+    service names one (``ModelMetadata.runtime["standby_server"]``; tandem/failover.py)."""
 
     def __init__(self, search_address: str, reward_address: str, cfg=None, *, model: str = "connect4_value"):
         """``cfg``: the tandem config whose TLS and token the channels use (None: plaintext)."""
         self.model = model
+        self._cfg = cfg
         self._search_ch = channel(search_address, cfg)
         self._reward_ch = channel(reward_address, cfg)
+        self._standby_ch: grpc.Channel | None = None  # opened with the metadata, where it names a standby
         self._search = search_pb2_grpc.SearchServiceStub(self._search_ch)
         self._reward = reward_pb2_grpc.RewardServiceStub(self._reward_ch)
         self._metadata: reward_pb2.ModelMetadataResponse | None = None
+        self._evaluate: Failover | None = None
 
     def metadata(self) -> reward_pb2.ModelMetadataResponse:
-        """The value model's metadata (asked once, 10 s deadline).
+        """The value model's metadata (asked once, 10 s deadline); opens the
+        channel to the reward service's standby, where it names one.
 
         Raises:
             grpc.RpcError: ModelMetadata failed (the reward service is down, the model unknown).
         """
         if self._metadata is None:
             self._metadata = self._reward.ModelMetadata(reward_pb2.ModelMetadataRequest(model=self.model), timeout=10)
+            standby = self._metadata.runtime.get(STANDBY_KEY, "")
+            if standby:
+                self._standby_ch = channel(standby, self._cfg)
+            self._evaluate = Failover(self._reward.Evaluate.future, reward_pb2_grpc.RewardServiceStub(
+                self._standby_ch).Evaluate.future if self._standby_ch is not None else None)
         return self._metadata
 
     def send(self, tick: Tick, moves: str | list[str], *, simulations: int, evaluator: str, seed: int,
@@ -286,7 +300,7 @@ class FrameClient:
                 model=self.model, inputs=[tensors.to_proto(self.metadata().inputs[0].name, evaluate())],
                 output_names=["value"], request_class=reward_pb2.REQUEST_CLASS_CRITICAL)
             frame._track(Record("evaluate", tick.engine, tick.frame, tick.due, time.monotonic()),
-                         lambda: self._reward.Evaluate.future(ev, timeout=timeout_s))
+                         lambda: self._evaluate.future(ev, timeout=timeout_s))
         return frame
 
     def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
@@ -295,7 +309,7 @@ class FrameClient:
         channel's close can wait for ever (seen under a loaded CPU: `tandem
         play` held up in grpc's Channel.close until its exit deadline), and a
         command that is exiting need not wait for it."""
-        for ch in (self._search_ch, self._reward_ch):
+        for ch in (self._search_ch, self._reward_ch, *([self._standby_ch] if self._standby_ch else [])):
             closing = threading.Thread(target=ch.close, name="channel-close", daemon=True)
             closing.start()
             closing.join(timeout_s)

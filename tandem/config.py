@@ -161,13 +161,17 @@ class BulkServerConfig:
     an address of its own. Why a process: gRPC ingest, the batcher and the
     copies of a bulk client run in Python, and one interpreter runs one thread
     at a time; beside a trainer a critical request waited for that interpreter,
-    not for the GPU (docs/design.md, "The bulk server"). It serves bulk lanes
-    only (a critical Evaluate there is FAILED_PRECONDITION) and registers with
+    not for the GPU (docs/design.md, "The bulk server"). It registers with
     the scheduler as a reward service, so the bulk lever reaches it."""
 
     enabled: bool = True
     address: str = "127.0.0.1:50053"
     metrics_port: int = 9453  # 0 = no metrics endpoint
+    # The reward service's standby: the bulk server also holds a critical lane per model and
+    # serves critical requests, which tandem's clients send here while the reward service is
+    # down (tandem/failover.py); it costs that lane's runner (memory, warm-up). Off: critical
+    # requests here are FAILED_PRECONDITION, and a reward service restart fails frames.
+    standby: bool = True
 
 
 @dataclass(frozen=True)

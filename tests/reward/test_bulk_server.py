@@ -28,8 +28,9 @@ MODEL = "connect4_value"
 
 @pytest.fixture(scope="module")
 def servers():
+    # standby off: a bulk server for bulk clients alone (the standby: tests/reward/test_failover.py)
     cfg = loopback_config(reward={"intra_op_threads": 1, "bulk_server": {
-        "enabled": True, "address": f"127.0.0.1:{free_port()}", "metrics_port": 0}})
+        "enabled": True, "address": f"127.0.0.1:{free_port()}", "metrics_port": 0, "standby": False}})
     front = reward_server.start(cfg, follow_scheduler=False)
     bulk = reward_server.start(cfg, follow_scheduler=False, bulk_server=True)
     channels = [channel(cfg.reward.address, cfg), channel(cfg.reward.bulk_server.address, cfg)]
