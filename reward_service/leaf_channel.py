@@ -2,10 +2,15 @@
 host, their tensors in shared-memory regions, their doorbell a Unix-domain
 ``SOCK_SEQPACKET`` socket (the protocol and the client: tandem/leaf_channel.py).
 
-The regions are the shared-memory table's (reward_service/shared_memory.py):
-registered by the client with ``RegisterSharedMemory`` like any bulk client's,
-checked the same way (owner, bounds, device), then attached to a connection,
-which renews their lease while it lives and unregisters them when it closes.
+The regions are the shared-memory table's (reward_service/shared_memory.py).
+A CUDA region is registered by the client with ``RegisterSharedMemory`` like
+any bulk client's; host memory comes as sealed memfds whose descriptors the
+attach message carries (SCM_RIGHTS), registered here for the connection's
+client (``RegionTable.register_fd``: sealed against shrinking, so mapped
+without risk; with no name in /dev/shm, no other client can register them).
+All are checked the same way (owner, bounds, device), then attached to the
+connection, which renews their lease while it lives and unregisters them
+when it closes.
 A wave runs in the model's critical lane (reward_service/batcher.py), merged
 with any other critical requests there, under the wave's own deadline. A wave
 in a CUDA region reaches the model device to device (the bound runner copies
@@ -54,9 +59,15 @@ Invariants:
   The ready word's region is a third, read by this host alone (system).
 * Every message gets an answer (``R``/``A`` or ``E`` with a gRPC status); a
   malformed message closes nothing but the answer; the connection closes only
-  when its client closes it, the server stops, the socket fails, or it has
-  stayed silent and unattached for a lease (``lease_ttl_s``): it held a slot
-  of ``max_connections`` and nothing else.
+  when its client closes it, the server stops, the socket fails, or it has not
+  attached within ``attach_timeout_ms`` of being accepted (answered
+  DEADLINE_EXCEEDED first): it held a slot of ``max_connections`` and nothing else.
+* Only this server's own user may attach: a peer of another uid
+  (``SO_PEERCRED``; root passes the socket file's mode) is answered
+  PERMISSION_DENIED and closed. Its regions are owned by (that uid, the
+  attach's ``client_id``). Descriptors are taken from attach messages only
+  (any other message is read without room for them: the kernel closes them),
+  and each one is closed once registered or refused.
 * The socket file is made with mode 0600 in ``reward.leaf_channel.socket_dir``
   and named after this process, so a stale file from a dead server is never
   reused; it is removed when the server closes, and a dead server's file by
@@ -70,6 +81,7 @@ import logging
 import math
 import os
 import socket
+import struct
 import tempfile
 import threading
 import time
@@ -112,6 +124,7 @@ class _Attachment:
     """What one connection's attach settled: the model, its regions and their layout."""
 
     client_id: str
+    uid: int  # the connection's peer's: with client_id, the regions' owner
     session: ModelSession
     max_rows: int
     input_region: str
@@ -156,7 +169,9 @@ _FLOAT32 = np.dtype(np.float32)
 _WORD = np.dtype(np.uint64)
 WORD_WAIT_CAP_S = 1.0  # the longest a wave without a deadline waits for its ready word (its previous outputs'
 # run included: the client writes the inputs only after those outputs are done)
-REGION_KINDS = ("system", "cuda")  # either region may be either kind
+REGION_KINDS = ("memfd", "cuda")  # either wave region may be either kind; the ready word's is a memfd
+ROLES = ("input_region", "output_region", "ready_region")  # the attach's regions, any of which may come as a memfd
+MAX_FDS = len(ROLES)  # descriptors one attach may carry
 SOCKET_PREFIX = "tandem-leaf-"  # then the server's pid, "-", an id, ".sock"
 
 
@@ -194,6 +209,56 @@ def remove_stale_sockets(directory: str) -> list[str]:
         except OSError:  # PermissionError: another user's process lives under that pid
             continue
     return removed
+
+
+def _peer_uid(conn: socket.socket) -> int:
+    """The uid of the process at the other end of ``conn`` (SO_PEERCRED: as it was when it connected)."""
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[1]
+
+
+def _receive(conn: socket.socket, with_fds: bool) -> tuple[bytes, list[int]]:
+    """The next message and, ``with_fds``, the descriptors it carried (at most
+    MAX_FDS, close-on-exec; without room for them the kernel closes any sent).
+
+    Raises:
+        BadRequest: INVALID_ARGUMENT: more than MAX_FDS descriptors (all closed).
+        OSError: TimeoutError, or the socket failed.
+    """
+    if not with_fds:
+        return conn.recv(MAX_MESSAGE_BYTES), []
+    message, fds, flags, _ = socket.recv_fds(conn, MAX_MESSAGE_BYTES, MAX_FDS, socket.MSG_CMSG_CLOEXEC)
+    if flags & socket.MSG_CTRUNC:  # those past MAX_FDS were closed by the kernel
+        _close_fds(fds)
+        return message, [-1]  # refused by the attach as a count that does not match
+    return message, fds
+
+
+def _close_fds(fds: list[int]) -> None:
+    for fd in fds:
+        if fd >= 0:
+            os.close(fd)
+    fds.clear()
+
+
+def _memfd_roles(req: dict, fds: list[int]) -> list[str]:
+    """The attach's ``memfds``: the roles (of ROLES, named in the attach) whose
+    regions come as the message's descriptors, in their order.
+
+    Raises:
+        BadRequest: INVALID_ARGUMENT: a malformed list, or one that does not
+            match the descriptors the message carried.
+    """
+    roles = req.get("memfds", [])
+    if (not isinstance(roles, list) or len(set(map(str, roles))) != len(roles)
+            or any(r not in ROLES or req.get(r) is None for r in roles)):
+        raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, f"attach: memfds: {quote(str(roles))}, must list "
+                         f"distinct regions of {list(ROLES)} that the attach names")
+    if len(roles) != len(fds) or -1 in fds:
+        carried = f"more than {MAX_FDS}" if -1 in fds else str(len(fds))
+        raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, f"attach: memfds names {len(roles)} regions, the message "
+                         f"carried {carried} descriptors (SCM_RIGHTS)")
+    return roles
 
 
 def _reply(seq: int, done) -> bytes:
@@ -259,8 +324,7 @@ class LeafChannelServer:
         cfg: ``reward.leaf_channel``.
         sessions, batchers, regions, metrics: the reward servicer's.
         lease_ttl_s: the regions' lease (``reward.shared_memory.lease_ttl_ms``
-            in s): an idle connection renews its regions every quarter of it;
-            one that has not attached by then is closed.
+            in s): an idle connection renews its regions every quarter of it.
 
     Raises:
         OSError: the socket cannot be made.
@@ -270,7 +334,7 @@ class LeafChannelServer:
                  regions: RegionTable, metrics: ModelMetrics, lease_ttl_s: float):
         self.cfg, self.sessions, self.batchers, self.regions, self.metrics = cfg, sessions, batchers, regions, metrics
         self._renew_s = min(max(lease_ttl_s / 4, 0.01), 10.0)
-        self._attach_wait_s = lease_ttl_s  # a connection not attached by then is closed: it only holds a slot
+        self._attach_s = cfg.attach_timeout_ms / 1e3  # a connection not attached by then is closed: it only holds a slot
         directory = cfg.socket_dir or tempfile.gettempdir()
         remove_stale_sockets(directory)
         self.path = os.path.join(directory, f"{SOCKET_PREFIX}{os.getpid()}-{id(self):x}.sock")
@@ -318,27 +382,30 @@ class LeafChannelServer:
                     thread.start()  # under the lock: close() joins every thread it finds, never an unstarted one
                     continue
             if full:  # answered on a thread of its own, so accepting goes on
-                threading.Thread(target=self._refuse, args=(conn,), name="leaf-channel-refuse", daemon=True).start()
+                message = (f"{self.cfg.max_connections} leaf channels are attached, "
+                           "reward.leaf_channel.max_connections")
+                threading.Thread(target=self._refuse, args=(conn, grpc.StatusCode.RESOURCE_EXHAUSTED, message),
+                                 name="leaf-channel-refuse", daemon=True).start()
             else:  # closed
                 conn.close()
 
-    def _refuse(self, conn: socket.socket) -> None:
-        """Answers a connection beyond ``max_connections`` with RESOURCE_EXHAUSTED.
-        Its attach is read first: closing a socket with a message unread would
-        reset it, and the client would see a broken connection instead of why."""
+    def _refuse(self, conn: socket.socket, code: grpc.StatusCode, message: str) -> None:
+        """Answers a connection it will not serve (beyond ``max_connections``, or
+        of another user) with ``code`` and closes it. Its attach is read first
+        (any descriptors in it closed by the kernel: no room is given): closing
+        a socket with a message unread would reset it, and the client would see
+        a broken connection instead of why."""
         try:
             conn.settimeout(1.0)
             conn.recv(MAX_MESSAGE_BYTES)
         except OSError:
             pass
-        self._send(conn, pack_error(0, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                    f"{self.cfg.max_connections} leaf channels are attached, "
-                                    "reward.leaf_channel.max_connections"))
+        self._send(conn, pack_error(0, code, message))
         conn.close()
 
     def _serve(self, conn: socket.socket) -> None:
         attachment = None
-        since = time.monotonic()  # the connection's start, or its last message
+        attach_by = time.monotonic() + self._attach_s  # from the connection's start, whatever it sends meanwhile
         # The same socket for the critical lane's worker to answer on without blocking
         # (a socket's timeout is per object; a send on a timeout socket waits up to it).
         # Without a descriptor for it (EMFILE) this thread answers every wave.
@@ -348,26 +415,36 @@ class LeafChannelServer:
         except OSError:
             nonblocking = None
         try:
-            conn.settimeout(self._renew_s)
+            uid = _peer_uid(conn)
+            if uid != os.getuid():
+                return self._refuse(conn, grpc.StatusCode.PERMISSION_DENIED, f"peer uid {uid}: the leaf channel "
+                                    f"serves its server's own user (uid {os.getuid()}) only")
             while True:
+                if attachment is None:
+                    conn.settimeout(max(attach_by - time.monotonic(), 1e-3))
                 try:
-                    message = conn.recv(MAX_MESSAGE_BYTES)
+                    message, fds = _receive(conn, with_fds=attachment is None)
                     timeline.mark("channel.received")
                 except TimeoutError:
-                    if attachment is not None:  # idle: the connection is the regions' heartbeat
-                        self._renew(attachment)
-                    elif time.monotonic() - since >= self._attach_wait_s:
-                        return  # never attached (or a failed attach) and silent: its slot goes to another
+                    if attachment is None:
+                        self._send(conn, pack_error(0, grpc.StatusCode.DEADLINE_EXCEEDED, "no attach within "
+                                                    f"{self.cfg.attach_timeout_ms:g} ms of connecting "
+                                                    "(reward.leaf_channel.attach_timeout_ms); closed"))
+                        return
+                    self._renew(attachment)  # idle: the connection is the regions' heartbeat
                     continue
-                since = time.monotonic()
                 if not message:
+                    _close_fds(fds)
                     return  # the client closed the connection
                 kind = message[:1]
                 if kind == ATTACH and attachment is None:
-                    attachment = self._attach_message(conn, message)
+                    attachment = self._attach_message(conn, message, fds, uid)
+                    if attachment is not None:
+                        conn.settimeout(self._renew_s)
                 elif kind == WAVE and attachment is not None:
                     self._wave_message(conn, nonblocking, attachment, message)
                 else:
+                    _close_fds(fds)
                     what = "an attach first" if attachment is None else "a wave"
                     self._send(conn, pack_error(0, grpc.StatusCode.FAILED_PRECONDITION,
                                                 f"message kind {kind!r}: expected {what}"))
@@ -391,9 +468,9 @@ class LeafChannelServer:
 
     # -- attach -----------------------------------------------------------------------
 
-    def _attach_message(self, conn: socket.socket, message: bytes) -> _Attachment | None:
+    def _attach_message(self, conn: socket.socket, message: bytes, fds: list[int], uid: int) -> _Attachment | None:
         try:
-            attachment = self._attach(message[1:])
+            attachment = self._attach(message[1:], fds, uid)
         except (BadRequest, SharedMemoryError) as exc:
             self._send(conn, pack_error(0, exc.code, str(exc)))
             return None
@@ -401,6 +478,8 @@ class LeafChannelServer:
             log.exception("leaf channel: attach failed")
             self._send(conn, pack_error(0, grpc.StatusCode.INTERNAL, f"attach failed: {type(exc).__name__}: {exc}"))
             return None
+        finally:
+            _close_fds(fds)  # those the attach did not take (registering one closes it)
         layout = {"outputs": [{"name": s.name, "row": list(s.row), "offset": s.offset} for s in attachment.outputs],
                   "execution_provider": attachment.session.execution_provider}
         if attachment.events is not None:
@@ -409,8 +488,11 @@ class LeafChannelServer:
         self._send(conn, ATTACH + json.dumps(layout).encode())
         return attachment
 
-    def _attach(self, body: bytes) -> _Attachment:
-        """Checks an attach request and pins its regions to the connection.
+    def _attach(self, body: bytes, fds: list[int], uid: int) -> _Attachment:
+        """Checks an attach request, registers the regions that came as
+        descriptors ``fds`` (taken from the list as each is registered, for the
+        attach's client of ``uid``) and pins all its regions to the connection.
+        A failed attach leaves none of them registered.
 
         Raises:
             BadRequest: INVALID_ARGUMENT (malformed; max_rows out of range -- over
@@ -423,8 +505,12 @@ class LeafChannelServer:
                 leaves the channel synchronised: no ``done_event`` in the layout);
                 INVALID_ARGUMENT for a ``done_word`` offset that is not a multiple
                 of 8 at or past the outputs (tandem/outputs_gate.py), or past the
-                output region's end.
-            SharedMemoryError: a region that is not registered or not the client's.
+                output region's end; INVALID_ARGUMENT for ``memfds`` that do not
+                match the descriptors, or a system region (registered by key:
+                host memory comes as a memfd).
+            SharedMemoryError: a region that is not registered or not the
+                client's; INVALID_ARGUMENT for a descriptor that is not a memfd
+                sealed against shrinking (reward_service/shared_memory.py).
         """
         try:
             req = json.loads(body)
@@ -433,6 +519,7 @@ class LeafChannelServer:
             ready_region = req.get("ready_region")
             ready_region = None if ready_region is None else str(ready_region)
             done_word = req.get("done_word")
+            roles = _memfd_roles(req, fds)
         except (ValueError, KeyError, TypeError, RecursionError, AttributeError) as exc:  # RecursionError: nested too deep
             raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, f"attach: malformed ({type(exc).__name__}: {exc})") from None
         if input_region == output_region:  # one buffer for both would have outputs overwrite the next wave's inputs
@@ -459,13 +546,19 @@ class LeafChannelServer:
                              f"done_word: {quote(str(done_word))}, must be a multiple of {WORD_BYTES} at or past "
                              f"the outputs' {out_bytes} bytes of the output region")
         in_bytes = max_rows * math.prod(input_row) * dtype.itemsize
-        # last of the checks: closed if a later one fails
-        events = self._open_events(req.get("ready_event"), ready_region is not None, session)
-        attachment = _Attachment(client_id, session, max_rows, input_region, input_row, dtype, output_region,
-                                 tuple(slots), in_bytes, out_bytes, spec.name, tuple(s.name for s in slots), events,
-                                 ready_region, done_word)
+        registered = []  # the memfds' regions: unregistered if a later check fails
+        events = None
         try:
-            with self.regions.acquire(client_id, attachment.regions) as lease:
+            named = {"input_region": input_region, "output_region": output_region, "ready_region": ready_region}
+            for role in roles:
+                self.regions.register_fd(client_id, named[role], fds.pop(0), uid)
+                registered.append(named[role])
+            # last of the checks: closed if a later one fails
+            events = self._open_events(req.get("ready_event"), ready_region is not None, session)
+            attachment = _Attachment(client_id, uid, session, max_rows, input_region, input_row, dtype, output_region,
+                                     tuple(slots), in_bytes, out_bytes, spec.name, tuple(s.name for s in slots),
+                                     events, ready_region, done_word)
+            with self.regions.acquire(client_id, attachment.regions, uid=uid) as lease:
                 out_kind = self._check_regions(lease, attachment)
             with self._lock:
                 taken = set(attachment.regions) & self._attached
@@ -475,6 +568,7 @@ class LeafChannelServer:
                 self._attached |= set(attachment.regions)
         except BaseException:
             _close_ready(events)
+            self._unregister(client_id, uid, registered)
             raise
         if events is not None and out_kind != "cuda":  # outputs the host writes: the reply alone orders them
             _close_ready(events)
@@ -483,7 +577,7 @@ class LeafChannelServer:
             attachment = dataclasses.replace(attachment, done_word=None)
         elif attachment.done_word is not None:  # the store's module loads now, not at the first wave
             try:
-                with self.regions.acquire(client_id, attachment.regions) as lease:
+                with self.regions.acquire(client_id, attachment.regions, uid=uid) as lease:
                     word = lease.array(output_region, done_word, _WORD, (1,))
                     with word.device:
                         mapped_store(cupy_module(), word.data.ptr)
@@ -543,17 +637,14 @@ class LeafChannelServer:
         if a.done_word is not None:
             out_need, out_what = a.done_word + WORD_BYTES, f"{rows} and the done word"
         needs = [(a.input_region, a.input_bytes, REGION_KINDS, rows), (a.output_region, out_need, REGION_KINDS, out_what)]
-        if a.ready_region:  # read by this host: system memory, the word aligned (a torn read would misorder)
-            needs.append((a.ready_region, WORD_BYTES, ("system",), "the ready word"))
-            offset = lease.system_offset(a.ready_region)
-            if offset is not None and offset % 8:
-                raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, f"region {quote(a.ready_region)}: offset {offset} "
-                                 "is not a multiple of 8; the ready word is a uint64")
+        if a.ready_region:  # polled by this host in place: a mapped memfd (from offset 0: the uint64 aligned)
+            needs.append((a.ready_region, WORD_BYTES, ("memfd",), "the ready word"))
         for name, need, kinds, what in needs:
             kind, size = sizes[name]
             if kind not in kinds:
                 raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, f"region {quote(name)}: a {kind} region; "
-                                 f"this one must be {' or '.join(kinds)}")
+                                 f"this one must be {' or '.join(kinds)} (host memory comes as a sealed memfd "
+                                 "with the attach)")
             if size < need:
                 raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, f"region {quote(name)}: {size} bytes, but {what} "
                                  f"need {need}")
@@ -562,7 +653,7 @@ class LeafChannelServer:
     def _renew(self, a: _Attachment) -> None:
         try:
             for name in a.regions:
-                self.regions.status(a.client_id, name)
+                self.regions.status(a.client_id, name, uid=a.uid)
         except SharedMemoryError as exc:
             log.warning("leaf channel of client %r: renewing its regions: %s", a.client_id, exc)
 
@@ -573,9 +664,12 @@ class LeafChannelServer:
             log.warning("leaf channel of client %r: releasing its ready_event: %s", a.client_id, exc)
         with self._lock:
             self._attached -= set(a.regions)
-        for name in a.regions:
+        self._unregister(a.client_id, a.uid, a.regions)
+
+    def _unregister(self, client_id: str, uid: int, names: list[str]) -> None:
+        for name in names:
             try:
-                self.regions.unregister(a.client_id, name)
+                self.regions.unregister(client_id, name, uid=uid)
             except SharedMemoryError:
                 pass  # already gone: unregistered by its client, or reaped
 
@@ -637,7 +731,7 @@ class LeafChannelServer:
             BadRequest: INVALID_ARGUMENT: a region registered again under its name,
                 too small or of the wrong kind.
         """
-        with self.regions.acquire(a.client_id, a.regions) as lease:
+        with self.regions.acquire(a.client_id, a.regions, uid=a.uid) as lease:
             out_kind = self._check_regions(lease, a)
             timeline.mark("channel.leased")
             # Views of the wave's rows: a CUDA region keeps the ones it made (shared_memory.py).

@@ -29,11 +29,15 @@ codes and the per-model metrics are RewardService's own:
 * shared memory: an input or requested output may name a region with the
   parameters ``shared_memory_region``, ``shared_memory_byte_size`` and
   ``shared_memory_offset`` (Triton's); such an input has no
-  ``raw_input_contents`` entry, such an output an empty one. OIP clients have
-  no identity, so their regions all belong to one client of the region table,
-  :data:`OIP_CLIENT`, and are leased like RewardService's: every use or
-  status call renews a region, one left unused for
-  ``reward.shared_memory.lease_ttl_ms`` is unregistered.
+  ``raw_input_contents`` entry, such an output an empty one. The protocol
+  carries no client id, so a region belongs to the client :data:`OIP_CLIENT`
+  of the caller's uid (its loopback peer's, tandem/peer.py, as every
+  registration's): one user's status and unregister-all see and remove that
+  user's regions only, and another user naming them in ModelInfer is refused
+  as another client. Region names are unique on the server, as Triton's.
+  Regions are leased like RewardService's: every use or status call renews a
+  region, one left unused for ``reward.shared_memory.lease_ttl_ms`` is
+  unregistered.
 """
 from __future__ import annotations
 
@@ -66,7 +70,7 @@ DEFAULT_PRIORITY_LEVEL = 2
 REQUEST_PARAMETERS = ("priority", "timeout")
 EXTENSIONS = ("model_configuration", "statistics", "schedule_policy", "parameters", "system_shared_memory",
               "cuda_shared_memory")
-OIP_CLIENT = "open-inference-protocol"  # the region table's client for every OIP region
+OIP_CLIENT = "open-inference-protocol"  # the region table's client id of every OIP region (per uid)
 SHM_PARAMETERS = ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset")
 PLATFORM = "onnxruntime_onnx"
 

@@ -133,8 +133,9 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
                                   f"request_class: this is the reward service's bulk server (reward.bulk_server), "
                                   f"which serves bulk requests only; send critical ones to the reward service at "
                                   f"{self.critical_address}")
+                names = _region_names(request)
                 with self.budget.admit(request.ByteSize(), lane == LANES[reward_pb2.REQUEST_CLASS_CRITICAL]), \
-                        self.regions.acquire(request.client_id, _region_names(request)) as lease:
+                        self.regions.acquire(request.client_id, names, uid=_caller(context, names)) as lease:
                     try:
                         reply, rows = self._evaluate(session, request, lease, context)
                     except BaseException as exc:
@@ -201,25 +202,25 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
                 raise SharedMemoryError(grpc.StatusCode.PERMISSION_DENIED,
                                         f"peer {context.peer()}: shared memory is for clients on the server's host "
                                         f"(reward.shared_memory.local_clients_only)")
-            kind = request.WhichOneof("memory")
+            kind, uid = request.WhichOneof("memory"), peer.uid(context.peer())
             if kind == "system":
                 self.regions.register_system(request.client_id, request.name, request.byte_size,
-                                             request.system.key, request.system.offset)
+                                             request.system.key, request.system.offset, uid)
             elif kind == "cuda":
                 self.regions.register_cuda(request.client_id, request.name, request.byte_size,
-                                           request.cuda.raw_handle, request.cuda.device_id)
+                                           request.cuda.raw_handle, request.cuda.device_id, uid)
             else:
                 raise SharedMemoryError(grpc.StatusCode.INVALID_ARGUMENT, "memory: set system or cuda")
         return reward_pb2.RegisterSharedMemoryResponse(lease_ttl_ms=self.shared_memory.lease_ttl_ms)
 
     def UnregisterSharedMemory(self, request, context):
         with _shared_memory_status(context):
-            names = self.regions.unregister(request.client_id, request.name)
+            names = self.regions.unregister(request.client_id, request.name, uid=peer.uid(context.peer()))
         return reward_pb2.UnregisterSharedMemoryResponse(names=names)
 
     def SharedMemoryStatus(self, request, context):
         with _shared_memory_status(context):
-            regions = self.regions.status(request.client_id, request.name)
+            regions = self.regions.status(request.client_id, request.name, uid=peer.uid(context.peer()))
         return reward_pb2.SharedMemoryStatusResponse(regions=[_region_status(r) for r in regions],
                                                      lease_ttl_ms=self.shared_memory.lease_ttl_ms)
 
@@ -326,6 +327,13 @@ def _shared_memory_status(context):
         context.abort(exc.code, str(exc))
 
 
+def _caller(context, names) -> int | None:
+    """The uid of the peer naming the regions ``names`` (they are that user's
+    own or refused), looked up only where it names any (tandem/peer.py reads
+    /proc/net/tcp)."""
+    return peer.uid(context.peer()) if names else None
+
+
 def _region_names(request) -> set[str]:
     """The regions an EvaluateRequest names, inputs and outputs."""
     names = {t.shared_memory.region for t in request.inputs if t.WhichOneof("contents") == "shared_memory"}
@@ -357,8 +365,8 @@ def _output_refs(session: ModelSession, request, names: tuple[str, ...], rows: i
 
 
 def _region_status(r: RegionStatus) -> reward_pb2.SharedMemoryRegionStatus:
-    memory = ({"system": reward_pb2.SystemSharedMemory(**r.memory)} if r.kind == "system"
-              else {"cuda": reward_pb2.CudaSharedMemory(**r.memory)})
+    memory = ({"cuda": reward_pb2.CudaSharedMemory(**r.memory)} if r.kind == "cuda"
+              else {"system": reward_pb2.SystemSharedMemory(**r.memory)})  # a memfd: a system region without a key
     return reward_pb2.SharedMemoryRegionStatus(name=r.name, byte_size=r.byte_size, in_flight=r.in_flight,
                                                expires_in_ms=r.expires_in_ms, **memory)
 

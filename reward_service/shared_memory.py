@@ -5,19 +5,33 @@ their bytes through gRPC.
 The design is Triton Inference Server's shared-memory extension (system and
 CUDA shared memory: register, unregister and status calls, then inputs and
 outputs that point into a registered region), with what Triton leaves to the
-deployment added here: regions belong to a client, are limited per client,
-and are leased, so a client that goes away without unregistering does not
-leave them mapped for ever. Why at all: under a trainer's bulk load the cost
-of a 9.6 MB batch is the Python gRPC server taking the message in, not the
-model (docs/design.md, "Measured physics", consequence 6).
+deployment added here: regions belong to a user and a client, are limited per
+client and per user, and are leased, so a client that goes away without
+unregistering does not leave them held for ever. Why at all: under a
+trainer's bulk load the cost of a 9.6 MB batch is the Python gRPC server
+taking the message in, not the model (docs/design.md, "Measured physics",
+consequence 6).
 
-Two kinds of region:
+Three kinds of region:
 
 * **system**: a POSIX shared-memory object on this host (``shm_open``, as
-  Python's ``multiprocessing.shared_memory`` makes them), mapped once at registration.
-  Inputs are NumPy arrays straight over the mapping (``np.frombuffer``, no
-  copy: on the CPU a lone request's arrays reach ONNX Runtime as they are),
-  outputs are copied into it.
+  Python's ``multiprocessing.shared_memory`` makes them), registered by its
+  key over gRPC. It is never mapped: inputs are read with ``preadv`` from the
+  object's descriptor into arrays the server owns (one copy of the input
+  bytes per request), outputs written with ``pwrite`` after an ``fstat`` size
+  check. A client that shrinks its object (``ftruncate``) makes its own
+  requests fail FAILED_PRECONDITION (a short read names the region and the
+  object's size); nothing it does to the object can raise a signal (SIGBUS)
+  in the server. The object must belong to the caller: at registration its
+  owner (``fstat().st_uid``) must be the peer's uid (tandem/peer.py), so the
+  server never reads or writes memory on behalf of a user who could not open
+  it (the confused deputy).
+* **memfd**: a sealed memfd a leaf-channel client passed over its Unix
+  socket (reward_service/leaf_channel.py, :meth:`RegionTable.register_fd`),
+  mapped: the leaf channel's waves read it and its ready word is polled in
+  place (no copy). It is sealed against shrinking (``F_SEAL_SHRINK``, checked
+  here), so its pages stay backed while mapped; it has no name anywhere
+  (nothing in /dev/shm for another client to register).
 * **cuda**: a CUDA allocation of another process on this server's device,
   opened from its IPC handle with CuPy (``cudaIpcOpenMemHandle``). Inputs are
   copied device to host, because the batcher and the sessions take NumPy
@@ -25,34 +39,37 @@ Two kinds of region:
 
 The region table's invariants:
 
-* ``RegionTable._lock`` guards ``_regions`` (name -> :class:`Region`), every
-  Region's ``uses``, ``unregistered`` and ``expires``, and ``_deferred``. It is
-  never held while a mapping is opened or closed, nor while bytes are read or
-  written, so one slow client cannot stall the others' calls.
-* A region belongs to the ``client_id`` that registered it: only that client
-  may name it in ``Evaluate``, renew it or unregister it. Names are unique on
-  the server.
+* ``RegionTable._lock`` guards ``_regions`` (name -> :class:`Region`) and
+  every Region's ``uses``, ``unregistered`` and ``expires``. It is never held
+  while memory is opened or closed, nor while bytes are read or written, so
+  one slow client cannot stall the others' calls.
+* A region belongs to its owner, the pair (``uid``, ``client_id``): the
+  user the server found behind the registering call (its peer's uid; the
+  leaf channel's socket peer's) and the id the client chose. Only that owner
+  may name it in ``Evaluate``, renew it or unregister it; the same
+  ``client_id`` from another uid is another client. Names are unique on the
+  server.
 * ``uses`` counts the requests holding the region (a :class:`Lease`). A region
   leaves the table when it is unregistered: by its client, by the reaper once
-  its lease expired unused, or at shutdown. Its mapping is closed by whoever
+  its lease expired unused, or at shutdown. Its memory is closed by whoever
   drops the last of the two holds, the table entry and the uses: the
   unregistering call when no request uses it, otherwise the last lease
-  released. A mapping is therefore never closed under a request reading or
+  released. Memory is therefore never closed under a request reading or
   writing it; such a request fails with FAILED_PRECONDITION instead of
   writing outputs into memory its client has given up.
-* A NumPy array over a system mapping may outlive its request: the batcher's
-  worker keeps its last batch until the next one, and a request whose
-  deadline passes while its batch runs returns (releasing its lease) before
-  the model is done reading. Closing then raises ``BufferError`` and unmaps
-  nothing: the mapping waits in ``_deferred`` and the reaper closes it once
-  the last array is gone. No array ever points into unmapped memory.
+* A NumPy array over a memfd mapping may outlive its request (the batcher's
+  worker keeps its last batch until the next one). Closing a memfd region
+  drops the table's reference to its mapping, which is unmapped when the
+  last array over it goes: no array ever points into unmapped memory.
 * The lease: every use of a region (acquire and release) and every status
   call of its client renews it to ``lease_ttl_ms`` from now; the reaper thread
   unregisters a region whose lease ran out while no request used it.
 
 Errors are :class:`SharedMemoryError` with the gRPC status the servicer
 answers: NOT_FOUND (no region or object of that name), INVALID_ARGUMENT
-(bounds, sizes, alignment, malformed or unopenable handles), ALREADY_EXISTS,
+(bounds, sizes, alignment, malformed or unopenable handles, a descriptor that
+is not a memfd sealed against shrinking), ALREADY_EXISTS, PERMISSION_DENIED
+(an object not the caller's, or a caller whose uid cannot be told),
 FAILED_PRECONDITION (another client's region, a CUDA region on a host without
 a GPU or on another device, a region unregistered while in use, an object
 shrunk under its registration), RESOURCE_EXHAUSTED (the limits of
@@ -64,10 +81,12 @@ import _posixshmem  # shm_open, as multiprocessing.shared_memory uses it (see _S
 import collections
 import contextlib
 import ctypes
+import fcntl
 import logging
 import math
 import mmap
 import os
+import stat
 import threading
 import time
 from dataclasses import dataclass
@@ -125,45 +144,187 @@ def _open_object(key: str) -> int:
         raise _error(grpc.StatusCode.INVALID_ARGUMENT, f"system.key: cannot open {quote(key)}: {exc.strerror}") from None
 
 
-class _SystemMemory:
-    """A window [offset, offset + byte_size) of a POSIX shared-memory object, mapped.
+def _check_owner(key: str, st: os.stat_result, uid: int) -> None:
+    """Refuses an object that is not the caller's: the server opens what its
+    own user may, and must not read or write it for a user who could not.
 
-    ``multiprocessing.shared_memory.SharedMemory`` makes the same two calls
-    (``shm_open``, ``mmap``), but before Python 3.13 (no ``track=False``) attaching
-    registers the object with this process's resource tracker, which unlinks
-    it when the server exits, and a failed ``mmap`` unlinks it at once: the
-    client's object, not the server's to remove. So they are made here,
-    through the module SharedMemory itself uses, and nothing is ever unlinked.
+    Raises:
+        SharedMemoryError: PERMISSION_DENIED naming both uids; INVALID_ARGUMENT
+            for something other than a regular file.
+    """
+    if st.st_uid != uid:
+        raise _error(grpc.StatusCode.PERMISSION_DENIED,
+                     f"system.key: the object {quote(key)} belongs to uid {st.st_uid}, not to the caller's uid {uid}; "
+                     "the server opens only the caller's own objects")
+    if not stat.S_ISREG(st.st_mode):
+        raise _error(grpc.StatusCode.INVALID_ARGUMENT, f"system.key: {quote(key)} is not a shared-memory object")
+
+
+class _SystemMemory:
+    """A window [offset, offset + byte_size) of a client's POSIX shared-memory
+    object, never mapped: read with ``preadv`` and written with ``pwrite``
+    through its descriptor, so the object shrinking is a failed request, never
+    a signal (see the module docstring).
+
+    ``multiprocessing.shared_memory.SharedMemory`` would open it too, but
+    before Python 3.13 (no ``track=False``) attaching registers the object
+    with this process's resource tracker, which unlinks it when the server
+    exits: the client's object, not the server's to remove. So it is opened
+    here, through the module SharedMemory itself uses, and never unlinked.
+
+    Raises:
+        SharedMemoryError: as :func:`_open_object` and :func:`_check_owner`;
+            INVALID_ARGUMENT for a window past the object's end.
     """
 
     kind = "system"
 
-    def __init__(self, key: str, offset: int, byte_size: int):
-        self.key, self.offset, self.byte_size = key, offset, byte_size
-        self._fd = _open_object(key)  # kept open: check() asks it the object's size
+    def __init__(self, region: str, key: str, offset: int, byte_size: int, uid: int):
+        self.region, self.key, self.offset, self.byte_size = region, key, offset, byte_size
+        self._fd = _open_object(key)  # kept open: every read, write and size check goes through it
         try:
-            size = os.fstat(self._fd).st_size
-            if offset + byte_size > size:
-                raise _error(grpc.StatusCode.INVALID_ARGUMENT,
-                             f"system: offset {offset} + byte_size {byte_size} exceeds the object {quote(key)} ({size} bytes)")
-            self._mmap = mmap.mmap(self._fd, offset + byte_size)
+            st = os.fstat(self._fd)
+            _check_owner(key, st, uid)
+            if offset + byte_size > st.st_size:
+                raise _error(grpc.StatusCode.INVALID_ARGUMENT, f"system: offset {offset} + byte_size {byte_size} "
+                             f"exceeds the object {quote(key)} ({st.st_size} bytes)")
         except BaseException:
             os.close(self._fd)
             raise
 
+    def _shrunk(self, size: int) -> SharedMemoryError:
+        return _error(grpc.StatusCode.FAILED_PRECONDITION,
+                      f"region {quote(self.region)}: its object {quote(self.key)} shrank to {size} bytes, below the "
+                      f"registered offset {self.offset} + byte_size {self.byte_size}; register it again")
+
     def check(self, region: str) -> None:
-        """Refuses a region whose object its owner shrank below the window:
-        touching pages past an object's end raises SIGBUS, which would kill the server."""
+        """Refuses a region whose object its owner shrank below the window (early:
+        a read or write would find it out too, as a short read or at its own check)."""
         size = os.fstat(self._fd).st_size
         if size < self.offset + self.byte_size:
-            raise _error(grpc.StatusCode.FAILED_PRECONDITION,
-                         f"region {quote(region)}: its object {quote(self.key)} shrank to {size} bytes, below the "
-                         f"registered offset {self.offset} + byte_size {self.byte_size}; register it again")
+            raise self._shrunk(size)
+
+    def _pread(self, out: np.ndarray, offset: int) -> np.ndarray:
+        """Fills ``out`` (C-contiguous, server-owned) from ``offset`` of the window.
+
+        Raises:
+            SharedMemoryError: FAILED_PRECONDITION: the object ends first (a short read).
+        """
+        view = memoryview(out).cast("B")
+        start, done = self.offset + offset, 0
+        while done < len(view):
+            try:
+                got = os.preadv(self._fd, [view[done:]], start + done)
+            except OSError as exc:
+                raise _error(grpc.StatusCode.FAILED_PRECONDITION,
+                             f"region {quote(self.region)}: reading its object {quote(self.key)}: {exc.strerror}") from None
+            if got == 0:  # the object ends before the span: shrunk since the acquire
+                raise self._shrunk(os.fstat(self._fd).st_size)
+            done += got
+        return out
+
+    def read(self, offset: int, nbytes: int) -> memoryview:
+        """A copy of ``nbytes`` bytes at ``offset`` of the region, in memory the server owns."""
+        return self._pread(np.empty(nbytes, np.uint8), offset).data
+
+    def array(self, offset: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+        """A copy of ``shape`` of ``dtype`` at ``offset`` of the region (a NumPy array the server owns)."""
+        return self._pread(np.empty(shape, dtype), offset)
+
+    def write(self, offset: int, array: np.ndarray) -> None:
+        """Writes ``array``'s bytes at ``offset`` of the region, once ``fstat`` says
+        the object still covers the window (a write past the end would only
+        grow the client's object: no signal either way).
+
+        Raises:
+            SharedMemoryError: FAILED_PRECONDITION: the object shrank, or the write failed.
+        """
+        self.check(self.region)
+        data = memoryview(np.ascontiguousarray(array)).cast("B")
+        start, done = self.offset + offset, 0
+        while done < len(data):
+            try:
+                done += os.pwrite(self._fd, data[done:], start + done)
+            except OSError as exc:
+                raise _error(grpc.StatusCode.FAILED_PRECONDITION,
+                             f"region {quote(self.region)}: writing its object {quote(self.key)}: {exc.strerror}") from None
+
+    def close(self) -> None:
+        """Closes the descriptor. Idempotent."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def describe(self) -> dict:
+        return {"key": self.key, "offset": self.offset}
+
+
+_memfd_device: int | None = None  # st_dev of this kernel's memfds (its internal shmem mount)
+
+
+def _shmem_device() -> int:
+    """The device number every ordinary memfd of this kernel has (asked once, of one made here)."""
+    global _memfd_device
+    if _memfd_device is None:
+        fd = os.memfd_create("tandem-probe", os.MFD_CLOEXEC)
+        try:
+            _memfd_device = os.fstat(fd).st_dev
+        finally:
+            os.close(fd)
+    return _memfd_device
+
+
+def _memfd_size(fd: int) -> int:
+    """The size of the memfd ``fd`` once it is checked to be one the server may
+    map: ordinary shmem memory (not hugetlbfs, whose faults may fail) sealed
+    against shrinking, so no page of a mapping of it can lose its backing.
+
+    Raises:
+        SharedMemoryError: INVALID_ARGUMENT naming what is missing.
+    """
+    try:
+        st = os.fstat(fd)
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:  # EINVAL: a file that cannot carry seals
+        raise _error(grpc.StatusCode.INVALID_ARGUMENT, "memfd: the descriptor is not a memfd (it has no seals)") from None
+    if not stat.S_ISREG(st.st_mode) or st.st_dev != _shmem_device():
+        raise _error(grpc.StatusCode.INVALID_ARGUMENT, "memfd: the descriptor is not an ordinary memfd (memfd_create "
+                     "without MFD_HUGETLB)")
+    if not seals & fcntl.F_SEAL_SHRINK:
+        raise _error(grpc.StatusCode.INVALID_ARGUMENT, "memfd: not sealed against shrinking: create it with "
+                     "MFD_ALLOW_SEALING and add F_SEAL_SHRINK (fcntl F_ADD_SEALS) before passing it")
+    if st.st_size <= 0:
+        raise _error(grpc.StatusCode.INVALID_ARGUMENT, "memfd: 0 bytes")
+    return st.st_size
+
+
+class _MemfdMemory:
+    """A sealed memfd (checked by :func:`_memfd_size`), mapped read-write: the
+    leaf channel's zero-copy memory. The descriptor is the caller's; the
+    mapping keeps the memory.
+
+    Raises:
+        SharedMemoryError: INVALID_ARGUMENT: it cannot be mapped read-write
+            (sealed against writes, or a read-only descriptor).
+    """
+
+    kind = "memfd"
+
+    def __init__(self, fd: int, byte_size: int):
+        self.byte_size = byte_size
+        try:
+            self._mmap = mmap.mmap(fd, byte_size)
+        except OSError as exc:
+            raise _error(grpc.StatusCode.INVALID_ARGUMENT,
+                         f"memfd: cannot be mapped read-write ({exc.strerror}): sealed against writes, or a "
+                         "read-only descriptor") from None
+
+    def check(self, region: str) -> None:
+        pass  # sealed against shrinking: its size is fixed for good
 
     def _window(self, offset: int, nbytes: int) -> memoryview:
-        # Arrays over this view hold the mapping: mmap.close() raises BufferError while they live.
-        start = self.offset + offset
-        return memoryview(self._mmap)[start : start + nbytes]
+        # Arrays over this view hold the mapping: it is unmapped only once the last of them is gone.
+        return memoryview(self._mmap)[offset : offset + nbytes]
 
     def read(self, offset: int, nbytes: int) -> memoryview:
         """``nbytes`` bytes at ``offset`` of the region, read-only, not copied."""
@@ -178,16 +339,12 @@ class _SystemMemory:
         np.copyto(np.ndarray(array.shape, array.dtype, self._window(offset, array.nbytes)), array)
 
     def close(self) -> None:
-        """Unmaps and closes the descriptor; raises BufferError (and unmaps
-        nothing) while arrays over the mapping live. Idempotent."""
-        if self._fd < 0:
-            return
-        self._mmap.close()
-        os.close(self._fd)
-        self._fd = -1
+        """Drops the table's reference to the mapping; it is unmapped with the
+        last array over it (never under one). Idempotent."""
+        self._mmap = None
 
     def describe(self) -> dict:
-        return {"key": self.key, "offset": self.offset}
+        return {"key": "", "offset": 0}  # no name anywhere: reported as a system region without a key
 
 
 def _allocation_bytes(ptr: int) -> int | None:
@@ -318,14 +475,16 @@ class _CudaMemory:
 
 @dataclass(eq=False)
 class Region:
-    """A registered region: ``byte_size`` bytes of ``memory``, owned by ``client_id``.
-    ``uses``, ``unregistered`` and ``expires`` (time.monotonic s) are guarded by
-    the table's lock."""
+    """A registered region: ``byte_size`` bytes of ``memory``, owned by the
+    pair (``uid``, ``client_id``); ``uid`` None: a CUDA region of a caller whose
+    uid could not be told. ``uses``, ``unregistered`` and ``expires``
+    (time.monotonic s) are guarded by the table's lock."""
 
     name: str
     client_id: str
+    uid: int | None
     byte_size: int
-    memory: _SystemMemory | _CudaMemory
+    memory: _SystemMemory | _MemfdMemory | _CudaMemory
     expires: float
     uses: int = 0
     unregistered: bool = False
@@ -336,9 +495,9 @@ class RegionStatus:
     """What SharedMemoryStatus reports of one region (expires_in_ms: lease left, ms)."""
 
     name: str
-    kind: str  # "system" | "cuda"
+    kind: str  # "system" | "memfd" | "cuda"
     byte_size: int
-    memory: dict  # system: key, offset; cuda: device_id
+    memory: dict  # system and memfd: key ("" for a memfd), offset; cuda: device_id
     in_flight: int
     expires_in_ms: float
 
@@ -347,7 +506,8 @@ class RegionStatus:
 class TensorView:
     """A request's input tensor with its bytes in a region: the fields of
     ``reward_pb2.Tensor`` that ``ModelSession.decode`` reads, ``data`` a
-    bytes-like view (over the mapping itself for system regions)."""
+    bytes-like view: a copy the server owns for system and CUDA regions, over
+    the mapping itself for memfd ones."""
 
     name: str
     dtype: int
@@ -376,24 +536,51 @@ class RegionTable:
         self._clock = clock
         self._lock = threading.Lock()
         self._regions: dict[str, Region] = {}  # guarded by _lock
-        self._deferred: list = []  # guarded by _lock: unregistered memory whose close met live arrays
         self._stop = threading.Event()
         self._reaper: threading.Thread | None = None
 
     # -- registration ------------------------------------------------------------
 
-    def register_system(self, client_id: str, name: str, byte_size: int, key: str, offset: int) -> None:
-        """Maps ``byte_size`` bytes at ``offset`` of the POSIX shared-memory
-        object ``key`` as region ``name`` of ``client_id``.
+    def register_system(self, client_id: str, name: str, byte_size: int, key: str, offset: int,
+                        uid: int | None) -> None:
+        """Registers ``byte_size`` bytes at ``offset`` of the POSIX shared-memory
+        object ``key`` as region ``name`` of (``uid``, ``client_id``); the object
+        is kept open, never mapped.
+
+        ``uid``: the caller's (the gRPC peer's, tandem/peer.py); the object must be its own.
 
         Raises:
-            SharedMemoryError: see the module docstring (and :func:`_attach`).
+            SharedMemoryError: PERMISSION_DENIED (``uid`` None, or an object of
+                another user); see the module docstring for the rest.
         """
-        self._register(client_id, name, byte_size, lambda: _SystemMemory(key, offset, byte_size))
+        if uid is None:
+            raise _error(grpc.StatusCode.PERMISSION_DENIED,
+                         "system: the server cannot tell which user the caller is (it looks the uid of a loopback TCP "
+                         "peer up in /proc/net/tcp; a Unix-socket or remote peer has none), and it opens a "
+                         "shared-memory object only for its owner")
+        self._register(client_id, name, byte_size, uid, lambda: _SystemMemory(name, key, offset, byte_size, uid))
 
-    def register_cuda(self, client_id: str, name: str, byte_size: int, raw_handle: bytes, device_id: int) -> None:
+    def register_fd(self, client_id: str, name: str, fd: int, uid: int) -> int:
+        """Maps the memfd ``fd`` (its whole size) as region ``name`` of (``uid``,
+        ``client_id``) and returns its size in bytes. The descriptor, passed by
+        its owner (SCM_RIGHTS: the caller's authority), is closed here whatever
+        happens; the mapping keeps the memory.
+
+        Raises:
+            SharedMemoryError: INVALID_ARGUMENT (not a memfd, not sealed against
+                shrinking, empty, or not mappable read-write); as :meth:`register_system` otherwise.
+        """
+        try:
+            size = _memfd_size(fd)
+            self._register(client_id, name, size, uid, lambda: _MemfdMemory(fd, size))
+            return size
+        finally:
+            os.close(fd)
+
+    def register_cuda(self, client_id: str, name: str, byte_size: int, raw_handle: bytes, device_id: int,
+                      uid: int | None = None) -> None:
         """Opens the CUDA IPC handle ``raw_handle`` (an allocation of at least
-        ``byte_size`` bytes on ``device_id``) as region ``name`` of ``client_id``.
+        ``byte_size`` bytes on ``device_id``) as region ``name`` of (``uid``, ``client_id``).
 
         Raises:
             SharedMemoryError: FAILED_PRECONDITION without a usable GPU or on
@@ -401,29 +588,29 @@ class RegionTable:
                 foreign handle or a byte_size beyond the allocation; as
                 :meth:`register_system` otherwise.
         """
-        self._register(client_id, name, byte_size, lambda: _CudaMemory(raw_handle, device_id, byte_size))
+        self._register(client_id, name, byte_size, uid, lambda: _CudaMemory(raw_handle, device_id, byte_size))
 
-    def _register(self, client_id: str, name: str, byte_size: int, open_memory: Callable) -> None:
+    def _register(self, client_id: str, name: str, byte_size: int, uid: int | None, open_memory: Callable) -> None:
         _check_name("client_id", client_id)
         _check_name("name", name)
         if byte_size <= 0:
             raise _error(grpc.StatusCode.INVALID_ARGUMENT, "byte_size: must be > 0")
         with self._lock:
-            self._admit_locked(client_id, name, byte_size)  # refuse early, before mapping anything
+            self._admit_locked(uid, client_id, name, byte_size)  # refuse early, before opening anything
         memory = open_memory()  # outside the lock: system calls, maybe the CUDA driver
         try:
             with self._lock:  # again: another call may have taken the name or the room meanwhile
-                self._admit_locked(client_id, name, byte_size)
-                self._regions[name] = Region(name, client_id, byte_size, memory, self._clock() + self._ttl_s)
+                self._admit_locked(uid, client_id, name, byte_size)
+                self._regions[name] = Region(name, client_id, uid, byte_size, memory, self._clock() + self._ttl_s)
         except SharedMemoryError:
             self._close(memory)
             raise
 
-    def _admit_locked(self, client_id: str, name: str, byte_size: int) -> None:
+    def _admit_locked(self, uid: int | None, client_id: str, name: str, byte_size: int) -> None:
         if name in self._regions:
             raise _error(grpc.StatusCode.ALREADY_EXISTS, f"name: a region {quote(name)} is already registered")
         cfg = self.cfg
-        mine = [r for r in self._regions.values() if r.client_id == client_id]
+        mine = [r for r in self._regions.values() if r.uid == uid and r.client_id == client_id]
         if len(mine) >= cfg.max_regions_per_client:
             raise _error(grpc.StatusCode.RESOURCE_EXHAUSTED,
                          f"client {quote(client_id)} holds {len(mine)} regions, the most "
@@ -433,23 +620,33 @@ class RegionTable:
             raise _error(grpc.StatusCode.RESOURCE_EXHAUSTED,
                          f"byte_size: client {quote(client_id)} holds {held} bytes; {byte_size} more passes "
                          f"reward.shared_memory.max_bytes_per_client ({cfg.max_bytes_per_client})")
+        # Counted per user too: client ids are free to choose, so one user rotating them
+        # would otherwise fill the server's table and lock every other user out.
+        users = sum(1 for r in self._regions.values() if r.uid == uid)
+        if users >= cfg.max_regions_per_user:
+            raise _error(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                         f"uid {uid} holds {users} regions (all its client ids together), the most "
+                         f"reward.shared_memory.max_regions_per_user allows")
         if len(self._regions) >= cfg.max_regions:
             raise _error(grpc.StatusCode.RESOURCE_EXHAUSTED,
                          f"the server holds {len(self._regions)} regions, reward.shared_memory.max_regions")
 
-    def _owned_locked(self, client_id: str, name: str) -> Region:
+    def _owned_locked(self, uid: int | None, client_id: str, name: str) -> Region:
         region = self._regions.get(name)
         if region is None:
             raise _error(grpc.StatusCode.NOT_FOUND, f"region {quote(name)}: not registered")
-        if region.client_id != client_id:
-            raise _error(grpc.StatusCode.FAILED_PRECONDITION,
-                         f"region {quote(name)}: registered by another client, not by client_id {quote(client_id)}")
+        if region.client_id != client_id or region.uid != uid:
+            raise _error(grpc.StatusCode.FAILED_PRECONDITION, f"region {quote(name)}: registered by another client, "
+                         f"not by client_id {quote(client_id)} of uid {uid}")
         return region
 
-    def unregister(self, client_id: str, name: str = "") -> list[str]:
-        """Unregisters region ``name`` of ``client_id`` (empty: all of its
-        regions) and returns the names. A region a request is using is closed
-        when that request releases it.
+    def _mine_locked(self, uid: int | None, client_id: str) -> list[Region]:
+        return [r for r in self._regions.values() if r.client_id == client_id and r.uid == uid]
+
+    def unregister(self, client_id: str, name: str = "", *, uid: int | None) -> list[str]:
+        """Unregisters region ``name`` of (``uid``, ``client_id``) (empty: all of
+        its regions) and returns the names. A region a request is using is
+        closed when that request releases it.
 
         Raises:
             SharedMemoryError: INVALID_ARGUMENT (empty client_id), NOT_FOUND,
@@ -457,10 +654,7 @@ class RegionTable:
         """
         _check_name("client_id", client_id)
         with self._lock:
-            if name:
-                regions = [self._owned_locked(client_id, name)]
-            else:
-                regions = [r for r in self._regions.values() if r.client_id == client_id]
+            regions = [self._owned_locked(uid, client_id, name)] if name else self._mine_locked(uid, client_id)
             idle = [self._drop_locked(r) for r in regions]
         for region, close_now in zip(regions, idle):
             if close_now:
@@ -474,9 +668,9 @@ class RegionTable:
         region.unregistered = True
         return region.uses == 0
 
-    def status(self, client_id: str, name: str = "") -> list[RegionStatus]:
-        """``client_id``'s regions (or region ``name``), each lease renewed
-        first: a status call is the client's heartbeat.
+    def status(self, client_id: str, name: str = "", *, uid: int | None) -> list[RegionStatus]:
+        """The regions of (``uid``, ``client_id``) (or region ``name``), each
+        lease renewed first: a status call is the client's heartbeat.
 
         Raises:
             SharedMemoryError: as :meth:`unregister`.
@@ -484,8 +678,8 @@ class RegionTable:
         _check_name("client_id", client_id)
         with self._lock:
             now = self._clock()
-            regions = [self._owned_locked(client_id, name)] if name else sorted(
-                (r for r in self._regions.values() if r.client_id == client_id), key=lambda r: r.name)
+            regions = ([self._owned_locked(uid, client_id, name)] if name
+                       else sorted(self._mine_locked(uid, client_id), key=lambda r: r.name))
             for r in regions:
                 r.expires = now + self._ttl_s
             return [RegionStatus(r.name, r.memory.kind, r.byte_size, r.memory.describe(), r.uses,
@@ -493,9 +687,9 @@ class RegionTable:
 
     # -- use -----------------------------------------------------------------------
 
-    def acquire(self, client_id: str, names: Iterable[str]) -> Lease:
-        """Holds the regions ``names`` of ``client_id`` for one request until
-        the returned lease is closed (they stay mapped until then).
+    def acquire(self, client_id: str, names: Iterable[str], *, uid: int | None) -> Lease:
+        """Holds the regions ``names`` of (``uid``, ``client_id``) for one
+        request until the returned lease is closed (none is closed until then).
 
         Raises:
             SharedMemoryError: INVALID_ARGUMENT (empty client_id), NOT_FOUND,
@@ -509,7 +703,7 @@ class RegionTable:
             raise _error(grpc.StatusCode.INVALID_ARGUMENT,
                          "client_id: needed when a tensor names a shared-memory region (the region's owner)")
         with self._lock:
-            regions = {n: self._owned_locked(client_id, n) for n in names}
+            regions = {n: self._owned_locked(uid, client_id, n) for n in names}
             now = self._clock()
             for r in regions.values():
                 r.uses += 1
@@ -535,12 +729,10 @@ class RegionTable:
         for memory in to_close:
             self._close(memory)
 
-    def _close(self, memory) -> None:
+    @staticmethod
+    def _close(memory) -> None:
         try:
             memory.close()
-        except BufferError:  # arrays over the mapping still live: unmapped later, by the reaper
-            with self._lock:
-                self._deferred.append(memory)
         except Exception as exc:  # a CUDA error on close must not fail the call that freed the region
             log.warning("shared memory: closing a %s region failed: %s", memory.kind, exc)
 
@@ -548,18 +740,15 @@ class RegionTable:
 
     def reap(self) -> list[str]:
         """Unregisters and closes every region whose lease expired while no
-        request used it, retries the deferred closes, and returns the names reaped."""
+        request used it, and returns the names reaped."""
         with self._lock:
             now = self._clock()
             expired = [r for r in self._regions.values() if r.uses == 0 and r.expires <= now]
             for r in expired:
                 self._drop_locked(r)
-            retry, self._deferred = self._deferred, []
         for r in expired:
-            log.info("shared memory: region %r of client %r expired unused; closed", r.name, r.client_id)
+            log.info("shared memory: region %r of client %r (uid %s) expired unused; closed", r.name, r.client_id, r.uid)
             self._close(r.memory)
-        for memory in retry:
-            self._close(memory)
         return [r.name for r in expired]
 
     def start(self) -> None:
@@ -585,15 +774,14 @@ class RegionTable:
             regions = list(self._regions.values())
             for r in regions:
                 self._drop_locked(r)
-            deferred, self._deferred = self._deferred, []
-        for memory in [r.memory for r in regions if r.uses == 0] + deferred:
-            self._close(memory)
+        for r in regions:
+            if r.uses == 0:
+                self._close(r.memory)
 
     def stats(self) -> dict:
-        """{"regions": registered, "bytes": their byte_size summed, "deferred": closes waiting for arrays to go}."""
+        """{"regions": registered, "bytes": their byte_size summed}."""
         with self._lock:
-            return {"regions": len(self._regions), "bytes": sum(r.byte_size for r in self._regions.values()),
-                    "deferred": len(self._deferred)}
+            return {"regions": len(self._regions), "bytes": sum(r.byte_size for r in self._regions.values())}
 
 
 class Lease:
@@ -629,14 +817,16 @@ class Lease:
         return region
 
     def input(self, tensor: reward_pb2.Tensor) -> TensorView:
-        """The input ``tensor`` (its ``shared_memory`` set) as a view over its
-        region, for ``ModelSession.decode``: no copy for a system region, a host
-        copy for a CUDA one. A tensor whose dtype or shape is itself wrong gets
+        """The input ``tensor`` (its ``shared_memory`` set) with its region's
+        bytes, for ``ModelSession.decode``: a copy read from a system region
+        (``byte_size`` bytes), a host copy of a CUDA one, a view over a memfd
+        mapping (no copy). A tensor whose dtype or shape is itself wrong gets
         empty data, which ``decode`` then refuses naming that field.
 
         Raises:
             SharedMemoryError: INVALID_ARGUMENT: the span leaves the region, is
-                misaligned, or byte_size is not prod(shape) * itemsize.
+                misaligned, or byte_size is not prod(shape) * itemsize;
+                FAILED_PRECONDITION: a system region's object shrank (a short read).
         """
         ref, shape = tensor.shared_memory, tuple(tensor.shape)
         field = f"inputs[{quote(tensor.name)}].shared_memory"
@@ -671,19 +861,23 @@ class Lease:
         """Region name -> (kind, byte_size) of every region held."""
         return {n: (r.memory.kind, r.byte_size) for n, r in self._regions.items()}
 
-    def system_offset(self, region: str) -> int | None:
-        """The held region's offset in its POSIX object (None: a CUDA region)."""
-        memory = self._regions[region].memory
-        return memory.offset if memory.kind == "system" else None
-
     def array(self, region: str, offset: int, dtype: np.dtype, shape: tuple[int, ...]):
-        """``shape`` of ``dtype`` at ``offset`` of the held region ``region``, not
-        copied: a read-only NumPy array over a system region, a CuPy array over
-        a CUDA one. The caller has checked the span against the region's size."""
+        """``shape`` of ``dtype`` at ``offset`` of the held region ``region``: a
+        read-only NumPy array over a memfd mapping or a CuPy array over a CUDA
+        allocation (neither copied), a NumPy copy read from a system region.
+        The caller has checked the span against the region's size.
+
+        Raises:
+            SharedMemoryError: FAILED_PRECONDITION: a system region's object shrank.
+        """
         return self._regions[region].memory.array(offset, np.dtype(dtype), shape)
 
     def write(self, region: str, offset: int, array: np.ndarray) -> None:
-        """Copies ``array`` to ``offset`` of the held region ``region`` (span checked by the caller)."""
+        """Copies ``array`` to ``offset`` of the held region ``region`` (span checked by the caller).
+
+        Raises:
+            SharedMemoryError: FAILED_PRECONDITION: a system region's object shrank.
+        """
         self._regions[region].memory.write(offset, np.ascontiguousarray(array))
 
     def check_live(self) -> None:
@@ -703,7 +897,8 @@ class Lease:
         (the ref with the bytes written, no data).
 
         Raises:
-            SharedMemoryError: INVALID_ARGUMENT when the output is larger than ``ref.byte_size``.
+            SharedMemoryError: INVALID_ARGUMENT when the output is larger than
+                ``ref.byte_size``; FAILED_PRECONDITION: a system region's object shrank.
         """
         array = np.ascontiguousarray(array, dtype=tensors.numpy_dtype(dtype))
         if array.nbytes > ref.byte_size:

@@ -132,9 +132,13 @@ class SharedMemoryConfig:
     # SharedMemoryStatus (the heartbeat) for this long is unregistered and closed:
     # how a client that went away without unregistering is cleaned up.
     lease_ttl_ms: float = 60_000.0
-    max_regions_per_client: int = 16  # regions one client_id may hold
-    max_bytes_per_client: int = 4 * 1024**3  # their byte_size summed (mapped, not copied)
-    max_regions: int = 256  # all clients together (each holds a mapping and a file descriptor)
+    max_regions_per_client: int = 16  # regions one client (uid and client_id) may hold
+    max_bytes_per_client: int = 4 * 1024**3  # their byte_size summed (held in the client's memory, not copied)
+    max_regions: int = 256  # all clients together (each holds a file descriptor or a mapping)
+    # Regions of one user (the caller's uid) over all its client_ids: ids are free to
+    # choose, so without it one user rotating them would fill max_regions for everyone.
+    # The stack's own leaf channels count for the user it runs as (3 per connection at most).
+    max_regions_per_user: int = 128
     # Registration only from the server's own host (loopback or Unix-socket peers):
     # a region names memory on this host, which a remote caller has no business mapping.
     local_clients_only: bool = True
@@ -151,6 +155,9 @@ class LeafChannelConfig:
     socket_dir: str = ""  # where the socket is made; "" = the system's temporary directory
     max_rows: int = 8192  # most rows one wave may carry (the regions are sized for it)
     max_connections: int = 16  # search services attached at once; more: RESOURCE_EXHAUSTED
+    # A connection that has not attached this long after it was accepted is answered
+    # DEADLINE_EXCEEDED and closed: it held one of max_connections slots and nothing else.
+    attach_timeout_ms: float = 2000.0
 
 
 @dataclass(frozen=True)
@@ -342,7 +349,7 @@ _MAX_BY_SUFFIX = (("_port", 65535), ("_bytes", 2**62), ("_ms", 86_400_000.0), ("
 # written as ms): a lease of 0.001 ms is expired before its first report arrives.
 _MIN_BY_NAME = {"lease_ttl_ms": 10.0, "report_interval_ms": 10.0, "request_message_timeout_ms": 1.0,
                 "grace_period_ms": 1.0, "keepalive_min_ping_interval_ms": 1000, "max_deadline_ms": 1.0,
-                "session_ttl_ms": 1.0, "wave_target_ms": 0.1}
+                "session_ttl_ms": 1.0, "wave_target_ms": 0.1, "attach_timeout_ms": 1.0}
 _MAX_INT = _INT32_MAX  # any other count or size
 
 

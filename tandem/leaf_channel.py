@@ -7,13 +7,18 @@ few kilobytes, which bounds a neural search to a few waves per frame; a Unix
 ``SOCK_SEQPACKET`` round trip is ~17 µs p50 (docs/design.md, "Measured
 physics"). The tensors themselves never cross the socket: they lie in two
 regions of the reward service's shared-memory table
-(reward_service/shared_memory.py, registered with ``RegisterSharedMemory``
-like any bulk client's), which the channel pins to its connection:
+(reward_service/shared_memory.py), which the channel pins to its connection.
+A CUDA region is registered with ``RegisterSharedMemory`` like any bulk
+client's; host memory is a memfd sealed against resizing
+(:class:`~tandem.shared_memory_client.SealedMemory`) whose descriptor the
+attach message carries (SCM_RIGHTS), registered by the server for the
+attach's client: it cannot shrink under the server's mapping, and it has no
+name in /dev/shm for another client to register.
 
 * the **input region**: a CUDA allocation exported by its IPC handle when the
   reward service runs on this GPU and CuPy is here (the server copies the
-  wave device to device into its bound buffers), else a POSIX shared-memory
-  object. uint8 ``[max_rows, *row]`` from offset 0.
+  wave device to device into its bound buffers), else a sealed memfd.
+  The model's input dtype, ``[max_rows, *row]`` from offset 0.
 * the **output region**: of the input region's kind: each output float32
   ``[max_rows, *row]``, one after another on 64-byte boundaries
   (:func:`output_layout`). A CUDA output region is written by the server's
@@ -27,8 +32,12 @@ The protocol (every message one datagram; the first byte is its kind):
 client -> server      server -> client
 ====================  ==========================================================
 ``A`` + JSON attach   ``A`` + JSON layout, or ``E``: the model, the regions and
-                      ``max_rows``; the server checks the regions (owner, size)
-                      and holds them for the connection's life
+(+ descriptors)       ``max_rows``; ``memfds`` lists the regions (of
+                      ``input_region``, ``output_region``, ``ready_region``)
+                      whose memfds the message carries, in order; the server
+                      checks their seals (F_SEAL_SHRINK), registers them, checks
+                      every region (owner, kind, size) and holds them for the
+                      connection's life
 ``W`` + WAVE          ``R`` + REPLY once the outputs are in the output region,
                       or ``E`` + ERROR (a gRPC status code and a message)
 ====================  ==========================================================
@@ -39,7 +48,7 @@ outputs before it sends ``R``. A channel of two CUDA regions whose server
 runs it on a bound runner orders them on the GPU's side instead
 (:attr:`LeafChannel.ordered`): the layout carries the server's
 ``done_event`` (tandem/cuda_events.py), and the attach either a
-``ready_region`` -- a system region holding the client's ready word
+``ready_region`` -- a sealed memfd holding the client's ready word
 (tandem/ready_word.py): a sequence number its stream stores after the
 kernels that write a wave's inputs -- or, where this process cannot map
 one, its ``ready_event``. The critical lane's worker waits for the word (or
@@ -57,7 +66,9 @@ in flight per connection; the server answers waves in order, so a client
 that gave up on a wave (its deadline, or an announced wave cancelled)
 skips replies whose ``seq`` is older than the wave it waits for.
 The connection closing (either side, or a process dying) unregisters its
-regions on the server.
+regions on the server. The server serves its own user only (SO_PEERCRED),
+and closes a connection not attached within
+``reward.leaf_channel.attach_timeout_ms`` of connecting (DEADLINE_EXCEEDED).
 """
 from __future__ import annotations
 
@@ -76,7 +87,7 @@ from tandem.v1 import reward_pb2, reward_pb2_grpc
 from tandem import outputs_gate, tensors, timeline
 from tandem.cuda_events import ExportedEvent, OpenedEvent
 from tandem.ready_word import WORD_BYTES, ReadyWord
-from tandem.shared_memory_client import CudaSharedMemoryRegion, SystemSharedMemoryRegion, aligned
+from tandem.shared_memory_client import CudaSharedMemoryRegion, SealedMemory, aligned
 from tandem.gpu import cupy_module
 
 log = logging.getLogger(__name__)
@@ -150,10 +161,11 @@ def unpack_error(message: bytes) -> tuple[int, LeafChannelError]:
 def _input_region(stub, byte_size: int, device_id: int, timeout_s: float):
     """A CUDA region on ``device_id`` where it can be (CuPy here, and the server
     can open the handle: not in the process that made it, as in a co-located
-    stack), else a system one.
+    stack), else a sealed memfd (registered with the attach).
 
     Raises:
-        grpc.RpcError: the server refused the system region.
+        grpc.RpcError: the server refused the CUDA region for another reason.
+        OSError: the memfd cannot be made.
     """
     if device_id >= 0 and cupy_module() is not None:
         try:
@@ -161,7 +173,7 @@ def _input_region(stub, byte_size: int, device_id: int, timeout_s: float):
         except grpc.RpcError as exc:
             if exc.code() not in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
                 raise
-    return SystemSharedMemoryRegion(stub, byte_size, timeout_s=timeout_s)
+    return SealedMemory(byte_size)
 
 
 def _metadata(stub, model: str, timeout_s: float) -> reward_pb2.ModelMetadataResponse:
@@ -189,12 +201,12 @@ class LeafChannel:
         max_rows: the most rows one wave may carry (the regions' size).
         device_id: the reward service's CUDA device, or -1 (it runs on the
             CPU): a CUDA input region when it is >= 0, CuPy is here and the
-            server can open its handle; else system shared memory (``kind``).
+            server can open its handle; else a sealed memfd (``kind`` "memfd").
         timeout_s: connect, register and attach deadline (s).
         meta: the model's ModelMetadata, if the caller has it (else asked here).
         cuda_outputs: with a CUDA input region, a CUDA output region too (the
             server says it takes one: ``ModelMetadata.runtime["leaf_channel_outputs"]``);
-            else system shared memory.
+            else a sealed memfd.
         events: with two CUDA regions, offer the server CUDA events to order
             waves by (:attr:`ordered`; False: every wave synchronised).
         announce: with events, a ready word too, where this process can map
@@ -244,15 +256,14 @@ class LeafChannel:
                 self._outputs_region = CudaSharedMemoryRegion(stub, out_bytes, device_id=device_id,
                                                               client_id=self._inputs.client_id, timeout_s=timeout_s)
             else:
-                self._outputs_region = SystemSharedMemoryRegion(stub, out_bytes, client_id=self._inputs.client_id,
-                                                                timeout_s=timeout_s)
+                self._outputs_region = SealedMemory(out_bytes, client_id=self._inputs.client_id)
             self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             self._sock.settimeout(timeout_s)
             self._sock.connect(path)
             attach = {"client_id": self._inputs.client_id, "model": model, "max_rows": max_rows,
                       "input_region": self._inputs.name, "output_region": self._outputs_region.name}
             if self.device_outputs and events:
-                self._word = self._ready_word(stub, timeout_s) if announce else None
+                self._word = self._ready_word() if announce else None
                 if self._word is not None:
                     attach["ready_region"] = self._word_region.name
                     if wants_gate:
@@ -260,7 +271,10 @@ class LeafChannel:
                 else:
                     self._ready = ExportedEvent()
                     attach["ready_event"] = self._ready.handle.hex()
-            self._sock.send(ATTACH + json.dumps(attach).encode())
+            memfds = [(role, r) for role, r in (("input_region", self._inputs), ("output_region", self._outputs_region),
+                                                ("ready_region", self._word_region)) if isinstance(r, SealedMemory)]
+            attach["memfds"] = [role for role, _ in memfds]
+            socket.send_fds(self._sock, [ATTACH + json.dumps(attach).encode()], [r.fd for _, r in memfds])
             reply = self._sock.recv(MAX_MESSAGE_BYTES)
         except grpc.RpcError as exc:
             self.close()
@@ -326,16 +340,15 @@ class LeafChannel:
             return
         self._done_word = word.data.ptr
 
-    def _ready_word(self, stub, timeout_s: float) -> ReadyWord | None:
-        """A ready word (tandem/ready_word.py) in a system region of its own,
-        registered for this channel's client; None where this process cannot
-        map one for its GPU (the ``ready`` event orders the waves then).
+    def _ready_word(self) -> ReadyWord | None:
+        """A ready word (tandem/ready_word.py) in a sealed memfd of its own,
+        registered with the attach for this channel's client; None where this
+        process cannot map one for its GPU (the ``ready`` event orders the waves then).
 
         Raises:
-            grpc.RpcError: the server refused the region.
+            OSError: the memfd cannot be made.
         """
-        self._word_region = SystemSharedMemoryRegion(stub, WORD_BYTES, client_id=self._inputs.client_id,
-                                                     timeout_s=timeout_s)
+        self._word_region = SealedMemory(WORD_BYTES, client_id=self._inputs.client_id)
         try:
             return ReadyWord(self._word_region.array(0, np.uint64, (1,)))
         except Exception as exc:  # noqa: BLE001 - RuntimeError, CUDARuntimeError, CompileException: the event instead

@@ -20,14 +20,21 @@ without it is cleaned up by the server once the region's lease
 runs out.
 
 :class:`SystemSharedMemoryRegion` is a POSIX shared-memory object (Python's
-``multiprocessing.shared_memory``); :class:`CudaSharedMemoryRegion` a CUDA
-allocation on the server's GPU, exported by a CUDA IPC handle (needs CuPy and
-a GPU; its outputs are CuPy arrays).
+``multiprocessing.shared_memory``), which the server reads and writes through
+its descriptor (it must belong to the user the client runs as);
+:class:`CudaSharedMemoryRegion` a CUDA allocation on the server's GPU, exported
+by a CUDA IPC handle (needs CuPy and a GPU; its outputs are CuPy arrays).
+:class:`SealedMemory` is the leaf channel's host memory (tandem/leaf_channel.py):
+a memfd sealed against resizing, passed to the server over the channel's Unix
+socket rather than registered over gRPC.
 """
 from __future__ import annotations
 
 import abc
+import fcntl
 import logging
+import mmap
+import os
 import threading
 import uuid
 from dataclasses import dataclass
@@ -350,3 +357,61 @@ class CudaSharedMemoryRegion(SharedMemoryRegion):
 
     def _free(self) -> None:
         self._memory = None  # cudaFree once no view holds it
+
+
+class SealedMemory:
+    """``byte_size`` bytes of host memory for a leaf channel: a memfd
+    (``memfd_create`` with MFD_ALLOW_SEALING) sealed against shrinking, growing
+    and further sealing, then mapped here. Its descriptor (:attr:`fd`) goes to
+    the server with the channel's attach (SCM_RIGHTS), which maps it too:
+    sealed, it can never shrink under either mapping (an ``ftruncate`` fails
+    with EPERM), and it has no name another process could open.
+
+    Args:
+        byte_size: the memory's size, > 0.
+        client_id: the owner the server registers it for; default a random one.
+        name: its region's name on the server (unique there); default random.
+
+    Raises:
+        OSError: the memfd cannot be made (no memfd_create or sealing, out of memory).
+    """
+
+    kind = "memfd"
+    SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+    def __init__(self, byte_size: int, *, client_id: str | None = None, name: str | None = None):
+        self.byte_size = byte_size
+        self.client_id = client_id or uuid.uuid4().hex
+        self.name = name or f"{self.kind}-{uuid.uuid4().hex[:16]}"
+        self.fd = os.memfd_create(self.name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(self.fd, byte_size)
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, self.SEALS)
+            self._mmap = mmap.mmap(self.fd, byte_size)
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def array(self, offset: int, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+        """A NumPy array of ``dtype`` and ``shape`` over the memory from ``offset``:
+        a view, valid until :meth:`close`."""
+        dtype = np.dtype(dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        return np.frombuffer(self._mmap, dtype, nbytes // dtype.itemsize, offset).reshape(shape)
+
+    @staticmethod
+    def write_rows(view, rows) -> None:
+        """Writes ``rows`` into the first rows of ``view`` (from :meth:`array`);
+        the server's mapping sees them at once."""
+        view[: len(rows)] = rows
+
+    def close(self, unregister: bool = False) -> None:
+        """Frees this side's mapping and descriptor (the server's copy of the
+        memory goes when it unregisters the region: with the channel's
+        connection). ``unregister`` is accepted for the regions' common
+        interface; there is nothing to unregister over gRPC. Idempotent;
+        raises BufferError while views from :meth:`array` live."""
+        if self.fd >= 0:
+            self._mmap.close()
+            os.close(self.fd)
+            self.fd = -1

@@ -1,7 +1,8 @@
 """The leaf channel (tandem/leaf_channel.py, reward_service/leaf_channel.py)
 against a real reward service on loopback: the same answers as Evaluate, the
-regions' life, and every bad input answered with its status while the
-connection and the server go on serving."""
+regions' life (host memory as sealed memfds passed over the socket), and
+every bad input answered with its status while the connection and the
+server go on serving."""
 from __future__ import annotations
 
 import json
@@ -28,7 +29,7 @@ from tandem.config import LeafChannelConfig
 from tandem.leaf_channel import (ATTACH, ERROR, MAX_MESSAGE_BYTES, REPLY, WAVE, WAVE_FORMAT, LeafChannel,
                                  LeafChannelError, unpack_error)
 from tandem.server import channel
-from tandem.shared_memory_client import SystemSharedMemoryRegion
+from tandem.shared_memory_client import SealedMemory
 
 MODEL = "connect4_value"
 
@@ -50,7 +51,7 @@ def boards(*moves: str) -> np.ndarray:
 
 def held(service, client_id: str) -> int:
     """Regions the server holds for ``client_id``."""
-    return len(service.servicer.regions.status(client_id))
+    return len(service.servicer.regions.status(client_id, uid=os.getuid()))
 
 
 
@@ -116,8 +117,8 @@ class RawClient:
 
     def __init__(self, service, stub, max_rows=8, out_bytes=None, client_id=None, sock=None):
         self.stub = stub
-        self.inputs = SystemSharedMemoryRegion(stub, max_rows * 84, client_id=client_id)
-        self.outputs = SystemSharedMemoryRegion(stub, out_bytes or 4096, client_id=self.inputs.client_id)
+        self.inputs = SealedMemory(max_rows * 84, client_id=client_id)
+        self.outputs = SealedMemory(out_bytes or 4096, client_id=self.inputs.client_id)
         if sock is None:  # else a connection made already
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             sock.settimeout(10)
@@ -125,13 +126,23 @@ class RawClient:
         self.sock = sock
         self.max_rows = max_rows
 
-    def attach(self, **overrides) -> bytes:
+    def attach(self, ready: SealedMemory | None = None, **overrides) -> bytes:
+        """Attaches, passing the memfd of every region the attach names that is
+        one of this client's (``ready``: a ready word's), unless ``overrides``
+        gives ``memfds`` itself (then ``fds`` are the descriptors sent)."""
+        fds = overrides.pop("fds", None)
         body = {"client_id": self.inputs.client_id, "model": MODEL, "max_rows": self.max_rows,
                 "input_region": self.inputs.name, "output_region": self.outputs.name, **overrides}
-        return self.ask(ATTACH + json.dumps(body).encode())
+        if ready is not None:
+            body.setdefault("ready_region", ready.name)
+        if "memfds" not in body:
+            mine = [(role, m) for role, m in (("input_region", self.inputs), ("output_region", self.outputs),
+                                              ("ready_region", ready)) if m is not None and body.get(role) == m.name]
+            body["memfds"], fds = [role for role, _ in mine], [m.fd for _, m in mine]
+        return self.ask(ATTACH + json.dumps(body).encode(), fds or [])
 
-    def ask(self, message: bytes) -> bytes:
-        self.sock.send(message)
+    def ask(self, message: bytes, fds=()) -> bytes:
+        socket.send_fds(self.sock, [message], list(fds))
         return self.sock.recv(MAX_MESSAGE_BYTES)
 
     def wave(self, rows: int, seq: int = 1) -> bytes:
@@ -158,7 +169,6 @@ def status(reply: bytes) -> tuple[grpc.StatusCode, str]:
     # frame_reward's max_batch_size is 256: a wider channel would carry waves Evaluate refuses.
     ({"model": "frame_reward", "max_rows": 300}, grpc.StatusCode.INVALID_ARGUMENT, "max_batch_size 256"),
     ({"max_rows": 64}, grpc.StatusCode.INVALID_ARGUMENT, "need"),  # the input region holds 8 rows
-    ({"client_id": "someone-else"}, grpc.StatusCode.FAILED_PRECONDITION, "another client"),
     ({"ready_event": "not hex"}, grpc.StatusCode.INVALID_ARGUMENT, "ready_event: not hex"),
     ({"ready_event": 7}, grpc.StatusCode.INVALID_ARGUMENT, "ready_event: not hex"),
     ({"ready_event": "00" * 10}, grpc.StatusCode.INVALID_ARGUMENT, "ready_event: 10 bytes"),
@@ -169,6 +179,12 @@ def status(reply: bytes) -> tuple[grpc.StatusCode, str]:
     ({"done_word": "320"}, grpc.StatusCode.INVALID_ARGUMENT, "done_word"),
     ({"done_word": True}, grpc.StatusCode.INVALID_ARGUMENT, "done_word"),
     ({"done_word": 4096}, grpc.StatusCode.INVALID_ARGUMENT, "and the done word need 4104"),
+    # The descriptors: a list that does not match them.
+    ({"memfds": ["input_region"]}, grpc.StatusCode.INVALID_ARGUMENT, "memfds names 1 regions, the message carried 0"),
+    ({"memfds": ["input_region", "input_region"]}, grpc.StatusCode.INVALID_ARGUMENT, "must list distinct regions"),
+    ({"memfds": ["ready_region"]}, grpc.StatusCode.INVALID_ARGUMENT, "that the attach names"),
+    ({"memfds": "input_region"}, grpc.StatusCode.INVALID_ARGUMENT, "memfds"),
+    ({"memfds": [], "fds": [0]}, grpc.StatusCode.INVALID_ARGUMENT, "memfds names 0 regions, the message carried 1"),
 ])
 def test_a_bad_attach_is_refused_and_the_connection_may_attach_again(reward, overrides, code, words):
     service, stub = reward
@@ -210,17 +226,18 @@ def test_a_ready_event_on_a_server_that_cannot_order_by_events_leaves_the_channe
 
 
 def test_a_ready_region_that_is_a_wave_region_or_too_small_is_refused(reward):
-    """The ready word (tandem/ready_word.py) needs a system region of its own
-    of at least 8 bytes: one of the wave's regions named again, or a smaller
-    one, is INVALID_ARGUMENT naming it; the connection attaches right after."""
+    """The ready word (tandem/ready_word.py) needs a memfd of its own of at
+    least 8 bytes: one of the wave's regions named again, or a smaller one,
+    is INVALID_ARGUMENT naming it; the connection attaches right after."""
     service, stub = reward
     c = RawClient(service, stub)
-    small = SystemSharedMemoryRegion(stub, 4, client_id=c.inputs.client_id)
+    small = SealedMemory(4, client_id=c.inputs.client_id)
     try:
-        for region, words in ((c.inputs.name, "is also a wave's region"), (c.outputs.name, "is also a wave's region"),
-                              (small.name, "need 8")):
-            code, message = status(c.attach(ready_region=region))
+        for region, ready, words in ((c.inputs.name, None, "is also a wave's region"),
+                                     (c.outputs.name, None, "is also a wave's region"), (small.name, small, "need 8")):
+            code, message = status(c.attach(ready, ready_region=region))
             assert code == grpc.StatusCode.INVALID_ARGUMENT and words in message and region in message
+        assert held(service, c.inputs.client_id) == 0  # a failed attach leaves none of its memfds registered
         assert c.attach()[:1] == ATTACH
         assert c.wave(3)[:1] == REPLY
     finally:
@@ -228,24 +245,61 @@ def test_a_ready_region_that_is_a_wave_region_or_too_small_is_refused(reward):
         small.close()
 
 
-def test_a_ready_region_at_an_offset_not_a_multiple_of_8_is_refused(reward):
-    """The ready word is a uint64 the host reads while the client's GPU
-    stores it: an unaligned one (a read that may tear) is INVALID_ARGUMENT
-    naming its region and offset; the connection attaches right after."""
+@pytest.mark.parametrize("role", ["input_region", "ready_region"])
+def test_a_system_region_registered_by_key_is_refused_as_a_channels_region(reward, role):
+    """The channel's host memory is mapped (the ready word is polled in place):
+    only a sealed memfd passed with the attach may be, never a client's object
+    registered by key, which the server reads with pread alone."""
     _, stub = reward
     c = RawClient(reward[0], stub)
-    shm = shared_memory.SharedMemory(create=True, size=64)
+    shm = shared_memory.SharedMemory(create=True, size=4096)
     try:
         stub.RegisterSharedMemory(reward_pb2.RegisterSharedMemoryRequest(
-            client_id=c.inputs.client_id, name="word-at-4", byte_size=8,
-            system=reward_pb2.SystemSharedMemory(key=shm.name, offset=4)))
-        code, message = status(c.attach(ready_region="word-at-4"))
-        assert code == grpc.StatusCode.INVALID_ARGUMENT and "word-at-4" in message and "offset 4" in message
+            client_id=c.inputs.client_id, name="by-key", byte_size=4096,
+            system=reward_pb2.SystemSharedMemory(key=shm.name)))
+        code, message = status(c.attach(**{role: "by-key"}))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "region 'by-key': a system region" in message
+        assert "sealed memfd" in message
         assert c.attach()[:1] == ATTACH
     finally:
         c.close()
+        stub.UnregisterSharedMemory(reward_pb2.UnregisterSharedMemoryRequest(client_id=c.inputs.client_id))
         shm.close()
         shm.unlink()
+
+
+def test_a_memfd_not_sealed_against_shrinking_is_refused_and_a_sealed_one_attaches(reward):
+    service, stub = reward
+    c = RawClient(service, stub)
+    unsealed = os.memfd_create("unsealed", os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(unsealed, 8 * 84)
+        code, message = status(c.attach(memfds=["input_region"], fds=[unsealed], output_region="none"))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "not sealed against shrinking" in message
+        code, message = status(c.attach(memfds=["input_region", "output_region"], fds=[unsealed, c.outputs.fd]))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "F_SEAL_SHRINK" in message
+        assert held(service, c.inputs.client_id) == 0  # the sealed output's registration undone with the attach
+        assert c.attach()[:1] == ATTACH
+        assert c.wave(3)[:1] == REPLY
+    finally:
+        os.close(unsealed)
+        c.close()
+
+
+def test_a_sealed_memfd_cannot_shrink_and_the_server_serves_on(reward):
+    """What killed the server through a mapped object (SIGBUS) cannot be done
+    to a channel's memory: ftruncate fails in the client itself."""
+    service, stub = reward
+    lc = LeafChannel(stub, service.servicer.leaf_channel.path, MODEL, 16)
+    try:
+        assert lc.kind == "memfd"
+        for region in (lc._inputs, lc._outputs_region):
+            for size in (0, region.byte_size // 2, region.byte_size * 2):
+                with pytest.raises(PermissionError):
+                    os.ftruncate(region.fd, size)
+        assert lc.evaluate(boards("4"), time.monotonic() + 10)["value"].shape == (1, 1)
+    finally:
+        lc.close()
 
 
 def test_a_ready_region_is_held_by_the_connection_and_unused_where_waves_are_synchronised(reward):
@@ -255,9 +309,9 @@ def test_a_ready_region_is_held_by_the_connection_and_unused_where_waves_are_syn
     is unregistered with the others when the connection closes."""
     service, stub = reward
     c = RawClient(service, stub)
-    word = SystemSharedMemoryRegion(stub, 8, client_id=c.inputs.client_id)
+    word = SealedMemory(8, client_id=c.inputs.client_id)
     try:
-        reply = c.attach(ready_region=word.name)
+        reply = c.attach(word)
         assert reply[:1] == ATTACH and "done_event" not in json.loads(reply[1:])
         assert c.wave(3)[:1] == REPLY
         assert held(service, c.inputs.client_id) == 3
@@ -265,7 +319,7 @@ def test_a_ready_region_is_held_by_the_connection_and_unused_where_waves_are_syn
         assert wait_for(lambda: held(service, c.inputs.client_id) == 0, 10)
     finally:
         c.close()
-        word.close(unregister=False)
+        word.close()
 
 
 def test_a_malformed_attach_and_a_wave_before_the_attach_are_refused(reward):
@@ -318,9 +372,12 @@ def test_a_region_attached_to_one_connection_cannot_be_attached_to_another(rewar
         second.connect(service.servicer.leaf_channel.path)
         body = {"client_id": first.inputs.client_id, "model": MODEL, "max_rows": 8,
                 "input_region": first.inputs.name, "output_region": first.outputs.name}
-        second.send(ATTACH + json.dumps(body).encode())
+        second.send(ATTACH + json.dumps(body).encode())  # by name: no descriptors
         code, message = status(second.recv(MAX_MESSAGE_BYTES))
         assert code == grpc.StatusCode.ALREADY_EXISTS and "attached to another" in message
+        second.send(ATTACH + json.dumps({**body, "client_id": "someone-else"}).encode())
+        code, message = status(second.recv(MAX_MESSAGE_BYTES))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "another client" in message
         assert first.wave(2)[:1] == REPLY
     finally:
         second.close()
@@ -397,10 +454,11 @@ def test_a_stale_system_region_key_is_refused_at_registration(reward):
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
 
 
-def test_a_region_registered_again_smaller_under_its_name_is_refused_per_wave(reward):
-    """Attached, then unregistered and registered again under the same name, smaller:
-    each wave checks the spans again, so the server answers instead of reading past
-    the new mapping (a dead connection thread, or on a CUDA region memory not the client's)."""
+def test_a_region_registered_again_under_its_name_is_refused_per_wave(reward):
+    """Attached, then unregistered and registered again under the same name
+    (here a small object by key): each wave checks the regions again, so the
+    server answers naming it instead of reading what is not the channel's
+    memory; the connection and the server serve on."""
     service, stub = reward
     c = RawClient(service, stub, max_rows=8)
     small = shared_memory.SharedMemory(create=True, size=84)
@@ -411,19 +469,19 @@ def test_a_region_registered_again_smaller_under_its_name_is_refused_per_wave(re
         stub.RegisterSharedMemory(reward_pb2.RegisterSharedMemoryRequest(
             client_id=c.inputs.client_id, name=c.inputs.name, byte_size=84,
             system=reward_pb2.SystemSharedMemory(key=small.name)))
-        code, message = status(c.wave(8, seq=3))
-        assert code == grpc.StatusCode.INVALID_ARGUMENT and c.inputs.name in message and "84 bytes" in message
-        # The connection goes on: its region registered again at its size, it is served.
-        stub.UnregisterSharedMemory(reward_pb2.UnregisterSharedMemoryRequest(
-            client_id=c.inputs.client_id, name=c.inputs.name))
-        stub.RegisterSharedMemory(reward_pb2.RegisterSharedMemoryRequest(
-            client_id=c.inputs.client_id, name=c.inputs.name, byte_size=8 * 84,
-            system=reward_pb2.SystemSharedMemory(key=c.inputs._shm.name)))
-        assert c.wave(8, seq=4)[:1] == REPLY
+        for seq in (3, 4):
+            code, message = status(c.wave(8, seq=seq))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and c.inputs.name in message and "system" in message
     finally:
         c.close()
+        stub.UnregisterSharedMemory(reward_pb2.UnregisterSharedMemoryRequest(client_id=c.inputs.client_id))
         small.close()
         small.unlink()
+    lc = LeafChannel(stub, service.servicer.leaf_channel.path, MODEL, 4)
+    try:
+        assert lc.evaluate(boards("4"), time.monotonic() + 10)["value"].shape == (1, 1)
+    finally:
+        lc.close()
 
 
 def test_a_deeply_nested_attach_is_invalid_argument_and_the_connection_goes_on(reward):
@@ -457,11 +515,11 @@ def test_an_unknown_model_is_a_leaf_channel_error_naming_it(reward):
     assert err.value.code == grpc.StatusCode.NOT_FOUND and "no_such_model" in str(err.value)
 
 
-def own_server(service) -> LeafChannelServer:
+def own_server(service, **cfg) -> LeafChannelServer:
     """A second leaf channel server over the reward service's own models, batchers and regions."""
     s = service.servicer
-    return LeafChannelServer(LeafChannelConfig(max_rows=64, max_connections=2), s.sessions, s.batchers, s.regions,
-                             s.metrics, 2.0)
+    return LeafChannelServer(LeafChannelConfig(**{"max_rows": 64, "max_connections": 2, **cfg}), s.sessions,
+                             s.batchers, s.regions, s.metrics, 2.0)
 
 
 def test_closing_the_server_ends_its_threads_unregisters_and_removes_the_socket(reward):
@@ -643,18 +701,21 @@ def test_messages_not_of_the_protocol_are_internal_errors_and_close_the_channel(
         peer.close()
 
 
-def test_a_connection_that_never_attaches_is_closed_after_a_lease_and_frees_its_slot(reward):
-    """max_connections silent connections would otherwise lock every search out for good."""
+def test_a_connection_that_never_attaches_is_closed_after_the_attach_window_and_frees_its_slot(reward):
+    """max_connections silent (or never rightly attaching) connections would
+    otherwise hold every slot: each is answered DEADLINE_EXCEEDED and closed
+    once reward.leaf_channel.attach_timeout_ms has passed since it connected."""
     service, stub = reward
-    server = own_server(service)  # max_connections 2, lease 2 s
+    server = own_server(service, attach_timeout_ms=1000)  # max_connections 2
     silent = [socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(2)]
     try:
         for s in silent:
             s.settimeout(30)
             s.connect(server.path)
-        assert wait_for(lambda: len(server._connections) == 2)
         for s in silent:
-            assert s.recv(MAX_MESSAGE_BYTES) == b""  # closed by the server, unanswered: nothing was asked
+            code, message = status(s.recv(MAX_MESSAGE_BYTES))
+            assert code == grpc.StatusCode.DEADLINE_EXCEEDED and "attach_timeout_ms" in message
+            assert s.recv(MAX_MESSAGE_BYTES) == b""  # then closed
         assert wait_for(lambda: not server._connections)
         lc = LeafChannel(stub, server.path, MODEL, 4)
         try:
@@ -664,6 +725,34 @@ def test_a_connection_that_never_attaches_is_closed_after_a_lease_and_frees_its_
     finally:
         for s in silent:
             s.close()
+        server.close()
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to run a client as another user")
+def test_a_peer_of_another_user_is_permission_denied(reward):
+    """Root passes the socket file's mode 0600 (here opened to all, as a
+    careless directory might): the server's own check (SO_PEERCRED) refuses
+    any uid but its own, before reading any attach or descriptor."""
+    import subprocess
+    import sys
+
+    service, stub = reward
+    server = own_server(service)
+    os.chmod(server.path, 0o666)
+    code = ("import os, socket\nos.setgid(65534); os.setuid(65534)\n"
+            "s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)\ns.settimeout(30)\n"
+            f"s.connect({server.path!r})\ns.send(b'A{{}}')\nprint(s.recv(4096).hex())\n")
+    try:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        code, message = status(bytes.fromhex(done.stdout.strip()))
+        assert code == grpc.StatusCode.PERMISSION_DENIED and "peer uid 65534" in message
+        lc = LeafChannel(stub, server.path, MODEL, 4)  # its own user is served
+        try:
+            assert lc.evaluate(boards("4"), time.monotonic() + 10)["value"].shape == (1, 1)
+        finally:
+            lc.close()
+    finally:
         server.close()
 
 

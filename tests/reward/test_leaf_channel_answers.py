@@ -44,13 +44,13 @@ class _Regions:
         self.out_kind = out_kind
         self.memory = {}
 
-    def acquire(self, client_id, names):
+    def acquire(self, client_id, names, uid=None):
         return _Lease(self, list(names))
 
-    def status(self, *args):
+    def status(self, *args, **kwargs):
         return []
 
-    def unregister(self, *args):
+    def unregister(self, *args, **kwargs):
         return []
 
 
@@ -65,7 +65,7 @@ class _Lease:
         pass
 
     def describe(self):
-        return {n: (self.table.out_kind if n.startswith("out") else "system", 1 << 20) for n in self.names}
+        return {n: (self.table.out_kind if n.startswith("out") else "memfd", 1 << 20) for n in self.names}
 
     def array(self, region, offset, dtype, shape):
         """A view of ``shape`` over the same bytes at every call, as a region's."""
@@ -98,7 +98,7 @@ def _run_writing_targets(batch):
     return {"y": out}
 
 
-@pytest.fixture(params=["cuda", "system"])
+@pytest.fixture(params=["cuda", "memfd"])
 def server(request, tmp_path):
     batcher = Batcher(_run_writing_targets, max_batch_size=64, max_queue_delay_us=0, name="m")
     # lease 400 s: the connections' sockets wait up to 10 s (renew_s) in a blocking send

@@ -4,6 +4,7 @@ server on loopback with the shipped model."""
 from __future__ import annotations
 
 import base64
+import os
 
 import grpc
 import numpy as np
@@ -357,3 +358,47 @@ def test_a_refused_large_request_frees_its_memory_at_once(served):
     finally:
         gc.enable()
     assert grown < 50 << 20, f"RSS grew {grown / 2**20:.0f} MiB"
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to run a client as another user")
+def test_one_users_unregister_all_leaves_another_users_regions(served):
+    """OIP carries no client id: a region belongs to the caller's uid. A client
+    running as uid 65534 sees, and unregisters, its own regions only, cannot
+    register root's object, and root's unregister-all leaves its region."""
+    import tritonclient.utils.shared_memory as shm
+    from test_shared_memory import NOBODY, run_client
+
+    from reward_service.oip import OIP_CLIENT
+
+    client, service, *_ = served
+    mine = shm.create_shared_memory_region("root_in", "/tandem_oip_root", 64)
+    key = f"tandem_oip_nobody_{os.getpid()}"
+    try:
+        client.register_system_shared_memory("root_in", "/tandem_oip_root", 64)
+        out = run_client(f"127.0.0.1:{service.port}", f"""
+            make_object({key!r})
+            def register(name, key):
+                return code(lambda: oip.SystemSharedMemoryRegister(service_pb2.SystemSharedMemoryRegisterRequest(
+                    name=name, key=key, byte_size=64), timeout=10))
+            def status():
+                return sorted(oip.SystemSharedMemoryStatus(service_pb2.SystemSharedMemoryStatusRequest(),
+                                                           timeout=10).regions)
+            out["root's"] = register("stolen", "/tandem_oip_root")
+            out["own"] = register("nobody_in", {key!r})
+            out["status"] = status()
+            out["unregister all"] = code(lambda: oip.SystemSharedMemoryUnregister(
+                service_pb2.SystemSharedMemoryUnregisterRequest(), timeout=10))
+            out["after"] = status()
+            out["kept"] = register("nobody_kept", {key!r})
+            unlink({key!r})
+            """, uid=NOBODY)
+        assert out["root's"][0] == "PERMISSION_DENIED" and "belongs to uid 0" in out["root's"][1]
+        assert out["own"] == out["unregister all"] == out["kept"] == ["OK", ""]
+        assert out["status"] == ["nobody_in"] and out["after"] == []
+        assert list(client.get_system_shared_memory_status().regions) == ["root_in"]  # left by 65534's unregister-all
+        client.unregister_system_shared_memory()
+        assert not client.get_system_shared_memory_status().regions
+        assert [r.name for r in service.servicer.regions.status(OIP_CLIENT, uid=NOBODY)] == ["nobody_kept"]
+    finally:
+        service.servicer.regions.unregister(OIP_CLIENT, uid=NOBODY)
+        shm.destroy_shared_memory_region(mine)

@@ -1,13 +1,20 @@
 """Shared-memory tensors (reward_service/shared_memory.py, tandem/shared_memory_client.py)
 over a real reward server on loopback: round trips against the bytes path,
 every refusal with its status and message, ownership, limits, the lease, and
-a region unregistered while a request uses it. The region table's own rules
-(lease renewal, deferred closes) are checked directly with a fake clock.
+a region unregistered while a request uses it; a client shrinking its object
+under requests (never a signal in the server), and, as root, a client of
+another user (uid 65534) in a process of its own: only its own objects, its
+own regions and its own share of the table. The region table's own rules
+(lease renewal, a memfd's mapping outliving its region) are checked directly.
 The CUDA IPC path is in test_shared_memory_gpu.py."""
 from __future__ import annotations
 
-import gc
+import dataclasses
+import json
 import os
+import subprocess
+import sys
+import textwrap
 import time
 from multiprocessing import shared_memory
 
@@ -25,14 +32,16 @@ from tandem import tensors
 from tandem.config import SharedMemoryConfig
 from tandem.gpu import cupy_module
 from tandem.server import channel
-from tandem.shared_memory_client import SystemSharedMemoryRegion
+from tandem.shared_memory_client import SealedMemory, SystemSharedMemoryRegion
 
 MODEL = "connect4_value"
 CLIENT, OTHER, THIRD = "client-a", "client-b", "client-c"
 UINT8, FLOAT32 = reward_pb2.DATA_TYPE_UINT8, reward_pb2.DATA_TYPE_FLOAT32
 BOARD_BYTES = 2 * 6 * 7  # one uint8 board
 REGION_BYTES = 4096
-LIMITS = {"max_regions_per_client": 3, "max_bytes_per_client": 1 << 20, "max_regions": 5}
+LIMITS = {"max_regions_per_client": 3, "max_bytes_per_client": 1 << 20, "max_regions_per_user": 5, "max_regions": 6}
+ME, NOBODY = os.getuid(), 65534
+as_root = pytest.mark.skipif(os.getuid() != 0, reason="needs root to run a client as another user")
 
 
 def _start(tmp_path_factory, **shared_memory_cfg):
@@ -100,6 +109,47 @@ def _refusal(call) -> grpc.RpcError:
 def _evaluate_board(stub):
     """One board from region "in" of CLIENT."""
     return stub.Evaluate(reward_pb2.EvaluateRequest(model=MODEL, client_id=CLIENT, inputs=[_board()]), timeout=10)
+
+
+def run_client(address: str, body: str, uid: int | None = None) -> dict:
+    """Runs ``body`` in a client process of its own (as ``uid``, dropped after
+    the imports, as root only) and returns the dict ``out`` it fills. It has
+    ``stub`` (RewardService), ``oip`` (GRPCInferenceService), ``pb``
+    (reward_pb2), ``service_pb2``, ``shared_memory``, ``make_object(key)``
+    (a 4096-byte object of its own, without multiprocessing's resource
+    tracker, which cannot start as another user; ``unlink(key)`` removes it)
+    and ``code(call)``: the call's [status name, details], ["OK", ""] when it
+    succeeds."""
+    script = textwrap.dedent(f"""
+        import _posixshmem, json, os, threading
+        import grpc
+        from multiprocessing import shared_memory
+        from tandem.v1 import reward_pb2 as pb, reward_pb2_grpc
+        from tritonclient.grpc import service_pb2, service_pb2_grpc
+        uid = {uid!r}
+        if uid is not None:
+            os.setgid(uid)
+            os.setuid(uid)
+        def make_object(key):
+            fd = _posixshmem.shm_open("/" + key, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode=0o600)
+            os.ftruncate(fd, 4096)
+            os.close(fd)
+        def unlink(key):
+            _posixshmem.shm_unlink("/" + key)
+        ch = grpc.insecure_channel({address!r})
+        stub = reward_pb2_grpc.RewardServiceStub(ch)
+        oip = service_pb2_grpc.GRPCInferenceServiceStub(ch)
+        def code(call):
+            try:
+                call()
+                return ["OK", ""]
+            except grpc.RpcError as exc:
+                return [exc.code().name, exc.details()]
+        out = {{}}
+        """) + textwrap.dedent(body) + "\nprint(json.dumps(out))\n"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def _bytes_outputs(stub, array, model=MODEL, name="board") -> dict:
@@ -206,7 +256,7 @@ def test_a_bad_reference_gets_a_clear_status_and_the_server_keeps_serving(server
     err = _refusal(lambda: stub.Evaluate(reward_pb2.EvaluateRequest(**fields), timeout=10))
     assert (err.code(), message) == (code, message) and message in err.details(), err.details()
     assert bytes(mine.buf[1024:1100]) == before  # nothing written
-    assert service.servicer.regions.status(CLIENT)[0].in_flight == 0  # the lease was released
+    assert service.servicer.regions.status(CLIENT, uid=ME)[0].in_flight == 0  # the lease was released
     assert len(_evaluate_board(stub).outputs) == 2
 
 
@@ -280,9 +330,21 @@ def test_limits_per_client_and_per_server_are_resource_exhausted(server, objects
     _register(stub, shm, name="b1", client_id=OTHER, byte_size=64)
     err = _refusal(lambda: _register(stub, shm, name="c0", client_id=THIRD, byte_size=64))
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "the server holds 5 regions, reward.shared_memory.max_regions" in err.details()
+    assert (f"uid {ME} holds 5 regions (all its client ids together), the most "
+            "reward.shared_memory.max_regions_per_user allows") in err.details()
     stub.UnregisterSharedMemory(reward_pb2.UnregisterSharedMemoryRequest(client_id=CLIENT, name="a0"), timeout=10)
     _register(stub, shm, name="c0", client_id=THIRD, byte_size=64)  # room again
+
+
+def test_the_server_wide_limit_is_resource_exhausted():
+    table = RegionTable(SharedMemoryConfig(max_regions_per_user=8, max_regions=2))
+    for i in range(2):
+        table.register_fd(CLIENT, f"m{i}", os.dup(SealedMemory(64).fd), ME)
+    with pytest.raises(SharedMemoryError) as info:
+        table.register_fd(OTHER, "m2", os.dup(SealedMemory(64).fd), ME)
+    assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "the server holds 2 regions, reward.shared_memory.max_regions" in str(info.value)
+    table.close()
 
 
 def test_unregister_checks_the_owner_and_frees_all_of_a_clients_regions(server, objects):
@@ -323,7 +385,7 @@ def test_a_region_unregistered_in_flight_fails_that_request_cleanly(server, obje
     with held(service, "mean") as (pool, entered, seen):
         call = pool.submit(stub.Evaluate, request, timeout=20)
         assert entered.wait(10)
-        assert service.servicer.regions.status(CLIENT)[0].in_flight == 1
+        assert service.servicer.regions.status(CLIENT, uid=ME)[0].in_flight == 1
         names = stub.UnregisterSharedMemory(reward_pb2.UnregisterSharedMemoryRequest(client_id=CLIENT, name="in"), timeout=10)
         assert list(names.names) == ["in"] and service.servicer.regions.stats()["regions"] == 0
     with pytest.raises(grpc.RpcError) as info:
@@ -332,14 +394,6 @@ def test_a_region_unregistered_in_flight_fails_that_request_cleanly(server, obje
     assert "region 'in': unregistered while this request used it; no outputs written" in info.value.details()
     assert bytes(shm.buf[1024:1032]) == b"\xff" * 8
     np.testing.assert_allclose(_bytes_outputs(stub, x, model="mean", name="x")["y"], x.mean(axis=1))  # serving
-    _bytes_outputs(stub, boards(1))  # (the other model's worker may hold an earlier test's arrays likewise)
-    del seen, call, info
-    # Each batcher's worker dropped its last batch when it took the next: the mappings close at the next reap.
-    deadline = time.monotonic() + 30
-    while service.servicer.regions.stats()["deferred"] and time.monotonic() < deadline:
-        gc.collect()
-        time.sleep(0.05)
-    assert service.servicer.regions.stats()["deferred"] == 0
 
 
 def test_a_region_left_unused_is_freed_when_its_lease_runs_out(tmp_path_factory, objects):
@@ -371,12 +425,12 @@ def test_the_lease_is_renewed_by_use_and_status_and_never_reaps_a_region_in_use(
     clock = _Clock()
     table = RegionTable(SharedMemoryConfig(lease_ttl_ms=1000.0), clock=clock)
     shm = objects()
-    table.register_system(CLIENT, "in", 64, shm.name, 0)
+    table.register_system(CLIENT, "in", 64, shm.name, 0, ME)
     clock.now += 0.9
-    table.status(CLIENT)  # the heartbeat
+    table.status(CLIENT, uid=ME)  # the heartbeat
     clock.now += 0.9
     assert table.reap() == []
-    lease = table.acquire(CLIENT, ["in"])  # a use renews too, and holds the region
+    lease = table.acquire(CLIENT, ["in"], uid=ME)  # a use renews too, and holds the region
     clock.now += 5.0
     assert table.reap() == []  # in use: never reaped
     lease.close()  # released: renewed from now
@@ -385,29 +439,204 @@ def test_the_lease_is_renewed_by_use_and_status_and_never_reaps_a_region_in_use(
     clock.now += 0.2
     assert table.reap() == ["in"] and table.stats()["regions"] == 0
     with pytest.raises(SharedMemoryError) as info:
-        table.acquire(CLIENT, ["in"])
+        table.acquire(CLIENT, ["in"], uid=ME)
     assert info.value.code == grpc.StatusCode.NOT_FOUND
 
 
-def test_a_mapping_is_closed_only_after_the_last_array_over_it_is_gone(objects):
+def test_a_memfd_mapping_outlives_its_region_while_an_array_over_it_lives():
+    """A memfd region's inputs are views over its mapping (no copy): one that
+    outlives the region (the batcher keeps its last batch) keeps the mapping,
+    which goes with the last array over it."""
     table = RegionTable(SharedMemoryConfig())
-    shm = objects()
-    shm.buf[:4] = b"\x01\x02\x03\x04"
-    table.register_system(CLIENT, "in", 64, shm.name, 0)
-    with table.acquire(CLIENT, ["in"]) as lease:
-        view = lease.input(_board(byte_size=4, shape=(4,)))
-        array = np.frombuffer(view.data, np.uint8)
-        assert table.unregister(CLIENT, "in") == ["in"]
-        assert table.stats() == {"regions": 0, "bytes": 0, "deferred": 0}  # not closed: the lease holds it
+    memory = SealedMemory(64)
+    memory.array(0, np.uint8, (4,))[:] = [1, 2, 3, 4]
+    table.register_fd(CLIENT, "in", os.dup(memory.fd), ME)
+    with table.acquire(CLIENT, ["in"], uid=ME) as lease:
+        array = np.frombuffer(lease.input(_board(byte_size=4, shape=(4,))).data, np.uint8)
+        assert table.unregister(CLIENT, "in", uid=ME) == ["in"]
+        assert table.stats() == {"regions": 0, "bytes": 0}
         with pytest.raises(SharedMemoryError) as info:
             lease.check_live()
         assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
-    assert table.stats()["deferred"] == 1  # released, but the array still points into the mapping
+    memory.close()  # the client's side gone too: the server's mapping alone holds the memory
     assert array.tolist() == [1, 2, 3, 4] and not array.flags.writeable
-    del array, view
-    table.reap()
-    assert table.stats()["deferred"] == 0
     table.close()
+
+
+def test_a_system_regions_inputs_are_copies_the_server_owns(objects):
+    """Read with pread, not mapped: what the client writes after the read does not reach the request's arrays."""
+    table = RegionTable(SharedMemoryConfig())
+    shm = objects()
+    shm.buf[:4] = b"\x01\x02\x03\x04"
+    table.register_system(CLIENT, "in", 64, shm.name, 0, ME)
+    with table.acquire(CLIENT, ["in"], uid=ME) as lease:
+        array = np.frombuffer(lease.input(_board(byte_size=4, shape=(4,))).data, np.uint8)
+        shm.buf[:4] = b"\x00" * 4
+        lease.write("in", 8, np.array([7, 8], np.uint8))
+    assert array.tolist() == [1, 2, 3, 4] and bytes(shm.buf[8:10]) == b"\x07\x08"
+    table.close()
+
+
+@pytest.mark.parametrize("make, seals, message", [
+    (lambda: os.memfd_create("unsealable"), 0, "not sealed against shrinking"),
+    (lambda: os.memfd_create("unsealed", os.MFD_ALLOW_SEALING), 0, "not sealed against shrinking"),
+    (lambda: os.memfd_create("write-sealed", os.MFD_ALLOW_SEALING), SealedMemory.SEALS | 0x0008,  # F_SEAL_WRITE
+     "cannot be mapped read-write"),
+    (lambda: os.open("/dev/shm", os.O_TMPFILE | os.O_RDWR), 0, "not an ordinary memfd"),  # tmpfs: seals, no memfd
+    (lambda: os.open(os.path.dirname(__file__), os.O_TMPFILE | os.O_RDWR), 0, "not a memfd (it has no seals)"),
+])
+def test_a_descriptor_that_is_not_a_memfd_sealed_against_shrinking_is_refused(make, seals, message):
+    import fcntl
+
+    table = RegionTable(SharedMemoryConfig())
+    fd = make()
+    os.ftruncate(fd, 64)
+    if seals:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    with pytest.raises(SharedMemoryError) as info:
+        table.register_fd(CLIENT, "in", fd, ME)  # closes it
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and message in str(info.value), str(info.value)
+    assert table.stats()["regions"] == 0
+    with pytest.raises(OSError):
+        os.fstat(fd)  # closed, refused or not
+    table.close()
+
+
+# -- a client shrinking its object, and clients of another user -----------------------------------
+
+
+def test_a_client_shrinking_its_object_under_requests_never_crashes_the_server(server, objects):
+    """A client process registers its object, then truncates it and restores it
+    in a loop while its other thread sends Evaluates reading and writing it:
+    each is answered OK or FAILED_PRECONDITION naming the region (a mapping
+    would have raised SIGBUS in the server: this process), and the server
+    serves the next good request."""
+    service, stub = server
+    out = run_client(_address(service), f"""
+        shm = shared_memory.SharedMemory(create=True, size=4096)
+        stub.RegisterSharedMemory(pb.RegisterSharedMemoryRequest(client_id="shrinker", name="shrinking",
+            byte_size=4096, system=pb.SystemSharedMemory(key=shm.name)), timeout=10)
+        board = pb.Tensor(name="board", dtype=pb.DATA_TYPE_UINT8, shape=[1, 2, 6, 7],
+                          shared_memory=pb.SharedMemoryRef(region="shrinking", offset=0, byte_size=84))
+        request = pb.EvaluateRequest(model={MODEL!r}, client_id="shrinker", inputs=[board],
+            output_shared_memory={{"value": pb.SharedMemoryRef(region="shrinking", offset=1024, byte_size=4)}})
+        stop = threading.Event()
+
+        def shrink():
+            while not stop.is_set():
+                os.ftruncate(shm._fd, 0)
+                os.ftruncate(shm._fd, 4096)
+
+        shrinker = threading.Thread(target=shrink)
+        shrinker.start()
+        out["codes"] = [code(lambda: stub.Evaluate(request, timeout=60)) for _ in range(150)]
+        stop.set()
+        shrinker.join()
+        shm.unlink()
+        """)
+    for status, details in out["codes"]:
+        assert status in ("OK", "FAILED_PRECONDITION"), (status, details)
+        if status != "OK":
+            assert "region 'shrinking'" in details and "bytes" in details, details
+    assert service.servicer.regions.stats()["regions"] == 1  # the client's region, left to its lease
+    service.servicer.regions.unregister("shrinker", uid=ME)
+    shm = objects()
+    _register(stub, shm)
+    assert len(_evaluate_board(stub).outputs) == 2  # serving
+    assert len(_bytes_outputs(stub, boards(2))["value"]) == 2
+
+
+def _address(service) -> str:
+    return f"127.0.0.1:{service.port}"
+
+
+@as_root
+def test_another_user_may_register_its_own_objects_only(server, objects):
+    """The confused deputy: a client running as uid 65534 names a root-owned
+    0600 object it could not open itself; the server (root) could, and refuses.
+    Its own object registers, and its client_id does not reach root's regions."""
+    service, stub = server
+    mine = objects()
+    _register(stub, mine)  # root's region "in" of CLIENT
+    key = f"tandem-test-nobody-{os.getpid()}"
+    out = run_client(_address(service), f"""
+        make_object({key!r})
+        def register(name, key):
+            return code(lambda: stub.RegisterSharedMemory(pb.RegisterSharedMemoryRequest(client_id={CLIENT!r},
+                name=name, byte_size=4096, system=pb.SystemSharedMemory(key=key)), timeout=10))
+        out["root's"] = register("stolen", {mine.name!r})
+        out["own"] = register("own", {key!r})
+        board = pb.Tensor(name="board", dtype=pb.DATA_TYPE_UINT8, shape=[1, 2, 6, 7],
+                          shared_memory=pb.SharedMemoryRef(region="in", offset=0, byte_size=84))
+        out["evaluate root's"] = code(lambda: stub.Evaluate(pb.EvaluateRequest(model={MODEL!r},
+            client_id={CLIENT!r}, inputs=[board]), timeout=10))
+        out["unregister root's"] = code(lambda: stub.UnregisterSharedMemory(pb.UnregisterSharedMemoryRequest(
+            client_id={CLIENT!r}, name="in"), timeout=10))
+        unlink({key!r})
+        """, uid=NOBODY)
+    status, details = out["root's"]
+    assert status == "PERMISSION_DENIED", out
+    assert f"the object {mine.name!r} belongs to uid 0, not to the caller's uid {NOBODY}" in details
+    assert out["own"] == ["OK", ""]
+    for what in ("evaluate root's", "unregister root's"):
+        assert out[what][0] == "FAILED_PRECONDITION" and "registered by another client" in out[what][1], out
+    assert [r.name for r in service.servicer.regions.status(CLIENT, uid=NOBODY)] == ["own"]
+    assert [r.name for r in service.servicer.regions.status(CLIENT, uid=ME)] == ["in"]
+    assert len(_evaluate_board(stub).outputs) == 2
+    service.servicer.regions.unregister(CLIENT, uid=NOBODY)
+
+
+@as_root
+def test_one_user_rotating_client_ids_meets_its_own_limit_not_everyones(server, objects):
+    service, stub = server
+    key = f"tandem-test-nobody-{os.getpid()}"
+    out = run_client(_address(service), f"""
+        make_object({key!r})
+        out["codes"] = [code(lambda: stub.RegisterSharedMemory(pb.RegisterSharedMemoryRequest(
+            client_id=f"rotating-{{i}}", name=f"rotating-{{i}}", byte_size=64,
+            system=pb.SystemSharedMemory(key={key!r})), timeout=10)) for i in range(6)]
+        unlink({key!r})
+        """, uid=NOBODY)
+    assert [c[0] for c in out["codes"]] == ["OK"] * 5 + ["RESOURCE_EXHAUSTED"]
+    assert f"uid {NOBODY} holds 5 regions" in out["codes"][-1][1] and "max_regions_per_user" in out["codes"][-1][1]
+    _register(stub, objects())  # another user's registration: room left in the table
+    for i in range(5):
+        service.servicer.regions.unregister(f"rotating-{i}", uid=NOBODY)
+
+
+# -- registration behind the token --------------------------------------------------------------
+
+
+def test_registration_without_the_token_is_unauthenticated(tmp_path_factory, objects):
+    """With auth_token set, RegisterSharedMemory (RewardService's and OIP's) is
+    refused before it opens anything; with the token it works."""
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    token = "shm-s3cret"
+    cfg = dataclasses.replace(loopback_config(reward={"models": [
+        {"name": MODEL, "path": "reward_service/models/connect4_value.onnx", "max_batch_size": 8}]}), auth_token=token)
+    service = reward_server.start(cfg, follow_scheduler=False)
+    shm = objects()
+    try:
+        with grpc.insecure_channel(cfg.reward.address) as ch:
+            calls = {
+                "reward": lambda md: reward_pb2_grpc.RewardServiceStub(ch).RegisterSharedMemory(
+                    reward_pb2.RegisterSharedMemoryRequest(client_id=CLIENT, name="in", byte_size=64,
+                                                           system=reward_pb2.SystemSharedMemory(key=shm.name)),
+                    timeout=10, metadata=md),
+                "oip": lambda md: service_pb2_grpc.GRPCInferenceServiceStub(ch).SystemSharedMemoryRegister(
+                    service_pb2.SystemSharedMemoryRegisterRequest(name="oip-in", key=shm.name, byte_size=64),
+                    timeout=10, metadata=md),
+            }
+            for registered, (name, call) in enumerate(calls.items()):
+                for md in (None, [("authorization", "Bearer nope")]):
+                    err = _refusal(lambda: call(md))
+                    assert err.code() == grpc.StatusCode.UNAUTHENTICATED, (name, md, err.details())
+                assert service.servicer.regions.stats()["regions"] == registered  # refused before anything opened
+                call([("authorization", f"Bearer {token}")])
+            assert service.servicer.regions.stats()["regions"] == 2
+    finally:
+        service.stop()
 
 
 # -- the trainer of the load test -------------------------------------------------------------------

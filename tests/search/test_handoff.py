@@ -59,7 +59,7 @@ def test_on_one_host_the_leaves_go_by_the_leaf_channel(services):
     assert handoff.wait_attached(10.0)
     reply = services["stub"].Search(value_search(), timeout=60)
     assert reply.handoff == "ipc" and reply.model_simulations == reply.simulations == 64
-    assert handoff._ipc.totals.calls > 0 and handoff._ipc.channel.kind == "system"  # the CPU build's regions
+    assert handoff._ipc.totals.calls > 0 and handoff._ipc.channel.kind == "memfd"  # the CPU build's regions
     rollout = services["stub"].Search(value_search(evaluator=search_pb2.EVALUATOR_ROLLOUT), timeout=60)
     assert rollout.handoff == ""  # no leaves handed off
 
