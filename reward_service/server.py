@@ -111,6 +111,13 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
         self.closed = False  # set by close (one bool write; read anywhere)
         self.leaf_channel: leaf_channel.LeafChannelServer | None = None  # set once by start(), before serving
         self.in_process: InProcessServer | None = None  # likewise: waves of a search in this process
+        self.local_port = 0  # the port this server listens on, set once it does (one int write)
+
+    def peer_uid(self, context) -> int | None:
+        """The uid owning the caller's loopback socket (tandem/peer.py: the
+        kernel's exact lookup once ``local_port`` is set, else /proc/net/tcp);
+        None where it cannot be told."""
+        return peer.uid(context.peer(), self.local_port)
 
     def _session(self, name: str, context) -> ModelSession:
         session = self.sessions.get(name)
@@ -135,7 +142,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
                                   f"{self.critical_address}")
                 names = _region_names(request)
                 with self.budget.admit(request.ByteSize(), lane == LANES[reward_pb2.REQUEST_CLASS_CRITICAL]), \
-                        self.regions.acquire(request.client_id, names, uid=_caller(context, names)) as lease:
+                        self.regions.acquire(request.client_id, names, uid=_caller(self, context, names)) as lease:
                     try:
                         reply, rows = self._evaluate(session, request, lease, context)
                     except BaseException as exc:
@@ -202,7 +209,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
                 raise SharedMemoryError(grpc.StatusCode.PERMISSION_DENIED,
                                         f"peer {context.peer()}: shared memory is for clients on the server's host "
                                         f"(reward.shared_memory.local_clients_only)")
-            kind, uid = request.WhichOneof("memory"), peer.uid(context.peer())
+            kind, uid = request.WhichOneof("memory"), self.peer_uid(context)
             if kind == "system":
                 self.regions.register_system(request.client_id, request.name, request.byte_size,
                                              request.system.key, request.system.offset, uid)
@@ -215,12 +222,12 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
 
     def UnregisterSharedMemory(self, request, context):
         with _shared_memory_status(context):
-            names = self.regions.unregister(request.client_id, request.name, uid=peer.uid(context.peer()))
+            names = self.regions.unregister(request.client_id, request.name, uid=self.peer_uid(context))
         return reward_pb2.UnregisterSharedMemoryResponse(names=names)
 
     def SharedMemoryStatus(self, request, context):
         with _shared_memory_status(context):
-            regions = self.regions.status(request.client_id, request.name, uid=peer.uid(context.peer()))
+            regions = self.regions.status(request.client_id, request.name, uid=self.peer_uid(context))
         return reward_pb2.SharedMemoryStatusResponse(regions=[_region_status(r) for r in regions],
                                                      lease_ttl_ms=self.shared_memory.lease_ttl_ms)
 
@@ -327,11 +334,10 @@ def _shared_memory_status(context):
         context.abort(exc.code, str(exc))
 
 
-def _caller(context, names) -> int | None:
+def _caller(servicer: RewardServicer, context, names) -> int | None:
     """The uid of the peer naming the regions ``names`` (they are that user's
-    own or refused), looked up only where it names any (tandem/peer.py reads
-    /proc/net/tcp)."""
-    return peer.uid(context.peer()) if names else None
+    own or refused), looked up only where it names any."""
+    return servicer.peer_uid(context) if names else None
 
 
 def _region_names(request) -> set[str]:
@@ -512,6 +518,7 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True, bulk_server: bool = 
         servicer.close()
         raise
     service.servicer = servicer
+    servicer.local_port = service.port  # from now on a caller's uid is one netlink lookup (tandem/peer.py)
     previous = service.on_close
 
     def close():

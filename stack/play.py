@@ -84,6 +84,7 @@ class _Tally:
     proven: int = 0  # searches whose root the solver proved
     proven_right: int = 0  # ... with the solver's result (win, loss or draw)
     played: int = 0  # frames sent and waited for
+    by_standby: int = 0  # answered frames whose Evaluate the reward service's standby answered
     interrupted: bool = False  # Ctrl-C ended the frames early: the report covers ``played``
 
     def score(self, positions: list[LabelledPosition], frame: SentFrame) -> bool:
@@ -99,6 +100,7 @@ class _Tally:
             self._score_search(pos, s_reply)
         value = float(tensors.from_proto(e_reply.outputs[0]).reshape(-1)[0])
         self.agree += _outcome(value) == int(np.sign(positions[0].score))
+        self.by_standby += any(r.server == "standby" for r in frame.records)
         return True
 
     def _score_search(self, pos: LabelledPosition, s_reply) -> None:
@@ -208,6 +210,7 @@ def _report(opts: PlayOptions, t: _Tally, reward_execution_provider: str) -> dic
             "search": sorted(t.backends),
             "evaluator": sorted(t.evaluators),
             "handoff": t.handoffs,
+            "evaluate_by_standby": t.by_standby,
             "reward_execution_provider": reward_execution_provider,
         },
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -235,7 +238,9 @@ def print_report(report: dict) -> None:
                 f"proven by the search   {report['proven']['frames']} of the frames, {report['proven']['solver_agrees']} as the solver",
                 f"backends               search {', '.join(report['backends']['search'])} "
                 f"({', '.join(report['backends']['evaluator'])}), reward {report['backends']['reward_execution_provider']}"
-                + (f", leaves by {_counts(report['backends']['handoff'])}" if report["backends"]["handoff"] else ""),
+                + (f", leaves by {_counts(report['backends']['handoff'])}" if report["backends"]["handoff"] else "")
+                + (f"; Evaluate by the standby in {report['backends']['evaluate_by_standby']} frames"
+                   if report["backends"].get("evaluate_by_standby") else ""),
                 f"errors                 {_counts(report['errors']) if report['errors'] else 'none'}",
             ] + _notes(report)
         )

@@ -35,7 +35,7 @@ from tandem.v1 import scheduler_pb2, scheduler_pb2_grpc
 from loadtest.generator import LoadSpec, OpenLoopGenerator
 from loadtest.reliability_figures import FaultFigures, FaultsFigures, LoadFigures, RequestCounts, save_figures
 from stack.supervisor import wait_serving
-from tandem.config import load_config, loopback_data
+from tandem.config import BULK_SERVER, load_config, loopback_data
 from tandem.paths import REPO_ROOT
 from tandem.server import channel
 
@@ -55,6 +55,8 @@ class Server:
 
     @property
     def address(self) -> str:
+        if self.name == BULK_SERVER:  # the reward service's bulk server: a part of its section
+            return self.cfg.reward.bulk_server.address
         return getattr(self.cfg, self.name).address
 
     def start(self) -> float:
@@ -220,3 +222,46 @@ def test_kill_each_server_under_load(tmp_path):
             gen.close()
         for s in reversed(list(servers.values())):
             s.stop()
+
+
+def test_a_frame_keeps_its_evaluate_while_the_reward_service_is_killed(tmp_path):
+    """`tandem play` (value model) while the reward service is killed and
+    started again: every frame is answered, the Evaluates of the outage by the
+    standby (the bulk server), the searches from rollouts (the critical path,
+    docs/reliability.md)."""
+    import threading
+
+    from stack.play import PlayOptions, play
+
+    data = loopback_data(free_port)
+    data["reward"]["execution_provider"] = "cpu"
+    data["search"].update(backend="cpu", evaluator="value_model")
+    config = tmp_path / "failover.yaml"
+    config.write_text(yaml.safe_dump(data))
+    cfg = load_config(config)
+    servers = {name: Server(name, config, cfg, tmp_path) for name in ("reward", BULK_SERVER, "search")}
+    outage = threading.Event()
+
+    def kill_and_restart():
+        time.sleep(2.0)  # some frames on the reward service first
+        servers["reward"].kill()
+        outage.set()
+        time.sleep(OUTAGE_S)
+        servers["reward"].start()
+
+    try:
+        for s in servers.values():
+            s.start()
+        killer = threading.Thread(target=kill_and_restart)
+        killer.start()
+        # 10 FPS: a generous frame on a busy 2-core host; the frames must outlast the outage.
+        opts = PlayOptions(cfg.search.address, cfg.reward.address, frames=100, fps=10.0, simulations=16,
+                           evaluator="value_model")
+        report = play(opts, cfg, log=None)
+        killer.join()
+    finally:
+        for s in reversed(list(servers.values())):
+            s.stop()
+    assert outage.is_set()
+    assert report["frames_answered"] == report["frames"] == 100 and report["errors"] == {}, report["errors"]
+    assert report["backends"]["evaluate_by_standby"] > 0
