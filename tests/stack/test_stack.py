@@ -89,7 +89,7 @@ def test_up_status_play_and_stop(config_file, tmp_path):
         assert status.returncode == 0, status.stdout + status.stderr
         assert status.stdout.count("lease") == 3 and cfg.reward.bulk_server.address in status.stdout
         assert "search" in status.stdout and "reward_bulk" in status.stdout and "NOT ENFORCED" in status.stdout
-        # A trainer's batch at the bulk server gets the reward service's answer; a critical one is sent back there.
+        # A trainer's batch at the bulk server gets the reward service's answer.
         board = tensors.to_proto("board", np.zeros((4, 2, 6, 7), np.uint8))
         answers = []
         for address in (cfg.reward.address, cfg.reward.bulk_server.address):
