@@ -24,6 +24,7 @@ from reward_service.shared_memory import Lease, RegionStatus, RegionTable, Share
 from tandem import in_process as tandem_in_process
 from tandem import peer, tensors
 from tandem.failover import STANDBY_KEY
+from tandem.startup import Phases
 from tandem.config import SharedMemoryConfig, TandemConfig
 from tandem.errors import quote
 from tandem.gpu import cuda_device_count
@@ -443,8 +444,12 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True, bulk_server: bool = 
     # lane's own)), and each runner's share over its sessions (one per batch bucket).
     critical_lane = not bulk_server or bulk_cfg.standby  # the bulk server's only as the standby
     per_runner = cfg.reward.memory_pool_bytes // max(len(models) * runners_per_model(cfg.reward, critical_lane), 1)
-    sessions = {m.name: ModelSession(m, cfg.reward, pool_bytes=per_runner, warm=False, critical_lane=critical_lane)
-                for m in models}
+    phases = Phases(log)
+    sessions = {}
+    for m in models:
+        with phases.phase(f"model {m.name}: sessions"):
+            sessions[m.name] = ModelSession(m, cfg.reward, pool_bytes=per_runner, warm=False,
+                                            critical_lane=critical_lane)
     providers = sorted({s.execution_provider for s in sessions.values()})
     log.warning("reward service: execution provider(s) in use: %s", ", ".join(providers))
     for s in sessions.values():
@@ -452,7 +457,11 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True, bulk_server: bool = 
         if off:
             log.warning("model %s: GPU features off: %s", s.name, "; ".join(f"{k} {v}" for k, v in off.items()))
     metrics = ModelMetrics(list(sessions))
-    servicer = RewardServicer(sessions, {name: _batcher(s, cfg, metrics) for name, s in sessions.items()},
+    batchers = {}
+    for name, s in sessions.items():
+        with phases.phase(f"model {name}: each lane's warm-up"):  # the lanes' workers warm their runners
+            batchers[name] = _batcher(s, cfg, metrics)
+    servicer = RewardServicer(sessions, batchers,
                               cfg.reward.shared_memory, metrics, cfg.reward.max_bytes_in_flight,
                               critical_address=cfg.reward.address if bulk_server else "",
                               bulk_address=bulk_cfg.address if bulk_cfg.enabled and not bulk_server else "",
@@ -468,7 +477,8 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True, bulk_server: bool = 
     SHM_REGIONS.set_function(lambda: servicer.regions.stats()["regions"])
     SHM_BYTES.set_function(lambda: servicer.regions.stats()["bytes"])
     POOL_LIMIT.set(cfg.reward.memory_pool_bytes)
-    _warm_up(servicer)
+    with phases.phase("one request per model and lane"):
+        _warm_up(servicer)
     metrics.start()  # the warm-up's requests are not counted
     servicer.regions.start()
     if cfg.reward.leaf_channel.enabled and not bulk_server:  # leaves are critical work: not the bulk server's

@@ -44,6 +44,7 @@ from tandem.errors import quote
 from tandem.gpu import cupy_module
 from tandem.server import LATENCY_BUCKETS_S, channel
 from tandem.service import Service, start_service
+from tandem.startup import Phases
 
 log = logging.getLogger(__name__)
 
@@ -487,13 +488,16 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True) -> Service:
     Raises:
         RuntimeError: ``backend: cuda`` cannot run here, or the address cannot be bound.
     """
-    backend = make_backend(cfg.search.backend, value_sims_per_warp=cfg.search.value_model_sims_per_warp)
+    phases = Phases(log)
+    with phases.phase(f"search backend {cfg.search.backend}"):
+        backend = make_backend(cfg.search.backend, value_sims_per_warp=cfg.search.value_model_sims_per_warp)
     log.warning("search service: backend %s, default evaluator %s (search.evaluator: %s)", backend.name,
                 default_evaluator(cfg.search.evaluator, backend.name), cfg.search.evaluator)
     # Streams and the pool limit only where the backend launches CUDA kernels.
     cupy = cupy_module() if backend.name.startswith("cuda") else None
     log.warning("search service: %s", pools.limit_cupy_pool(cupy, cfg.search.memory_pool_bytes))
-    _warm_up(backend, cfg)
+    with phases.phase("a first search per game (kernels, pools)"):
+        _warm_up(backend, cfg)
     reward_address = cfg.search.reward_address or cfg.reward.address
     reward_channel = channel(reward_address, cfg)
     streams = StreamSet(cfg.search.stream_priorities, cupy)

@@ -11,7 +11,9 @@ until it runs ``window_s`` or the user stops ``tandem up``; with ``give_up``
 (``tandem up --on-crash-loop stop``) it stops all and exits 1 instead.
 
 The supervisor writes each server's pid, restarts, state, last exit status
-and, while it is crash-looping, its last log line to :func:`record_path`
+and, while it is crash-looping or starting again (not yet SERVING), its last
+log line (a starting server's says which start-up phase it is in,
+tandem/startup.py) to :func:`record_path`
 (JSON, replaced atomically on every change, removed when it stops);
 ``tandem status`` reads it.
 """
@@ -62,7 +64,9 @@ class ChildRecord:
     restart_at: float | None = None  # set while it is dead and waiting for its restart
     in_a_row: int = 0  # restarts since a run last lasted window_s
     crash_looping: bool = False
-    last_line: str = ""  # its last log line, as of its last exit
+    last_line: str = ""  # its last log line: as of its last exit; while it starts, as of the last look
+    serving: bool = True  # False from a restart until its health service says SERVING
+    next_look: float = 0.0  # while it starts: when the supervisor next reads its health and last line
 
     def exited(self, code: int, now: float, policy: RestartPolicy) -> float | None:
         """Records an exit; returns when to restart it, or None where it is
@@ -77,7 +81,7 @@ class ChildRecord:
         return self.restart_at
 
     def restarted(self, pid: int, now: float) -> None:
-        self.pid, self.started, self.restart_at = pid, now, None
+        self.pid, self.started, self.restart_at, self.serving = pid, now, None, False
         self.restarts += 1
         self.in_a_row += 1
 
@@ -90,10 +94,13 @@ class ChildRecord:
 
     def as_json(self, now: float) -> dict:
         state = "running" if self.restart_at is None else f"restarting in {max(self.restart_at - now, 0):.1f} s"
+        if self.restart_at is None and not self.serving:
+            state = f"starting for {now - self.started:.1f} s"
         if self.crash_looping:
             state = f"CRASH-LOOPING ({self.in_a_row} restarts in a row), {state}"
         return {"pid": self.pid, "restarts": self.restarts, "last_exit": self.last_exit, "state": state,
-                "crash_looping": self.crash_looping, "last_line": self.last_line}
+                "crash_looping": self.crash_looping, "starting": self.restart_at is None and not self.serving,
+                "last_line": self.last_line}
 
 
 def record_path(cfg: TandemConfig) -> Path:

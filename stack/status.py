@@ -68,5 +68,5 @@ def _print_restarts(cfg: TandemConfig) -> None:
     for name, child in record["servers"].items():
         last = f" (last exit {child['last_exit']})" if child["last_exit"] is not None else ""
         print(f"  {name:<11} pid {child['pid']:<8} {child['state']}, {child['restarts']} restarts{last}")
-        if child.get("crash_looping") and child.get("last_line"):
+        if (child.get("crash_looping") or child.get("starting")) and child.get("last_line"):
             print(f"  {'':<11} last log line: {child['last_line']}")

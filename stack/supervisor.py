@@ -369,7 +369,26 @@ def _supervise_once(stack: Stack, children: dict[str, ChildRecord], policy: Rest
         elif child.settled(now, policy):
             log.warning("%s has run %.0f s since its last restart: no longer crash-looping", name, policy.window_s)
             changed = True
+        elif child.restart_at is None and not child.serving and now >= child.next_look:
+            changed |= _look_at_start(stack, name, child, now)
     return changed
+
+
+STARTING_LOOK_S = 0.5  # how often a restarted server's health and last log line are read while it starts
+
+
+def _look_at_start(stack: Stack, name: str, child: ChildRecord, now: float) -> bool:
+    """Reads a restarted server's health and, while it is not SERVING yet, its
+    last log line (which start-up phase it is in); True (the record changes)."""
+    child.next_look = now + STARTING_LOOK_S
+    serving = all(health_status(stack.addresses()[server], stack.cfg, timeout_s=0.2) == "SERVING"
+                  for server in stack._serves(name))
+    if serving:
+        child.serving = True
+        log.warning("%s is SERVING again, %.1f s after its restart", name, now - child.started)
+    else:
+        child.last_line = stack.last_line(name)
+    return True
 
 
 def _note_exit(name: str, child: ChildRecord, restart_at: float | None, now: float, policy: RestartPolicy,

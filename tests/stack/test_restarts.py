@@ -38,7 +38,7 @@ def test_a_crash_loop_is_restarted_on_at_a_growing_capped_delay_until_it_runs_th
         child.restarted(pid, now)
     assert delays == [1.0, 2.0, 4.0, 8.0, 8.0, 8.0, 8.0]
     assert child.crash_looping and child.in_a_row == 7
-    assert child.as_json(now)["state"] == "CRASH-LOOPING (7 restarts in a row), running"
+    assert child.as_json(now)["state"] == "CRASH-LOOPING (7 restarts in a row), starting for 0.0 s"
     assert not child.settled(now + 59.0, policy)
     assert child.settled(now + 60.0, policy) and not child.crash_looping
     assert child.exited(1, now=now + 61.0, policy=policy) == now + 62.0  # a new series
@@ -58,3 +58,16 @@ def test_give_up_stops_at_the_crash_loop():
 def test_bad_policy_is_refused(fields):
     with pytest.raises(ValueError):
         RestartPolicy(**fields)
+
+
+def test_a_restarted_server_is_starting_with_its_last_line_until_it_serves():
+    child = ChildRecord(pid=10, started=0.0)
+    assert child.as_json(1.0)["state"] == "running" and not child.as_json(1.0)["starting"]
+    child.exited(-9, 5.0, RestartPolicy())
+    child.restarted(11, 6.0)
+    child.last_line = "start-up: model connect4_value: sessions ..."
+    record = child.as_json(8.5)
+    assert record["state"] == "starting for 2.5 s" and record["starting"]
+    assert record["last_line"].startswith("start-up: ")
+    child.serving = True
+    assert child.as_json(9.0)["state"] == "running"

@@ -145,6 +145,7 @@ def test_a_killed_server_is_restarted_and_the_others_keep_serving(config_file, t
         assert _search(cfg) is not None
         assert _poll(lambda: _servers(up.proc.pid).get("reward", before["reward"]) != before["reward"], 60)
         assert _poll(lambda: health_status(cfg.reward.address, cfg) == "SERVING", START_TIMEOUT_S)
+        up.wait_for("reward is SERVING again, ")  # the supervisor watched its start-up to the end
         # ... and its channel to the new reward service is connected again: the value model is back.
         assert _poll(lambda: (r := _search(cfg)) is not None and r.evaluator == search_pb2.EVALUATOR_VALUE_MODEL, 60)
         after = _servers(up.proc.pid)
