@@ -2,13 +2,16 @@
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing as mp
 import socket
 import time
 
 import pytest
+from tandem.v1 import reward_pb2_grpc
 
 from tandem.config import TandemConfig, loopback_data, parse_config
-from tandem.gpu import cuda_device_count
+from tandem.gpu import cuda_device_count, cupy_module
+from tandem.server import channel
 
 
 def pytest_collection_modifyitems(config, items):
@@ -75,3 +78,33 @@ def cfg() -> TandemConfig:
 
 def replace(cfg: TandemConfig, section: str, **fields) -> TandemConfig:
     return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **fields)})
+
+
+# -- a reward service in a process of its own, on the GPU (CUDA IPC handles open only in another process) --
+
+
+def serve_reward(cfg, ready, stop) -> None:
+    from reward_service import server as reward_server
+
+    service = reward_server.start(cfg, follow_scheduler=False)
+    ready.set()
+    stop.wait()
+    service.stop()
+
+
+@pytest.fixture(scope="module")
+def gpu_reward():
+    """(cfg, RewardServiceStub): the reward service in a spawned process on the GPU, for the module."""
+    if cupy_module() is None:
+        pytest.skip("CuPy sees no GPU")
+    cfg = loopback_config(search={"backend": "cuda", "value_model_parallel_sims": 64})
+    spawn = mp.get_context("spawn")
+    ready, stop = spawn.Event(), spawn.Event()
+    child = spawn.Process(target=serve_reward, args=(cfg, ready, stop), daemon=True)
+    child.start()
+    assert ready.wait(300), "the reward service did not start"
+    ch = channel(cfg.reward.address)
+    yield cfg, reward_pb2_grpc.RewardServiceStub(ch)
+    ch.close()
+    stop.set()
+    child.join(30)

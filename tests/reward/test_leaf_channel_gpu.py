@@ -27,30 +27,6 @@ pytestmark = pytest.mark.gpu
 MODEL = "connect4_value"
 
 
-def serve_reward(cfg, ready, stop) -> None:
-    from reward_service import server as reward_server
-
-    service = reward_server.start(cfg, follow_scheduler=False)
-    ready.set()
-    stop.wait()
-    service.stop()
-
-
-@pytest.fixture(scope="module")
-def gpu_reward():
-    if cupy_module() is None:
-        pytest.skip("CuPy sees no GPU")
-    cfg = loopback_config(search={"backend": "cuda", "value_model_parallel_sims": 64})
-    spawn = mp.get_context("spawn")
-    ready, stop = spawn.Event(), spawn.Event()
-    child = spawn.Process(target=serve_reward, args=(cfg, ready, stop), daemon=True)
-    child.start()
-    assert ready.wait(300), "the reward service did not start"
-    ch = channel(cfg.reward.address)
-    yield cfg, reward_pb2_grpc.RewardServiceStub(ch)
-    ch.close()
-    stop.set()
-    child.join(30)
 
 
 def random_boards(n: int, seed: int) -> np.ndarray:

@@ -15,7 +15,6 @@ import itertools
 import threading
 
 import pytest
-from test_leaf_channel_gpu import gpu_reward  # noqa: F401  (the fixture: the reward service in a process)
 from tandem.v1 import search_pb2, search_pb2_grpc
 
 from tandem.server import channel
@@ -23,7 +22,7 @@ from tandem.server import channel
 pytestmark = pytest.mark.gpu
 
 
-def test_searches_keep_the_value_model_while_the_stream_priority_changes(gpu_reward):  # noqa: F811
+def test_searches_keep_the_value_model_while_the_stream_priority_changes(gpu_reward):
     from search_service import server as search_server
 
     cfg, _ = gpu_reward
