@@ -53,10 +53,25 @@ class ServerConfig:
     # also sizes its watch-stream slots from it.
     max_workers: int = 16
     # Application calls in flight at once (health checks apart); more: RESOURCE_EXHAUSTED at once.
+    # While all are taken, a new call takes the place of one that has waited 0.5 s or more
+    # for its request message (tandem.guard.SILENT_AFTER_S), which is cancelled.
     max_concurrent_rpcs: int = 256
+    # Calls one HTTP/2 connection may carry at once (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS;
+    # health calls count); 0 = no cap (gRPC's default). Once a client has read the
+    # server's settings its further calls wait in its own channel; but the calls it opens
+    # beyond the cap before that (a burst on a new connection) are refused REFUSED_STREAM,
+    # which grpcio 1.85's client reports UNAVAILABLE without retrying (45 of 50 at a cap of 4),
+    # and so were calls that waited for a stream to end (tests/stack/test_transport.py):
+    # so off by default. Silent calls and unread responses are bounded without it
+    # (tandem/guard.py).
+    max_concurrent_streams: int = 0
     # A call whose request message has not arrived this long after the call did (for a
     # client stream: after the previous message) is cancelled, freeing its thread.
     request_message_timeout_ms: float = 10_000.0
+    # A call whose response gRPC has not taken this long after the handler gave it (a
+    # client that does not read, or grants no HTTP/2 window) is cancelled, freeing its
+    # thread, its admission place and the response.
+    response_write_timeout_ms: float = 2000.0
     max_message_bytes: int = 64 * 1024 * 1024  # receive and send limit per message
     grace_period_ms: float = 5000.0  # drain time on SIGTERM before in-flight RPCs are cancelled
     # Clients may ping an idle connection this often (game engines ping every ~45 s);
@@ -326,7 +341,7 @@ _CHOICES = {
     "search.handoff": ("auto", "ipc", "grpc"),
 }
 # Fields that may be zero (meaning "off" or "default"); every other number must be positive.
-_MAY_BE_ZERO = {"metrics_port", "gpu_memory_bytes", "memory_pool_bytes", "intra_op_threads", "max_queue_delay_us",
+_MAY_BE_ZERO = {"metrics_port", "max_concurrent_streams", "gpu_memory_bytes", "memory_pool_bytes", "intra_op_threads", "max_queue_delay_us",
                 "evaluation_cache_bytes", "max_bytes_in_flight", "device_channels", "wave_target_ms"}
 # Sections that validate themselves (their dataclass's __post_init__), where zero may be meaningful.
 _SELF_CHECKED = {"urgency"}
@@ -348,6 +363,7 @@ _MAX_BY_SUFFIX = (("_port", 65535), ("_bytes", 2**62), ("_ms", 86_400_000.0), ("
 # Lower bounds of durations that a smaller positive value cannot mean (a typo, or seconds
 # written as ms): a lease of 0.001 ms is expired before its first report arrives.
 _MIN_BY_NAME = {"lease_ttl_ms": 10.0, "report_interval_ms": 10.0, "request_message_timeout_ms": 1.0,
+                "response_write_timeout_ms": 1.0,
                 "grace_period_ms": 1.0, "keepalive_min_ping_interval_ms": 1000, "max_deadline_ms": 1.0,
                 "session_ttl_ms": 1.0, "wave_target_ms": 0.1, "attach_timeout_ms": 1.0}
 _MAX_INT = _INT32_MAX  # any other count or size

@@ -1,27 +1,51 @@
-"""What every call to a tandem server passes before a worker thread serves it.
+"""What every call to a tandem server passes before and while a worker thread serves it.
 
 Python's synchronous gRPC server gives each call a thread of its executor for
-the whole call, including the wait for the request message; a client could
-hold every thread with calls that never send one, with streams it never
-reads, or simply with more calls than there are threads (the rest queued,
-health checks among them). :class:`Guard`, the servers' interceptor, bounds
-that:
+the whole call: the wait for the request message, the work, and every
+response write, which the thread waits to complete. A client could hold
+every thread with calls that never send their message, with streams whose
+responses it never reads, or simply with more calls than there are threads
+(the rest queued, health checks among them). :class:`Guard`, the servers'
+interceptor, bounds that. Its invariants:
 
 * **Token first.** The bearer token is checked from the call's headers, on
-  gRPC's own polling thread; a call without it is refused UNAUTHENTICATED by a
-  handler that never waits for its message.
-* **Admission.** At most ``max_concurrent_rpcs`` application calls are served
-  at once, each on its own thread (the executor has that many, plus a few
-  that answer refusals): beyond that, RESOURCE_EXHAUSTED at once, never a
-  queue in front of the executor.
+  gRPC's own polling thread; a call without it is refused UNAUTHENTICATED on
+  the refusal threads, never waiting for its message.
+* **Admission before any queue.** Admission is decided on the polling thread,
+  in the order calls arrive: at most ``max_concurrent_rpcs`` application calls
+  hold a place, and the executor has a thread for each (plus
+  :data:`SPARE_WORKERS`), so an admitted call never waits in the executor's
+  queue (where a flood's calls were later cancelled instead of refused). A
+  call beyond the limit is answered RESOURCE_EXHAUSTED, naming the limit and
+  its key, by :data:`REFUSAL_WORKERS` threads of their own that do nothing
+  else, so a flood of any size is refused, not queued behind admitted work.
+* **Silent calls yield their place.** A call whose thread has waited
+  :data:`SILENT_AFTER_S` for its first request message is *silent*: while the
+  server is full, a newly arriving call takes the place of the longest silent
+  one, which is cancelled (CANCELLED) at once. So calls that never send a
+  message can fill only capacity no one else asks for: a victim's call is
+  admitted however many silent calls a client holds.
+* **Streams per connection**, where ``max_concurrent_streams`` is set (off by
+  default: see :class:`tandem.config.ServerConfig`): one HTTP/2 connection
+  carries at most that many calls at once (gRPC core's
+  ``grpc.max_concurrent_streams``, set by :func:`tandem.server.build_server`).
 * **Health apart.** ``grpc.health.v1.Health`` runs on a small executor of its
   own, outside admission and without the token (probes carry none); its Watch
   keeps the library's non-blocking form, so an open Watch holds no thread.
-* **Request-message timeout.** Every handler is served in its request-streaming
-  form, so the thread reads the request itself, under a watchdog: a call whose
-  message has not arrived ``request_message_timeout_ms`` after the call did
-  (for a stream: after the previous message was taken) is cancelled, which
-  frees its thread. Health calls have :data:`HEALTH_REQUEST_TIMEOUT_S`.
+* **Request-message timeout.** Every handler is served in its
+  request-streaming form, so the thread reads the request itself, under a
+  watchdog: a call whose message has not arrived ``request_message_timeout_ms``
+  after the call did (for a stream: after the previous message was taken) is
+  cancelled, which frees its thread. Health calls have
+  :data:`HEALTH_REQUEST_TIMEOUT_S`.
+* **Response-write timeout.** Every handler is served in its
+  response-streaming form too (a unary response is the stream's one message;
+  on the wire the same HEADERS, DATA, trailers), so the thread hands each
+  response to gRPC and waits for the write to complete before asking for the
+  next: a response that gRPC has not taken ``response_write_timeout_ms``
+  after it was handed over (a client that grants no flow-control window, or
+  does not read) cancels the call, which frees its thread and admission
+  place (and the response's bytes).
 * **Status contract.** Messages are capped (:func:`tandem.errors.cap`); an
   exception a handler did not map is logged and answered INTERNAL, never
   gRPC's UNKNOWN "Exception calling application" with the text echoed.
@@ -37,6 +61,7 @@ from concurrent import futures
 from typing import Callable, Iterator
 
 import grpc
+from grpc._cython import cygrpc
 
 from tandem.errors import cap
 
@@ -47,40 +72,116 @@ HEALTH_PREFIX = "/grpc.health.v1.Health/"
 HEALTH_WORKERS = 8
 #: A health request is a few bytes: the longest a health call may take to send it (s).
 HEALTH_REQUEST_TIMEOUT_S = 1.0
-#: Threads beyond the admitted calls', which answer refusals at once.
+#: Threads of the refusal executor: they answer refusals (admission, token) and nothing else.
 REFUSAL_WORKERS = 8
-#: How often the watchdog looks for overdue request messages (s).
+#: Threads of the main executor beyond one per admission place: for the calls
+#: whose place a newcomer took (cancelled, their thread still unwinding).
+SPARE_WORKERS = 8
+#: How long a call's thread may wait for its first request message before the
+#: call counts as silent, and a newcomer may take its place while the server is full (s).
+SILENT_AFTER_S = 0.5
+#: How often the watchdog looks for overdue request messages and response writes (s).
 WATCHDOG_TICK_S = 0.05
 
 
-class Admission:
-    """Counts application calls in flight against ``limit`` (thread-safe)."""
+class Place:
+    """One admitted call's place in :class:`Admission` (fields under its lock)."""
 
-    def __init__(self, limit: int):
+    __slots__ = ("held", "cancel", "waiting_since")
+
+    def __init__(self):
+        self.held = True  # False once given back, or taken by a newcomer
+        self.cancel: Callable[[], None] | None = None  # set while the thread waits for the first message
+        self.waiting_since = 0.0  # monotonic s: when the thread began to wait for it
+
+
+class Admission:
+    """Counts application calls in flight against ``limit`` (thread-safe).
+
+    While ``limit`` places are held, :meth:`enter` takes the place of the call
+    that has waited longest for its first request message, if that is at
+    least ``silent_after_s`` (s), and cancels that call.
+    """
+
+    def __init__(self, limit: int, silent_after_s: float = SILENT_AFTER_S):
         self.limit = int(limit)
+        self._silent_after_s = silent_after_s
         self._lock = threading.Lock()
         self._in_flight = 0  # guarded by _lock
+        self._waiting: dict[Place, None] = {}  # guarded by _lock; oldest first
+        self.displaced = 0  # guarded by _lock: silent calls whose place a newcomer took
 
-    def enter(self) -> bool:
-        """Takes a place; False when ``limit`` calls are in flight already."""
+    def enter(self) -> Place | None:
+        """A place for a new call; None when ``limit`` calls hold one and none is silent."""
+        cancel = None
         with self._lock:
             if self._in_flight >= self.limit:
-                return False
+                cancel = self._displace_silent()
+                if cancel is None:
+                    return None
             self._in_flight += 1
+        if cancel is not None:  # outside the lock: gRPC may call back into ours
+            log.info("a call silent for %.1f s or more gave its place to a new one (server full)",
+                     self._silent_after_s)
+            _quietly(cancel)
+        return Place()
+
+    def _displace_silent(self) -> Callable[[], None] | None:
+        """Under _lock: gives back the longest-waiting place if silent; its cancel."""
+        place = next(iter(self._waiting), None)
+        if place is None or time.monotonic() - place.waiting_since < self._silent_after_s:
+            return None
+        self._release(place)
+        self.displaced += 1
+        return place.cancel
+
+    def waiting(self, place: Place, cancel: Callable[[], None]) -> bool:
+        """The call's thread begins to wait for its first message; False if its place was taken."""
+        with self._lock:
+            if not place.held:
+                return False
+            place.cancel, place.waiting_since = cancel, time.monotonic()
+            self._waiting[place] = None
             return True
 
-    def leave(self) -> None:
+    def received(self, place: Place) -> bool:
+        """The first message came (or the request stream ended); False if its place was taken meanwhile."""
         with self._lock:
-            self._in_flight -= 1
+            self._waiting.pop(place, None)
+            return place.held
+
+    def leave(self, place: Place) -> None:
+        """Gives the place back (idempotent)."""
+        with self._lock:
+            if place.held:
+                self._release(place)
+
+    def _release(self, place: Place) -> None:
+        place.held = False
+        self._waiting.pop(place, None)
+        self._in_flight -= 1
 
     @property
     def in_flight(self) -> int:
         with self._lock:
             return self._in_flight
 
+    def silent(self) -> int:
+        """Calls now silent (waiting :data:`SILENT_AFTER_S` or more for their first message)."""
+        now = time.monotonic()
+        with self._lock:
+            return sum(now - p.waiting_since >= self._silent_after_s for p in self._waiting)
+
+
+def _quietly(cancel: Callable[[], None]) -> None:
+    try:
+        cancel()
+    except Exception:  # a call that ended meanwhile; never let the caller die of it
+        log.debug("cancelling a call failed", exc_info=True)
+
 
 class Watchdog:
-    """One daemon thread that cancels calls whose request message is overdue.
+    """One daemon thread that cancels calls whose request message or response write is overdue.
 
     ``arm(deadline, cancel)`` registers ``cancel`` (a callable) to run once
     the monotonic time ``deadline`` (s) has passed, unless ``disarm(token)``
@@ -120,10 +221,10 @@ class Watchdog:
                 if not self._pending:
                     self._wake.clear()
             for cancel in cancels:
-                try:
-                    cancel()
-                except Exception:  # a call that ended meanwhile; never let the watchdog die
-                    log.debug("cancelling an overdue call failed", exc_info=True)
+                _quietly(cancel)
+            # Not kept while idle: a cancel is bound to its call's objects, which give
+            # the call's admission place back when they go.
+            cancels = cancel = None
 
 
 WATCHDOG = Watchdog()  # shared by every server of the process
@@ -152,16 +253,23 @@ class _Requests:
     """The call's request messages, each awaited for at most ``timeout_s``
     (the first from the call's arrival), decoded with ``deserialize``."""
 
-    def __init__(self, raw: Iterator, context: _Context, method: str, deserialize, timeout_s: float, arrived: float):
+    def __init__(self, raw: Iterator, context: _Context, method: str, deserialize, timeout_s: float, arrived: float,
+                 key: str = "server.request_message_timeout_ms"):
         self._raw, self._context, self._method = raw, context, method
-        self._deserialize, self._timeout_s = deserialize, timeout_s
+        self._deserialize, self._timeout_s, self._key = deserialize, timeout_s, key
         self._deadline = arrived + timeout_s
+
+    def _overdue(self) -> None:
+        """On the watchdog's thread: the message has not come in time."""
+        _cancel(self._context, f"{self._method}: no request message within {self._timeout_s * 1e3:.0f} ms "
+                               f"({self._key}): the client did not send it, or the server was too busy to "
+                               f"take it; retry later")
 
     def __iter__(self):
         return self
 
     def __next__(self):
-        token = WATCHDOG.arm(self._deadline, self._context.cancel)
+        token = WATCHDOG.arm(self._deadline, self._overdue)
         try:
             raw = next(self._raw)  # StopIteration at the end; grpc.RpcError once cancelled
         finally:
@@ -175,12 +283,8 @@ class _Requests:
             self._context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"request: not a valid message for {self._method} ({exc})")
 
-    def first(self):
-        """The one request message of a unary-request method."""
-        try:
-            return next(self)
-        except StopIteration:
-            self._context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: {self._method} takes one request message")
+
+_END = object()  # a request stream that ended before its first message
 
 
 class Guard(grpc.ServerInterceptor):
@@ -193,15 +297,22 @@ class Guard(grpc.ServerInterceptor):
         health_pool: the executor health calls run on.
         observe: ``observe(method, code_name, seconds)`` for every call of a
             unary-unary method (latency metrics).
+        refusal_pool: the executor refusals run on (one of
+            :data:`REFUSAL_WORKERS` threads is made when None).
+        write_timeout_s: longest wait for gRPC to take one response (s; 0: none).
     """
 
     def __init__(self, token: str, admission: Admission, request_timeout_s: float,
-                 health_pool: futures.ThreadPoolExecutor, observe: Callable[[str, str, float], None]):
+                 health_pool: futures.ThreadPoolExecutor, observe: Callable[[str, str, float], None],
+                 refusal_pool: futures.ThreadPoolExecutor | None = None, write_timeout_s: float = 0.0):
         self._expected = f"Bearer {token}".encode() if token else b""
         self._admission = admission
         self._timeout_s = request_timeout_s
+        self._write_timeout_s = write_timeout_s
         self._health_pool = health_pool
+        self._refusal_pool = refusal_pool or futures.ThreadPoolExecutor(REFUSAL_WORKERS, "grpc-refusal")
         self._observe = observe
+        self._deny = self._refusal(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong authorization token")
 
     def _authorized(self, details) -> bool:
         metadata = dict(details.invocation_metadata or ())
@@ -212,99 +323,114 @@ class Guard(grpc.ServerInterceptor):
     def intercept_service(self, continuation, details):
         # Runs on gRPC's polling thread: nothing here may block.
         arrived = time.monotonic()
-        health = details.method.startswith(HEALTH_PREFIX)
+        method = details.method
+        health = method.startswith(HEALTH_PREFIX)
         if self._expected and not health and not self._authorized(details):
-            return _DENY
+            return self._deny
         handler = continuation(details)
         if handler is None:
             return None
-        return self._wrap(handler, details.method, arrived, health)
+        if health:
+            return self._wrap(handler, method, arrived, None)
+        place = self._admission.enter()
+        if place is None:
+            return self._refusal(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                 f"{method}: {self._admission.limit} calls in flight, the most this server takes "
+                                 f"(server.max_concurrent_rpcs); retry later",
+                                 method if handler.unary_unary is not None else None)
+        try:
+            return self._wrap(handler, method, arrived, place)
+        except BaseException:
+            self._admission.leave(place)
+            raise
 
-    def _wrap(self, handler: grpc.RpcMethodHandler, method: str, arrived: float, health: bool):
+    def _refusal(self, code: grpc.StatusCode, message: str, observed: str | None = None) -> grpc.RpcMethodHandler:
+        """A handler that answers ``code`` at once on the refusal threads, never
+        reading the request (request-streaming, so nothing waits for it)."""
+        def refuse(request_iterator, context):
+            if observed is not None:
+                self._observe(observed, code.name, 0.0)
+            context.abort(code, message)
+        refuse.experimental_thread_pool = self._refusal_pool
+        return grpc.stream_unary_rpc_method_handler(refuse)
+
+    def _wrap(self, handler: grpc.RpcMethodHandler, method: str, arrived: float, place: Place | None):
         inner = handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
-        unary_request = not handler.request_streaming
+        health = place is None
         timeout_s = min(self._timeout_s, HEALTH_REQUEST_TIMEOUT_S) if health else self._timeout_s
-        non_blocking = bool(getattr(inner, "experimental_non_blocking", False))
-        admission = None if health else self._admission
-
-        def prologue(raw_requests, raw_context):
-            context = _Context(raw_context)
-            if admission is not None and not admission.enter():
-                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                              f"{method}: {admission.limit} calls in flight, the most this server takes "
-                              f"(server.max_concurrent_rpcs); retry later")
-            try:
-                requests = _Requests(raw_requests, context, method, handler.request_deserializer, timeout_s, arrived)
-                return context, requests.first() if unary_request else requests
-            except BaseException:
-                if admission is not None:
-                    admission.leave()
-                raise
-
-        def call(context, argument, *callback):
-            try:
-                return inner(argument, context, *callback)
-            except Exception as exc:
-                if _passes(context, exc):
-                    raise  # as it is: a frame of ours that held it would keep it, its request and its traceback alive
-                _internal(context, method, exc)
-
-        if handler.response_streaming and non_blocking:
-            def behavior(raw_requests, raw_context, send_response_callback):
-                context, argument = prologue(raw_requests, raw_context)
+        if handler.response_streaming and getattr(inner, "experimental_non_blocking", False):
+            # Health's Watch: no thread while the stream is open, so no response writes of ours to time.
+            def watch(raw_requests, raw_context, send_response_callback):
+                context = _Context(raw_context)
                 try:
-                    call(context, argument, send_response_callback)
+                    argument = _first(_Requests(raw_requests, context, method, handler.request_deserializer,
+                                                timeout_s, arrived), context, method)
+                    inner(argument, context, send_response_callback)
+                except Exception as exc:
+                    if _passes(context, exc):
+                        raise
+                    _internal(context, method, exc)
                 finally:
-                    if admission is not None:
-                        admission.leave()
-            behavior.experimental_non_blocking = True
-        elif handler.response_streaming:
-            def behavior(raw_requests, raw_context):
-                context, argument = prologue(raw_requests, raw_context)
-                return _Responses(context, method, lambda: inner(argument, context), admission)
-        else:
-            timed = handler.unary_unary is not None
+                    if place is not None:
+                        self._admission.leave(place)
+            watch.experimental_non_blocking = True
+            if health:
+                watch.experimental_thread_pool = self._health_pool
+            return grpc.stream_stream_rpc_method_handler(watch, response_serializer=handler.response_serializer)
 
-            def behavior(raw_requests, raw_context):
-                start = time.perf_counter()
-                try:
-                    context, argument = prologue(raw_requests, raw_context)
-                    try:
-                        return call(context, argument)
-                    finally:
-                        if admission is not None:
-                            admission.leave()
-                finally:
-                    if timed:
-                        code = raw_context.code() if hasattr(raw_context, "code") else None
-                        self._observe(method, (code or grpc.StatusCode.OK).name, time.perf_counter() - start)
+        call = _Call(self, handler, inner, method, arrived, timeout_s, place)
+
+        def behavior(raw_requests, raw_context):
+            return call.responses(raw_requests, raw_context)
 
         if health:
             behavior.experimental_thread_pool = self._health_pool
-        make = (grpc.stream_stream_rpc_method_handler if handler.response_streaming
-                else grpc.stream_unary_rpc_method_handler)
-        return make(behavior, request_deserializer=None, response_serializer=handler.response_serializer)
+        return grpc.stream_stream_rpc_method_handler(behavior, response_serializer=handler.response_serializer)
+
+
+class _Call:
+    """How one method's calls are served: what :class:`_Responses` needs."""
+
+    def __init__(self, guard: Guard, handler, inner, method: str, arrived: float, timeout_s: float,
+                 place: Place | None):
+        self.guard, self.handler, self.inner, self.method = guard, handler, inner, method
+        self.arrived, self.timeout_s, self.place = arrived, timeout_s, place
+        self.timeout_key = "tandem.guard.HEALTH_REQUEST_TIMEOUT_S" if place is None and method.startswith(
+            HEALTH_PREFIX) else "server.request_message_timeout_ms"
+
+    def responses(self, raw_requests, raw_context) -> "_Responses":
+        return _Responses(self, _Context(raw_context), raw_requests)
 
 
 class _Responses:
-    """The responses of a blocking response-streaming handler, started at the
-    first ``next``. Its admission place is given back when the stream ends,
-    fails, or is dropped unread (client gone: gRPC lets go of the iterator,
+    """A call's responses, as gRPC's thread asks for them: the first ``next``
+    reads the first request message and starts the handler. Each response
+    handed to gRPC arms the write watchdog, and the next ``next`` (gRPC has
+    sent it) disarms it. The admission place is given back when the stream
+    ends, fails, or is dropped (client gone: gRPC lets go of the iterator,
     which then closes the handler's generator too)."""
 
-    def __init__(self, context: _Context, method: str, start: Callable[[], Iterator], admission: Admission | None):
-        self._context, self._method, self._start, self._admission = context, method, start, admission
+    def __init__(self, call: _Call, context: _Context, raw_requests):
+        self._call, self._context, self._raw = call, context, raw_requests
         self._inner: Iterator | None = None
+        self._write: int | None = None  # the watchdog's token while a response is being written
+        self._overdue = False
         self._released = False
 
     def __iter__(self):
         return self
 
     def __next__(self):
+        if self._write is not None:
+            WATCHDOG.disarm(self._write)
+            self._write = None
+        if self._overdue:  # cancelled for a write that did not complete: stop here
+            self._finish()
+            raise StopIteration
         try:
             if self._inner is None:
-                self._inner = iter(self._start())
-            return next(self._inner)
+                self._inner = self._start()
+            response = next(self._inner)
         except StopIteration:
             self._release()
             raise
@@ -312,19 +438,107 @@ class _Responses:
             self._release()
             if _passes(self._context, exc):
                 raise
-            _internal(self._context, self._method, exc)
+            _internal(self._context, self._call.method, exc)
+        write_timeout_s = self._call.guard._write_timeout_s
+        if write_timeout_s > 0:
+            self._write = WATCHDOG.arm(time.monotonic() + write_timeout_s, self._write_overdue)
+        return response
 
-    def _release(self) -> None:
-        if not self._released:
-            self._released = True
-            if self._admission is not None:
-                self._admission.leave()
+    def _start(self) -> Iterator:
+        call, context = self._call, self._context
+        place, admission = call.place, call.guard._admission
+        requests = _Requests(self._raw, context, call.method, call.handler.request_deserializer,
+                             call.timeout_s, call.arrived, call.timeout_key)
+        if place is not None and not admission.waiting(place, lambda: _cancel(context, _displaced_message(call))):
+            _displaced(context, call)
+        try:
+            first = next(requests, _END) if call.handler.request_streaming else _first(requests, context, call.method)
+        except BaseException:
+            if place is not None:
+                admission.received(place)
+            raise
+        if place is not None and not admission.received(place):
+            _displaced(context, call)  # a newcomer took the place while the message was on its way
+        if call.handler.request_streaming:
+            argument = requests if first is _END else itertools.chain((first,), requests)
+        else:
+            argument = first
+        if call.handler.response_streaming:
+            return iter(call.inner(argument, context))
+        return self._unary(argument)
 
-    def __del__(self):
+    def _unary(self, argument) -> Iterator:
+        """The one response of a unary-response handler, timed for unary-unary methods."""
+        call, context = self._call, self._context
+        start = time.perf_counter()
+        try:
+            response = call.inner(argument, context)
+        finally:
+            if call.handler.unary_unary is not None:
+                code = context.code() if hasattr(context._context, "code") else None
+                call.guard._observe(call.method, (code or grpc.StatusCode.OK).name, time.perf_counter() - start)
+        yield response
+
+    def _write_overdue(self) -> None:
+        """On the watchdog's thread: gRPC has not taken the response in time."""
+        self._overdue = True
+        message = (f"{self._call.method}: a response not taken within {self._call.guard._write_timeout_s * 1e3:.0f} "
+                   f"ms (server.response_write_timeout_ms): the client does not read; call ended")
+        log.warning("%s", message)
+        _cancel(self._context, message)
+
+    def _finish(self) -> None:
         close = getattr(self._inner, "close", None)
         if close is not None:
             close()
         self._release()
+
+    def _release(self) -> None:
+        if not self._released:
+            self._released = True
+            if self._write is not None:
+                WATCHDOG.disarm(self._write)
+                self._write = None
+            if self._call.place is not None:
+                self._call.guard._admission.leave(self._call.place)
+
+    def __del__(self):
+        self._finish()
+
+
+def _first(requests: _Requests, context: _Context, method: str):
+    """The one request message of a unary-request method."""
+    try:
+        return next(requests)
+    except StopIteration:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: {method} takes one request message")
+
+
+def _displaced(context: _Context, call: _Call) -> None:
+    """Ends a call whose place a newcomer took: cancelled with its status (the
+    newcomer's thread does the same; the first wins), and the response stream
+    ends without a word (an exception would be logged)."""
+    _cancel(context, _displaced_message(call))
+    raise StopIteration
+
+
+def _displaced_message(call: _Call) -> str:
+    admission = call.guard._admission
+    return (f"{call.method}: no request message {SILENT_AFTER_S:.1f} s after the call began while "
+            f"{admission.limit} calls were in flight (server.max_concurrent_rpcs): its place went to a new "
+            f"call; retry later")
+
+
+def _cancel(context: _Context, message: str) -> None:
+    """Ends the call from another thread with RESOURCE_EXHAUSTED and ``message``:
+    gRPC core sends that status before its RST_STREAM (trailers need no flow
+    control window). The public ``cancel`` could only say CANCELLED; it is the
+    fallback where the call's core object is not reachable."""
+    call = getattr(getattr(context._context, "_rpc_event", None), "call", None)
+    try:
+        call.cancel(cygrpc.StatusCode.resource_exhausted, cap(message))
+    except (AttributeError, TypeError):
+        context.cancel()
 
 
 def _passes(context: _Context, exc: Exception) -> bool:
@@ -344,11 +558,3 @@ def _internal(context: _Context, method: str, exc: Exception) -> None:
         context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{method}: not served here")
     log.exception("%s failed", method)
     context.abort(grpc.StatusCode.INTERNAL, f"{method}: internal error ({type(exc).__name__}: {exc})")
-
-
-def _deny_call(request_iterator, context):
-    context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong authorization token")
-
-
-# Request-streaming, so that the refusal does not wait for the message.
-_DENY = grpc.stream_unary_rpc_method_handler(_deny_call)

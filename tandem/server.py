@@ -4,8 +4,9 @@
 (``grpc.health.v1``), server reflection, size and concurrency limits, keepalive
 settings that accept idle pinging game engines, optional TLS / mutual TLS, an
 optional bearer-token check, and per-RPC Prometheus latency histograms. What a
-call passes before a thread serves it (token, admission, health apart, the
-request-message timeout, capped status messages) is :mod:`tandem.guard`.
+call passes before and while a thread serves it (token, admission, streams per
+connection, health apart, the request-message and response-write timeouts,
+capped status messages) is :mod:`tandem.guard`.
 :func:`serve_until_signalled` runs it until SIGINT/SIGTERM and then drains.
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ from prometheus_client import Histogram
 from tandem import contract
 from tandem.channel_options import CHANNEL_OPTIONS
 from tandem.config import ServerConfig, TandemConfig, resolve_path
-from tandem.guard import HEALTH_WORKERS, REFUSAL_WORKERS, Admission, Guard
+from tandem.guard import HEALTH_WORKERS, REFUSAL_WORKERS, SPARE_WORKERS, Admission, Guard
 from tandem.metrics_http import BoundedServer, serve_metrics
 from tandem.v1 import contract_pb2_grpc
 
@@ -149,13 +150,17 @@ def build_server(
             for key, value in KEEPALIVE_OPTIONS
         ),
     ]
-    # A thread for every admitted call (none waits in the executor's queue), a few
-    # more to answer refusals; threads are made on demand (tandem/guard.py).
+    if server_cfg.max_concurrent_streams:  # see ServerConfig: off by default
+        options.append(("grpc.max_concurrent_streams", server_cfg.max_concurrent_streams))
+    # A thread for every admitted call (none waits in the executor's queue) and a few
+    # spare; refusals and health calls have executors of their own; threads are made
+    # on demand (tandem/guard.py).
     admission = Admission(server_cfg.max_concurrent_rpcs)
-    workers = max(server_cfg.max_workers, server_cfg.max_concurrent_rpcs) + REFUSAL_WORKERS
+    workers = max(server_cfg.max_workers, server_cfg.max_concurrent_rpcs) + SPARE_WORKERS
     health_pool = futures.ThreadPoolExecutor(max_workers=HEALTH_WORKERS, thread_name_prefix="grpc-health")
+    refusal_pool = futures.ThreadPoolExecutor(max_workers=REFUSAL_WORKERS, thread_name_prefix="grpc-refusal")
     guard = Guard(cfg.auth_token, admission, server_cfg.request_message_timeout_ms / 1000.0, health_pool,
-                  _observe_latency)
+                  _observe_latency, refusal_pool, server_cfg.response_write_timeout_ms / 1000.0)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grpc-worker"),
         interceptors=[guard],

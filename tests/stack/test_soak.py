@@ -13,7 +13,7 @@ import pytest
 from loadtest.reliability_figures import SoakFigures, save_figures
 from loadtest.soak import run_soak
 from tandem.config import ServerConfig
-from tandem.guard import HEALTH_WORKERS, REFUSAL_WORKERS
+from tandem.guard import HEALTH_WORKERS, REFUSAL_WORKERS, SPARE_WORKERS
 
 pytestmark = pytest.mark.slow
 
@@ -24,10 +24,10 @@ RSS_SLOPE_MIB_PER_MIN = 8.0
 FD_GROWTH = 2
 # gRPC's thread pools start their workers lazily, so a late burst may add some
 # after the warm-up; more than the pools hold is a leak. Every server's pool holds
-# one per admitted RPC (max_concurrent_rpcs) and a few for refusals, the health
-# pool its own few, plus the request watchdog (tandem/guard.py).
-THREAD_GROWTH = max(ServerConfig().max_workers, ServerConfig().max_concurrent_rpcs) + REFUSAL_WORKERS \
-    + HEALTH_WORKERS + 1
+# one per admitted RPC (max_concurrent_rpcs) and a few spare, the refusal and
+# health pools their own few, plus the watchdog (tandem/guard.py).
+THREAD_GROWTH = max(ServerConfig().max_workers, ServerConfig().max_concurrent_rpcs) + SPARE_WORKERS \
+    + REFUSAL_WORKERS + HEALTH_WORKERS + 1
 
 
 @pytest.fixture(scope="module")
