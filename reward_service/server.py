@@ -14,7 +14,7 @@ from prometheus_client import Gauge
 from tandem.v1 import reward_pb2, reward_pb2_grpc, scheduler_pb2
 
 from reward_service import leaf_channel, oip, refusal
-from reward_service.admission import ByteBudget, OverBudget
+from reward_service.admission import INPUT_COPIES, OUTPUT_COPIES, ByteBudget, Held, OverBudget
 from reward_service.batcher import LANES, Batcher
 from reward_service.in_process import InProcessServer
 from reward_service.model_metrics import ModelMetrics
@@ -142,10 +142,11 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
                                   f"which serves bulk requests only; send critical ones to the reward service at "
                                   f"{self.critical_address}")
                 names = _region_names(request)
-                with self.budget.admit(request.ByteSize(), lane == LANES[reward_pb2.REQUEST_CLASS_CRITICAL]), \
+                with self.budget.admit(INPUT_COPIES * request.ByteSize(),
+                                       lane == LANES[reward_pb2.REQUEST_CLASS_CRITICAL]) as held, \
                         self.regions.acquire(request.client_id, names, uid=_caller(self, context, names)) as lease:
                     try:
-                        reply, rows = self._evaluate(session, request, lease, context)
+                        reply, rows = self._evaluate(session, request, lease, context, held)
                     except BaseException as exc:
                         # The failed call's frames (and those of the errors it was raised from) would
                         # keep its arrays -- the request's tensors, or arrays over shared memory and so
@@ -171,10 +172,11 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
                 self._in_flight -= 1
                 self._served += 1
 
-    def _evaluate(self, session: ModelSession, request, lease: Lease, context):
+    def _evaluate(self, session: ModelSession, request, lease: Lease, context, held: Held | None = None):
         """Evaluate with the request's regions held by ``lease``: the reply and
-        the request's rows. Raises Refusal, or SharedMemoryError (the caller
-        answers both)."""
+        the request's rows; ``held``: its bytes in flight, which grow by its
+        outputs' once its rows are known. Raises Refusal, OverBudget, or
+        SharedMemoryError (the caller answers them)."""
         try:
             feeds = session.decode([lease.input(t) if t.WhichOneof("contents") == "shared_memory" else t
                                     for t in request.inputs])
@@ -183,6 +185,8 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             output_refs = _output_refs(session, request, names, rows, lease)
         except InputError as exc:
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, "invalid_input", str(exc)) from None
+        if held is not None:
+            held.grow(OUTPUT_COPIES * rows * session.output_row_bytes(names))
         remaining = context.time_remaining()
         # A call without a deadline reports None or an "infinite" remaining time (years).
         deadline = None if remaining is None or remaining > NO_DEADLINE_S else time.monotonic() + remaining

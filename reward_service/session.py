@@ -876,6 +876,14 @@ class ModelSession:
                 raise InputError(f"output_names: {quote(n)} given twice")
         return tuple(output_names)
 
+    def output_row_bytes(self, names: tuple[str, ...] = ()) -> int:
+        """Bytes one row of the outputs ``names`` (empty: all) takes, by their
+        specs; a dynamic dimension besides the batch counts as 1 (unknown
+        before the run)."""
+        wanted = [s for s in self.outputs if not names or s.name in names]
+        return sum(math.prod(max(d, 1) for d in s.shape[1:]) * tensors.numpy_dtype(s.dtype).itemsize
+                   for s in wanted)
+
     # -- runs -----------------------------------------------------------------
 
     def run_batch(self, batch: Batch) -> dict[str, np.ndarray]:

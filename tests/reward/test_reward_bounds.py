@@ -11,12 +11,14 @@ from tandem.v1 import reward_pb2, reward_pb2_grpc
 from test_reward_service import boards, held
 
 from reward_service import server as reward_server
-from reward_service.admission import BULK_SHARE, ByteBudget, OverBudget
+from reward_service.admission import BULK_SHARE, INPUT_COPIES, OUTPUT_COPIES, ByteBudget, OverBudget
 from tandem import tensors
 from tandem.server import channel
 
 MODEL = "connect4_value"
-LIMIT = 20_000  # bytes in flight: two 100-board requests (8.4 kB each) fit, three do not
+# Bytes in flight: a 100-board request (8.4 kB serialized) counts 3 x 8.4 kB + 2 x 100 rows x 32 B of
+# outputs = 31.7 kB (reward_service/admission.py): two fit the limit, but not 3/4 of it (bulk's share).
+LIMIT = 70_000
 BULK, CRITICAL = reward_pb2.REQUEST_CLASS_BULK, reward_pb2.REQUEST_CLASS_CRITICAL
 
 
@@ -71,7 +73,7 @@ def test_bytes_in_flight_are_bounded_bulk_first(served):
     with held(service, MODEL) as (pool, entered, _):
         first = pool.submit(_call, stub, _request(100))  # nothing in flight: admitted, held running
         assert entered.wait(10)
-        assert budget.held > 8400
+        assert budget.held == INPUT_COPIES * _request(100).ByteSize() + OUTPUT_COPIES * 100 * (1 + 7) * 4
         second = _call(stub, _request(100))  # two bulk requests would pass 3/4 of the limit
         assert isinstance(second, grpc.RpcError) and second.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "max_bytes_in_flight" in second.details() and f"limit of {int(LIMIT * BULK_SHARE)}" in second.details()
@@ -80,7 +82,7 @@ def test_bytes_in_flight_are_bounded_bulk_first(served):
         assert tensors.from_proto(critical.outputs[0]).shape == (100, 1)
     assert not isinstance(first.result(), grpc.RpcError)
     assert budget.held == 0  # everything answered, nothing left counted
-    alone = _call(stub, _request(300))  # larger than the limit, but alone: served
+    alone = _call(stub, _request(300))  # counts more than the limit, but alone: served
     assert not isinstance(alone, grpc.RpcError) and alone.batch_size == 300
 
 
@@ -97,3 +99,18 @@ def test_byte_budget_releases_on_error():
     unbounded = ByteBudget(0)
     with unbounded.admit(10**12, critical=False), unbounded.admit(10**12, critical=False):
         assert unbounded.held == 2 * 10**12
+
+
+def test_a_request_grows_its_bytes_in_flight_within_the_limit():
+    budget = ByteBudget(100)
+    with budget.admit(40, critical=True) as first:
+        first.grow(20)  # its outputs, once its rows are known
+        assert budget.held == 60 and first.nbytes == 60
+        with budget.admit(30, critical=True) as second:
+            with pytest.raises(OverBudget, match="this one's 50 would pass the limit of 100"):
+                second.grow(20)
+            assert budget.held == 90  # the refused growth holds nothing
+    assert budget.held == 0
+    with budget.admit(90, critical=True) as alone:
+        alone.grow(500)  # alone in flight: may hold any amount
+        assert budget.held == 590
