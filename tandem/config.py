@@ -65,6 +65,10 @@ class ServerConfig:
     # so off by default. Silent calls and unread responses are bounded without it
     # (tandem/guard.py).
     max_concurrent_streams: int = 0
+    # Admitted calls one connection (one client socket: gRPC's peer address) may hold at once;
+    # more: RESOURCE_EXHAUSTED. So one connection that never reads, or floods, leaves the
+    # other max_concurrent_rpcs - this for everyone else; 0 = no cap.
+    max_rpcs_per_connection: int = 64
     # A call whose request message has not arrived this long after the call did (for a
     # client stream: after the previous message) is cancelled, freeing its thread.
     request_message_timeout_ms: float = 10_000.0
@@ -341,7 +345,7 @@ _CHOICES = {
     "search.handoff": ("auto", "ipc", "grpc"),
 }
 # Fields that may be zero (meaning "off" or "default"); every other number must be positive.
-_MAY_BE_ZERO = {"metrics_port", "max_concurrent_streams", "gpu_memory_bytes", "memory_pool_bytes", "intra_op_threads", "max_queue_delay_us",
+_MAY_BE_ZERO = {"metrics_port", "max_concurrent_streams", "max_rpcs_per_connection", "gpu_memory_bytes", "memory_pool_bytes", "intra_op_threads", "max_queue_delay_us",
                 "evaluation_cache_bytes", "max_bytes_in_flight", "device_channels", "wave_target_ms"}
 # Sections that validate themselves (their dataclass's __post_init__), where zero may be meaningful.
 _SELF_CHECKED = {"urgency"}

@@ -25,6 +25,11 @@ interceptor, bounds that. Its invariants:
   one, which is cancelled (CANCELLED) at once. So calls that never send a
   message can fill only capacity no one else asks for: a victim's call is
   admitted however many silent calls a client holds.
+* **Places per connection.** One connection (one client socket) holds at
+  most ``max_rpcs_per_connection`` admission places; its further calls are
+  refused RESOURCE_EXHAUSTED as their threads start, before their message is
+  read. So one connection that floods, or never reads, leaves the rest of
+  the places to everyone else.
 * **Streams per connection**, where ``max_concurrent_streams`` is set (off by
   default: see :class:`tandem.config.ServerConfig`): one HTTP/2 connection
   carries at most that many calls at once (gRPC core's
@@ -52,6 +57,7 @@ interceptor, bounds that. Its invariants:
 """
 from __future__ import annotations
 
+import collections
 import hmac
 import itertools
 import logging
@@ -87,12 +93,13 @@ WATCHDOG_TICK_S = 0.05
 class Place:
     """One admitted call's place in :class:`Admission` (fields under its lock)."""
 
-    __slots__ = ("held", "cancel", "waiting_since")
+    __slots__ = ("held", "cancel", "waiting_since", "peer")
 
     def __init__(self):
         self.held = True  # False once given back, or taken by a newcomer
         self.cancel: Callable[[], None] | None = None  # set while the thread waits for the first message
         self.waiting_since = 0.0  # monotonic s: when the thread began to wait for it
+        self.peer = ""  # the connection holding it, once its thread knows (Admission.claim)
 
 
 class Admission:
@@ -103,11 +110,13 @@ class Admission:
     least ``silent_after_s`` (s), and cancels that call.
     """
 
-    def __init__(self, limit: int, silent_after_s: float = SILENT_AFTER_S):
+    def __init__(self, limit: int, silent_after_s: float = SILENT_AFTER_S, per_connection: int = 0):
         self.limit = int(limit)
+        self.per_connection = int(per_connection)  # places one connection may hold (0: no cap)
         self._silent_after_s = silent_after_s
         self._lock = threading.Lock()
         self._in_flight = 0  # guarded by _lock
+        self._by_peer: collections.Counter = collections.Counter()  # guarded by _lock: places per connection
         self._waiting: dict[Place, None] = {}  # guarded by _lock; oldest first
         self.displaced = 0  # guarded by _lock: silent calls whose place a newcomer took
 
@@ -135,6 +144,19 @@ class Admission:
         self.displaced += 1
         return place.cancel
 
+    def claim(self, place: Place, peer: str) -> bool:
+        """Counts the held ``place`` against its connection ``peer``; False (the
+        place given back) when that connection holds ``per_connection`` already."""
+        with self._lock:
+            if not place.held:
+                return True  # taken by a newcomer meanwhile: the caller finds out next
+            if self.per_connection and self._by_peer[peer] >= self.per_connection:
+                self._release(place)
+                return False
+            place.peer = peer
+            self._by_peer[peer] += 1
+            return True
+
     def waiting(self, place: Place, cancel: Callable[[], None]) -> bool:
         """The call's thread begins to wait for its first message; False if its place was taken."""
         with self._lock:
@@ -160,6 +182,10 @@ class Admission:
         place.held = False
         self._waiting.pop(place, None)
         self._in_flight -= 1
+        if place.peer:
+            self._by_peer[place.peer] -= 1
+            if not self._by_peer[place.peer]:
+                del self._by_peer[place.peer]
 
     @property
     def in_flight(self) -> int:
@@ -456,6 +482,10 @@ class _Responses:
         place, admission = call.place, call.guard._admission
         requests = _Requests(self._raw, context, call.method, call.handler.request_deserializer,
                              call.timeout_s, call.arrived, call.timeout_key)
+        if place is not None and not admission.claim(place, context.peer()):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"{call.method}: this connection has {admission.per_connection} calls in flight, the most "
+                          f"one connection may hold (server.max_rpcs_per_connection); retry later")
         if place is not None and not admission.waiting(place, lambda: _cancel(context, _displaced_message(call))):
             _displaced(context, call)
         try:

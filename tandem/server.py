@@ -155,7 +155,7 @@ def build_server(
     # A thread for every admitted call (none waits in the executor's queue) and a few
     # spare; refusals and health calls have executors of their own; threads are made
     # on demand (tandem/guard.py).
-    admission = Admission(server_cfg.max_concurrent_rpcs)
+    admission = Admission(server_cfg.max_concurrent_rpcs, per_connection=server_cfg.max_rpcs_per_connection)
     workers = max(server_cfg.max_workers, server_cfg.max_concurrent_rpcs) + SPARE_WORKERS
     health_pool = futures.ThreadPoolExecutor(max_workers=HEALTH_WORKERS, thread_name_prefix="grpc-health")
     refusal_pool = futures.ThreadPoolExecutor(max_workers=REFUSAL_WORKERS, thread_name_prefix="grpc-refusal")

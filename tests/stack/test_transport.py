@@ -143,6 +143,31 @@ def test_silent_calls_give_their_places_to_a_victim(search):
         victim.close()
 
 
+def test_one_connection_holds_at_most_its_share_of_places(search):
+    """A connection that opens 6 calls that never send their request, at a
+    server taking 8 calls of which one connection may hold 3: 3 hold places,
+    3 are refused at once naming server.max_rpcs_per_connection, and another
+    connection is served beside them."""
+    service, cfg = search(max_concurrent_rpcs=8, max_rpcs_per_connection=3, request_message_timeout_ms=60_000.0)
+    admission = service.running.admission
+    attacker = grpc.insecure_channel(cfg.search.address)
+    victim = grpc.insecure_channel(cfg.search.address, options=[("grpc.use_local_subchannel_pool", 1)])
+    silent = _Silent()
+    call = attacker.stream_unary("/tandem.v1.SearchService/ListGames")
+    try:
+        held = [call.future(silent, timeout=120) for _ in range(6)]
+        assert wait_for(lambda: sum(f.done() for f in held) == 3, 30)
+        refused = [f for f in held if f.done()]
+        assert all(f.code() == C.RESOURCE_EXHAUSTED and "server.max_rpcs_per_connection" in f.details()
+                   for f in refused), [(f.code(), f.details()) for f in refused]
+        assert admission.in_flight == 3
+        assert len(_list_games(victim).games) >= 1
+    finally:
+        silent.release.set()
+        attacker.close()
+        victim.close()
+
+
 # -- floods ------------------------------------------------------------------------------------------------------
 def test_a_flood_from_many_connections_is_answered_resource_exhausted(search):
     """600 searches from 12 connections at a server taking 4: each is answered
