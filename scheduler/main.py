@@ -56,6 +56,7 @@ class SchedulerHandle:
         """Reports NOT_SERVING, ends every watch stream (UNAVAILABLE), drains
         unary RPCs for up to ``grace_ms`` (default: the config's) and stops. Idempotent."""
         self.running.set_serving(False)
+        self.running.health.end_watches()
         self.servicer.close()
         grace = self.grace_ms if grace_ms is None else grace_ms
         self.running.server.stop(grace / 1000.0).wait()
@@ -69,6 +70,7 @@ class _DrainHook:
     def __init__(self, handle: SchedulerHandle):
         self._handle = handle
         self.server = handle.running.server
+        self.health = handle.running.health
 
     def set_serving(self, serving: bool) -> None:
         self._handle.running.set_serving(serving)

@@ -84,6 +84,39 @@ class HealthServicer(health.HealthServicer):
         for send_response in callbacks:
             send_response(health_pb2.HealthCheckResponse(status=status))
 
+    def Watch(self, request, context, send_response_callback=None):
+        """grpc's Watch, each stream's sends ending at its first end (``None``),
+        and a stream opened while the server stops given its status and ended at once."""
+        if send_response_callback is None:  # the library's blocking form (not the guard's)
+            return super().Watch(request, context, send_response_callback)
+        ended = threading.Event()
+
+        def send(response) -> None:
+            if not ended.is_set():
+                if response is None:
+                    ended.set()
+                send_response_callback(response)
+
+        with self._lock:
+            stopping = self._gracefully_shutting_down
+            status = self._server_status.get(request.service, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
+        if stopping:
+            send(health_pb2.HealthCheckResponse(status=status))
+            send(None)
+            return None
+        return super().Watch(request, context, send)
+
+    def end_watches(self) -> None:
+        """Ends every open Watch stream (status OK, after the last status it was
+        sent), and any opened from now on at once: a stopping server keeps no
+        stream open, which would hold its stop for the whole grace period
+        (as grpc-dotnet #2582 describes). Call it after the NOT_SERVING update."""
+        with self._lock:
+            self._gracefully_shutting_down = True
+            callbacks = [send for sends in self._send_response_callbacks.values() for send in sends]
+        for send_response in callbacks:
+            send_response(None)
+
 
 HEALTH_UPDATE_TIMEOUT_S = 1.0  # how long set_serving waits for Watch streams to take an update
 
@@ -220,6 +253,7 @@ def serve_until_signalled(running: RunningServer, grace_ms: float, on_stop: Call
     stop.wait()
     log.info("stopping: draining for up to %.0f ms", grace_ms)
     running.set_serving(False)
+    running.health.end_watches()
     running.server.stop(grace_ms / 1000.0).wait()
     if on_stop:
         on_stop()

@@ -41,6 +41,7 @@ class Service:
     def stop(self, grace_ms: float = 0.0) -> None:
         """Reports NOT_SERVING, drains in-flight RPCs for up to ``grace_ms``, then stops."""
         self.running.set_serving(False)
+        self.running.health.end_watches()
         self.running.server.stop(grace_ms / 1000.0).wait()
         self._close()
 
