@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing as mp
 import socket
+import threading
 import time
 
 import pytest
@@ -44,6 +45,35 @@ def loopback_config(**sections) -> TandemConfig:
     too) on a free loopback port and no metrics endpoint; ``sections``
     override fields, e.g. ``search={"backend": "cpu"}``."""
     return parse_config(loopback_data(free_port, sections=sections))
+
+
+@pytest.fixture(scope="module")
+def cpu_stack():
+    """The config of a reward service and a CPU search service on loopback, for the module."""
+    from reward_service import server as reward_server
+    from search_service import server as search_server
+
+    cfg = loopback_config(search={"backend": "cpu"})
+    reward = reward_server.start(cfg, follow_scheduler=False)
+    search = search_server.start(cfg, follow_scheduler=False)
+    yield cfg
+    search.stop()
+    reward.stop()
+
+
+class SilentRequests:
+    """A request iterator that never yields until ``release`` is set: the call
+    sends its headers and nothing more (a slow or hostile client)."""
+
+    def __init__(self):
+        self.release = threading.Event()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        self.release.wait()
+        raise StopIteration
 
 
 def wait_for(predicate, timeout_s: float = 10.0) -> bool:

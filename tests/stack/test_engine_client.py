@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 from conftest import loopback_config
 
-from reward_service import server as reward_server
 from search_service import server as search_server
 from tandem import engine_client
 from tandem.engine_client import Action, ContractError, EngineClient, handshake, open_channel
@@ -25,13 +24,8 @@ BUDGET_MS = 2000.0  # generous: the test checks behaviour, not speed
 
 
 @pytest.fixture(scope="module")
-def servers():
-    cfg = loopback_config(search={"backend": "cpu"})
-    reward = reward_server.start(cfg, follow_scheduler=False)
-    search = search_server.start(cfg, follow_scheduler=False)
-    yield cfg
-    search.stop()
-    reward.stop()
+def servers(cpu_stack):
+    return cpu_stack
 
 
 def test_handshake_checks_version_service_and_capabilities(servers):

@@ -4,21 +4,13 @@ report names where each line is explained."""
 from __future__ import annotations
 
 import pytest
-from conftest import loopback_config
 
-from reward_service import server as reward_server
-from search_service import server as search_server
 from stack.play import REPORT_DOC, PlayOptions, play, print_report
 
 
 @pytest.fixture(scope="module")
-def cfg():
-    cfg = loopback_config(search={"backend": "cpu"})
-    reward = reward_server.start(cfg, follow_scheduler=False)
-    search = search_server.start(cfg, follow_scheduler=False)
-    yield cfg
-    search.stop()
-    reward.stop()
+def cfg(cpu_stack):
+    return cpu_stack
 
 
 def _ctrl_c_at(frame: int):

@@ -10,12 +10,11 @@ behaviour needs and far below what the old one took.
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
 
 import grpc
 import pytest
-from conftest import loopback_config
+from conftest import SilentRequests, loopback_config
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tandem.v1 import reward_pb2, reward_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc, search_pb2, search_pb2_grpc
 
@@ -53,24 +52,11 @@ def _timed(fn) -> tuple[object, float]:
     return result, time.monotonic() - began
 
 
-class _Silent:
-    """A request iterator that never yields until released: the call sends its
-    headers and then nothing (a slow or hostile client)."""
-
-    def __init__(self):
-        self.release = threading.Event()
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        self.release.wait()
-        raise StopIteration
 
 
-def _idle_calls(ch, method: str, n: int, metadata=()) -> tuple[list, _Silent]:
+def _idle_calls(ch, method: str, n: int, metadata=()) -> tuple[list, SilentRequests]:
     """``n`` calls of ``method`` that never send their message (no client deadline)."""
-    silent = _Silent()
+    silent = SilentRequests()
     call = ch.stream_unary(method, request_serializer=None, response_deserializer=None)
     return [call.future(silent, metadata=metadata) for _ in range(n)], silent
 

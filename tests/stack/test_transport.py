@@ -7,11 +7,10 @@ Real servers on loopback; no timing asserts (timeouts only guard against hangs).
 from __future__ import annotations
 
 import collections
-import threading
 
 import grpc
 import pytest
-from conftest import loopback_config, wait_for
+from conftest import SilentRequests, loopback_config, wait_for
 from grpc_reflection.v1alpha import reflection_pb2
 from tandem.v1 import search_pb2, search_pb2_grpc
 
@@ -55,18 +54,6 @@ def _served_once(ch, timeout_s: float = 30.0) -> bool:
     return wait_for(ok, timeout_s)
 
 
-class _Silent:
-    """A request iterator that never yields until released: the call sends its headers and nothing more."""
-
-    def __init__(self):
-        self.release = threading.Event()
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        self.release.wait()
-        raise StopIteration
 
 
 def _code(future, timeout_s: float = 30.0):
@@ -124,7 +111,7 @@ def test_silent_calls_give_their_places_to_a_victim(search):
     admission = service.running.admission
     attacker = grpc.insecure_channel(cfg.search.address)
     victim = grpc.insecure_channel(cfg.search.address, options=[("grpc.use_local_subchannel_pool", 1)])
-    silent = _Silent()
+    silent = SilentRequests()
     call = attacker.stream_unary("/tandem.v1.SearchService/ListGames")
     held = []
     try:
@@ -152,7 +139,7 @@ def test_one_connection_holds_at_most_its_share_of_places(search):
     admission = service.running.admission
     attacker = grpc.insecure_channel(cfg.search.address)
     victim = grpc.insecure_channel(cfg.search.address, options=[("grpc.use_local_subchannel_pool", 1)])
-    silent = _Silent()
+    silent = SilentRequests()
     call = attacker.stream_unary("/tandem.v1.SearchService/ListGames")
     try:
         held = [call.future(silent, timeout=120) for _ in range(6)]
@@ -235,7 +222,7 @@ def test_max_concurrent_streams_caps_one_connection(search):
     admission = service.running.admission
     hog = grpc.insecure_channel(cfg.search.address)
     victim = grpc.insecure_channel(cfg.search.address, options=[("grpc.use_local_subchannel_pool", 1)])  # its own connection
-    silent = _Silent()
+    silent = SilentRequests()
     try:
         assert len(_list_games(hog).games) >= 1  # connected: the client has the server's settings
         held = [hog.stream_unary("/tandem.v1.SearchService/ListGames").future(silent, timeout=120) for _ in range(6)]
