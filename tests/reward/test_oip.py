@@ -191,10 +191,14 @@ BAD = [
     ("unknown output", _raw(outputs=[service_pb2.ModelInferRequest.InferRequestedOutputTensor(name="q")]),
      "INVALID_ARGUMENT", "output_names: model 'connect4_value' has no output 'q'"),
     # Counted before any work per entry (issue 41): the model has 1 input and 2 outputs.
-    ("many outputs", _raw(outputs=[service_pb2.ModelInferRequest.InferRequestedOutputTensor(name="value")] * 100_000),
-     "INVALID_ARGUMENT", "outputs: 100000 entries; model 'connect4_value' takes at most 2"),
-    ("many raw contents", _raw(raw_input_contents=[b""] * 100_000), "INVALID_ARGUMENT",
-     "raw_input_contents: 100000 entries; model 'connect4_value' takes at most 1"),
+    ("many outputs", _raw(outputs=[service_pb2.ModelInferRequest.InferRequestedOutputTensor(name="value")] * 1000),
+     "INVALID_ARGUMENT", "outputs: 1000 entries; model 'connect4_value' takes at most 2"),
+    ("many raw contents", _raw(raw_input_contents=[b""] * 1000), "INVALID_ARGUMENT",
+     "raw_input_contents: 1000 entries; model 'connect4_value' takes at most 1"),
+    # A large message of many entries is refused before it is parsed (tandem/guard.py).
+    ("a flood of outputs", _raw(outputs=[service_pb2.ModelInferRequest.InferRequestedOutputTensor(name="value")]
+                                * 100_000),
+     "INVALID_ARGUMENT", "request: more than 4096 fields at the top level of a"),
     ("many inputs", service_pb2.ModelInferRequest(model_name=MODEL, inputs=[
         service_pb2.ModelInferRequest.InferInputTensor(name="board", datatype="UINT8", shape=[1, 2, 6, 7])] * 3),
      "INVALID_ARGUMENT", "inputs: 3 entries; model 'connect4_value' takes at most 1"),
