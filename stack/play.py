@@ -247,7 +247,7 @@ def print_report(report: dict) -> None:
     )
 
 
-REPORT_DOC = "README.md, section 'The report'"  # where each line of the report is explained
+REPORT_DOC = "docs/report.md"  # where each line of the report is explained
 
 
 def _notes(report: dict) -> list[str]:
