@@ -23,6 +23,7 @@ pacing, requests and timing are the engine's frame loop, stack/frame_loop.py.
 from __future__ import annotations
 
 import json
+import platform
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +34,7 @@ from tandem.v1 import search_pb2
 from stack import frame_loop, interrupt
 from stack.frame_loop import FrameClient, SentFrame
 from stack.stats import percentiles, summary
-from tandem import tensors
+from tandem import nvml, tensors
 from tandem.positions import DEFAULT_SETS, LabelledPosition
 
 DRAW_BAND = 1.0 / 3.0  # |value| below this reads as a draw
@@ -214,6 +215,8 @@ def _report(opts: PlayOptions, t: _Tally, reward_execution_provider: str) -> dic
             "reward_execution_provider": reward_execution_provider,
         },
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "gpu": nvml.name(),  # this host's GPU 0 (the engine's; the services' where they share it), None: none
+        "host": platform.node(),
     }
 
 

@@ -28,6 +28,21 @@ def _handle(index: int = 0):
         return None
 
 
+def name(index: int = 0) -> str | None:
+    """GPU ``index``'s name as NVML gives it ("NVIDIA H200"); None where NVML cannot be asked."""
+    h = _handle(index)
+    if h is None:
+        return None
+    import pynvml
+
+    try:
+        value = pynvml.nvmlDeviceGetName(h)
+        return value.decode() if isinstance(value, bytes) else str(value)
+    except Exception as exc:  # pynvml.NVMLError
+        log.info("NVML read failed: %s", exc)
+        return None
+
+
 def sample(index: int = 0) -> dict | None:
     """One reading of GPU ``index``: ``gpu_util_percent`` and ``memory_util_percent``
     (share of the last sample period a kernel / a memory access ran, %),
