@@ -10,7 +10,7 @@ model's outputs, the reply). Counting the serialized size alone let 12
 concurrent 37 MiB batches add 823 MiB of resident memory under a 256 MiB
 bound (issue 41); a 9.2 MiB Evaluate raises the server's peak resident
 memory by 1.1-2.9x its size, as measured (CPU, 2026-12-05). Bulk requests
-may fill only ``BULK_SHARE`` of the bound, so the rest is kept for critical
+may fill only ``BULK_BYTES_FRACTION`` of the bound (a byte budget; the scheduler's *bulk share* is a share of time), so the rest is kept for critical
 ones; a request that finds nothing in flight is always admitted (a request
 of any size the message limit lets through can be served, alone).
 """
@@ -20,7 +20,7 @@ import threading
 from contextlib import contextmanager
 from typing import Iterator
 
-BULK_SHARE = 0.75  # of max_bytes_in_flight, the most bulk requests may hold together with the rest
+BULK_BYTES_FRACTION = 0.75  # of max_bytes_in_flight, the most bulk requests may hold together with the rest
 INPUT_COPIES = 3  # working copies of a request's serialized bytes the server holds at once (module docstring)
 OUTPUT_COPIES = 2  # and of its outputs' bytes
 
@@ -53,7 +53,7 @@ class ByteBudget:
 
         Raises:
             OverBudget: in flight are already ``held`` bytes and these would pass
-                the bound (for bulk requests, ``BULK_SHARE`` of it).
+                the bound (for bulk requests, ``BULK_BYTES_FRACTION`` of it).
         """
         held = Held(self, critical)
         held.grow(nbytes)
@@ -65,11 +65,11 @@ class ByteBudget:
 
     def _take(self, nbytes: int, critical: bool, mine: int) -> None:
         """Adds ``nbytes`` to what is held, for a request already holding ``mine``."""
-        bound = self.limit if critical else int(self.limit * BULK_SHARE)
+        bound = self.limit if critical else int(self.limit * BULK_BYTES_FRACTION)
         with self._lock:
             others = self._held - mine
             if self.limit and others and self._held + nbytes > bound:
-                lane = "critical" if critical else f"bulk: {BULK_SHARE:.0%} of"
+                lane = "critical" if critical else f"bulk: {BULK_BYTES_FRACTION:.0%} of"
                 raise OverBudget(f"{others} bytes of requests in flight and this one's {mine + nbytes} would pass "
                                  f"the limit of {bound} ({lane} reward.max_bytes_in_flight); retry later")
             self._held += nbytes

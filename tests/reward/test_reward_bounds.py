@@ -11,7 +11,7 @@ from tandem.v1 import reward_pb2, reward_pb2_grpc
 from test_reward_service import boards, held
 
 from reward_service import server as reward_server
-from reward_service.admission import BULK_SHARE, INPUT_COPIES, OUTPUT_COPIES, ByteBudget, OverBudget
+from reward_service.admission import BULK_BYTES_FRACTION, INPUT_COPIES, OUTPUT_COPIES, ByteBudget, OverBudget
 from tandem import tensors
 from tandem.server import channel
 
@@ -80,7 +80,7 @@ def test_bytes_in_flight_are_bounded_bulk_first(served):
         assert budget.held == INPUT_COPIES * _request(100).ByteSize() + OUTPUT_COPIES * 100 * (1 + 7) * 4
         second = _call(stub, _request(100))  # two bulk requests would pass 3/4 of the limit
         assert isinstance(second, grpc.RpcError) and second.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "max_bytes_in_flight" in second.details() and f"limit of {int(LIMIT * BULK_SHARE)}" in second.details()
+        assert "max_bytes_in_flight" in second.details() and f"limit of {int(LIMIT * BULK_BYTES_FRACTION)}" in second.details()
         critical = _call(stub, _request(100, CRITICAL))  # within the whole limit: served past the held bulk run
         assert not isinstance(critical, grpc.RpcError), critical
         assert tensors.from_proto(critical.outputs[0]).shape == (100, 1)
