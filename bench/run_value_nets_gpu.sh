@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Choosing the value network's size on the GPU machine, in two device calls of
-# under 10 minutes each (as docs/benchmarks.md's "A larger network, trained on
-# the H200" was made, 2026-12-01):
+# under 10 minutes each (as docs/benchmarks.md's "Choosing the value network"
+# was made, 2026-12-01):
 #
 #   STEP=train bash bench/run_value_nets_gpu.sh
 #       trains every SIZES network at once on the one GPU, each in its own copy
