@@ -273,7 +273,7 @@ class SearchConfig:
     # Simulations of a value-model wave that one warp of the CUDA backend selects one
     # after another (1..32), each seeing the virtual losses of those before it: 32 picks
     # the CPU reference's leaves; 1 selects them all at once, faster, but more of them
-    # alike (docs/benchmarks.md, "Selection in order"). Rollout searches keep one per warp.
+    # alike (docs/design.md, "Tree search on the GPU"). Rollout searches keep one per warp.
     value_model_sims_per_warp: int = 32
     c_uct: float = 1.4  # UCT exploration constant (rollout evaluator)
     c_puct: float = 1.5  # PUCT exploration constant (value-model evaluator)

@@ -103,7 +103,7 @@ GATE_REPORT_S = 1.0  # how long after that the host waits for the gate's verdict
 DETACH_WAIT_S = 1.0  # how long close() waits for the server to let go of the regions (s)
 # How long a wave's reply is read for without blocking before the read blocks (s): the
 # reply comes ~0.1-0.3 ms after the message, and a thread woken from a blocking read
-# starts cold (docs/benchmarks.md, "Waits that keep the host warm"). 0: block at once.
+# starts cold (docs/design.md, "The leaf channel": waits that keep the host warm). 0: block at once.
 REPLY_SPIN_S = 0.002
 RUNTIME_KEY = "leaf_channel"  # ModelMetadata.runtime key holding the server's socket path
 

@@ -12,7 +12,7 @@ process of a host, so the marks of the two services interleave into one
 timeline (bench/neural_search.py ``--timeline``: the median time between
 consecutive marks).
 
-The marks (docs/benchmarks.md, "Where a wave's time goes"):
+The marks (`python -m bench.neural_search --timeline` prints them as rows):
 
 * search service: ``search.start`` (a CUDA search call), ``search.allocated``,
   ``search.initialised`` (init_trees launched), ``wave.select`` (a wave

@@ -128,7 +128,7 @@ class CudaBackend:
             at once see each other's virtual losses late, so they pick the
             same leaves more often: in order (32) a wave's leaves are those
             the reference picks, at the cost of a slower selection
-            (docs/benchmarks.md, "Selection in order").
+            (docs/design.md, "Tree search on the GPU").
 
     Raises:
         ValueError: an unknown ``backup``, or a G out of range.
@@ -944,8 +944,8 @@ class _AsyncCopy:
     copy's number after the copy (tandem/ready_word.py's mapped store): plain
     memory reads keep the thread on its core, where a wait in the driver
     let it go cold -- the host work after it took up to 4x its warm time
-    on the H200's host (docs/benchmarks.md, "Waits that keep the host
-    warm"). Past ``COPY_SPIN_S`` the copy's event is waited for instead."""
+    on the H200's host (docs/design.md, "The leaf channel": waits that
+    keep the host warm). Past ``COPY_SPIN_S`` the copy's event is waited for instead."""
 
     def __init__(self, dev: cupy.ndarray):
         import cupyx  # noqa: PLC0415 - with CuPy
