@@ -19,7 +19,8 @@ server_first_ms, server_p50_ms, start_s (the service's start-up, warm-up
 included; the same in every row), repeats.
 
 Command (full): ``python3 -m bench.first_request``
-Smoke test:     ``python3 -m bench.first_request --quick`` (CPU: no buckets, one row per model)
+Smoke test:     ``python3 -m bench.first_request --quick`` (the CPU execution provider: no buckets, so a
+row per size of :data:`CPU_SIZES`, each the first at its shape)
 """
 from __future__ import annotations
 
@@ -36,6 +37,9 @@ from stack.stats import percentiles
 from tandem.config import load_config
 
 BENCHMARK = "first_request"
+# Without buckets (the CPU path runs every batch at its own size): the sizes a frame's critical
+# Evaluate takes (1-16 images), then two beyond the warm-up (reward_service/session.py CPU_WARM_ROWS).
+CPU_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32)
 _CLASSES = {"critical": reward_pb2.REQUEST_CLASS_CRITICAL, "bulk": reward_pb2.REQUEST_CLASS_BULK}
 COLUMNS = ("model", "lane", "stream_priority", "bucket", "first_ms", "p50_ms", "first_over_p50", "server_first_ms",
            "server_p50_ms", "start_s")
@@ -86,7 +90,7 @@ def measure(cfg, repeats: int) -> list[dict]:
             for session, lane, stream_priority in _lanes(service):
                 if lane == "bulk":
                     service.servicer.set_stream_priority(stream_priority)
-                for bucket in session.buckets or (1,):
+                for bucket in session.buckets or CPU_SIZES:
                     request = _request(session, bucket, _CLASSES[lane])
                     calls = []
                     for _ in range(repeats + 1):

@@ -74,6 +74,7 @@ log = logging.getLogger(__name__)
 CUDA = "CUDAExecutionProvider"
 CPU = "CPUExecutionProvider"
 WARM_UP_RUNS = 3  # per bucket: a regular run (allocations), the capture, one replay
+CPU_WARM_ROWS = 16  # the CPU path warms every batch size up to this (a frame's critical requests: 1-16 images)
 
 
 class InputError(ValueError):
@@ -239,16 +240,24 @@ class _PlainRunner:
 
     stream_priority = 0  # no stream: CUDA's least urgent level, as a GPU's default stream
 
-    def __init__(self, session: ort.InferenceSession, output_names: list[str]):
+    def __init__(self, session: ort.InferenceSession, output_names: list[str], warm_rows: int = 1):
         self.session = session
         self._names = output_names
+        self._warm_rows = warm_rows
 
     def run(self, batch: Batch) -> dict[str, np.ndarray]:
         return dict(zip(self._names, self.session.run(self._names, batch.feeds())))
 
     def warm_up(self, inputs: tuple[Spec, ...]) -> None:
-        feeds = {s.name: np.zeros([1 if d == -1 else d for d in s.shape], tensors.numpy_dtype(s.dtype)) for s in inputs}
-        self.session.run(self._names, feeds)
+        """One run at every batch size 1 .. ``warm_rows``: ONNX Runtime's CPU
+        provider plans memory per input shape on the first run at it, which
+        took 2-3x the next runs' time (frame_reward, bench/first_request.py),
+        so the sizes a frame's critical requests take are planned before the
+        first request. Both lanes share the session, and so the plans."""
+        for rows in range(1, self._warm_rows + 1):
+            feeds = {s.name: np.zeros([rows if d == -1 else d for d in s.shape], tensors.numpy_dtype(s.dtype))
+                     for s in inputs}
+            self.session.run(self._names, feeds)
 
 
 @dataclass
@@ -688,7 +697,8 @@ class ModelSession:
         """The CPU path: one runner over ``InferenceSession.run`` on the probe
         session, which both lanes share (thread-safe, no buffers); every GPU
         feature's runtime note says ``why`` it is off."""
-        self._runners = [_PlainRunner(probe, [s.name for s in self.outputs])]
+        self._runners = [_PlainRunner(probe, [s.name for s in self.outputs],
+                                      warm_rows=min(self.max_batch_size, CPU_WARM_ROWS))]
         self._critical = self._runners[0] if self.critical_lane else None
         self.runtime.update(io_binding=why, cuda_graph=why if graphs_requested else "off: not requested",
                             batch_buckets="off: no padding without bound buffers", stream_priorities=why,
