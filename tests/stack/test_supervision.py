@@ -28,6 +28,7 @@ import yaml
 from conftest import free_port
 from tandem.v1 import search_pb2, search_pb2_grpc
 
+from loadtest.chaos import stack_processes
 from tandem.config import load_config, loopback_data
 from tandem.server import channel, health_status
 
@@ -93,22 +94,6 @@ def _poll(predicate, timeout_s: float, step_s: float = 0.1) -> bool:
     return predicate()
 
 
-def _servers(supervisor: int) -> dict[str, int]:
-    """The ``tandem serve`` children of ``supervisor``: {name: pid}."""
-    out = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if ppid == supervisor and b"serve" in argv:
-            out[argv[argv.index(b"serve") + 1].decode()] = int(entry.name)
-    return out
-
-
 def _alive(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
@@ -135,7 +120,7 @@ def test_a_killed_server_is_restarted_and_the_others_keep_serving(config_file, t
     up = Command("up", "--config", str(config_file), "--log-dir", str(tmp_path / "logs"))
     try:
         up.wait_for("tandem is up")
-        before = _servers(up.proc.pid)
+        before = stack_processes(up.proc.pid)
         assert set(before) == {"scheduler", "reward", "search"}
         assert _poll(lambda: (r := _search(cfg)) is not None and r.evaluator == search_pb2.EVALUATOR_VALUE_MODEL, 60)
 
@@ -143,12 +128,12 @@ def test_a_killed_server_is_restarted_and_the_others_keep_serving(config_file, t
         up.wait_for("reward exited (status -9): restarting it in 0.5 s")
         # The search service keeps answering (from rollouts while the value model is away).
         assert _search(cfg) is not None
-        assert _poll(lambda: _servers(up.proc.pid).get("reward", before["reward"]) != before["reward"], 60)
+        assert _poll(lambda: stack_processes(up.proc.pid).get("reward", before["reward"]) != before["reward"], 60)
         assert _poll(lambda: health_status(cfg.reward.address, cfg) == "SERVING", START_TIMEOUT_S)
         up.wait_for("reward is SERVING again, ")  # the supervisor watched its start-up to the end
         # ... and its channel to the new reward service is connected again: the value model is back.
         assert _poll(lambda: (r := _search(cfg)) is not None and r.evaluator == search_pb2.EVALUATOR_VALUE_MODEL, 60)
-        after = _servers(up.proc.pid)
+        after = stack_processes(up.proc.pid)
         assert after["scheduler"] == before["scheduler"] and after["search"] == before["search"]
 
         status = _tandem("status", "--config", str(config_file))
@@ -178,7 +163,7 @@ def test_a_crash_looping_server_is_restarted_on_while_the_others_keep_serving(co
     up = Command("up", "--config", str(config_file), "--max-restarts", "2", "--restart-window-s", "600")
     try:
         up.wait_for("tandem is up")
-        before = _servers(up.proc.pid)
+        before = stack_processes(up.proc.pid)
         model.write_text("this is not an ONNX model\n")
         os.kill(before["reward"], signal.SIGKILL)
         up.wait_for("reward is crash-looping: exited (status 1) after 2 restarts in a row")
@@ -191,7 +176,7 @@ def test_a_crash_looping_server_is_restarted_on_while_the_others_keep_serving(co
         assert delays[:4] == [0.5, 1.0, 2.0, 4.0], delays
         # The others keep serving: same processes, searches answered (from rollouts: no value model).
         assert _search(cfg) is not None
-        after = _servers(up.proc.pid)
+        after = stack_processes(up.proc.pid)
         assert after["scheduler"] == before["scheduler"] and after["search"] == before["search"]
         assert up.proc.poll() is None
 
@@ -212,10 +197,10 @@ def test_on_crash_loop_stop_gives_up_and_stops_all(config_file, tmp_path):
                  "--max-restarts", "1", "--restart-window-s", "600", "--on-crash-loop", "stop")
     try:
         up.wait_for("tandem is up")
-        first = _servers(up.proc.pid)
+        first = stack_processes(up.proc.pid)
         os.kill(first["scheduler"], signal.SIGKILL)
-        assert _poll(lambda: _servers(up.proc.pid).get("scheduler", first["scheduler"]) != first["scheduler"], 60)
-        os.kill(_servers(up.proc.pid)["scheduler"], signal.SIGKILL)
+        assert _poll(lambda: stack_processes(up.proc.pid).get("scheduler", first["scheduler"]) != first["scheduler"], 60)
+        os.kill(stack_processes(up.proc.pid)["scheduler"], signal.SIGKILL)
         assert up.proc.wait(timeout=60) == 1
         up.wait_for("scheduler exited (status -9) after 1 restarts in a row, each run shorter than 600 s: "
                     "crash-looping, giving up (--on-crash-loop stop), stopping the others")
@@ -229,7 +214,7 @@ def test_ctrl_c_stops_play_and_demo_promptly_and_says_so(config_file, tmp_path):
                    "--frames", "3000", "--fps", "30")  # 100 s
     try:
         demo.wait_for("frame 300/3000")  # playing
-        servers = _servers(demo.proc.pid)
+        servers = stack_processes(demo.proc.pid)
         code, took = demo.ctrl_c()
         assert code == 130, demo.output
         assert "stopped: scheduler exit 0, reward exit 0, search exit 0" in demo.output
