@@ -23,7 +23,7 @@ nothing answered it a second past its deadline: 0 is the target); the
 frames answered within their frame; each server's memory at the start and
 the end; whether every server is SERVING at the end.
 
-    python -m loadtest.chaos --minutes 10 --engines 64 --out runs/chaos.json        # the GPU machine
+    python -m bench.chaos --minutes 8 --engines 64                                  # the GPU machine (bench/run_chaos_gpu.sh)
     python -m loadtest.chaos --minutes 1 --engines 2 --fps 10 --kill-every-s 15     # a CPU smoke run
 """
 from __future__ import annotations
@@ -173,8 +173,8 @@ def run(args) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m loadtest.chaos", description=__doc__.split("\n\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The chaos run's options (also bench/chaos.py's)."""
     p.add_argument("--config", type=Path, default=None, help="tandem config (default: the shipped one)")
     p.add_argument("--minutes", type=float, default=10.0)
     p.add_argument("--engines", type=int, default=64)
@@ -187,11 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stop", default="search", help="the server stopped (SIGSTOP) once, mid-run")
     p.add_argument("--stop-s", type=float, default=5.0)
     p.add_argument("--log-dir", type=Path, default=Path("runs/chaos_logs"))
-    p.add_argument("--out", type=Path, default=Path("runs/chaos.json"))
-    args = p.parse_args(argv)
-    result = run(args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+def print_table(result: dict) -> None:
     print(f"{'server':<12} {'signal':<8} {'at s':>6} {'back s':>7}  requests scheduled until it served again")
     for k in result["faults"]:
         reqs = k.get("requests", {})
@@ -199,8 +197,25 @@ def main(argv: list[str] | None = None) -> int:
                           for kind, r in reqs.items())
         print(f"{k['server']:<12} {k['signal']:<8} {k['at_s']:>6} {str(k.get('serving_again_after_s', '-')):>7}  {brief}")
     print(f"lost {result['lost']}; missed frames {result['missed_frame_share']}; serving at the end "
-          f"{result['serving_at_the_end']}; written to {args.out}")
-    return 0 if result["lost"] == 0 and all(v == "SERVING" for v in result["serving_at_the_end"].values()) else 1
+          f"{result['serving_at_the_end']}")
+
+
+def held(result: dict) -> bool:
+    """Nothing lost, every server SERVING at the end."""
+    return result["lost"] == 0 and all(v == "SERVING" for v in result["serving_at_the_end"].values())
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m loadtest.chaos", description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    p.add_argument("--out", type=Path, default=Path("runs/chaos.json"))
+    args = p.parse_args(argv)
+    result = run(args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print_table(result)
+    print(f"written to {args.out}")
+    return 0 if held(result) else 1
 
 
 if __name__ == "__main__":
