@@ -31,6 +31,8 @@ import grpc
 import numpy as np
 from tandem.v1 import contract_pb2, contract_pb2_grpc, reward_pb2, reward_pb2_grpc, search_pb2, search_pb2_grpc
 
+from tandem.failover import Failover
+
 API_VERSION = "tandem.v1"
 API_REVISION = 3  # the tandem.v1 revision this client is written against (HandshakeResponse.api_revision)
 KEEPALIVE_TIME_MS = 30_000  # a ping on an idle connection every 30 s (servers allow one per 10 s by default)
@@ -166,9 +168,16 @@ class EngineClient:
     Not thread-safe: one per game thread (channels may be shared by passing them in).
     """
 
-    def __init__(self, search: grpc.Channel, reward: grpc.Channel | None = None, game: str = "connect4"):
+    def __init__(self, search: grpc.Channel, reward: grpc.Channel | None = None, game: str = "connect4",
+                 standby: grpc.Channel | None = None):
+        """``standby``: a channel to the reward service's standby (the address in its
+        ``ModelMetadata.runtime["standby_server"]``): evaluations go there while the
+        reward service is down (tandem/failover.py)."""
         self._search = search_pb2_grpc.SearchServiceStub(search)
         self._reward = reward_pb2_grpc.RewardServiceStub(reward) if reward is not None else None
+        self._evaluate = None if self._reward is None else Failover(
+            self._reward.Evaluate.future,
+            reward_pb2_grpc.RewardServiceStub(standby).Evaluate.future if standby is not None else None)
         self.game = game
         self.backoff = Backoff()
 
@@ -205,7 +214,7 @@ class EngineClient:
             model=model, inputs=[_tensor(name, a) for name, a in inputs.items()],
             request_class=reward_pb2.REQUEST_CLASS_CRITICAL if critical else reward_pb2.REQUEST_CLASS_BULK)
         try:
-            reply = self._reward.Evaluate(request, timeout=timeout_s)
+            reply = self._evaluate.future(request, timeout=timeout_s).result()
         except grpc.RpcError as exc:
             self._on_failure("Evaluate", exc)
             return None

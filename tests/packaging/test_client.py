@@ -56,7 +56,7 @@ def test_client_wheel_holds_only_the_client_modules(client_env):
     stems = [p.stem for p in (REPO / "protos" / "tandem" / "v1").glob("*.proto")]
     contract = [f"tandem/v1/{stem}{suffix}" for stem in stems for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")]
     assert modules == sorted(["tandem/__init__.py", "tandem/tensors.py", "tandem/channel_options.py",
-                              "tandem/engine_client.py", "tandem/v1/__init__.py", *contract])
+                              "tandem/engine_client.py", "tandem/failover.py", "tandem/v1/__init__.py", *contract])
     assert wheel_requirements(wheel) == ["grpcio", "protobuf", "numpy"]
 
 

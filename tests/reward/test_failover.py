@@ -138,3 +138,16 @@ def test_only_unavailable_moves_a_call_and_only_within_its_deadline():
     with pytest.raises(grpc.RpcError) as info:
         Failover(server("primary", grpc.StatusCode.UNAVAILABLE), None).future("r", timeout=1.0).result()
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_the_reference_engine_client_evaluates_on_the_standby_while_the_reward_service_is_down(stack):
+    from tandem.engine_client import EngineClient
+
+    cfg, services = stack
+    with channel(cfg.reward.address, cfg) as reward, channel(cfg.reward.bulk_server.address, cfg) as standby:
+        client = EngineClient(reward, reward, standby=standby)  # the search channel is not used here
+        before = client.evaluate(MODEL, {"board": boards(2)}, timeout_s=30)
+        services["primary"].stop()
+        during = client.evaluate(MODEL, {"board": boards(2)}, timeout_s=30)
+        assert during is not None and before is not None
+        np.testing.assert_allclose(during["value"], before["value"], atol=1e-6)
