@@ -39,7 +39,7 @@ from pathlib import Path
 
 from loadtest.background import BackgroundProcess
 from loadtest.generator import LoadSpec, OpenLoopGenerator
-from tandem.config import BULK_SERVER, load_config
+from tandem.config import BULK_SERVER, endpoints, load_config
 from tandem.server import health_status
 
 CYCLE = ("reward", BULK_SERVER, "search", "scheduler")  # the kill order
@@ -73,15 +73,11 @@ def rss_bytes(pid: int) -> int | None:
     return None
 
 
-def _address(cfg, name: str) -> str:
-    return cfg.reward.bulk_server.address if name == BULK_SERVER else getattr(cfg, name).address
-
-
 def _wait_serving(cfg, name: str, timeout_s: float) -> float | None:
     """Seconds until server ``name`` answers SERVING (None: not within ``timeout_s``)."""
     began = time.monotonic()
     while time.monotonic() - began < timeout_s:
-        if health_status(_address(cfg, name), cfg, timeout_s=0.5) == "SERVING":
+        if health_status(endpoints(cfg)[name][0], cfg, timeout_s=0.5) == "SERVING":
             return round(time.monotonic() - began, 2)
         time.sleep(0.1)
     return None
@@ -89,7 +85,7 @@ def _wait_serving(cfg, name: str, timeout_s: float) -> float | None:
 
 def run(args) -> dict:
     cfg = load_config(args.config)
-    names = [n for n in CYCLE if n != BULK_SERVER or cfg.reward.bulk_server.enabled]
+    names = [n for n in CYCLE if n in endpoints(cfg)]  # the bulk server where the config runs one
     cmd = [sys.executable, "-m", "stack", "up", "--log-dir", str(args.log_dir)]
     if args.config:
         cmd += ["--config", str(args.config)]
@@ -144,7 +140,7 @@ def run(args) -> dict:
             time.sleep(0.1)
         gen.stop()
         total = gen.report()
-        serving = {name: health_status(_address(cfg, name), cfg, timeout_s=2.0) for name in names}
+        serving = {name: health_status(endpoints(cfg)[name][0], cfg, timeout_s=2.0) for name in names}
     finally:
         if gen is not None:
             gen.stop(drain_s=0)

@@ -144,7 +144,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
                 names = _region_names(request)
                 with self.budget.admit(INPUT_COPIES * request.ByteSize(),
                                        lane == LANES[reward_pb2.REQUEST_CLASS_CRITICAL]) as held, \
-                        self.regions.acquire(request.client_id, names, uid=_caller(self, context, names)) as lease:
+                        self.regions.acquire(request.client_id, names, uid=self.peer_uid(context) if names else None) as lease:
                     try:
                         reply, rows = self._evaluate(session, request, lease, context, held)
                     except BaseException as exc:
@@ -337,12 +337,6 @@ def _shared_memory_status(context):
         yield
     except SharedMemoryError as exc:
         context.abort(exc.code, str(exc))
-
-
-def _caller(servicer: RewardServicer, context, names) -> int | None:
-    """The uid of the peer naming the regions ``names`` (they are that user's
-    own or refused), looked up only where it names any."""
-    return servicer.peer_uid(context) if names else None
 
 
 def _region_names(request) -> set[str]:

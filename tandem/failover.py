@@ -50,7 +50,6 @@ class Failover:
         self._retry_s, self._clock = retry_primary_s, clock
         self._lock = threading.Lock()
         self._primary_down_until = 0.0  # guarded by _lock
-        self.standby_calls = 0  # calls the standby answered or refused (guarded by _lock)
 
     def _primary_down(self) -> bool:
         with self._lock:
@@ -88,9 +87,6 @@ class _FailoverFuture:
     def _send(self, server: str) -> None:
         self.server = server
         send = self._f._primary if server == "primary" else self._f._standby
-        if server == "standby":
-            with self._f._lock:
-                self._f.standby_calls += 1
         call = send(self._request, timeout=max(self._deadline - self._f._clock(), 0.0))
         with self._lock:
             self._call = call

@@ -35,7 +35,7 @@ from tandem.v1 import scheduler_pb2, scheduler_pb2_grpc
 from loadtest.generator import LoadSpec, OpenLoopGenerator
 from loadtest.reliability_figures import FaultFigures, FaultsFigures, LoadFigures, RequestCounts, save_figures
 from stack.supervisor import wait_serving
-from tandem.config import BULK_SERVER, load_config, loopback_data
+from tandem.config import BULK_SERVER, endpoints, load_config, loopback_data
 from tandem.paths import REPO_ROOT
 from tandem.server import channel
 
@@ -55,9 +55,7 @@ class Server:
 
     @property
     def address(self) -> str:
-        if self.name == BULK_SERVER:  # the reward service's bulk server: a part of its section
-            return self.cfg.reward.bulk_server.address
-        return getattr(self.cfg, self.name).address
+        return endpoints(self.cfg)[self.name][0]
 
     def start(self) -> float:
         began = time.monotonic()
