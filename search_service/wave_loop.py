@@ -263,11 +263,13 @@ class WaveLoop:
             return
         self._set_wave_deadline([job.deadline for job in jobs], lane)
         try:
-            self._join_all(lane, jobs)
+            with self.launching():
+                self._join_all(lane, jobs)
         except Exception:  # noqa: BLE001 - the batch is as it was: find the job that cannot join
             for job in jobs:
                 try:
-                    self._join_all(lane, [job])
+                    with self.launching():
+                        self._join_all(lane, [job])
                 except Exception as exc:  # noqa: BLE001 - this job's alone
                     job.answer(error=exc)
                     self._answered(1)

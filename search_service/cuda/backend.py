@@ -206,6 +206,26 @@ class CudaBackend:
         """
         return _Search(self, roots, params, evaluator, trees, should_stop, device_waves).run()
 
+    def open_batch(self, params: SearchParams, evaluator: LeafEvaluator | None = None, lend=None):
+        """An empty :class:`~search_service.cuda.tree_batch.CudaTreeBatch` with
+        ``params``' constants (their budget and seed are the members'), which
+        the search service's wave loop steps (search_service/mcts/batch.py).
+
+        Args:
+            params: the constants its trees share.
+            evaluator: the leaf evaluator of ``value_model`` trees.
+            lend: ``lend()`` -> a context manager of a
+                :class:`~search_service.evaluators.DeviceWaves` or None, asked
+                once a value-model wave (its leaves stay on the device); None:
+                every wave's leaves go by the host.
+
+        Raises:
+            ValueError: ``value_model`` without an evaluator.
+        """
+        from search_service.cuda.tree_batch import CudaTreeBatch  # imports this module
+
+        return CudaTreeBatch(self, params, evaluator, lend)
+
     @staticmethod
     def reroot(tree, actions: list[int]) -> pl.CudaTree | None:
         """See :func:`search_service.cuda.pool.reroot` (device-side compaction)."""

@@ -16,7 +16,6 @@ from test_batch import SlowModel, run_ragged, same_result  # noqa: E402
 from test_cpu_mcts import toy_model  # noqa: E402
 
 from search_service.cuda import CudaBackend  # noqa: E402
-from search_service.cuda.tree_batch import CudaTreeBatch  # noqa: E402
 from search_service.games import connect4 as c4  # noqa: E402
 from search_service.mcts import tree as tr  # noqa: E402
 from search_service.mcts.backend import SearchParams  # noqa: E402
@@ -35,9 +34,6 @@ class OneWarpBackend(CudaBackend):
 
     def __init__(self):
         super().__init__(sims_per_warp=32, value_sims_per_warp=32)
-
-    def open_batch(self, params, evaluator=None):
-        return CudaTreeBatch(self, params, evaluator)
 
 
 GPU = OneWarpBackend()
