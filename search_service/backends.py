@@ -23,10 +23,11 @@ def cuda_available() -> str | None:
     return None
 
 
-def make_backend(choice: str, **cuda_options):
-    """A SearchBackend for ``choice`` ("auto", "cpu" or "cuda"); the CUDA
-    backend gets ``cuda_options`` (``CudaBackend``'s arguments; the CPU
-    reference takes none: it runs a tree's wave in order always).
+def make_backend(choice: str, rollout_slice_ms: float | None = None, **cuda_options):
+    """A SearchBackend for ``choice`` ("auto", "cpu" or "cuda"), its rollout
+    waves in a batch of trees sliced by ``rollout_slice_ms`` (None: not); the
+    CUDA backend also gets ``cuda_options`` (``CudaBackend``'s arguments; the
+    CPU reference takes no others: it runs a tree's wave in order always).
 
     Raises:
         RuntimeError: "cuda" was asked for and cannot run here (the reason is given).
@@ -34,10 +35,10 @@ def make_backend(choice: str, **cuda_options):
     if choice in ("auto", "cuda"):
         reason = cuda_available()
         if reason is None:
-            return importlib.import_module(CUDA_MODULE).CudaBackend(**cuda_options)
+            return importlib.import_module(CUDA_MODULE).CudaBackend(rollout_slice_ms=rollout_slice_ms, **cuda_options)
         if choice == "cuda":
             raise RuntimeError(f"search.backend is 'cuda' but {reason}")
         log.warning("search backend: CPU reference (%s)", reason)
     from search_service.mcts.cpu_reference import CpuReferenceBackend
 
-    return CpuReferenceBackend()
+    return CpuReferenceBackend(rollout_slice_ms)

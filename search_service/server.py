@@ -490,7 +490,8 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True) -> Service:
     """
     phases = Phases(log)
     with phases.phase(f"search backend {cfg.search.backend}"):
-        backend = make_backend(cfg.search.backend, value_sims_per_warp=cfg.search.value_model_sims_per_warp)
+        backend = make_backend(cfg.search.backend, cfg.search.rollout_slice_ms or None,
+                               value_sims_per_warp=cfg.search.value_model_sims_per_warp)
     log.warning("search service: backend %s, default evaluator %s (search.evaluator: %s)", backend.name,
                 default_evaluator(cfg.search.evaluator, backend.name), cfg.search.evaluator)
     # Streams and the pool limit only where the backend launches CUDA kernels.

@@ -110,7 +110,8 @@ class _Lane:
         self.k_max = key.parallel_sims
         self.queue: list[Job] = []  # guarded by WaveLoop._lock
         self.members: list[Member] = []  # the lane's thread only; members[b] is row b
-        self.times = WaveTimes()  # the lane's thread writes; submit reads expected_ms (a snapshot)
+        # The lane's thread writes it; submit reads expected_ms (a snapshot).
+        self.times = WaveTimes(sliced=getattr(batch, "slice_ms", None) is not None)
         self.thread: threading.Thread | None = None
 
 
@@ -326,7 +327,7 @@ class WaveLoop:
                 lane.queue = []
         lane.members.clear()
         lane.batch = self._open(lane.key)
-        lane.times = WaveTimes()
+        lane.times = WaveTimes(sliced=lane.times.sliced)
         for job in jobs:
             job.answer(error=exc)
         if jobs:

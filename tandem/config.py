@@ -319,6 +319,13 @@ class SearchConfig:
     # at parallel_sims each would take longer than this (ms): under load waves stay
     # short, every search gets several in its frame and newcomers join soon. 0: never.
     wave_target_ms: float = 4.0
+    # A rollout wave lasts this long (ms): searches bounded by a deadline alone take as
+    # many simulations as fit (the CUDA kernel reads the clock between a warp's
+    # simulations), capped ones up to their cap; searches join and leave between slices
+    # (search_service/mcts/plan.py). Shorter: newcomers join sooner and a search loses
+    # less of its deadline to the wave it cannot finish; longer: less per-wave overhead.
+    # 0: waves of parallel_sims simulations.
+    rollout_slice_ms: float = 1.0
     server: ServerConfig = field(default_factory=ServerConfig)
 
 
@@ -346,7 +353,8 @@ _CHOICES = {
 }
 # Fields that may be zero (meaning "off" or "default"); every other number must be positive.
 _MAY_BE_ZERO = {"metrics_port", "max_concurrent_streams", "max_rpcs_per_connection", "gpu_memory_bytes", "memory_pool_bytes", "intra_op_threads", "max_queue_delay_us",
-                "evaluation_cache_bytes", "max_bytes_in_flight", "device_channels", "wave_target_ms"}
+                "evaluation_cache_bytes", "max_bytes_in_flight", "device_channels", "wave_target_ms",
+                "rollout_slice_ms"}
 # Sections that validate themselves (their dataclass's __post_init__), where zero may be meaningful.
 _SELF_CHECKED = {"urgency"}
 # Lists of numbers checked by their own rule instead (in _check_list).
@@ -369,7 +377,7 @@ _MAX_BY_SUFFIX = (("_port", 65535), ("_bytes", 2**62), ("_ms", 86_400_000.0), ("
 _MIN_BY_NAME = {"lease_ttl_ms": 10.0, "report_interval_ms": 10.0, "request_message_timeout_ms": 1.0,
                 "response_write_timeout_ms": 1.0,
                 "grace_period_ms": 1.0, "keepalive_min_ping_interval_ms": 1000, "max_deadline_ms": 1.0,
-                "session_ttl_ms": 1.0, "wave_target_ms": 0.1, "attach_timeout_ms": 1.0}
+                "session_ttl_ms": 1.0, "wave_target_ms": 0.1, "rollout_slice_ms": 0.05, "attach_timeout_ms": 1.0}
 _MAX_INT = _INT32_MAX  # any other count or size
 
 

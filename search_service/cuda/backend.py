@@ -129,6 +129,11 @@ class CudaBackend:
             same leaves more often: in order (32) a wave's leaves are those
             the reference picks, at the cost of a slower selection
             (docs/design.md, "Tree search on the GPU").
+        rollout_slice_ms: the time slice of a rollout wave in a batch of
+            trees (:meth:`open_batch`; search_service/mcts/plan.py): one
+            launch runs each tree's simulations until the slice has passed,
+            the kernel reading the clock between a warp's simulations. None:
+            waves of K simulations.
 
     Raises:
         ValueError: an unknown ``backup``, or a G out of range.
@@ -137,7 +142,7 @@ class CudaBackend:
     name = "cuda"
 
     def __init__(self, backup: str = "warp_aggregated", sims_per_warp: int = 1,
-                 value_sims_per_warp: int | None = None):
+                 value_sims_per_warp: int | None = None, rollout_slice_ms: float | None = None):
         if backup not in BACKUPS:
             raise ValueError(f"backup must be one of {BACKUPS}, got {backup!r}")
         for name, g in (("sims_per_warp", sims_per_warp), ("value_sims_per_warp", value_sims_per_warp)):
@@ -147,6 +152,7 @@ class CudaBackend:
         self.sims_per_warp = int(sims_per_warp)
         self.value_sims_per_warp = self.sims_per_warp if value_sims_per_warp is None else int(value_sims_per_warp)
         self.variant = f"gpu_{backup}"
+        self.rollout_slice_ms = rollout_slice_ms
         self._lock = threading.Lock()
         self._scale: dict[tuple[int, float], cupy.ndarray] = {}  # (device, c_uct) -> float64 [SCALE_TABLE]
         self._scratch: dict[tuple, list] = {}  # kind and shape -> buffers of finished calls; guarded by _lock

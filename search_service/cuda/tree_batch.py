@@ -33,8 +33,10 @@ A wave (``wave(ks)``):
   ``mcts_vm_undo`` with the model's trees' k (the others 0) and the backup
   with the others' k;
 * rollouts: one launch of ``mcts_rollout_*`` with each tree's budget (its
-  simulations claimed so far + its k) and Philox key row, no deadline in the
-  kernel (the plan keeps it).
+  simulations claimed so far + its k) and Philox key row; sliced (the
+  backend's ``rollout_slice_ms``), the kernel also stops each warp once the
+  slice has passed since the launch began (``deadline_ns``, from ``t0``,
+  zeroed before each launch).
 
 After each wave and each join ``finish_trees`` writes every row's RES row,
 copied back: the trees' simulations done, node counts and roots' known
@@ -109,6 +111,8 @@ class CudaTreeBatch:
         self.lend = lend
         self.k_max = params.parallel_sims
         self.puct = params.evaluator == "value_model"
+        # Rollout waves last a time slice (search_service/mcts/plan.py), or None: k each.
+        self.slice_ms = None if self.puct else backend.rollout_slice_ms
         self.w, self.g = backend.split(self.k_max, self.puct)
         self.cap = min(params.max_nodes, pl.MAX_CAPACITY)
         self.slots = 0  # S: rows the slab holds
@@ -416,19 +420,22 @@ class CudaTreeBatch:
         t = time.perf_counter()
         # Each tree may have claimed its simulations so far (all completed: the last launch ended) + its k.
         self.ks_dev[:b].set((self.done + ks).astype(np.int32))
+        deadline_ns = int(self.slice_ms * 1e6) if self.slice_ms else 0
+        if deadline_ns:
+            self.t0.fill(0)  # the slice counts from this launch's first warp
         grid, block = self._grid()
         smem = abi.COLUMN_TABLE_BYTES + abi.WARPS_PER_BLOCK * (g * abi.MAX_DEPTH + 64) * 4
         name = "mcts_rollout_aggregated" if self.backend.backup == "warp_aggregated" else "mcts_rollout_global"
         kernel(name)(grid, block, (
             self.pool, np.int64(self.cap), np.int32(self.cap), np.int32(b), np.int32(self.w), np.int32(g),
-            np.int32(self.k_max), np.int32(0), np.int64(0), self.t0, self.ts, self.cyc, np.float64(self.p.c_uct),
-            np.float64(self.p.virtual_loss), self.backend.scale_table(self.p.c_uct), np.int32(SCALE_TABLE),
+            np.int32(self.k_max), np.int32(0), np.int64(deadline_ns), self.t0, self.ts, self.cyc,
+            np.float64(self.p.c_uct), np.float64(self.p.virtual_loss), self.backend.scale_table(self.p.c_uct), np.int32(SCALE_TABLE),
             np.uint32(0), np.uint32(0), self.ks_dev, self.keys), shared_mem=smem)
         self._refresh()
         ms = (time.perf_counter() - t) * 1e3
         done = ks > 0
         self.row["ms"][done, 2] += ms  # one kernel: select, expand, rollouts and backup inside
-        self.row["waves"] += done
+        self.row["waves"] += done  # slices, where sliced
         return True
 
 

@@ -38,6 +38,9 @@ class TreeBatch(Protocol):
     """B trees searched wave by wave (rows ``0 .. B-1``, in the order they joined)."""
 
     k_max: int  # K: simulations per tree per wave (the params' parallel_sims)
+    # ms a wave lasts in a sliced batch (search_service/mcts/plan.py: rollout waves), its
+    # ks[b] then an upper bound; None: a wave runs exactly ks[b] simulations in tree b.
+    slice_ms: float | None
 
     def __len__(self) -> int:
         """B, the trees in the batch."""
@@ -69,7 +72,8 @@ class TreeBatch(Protocol):
         ...
 
     def wave(self, ks: np.ndarray) -> bool:
-        """One wave: ``ks[b]`` simulations in tree b (int64 [B], 0: none).
+        """One wave: ``ks[b]`` simulations in tree b (int64 [B], 0: none; a
+        sliced batch: at most ``ks[b]``, in waves of K until ``slice_ms`` has passed).
         False if the value model could not value it: the wave is undone in
         every tree (as if it never ran) and the trees that used the model go
         on with rollouts (their results' ``evaluation_failure`` says why)."""
@@ -92,7 +96,8 @@ def leave(batch: TreeBatch, members: list[Member], times: WaveTimes,
     order, and the wave's simulations per remaining tree (int64 [B'])."""
     for m, failed in zip(members, batch.failed()):
         m.tried = m.tried or bool(failed)
-    plan = plan_wave(members, batch.done, batch.live(), times, batch.k_max, wave_target_ms)
+    plan = plan_wave(members, batch.done, batch.live(), times, batch.k_max, wave_target_ms,
+                     sliced=getattr(batch, "slice_ms", None) is not None)
     left = []
     if plan.leaving:
         gone = [members[i] for i in plan.leaving]
@@ -135,11 +140,28 @@ def search_alone(batch: TreeBatch, members: list[Member]) -> "tuple[list[SearchR
     results: list = [None] * len(members)
     trees: list = [None] * len(members)
     members = list(members)
-    times = WaveTimes()
+    times = WaveTimes(sliced=getattr(batch, "slice_ms", None) is not None)
     while members:
         for m, r, t in step(batch, members, times):
             results[order[id(m)]], trees[order[id(m)]] = r, t
     return results, trees
+
+
+def sliced_waves(one_wave, ks: np.ndarray, k_max: int, live, slice_ms: float) -> bool:
+    """A sliced wave by waves of at most K: ``one_wave(sub)`` (int64 [B]) over the
+    trees with simulations left of ``ks`` and a root not proven (``live()``),
+    at least once, until ``slice_ms`` has passed. False if any of them failed
+    (the model could not value it)."""
+    end = time.perf_counter() + slice_ms / 1e3
+    left, ok = ks.copy(), True
+    while True:
+        sub = np.where(live(), np.minimum(left, k_max), 0)
+        if not sub.any():
+            return ok
+        ok = one_wave(sub) and ok
+        left -= sub
+        if time.perf_counter() >= end:
+            return ok
 
 
 def ended_by(member: Member) -> tuple[bool, bool]:

@@ -93,7 +93,7 @@ from search_service.mcts.backend import (
     kept_trees,
     model_answer,
 )
-from search_service.mcts.batch import ended_by, search_alone
+from search_service.mcts.batch import ended_by, search_alone, sliced_waves
 from search_service.mcts.plan import Member
 from search_service.mcts.rollout import rollout_values
 from tandem import nvtx
@@ -104,13 +104,19 @@ _INITIAL_CAPACITY = 4096  # slots per tree before the pool first grows
 
 
 class CpuReferenceBackend:
-    """NumPy MCTS (see the module docstring). Stateless between calls."""
+    """NumPy MCTS (see the module docstring). Stateless between calls.
+
+    Args:
+        rollout_slice_ms: where set, rollout searches run sliced waves of this
+            many ms (search_service/mcts/plan.py): a search bounded by its
+            deadline alone takes waves of K until the slice has passed, and
+            searches join and leave between slices. None: one wave of K each.
+    """
 
     name = "cpu_reference"
 
-    def __init__(self, **options):
-        if options:
-            raise TypeError(f"CpuReferenceBackend takes no options, got {sorted(options)}")
+    def __init__(self, rollout_slice_ms: float | None = None):
+        self.rollout_slice_ms = rollout_slice_ms
 
     def search(
         self,
@@ -147,11 +153,12 @@ class CpuReferenceBackend:
         deadline = None if params.deadline_ms is None else started + params.deadline_ms / 1e3
         return search_alone(batch, [Member(params.simulations, deadline, should_stop) for _ in range(len(roots))])
 
-    @staticmethod
-    def open_batch(params: SearchParams, evaluator: LeafEvaluator | None = None) -> "CpuTreeBatch":
+    def open_batch(self, params: SearchParams, evaluator: LeafEvaluator | None = None) -> "CpuTreeBatch":
         """An empty :class:`CpuTreeBatch` with ``params``' constants (their
-        budget and seed are the members'; search_service/mcts/batch.py)."""
-        return CpuTreeBatch(params, evaluator)
+        budget and seed are the members'; search_service/mcts/batch.py);
+        sliced for rollouts where ``rollout_slice_ms`` is set."""
+        sliced = params.evaluator == "rollout" and self.rollout_slice_ms
+        return CpuTreeBatch(params, evaluator, self.rollout_slice_ms if sliced else None)
 
     @staticmethod
     def reroot(tree: tr.Tree, actions: list[int]) -> tr.Tree | None:
@@ -185,11 +192,12 @@ class CpuTreeBatch:
     wave loop) owns a batch.
     """
 
-    def __init__(self, params: SearchParams, evaluator: LeafEvaluator | None = None):
+    def __init__(self, params: SearchParams, evaluator: LeafEvaluator | None = None, slice_ms: float | None = None):
         if params.evaluator == "value_model" and evaluator is None:
             raise ValueError("evaluator 'value_model' needs a leaf evaluator")
         self.p = params
         self.k_max = params.parallel_sims
+        self.slice_ms = slice_ms  # sliced waves (search_service/mcts/plan.py), or None
         self.evaluator = evaluator
         self.puct = params.evaluator == "value_model"  # PUCT selection with priors
         self.tree = tr.gather([], 1)
@@ -294,10 +302,16 @@ class CpuTreeBatch:
 
     # -- a wave -------------------------------------------------------------
     def wave(self, ks: np.ndarray) -> bool:
-        """One wave of ``ks[b]`` simulations in tree b (int64 [B], 0: none);
-        False if the model could not value it: the trees that used the model
-        undo it (they are as they were before it) and go on with rollouts,
-        the trees on rollouts keep theirs."""
+        """One wave of ``ks[b]`` simulations in tree b (int64 [B], 0: none;
+        sliced: at most ``ks[b]``, by waves of K, for ``slice_ms``); False if
+        the model could not value it: the trees that used the model undo it
+        (they are as they were before it) and go on with rollouts, the trees
+        on rollouts keep theirs."""
+        if self.slice_ms is not None:
+            return sliced_waves(self._wave, ks, self.k_max, self.live, self.slice_ms)
+        return self._wave(ks)
+
+    def _wave(self, ks: np.ndarray) -> bool:
         self._ensure_capacity(int(ks.max()))  # a pool that grows counts in its wave's time
         in_wave = ks > 0
         used_model = self.row["use_model"] & in_wave

@@ -21,6 +21,15 @@ per tree):
    makes it leave (``END_STOPPED``; each distinct callable is called once per
    plan: it takes a lock in gRPC).
 
+A *sliced* batch (``batch.slice_ms`` set: rollout waves, which need no
+model call between their simulations) runs each wave for a time slice
+instead of a number of simulations: searches bounded by a deadline alone
+take ``OPEN`` simulations (as many as the slice holds), capped ones what is
+left of their cap, and the wave ends when the slice does (the CUDA kernel
+checks the clock between a warp's simulations; the CPU reference between
+waves of K). Every wave then takes about the slice, so its expected time is
+the longest recent one and the fair share does not apply.
+
 How long the next wave will take: :class:`WaveTimes`, a fixed cost per wave
 plus a cost per simulation, learnt from the recent waves. Searches bounded by a
 deadline alone (no simulation cap) share the GPU fairly under load: where the
@@ -40,6 +49,7 @@ from typing import Any, Callable
 import numpy as np
 
 END_BUDGET, END_PROVEN, END_DEADLINE, END_STOPPED = "budget", "proven", "deadline", "stopped"
+OPEN = 1 << 20  # a sliced wave's simulations for a search bounded by its deadline alone: the slice ends it
 
 
 @dataclass
@@ -70,16 +80,21 @@ class WaveTimes:
     takes it all as fixed: the first wave of a batch that grows at once may
     run long, and the next ones are planned from it.
 
+    ``sliced``: the waves of a sliced batch, which last a time slice whatever
+    their simulations: every wave counts as one leaf, so the next is expected
+    to take the longest recent one.
+
     Not thread-safe: the wave loop's thread writes it; other threads may call
     :meth:`expected_ms`, which reads snapshots of the deques."""
 
-    def __init__(self, window: int = 4, history: int = 32):
+    def __init__(self, window: int = 4, history: int = 32, sliced: bool = False):
+        self.sliced = sliced
         self._recent: deque[tuple[int, float]] = deque(maxlen=window)
         self._history: deque[float] = deque(maxlen=history)
 
     def add(self, leaves: int, ms: float) -> None:
         """Records a wave of ``leaves`` simulations that took ``ms`` (undone waves too)."""
-        self._recent.append((max(int(leaves), 1), float(ms)))
+        self._recent.append((1 if self.sliced else max(int(leaves), 1), float(ms)))
         self._history.append(float(ms))
 
     def expected_ms(self, leaves: int) -> float:
@@ -89,7 +104,7 @@ class WaveTimes:
             return 0.0
         overhead = min(history)
         per_leaf = max((ms - overhead) / n for n, ms in recent)
-        return overhead + per_leaf * max(int(leaves), 1)
+        return overhead + per_leaf * (1 if self.sliced else max(int(leaves), 1))
 
 
 @dataclass
@@ -116,7 +131,7 @@ def fair_share(ks: np.ndarray, shared: np.ndarray, times: WaveTimes, k_max: int,
 
 
 def plan_wave(members: list[Member], done: np.ndarray, live: np.ndarray, times: WaveTimes, k_max: int,
-              wave_target_ms: float | None = None, now: float | None = None) -> Plan:
+              wave_target_ms: float | None = None, now: float | None = None, sliced: bool = False) -> Plan:
     """Plans the next wave of a batch (module docstring's rules).
 
     Args:
@@ -128,6 +143,9 @@ def plan_wave(members: list[Member], done: np.ndarray, live: np.ndarray, times: 
         wave_target_ms: the longest a wave should take where deadline-only
             members can take fewer simulations (None: no target).
         now: ``time.perf_counter()`` (None: read it).
+        sliced: the batch's waves last a time slice (module docstring):
+            deadline-only members take ``OPEN``, capped ones the rest of
+            their cap, and no fair share applies.
 
     Returns:
         The plan; a member that leaves gets its ``end``.
@@ -147,7 +165,8 @@ def plan_wave(members: list[Member], done: np.ndarray, live: np.ndarray, times: 
         elif m.simulations is not None and done[i] >= m.simulations:
             leave(i, END_BUDGET)
         else:
-            ks[i] = k_max if m.simulations is None else min(k_max, m.simulations - int(done[i]))
+            wave = OPEN if sliced else k_max
+            ks[i] = wave if m.simulations is None else min(wave, m.simulations - int(done[i]))
     asked: dict[int, bool] = {}  # id(should_stop) -> its answer: one call per plan
     for i, m in enumerate(members):
         if ks[i] and m.tried and m.should_stop is not None:
@@ -159,7 +178,7 @@ def plan_wave(members: list[Member], done: np.ndarray, live: np.ndarray, times: 
     # The deadline, against the wave as planned (its fair shares included); those
     # that leave only shorten it.
     shared = np.array([m.simulations is None for m in members], bool)
-    expected = fair_share(ks, shared & (ks > 0), times, k_max, wave_target_ms)
+    expected = fair_share(ks, shared & (ks > 0), times, k_max, None if sliced else wave_target_ms)
     for i, m in enumerate(members):
         if ks[i] and m.tried and m.deadline is not None and now + expected / 1e3 >= m.deadline:
             leave(i, END_DEADLINE)

@@ -17,7 +17,8 @@ from search_service.mcts import tree as tr
 from search_service.mcts.backend import EvaluationFailed, SearchParams
 from search_service.mcts.batch import step
 from search_service.mcts.cpu_reference import CpuReferenceBackend
-from search_service.mcts.plan import END_BUDGET, END_DEADLINE, END_PROVEN, END_STOPPED, Member, WaveTimes, plan_wave
+from search_service.mcts.plan import (END_BUDGET, END_DEADLINE, END_PROVEN, END_STOPPED, OPEN, Member, WaveTimes,
+                                      plan_wave)
 from search_service.wave_loop import Job, Refused, WaveLoop
 
 BACKEND = CpuReferenceBackend()
@@ -101,6 +102,18 @@ def test_wave_times_expect_a_fixed_cost_and_a_pessimistic_cost_per_simulation():
     assert times.expected_ms(100) == pytest.approx(4.0) and times.expected_ms(1) == pytest.approx(2.02)
 
 
+def test_a_sliced_plan_opens_deadline_only_members_and_gives_capped_ones_their_rest():
+    """Sliced waves (rollouts): no fair share, the slice ends the wave."""
+    times = WaveTimes(sliced=True)
+    times.add(4096, 1.2)  # a slice of any size: the longest recent one is what the next is expected to take
+    times.add(64, 1.5)
+    members = [Member(None, None), Member(1000, None), Member(None, 100.001, tried=True), Member(None, 100.1, tried=True)]
+    plan = plan_wave(members, np.array([0, 990, 0, 0]), np.ones(4, bool), times, 16, wave_target_ms=0.1, now=100.0,
+                     sliced=True)
+    assert plan.ks.tolist() == [OPEN, 10, 0, OPEN] and plan.leaving == [2]  # 1 ms left < a 1.5 ms slice
+    assert times.expected_ms(1) == times.expected_ms(10**6) == pytest.approx(1.5)
+
+
 # -- independence: a tree beside others equals it alone --------------------------------
 
 
@@ -131,6 +144,36 @@ def test_rollout_trees_in_a_ragged_batch_equal_the_same_searches_alone(k):
         same_result(together[i][0], r)
         same_tree(together[i][1], t)
         assert together[i][0].simulations == sims
+
+
+@pytest.mark.parametrize("k", [1, 16])
+def test_capped_rollout_trees_in_a_sliced_ragged_batch_equal_the_same_searches_alone(k):
+    """A slice stops a capped tree between waves of K, whatever it is."""
+    specs = [("4453", 200, 11, 0), ("", 64, 12, 0), ("1234567", 150, 13, 2), ("33", 37, 15, 3)]
+    for slice_ms in (0.05, 50.0):
+        together = run_ragged(specs, k, backend=CpuReferenceBackend(rollout_slice_ms=slice_ms))
+        for i, (moves, sims, seed, _) in enumerate(specs):
+            r, t = alone(moves, simulations=sims, seed=seed, parallel_sims=k)
+            same_result(together[i][0], r)
+            same_tree(together[i][1], t)
+
+
+def test_a_sliced_wave_runs_waves_of_k_until_its_slice_or_cap_and_the_loop_answers_by_the_deadline():
+    backend = CpuReferenceBackend(rollout_slice_ms=20.0)
+    assert backend.open_batch(params(deadline_ms=1.0, evaluator="value_model"), lambda o: None).slice_ms is None
+    batch = backend.open_batch(params(deadline_ms=1.0, parallel_sims=4))
+    batch.join(c4.stack([c4.parse_moves(""), c4.parse_moves("4")]), [None, None], [1, 2], [0, 1])
+    started = time.perf_counter()
+    batch.wave(np.array([OPEN, 6]))
+    assert batch.done[0] > 4 and batch.done[1] == 6  # several waves of K in the slice; the cap stops the other
+    assert time.perf_counter() - started >= 0.020
+    loop = WaveLoop(backend)
+    try:
+        j = job("", deadline_ms=150, parallel_sims=4, seed=3)
+        loop.submit([j])
+        assert j.done.wait(30) and j.error is None and j.result.deadline_reached and j.result.simulations > 4
+    finally:
+        loop.close()
 
 
 class OnnxValueModel:

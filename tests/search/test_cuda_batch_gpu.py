@@ -20,7 +20,7 @@ from search_service.games import connect4 as c4  # noqa: E402
 from search_service.mcts import tree as tr  # noqa: E402
 from search_service.mcts.backend import SearchParams  # noqa: E402
 from search_service.mcts.cpu_reference import CpuReferenceBackend  # noqa: E402
-from search_service.mcts.plan import Member  # noqa: E402
+from search_service.mcts.plan import OPEN, Member  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -32,8 +32,8 @@ FIELDS = ("node_current", "node_mask", "node_terminal", "node_visits", "node_par
 class OneWarpBackend(CudaBackend):
     """The CUDA backend with one warp per tree (G = 32) and its batch of trees."""
 
-    def __init__(self):
-        super().__init__(sims_per_warp=32, value_sims_per_warp=32)
+    def __init__(self, rollout_slice_ms=None):
+        super().__init__(sims_per_warp=32, value_sims_per_warp=32, rollout_slice_ms=rollout_slice_ms)
 
 
 GPU = OneWarpBackend()
@@ -61,6 +61,24 @@ def test_rollout_trees_in_a_ragged_device_batch_equal_the_reference_alone(k):
         assert int(host.num_nodes[0]) == n
         for name in FIELDS:
             np.testing.assert_array_equal(getattr(host, name)[0, :n], getattr(t, name)[0, :n], err_msg=name)
+
+
+@pytest.mark.parametrize("slice_ms", [0.02, 50.0])
+def test_capped_rollout_trees_in_a_sliced_device_batch_equal_the_reference_alone(slice_ms):
+    """The kernel's clock stops a warp between its waves; the next launch goes on from there."""
+    together = run_ragged(SPECS[:6], 16, backend=OneWarpBackend(rollout_slice_ms=slice_ms))
+    for i, (moves, sims, seed, _) in enumerate(SPECS[:6]):
+        r, t = alone(moves, simulations=sims, seed=seed, parallel_sims=16)
+        same_result(together[i][0], r)
+        assert int(together[i][1].to_host().num_nodes[0]) == int(t.num_nodes[0])
+
+
+def test_a_sliced_device_wave_runs_a_deadline_only_tree_past_k_and_a_capped_one_to_its_cap():
+    batch = CudaBackend(rollout_slice_ms=2.0).open_batch(SearchParams(simulations=None, deadline_ms=1.0,
+                                                                         parallel_sims=16))
+    batch.join(c4.stack([c4.parse_moves(""), c4.parse_moves("4")]), [None, None], [1, 2], [0, 1])
+    assert batch.wave(np.array([OPEN, 40]))
+    assert batch.done[0] > 16 and batch.done[1] == 40
 
 
 def test_value_model_trees_in_a_ragged_device_batch_match_the_reference_alone():
