@@ -140,6 +140,8 @@ def run_row(config: Path, work: Path, engines: int, agents: int, evaluator: str,
         "trainer_frames_per_s": trainer_rate,
         "frames_per_engine": frames,
         "errors": dict(sum((Counter(r["errors"]) for r in done), Counter())),
+        # The three commonest failures, with their messages' first characters.
+        "error_reasons": dict(sum((Counter(r.get("error_reasons", {})) for r in done), Counter()).most_common(3)),
         "backends": sorted({b for r in done for b in r["backends"]["search"]}),
     }
 

@@ -137,6 +137,7 @@ class Record:
     sent: float  # time.monotonic() the request left
     done: float | None = None  # time.monotonic() its answer (or error) came; None while in flight
     code: str | None = None  # "OK" or a StatusCode name; None while in flight
+    detail: str = ""  # a failure's message (the status details), else ""
     evaluator: str | None = None  # search answers: EVALUATOR_ROLLOUT / EVALUATOR_VALUE_MODEL
     simulations: int | None = None  # search answers: simulations completed
     server_queue_ms: float | None = None  # evaluate answers: the reward batcher's wait (server-side)
@@ -169,6 +170,10 @@ class SentFrame:
     def failure(self) -> str | None:
         """The first request's code that is not OK (search first); None if all are OK."""
         return next((r.code for r in self.records if r.code != "OK"), None)
+
+    def failure_detail(self) -> str:
+        """The message of the first request that is not OK ("" if none or none given)."""
+        return next((r.detail for r in self.records if r.code != "OK"), "")
 
     def replies(self) -> list:
         """The answers, in the order sent (after :meth:`wait` and no :meth:`failure`).
@@ -210,6 +215,7 @@ class SentFrame:
             code = "OK"
         except grpc.RpcError as exc:
             code = exc.code().name
+            rec.detail = exc.details() or ""
         except Exception as exc:  # cancelled future
             code = type(exc).__name__
         finally:

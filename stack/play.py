@@ -76,6 +76,7 @@ class _Tally:
     best: int = 0  # moves with the solver's best score
     agree: int = 0  # value-model outcomes that are the solver's
     errors: dict[str, int] = field(default_factory=dict)  # failed frames by the first failure's code
+    error_reasons: dict[str, int] = field(default_factory=dict)  # ... by "CODE: its message's first characters"
     backends: set[str] = field(default_factory=set)
     evaluators: set[str] = field(default_factory=set)
     handoffs: dict[str, int] = field(default_factory=dict)  # value-model frames by how the leaves went ("in_process" | "ipc" | "grpc")
@@ -94,6 +95,8 @@ class _Tally:
         code = frame.failure()
         if code is not None:
             self.errors[code] = self.errors.get(code, 0) + 1
+            reason = f"{code}: {frame.failure_detail()[:_REASON_CHARS]}"
+            self.error_reasons[reason] = self.error_reasons.get(reason, 0) + 1
             return False
         reply, e_reply = frame.replies()
         self.frame_ms.append(frame_loop.frame_latency_ms(frame.records, since=frame.records[0].sent))
@@ -207,6 +210,7 @@ def _report(opts: PlayOptions, t: _Tally, reward_execution_provider: str) -> dic
         "value_model_failure_reasons": t.failure_reasons,
         "proven": {"frames": t.proven, "solver_agrees": t.proven_right},
         "errors": t.errors,
+        "error_reasons": t.error_reasons,
         "backends": {
             "search": sorted(t.backends),
             "evaluator": sorted(t.evaluators),
