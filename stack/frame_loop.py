@@ -215,7 +215,7 @@ class SentFrame:
             code = "OK"
         except grpc.RpcError as exc:
             code = exc.code().name
-            rec.detail = exc.details() or ""
+            rec.detail = getattr(exc, "details", lambda: "")() or ""  # a grpc.Call's; RpcError itself has none
         except Exception as exc:  # cancelled future
             code = type(exc).__name__
         finally:
