@@ -41,6 +41,7 @@ K (their trees equal the same search run alone, whatever shares the batch).
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -84,22 +85,26 @@ class WaveTimes:
     their simulations: every wave counts as one leaf, so the next is expected
     to take the longest recent one.
 
-    Not thread-safe: the wave loop's thread writes it; other threads may call
-    :meth:`expected_ms`, which reads snapshots of the deques."""
+    The wave loop's thread adds; other threads (admission) may call
+    :meth:`expected_ms`: ``_lock`` guards the deques (copying a deque while
+    another thread appends to it raises)."""
 
     def __init__(self, window: int = 4, history: int = 32, sliced: bool = False):
         self.sliced = sliced
-        self._recent: deque[tuple[int, float]] = deque(maxlen=window)
-        self._history: deque[float] = deque(maxlen=history)
+        self._lock = threading.Lock()
+        self._recent: deque[tuple[int, float]] = deque(maxlen=window)  # guarded by _lock
+        self._history: deque[float] = deque(maxlen=history)  # guarded by _lock
 
     def add(self, leaves: int, ms: float) -> None:
         """Records a wave of ``leaves`` simulations that took ``ms`` (undone waves too)."""
-        self._recent.append((1 if self.sliced else max(int(leaves), 1), float(ms)))
-        self._history.append(float(ms))
+        with self._lock:
+            self._recent.append((1 if self.sliced else max(int(leaves), 1), float(ms)))
+            self._history.append(float(ms))
 
     def expected_ms(self, leaves: int) -> float:
         """ms a wave of ``leaves`` simulations is expected to take; 0 before any wave."""
-        recent, history = tuple(self._recent), tuple(self._history)
+        with self._lock:
+            recent, history = tuple(self._recent), tuple(self._history)
         if not recent:
             return 0.0
         overhead = min(history)
