@@ -29,7 +29,8 @@ Invariants (``_lock`` guards ``_in_flight`` and every lane's ``queue`` and
   its ``done`` event is set; ``_in_flight`` counts the jobs submitted and not
   yet answered;
 * a job that leaves is answered before the lane's next wave runs (that wave
-  is why it left: it would end past its deadline);
+  is why it left: it would end past its deadline), and before newcomers
+  join (a join costs time: the batch grows, PUCT roots are valued);
 * a failure outside the model (an exception from the batch) fails every job
   joined to that lane's batch, which starts empty again; the jobs still
   queued join it, and the other lanes go on.
@@ -250,6 +251,8 @@ class WaveLoop:
     def _run(self, lane: _Lane) -> None:
         try:
             while (jobs := self._take(lane)) is not None:
+                if jobs and lane.members:  # those done are answered before the newcomers' join delays them
+                    self._leave(lane)
                 self._join(lane, jobs)
                 if lane.members:
                     self._step(lane)
@@ -280,26 +283,36 @@ class WaveLoop:
                         [job.stream for job in jobs])
         lane.members += [Member(job.params.simulations, job.deadline, job.should_stop, owner=job) for job in jobs]
 
-    def _step(self, lane: _Lane) -> None:
-        """One step of the lane's batch: the members that are done leave and
-        are answered, then the wave runs (its failure fails only its members)."""
-        WAVE_TREES.observe(len(lane.members))
+    def _leave(self, lane: _Lane):
+        """Plans the lane's next wave; the members that are done leave and are
+        answered. Returns the wave's simulations per member (int64 [B]), or
+        None where planning failed (every member failed with it)."""
         try:
             left, ks = leave(lane.batch, lane.members, lane.times, self.wave_target_ms)
         except Exception as exc:  # noqa: BLE001 - every job of the batch fails with it; the lane goes on empty
             log.exception("planning a wave of %d searches failed", len(lane.members))
             self._fail_all(lane, exc)
-            return
+            return None
         for member, result, tree in left:
             member.owner.answer(result, tree)
         if left:
             self._answered(len(left))
-        if not lane.members:
+        return ks
+
+    def _step(self, lane: _Lane) -> None:
+        """One step of the lane's batch: the members that are done leave and
+        are answered, then the wave runs (its failure fails only its members).
+        The wave's time, as the plan learns it, counts from the plan: what a
+        member that stays waits for until the next plan can answer it."""
+        WAVE_TREES.observe(len(lane.members))
+        planned = time.perf_counter()
+        ks = self._leave(lane)
+        if ks is None or not lane.members:
             return
         self._set_wave_deadline([m.deadline for m in lane.members], lane)
         try:
             with self.launching():
-                run_wave(lane.batch, lane.members, ks, lane.times)
+                run_wave(lane.batch, lane.members, ks, lane.times, since=planned)
         except Exception as exc:  # noqa: BLE001 - every job of the batch fails with it; the lane goes on empty
             log.exception("a wave of %d searches failed", len(lane.members))
             self._fail_all(lane, exc)

@@ -108,11 +108,13 @@ def leave(batch: TreeBatch, members: list[Member], times: WaveTimes,
     return left, plan.ks
 
 
-def run_wave(batch: TreeBatch, members: list[Member], ks: np.ndarray, times: WaveTimes) -> None:
-    """Runs the wave ``ks`` (from :func:`leave`) over ``batch``, timed into ``times``."""
+def run_wave(batch: TreeBatch, members: list[Member], ks: np.ndarray, times: WaveTimes,
+             since: float | None = None) -> None:
+    """Runs the wave ``ks`` (from :func:`leave`) over ``batch``, timed into
+    ``times`` from ``since`` (``time.perf_counter()`` s; None: the wave's start)."""
     if not ks.any():
         return
-    t = time.perf_counter()
+    t = time.perf_counter() if since is None else since
     batch.wave(ks)
     times.add(int(ks.sum()), (time.perf_counter() - t) * 1e3)
     for m, k in zip(members, ks):
@@ -127,8 +129,9 @@ def step(batch: TreeBatch, members: list[Member], times: WaveTimes,
     Returns:
         (member, result, tree) of each member that left, in row order.
     """
+    planned = time.perf_counter()
     left, ks = leave(batch, members, times, wave_target_ms)
-    run_wave(batch, members, ks, times)
+    run_wave(batch, members, ks, times, since=planned)
     return left
 
 

@@ -317,6 +317,33 @@ def test_every_search_answers_by_its_deadline_while_others_join_and_leave():
         loop.close()
 
 
+def test_a_search_that_is_done_is_answered_before_a_newcomer_joins():
+    """A join costs time (here the newcomer's root valued by a slow model): the
+    search whose cap the last wave reached does not wait for it."""
+    first = job("4453", simulations=4, parallel_sims=4, evaluator="value_model", seed=1)
+    in_wave, go, seen = threading.Event(), threading.Event(), []
+
+    def model(obs):
+        call = len(seen) + 1
+        seen.append(first.done.is_set())
+        if call == 2:  # the first search's only wave: the newcomer is submitted meanwhile
+            in_wave.set()
+            assert go.wait(30)
+        return np.zeros(len(obs), np.float32), None
+
+    loop = WaveLoop(BACKEND, model)
+    try:
+        loop.submit([first])
+        assert in_wave.wait(30)
+        newcomer = job("3", simulations=4, parallel_sims=4, evaluator="value_model", seed=2)
+        loop.submit([newcomer])
+        go.set()
+        assert first.done.wait(30) and newcomer.done.wait(30) and first.error is None and newcomer.error is None
+        assert seen[:3] == [False, False, True]  # call 3, the newcomer's root: the first search already answered
+    finally:
+        loop.close()
+
+
 def test_a_model_failure_sends_the_batch_on_with_rollouts_and_a_broken_batch_fails_only_its_searches():
     loop = WaveLoop(BACKEND, SlowModel(0.0, fail_after=3))
     try:
