@@ -1,11 +1,9 @@
 """Device trees that searches join and leave between waves: the CUDA
 backend's :class:`~search_service.mcts.batch.TreeBatch`.
 
-NOT YET RUN ON A GPU: compiled by NVRTC and checked against the CPU
-reference only by the GPU tests (tests/search/test_cuda_batch_gpu.py, and
-the device waves' in tests/reward/test_leaf_channel_gpu.py), which have not
-run yet; ``CudaBackend`` does not offer ``open_batch`` until they pass, so
-the search service does not use it (docs/decisions/0001).
+``CudaBackend.open_batch`` returns one; the search service's wave loop
+steps it (docs/decisions/0001). Checked against the CPU reference by
+tests/search/test_cuda_batch_gpu.py on the GPU.
 
 Layout: one slab of ``S`` tree slots (rows ``0 .. B-1`` in use), each a
 node pool of ``cap`` = ``max_nodes`` slots (pool.py's region), with its TS,
