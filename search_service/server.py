@@ -17,6 +17,7 @@ import inspect
 import logging
 import math
 import os
+import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -45,6 +46,7 @@ from tandem.gpu import cupy_module
 from tandem.server import LATENCY_BUCKETS_S, channel
 from tandem.service import Service, start_service
 from tandem.startup import Phases
+from tandem.workers import Workers, check_free, die_with
 
 log = logging.getLogger(__name__)
 
@@ -482,8 +484,10 @@ def _warm_up(backend, cfg: TandemConfig) -> None:
         backend.search(game.parse_moves(""), params, None, [None])
 
 
-def start(cfg: TandemConfig, follow_scheduler: bool = True) -> Service:
-    """Starts the search service on ``cfg.search.address``.
+def start(cfg: TandemConfig, follow_scheduler: bool = True, worker: int = 0, port: int | None = None) -> Service:
+    """Starts the search service on ``cfg.search.address`` (``port``: on that
+    port instead): worker ``worker`` of ``cfg.search.workers``, which share
+    the port (tandem/workers.py); only worker 0 serves metrics.
 
     Raises:
         RuntimeError: ``backend: cuda`` cannot run here, or the address cannot be bound.
@@ -516,11 +520,12 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True) -> Service:
         search_pb2_grpc.add_SearchServiceServicer_to_server(servicer, server)
         return search_pb2.DESCRIPTOR.services_by_name["SearchService"].full_name
 
+    address = cfg.search.address if port is None else f"{cfg.search.address.rpartition(':')[0]}:{port}"
     service = start_service(
         cfg,
         kind=scheduler_pb2.SERVICE_KIND_SEARCH,
-        address=cfg.search.address,
-        metrics_port=cfg.search.metrics_port,
+        address=address,
+        metrics_port=cfg.search.metrics_port if worker == 0 else 0,
         server_cfg=cfg.search.server,
         register=[register],
         load_fn=servicer.load,
@@ -530,6 +535,7 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True) -> Service:
         follow_scheduler=follow_scheduler,
         capabilities=("search.sessions", "search.batch", "search.evaluator.rollout", "search.evaluator.value_model",
                       f"search.backend.{servicer.backend.name}"),
+        reuse_port=cfg.search.workers > 1,
     )
     service.servicer = servicer
     servicer.owners.local_port = service.port  # from now on a caller's uid is one netlink lookup (tandem/peer.py)
@@ -538,5 +544,39 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True) -> Service:
 
 
 def serve(cfg: TandemConfig) -> None:
-    """Runs the search service until SIGINT/SIGTERM."""
-    start(cfg).serve_forever(cfg.search.server.grace_period_ms)
+    """Runs the search service until SIGINT/SIGTERM: ``cfg.search.workers``
+    processes sharing its address (tandem/workers.py), this one the first.
+
+    Raises:
+        SystemExit: 1, a worker died unasked (every other worker stopped).
+    """
+    grace_ms = cfg.search.server.grace_period_ms
+    if cfg.search.workers <= 1:
+        start(cfg).serve_forever(grace_ms)
+        return
+    check_free(cfg.search.address)  # a stale server would share a port bound with SO_REUSEPORT
+    service = start(cfg)
+    workers = Workers(serve_worker, (cfg, service.port), cfg.search.workers - 1)
+    died = []
+
+    def on_death(index: int, code: int | None) -> None:
+        log.error("search worker %d ended (exit code %s): the search service stops", index, code)
+        died.append(index)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    workers.start()
+    workers.watch(on_death)
+    try:
+        service.serve_forever(grace_ms)
+    finally:
+        workers.stop(grace_ms / 1000.0 + 5.0)
+    if died:
+        raise SystemExit(1)
+
+
+def serve_worker(cfg: TandemConfig, port: int, index: int, parent: int) -> None:
+    """Worker ``index`` (1..) of :func:`serve`, in a process of its own: the
+    search service on ``port``, until SIGTERM or its parent's death."""
+    die_with(parent)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [worker {index}] %(name)s: %(message)s")
+    start(cfg, worker=index, port=port).serve_forever(cfg.search.server.grace_period_ms)

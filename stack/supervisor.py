@@ -7,7 +7,6 @@ and restarted on, stack/restarts.py) while the others keep serving, and all
 stopped together (SIGTERM, drain, then SIGKILL) so that none is left orphaned."""
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -33,12 +32,12 @@ def mps_env(cfg: TandemConfig) -> dict[str, str]:
         return {}
     return device.mps_client_env(*device.mps_directories(cfg.scheduler))
 from tandem.server import health_status
+from tandem.workers import die_with
 
 log = logging.getLogger(__name__)
 
 SERVICES = ("scheduler", "reward", "search")  # the config sections of servers; search follows the other two
 COLOCATED = "colocated"  # the one process of reward + search under co_located: true
-_PR_SET_PDEATHSIG = 1
 
 
 PARENT_ENV = "TANDEM_SUPERVISOR_PID"  # set for the servers `tandem up` starts
@@ -52,21 +51,10 @@ def die_with_supervisor() -> None:
     forking with a pre-exec hook while gRPC threads run can abort the child.
     """
     parent = os.environ.get(PARENT_ENV)
-    if not parent:
-        return
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != int(parent):  # the supervisor died before the prctl
-        os.kill(os.getpid(), signal.SIGTERM)
-    # And a watch on the parent: once, under load, a server outlived a SIGKILLed supervisor
-    # without ever getting the death signal (tests/stack/test_stack.py). Reparented = orphaned.
-    threading.Thread(target=_watch_parent, args=(int(parent),), name="supervisor-watch", daemon=True).start()
-
-
-def _watch_parent(parent: int, interval_s: float = 1.0) -> None:
-    while os.getppid() == parent:
-        time.sleep(interval_s)
-    log.warning("the supervisor (pid %d) is gone: stopping", parent)
-    os.kill(os.getpid(), signal.SIGTERM)
+    if parent:
+        # With a watch on the parent: once, under load, a server outlived a SIGKILLed
+        # supervisor without ever getting the death signal (tests/stack/test_stack.py).
+        die_with(int(parent))
 
 
 def wait_serving(address: str, cfg: TandemConfig, timeout_s: float, proc: subprocess.Popen | None = None,

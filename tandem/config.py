@@ -326,6 +326,12 @@ class SearchConfig:
     # less of its deadline to the wave it cannot finish; longer: less per-wave overhead.
     # 0: waves of parallel_sims simulations.
     rollout_slice_ms: float = 1.0
+    # Processes serving search.address together (SO_REUSEPORT; tandem/workers.py): each
+    # has its own interpreter, wave loop, batch of trees, sessions and leaf channels, and
+    # the kernel spreads connections over them (a connection, and so a session, stays
+    # with one). One Python process serves about a thousand calls a second; more engines
+    # need more workers. Metrics are worker 0's. At most 64.
+    workers: int = 1
     server: ServerConfig = field(default_factory=ServerConfig)
 
 
@@ -370,6 +376,7 @@ _MAX_BY_NAME = {
     "parallel_sims": 65536,  # SearchParams' range
     "value_model_parallel_sims": 65536,
     "value_model_sims_per_warp": 32,  # a warp's 32 lanes
+    "workers": 64,  # search processes sharing one address (tandem/workers.py)
 }
 _MAX_BY_SUFFIX = (("_port", 65535), ("_bytes", 2**62), ("_ms", 86_400_000.0), ("_us", 86_400_000_000.0))
 # Lower bounds of durations that a smaller positive value cannot mean (a typo, or seconds

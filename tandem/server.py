@@ -162,8 +162,11 @@ def build_server(
     cfg: TandemConfig,
     register: Iterable[Callable[[grpc.Server], str]],
     capabilities: Iterable[str] = (),
+    reuse_port: bool = False,
 ) -> RunningServer:
-    """Builds and starts a server on ``address`` ("host:port"; port 0 picks one).
+    """Builds and starts a server on ``address`` ("host:port"; port 0 picks one);
+    ``reuse_port``: other processes may bind it too (``SO_REUSEPORT``: a
+    server's workers, tandem/workers.py; else a second bind fails).
 
     ``register`` holds functions that add one servicer and return its full
     service name (for health and reflection); ContractService (its Handshake
@@ -176,7 +179,7 @@ def build_server(
     options = [
         ("grpc.max_receive_message_length", server_cfg.max_message_bytes),
         ("grpc.max_send_message_length", server_cfg.max_message_bytes),
-        ("grpc.so_reuseport", 0),
+        ("grpc.so_reuseport", int(reuse_port)),
         *(
             (key, server_cfg.keepalive_min_ping_interval_ms)
             if key == "grpc.http2.min_ping_interval_without_data_ms" else (key, value)

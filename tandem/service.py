@@ -80,6 +80,7 @@ def start_service(
     memory_bytes: int,
     follow_scheduler: bool = True,
     capabilities: Iterable[str] = (),
+    reuse_port: bool = False,
 ) -> Service:
     """Starts a server and (unless ``follow_scheduler`` is false) its scheduler client.
 
@@ -87,7 +88,7 @@ def start_service(
     scheduler, which it follows in the background (registering with backoff).
     ``capabilities`` go to the server's Handshake (tandem/contract.py).
     """
-    running = build_server(address, server_cfg, cfg, register, capabilities)
+    running = build_server(address, server_cfg, cfg, register, capabilities, reuse_port)
     try:
         start_metrics(metrics_port, address.rpartition(":")[0].strip("[]"))
     except BaseException:

@@ -1,0 +1,115 @@
+"""Worker processes of one server: copies of it in processes of their own
+that share its address, so that more than one interpreter serves its calls.
+
+A Python gRPC server spends about a millisecond of CPU on each call, under
+one interpreter lock: one process serves about a thousand calls a second
+(docs/benchmarks.md, "Many engines"). With ``workers`` > 1 the first process
+binds the address with ``SO_REUSEPORT`` and starts ``workers - 1`` more
+(multiprocessing's spawn, which a CUDA context survives), each binding the
+same port; the kernel spreads new connections over them, and a connection
+stays with one worker for its life (gRPC's own multiprocessing example does
+the same).
+
+Invariants:
+
+* the address is checked free (a plain bind, no ``SO_REUSEPORT``) before the
+  first worker binds it: a stale server cannot share the port unseen;
+* a worker dies with the first process (``PR_SET_PDEATHSIG`` and a watch on
+  its parent), and the first process stops (exit 1) when a worker dies
+  unasked, so ``tandem up`` restarts the whole server;
+* stopping the first process stops every worker (SIGTERM; each drains as a
+  server does), then it exits.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import socket
+import threading
+import time
+from typing import Any, Callable
+
+log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+def check_free(address: str) -> None:
+    """Raises RuntimeError if ``address`` ("host:port") is bound by anyone:
+    a plain bind, without ``SO_REUSEPORT``, that a listening socket refuses.
+    Port 0 is always free."""
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]") or "0.0.0.0"
+    if int(port) == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a TIME_WAIT is not a server
+        try:
+            s.bind((host, int(port)))
+        except OSError as exc:
+            raise RuntimeError(f"could not bind {address}: {exc.strerror}") from None
+
+
+def die_with(parent: int) -> None:
+    """In a child process: SIGTERM to itself when process ``parent`` dies,
+    even by SIGKILL (the kernel's parent-death signal, and a watch on the
+    parent for the case where the signal never came)."""
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:  # it died before the prctl
+        os.kill(os.getpid(), signal.SIGTERM)
+    threading.Thread(target=_watch_parent, args=(parent,), name="parent-watch", daemon=True).start()
+
+
+def _watch_parent(parent: int, interval_s: float = 1.0) -> None:
+    while os.getppid() == parent:
+        time.sleep(interval_s)
+    log.warning("the parent process (pid %d) is gone: stopping", parent)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+class Workers:
+    """Processes 1 .. ``count`` of a server, each running ``target(*args,
+    index, parent_pid)`` (a module-level function: spawn pickles it) until
+    SIGTERM. :meth:`watch` calls ``on_death(index, exitcode)`` once, on its
+    own thread, if one ends before :meth:`stop`."""
+
+    def __init__(self, target: Callable[..., None], args: tuple[Any, ...], count: int):
+        ctx = multiprocessing.get_context("spawn")
+        self._stopping = threading.Event()
+        self.procs = [ctx.Process(target=target, args=(*args, i, os.getpid()), name=f"worker-{i}", daemon=False)
+                      for i in range(1, count + 1)]
+
+    def start(self) -> None:
+        for p in self.procs:
+            p.start()
+
+    def watch(self, on_death: Callable[[int, int | None], None]) -> None:
+        def run() -> None:
+            by_sentinel = {p.sentinel: i for i, p in enumerate(self.procs, start=1)}
+            ended = multiprocessing.connection.wait(list(by_sentinel))
+            if not self._stopping.is_set():
+                index = by_sentinel[ended[0]]
+                on_death(index, self.procs[index - 1].exitcode)
+
+        threading.Thread(target=run, name="workers-watch", daemon=True).start()
+
+    def stop(self, timeout_s: float) -> list[int | None]:
+        """SIGTERM to every worker, each waited for up to ``timeout_s`` (then
+        SIGKILL); returns their exit codes."""
+        self._stopping.set()
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+        deadline = time.monotonic() + timeout_s
+        for p in self.procs:
+            p.join(max(deadline - time.monotonic(), 0.1))
+            if p.is_alive():
+                log.error("worker %s did not stop in %.1f s: killed", p.name, timeout_s)
+                p.kill()
+                p.join(5)
+        return [p.exitcode for p in self.procs]

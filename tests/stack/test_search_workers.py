@@ -1,0 +1,119 @@
+"""The search service as several worker processes on one address
+(``search.workers``, tandem/workers.py): `tandem serve search` as a real
+process on loopback (CPU reference), its workers listening on the same port,
+calls over new connections all answered, a worker's death stopping the whole
+service (exit 1) and SIGTERM stopping every worker."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import yaml
+from conftest import free_port
+from tandem.v1 import search_pb2, search_pb2_grpc
+
+from tandem.config import ConfigError, load_config, loopback_data
+from tandem.workers import check_free
+
+REPO = Path(__file__).resolve().parents[2]
+START_TIMEOUT_S = 120.0
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rpartition(")")[2].split()[1]) == pid:
+                        kids.append(int(entry))
+            except (OSError, ValueError, IndexError):
+                pass
+    return kids
+
+
+def _listeners(port: int) -> int:
+    """Sockets listening on 127.0.0.1:``port`` (state 0A; gRPC's may be IPv6 sockets, v4-mapped)."""
+    want, count = f"0100007F:{port:04X}", 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            count += sum(1 for line in f.readlines()[1:] if line.split()[1].endswith(want) and line.split()[3] == "0A")
+    return count
+
+
+def _poll(predicate, timeout_s: float) -> bool:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return predicate()
+
+
+@pytest.fixture()
+def workers(tmp_path):
+    """`tandem serve search` with three workers: (process, config, port)."""
+    data = loopback_data(free_port, sections={"search": {"backend": "cpu", "evaluator": "rollout", "workers": 3}})
+    path = tmp_path / "tandem.yaml"
+    path.write_text(yaml.safe_dump(data))
+    cfg = load_config(path)
+    port = int(cfg.search.address.rpartition(":")[2])
+    proc = subprocess.Popen([sys.executable, "-m", "stack", "serve", "search", "--config", str(path)], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "search.log", "w"))
+    try:
+        assert _poll(lambda: _listeners(port) == 3, START_TIMEOUT_S), (tmp_path / "search.log").read_text()[-3000:]
+        yield proc, cfg, port
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+
+
+def test_three_workers_listen_on_one_port_and_answer_calls_on_new_connections(workers):
+    proc, cfg, port = workers
+    assert len(_children(proc.pid)) >= 2  # workers 1 and 2 (spawn may add its resource tracker)
+    request = search_pb2.SearchRequest(game="connect4", moves="4453", simulations=32, seed=1)
+    answers = []
+    for _ in range(24):  # each a connection of its own: the kernel spreads them over the workers
+        with grpc.insecure_channel(cfg.search.address) as ch:
+            answers.append(search_pb2_grpc.SearchServiceStub(ch).Search(request, timeout=30))
+    assert {(a.action, a.simulations) for a in answers} == {(answers[0].action, 32)}  # same seed: same answer
+    with pytest.raises(RuntimeError, match=f"could not bind 127.0.0.1:{port}"):
+        check_free(cfg.search.address)  # held by the workers: a stale server would be seen
+
+
+def test_a_worker_that_dies_stops_the_search_service(workers):
+    proc, _, port = workers
+    worker = max(_children(proc.pid))
+    os.kill(worker, signal.SIGKILL)
+    assert proc.wait(60) == 1
+    assert _poll(lambda: _listeners(port) == 0, 30)
+
+
+def test_sigterm_stops_every_worker(workers):
+    proc, _, port = workers
+    kids = _children(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 0
+    assert _poll(lambda: _listeners(port) == 0 and not any(os.path.exists(f"/proc/{k}") for k in kids), 30)
+
+
+def test_a_bound_port_is_not_free_and_workers_are_bounded(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+        with pytest.raises(RuntimeError, match=f"could not bind {address}"):
+            check_free(address)
+    check_free(address)  # closed: free again
+    path = tmp_path / "tandem.yaml"
+    path.write_text(yaml.safe_dump({"search": {"workers": 65}}))
+    with pytest.raises(ConfigError, match="search.workers"):
+        load_config(path)
