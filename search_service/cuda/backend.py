@@ -74,7 +74,9 @@ import numpy as np
 
 from search_service.cuda import abi
 from search_service.cuda import pool as pl
+from search_service.cuda.answers import call_model, model_values, result_fields, wave_slots
 from search_service.cuda.module import kernel
+from search_service.cuda.tree_batch import CudaTreeBatch
 from search_service.games import connect4
 from search_service.games.connect4 import Positions
 from search_service.mcts import tree as tr
@@ -85,11 +87,9 @@ from search_service.mcts.backend import (
     SearchParams,
     SearchResult,
     WaveClock,
-    best_action,
     check_call,
     drive,
     kept_trees,
-    model_answer,
 )
 from search_service.mcts.philox import seed_key
 from search_service.mcts.rollout import rollout_values
@@ -105,10 +105,6 @@ STOP_SLICE = 1024  # simulations per tree per launch when a stop request must be
 _SCRATCH_KEEP = 8  # buffers kept per kind and shape: searches that run at once
 _SCRATCH_KEYS = 32  # kinds and shapes kept at most
 COPY_SPIN_S = 0.005  # how long a copy back is waited for by reading its word before the event's wait (s)
-_RES_OFFSET = {f.name: f.offset for f in abi.RESULT.fields}  # RES field -> its first word
-_RES_COUNTERS = ("nodes", "max_depth", "done", "exhausted", "deadline", "pv_length")  # one word each, in this order
-_RES_NODES, _RES_PV = _RES_OFFSET["nodes"], _RES_OFFSET["pv"]
-assert [_RES_OFFSET[f] for f in _RES_COUNTERS] == list(range(_RES_NODES, _RES_NODES + len(_RES_COUNTERS)))
 
 
 class CudaBackend:
@@ -228,8 +224,6 @@ class CudaBackend:
         Raises:
             ValueError: ``value_model`` without an evaluator.
         """
-        from search_service.cuda.tree_batch import CudaTreeBatch  # imports this module
-
         return CudaTreeBatch(self, params, evaluator, lend)
 
     @staticmethod
@@ -364,7 +358,7 @@ class _Search:
                 return init  # valued on the device once init_trees wrote them (_device_root_priors)
             t = time.perf_counter()
             try:
-                _, priors = _call_model(self.evaluator, self.roots.current[idx], self.roots.mask[idx])
+                _, priors = call_model(self.evaluator, self.roots.current[idx], self.roots.mask[idx])
             except EvaluationFailed as exc:
                 self._stop_using_model(exc)  # uniform priors stay; rollouts value the leaves
                 priors = None
@@ -596,7 +590,7 @@ class _Search:
         clock = WaveClock(params.deadline_ms, self.started_at)
 
         def ordered_live() -> np.ndarray:  # an ordered wave's live trees, from its META rows come back
-            return _wave_slots(meta_back.finish().view(abi.META.dtype), in_wave_of < k, b)[1]
+            return wave_slots(meta_back.finish().view(abi.META.dtype), in_wave_of < k, b)[1]
 
         def plan(live: np.ndarray, done: np.ndarray, waves: int = 1) -> tuple[int | None, bool]:
             """The next wave's simulations per tree, or None and what the loop
@@ -661,7 +655,7 @@ class _Search:
                 if not ordered:
                     meta_host, obs_host = abi.carve(staged, *stage_sizes)
                     meta = meta_host.view(abi.META.dtype)  # [n]
-                    ran, live, open_ = _wave_slots(meta, in_wave_of < k, b)
+                    ran, live, open_ = wave_slots(meta, in_wave_of < k, b)
                     if not live.any():
                         return False  # every root is proven
                 has_priors = False  # the host's EVAL rows hold priors (device waves: wherever logits come back)
@@ -858,79 +852,6 @@ class _Search:
         return [pl.CudaTree(self.pool, i, cap, nodes[i], cur[i], mask[i], ev) for i in range(self.n_trees)]
 
 
-def model_values(evaluator, vin: np.ndarray, planes: np.ndarray, obs_dev, open_: np.ndarray, leader: np.ndarray,
-                 wants_cupy: bool) -> bool:
-    """Fills the EVAL rows ``vin`` (abi.EVAL.dtype [n]) of a wave's open
-    leaves (``open_`` bool [n]) from one call of ``evaluator`` (each distinct
-    leaf once: its leader's row, ``leader`` int [n]; observations from
-    ``planes`` uint8 [n, 2, 6, 7] on the host, or the OBS rows ``obs_dev`` on
-    the device where ``wants_cupy``); returns has_priors.
-
-    Raises:
-        EvaluationFailed: the evaluator could not value the leaves.
-    """
-    n = len(vin)
-    rows = np.flatnonzero(open_ & (leader == np.arange(n)))
-    if rows.size == 0:
-        return False
-    obs = obs_dev[cupy.asarray(rows)].reshape(-1, 2, connect4.ROWS, connect4.COLUMNS) if wants_cupy else planes[rows]
-    top = planes[rows, :, -1, :]  # uint8 [M, 2, A]: the top row of both stone planes
-    legal = (top[:, 0] | top[:, 1]) == 0
-    with nvtx.span("search.evaluate"):
-        values, priors = _model_answer(evaluator, obs, legal)
-    by_slot = np.zeros(n, np.float32)
-    by_slot[rows] = values
-    vin["value"][open_] = by_slot[leader[open_]]
-    if priors is None:
-        return False
-    vin["priors"][rows] = priors
-    return True
-
-
-def result_fields(res: np.ndarray, currents: np.ndarray, masks: np.ndarray,
-                  root_priors: Callable[[np.ndarray], np.ndarray | None]) -> list[tuple[dict, bool]]:
-    """The :class:`SearchResult` fields that M trees' RES rows give (``res``:
-    abi.RESULT.dtype [M]; ``currents``, ``masks``: uint64 [M], the roots' side
-    to move's stones and occupied cells;
-    ``root_priors(total)``: the roots' priors float32 [M, A] where a tree has
-    no root visit at all, given the roots' visits int64 [M], else None), with
-    whether its deadline stopped a warp of the tree, one pair per tree.
-    Whole-batch arrays and lists first, in as few NumPy calls as may be: each
-    costs the host a few µs while the caller waits for its answer, whatever M
-    (docs/benchmarks.md)."""
-    m = len(res)
-    words = res.view(np.int32).reshape(m, abi.RESULT.words)  # [M, 74]: the RES rows as words
-    visits = res["visits"].astype(np.int64)  # [M, A]
-    value = res["value_sum"].astype(np.float64)
-    q = np.where(visits > 0, value / np.maximum(visits, 1), 0.0)
-    q32 = q.astype(np.float32)
-    total = visits.sum(axis=1)  # [M]: the roots' completed simulations
-    outcome = res["outcome"].astype(np.int8)  # [M, 1 + A]: the root's known result, then its children's
-    proven = outcome[:, 0]
-    root_value = np.where(proven != tr.NOT_TERMINAL, tr.OUTCOME_VALUE[proven],
-                          value.sum(axis=1) / np.maximum(total, 1)).tolist()
-    action = best_action(visits, q, connect4.legal_bits(masks), outcome[:, 1:], root_priors(total),
-                         connect4.loses_at_once_bits(currents, masks)).tolist()
-    counters = words[:, _RES_NODES : _RES_NODES + len(_RES_COUNTERS)].tolist()  # [M][6]: _RES_COUNTERS
-    pv = words[:, _RES_PV : _RES_PV + abi.MAX_DEPTH].tolist()
-    proven = proven.tolist()
-    return [
-        (dict(action=action[i], visit_counts=visits[i], q_values=q32[i], root_value=root_value[i],
-              principal_variation=pv[i][:pv_len], simulations=done, max_depth=depth, pool_exhausted=exhausted != 0,
-              proven=proven[i]), deadline != 0)
-        for i, (_, depth, done, exhausted, deadline, pv_len) in enumerate(counters)
-    ]
-
-
-def _wave_slots(meta: np.ndarray, in_wave: np.ndarray, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """From a wave's META rows ([n]) and which slots are in it (bool [n]): the
-    slots that ran a simulation (bool [n]), the trees whose root is not proven
-    (bool [B]) and the slots whose leaf is unfinished (bool [n])."""
-    terminal = meta["terminal"]
-    ran = in_wave & (terminal != abi.NO_SIMULATION)
-    return ran, ran.reshape(b, -1)[:, 0], ran & (terminal == tr.NOT_TERMINAL)
-
-
 def _state_buffers(b: int) -> tuple:
     """A call's small per-tree device state, one allocation carved (abi's
     rows): TS int32 [B * 8], CYC uint64 [B * 4], the deadline clock's start
@@ -1013,25 +934,3 @@ class _AsyncCopy:
                 os.sched_yield()  # the GIL goes too
         self._event.synchronize()  # done already where the word came; else the backstop
         return self._host
-
-
-def _model_answer(evaluator, obs, legal: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-    """Calls the evaluator on observations (uint8 [M, 2, 6, 7], NumPy or CuPy)
-    and applies :func:`model_answer` (the reference's rules; ``legal`` bool
-    [M, A]) to its answer, brought to the host.
-
-    Raises:
-        EvaluationFailed: the evaluator failed, or answered the wrong shape.
-    """
-    values, priors = evaluator(obs)
-    return model_answer(cupy.asnumpy(values) if isinstance(values, cupy.ndarray) else values,
-                        cupy.asnumpy(priors) if isinstance(priors, cupy.ndarray) else priors, legal)
-
-
-def _call_model(evaluator, current: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-    """The model's answer for positions given as bitboards (fresh roots)."""
-    pos = Positions(current, mask, connect4.popcount(mask))
-    obs = connect4.observation(pos)
-    if getattr(evaluator, "accepts_cupy", False):
-        obs = cupy.asarray(obs)
-    return _model_answer(evaluator, obs, connect4.legal_bits(mask))

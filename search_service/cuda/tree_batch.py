@@ -49,14 +49,7 @@ import numpy as np
 
 from search_service.cuda import abi
 from search_service.cuda import pool as pl
-from search_service.cuda.backend import (
-    SCALE_TABLE,
-    _NULL,
-    _call_model,
-    _wave_slots,
-    model_values,
-    result_fields,
-)
+from search_service.cuda.answers import call_model, model_values, result_fields, wave_slots
 from search_service.cuda.module import kernel
 from search_service.games import connect4
 from search_service.games.connect4 import Positions
@@ -66,6 +59,7 @@ from search_service.mcts.batch import ended_by
 from search_service.mcts.rollout import rollout_values
 
 A = connect4.NUM_ACTIONS
+_NULL = np.uint64(0)  # a null pointer argument of a kernel
 _KEY_WORDS = 3  # a tree's Philox key row: k0, k1, its tree word
 _HOST_FIELDS = {  # per-row host state: name -> dtype (row b: tree b)
     "seed": np.uint64,
@@ -197,7 +191,7 @@ class CudaTreeBatch:
             idx = np.flatnonzero(fresh)
             init["root_visits"][idx] = 1  # the root's own evaluation: sqrt(N) > 0 at the first choice
             try:
-                _, priors = _call_model(self.evaluator, roots.current[idx], roots.mask[idx])
+                _, priors = call_model(self.evaluator, roots.current[idx], roots.mask[idx])
             except EvaluationFailed as exc:  # uniform priors stay; rollouts value the leaves
                 use_model[idx], failure[idx], priors = False, str(exc) or type(exc).__name__, None
             if priors is not None:
@@ -374,7 +368,7 @@ class CudaTreeBatch:
         slot = np.arange(n)
         tree_of, j = slot // k, slot % k
         in_wave = j < ks[tree_of]
-        ran, _, open_ = _wave_slots(meta, in_wave, b)  # slots past a tree's k hold no META row: never read
+        ran, _, open_ = wave_slots(meta, in_wave, b)  # slots past a tree's k hold no META row: never read
         vin = np.zeros(n, abi.EVAL.dtype)
         vin["value"] = tr.OUTCOME_VALUE[np.where(ran, meta["terminal"], tr.NOT_TERMINAL)]
         by_model = self.row["use_model"][tree_of]
@@ -422,12 +416,13 @@ class CudaTreeBatch:
         if deadline_ns:
             self.t0.fill(0)  # the slice counts from this launch's first warp
         grid, block = self._grid()
+        scale = self.backend.scale_table(self.p.c_uct)  # float64 [SCALE_TABLE]
         smem = abi.COLUMN_TABLE_BYTES + abi.WARPS_PER_BLOCK * (g * abi.MAX_DEPTH + 64) * 4
         name = "mcts_rollout_aggregated" if self.backend.backup == "warp_aggregated" else "mcts_rollout_global"
         kernel(name)(grid, block, (
             self.pool, np.int64(self.cap), np.int32(self.cap), np.int32(b), np.int32(self.w), np.int32(g),
             np.int32(self.k_max), np.int32(0), np.int64(deadline_ns), self.t0, self.ts, self.cyc,
-            np.float64(self.p.c_uct), np.float64(self.p.virtual_loss), self.backend.scale_table(self.p.c_uct), np.int32(SCALE_TABLE),
+            np.float64(self.p.c_uct), np.float64(self.p.virtual_loss), scale, np.int32(scale.size),
             np.uint32(0), np.uint32(0), self.ks_dev, self.keys), shared_mem=smem)
         self._refresh()
         ms = (time.perf_counter() - t) * 1e3

@@ -250,7 +250,7 @@ def test_fresh_roots_get_their_obs_rows_and_the_host_ways_priors():
     priors = rows[:, : abi.ROWS_BYTES].view(np.int32).reshape(b, abi.ROW, 4)[:, : abi.NUM_ACTIONS, 3].view(np.float32)
     with np.errstate(invalid="ignore"):
         values, host = values_and_priors({"value": np.zeros((b, 1), np.float32), "policy_logits": logits})
-    _, want = model_answer(values, host, connect4.legal_bits(roots.mask))  # the host way's (_call_model)
+    _, want = model_answer(values, host, connect4.legal_bits(roots.mask))  # the host way's (answers.call_model)
     np.testing.assert_allclose(priors[:3], want[:3], rtol=1e-5, atol=1e-7)
     assert priors[2, 3] == 0.0  # column 4 is full
     assert (rows[3] == 0x55).all()

@@ -1,0 +1,116 @@
+"""A wave's leaves to the value model and a search's RES rows to answers:
+the host side that the CUDA backend's single-call search (backend.py) and
+its batch of trees (tree_batch.py) share."""
+from __future__ import annotations
+
+from typing import Callable
+
+import cupy
+import numpy as np
+
+from search_service.cuda import abi
+from search_service.games import connect4
+from search_service.games.connect4 import Positions
+from search_service.mcts import tree as tr
+from search_service.mcts.backend import best_action, model_answer
+from tandem import nvtx
+
+_RES_OFFSET = {f.name: f.offset for f in abi.RESULT.fields}  # RES field -> its first word
+_RES_COUNTERS = ("nodes", "max_depth", "done", "exhausted", "deadline", "pv_length")  # one word each, in this order
+_RES_NODES, _RES_PV = _RES_OFFSET["nodes"], _RES_OFFSET["pv"]
+assert [_RES_OFFSET[f] for f in _RES_COUNTERS] == list(range(_RES_NODES, _RES_NODES + len(_RES_COUNTERS)))
+
+
+def model_values(evaluator, vin: np.ndarray, planes: np.ndarray, obs_dev, open_: np.ndarray, leader: np.ndarray,
+                 wants_cupy: bool) -> bool:
+    """Fills the EVAL rows ``vin`` (abi.EVAL.dtype [n]) of a wave's open
+    leaves (``open_`` bool [n]) from one call of ``evaluator`` (each distinct
+    leaf once: its leader's row, ``leader`` int [n]; observations from
+    ``planes`` uint8 [n, 2, 6, 7] on the host, or the OBS rows ``obs_dev`` on
+    the device where ``wants_cupy``); returns has_priors.
+
+    Raises:
+        EvaluationFailed: the evaluator could not value the leaves.
+    """
+    n = len(vin)
+    rows = np.flatnonzero(open_ & (leader == np.arange(n)))
+    if rows.size == 0:
+        return False
+    obs = obs_dev[cupy.asarray(rows)].reshape(-1, 2, connect4.ROWS, connect4.COLUMNS) if wants_cupy else planes[rows]
+    top = planes[rows, :, -1, :]  # uint8 [M, 2, A]: the top row of both stone planes
+    legal = (top[:, 0] | top[:, 1]) == 0
+    with nvtx.span("search.evaluate"):
+        values, priors = _model_answer(evaluator, obs, legal)
+    by_slot = np.zeros(n, np.float32)
+    by_slot[rows] = values
+    vin["value"][open_] = by_slot[leader[open_]]
+    if priors is None:
+        return False
+    vin["priors"][rows] = priors
+    return True
+
+
+def result_fields(res: np.ndarray, currents: np.ndarray, masks: np.ndarray,
+                  root_priors: Callable[[np.ndarray], np.ndarray | None]) -> list[tuple[dict, bool]]:
+    """The :class:`SearchResult` fields that M trees' RES rows give (``res``:
+    abi.RESULT.dtype [M]; ``currents``, ``masks``: uint64 [M], the roots' side
+    to move's stones and occupied cells;
+    ``root_priors(total)``: the roots' priors float32 [M, A] where a tree has
+    no root visit at all, given the roots' visits int64 [M], else None), with
+    whether its deadline stopped a warp of the tree, one pair per tree.
+    Whole-batch arrays and lists first, in as few NumPy calls as may be: each
+    costs the host a few µs while the caller waits for its answer, whatever M
+    (docs/benchmarks.md)."""
+    m = len(res)
+    words = res.view(np.int32).reshape(m, abi.RESULT.words)  # [M, 74]: the RES rows as words
+    visits = res["visits"].astype(np.int64)  # [M, A]
+    value = res["value_sum"].astype(np.float64)
+    q = np.where(visits > 0, value / np.maximum(visits, 1), 0.0)
+    q32 = q.astype(np.float32)
+    total = visits.sum(axis=1)  # [M]: the roots' completed simulations
+    outcome = res["outcome"].astype(np.int8)  # [M, 1 + A]: the root's known result, then its children's
+    proven = outcome[:, 0]
+    root_value = np.where(proven != tr.NOT_TERMINAL, tr.OUTCOME_VALUE[proven],
+                          value.sum(axis=1) / np.maximum(total, 1)).tolist()
+    action = best_action(visits, q, connect4.legal_bits(masks), outcome[:, 1:], root_priors(total),
+                         connect4.loses_at_once_bits(currents, masks)).tolist()
+    counters = words[:, _RES_NODES : _RES_NODES + len(_RES_COUNTERS)].tolist()  # [M][6]: _RES_COUNTERS
+    pv = words[:, _RES_PV : _RES_PV + abi.MAX_DEPTH].tolist()
+    proven = proven.tolist()
+    return [
+        (dict(action=action[i], visit_counts=visits[i], q_values=q32[i], root_value=root_value[i],
+              principal_variation=pv[i][:pv_len], simulations=done, max_depth=depth, pool_exhausted=exhausted != 0,
+              proven=proven[i]), deadline != 0)
+        for i, (_, depth, done, exhausted, deadline, pv_len) in enumerate(counters)
+    ]
+
+
+def wave_slots(meta: np.ndarray, in_wave: np.ndarray, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """From a wave's META rows ([n]) and which slots are in it (bool [n]): the
+    slots that ran a simulation (bool [n]), the trees whose root is not proven
+    (bool [B]) and the slots whose leaf is unfinished (bool [n])."""
+    terminal = meta["terminal"]
+    ran = in_wave & (terminal != abi.NO_SIMULATION)
+    return ran, ran.reshape(b, -1)[:, 0], ran & (terminal == tr.NOT_TERMINAL)
+
+
+def _model_answer(evaluator, obs, legal: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """Calls the evaluator on observations (uint8 [M, 2, 6, 7], NumPy or CuPy)
+    and applies :func:`model_answer` (the reference's rules; ``legal`` bool
+    [M, A]) to its answer, brought to the host.
+
+    Raises:
+        EvaluationFailed: the evaluator failed, or answered the wrong shape.
+    """
+    values, priors = evaluator(obs)
+    return model_answer(cupy.asnumpy(values) if isinstance(values, cupy.ndarray) else values,
+                        cupy.asnumpy(priors) if isinstance(priors, cupy.ndarray) else priors, legal)
+
+
+def call_model(evaluator, current: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """The model's answer for positions given as bitboards (fresh roots)."""
+    pos = Positions(current, mask, connect4.popcount(mask))
+    obs = connect4.observation(pos)
+    if getattr(evaluator, "accepts_cupy", False):
+        obs = cupy.asarray(obs)
+    return _model_answer(evaluator, obs, connect4.legal_bits(mask))
