@@ -51,11 +51,12 @@ MISSED_TARGET = 0.005  # "games per GPU": at most 0.5 % of frames missed ...
 MIN_SIMULATIONS = 100  # ... and at least this many simulations per agent a frame
 
 
-def _config(policy: str, out: Path, search_workers: int | None = None) -> Path:
+def _config(policy: str, out: Path, workers: int | None = None) -> Path:
     cfg = yaml.safe_load(SHIPPED.read_text())
     cfg.setdefault("scheduler", {})["policy"] = policy
-    if search_workers:
-        cfg.setdefault("search", {})["workers"] = search_workers
+    if workers:  # search.workers and reward.workers (tandem/workers.py)
+        cfg.setdefault("search", {})["workers"] = workers
+        cfg.setdefault("reward", {})["workers"] = workers
     path = out / f"tandem_{policy}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -189,7 +190,8 @@ def main() -> None:
     ap.add_argument("--policies", default="default,dynamic,static", help="policies of the contended rows")
     ap.add_argument("--frames", type=int, default=600)
     ap.add_argument("--fps", type=float, default=60.0)
-    ap.add_argument("--search-workers", type=int, default=None, help="search.workers (default: the shipped config's)")
+    ap.add_argument("--workers", type=int, default=None,
+                    help="search.workers and reward.workers (default: the shipped config's)")
     args = ap.parse_args()
     if args.quick:
         args.engines, args.evaluators, args.batch, args.contended, args.frames = [1, 2], "rollout", "1x4", 2, 60
@@ -202,7 +204,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="engines_") as tmp:
         work = Path(tmp)
         for i, policy in enumerate(policies):
-            config = _config(policy, work, args.search_workers)
+            config = _config(policy, work, args.workers)
             logs = work / f"logs_{policy}"
             logs.mkdir()
             stack = Stack(config, logs)
@@ -212,7 +214,7 @@ def main() -> None:
                 plan += [(args.contended, 1, evaluators[0], "shm")] if args.contended else []
                 for engines, agents, ev, trainer in plan:
                     row = run_row(config, work, engines, agents, ev, args.frames, args.fps, trainer)
-                    row["search_workers"] = yaml.safe_load(config.read_text()).get("search", {}).get("workers", 1)
+                    row["workers"] = yaml.safe_load(config.read_text()).get("search", {}).get("workers", 1)
                     progress(row)
                     rows.append(row)
             finally:

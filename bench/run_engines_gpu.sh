@@ -4,7 +4,7 @@
 #   bash bench/run_engines_gpu.sh curve      # N = 1, 8, 32, 64, 128 per evaluator, and the batch-call rows
 #   bash bench/run_engines_gpu.sh contended  # N = 64 beside the bulk-server trainer, per policy
 #   WORKERS=4 bash bench/run_engines_gpu.sh workers  # Search calls a second by search.workers, then the
-#                                            # curve's N = 8, 32, 64 rows with search.workers = $WORKERS
+#                                            # curve's N = 8, 32, 64 rows with search and reward workers = $WORKERS
 # Each writes $OUT/engines_<mode>.json, engines_<mode>.png and a short table (last).
 set -o pipefail
 export PYTHONUNBUFFERED=1
@@ -18,7 +18,7 @@ case "${1:-curve}" in
            --policies default,dynamic,static --out "$OUTDIR/contended" ;;
   workers) python3 -m bench.search_calls --backend cuda --workers 1,2,4,8 --clients 16 --out "$OUTDIR"
            python3 -m bench.engines --engines 8,32,64 --evaluators rollout,value_model --batch "" --contended 0 \
-             --policies default --search-workers "${WORKERS:-4}" --out "$OUTDIR/workers" ;;
+             --policies default --workers "${WORKERS:-4}" --out "$OUTDIR/workers" ;;
 esac
 for f in "$OUTDIR"/*/engines.json; do cp "$f" "$OUTDIR/engines_$(basename "$(dirname "$f")").json"; done
 for f in "$OUTDIR"/*/engines.png; do cp "$f" "$OUTDIR/engines_$(basename "$(dirname "$f")").png"; done

@@ -17,7 +17,6 @@ import inspect
 import logging
 import math
 import os
-import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -39,14 +38,13 @@ from search_service.mcts.backend import SearchParams
 from search_service.sessions import Owners, SessionStore
 from search_service.streams import StreamSet
 from search_service.wave_loop import Job, Refused, Stopping, WaveLoop
-from tandem import nvtx, pools
+from tandem import nvtx, pools, workers
 from tandem.config import TandemConfig
 from tandem.errors import quote
 from tandem.gpu import cupy_module
 from tandem.server import LATENCY_BUCKETS_S, channel
 from tandem.service import Service, start_service
 from tandem.startup import Phases
-from tandem.workers import Workers, check_free, die_with
 
 log = logging.getLogger(__name__)
 
@@ -544,39 +542,7 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True, worker: int = 0, por
 
 
 def serve(cfg: TandemConfig) -> None:
-    """Runs the search service until SIGINT/SIGTERM: ``cfg.search.workers``
-    processes sharing its address (tandem/workers.py), this one the first.
-
-    Raises:
-        SystemExit: 1, a worker died unasked (every other worker stopped).
-    """
-    grace_ms = cfg.search.server.grace_period_ms
-    if cfg.search.workers <= 1:
-        start(cfg).serve_forever(grace_ms)
-        return
-    check_free(cfg.search.address)  # a stale server would share a port bound with SO_REUSEPORT
-    service = start(cfg)
-    workers = Workers(serve_worker, (cfg, service.port), cfg.search.workers - 1)
-    died = []
-
-    def on_death(index: int, code: int | None) -> None:
-        log.error("search worker %d ended (exit code %s): the search service stops", index, code)
-        died.append(index)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    workers.start()
-    workers.watch(on_death)
-    try:
-        service.serve_forever(grace_ms)
-    finally:
-        workers.stop(grace_ms / 1000.0 + 5.0)
-    if died:
-        raise SystemExit(1)
-
-
-def serve_worker(cfg: TandemConfig, port: int, index: int, parent: int) -> None:
-    """Worker ``index`` (1..) of :func:`serve`, in a process of its own: the
-    search service on ``port``, until SIGTERM or its parent's death."""
-    die_with(parent)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [worker {index}] %(name)s: %(message)s")
-    start(cfg, worker=index, port=port).serve_forever(cfg.search.server.grace_period_ms)
+    """Runs the search service until SIGINT/SIGTERM, as ``search.workers``
+    processes sharing its address (tandem/workers.py)."""
+    workers.serve(cfg, cfg.search.workers, cfg.search.address, cfg.search.server.grace_period_ms,
+                  "search_service.server:start")

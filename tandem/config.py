@@ -230,6 +230,11 @@ class RewardConfig:
     # the critical lane has one more set at the greatest of them (reward_service/batcher.py).
     # memory_pool_bytes is split evenly over all sessions.
     stream_priorities: tuple[int, ...] = (0, -5)
+    # Processes serving reward.address together (SO_REUSEPORT; tandem/workers.py), each
+    # with its own sessions (GPU memory and start-up times this many), batchers and leaf
+    # channel; a connection stays with one, so a client registers shared memory and
+    # evaluates over one channel. Metrics are worker 0's. The bulk server stays one. At most 64.
+    workers: int = 1
     models: tuple[ModelConfig, ...] = (
         ModelConfig(
             name="connect4_value",
@@ -376,7 +381,7 @@ _MAX_BY_NAME = {
     "parallel_sims": 65536,  # SearchParams' range
     "value_model_parallel_sims": 65536,
     "value_model_sims_per_warp": 32,  # a warp's 32 lanes
-    "workers": 64,  # search processes sharing one address (tandem/workers.py)
+    "workers": 64,  # processes sharing one address (tandem/workers.py)
 }
 _MAX_BY_SUFFIX = (("_port", 65535), ("_bytes", 2**62), ("_ms", 86_400_000.0), ("_us", 86_400_000_000.0))
 # Lower bounds of durations that a smaller positive value cannot mean (a typo, or seconds

@@ -23,6 +23,7 @@ Invariants:
 from __future__ import annotations
 
 import ctypes
+import importlib
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -32,6 +33,8 @@ import socket
 import threading
 import time
 from typing import Any, Callable
+
+from tandem.config import TandemConfig
 
 log = logging.getLogger(__name__)
 
@@ -113,3 +116,50 @@ class Workers:
                 p.kill()
                 p.join(5)
         return [p.exitcode for p in self.procs]
+
+
+def serve(cfg: TandemConfig, count: int, address: str, grace_ms: float, start: str) -> None:
+    """Runs a server until SIGINT/SIGTERM as ``count`` processes sharing
+    ``address``: this one, then ``count - 1`` workers. ``start`` names the
+    server's start function ("module:function", called as ``function(cfg,
+    worker=i, port=p)`` and returning a :class:`tandem.service.Service`).
+
+    Raises:
+        RuntimeError: the address is bound by another process (``count`` > 1).
+        SystemExit: 1, a worker died unasked (every other worker stopped).
+    """
+    first = _start_function(start)
+    if count <= 1:
+        first(cfg).serve_forever(grace_ms)
+        return
+    check_free(address)  # a stale server would share a port bound with SO_REUSEPORT
+    service = first(cfg)
+    workers = Workers(run_worker, (start, cfg, service.port, grace_ms), count - 1)
+    died = []
+
+    def on_death(index: int, code: int | None) -> None:
+        log.error("worker %d ended (exit code %s): the server stops", index, code)
+        died.append(index)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    workers.start()
+    workers.watch(on_death)
+    try:
+        service.serve_forever(grace_ms)
+    finally:
+        workers.stop(grace_ms / 1000.0 + 5.0)
+    if died:
+        raise SystemExit(1)
+
+
+def run_worker(start: str, cfg: TandemConfig, port: int, grace_ms: float, index: int, parent: int) -> None:
+    """Worker ``index`` (1..) of :func:`serve`, in a process of its own: the
+    server on ``port`` until SIGTERM or its parent's death."""
+    die_with(parent)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [worker {index}] %(name)s: %(message)s")
+    _start_function(start)(cfg, worker=index, port=port).serve_forever(grace_ms)
+
+
+def _start_function(start: str) -> Callable[..., Any]:
+    module, _, function = start.partition(":")
+    return getattr(importlib.import_module(module), function)

@@ -1,8 +1,9 @@
-"""The search service as several worker processes on one address
-(``search.workers``, tandem/workers.py): `tandem serve search` as a real
-process on loopback (CPU reference), its workers listening on the same port,
-calls over new connections all answered, a worker's death stopping the whole
-service (exit 1) and SIGTERM stopping every worker."""
+"""The search and reward services as several worker processes on one
+address (``search.workers``, ``reward.workers``; tandem/workers.py): `tandem
+serve` as a real process on loopback (CPU reference, CPU execution provider),
+its workers listening on the same port, calls over new connections all
+answered, a worker's death stopping the whole service (exit 1) and SIGTERM
+stopping every worker."""
 from __future__ import annotations
 
 import os
@@ -14,11 +15,13 @@ import time
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
 import yaml
 from conftest import free_port
-from tandem.v1 import search_pb2, search_pb2_grpc
+from tandem.v1 import reward_pb2, reward_pb2_grpc, search_pb2, search_pb2_grpc
 
+from tandem import tensors
 from tandem.config import ConfigError, load_config, loopback_data
 from tandem.workers import check_free
 
@@ -57,18 +60,26 @@ def _poll(predicate, timeout_s: float) -> bool:
     return predicate()
 
 
-@pytest.fixture()
-def workers(tmp_path):
-    """`tandem serve search` with three workers: (process, config, port)."""
-    data = loopback_data(free_port, sections={"search": {"backend": "cpu", "evaluator": "rollout", "workers": 3}})
+def _serve(tmp_path, name: str, sections: dict, count: int):
+    """`tandem serve NAME` with ``count`` workers: (process, config, port), once every worker listens."""
+    data = loopback_data(free_port, sections=sections)
     path = tmp_path / "tandem.yaml"
     path.write_text(yaml.safe_dump(data))
     cfg = load_config(path)
-    port = int(cfg.search.address.rpartition(":")[2])
-    proc = subprocess.Popen([sys.executable, "-m", "stack", "serve", "search", "--config", str(path)], cwd=REPO,
-                            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "search.log", "w"))
+    port = int(getattr(cfg, name).address.rpartition(":")[2])
+    log = tmp_path / f"{name}.log"
+    proc = subprocess.Popen([sys.executable, "-m", "stack", "serve", name, "--config", str(path)], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+    assert _poll(lambda: _listeners(port) == count or proc.poll() is not None, START_TIMEOUT_S)
+    assert _listeners(port) == count, log.read_text()[-3000:]
+    return proc, cfg, port
+
+
+@pytest.fixture()
+def workers(tmp_path):
+    """`tandem serve search` with three workers: (process, config, port)."""
+    proc, cfg, port = _serve(tmp_path, "search", {"search": {"backend": "cpu", "evaluator": "rollout", "workers": 3}}, 3)
     try:
-        assert _poll(lambda: _listeners(port) == 3, START_TIMEOUT_S), (tmp_path / "search.log").read_text()[-3000:]
         yield proc, cfg, port
     finally:
         if proc.poll() is None:
@@ -87,6 +98,27 @@ def test_three_workers_listen_on_one_port_and_answer_calls_on_new_connections(wo
     assert {(a.action, a.simulations) for a in answers} == {(answers[0].action, 32)}  # same seed: same answer
     with pytest.raises(RuntimeError, match=f"could not bind 127.0.0.1:{port}"):
         check_free(cfg.search.address)  # held by the workers: a stale server would be seen
+
+
+def test_two_reward_workers_answer_evaluates_on_new_connections(tmp_path):
+    proc, cfg, _ = _serve(tmp_path, "reward", {"reward": {"execution_provider": "cpu", "workers": 2}}, 2)
+    try:
+        board = np.zeros((1, 2, 6, 7), np.uint8)
+        board[0, 0, 0, 3] = 1
+        request = reward_pb2.EvaluateRequest(model="connect4_value", inputs=[tensors.to_proto("board", board)],
+                                             request_class=reward_pb2.REQUEST_CLASS_CRITICAL)
+        values = set()
+        for _ in range(12):
+            with grpc.insecure_channel(cfg.reward.address) as ch:
+                reply = reward_pb2_grpc.RewardServiceStub(ch).Evaluate(request, timeout=60)
+                values.add(round(float(tensors.from_proto(reply.outputs[0]).reshape(-1)[0]), 5))
+        assert len(values) == 1  # one model, one answer, whichever worker
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
 
 
 def test_a_worker_that_dies_stops_the_search_service(workers):
