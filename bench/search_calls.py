@@ -20,7 +20,6 @@ Smoke test:     ``python3 -m bench.search_calls --quick --out /tmp/bench-smoke``
 from __future__ import annotations
 
 import multiprocessing
-import os
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,7 @@ from tandem.v1 import search_pb2, search_pb2_grpc
 from bench import common
 from bench.loopback_stack import loopback_stack_data
 from bench.service_cpu import cpu_seconds
+from tandem.workers import children
 
 BENCHMARK = "search_calls"
 COLUMNS = ("workers", "clients", "backend", "calls_per_s", "calls_ratio", "cpu_cores", "cpu_us_per_call", "errors")
@@ -56,20 +56,6 @@ def _client(address: str, simulations: int, start: float, until: float, out) -> 
             if time.time() >= start:  # the warm-up's calls are not counted
                 calls, errors = calls + ok, errors + (not ok)
     out.put((calls, errors))
-
-
-def _family(pid: int) -> list[int]:
-    """``pid`` and its children (the workers; spawn's resource tracker too)."""
-    kids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rpartition(")")[2].split()[1]) == pid:
-                        kids.append(int(entry))
-            except (OSError, ValueError, IndexError):
-                pass
-    return [pid, *kids]
 
 
 def _serving(address: str, timeout_s: float = 120.0) -> None:
@@ -96,7 +82,7 @@ def measure(workers: int, clients: int, backend: str, simulations: int, seconds:
             for p in procs:
                 p.start()
             time.sleep(max(start - time.time(), 0))
-            pids = _family(proc.pid)
+            pids = [proc.pid, *children(proc.pid)]
             before = sum(cpu_seconds(p) for p in pids)
             time.sleep(max(until - time.time(), 0))
             used = sum(cpu_seconds(p) for p in pids) - before

@@ -58,6 +58,21 @@ def check_free(address: str) -> None:
             raise RuntimeError(f"could not bind {address}: {exc.strerror}") from None
 
 
+def children(pid: int) -> list[int]:
+    """The pids of process ``pid``'s children (Linux, /proc): its workers, and
+    the resource tracker multiprocessing's spawn starts."""
+    kids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:  # "pid (comm) state ppid ...": comm may hold spaces
+                    if int(f.read().rpartition(")")[2].split()[1]) == pid:
+                        kids.append(int(entry))
+            except (OSError, ValueError, IndexError):  # gone meanwhile
+                pass
+    return kids
+
+
 def die_with(parent: int) -> None:
     """In a child process: SIGTERM to itself when process ``parent`` dies,
     even by SIGKILL (the kernel's parent-death signal, and a watch on the

@@ -6,6 +6,7 @@ answered, a worker's death stopping the whole service (exit 1) and SIGTERM
 stopping every worker."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -23,23 +24,10 @@ from tandem.v1 import reward_pb2, reward_pb2_grpc, search_pb2, search_pb2_grpc
 
 from tandem import tensors
 from tandem.config import ConfigError, load_config, loopback_data
-from tandem.workers import check_free
+from tandem.workers import check_free, children
 
 REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 120.0
-
-
-def _children(pid: int) -> list[int]:
-    kids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rpartition(")")[2].split()[1]) == pid:
-                        kids.append(int(entry))
-            except (OSError, ValueError, IndexError):
-                pass
-    return kids
 
 
 def _listeners(port: int) -> int:
@@ -60,8 +48,10 @@ def _poll(predicate, timeout_s: float) -> bool:
     return predicate()
 
 
+@contextlib.contextmanager
 def _serve(tmp_path, name: str, sections: dict, count: int):
-    """`tandem serve NAME` with ``count`` workers: (process, config, port), once every worker listens."""
+    """`tandem serve NAME` with ``count`` workers: (process, config, port), once
+    every worker listens; killed on exit if still running."""
     data = loopback_data(free_port, sections=sections)
     path = tmp_path / "tandem.yaml"
     path.write_text(yaml.safe_dump(data))
@@ -70,16 +60,9 @@ def _serve(tmp_path, name: str, sections: dict, count: int):
     log = tmp_path / f"{name}.log"
     proc = subprocess.Popen([sys.executable, "-m", "stack", "serve", name, "--config", str(path)], cwd=REPO,
                             stdout=subprocess.DEVNULL, stderr=open(log, "w"))
-    assert _poll(lambda: _listeners(port) == count or proc.poll() is not None, START_TIMEOUT_S)
-    assert _listeners(port) == count, log.read_text()[-3000:]
-    return proc, cfg, port
-
-
-@pytest.fixture()
-def workers(tmp_path):
-    """`tandem serve search` with three workers: (process, config, port)."""
-    proc, cfg, port = _serve(tmp_path, "search", {"search": {"backend": "cpu", "evaluator": "rollout", "workers": 3}}, 3)
     try:
+        assert _poll(lambda: _listeners(port) == count or proc.poll() is not None, START_TIMEOUT_S)
+        assert _listeners(port) == count, log.read_text()[-3000:]
         yield proc, cfg, port
     finally:
         if proc.poll() is None:
@@ -87,9 +70,16 @@ def workers(tmp_path):
             proc.wait(30)
 
 
+@pytest.fixture()
+def workers(tmp_path):
+    """`tandem serve search` with three workers: (process, config, port)."""
+    with _serve(tmp_path, "search", {"search": {"backend": "cpu", "evaluator": "rollout", "workers": 3}}, 3) as served:
+        yield served
+
+
 def test_three_workers_listen_on_one_port_and_answer_calls_on_new_connections(workers):
     proc, cfg, port = workers
-    assert len(_children(proc.pid)) >= 2  # workers 1 and 2 (spawn may add its resource tracker)
+    assert len(children(proc.pid)) >= 2  # workers 1 and 2 (spawn may add its resource tracker)
     request = search_pb2.SearchRequest(game="connect4", moves="4453", simulations=32, seed=1)
     answers = []
     for _ in range(24):  # each a connection of its own: the kernel spreads them over the workers
@@ -101,29 +91,24 @@ def test_three_workers_listen_on_one_port_and_answer_calls_on_new_connections(wo
 
 
 def test_two_reward_workers_answer_evaluates_on_new_connections(tmp_path):
-    proc, cfg, _ = _serve(tmp_path, "reward", {"reward": {"execution_provider": "cpu", "workers": 2}}, 2)
-    try:
+    with _serve(tmp_path, "reward", {"reward": {"execution_provider": "cpu", "workers": 2}}, 2) as (proc, cfg, _):
         board = np.zeros((1, 2, 6, 7), np.uint8)
         board[0, 0, 0, 3] = 1
         request = reward_pb2.EvaluateRequest(model="connect4_value", inputs=[tensors.to_proto("board", board)],
                                              request_class=reward_pb2.REQUEST_CLASS_CRITICAL)
         values = set()
-        for _ in range(12):
+        for _ in range(12):  # each a connection of its own
             with grpc.insecure_channel(cfg.reward.address) as ch:
                 reply = reward_pb2_grpc.RewardServiceStub(ch).Evaluate(request, timeout=60)
                 values.add(round(float(tensors.from_proto(reply.outputs[0]).reshape(-1)[0]), 5))
         assert len(values) == 1  # one model, one answer, whichever worker
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(30)
 
 
 def test_a_worker_that_dies_stops_the_search_service(workers):
     proc, _, port = workers
-    worker = max(_children(proc.pid))
+    worker = max(children(proc.pid))
     os.kill(worker, signal.SIGKILL)
     assert proc.wait(60) == 1
     assert _poll(lambda: _listeners(port) == 0, 30)
@@ -131,7 +116,7 @@ def test_a_worker_that_dies_stops_the_search_service(workers):
 
 def test_sigterm_stops_every_worker(workers):
     proc, _, port = workers
-    kids = _children(proc.pid)
+    kids = children(proc.pid)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(60) == 0
     assert _poll(lambda: _listeners(port) == 0 and not any(os.path.exists(f"/proc/{k}") for k in kids), 30)
