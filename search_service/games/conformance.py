@@ -10,17 +10,19 @@ among the legal ones. At every ply it checks:
 * the rules against themselves: legal actions exist exactly where the game is
   not over; ``step``'s terminal flag is ``is_terminal`` of the next state, its
   reward is 0 where the game goes on and ``-returns`` of the next state where
-  it ended; no game outlasts ``max_moves``; and, over the first K games,
-  every function on one state at a time gives what it gives on the batch,
-  ``step`` raises ValueError on an illegal action, and the finished game's
-  move string reads back (``parse_moves(moves_to_text(...))``) to its state;
+  it ended; no game outlasts ``max_moves``; and, in the first K games,
+  ``step`` raises ValueError on an illegal action and after the end, and the
+  finished game's move string reads back (``parse_moves(moves_to_text(...))``)
+  to its state. After the games, every move of those K games, from all
+  plies, is shuffled into one batch: each function on that batch must give,
+  row by row, what it gives on one state alone;
 * the rules against OpenSpiel's (where game.yaml names an ``openspiel`` game
   and pyspiel imports): the same actions are played in pyspiel, and the legal
   action sets (through ``to_openspiel_action``), the terminal flags, the
   player to move and the final returns must agree.
 
-A game that disagrees stops at its first mismatch; the report lists the first
-few with their move strings. Exit status: 0 conformant, 1 a mismatch, 2 the
+A game that disagrees stops at its first mismatch, and only that one is
+reported; the report lists the first few with their move strings. Exit status: 0 conformant, 1 a mismatch, 2 the
 folder does not load. The GPU half (CUDA playouts equal the NumPy rules bit
 for bit) comes with the CUDA device rules.
 """
@@ -88,8 +90,8 @@ class Report:
         lines = [
             f"{self.name} ({self.folder}): {self.games} random games (seed {self.seed}), "
             f"{self.plies} plies, {self.seconds:.1f} s",
-            f"  rules against themselves: every ply; one state at a time = the batch over the first "
-            f"{min(self.single_games, self.games)} games",
+            f"  rules against themselves: every ply; one state at a time = a shuffled batch of every move "
+            f"of the first {min(self.single_games, self.games)} games",
             f"  {self.openspiel}",
             f"mismatches: {self.count}",
         ]
@@ -163,7 +165,10 @@ class _Run:
         self.rng = rng
         n = report.games
         self.single = np.arange(n) < single_games  # bool [N]: games also checked one state at a time
+        # (game, plies before, state uint64 [1, W], action) of every move in those games
+        self.samples: list[tuple[int, int, np.ndarray, int]] = []
         self.alive = np.ones(n, np.bool_)  # games neither finished nor failed
+        self.failed: set[int] = set()  # games with a mismatch: one is enough
         self.history: list[list[int]] = [[] for _ in range(n)]
         self.spiel_game = _openspiel(plugin, report)
         self.spiel = [self.spiel_game.new_initial_state() for _ in range(n)] if self.spiel_game else None
@@ -171,14 +176,17 @@ class _Run:
 
     # -- reporting -------------------------------------------------------
 
-    def fail(self, g: int, what: str) -> None:
-        """Records a mismatch in game ``g`` and stops that game."""
+    def fail(self, g: int, what: str, plies: int | None = None) -> None:
+        """Records a mismatch in game ``g`` after its first ``plies`` actions
+        (default: all so far) and stops that game."""
+        actions = self.history[g][:plies]
         try:
-            moves = self.rules.moves_to_text(self.history[g])
+            moves = self.rules.moves_to_text(actions)
         except Exception:
-            moves = str(self.history[g])  # the notation itself may be what is broken
-        self.report.add(Mismatch(g, len(self.history[g]), moves, what))
+            moves = str(actions)  # the notation itself may be what is broken
+        self.report.add(Mismatch(g, len(actions), moves, what))
         self.alive[g] = False
+        self.failed.add(g)
 
     def fail_all(self, idx: np.ndarray, bad: np.ndarray, what: Callable[[int], str]) -> None:
         """``fail`` for each game ``idx[k]`` where ``bad[k]``; ``what(k)`` says why."""
@@ -196,8 +204,9 @@ class _Run:
             for ply in range(self.meta.max_moves + 1):
                 idx = np.flatnonzero(self.alive)
                 if idx.size == 0:
-                    return
+                    break
                 states[idx] = self._ply(ply, idx, states[idx])
+            self._check_mixed_batch()
         except Exception as e:  # a rules function raising on a batch stops the run: report it, not a traceback
             self.report.add(Mismatch(-1, 0, "", f"the run stopped: {type(e).__name__}: {e}"))
 
@@ -223,6 +232,7 @@ class _Run:
         self.fail_all(idx, terminal & legal.any(axis=1), lambda k: "self: legal actions in a finished game")
         self.fail_all(idx, ~terminal & ~legal.any(axis=1), lambda k: "self: no legal action in a game still going")
         self.fail_all(idx, ~terminal & (result != 0), lambda k: f"self: returns {result[k]} in a game still going")
+        self.fail_all(idx, (player != 0) & (player != 1), lambda k: f"self: to_play {player[k]} is no player")
         if ply == self.meta.max_moves:
             self.fail_all(idx, ~terminal, lambda k: f"self: the game goes on after max_moves ({ply}) plies")
         if self.spiel is not None:
@@ -245,8 +255,9 @@ class _Run:
         self._check_step(live, nxt, ended, reward)
         for k in np.flatnonzero(self.single[live]):
             g = int(live[k])
+            self.samples.append((g, len(self.history[g]) - 1, s_live[k:k + 1], int(actions[k])))
             try:
-                self._check_single(g, s_live[k:k + 1], int(actions[k]), nxt[k:k + 1], ended[k], reward[k])
+                self._check_alone(g, s_live[k:k + 1], nxt[k:k + 1], ended[k])
             except Exception as e:
                 self.fail(g, f"self: one state at a time: {type(e).__name__}: {e}")
         if self.spiel is not None:
@@ -268,30 +279,52 @@ class _Run:
         self.fail_all(live, ended & (reward != -back), lambda k: f"self: the mover's reward {reward[k]} but "
                                                                  f"returns {back[k]} for the next player")
 
-    def _check_single(self, g: int, state: np.ndarray, action: int, nxt: np.ndarray, ended: bool,
-                      reward: np.float32) -> None:
-        """Game ``g``'s state one at a time: every function as on the batch, an
-        illegal action refused, and (when the game ends) its notation."""
+    def _check_alone(self, g: int, state: np.ndarray, nxt: np.ndarray, ended: bool) -> None:
+        """Game ``g``'s state ``state`` (uint64 [1, W]), the move just played
+        in it leading to ``nxt``: an illegal action is refused, and where the
+        game ended, its move string reads back to ``nxt`` and play stops."""
         rules = self.rules
-        one = rules.step(state, np.array([action], np.int64))
-        if not (_same(one[0], nxt) and _same(one[1], np.array([ended])) and _same(one[2], np.array([reward]))):
-            self.fail(g, f"self: step on one state differs from step on the batch (action {action})")
-            return
         illegal = np.flatnonzero(~rules.legal_mask(state)[0])
         if illegal.size and not _raises_value_error(rules.step, state, illegal[:1].astype(np.int64)):
             self.fail(g, f"self: step takes the illegal action {int(illegal[0])} without a ValueError")
-            return
-        for name in _STATE_FUNCTIONS:
-            batch_value = getattr(rules, name)(nxt)
-            if not _same(getattr(rules, name)(nxt[:1]), batch_value):
-                self.fail(g, f"self: {name} on one state differs from {name} on the batch")
-                return
-        if ended:
+        elif ended:
             text = rules.moves_to_text(self.history[g])
             if not _same(rules.parse_moves(text), nxt):
                 self.fail(g, f"self: parse_moves({text!r}) is not the state the game reached")
             elif not _raises_value_error(rules.step, nxt, np.zeros(1, np.int64)):
                 self.fail(g, "self: step plays on after the game ended without a ValueError")
+
+    def _check_mixed_batch(self) -> None:
+        """Every move of the sampled games, from all plies and games, shuffled
+        into one batch: each function on it gives, row by row, what it gives
+        on one state alone. (The run's own batch cannot show this: its games
+        move in step, so its states are alike, e.g. all one player's turn.)"""
+        if not self.samples:
+            return
+        rules = self.rules
+        order = self.rng.permutation(len(self.samples))
+        samples = [self.samples[i] for i in order]
+        states = np.concatenate([state for _, _, state, _ in samples])
+        actions = np.array([a for _, _, _, a in samples], np.int64)
+        nxt, ended, reward = rules.step(states, actions)
+        on_batch = {name: (getattr(rules, name)(states), getattr(rules, name)(nxt)) for name in _STATE_FUNCTIONS}
+        for m, (g, plies, state, action) in enumerate(samples):
+            if g in self.failed:
+                continue
+            try:
+                one = rules.step(state, actions[m:m + 1])
+                if not (_same(one[0], nxt[m:m + 1]) and _same(one[1], ended[m:m + 1])
+                        and _same(one[2], reward[m:m + 1])):
+                    self.fail(g, f"self: step on one state differs from step on the batch (action {action})",
+                              plies + 1)
+                    continue
+                for name, (before, after) in on_batch.items():
+                    fn = getattr(rules, name)
+                    if not (_same(fn(state), before[m:m + 1]) and _same(fn(one[0]), after[m:m + 1])):
+                        self.fail(g, f"self: {name} on one state differs from {name} on the batch", plies + 1)
+                        break
+            except Exception as e:
+                self.fail(g, f"self: one state at a time: {type(e).__name__}: {e}", plies + 1)
 
     def _compare_spiel(self, idx: np.ndarray, legal: np.ndarray, terminal: np.ndarray, player: np.ndarray,
                        result: np.ndarray) -> None:
