@@ -131,8 +131,9 @@ def _check_rules(meta: GameMeta, rules: Any) -> None:
         if not isinstance(value, np.ndarray):
             raise GameError(meta.label, f"{what} returned {type(value).__name__}, expected an array {want}")
         if value.dtype != dtype or value.shape != shape:
+            why = "game.yaml and rules.py disagree" if value.dtype == dtype else "the protocol's dtype"
             raise GameError(meta.label, f"{what} returned {value.dtype.name} {list(value.shape)}, expected {want} "
-                                        "(game.yaml and rules.py disagree)")
+                                        f"({why})")
         return value
 
     one = expect("initial(1)", call("initial", 1), np.uint64, (1, w))
