@@ -29,6 +29,8 @@ PACKAGE_DATA = [
     "reward_service/models/connect4_value.onnx",
     "reward_service/models/frame_reward.onnx",
     *(f"search_service/cuda/kernels/{name}" for name in ("common.cu", "search.cu", "reroot.cu")),
+    "search_service/games/othello/game.yaml",
+    "search_service/games/othello/rules.py",
 ]
 
 # What the installed code finds through importlib.resources, printed as JSON.
