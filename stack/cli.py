@@ -7,6 +7,7 @@
   tandem play [...]                  the sample game engine against a running stack
   tandem demo [...]                  up + play on the bundled positions + report + stop
   tandem convert-fp16 MODEL.onnx     FP16 model with an FP32 last layer, + latency/accuracy report
+  tandem check-game FOLDER           a game plug-in's rules against themselves and OpenSpiel
 
 Exit codes: 0 done (up: stopped on request, every server cleanly); 1 failed (a
 server could not start, did not stop cleanly or was crash-looping under
@@ -310,6 +311,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=_number(int, 0), default=20, help="timed runs per batch size (default 20)")
     p.add_argument("--no-report", action="store_true", help="convert only")
     p.set_defaults(fn=cmd_convert_fp16)
+    from search_service.games import conformance
+
+    p = sub.add_parser("check-game", help="check a game folder's rules against themselves and OpenSpiel")
+    conformance.add_arguments(p)
+    p.set_defaults(fn=lambda args, p=p: conformance.run(p, args))
     return ap
 
 

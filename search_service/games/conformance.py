@@ -373,15 +373,18 @@ def _raises_value_error(fn: Callable, *args) -> bool:
     return False
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m search_service.games.conformance",
-                                 description="Checks a game folder's NumPy rules against themselves and OpenSpiel.")
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The kit's options (this module's command and ``tandem check-game``)."""
     ap.add_argument("folder", help="a game folder, or the name of a bundled game (othello)")
     ap.add_argument("--games", type=int, default=10_000, help="random games to play (default 10000)")
     ap.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     ap.add_argument("--single-games", type=int, default=100,
                     help="games also checked one state at a time (default 100)")
-    args = ap.parse_args(argv)
+
+
+def run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Runs the kit for parsed ``args``; prints its report. Returns the exit
+    status: 0 conformant, 1 a mismatch, 2 the folder does not load."""
     if args.games < 1 or args.single_games < 0:
         ap.error("--games must be >= 1 and --single-games >= 0")
     try:
@@ -391,6 +394,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(report.text())
     return 0 if report.ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m search_service.games.conformance",
+                                 description="Checks a game folder's NumPy rules against themselves and OpenSpiel.")
+    add_arguments(ap)
+    return run(ap, ap.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -130,3 +130,12 @@ def test_python_m_runs_the_kit_on_a_bundled_game_by_name():
                           "--single-games", "2"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.startswith("othello (") and out.stdout.endswith("OK\n")
+
+
+def test_tandem_check_game_runs_the_kit_with_its_exit_status(capsys):
+    from stack import cli
+
+    assert cli.main(["check-game", "othello", "--games", "40", "--single-games", "5"]) == 0
+    assert "mismatches: 0" in capsys.readouterr().out
+    assert cli.main(["check-game", "/nonexistent/game"]) == 2
+    assert "no such game folder" in capsys.readouterr().err
