@@ -532,6 +532,14 @@ def _check_value_model_address(cfg: TandemConfig) -> None:
                           f"reward service ({cfg.reward.address}) or leave it empty")
 
 
+def _check_workers(cfg: TandemConfig) -> None:
+    """Co-located mode is one process (reward and search together): no workers."""
+    for key, count in (("search.workers", cfg.search.workers), ("reward.workers", cfg.reward.workers)):
+        if cfg.co_located and count > 1:
+            raise ConfigError(f"{key}: {count} with co_located: true, which serves reward and search from one "
+                              f"process; set it to 1, or co_located to false")
+
+
 _EVERY_INTERFACE = ("0.0.0.0", "[::]", "[::0]")
 _LOOPBACK = ("localhost", "127.0.0.1", "[::1]")  # localhost: gRPC binds both of the others
 
@@ -643,6 +651,7 @@ def parse_config(data: Any) -> TandemConfig:
     _check_models(cfg)
     _check_endpoints(cfg)
     _check_value_model_address(cfg)
+    _check_workers(cfg)
     return cfg
 
 

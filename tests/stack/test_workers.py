@@ -134,3 +134,6 @@ def test_a_bound_port_is_not_free_and_workers_are_bounded(tmp_path):
     path.write_text(yaml.safe_dump({"search": {"workers": 65}}))
     with pytest.raises(ConfigError, match="search.workers"):
         load_config(path)
+    path.write_text(yaml.safe_dump({"co_located": True, "reward": {"workers": 2}}))
+    with pytest.raises(ConfigError, match="reward.workers: 2 with co_located: true"):
+        load_config(path)
