@@ -18,7 +18,10 @@ Invariants:
   its parent), and the first process stops (exit 1) when a worker dies
   unasked, so ``tandem up`` restarts the whole server;
 * stopping the first process stops every worker (SIGTERM; each drains as a
-  server does), then it exits.
+  server does), then it exits;
+* workers start one after another, each once the last serves: two warming
+  up at once would time cuDNN's candidate kernels against each other (the
+  reason ``tandem up`` starts its servers in order).
 """
 from __future__ import annotations
 
@@ -92,19 +95,26 @@ def _watch_parent(parent: int, interval_s: float = 1.0) -> None:
 
 class Workers:
     """Processes 1 .. ``count`` of a server, each running ``target(*args,
-    index, parent_pid)`` (a module-level function: spawn pickles it) until
-    SIGTERM. :meth:`watch` calls ``on_death(index, exitcode)`` once, on its
-    own thread, if one ends before :meth:`stop`."""
+    index, parent_pid, ready)`` (a module-level function: spawn pickles it)
+    until SIGTERM; it sets ``ready`` (a multiprocessing Event) once it serves.
+    :meth:`watch` calls ``on_death(index, exitcode)`` once, on its own
+    thread, if one ends before :meth:`stop`."""
 
     def __init__(self, target: Callable[..., None], args: tuple[Any, ...], count: int):
         ctx = multiprocessing.get_context("spawn")
         self._stopping = threading.Event()
-        self.procs = [ctx.Process(target=target, args=(*args, i, os.getpid()), name=f"worker-{i}", daemon=False)
-                      for i in range(1, count + 1)]
+        self.ready = [ctx.Event() for _ in range(count)]
+        self.procs = [ctx.Process(target=target, args=(*args, i, os.getpid(), self.ready[i - 1]), name=f"worker-{i}",
+                                  daemon=False) for i in range(1, count + 1)]
 
-    def start(self) -> None:
-        for p in self.procs:
+    def start(self, timeout_s: float = 300.0) -> None:
+        """Starts the workers one after another, each once the last serves (or
+        has ended: :meth:`watch` reports it) or ``timeout_s`` has passed."""
+        for p, ready in zip(self.procs, self.ready):
             p.start()
+            end = time.monotonic() + timeout_s
+            while not ready.wait(0.5) and p.is_alive() and time.monotonic() < end:
+                pass
 
     def watch(self, on_death: Callable[[int, int | None], None]) -> None:
         def run() -> None:
@@ -167,12 +177,14 @@ def serve(cfg: TandemConfig, count: int, address: str, grace_ms: float, start: s
         raise SystemExit(1)
 
 
-def run_worker(start: str, cfg: TandemConfig, port: int, grace_ms: float, index: int, parent: int) -> None:
+def run_worker(start: str, cfg: TandemConfig, port: int, grace_ms: float, index: int, parent: int, ready) -> None:
     """Worker ``index`` (1..) of :func:`serve`, in a process of its own: the
-    server on ``port`` until SIGTERM or its parent's death."""
+    server on ``port`` until SIGTERM or its parent's death; ``ready`` set once it serves."""
     die_with(parent)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [worker {index}] %(name)s: %(message)s")
-    _start_function(start)(cfg, worker=index, port=port).serve_forever(grace_ms)
+    service = _start_function(start)(cfg, worker=index, port=port)
+    ready.set()
+    service.serve_forever(grace_ms)
 
 
 def _start_function(start: str) -> Callable[..., Any]:

@@ -25,10 +25,11 @@ import numpy as np
 
 from search_service.games.metadata import GameError, GameMeta, read_metadata
 from search_service.games.protocol import OPENSPIEL, REQUIRED, GameRules
+from tandem.paths import package_path
 
 __all__ = ["GameError", "GameMeta", "GamePlugin", "bundled_folder", "load_game", "resolve_folder"]
 
-_BUNDLED = Path(__file__).resolve().parent
+_BUNDLED = package_path("search_service", "games")  # the bundled game folders beside this module
 _NAME_OK = re.compile(r"[A-Za-z0-9_]+")  # a plain folder name: no path tricks through bundled_folder
 _SERIAL = itertools.count()  # a fresh module name per load: loading a folder again re-reads its rules.py
 
