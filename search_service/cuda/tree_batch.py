@@ -334,7 +334,8 @@ class CudaTreeBatch:
         obs = dw.inputs.reshape(-1, abi.OBS.words)[:n]
         grid, block, args = self._select(ks, obs)
         dw.inputs_written()  # an ordered channel: the reward service's copy waits for the selection
-        cupy.cuda.get_current_stream().synchronize()  # the leaves in place (and the roots' proofs known)
+        if not dw.ordered:  # else the channel's event orders the selection before the model's copy
+            cupy.cuda.get_current_stream().synchronize()
         t1 = time.perf_counter()
         try:
             values, logits = dw.evaluate(n)
