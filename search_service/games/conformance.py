@@ -2,7 +2,7 @@
 
     python -m search_service.games.conformance FOLDER [--games N] [--seed S] [--single-games K]
 
-FOLDER is a game folder (or the name of a bundled game, ``othello``). The kit
+FOLDER is a game folder (or the name of a bundled game, ``othello`` or ``gomoku``). The kit
 loads it (:func:`~search_service.games.plugin.load_game`) and plays N random
 games with its NumPy rules, all in one batch, choosing every action uniformly
 among the legal ones. At every ply it checks:
@@ -375,7 +375,7 @@ def _raises_value_error(fn: Callable, *args) -> bool:
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     """The kit's options (this module's command and ``tandem check-game``)."""
-    ap.add_argument("folder", help="a game folder, or the name of a bundled game (othello)")
+    ap.add_argument("folder", help="a game folder, or the name of a bundled game (othello, gomoku)")
     ap.add_argument("--games", type=int, default=10_000, help="random games to play (default 10000)")
     ap.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     ap.add_argument("--single-games", type=int, default=100,

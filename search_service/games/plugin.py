@@ -7,7 +7,7 @@ move from the starting state to check that the rules agree with the metadata
 (dtypes and shapes, the starting state, the notation). A folder that fails
 any of this raises :class:`GameError` before anything else uses it.
 
-The bundled games are folders beside this module (``othello/``), loaded the
+The bundled games are folders beside this module (``othello/``, ``gomoku/``), loaded the
 same way as any other (:func:`bundled_folder`).
 """
 from __future__ import annotations

@@ -31,6 +31,8 @@ PACKAGE_DATA = [
     *(f"search_service/cuda/kernels/{name}" for name in ("common.cu", "search.cu", "reroot.cu")),
     "search_service/games/othello/game.yaml",
     "search_service/games/othello/rules.py",
+    "search_service/games/gomoku/game.yaml",
+    "search_service/games/gomoku/rules.py",
 ]
 
 # What the installed code finds through importlib.resources, printed as JSON.

@@ -31,6 +31,9 @@ from typing import Sequence
 
 import numpy as np
 
+from search_service.games.rules_helpers import (checked_action, checked_actions, checked_states, popcount,
+                                                replay)
+
 SIZE = 8
 SQUARES = SIZE * SIZE
 PASS = SQUARES  # action 64
@@ -62,14 +65,6 @@ _WHITE0 = (1 << 27) | (1 << 36)
 
 
 # -- bit-level helpers (uint64 [B] in, uint64 [B] out) -----------------------
-
-
-def _popcount(bits: np.ndarray) -> np.ndarray:
-    """int32 [B]: set bits of each uint64."""
-    if hasattr(np, "bitwise_count"):  # NumPy >= 2.0
-        return np.bitwise_count(bits).astype(np.int32)
-    as_bytes = np.ascontiguousarray(bits, dtype=_U64).view(np.uint8).reshape(-1, 8)
-    return np.unpackbits(as_bytes, axis=1).sum(axis=1, dtype=np.int32)
 
 
 def _runs(start: np.ndarray, opp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -109,9 +104,7 @@ def _flips(own: np.ndarray, opp: np.ndarray, move: np.ndarray) -> np.ndarray:
 
 
 def _words(states: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    states = np.asarray(states)
-    if states.dtype != _U64 or states.ndim != 2 or states.shape[1] != STATE_WORDS:
-        raise ValueError(f"states must be uint64 [B, {STATE_WORDS}], got {states.dtype} {list(states.shape)}")
+    states = checked_states(states, STATE_WORDS)
     return states[:, 0], states[:, 1], states[:, 2]
 
 
@@ -156,25 +149,14 @@ def step(states: np.ndarray, actions: np.ndarray) -> tuple[np.ndarray, np.ndarra
             state and its action).
     """
     own, opp, player = _words(states)
-    actions = np.asarray(actions)
-    if actions.shape != own.shape or not np.issubdtype(actions.dtype, np.integer):
-        raise ValueError(f"actions must be integers [{own.shape[0]}], got {actions.dtype} {list(actions.shape)}")
-    actions = actions.astype(np.int64)
-    bad = (actions < 0) | (actions > PASS)
-    if bad.any():
-        b = int(np.flatnonzero(bad)[0])
-        raise ValueError(f"state {b}: action {actions[b]} is outside 0..{PASS}")
-    legal = legal_mask(states)[np.arange(own.shape[0]), actions]
-    if not legal.all():
-        b = int(np.flatnonzero(~legal)[0])
-        raise ValueError(f"state {b}: action {actions[b]} ({move_to_text(int(actions[b]))}) is not legal there")
+    actions = checked_actions(actions, legal_mask(states), move_to_text)
     square = np.minimum(actions, SQUARES - 1).astype(_U64)  # keeps the shift below 64 for passes
     move = np.where(actions == PASS, _U64(0), _ONE << square)
     flips = _flips(own, opp, move)
     mover, other = own | move | flips, opp & ~flips
     nxt = np.stack([other, mover, player ^ _ONE], axis=1)
     terminal = is_terminal(nxt)
-    reward = np.where(terminal, _sign(_popcount(mover) - _popcount(other)), np.float32(0))
+    reward = np.where(terminal, _sign(popcount(mover) - popcount(other)), np.float32(0))
     return nxt, terminal, reward.astype(np.float32)
 
 
@@ -196,7 +178,7 @@ def returns(states: np.ndarray) -> np.ndarray:
         ValueError: ``states`` is not uint64 [B, 3].
     """
     own, opp, _ = _words(states)
-    return np.where(is_terminal(states), _sign(_popcount(own) - _popcount(opp)), np.float32(0)).astype(np.float32)
+    return np.where(is_terminal(states), _sign(popcount(own) - popcount(opp)), np.float32(0)).astype(np.float32)
 
 
 def to_play(states: np.ndarray) -> np.ndarray:
@@ -226,9 +208,7 @@ def move_to_text(action: int) -> str:
     Raises:
         ValueError: ``action`` is outside 0..64.
     """
-    action = int(action)
-    if not 0 <= action <= PASS:
-        raise ValueError(f"action {action} is outside 0..{PASS}")
+    action = checked_action(action, NUM_ACTIONS)
     if action == PASS:
         return "--"
     row, column = divmod(action, SIZE)
@@ -256,18 +236,12 @@ def parse_moves(text: str) -> np.ndarray:
     """
     if len(text) > 2 * MAX_MOVES:
         raise ValueError(f"character {2 * MAX_MOVES + 1}: an Othello game has at most {MAX_MOVES} moves")
-    state = initial(1)
-    for i in range(0, len(text), 2):
-        where = f"character {i + 1}"
-        move = text[i:i + 2]
-        action = _parse_move(move, i + 1)
-        if is_terminal(state)[0]:
-            raise ValueError(f"{where}: {move} comes after the game ended")
-        if not legal_mask(state)[0, action]:
-            why = "a square is open" if action == PASS else "it flips nothing or the square is taken"
-            raise ValueError(f"{where}: {move} is not legal there ({why})")
-        state = step(state, np.array([action]))[0]
-    return state
+    moves = ((i + 1, text[i:i + 2], _parse_move(text[i:i + 2], i + 1)) for i in range(0, len(text), 2))
+    return replay(initial(1), moves, legal_mask, step, _why_illegal)
+
+
+def _why_illegal(action: int) -> str:
+    return "a square is open" if action == PASS else "it flips nothing or the square is taken"
 
 
 def _parse_move(move: str, at: int) -> int:
@@ -289,7 +263,4 @@ def to_openspiel_action(action: int) -> int:
     Raises:
         ValueError: ``action`` is outside 0..64.
     """
-    action = int(action)
-    if not 0 <= action <= PASS:
-        raise ValueError(f"action {action} is outside 0..{PASS}")
-    return action
+    return checked_action(action, NUM_ACTIONS)
