@@ -13,14 +13,11 @@ to its end). A search that needs more device memory than the fixed pool
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import logging
 import math
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import grpc
@@ -38,7 +35,7 @@ from search_service.mcts.backend import SearchParams
 from search_service.sessions import Owners, SessionStore
 from search_service.streams import StreamSet
 from search_service.wave_loop import Job, Refused, Stopping, WaveLoop
-from tandem import nvtx, pools, workers
+from tandem import pools, workers
 from tandem.config import TandemConfig
 from tandem.errors import quote
 from tandem.gpu import cupy_module
@@ -158,28 +155,19 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
 
     @property
     def backend(self):
-        """The search backend; setting it starts a wave loop for it where it
-        batches trees across searches (``open_batch``), else none."""
+        """The search backend (one that batches trees across searches:
+        ``open_batch``); setting it starts a wave loop for it."""
         return self._backend
 
     @backend.setter
     def backend(self, backend) -> None:
         self._backend = backend
-        # Backends that take should_stop stop a search whose caller went away
-        # between waves; older ones run to their budget (the answer is dropped).
-        try:
-            takes = inspect.signature(backend.search).parameters
-        except (TypeError, ValueError):
-            takes = {}
-        self._can_stop = "should_stop" in takes
-        # Backends that take device_waves get a leaf channel of CUDA regions lent per search (HandoffEvaluator.lend).
-        self._lend = getattr(self.handoff, "lend", None) if "device_waves" in takes else None
         if self.loop is not None:
             self.loop.close()
-        self.loop = None
-        if hasattr(backend, "open_batch"):  # every search in flight as one batch of trees
-            self.loop = WaveLoop(backend, self.evaluator, self.cfg.max_trees, self.cfg.wave_target_ms or None,
-                                 self.streams.launching, getattr(self.handoff, "lend", None))
+        # Every search in flight as one batch of trees; a value-model wave's leaves by a device
+        # channel lent for it where the hand-off has one (HandoffEvaluator.lend).
+        self.loop = WaveLoop(backend, self.evaluator, self.cfg.max_trees, self.cfg.wave_target_ms or None,
+                             self.streams.launching, getattr(self.handoff, "lend", None))
 
     @property
     def evaluator(self):
@@ -194,8 +182,7 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
 
     def close(self) -> None:
         """Stops the wave loop (searches still in it fail)."""
-        if self.loop is not None:
-            self.loop.close()
+        self.loop.close()
 
     # -- validation -------------------------------------------------------
     def _position(self, request, game, context, where: str = ""):
@@ -306,22 +293,7 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
                 req = item.request
                 item.session = (who, req.session_id)
                 item.tree = self.sessions.take(item.session, req.moves, self.backend.reroot)
-        if self.loop is not None:
-            outs = self._run_in_loop(items, context)
-        else:  # a backend that cannot batch trees across calls: one call per group of like searches
-            groups: dict[SearchParams, list[int]] = {}
-            for i, item in enumerate(items):
-                groups.setdefault(item.params, []).append(i)
-            outs = [None] * len(items)
-            run = lambda group: self._run_alone([items[i] for i in group], context)  # noqa: E731
-            if len(groups) == 1:  # on this thread: a Search's own path, no hand-off to another
-                answers = [run(next(iter(groups.values())))]
-            else:
-                with ThreadPoolExecutor(len(groups), thread_name_prefix="search-batch") as pool:
-                    answers = list(pool.map(run, groups.values()))
-            for group, group_outs in zip(groups.values(), answers):
-                for i, out in zip(group, group_outs):
-                    outs[i] = out
+        outs = self._run_in_loop(items, context)
         if not context.is_active():
             # Nobody is waiting for these answers: keep no tree, say why in the log.
             with self._lock:
@@ -373,36 +345,6 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
                 handoff = getattr(self.handoff, "handoff", HANDOFF_GRPC)
             outs.append((job.result, job.out_tree, handoff))
         return outs
-
-    def _run_alone(self, items: list[_Item], context) -> list[tuple]:
-        """Searches ``items`` (one budget and seed; tree b's rollouts draw as
-        the b-th of one call's) in one call of the backend, one tree each: for
-        backends without a batch of trees across calls (the CUDA backend)."""
-        params = items[0].params
-        started = time.monotonic()
-        deadline = started + params.deadline_ms / 1e3 if params.deadline_ms else None
-        evaluator = None
-        if params.evaluator == "value_model":  # bound by the deadline where the evaluator can be
-            until = getattr(self.evaluator, "until", None)
-            evaluator = until(deadline) if until else self.evaluator
-        # The caller may cancel, or its deadline pass, mid-search: stop between waves.
-        stop = {"should_stop": lambda: not context.is_active()} if self._can_stop else {}
-        lend = self._lend if params.evaluator == "value_model" and self._lend else None
-        roots = items[0].game.stack([item.position for item in items])
-        try:
-            with nvtx.span("search"), self.streams.launching(), (lend(deadline) if lend else nullcontext()) as waves:
-                if waves is not None:
-                    stop["device_waves"] = waves
-                # A wave the model cannot value is undone by the backend, which goes
-                # on in the same tree with rollouts, or answers at the deadline.
-                results, trees = self.backend.search(roots, params, evaluator, [item.tree for item in items], **stop)
-            handoff = ""  # this search's own: the shared evaluator's last is another search's
-            if params.evaluator == "value_model":
-                lent = waves is not None and waves.carries(len(items) * params.parallel_sims)
-                handoff = waves.handoff if lent else getattr(self.handoff, "handoff", HANDOFF_GRPC)
-        except Exception as exc:
-            self._abort_on(exc, context)
-        return [(r, t, handoff) for r, t in zip(results, trees)]
 
     def _abort_on(self, exc: BaseException, context) -> None:
         """Aborts with the status a search's failure maps to (RESOURCE_EXHAUSTED: the

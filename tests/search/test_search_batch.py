@@ -119,38 +119,3 @@ def test_a_flood_beyond_capacity_is_refused_at_once_and_nothing_accepted_is_lost
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "search.max_trees" in err.value.details()
     answers = first.result().results
     assert len(answers) == LIMIT and all(r.simulations == 4000 or r.deadline_reached for r in answers)
-
-
-class OneCallBackend:
-    """The CPU reference seen through its ``search`` call alone, as the CUDA
-    backend is (no batch of trees across calls)."""
-
-    name = "cpu_reference"
-
-    def __init__(self):
-        from search_service.mcts.cpu_reference import CpuReferenceBackend
-
-        self.inner, self.calls = CpuReferenceBackend(), []
-
-    def search(self, roots, params, evaluator=None, trees=None, *, should_stop=None):
-        self.calls.append(len(roots))
-        return self.inner.search(roots, params, evaluator, trees, should_stop=should_stop)
-
-    def reroot(self, tree, actions):
-        return self.inner.reroot(tree, actions)
-
-
-def test_a_backend_without_a_batch_of_trees_searches_a_batch_call_in_one_call_per_budget(stack):
-    stub, search = stack
-    servicer = search.servicer
-    batching, servicer.backend = servicer.backend, OneCallBackend()
-    try:
-        assert servicer.loop is None
-        r = stub.SearchBatch(batch(req(moves="4", simulations=40, seed=3), req(moves="3", simulations=40, seed=3),
-                                   req(moves="2", simulations=30, seed=3), req(moves="1", simulations=30, seed=4)),
-                             timeout=60).results
-        assert [x.simulations for x in r] == [40, 40, 30, 30]
-        assert sorted(servicer.backend.calls) == [1, 1, 2]  # the two of one budget and seed in one call
-    finally:
-        servicer.backend = batching
-    assert servicer.loop is not None
