@@ -41,6 +41,7 @@ from loadtest.background import BackgroundProcess
 from loadtest.generator import LoadSpec, OpenLoopGenerator
 from tandem.config import BULK_SERVER, endpoints, load_config
 from tandem.server import health_status
+from tandem.workers import children
 
 CYCLE = ("reward", BULK_SERVER, "search", "scheduler")  # the kill order
 RSS_EVERY_S = 5.0
@@ -49,16 +50,13 @@ RSS_EVERY_S = 5.0
 def stack_processes(supervisor: int) -> dict[str, int]:
     """The ``tandem serve NAME`` children of the ``tandem up`` process ``supervisor``: {name: pid}."""
     out = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    for pid in children(supervisor):
         try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:  # gone meanwhile
             continue
-        if ppid == supervisor and b"serve" in argv:
-            out[argv[argv.index(b"serve") + 1].decode()] = int(entry.name)
+        if b"serve" in argv:
+            out[argv[argv.index(b"serve") + 1].decode()] = pid
     return out
 
 

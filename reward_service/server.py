@@ -25,6 +25,7 @@ from tandem import in_process as tandem_in_process
 from tandem import peer, tensors, workers
 from tandem.failover import STANDBY_KEY
 from tandem.startup import Phases
+from tandem.workers import Slot
 from tandem.config import SharedMemoryConfig, TandemConfig
 from tandem.errors import quote
 from tandem.gpu import cuda_device_count
@@ -416,13 +417,12 @@ def _batcher(session: ModelSession, cfg: TandemConfig, metrics: ModelMetrics) ->
     )
 
 
-def start(cfg: TandemConfig, follow_scheduler: bool = True, bulk_server: bool = False, worker: int = 0,
-          port: int | None = None) -> Service:
+def start(cfg: TandemConfig, follow_scheduler: bool = True, bulk_server: bool = False,
+          slot: Slot = Slot()) -> Service:
     """Loads every configured model (sessions, warm-up), starts a batcher per
     model (two lanes: each lane's worker thread warms that lane's runners up
-    before the service serves) and serves on ``cfg.reward.address`` (``port``:
-    on that port instead): worker ``worker`` of ``cfg.reward.workers``, which
-    share the port (tandem/workers.py); only worker 0 serves metrics.
+    before the service serves) and serves on ``cfg.reward.address``, as
+    process ``slot`` of its workers (tandem/workers.py).
 
     With ``bulk_server``: the bulk server instead (``reward.bulk_server``, a
     process of its own): the same models, no leaf channel, on
@@ -508,14 +508,11 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True, bulk_server: bool = 
         servicer.set_bulk_share(a.bulk_share_percent)
 
     try:
-        address = bulk_cfg.address if bulk_server else cfg.reward.address
-        if port is not None:
-            address = f"{address.rpartition(':')[0]}:{port}"
         service = start_service(
             cfg,
             kind=scheduler_pb2.SERVICE_KIND_REWARD,  # the bulk server too: the bulk lever reaches it
-            address=address,
-            metrics_port=0 if worker else bulk_cfg.metrics_port if bulk_server else cfg.reward.metrics_port,
+            address=bulk_cfg.address if bulk_server else cfg.reward.address,
+            metrics_port=bulk_cfg.metrics_port if bulk_server else cfg.reward.metrics_port,
             # Every Evaluate holds a gRPC thread while it waits in the batcher; the shared
             # server gives every admitted RPC a thread, so none waits in gRPC's FIFO
             # executor, where request classes and the bounded queue would not apply.
@@ -527,7 +524,7 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True, bulk_server: bool = 
             memory_bytes=cfg.reward.memory_pool_bytes,
             follow_scheduler=follow_scheduler,
             capabilities=_capabilities(oip_register is not None, servicer),
-            reuse_port=cfg.reward.workers > 1 and not bulk_server,
+            slot=slot,
         )
     except BaseException:
         servicer.close()

@@ -36,6 +36,7 @@ from search_service.sessions import Owners, SessionStore
 from search_service.streams import StreamSet
 from search_service.wave_loop import Job, Refused, Stopping, WaveLoop
 from tandem import pools, workers
+from tandem.workers import Slot
 from tandem.config import TandemConfig
 from tandem.errors import quote
 from tandem.gpu import cupy_module
@@ -424,10 +425,9 @@ def _warm_up(backend, cfg: TandemConfig) -> None:
         backend.search(game.parse_moves(""), params, None, [None])
 
 
-def start(cfg: TandemConfig, follow_scheduler: bool = True, worker: int = 0, port: int | None = None) -> Service:
-    """Starts the search service on ``cfg.search.address`` (``port``: on that
-    port instead): worker ``worker`` of ``cfg.search.workers``, which share
-    the port (tandem/workers.py); only worker 0 serves metrics.
+def start(cfg: TandemConfig, follow_scheduler: bool = True, slot: Slot = Slot()) -> Service:
+    """Starts the search service on ``cfg.search.address``, as process
+    ``slot`` of its workers (tandem/workers.py).
 
     Raises:
         RuntimeError: ``backend: cuda`` cannot run here, or the address cannot be bound.
@@ -460,12 +460,11 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True, worker: int = 0, por
         search_pb2_grpc.add_SearchServiceServicer_to_server(servicer, server)
         return search_pb2.DESCRIPTOR.services_by_name["SearchService"].full_name
 
-    address = cfg.search.address if port is None else f"{cfg.search.address.rpartition(':')[0]}:{port}"
     service = start_service(
         cfg,
         kind=scheduler_pb2.SERVICE_KIND_SEARCH,
-        address=address,
-        metrics_port=cfg.search.metrics_port if worker == 0 else 0,
+        address=cfg.search.address,
+        metrics_port=cfg.search.metrics_port,
         server_cfg=cfg.search.server,
         register=[register],
         load_fn=servicer.load,
@@ -475,7 +474,7 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True, worker: int = 0, por
         follow_scheduler=follow_scheduler,
         capabilities=("search.sessions", "search.batch", "search.evaluator.rollout", "search.evaluator.value_model",
                       f"search.backend.{servicer.backend.name}"),
-        reuse_port=cfg.search.workers > 1,
+        slot=slot,
     )
     service.servicer = servicer
     servicer.owners.local_port = service.port  # from now on a caller's uid is one netlink lookup (tandem/peer.py)

@@ -112,7 +112,7 @@ class _Lane:
         self.queue: list[Job] = []  # guarded by WaveLoop._lock
         self.members: list[Member] = []  # the lane's thread only; members[b] is row b
         # The lane's thread writes it; submit reads expected_ms (a snapshot).
-        self.times = WaveTimes(sliced=getattr(batch, "slice_ms", None) is not None)
+        self.times = WaveTimes(sliced=batch.slice_ms is not None)
         self.thread: threading.Thread | None = None
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -31,7 +30,7 @@ def mps_env(cfg: TandemConfig) -> dict[str, str]:
     if cfg.scheduler.mps == "off":
         return {}
     return device.mps_client_env(*device.mps_directories(cfg.scheduler))
-from tandem.server import health_status
+from tandem.server import can_bind, health_status
 from tandem.workers import die_with
 
 log = logging.getLogger(__name__)
@@ -122,20 +121,6 @@ class OutputTail:
         return self.last
 
 
-def _can_bind(address: str) -> bool:
-    """Is ``address`` (HOST:PORT) free to listen on?"""
-    host, _, port = address.rpartition(":")
-    family = socket.AF_INET6 if host.startswith("[") else socket.AF_INET
-    with socket.socket(family) as s:
-        # As the servers do: connections of a stopped server in TIME_WAIT do not count.
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host.strip("[]"), int(port)))
-        except OSError:
-            return False
-    return True
-
-
 @dataclass
 class Stack:
     """The server processes of one ``tandem up`` (:meth:`processes`)."""
@@ -172,7 +157,7 @@ class Stack:
             RuntimeError: a server exited or did not become SERVING in time
                 (the ones already started are stopped first).
         """
-        busy = [f"{name}: {addr}" for name, addr in self._ports() if not _can_bind(addr)]
+        busy = [f"{name}: {addr}" for name, addr in self._ports() if not can_bind(addr)]
         if busy:
             raise RuntimeError(f"already in use (is another tandem up running?): {', '.join(busy)}; to run beside "
                                f"it, give a config with other addresses: --config PATH (make demo CONFIG=PATH)")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
 import threading
 from concurrent import futures
 from dataclasses import dataclass
@@ -229,6 +230,21 @@ def build_server(
     running.set_serving(False)
     server.start()
     return running
+
+
+def can_bind(address: str) -> bool:
+    """Is ``address`` (HOST:PORT) free to listen on? A plain bind, without
+    ``SO_REUSEPORT``, which any listening socket on it refuses."""
+    host, _, port = address.rpartition(":")
+    family = socket.AF_INET6 if host.startswith("[") else socket.AF_INET
+    with socket.socket(family) as s:
+        # As the servers do: connections of a stopped server in TIME_WAIT do not count.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host.strip("[]"), int(port)))
+        except OSError:
+            return False
+    return True
 
 
 def start_metrics(port: int, host: str = "127.0.0.1") -> BoundedServer | None:

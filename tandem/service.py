@@ -13,6 +13,7 @@ from typing import Callable, Iterable
 import grpc
 
 from tandem.config import ServerConfig, TandemConfig
+from tandem.workers import Slot
 from tandem.server import (
     RunningServer,
     build_server,
@@ -80,15 +81,18 @@ def start_service(
     memory_bytes: int,
     follow_scheduler: bool = True,
     capabilities: Iterable[str] = (),
-    reuse_port: bool = False,
+    slot: Slot = Slot(),
 ) -> Service:
-    """Starts a server and (unless ``follow_scheduler`` is false) its scheduler client.
+    """Starts a server and (unless ``follow_scheduler`` is false) its scheduler client,
+    as process ``slot`` of its workers (tandem/workers.py: the port they share, and
+    metrics from worker 0 only).
 
     The service is SERVING as soon as it is started: it does not wait for the
     scheduler, which it follows in the background (registering with backoff).
     ``capabilities`` go to the server's Handshake (tandem/contract.py).
     """
-    running = build_server(address, server_cfg, cfg, register, capabilities, reuse_port)
+    address, metrics_port = slot.address(address), slot.metrics_port(metrics_port)
+    running = build_server(address, server_cfg, cfg, register, capabilities, slot.shares_port)
     try:
         start_metrics(metrics_port, address.rpartition(":")[0].strip("[]"))
     except BaseException:

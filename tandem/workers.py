@@ -32,33 +32,44 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import signal
-import socket
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from tandem.config import TandemConfig
+from tandem.server import can_bind
 
 log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 
 
+@dataclass(frozen=True)
+class Slot:
+    """Which of a server's processes one is: worker ``index`` (0: the first)
+    of ``count``, serving on ``port`` (None: its configured address's)."""
+
+    index: int = 0
+    count: int = 1
+    port: int | None = None
+
+    def address(self, configured: str) -> str:
+        return configured if self.port is None else f"{configured.rpartition(':')[0]}:{self.port}"
+
+    def metrics_port(self, configured: int) -> int:
+        return configured if self.index == 0 else 0  # worker 0's metrics only
+
+    @property
+    def shares_port(self) -> bool:
+        """Other workers bind the same port (``SO_REUSEPORT``)."""
+        return self.count > 1
+
+
 def check_free(address: str) -> None:
-    """Raises RuntimeError if ``address`` ("host:port") is bound by anyone:
-    a plain bind, without ``SO_REUSEPORT``, that a listening socket refuses.
-    Port 0 is always free."""
-    host, _, port = address.rpartition(":")
-    host = host.strip("[]") or "0.0.0.0"
-    if int(port) == 0:
-        return
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a TIME_WAIT is not a server
-        try:
-            s.bind((host, int(port)))
-        except OSError as exc:
-            raise RuntimeError(f"could not bind {address}: {exc.strerror}") from None
+    """Raises RuntimeError if ``address`` ("host:port") is bound by anyone."""
+    if not can_bind(address):
+        raise RuntimeError(f"could not bind {address}: it is in use")
 
 
 def children(pid: int) -> list[int]:
@@ -147,7 +158,7 @@ def serve(cfg: TandemConfig, count: int, address: str, grace_ms: float, start: s
     """Runs a server until SIGINT/SIGTERM as ``count`` processes sharing
     ``address``: this one, then ``count - 1`` workers. ``start`` names the
     server's start function ("module:function", called as ``function(cfg,
-    worker=i, port=p)`` and returning a :class:`tandem.service.Service`).
+    slot=Slot(...))`` and returning a :class:`tandem.service.Service`).
 
     Raises:
         RuntimeError: the address is bound by another process (``count`` > 1).
@@ -158,8 +169,8 @@ def serve(cfg: TandemConfig, count: int, address: str, grace_ms: float, start: s
         first(cfg).serve_forever(grace_ms)
         return
     check_free(address)  # a stale server would share a port bound with SO_REUSEPORT
-    service = first(cfg)
-    workers = Workers(run_worker, (start, cfg, service.port, grace_ms), count - 1)
+    service = first(cfg, slot=Slot(0, count))
+    workers = Workers(run_worker, (start, cfg, Slot(0, count, service.port), grace_ms), count - 1)
     died = []
 
     def on_death(index: int, code: int | None) -> None:
@@ -177,12 +188,13 @@ def serve(cfg: TandemConfig, count: int, address: str, grace_ms: float, start: s
         raise SystemExit(1)
 
 
-def run_worker(start: str, cfg: TandemConfig, port: int, grace_ms: float, index: int, parent: int, ready) -> None:
+def run_worker(start: str, cfg: TandemConfig, first: Slot, grace_ms: float, index: int, parent: int, ready) -> None:
     """Worker ``index`` (1..) of :func:`serve`, in a process of its own: the
-    server on ``port`` until SIGTERM or its parent's death; ``ready`` set once it serves."""
+    server on ``first``'s port until SIGTERM or its parent's death; ``ready``
+    set once it serves."""
     die_with(parent)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [worker {index}] %(name)s: %(message)s")
-    service = _start_function(start)(cfg, worker=index, port=port)
+    service = _start_function(start)(cfg, slot=Slot(index, first.count, first.port))
     ready.set()
     service.serve_forever(grace_ms)
 

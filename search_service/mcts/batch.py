@@ -97,7 +97,7 @@ def leave(batch: TreeBatch, members: list[Member], times: WaveTimes,
     for m, failed in zip(members, batch.failed()):
         m.tried = m.tried or bool(failed)
     plan = plan_wave(members, batch.done, batch.live(), times, batch.k_max, wave_target_ms,
-                     sliced=getattr(batch, "slice_ms", None) is not None)
+                     sliced=batch.slice_ms is not None)
     left = []
     if plan.leaving:
         gone = [members[i] for i in plan.leaving]
@@ -143,7 +143,7 @@ def search_alone(batch: TreeBatch, members: list[Member]) -> "tuple[list[SearchR
     results: list = [None] * len(members)
     trees: list = [None] * len(members)
     members = list(members)
-    times = WaveTimes(sliced=getattr(batch, "slice_ms", None) is not None)
+    times = WaveTimes(sliced=batch.slice_ms is not None)
     while members:
         for m, r, t in step(batch, members, times):
             results[order[id(m)]], trees[order[id(m)]] = r, t
