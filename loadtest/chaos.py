@@ -71,7 +71,7 @@ def rss_bytes(pid: int) -> int | None:
     return None
 
 
-def _wait_serving(cfg, name: str, timeout_s: float) -> float | None:
+def wait_serving(cfg, name: str, timeout_s: float) -> float | None:
     """Seconds until server ``name`` answers SERVING (None: not within ``timeout_s``)."""
     began = time.monotonic()
     while time.monotonic() - began < timeout_s:
@@ -119,7 +119,7 @@ def run(args) -> dict:
                 os.kill(pids[args.stop], signal.SIGSTOP)
                 time.sleep(args.stop_s)
                 os.kill(pids[args.stop], signal.SIGCONT)
-                back_s = _wait_serving(cfg, args.stop, timeout_s=args.kill_every_s)
+                back_s = wait_serving(cfg, args.stop, timeout_s=args.kill_every_s)
                 time.sleep(args.timeout_s + 1.0)  # the stop's requests have their answers (or their deadline)
                 kills.append({"server": args.stop, "signal": "SIGSTOP", "at_s": round(now - began, 1),
                               "seconds": args.stop_s, "serving_again_after_s": back_s,
@@ -130,7 +130,7 @@ def run(args) -> dict:
                 if name in pids:
                     killed = time.monotonic()
                     os.kill(pids[name], signal.SIGKILL)
-                    back_s = _wait_serving(cfg, name, timeout_s=args.kill_every_s)
+                    back_s = wait_serving(cfg, name, timeout_s=args.kill_every_s)
                     kills.append({"server": name, "signal": "SIGKILL", "at_s": round(killed - began, 1),
                                   "serving_again_after_s": back_s,
                                   "requests": gen.report(since=killed, until=time.monotonic())["requests"]})

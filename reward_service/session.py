@@ -52,7 +52,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -74,6 +76,9 @@ log = logging.getLogger(__name__)
 CUDA = "CUDAExecutionProvider"
 CPU = "CPUExecutionProvider"
 WARM_UP_RUNS = 3  # per bucket: a regular run (allocations), the capture, one replay
+# Sessions of one runner created at once (threads); creation is mostly ONNX Runtime's graph
+# optimisation, which runs without the GIL.
+CREATE_THREADS = max(1, min(8, os.cpu_count() or 1))
 CPU_WARM_ROWS = 16  # the CPU path warms every batch size up to this (a frame's critical requests: 1-16 images)
 
 
@@ -329,8 +334,18 @@ class _BoundRunner:
     the one lane's worker thread that owns the runner (or to a benchmark with
     no batcher), one batch at a time; no other thread ever runs it.
 
+    The sessions are created on up to CREATE_THREADS threads at once: ONNX
+    Runtime releases the GIL while it loads and optimises a model, and
+    creation does no GPU work that a capture could see (the warm-ups, which
+    do, run later on one thread: :meth:`warm_up`).
+
+    Attributes:
+        create_s: seconds the sessions' creation took (wall clock, all buckets).
+        warm_up_s: seconds of each bucket's last warm-up ({bucket: s}).
+
     Args:
-        make_session: returns a fresh session (on ``device``'s stream), one per bucket.
+        make_session: returns a fresh session (on ``device``'s stream), one per
+            bucket; called from several threads at once.
     """
 
     def __init__(self, make_session: Callable[[], ort.InferenceSession], device, inputs: tuple[Spec, ...],
@@ -338,7 +353,12 @@ class _BoundRunner:
         self.device, self.buckets, self.graphs = device, buckets, graphs
         self.stream_priority = device.stream_priority
         self._inputs, self._outputs = inputs, outputs
-        self._slots = {b: self._bind(make_session(), b) for b in buckets}
+        began = time.perf_counter()
+        with ThreadPoolExecutor(min(len(buckets), CREATE_THREADS), thread_name_prefix="session-create") as pool:
+            sessions = list(pool.map(lambda _: make_session(), buckets))
+        self.create_s = time.perf_counter() - began
+        self.warm_up_s: dict[int, float] = {}
+        self._slots = {b: self._bind(session, b) for b, session in zip(buckets, sessions)}
         self.session = self._slots[buckets[0]].session  # one of them, for its provider options
 
     def _bind(self, session: ort.InferenceSession, bucket: int) -> _Slot:
@@ -446,6 +466,7 @@ class _BoundRunner:
         inputs of fewer rows than the bucket: the leaf channel's path, whose
         copy and padding kernels CuPy would otherwise load on the first wave."""
         for bucket in self.buckets:
+            began = time.perf_counter()
             for _ in range(WARM_UP_RUNS):
                 self._run_slot(bucket, bucket, lambda bufs: [b.fill(0) for b in bufs.values()])
             if hasattr(self.device, "copy_device"):
@@ -453,6 +474,7 @@ class _BoundRunner:
                 feeds = {n: self.device.device_zeros((rows, *d.shape[1:]), d.dtype)
                          for n, d in self._slots[bucket].dev_in.items()}
                 self._run_slot(bucket, rows, None, Batch([Request(feeds, rows, CRITICAL)], rows, bucket, [0], CRITICAL))
+            self.warm_up_s[bucket] = time.perf_counter() - began
 
 
 # -- sessions ---------------------------------------------------------------------
@@ -728,6 +750,7 @@ class ModelSession:
             if failure:  # the sessions after this one run without graphs too
                 graphs, graph_note = False, failure
             runners.append(runner)
+            self._log_times(runner, "created its sessions in %.2f s" % runner.create_s)
         self._runners = runners[: len(bulk_devices)]
         self._critical = runners[len(bulk_devices)] if self.critical_lane else None
         if not graphs and any(r.graphs for r in runners):
@@ -780,6 +803,15 @@ class ModelSession:
         make = (lambda: factory.cuda(device.stream_handle)) if device.ort_device == "cuda" else factory.cpu
         return _BoundRunner(make, device, self.inputs, self.outputs, self.buckets, False), failure
 
+    def _log_times(self, runner, what: str) -> None:
+        """One start-up line for a bound runner: ``what``, then its buckets' last
+        warm-ups (s), slowest first (where a restart's seconds go)."""
+        if isinstance(runner, _BoundRunner):
+            warm = sorted(runner.warm_up_s.items(), key=lambda kv: -kv[1])
+            log.info("model %s, runner at stream priority %d: %s; warm-ups %.2f s (%s)", self.name,
+                     runner.stream_priority, what, sum(runner.warm_up_s.values()),
+                     ", ".join(f"{b}: {t:.2f}" for b, t in warm[:4]) or "none yet")
+
     @property
     def orders_by_events(self) -> bool:
         """Whether the critical lane can order leaf-channel waves by CUDA
@@ -808,6 +840,7 @@ class ModelSession:
         start = time.perf_counter()
         for runner in self.lane_runners(lane):
             runner.warm_up(self.inputs)
+            self._log_times(runner, "warmed up on the %s lane's thread" % ("every" if lane is None else LANES[lane]))
         self._warm_up_ms["all" if lane is None else LANES[lane]] = (time.perf_counter() - start) * 1e3
         self.warm_up_ms = sum(self._warm_up_ms.values())
         self.runtime["warm_up_ms"] = f"{self.warm_up_ms:.0f}"
