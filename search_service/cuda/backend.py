@@ -912,7 +912,7 @@ class _AsyncCopy:
     def start(self) -> None:
         stream = cupy.cuda.get_current_stream()
         # The runtime's copy, not ndarray.get(out=, blocking=False): that measured slower, 0.90 of a
-        # synchronised search against 0.77 (one run each; neural_search_latency_cupy_get_f807e0c.json).
+        # synchronised search against 0.77 (one run each, H200, 2026-12-01).
         cupy.cuda.runtime.memcpyAsync(self._host.ctypes.data, self._dev.data.ptr, self._nbytes,
                                       cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr)
         self._seq += 1
