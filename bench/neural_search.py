@@ -19,7 +19,7 @@ device waves); ``grpc``, one ``Evaluate`` per wave; and ``in_process`` /
 ``in_process_host``, co-located mode's hand-off (tandem/in_process.py): a
 second reward service started in this process, its critical lane reached
 with no socket: ``in_process``, the search driven on the critical lane's
-worker thread (Port.drive: no thread hand-off per wave), ``in_process_per_wave``,
+worker thread (Port.drive: no thread hop per wave), ``in_process_per_wave``,
 its device waves handed to that worker one by one (the way before), and
 ``in_process_host``, host waves (device waves' streams wait for the model on
 the GPU).

@@ -5,7 +5,8 @@
 #   bash bench/run_engines_gpu.sh contended  # N = 64 beside the bulk-server trainer, per policy
 #   WORKERS=4 bash bench/run_engines_gpu.sh workers  # Search calls a second by search.workers, then the
 #                                            # curve's N = 8, 32, 64 rows with search and reward workers = $WORKERS
-# Each writes $OUT/engines_<mode>.json, engines_<mode>.png and a short table (last).
+# Each writes $OUT/engines_h200.json and .png (the curve; engines_<mode>_h200.* for the others) and a
+# short table (last).
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUTDIR=${OUT:-runs/engines_gpu}
@@ -20,5 +21,8 @@ case "${1:-curve}" in
            python3 -m bench.engines --engines 8,32,64 --evaluators rollout,value_model --batch "" --contended 0 \
              --policies default --workers "${WORKERS:-4}" --out "$OUTDIR/workers" ;;
 esac
-for f in "$OUTDIR"/*/engines.json; do cp "$f" "$OUTDIR/engines_$(basename "$(dirname "$f")").json"; done
-for f in "$OUTDIR"/*/engines.png; do cp "$f" "$OUTDIR/engines_$(basename "$(dirname "$f")").png"; done
+# The shelf's names (bench/results/): the curve is engines_h200, the others engines_<mode>_h200.
+for f in "$OUTDIR"/*/engines.json "$OUTDIR"/*/engines.png; do
+  mode=$(basename "$(dirname "$f")"); name=engines_${mode}_h200; [ "$mode" = curve ] && name=engines_h200
+  cp "$f" "$OUTDIR/$name.${f##*.}"
+done

@@ -37,6 +37,7 @@ play)
     CO_LOCATED=$co TESTS="" FRAMES=120 VALUE_FRAMES=600 OUT="$OUT/$mode" bash bench/run_stack_gpu.sh \
       && cp "$OUT/$mode/play_value_model.json" "$OUT/play_value_model_${mode}_h200.json"
   done
+  cp "$OUT/two_process/play_rollout.json" "$OUT/play_rollout_two_process_h200.json"
   python3 -m bench.frame_scheduling --seconds 8 --no-plot --out "$OUT/sched" --background-transport shm --bulk-server on,off \
     && mv "$OUT/sched/frame_scheduling.json" "$OUT/frame_scheduling_bulk_server_shm_h200.json"
   ;;

@@ -173,8 +173,8 @@ RENDER = {
 
 
 def render(results: Path, only: list[str] | None = None) -> str:
-    # A benchmark may have several result files (mcts_throughput.json and
-    # mcts_throughput_k16.json: runs with other options); each gets a table.
+    # A benchmark may have several result files (mcts_throughput_h200.json and
+    # mcts_throughput_k16_h200.json: runs with other options); each gets a table.
     docs: dict[str, list[tuple[str, dict]]] = {}
     for path in sorted(results.glob("*.json")):
         doc = json.loads(path.read_text())

@@ -44,7 +44,7 @@ leaf channel's input region) and, alternating, from this process's memory:
 
 Two more rows, ``variant: batcher_hop``: a critical request's round trip
 through the dynamic batcher with a model that does nothing (``hop_us``):
-the thread hand-offs every request pays, alone and beside 1,000 idle threads
+the thread hops every request pays, alone and beside 1,000 idle threads
 (the reward process runs about that many).
 
 Command: ``python3 -m bench.value_model_runs [--variants fp16_nhwc,served_batcher]`` (GPU only; no ``--quick``

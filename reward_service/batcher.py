@@ -94,7 +94,7 @@ Concurrency invariants
   raises (one that does is logged and dropped: a bug).
 * Why a long-lived thread per lane, not the submitting gRPC thread: running
   a request on the gRPC thread when the batcher is idle would spare two
-  thread hand-offs (~0.17 ms p50 on the H200), but ONNX Runtime's CUDA
+  thread hops (~0.17 ms p50 on the H200), but ONNX Runtime's CUDA
   execution provider keeps per-thread state (cuBLAS/cuDNN handles,
   workspaces): the first run on each new gRPC thread took 6.5 ms there
   (2026-11-30), so each lane's runs stay on its one thread, forever.
@@ -157,7 +157,7 @@ class Request:
     ``on_written``: with ``targets``, called with the request by the lane's
     worker once the run wrote every target, after the result fields and
     before ``_done`` is set; it then sets ``answered``. A leaf channel's
-    reply is sent so from the worker thread, a thread hand-off before its
+    reply is sent so from the worker thread, a thread hop before its
     waiting connection thread would wake (~40 µs a wave). It runs on the
     lane's one worker, so it must never block (a non-blocking send); it
     returns whether it answered, and when it did not (such a send refused),

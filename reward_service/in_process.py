@@ -29,7 +29,7 @@ Invariants:
 * A driven caller (:meth:`Port.drive`: a whole search) runs on that worker
   too, from its first wave to its last: the worker steps its generator
   between batches (on the caller's CUDA stream), so a wave costs no thread
-  hand-off; the caller's thread waits once, for the end. The generator
+  hop; the caller's thread waits once, for the end. The generator
   holds the port for the call (its waves are the port's only ones) and
   must never wait for this model's critical lane itself (the worker runs
   it: it would wait for itself; Batcher.submit refuses that). The
@@ -298,7 +298,7 @@ class Port:
 
     def drive(self, steps, deadline: float | None = None):
         """Runs the generator ``steps`` on the model's critical-lane worker
-        thread (Batcher.drive) and returns what it returns: no thread hand-off
+        thread (Batcher.drive) and returns what it returns: no thread hop
         per wave, one for the whole loop. Each item it yields is one wave: an
         int ``n``, rows ``[0, n)`` of :attr:`inputs` (a device port; written
         by kernels queued on this thread's current CUDA stream, on which the

@@ -26,7 +26,7 @@ Invariants:
   critical lane's worker the moment they are in place -- on a channel
   ordered by CUDA events, the moment their copies are queued, ahead of the
   ``done`` event the client waits for (tandem/cuda_events.py)
-  (``Request.on_written``: a thread hand-off sooner), with a non-blocking
+  (``Request.on_written``: a thread hop sooner), with a non-blocking
   send on a duplicate of the socket, while the connection's thread still
   waits on the run, holding the regions' lease; that thread then sends
   nothing, and reads the next message only after. Any other wave, or one

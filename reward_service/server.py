@@ -25,7 +25,7 @@ from tandem import in_process as tandem_in_process
 from tandem import peer, tensors, workers
 from tandem.failover import STANDBY_KEY
 from tandem.startup import Phases
-from tandem.workers import Slot
+from tandem.workers import WorkerPlace
 from tandem.config import SharedMemoryConfig, TandemConfig
 from tandem.errors import quote
 from tandem.gpu import cuda_device_count
@@ -418,11 +418,11 @@ def _batcher(session: ModelSession, cfg: TandemConfig, metrics: ModelMetrics) ->
 
 
 def start(cfg: TandemConfig, follow_scheduler: bool = True, bulk_server: bool = False,
-          slot: Slot = Slot()) -> Service:
+          place: WorkerPlace = WorkerPlace()) -> Service:
     """Loads every configured model (sessions, warm-up), starts a batcher per
     model (two lanes: each lane's worker thread warms that lane's runners up
     before the service serves) and serves on ``cfg.reward.address``, as
-    process ``slot`` of its workers (tandem/workers.py).
+    process ``place`` of its workers (tandem/workers.py).
 
     With ``bulk_server``: the bulk server instead (``reward.bulk_server``, a
     process of its own): the same models, no leaf channel, on
@@ -524,7 +524,7 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True, bulk_server: bool = 
             memory_bytes=cfg.reward.memory_pool_bytes,
             follow_scheduler=follow_scheduler,
             capabilities=_capabilities(oip_register is not None, servicer),
-            slot=slot,
+            place=place,
         )
     except BaseException:
         servicer.close()

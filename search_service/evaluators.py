@@ -351,7 +351,7 @@ class DeviceWaves:
         Its set-up, up to its first wave, runs on this thread. Then, where
         :attr:`driven` (an in-process port, co-located mode), its waves run on
         the reward service's critical-lane worker thread (Port.drive), each
-        merged into that lane's next batch with no thread hand-off at all, up
+        merged into that lane's next batch with no thread hop at all, up
         to its DETACH: the rest (the answer; or a search the model stopped
         valuing, rollouts on the host) runs on this thread again, never on
         the lane. Else, or where the port refuses the drive (the reward

@@ -36,7 +36,7 @@ from search_service.sessions import Owners, SessionStore
 from search_service.streams import StreamSet
 from search_service.wave_loop import Job, Refused, Stopping, WaveLoop
 from tandem import pools, workers
-from tandem.workers import Slot
+from tandem.workers import WorkerPlace
 from tandem.config import TandemConfig
 from tandem.errors import quote
 from tandem.gpu import cupy_module
@@ -425,9 +425,9 @@ def _warm_up(backend, cfg: TandemConfig) -> None:
         backend.search(game.parse_moves(""), params, None, [None])
 
 
-def start(cfg: TandemConfig, follow_scheduler: bool = True, slot: Slot = Slot()) -> Service:
+def start(cfg: TandemConfig, follow_scheduler: bool = True, place: WorkerPlace = WorkerPlace()) -> Service:
     """Starts the search service on ``cfg.search.address``, as process
-    ``slot`` of its workers (tandem/workers.py).
+    ``place`` of its workers (tandem/workers.py).
 
     Raises:
         RuntimeError: ``backend: cuda`` cannot run here, or the address cannot be bound.
@@ -474,7 +474,7 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True, slot: Slot = Slot())
         follow_scheduler=follow_scheduler,
         capabilities=("search.sessions", "search.batch", "search.evaluator.rollout", "search.evaluator.value_model",
                       f"search.backend.{servicer.backend.name}"),
-        slot=slot,
+        place=place,
     )
     service.servicer = servicer
     servicer.owners.local_port = service.port  # from now on a caller's uid is one netlink lookup (tandem/peer.py)

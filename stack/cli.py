@@ -34,7 +34,7 @@ SERVE = {  # tandem serve NAME -> (module, its function that serves until SIGINT
     "reward": ("reward_service.server", "serve"),
     BULK_SERVER: ("reward_service.server", "serve_bulk"),  # the reward service's bulk server (reward.bulk_server)
     "search": ("search_service.server", "serve"),
-    "colocated": ("stack.colocated", "serve"),  # reward + search in one process (co_located: true)
+    "co_located": ("stack.colocated", "serve"),  # reward + search in one process (co_located: true)
 }
 
 

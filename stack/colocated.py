@@ -3,7 +3,7 @@
 Across processes, CUDA stream priorities act only under MPS (docs/design.md,
 "Measured physics"); within one process they always act. Where MPS cannot
 run, ``co_located: true`` in the config makes ``tandem up`` start this one
-process instead of two (``tandem serve colocated`` runs it alone): both
+process instead of two (``tandem serve co_located`` runs it alone): both
 services keep their own servers, ports, batchers, scheduler clients and
 streams of each priority, now in one CUDA context.
 

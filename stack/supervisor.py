@@ -36,7 +36,7 @@ from tandem.workers import die_with
 log = logging.getLogger(__name__)
 
 SERVICES = ("scheduler", "reward", "search")  # the config sections of servers; search follows the other two
-COLOCATED = "colocated"  # the one process of reward + search under co_located: true
+COLOCATED = "co_located"  # the one process of reward + search under co_located: true
 
 
 PARENT_ENV = "TANDEM_SUPERVISOR_PID"  # set for the servers `tandem up` starts

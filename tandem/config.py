@@ -348,7 +348,7 @@ class TandemConfig:
     tls: TlsConfig = field(default_factory=TlsConfig)  # applies to all three servers
     auth_token: str = ""  # non-empty: every RPC must send "authorization: Bearer <token>"
     # Reward and search services in one process (stack/colocated.py): stream priorities act
-    # there without MPS. `tandem up` then starts two processes (scheduler, colocated).
+    # there without MPS. `tandem up` then starts two processes (scheduler, co_located).
     co_located: bool = False
 
 

@@ -13,7 +13,7 @@ from typing import Callable, Iterable
 import grpc
 
 from tandem.config import ServerConfig, TandemConfig
-from tandem.workers import Slot
+from tandem.workers import WorkerPlace
 from tandem.server import (
     RunningServer,
     build_server,
@@ -81,18 +81,18 @@ def start_service(
     memory_bytes: int,
     follow_scheduler: bool = True,
     capabilities: Iterable[str] = (),
-    slot: Slot = Slot(),
+    place: WorkerPlace = WorkerPlace(),
 ) -> Service:
     """Starts a server and (unless ``follow_scheduler`` is false) its scheduler client,
-    as process ``slot`` of its workers (tandem/workers.py: the port they share, and
+    as process ``place`` of its workers (tandem/workers.py: the port they share, and
     metrics from worker 0 only).
 
     The service is SERVING as soon as it is started: it does not wait for the
     scheduler, which it follows in the background (registering with backoff).
     ``capabilities`` go to the server's Handshake (tandem/contract.py).
     """
-    address, metrics_port = slot.address(address), slot.metrics_port(metrics_port)
-    running = build_server(address, server_cfg, cfg, register, capabilities, slot.shares_port)
+    address, metrics_port = place.address(address), place.metrics_port(metrics_port)
+    running = build_server(address, server_cfg, cfg, register, capabilities, place.shares_port)
     try:
         start_metrics(metrics_port, address.rpartition(":")[0].strip("[]"))
     except BaseException:

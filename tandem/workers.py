@@ -46,7 +46,7 @@ _PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
-class Slot:
+class WorkerPlace:
     """Which of a server's processes one is: worker ``index`` (0: the first)
     of ``count``, serving on ``port`` (None: its configured address's)."""
 
@@ -158,7 +158,7 @@ def serve(cfg: TandemConfig, count: int, address: str, grace_ms: float, start: s
     """Runs a server until SIGINT/SIGTERM as ``count`` processes sharing
     ``address``: this one, then ``count - 1`` workers. ``start`` names the
     server's start function ("module:function", called as ``function(cfg,
-    slot=Slot(...))`` and returning a :class:`tandem.service.Service`).
+    place=WorkerPlace(...))`` and returning a :class:`tandem.service.Service`).
 
     Raises:
         RuntimeError: the address is bound by another process (``count`` > 1).
@@ -169,8 +169,8 @@ def serve(cfg: TandemConfig, count: int, address: str, grace_ms: float, start: s
         first(cfg).serve_forever(grace_ms)
         return
     check_free(address)  # a stale server would share a port bound with SO_REUSEPORT
-    service = first(cfg, slot=Slot(0, count))
-    workers = Workers(run_worker, (start, cfg, Slot(0, count, service.port), grace_ms), count - 1)
+    service = first(cfg, place=WorkerPlace(0, count))
+    workers = Workers(run_worker, (start, cfg, WorkerPlace(0, count, service.port), grace_ms), count - 1)
     died = []
 
     def on_death(index: int, code: int | None) -> None:
@@ -188,13 +188,13 @@ def serve(cfg: TandemConfig, count: int, address: str, grace_ms: float, start: s
         raise SystemExit(1)
 
 
-def run_worker(start: str, cfg: TandemConfig, first: Slot, grace_ms: float, index: int, parent: int, ready) -> None:
+def run_worker(start: str, cfg: TandemConfig, first: WorkerPlace, grace_ms: float, index: int, parent: int, ready) -> None:
     """Worker ``index`` (1..) of :func:`serve`, in a process of its own: the
     server on ``first``'s port until SIGTERM or its parent's death; ``ready``
     set once it serves."""
     die_with(parent)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [worker {index}] %(name)s: %(message)s")
-    service = _start_function(start)(cfg, slot=Slot(index, first.count, first.port))
+    service = _start_function(start)(cfg, place=WorkerPlace(index, first.count, first.port))
     ready.set()
     service.serve_forever(grace_ms)
 

@@ -26,7 +26,7 @@ out (``kernels/search.cu`` has the details and the concurrency invariants):
   With device waves the search is a generator of waves (``_Search._steps``)
   that the device waves drive (``DeviceWaves.run``): wave by wave on the
   caller's thread, or, in co-located mode, on the reward service's
-  critical-lane worker (``Port.drive``: no thread hand-off per wave).
+  critical-lane worker (``Port.drive``: no thread hop per wave).
 * MCTS-Solver: every backup kernel proves what it can up the paths whose
   leaf has a known result (``solve_wave``); a tree whose root is proven runs
   no more simulations; the result carries the root's and its children's
@@ -912,7 +912,7 @@ class _AsyncCopy:
     def start(self) -> None:
         stream = cupy.cuda.get_current_stream()
         # The runtime's copy, not ndarray.get(out=, blocking=False): that measured slower, 0.90 of a
-        # synchronised search against 0.77 (one run each; neural_search_latency_cupy_get_f807e0c.json).
+        # synchronised search against 0.77 (one run each, H200, 2026-12-01).
         cupy.cuda.runtime.memcpyAsync(self._host.ctypes.data, self._dev.data.ptr, self._nbytes,
                                       cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr)
         self._seq += 1

@@ -56,7 +56,7 @@ def test_tandem_up_starts_two_processes_when_co_located(tmp_path):
     stack = Stack(cfg, path)
     stack.start()
     try:
-        assert list(stack.procs) == ["scheduler", "colocated"]
+        assert list(stack.procs) == ["scheduler", "co_located"]
         assert health_status(cfg.reward.address, cfg) == health_status(cfg.search.address, cfg) == "SERVING"
         with grpc.insecure_channel(cfg.scheduler.address) as ch:
             stub = scheduler_pb2_grpc.SchedulerStub(ch)
@@ -68,4 +68,4 @@ def test_tandem_up_starts_two_processes_when_co_located(tmp_path):
         assert kinds == {scheduler_pb2.SERVICE_KIND_SEARCH, scheduler_pb2.SERVICE_KIND_REWARD}
     finally:
         codes = stack.stop()
-    assert codes == {"scheduler": 0, "colocated": 0}
+    assert codes == {"scheduler": 0, "co_located": 0}
