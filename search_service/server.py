@@ -324,7 +324,7 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
     def _run_in_loop(self, items: list[_Item], context) -> list[tuple]:
         """The items as jobs of the wave loop (one batch of trees with every search in flight)."""
         stop = lambda: not context.is_active()  # noqa: E731 - one callable: asked once a wave for all
-        jobs = [Job(item.position, item.tree, item.params, stop) for item in items]
+        jobs = [Job(item.position, item.tree, item.params, stop, keep_tree=item.reuse) for item in items]
         try:
             self.loop.submit(jobs)
         except Stopping as exc:

@@ -81,6 +81,7 @@ class Job:
     params: SearchParams
     should_stop: Callable[[], bool] | None = None
     stream: int = 0  # the tree's Philox tree word (its index within its own request)
+    keep_tree: bool = True  # its tree comes back with its answer (False: no session keeps it; may be None)
     started: float = field(default_factory=time.perf_counter)  # s: its deadline counts from here
     done: threading.Event = field(default_factory=threading.Event)
     result: SearchResult | None = None
@@ -281,7 +282,8 @@ class WaveLoop:
     def _join_all(self, lane: _Lane, jobs: list[Job]) -> None:
         lane.batch.join(connect4.stack([job.roots for job in jobs]), [job.tree for job in jobs], [job.params.seed for job in jobs],
                         [job.stream for job in jobs])
-        lane.members += [Member(job.params.simulations, job.deadline, job.should_stop, owner=job) for job in jobs]
+        lane.members += [Member(job.params.simulations, job.deadline, job.should_stop, owner=job,
+                                keep_tree=job.keep_tree) for job in jobs]
 
     def _leave(self, lane: _Lane):
         """Plans the lane's next wave; the members that are done leave and are

@@ -231,7 +231,10 @@ class CudaTreeBatch:
         results = self._results(index, [ended_by(m) for m in members])
         nodes = self._nodes()
         trees = []
-        for i in rows:  # a compact copy of each (capacity: its node count)
+        for i, m in zip(rows, members):  # a compact copy of each tree that is kept (capacity: its node count)
+            if not m.keep_tree:  # no session keeps it: no copy (a launch and an allocation each)
+                trees.append(None)
+                continue
             n = int(nodes[i])
             dst = cupy.empty((1, n * pl.NODE_BYTES), np.uint8)
             src = pl.CudaTree(self.pool, i, self.cap, n, 0, 0)

@@ -84,7 +84,8 @@ class TreeBatch(Protocol):
         per tree; ``members[i].end`` says whether a deadline or a stop ended
         row ``rows[i]``), their trees, single and compact, for reuse, and the
         rows left, in their new order (int [B']: new row r was row
-        ``kept[r]``; a batch may move rows to fill the holes)."""
+        ``kept[r]``; a batch may move rows to fill the holes). A member whose
+        ``keep_tree`` is false may get None for its tree."""
         ...
 
 

@@ -67,6 +67,7 @@ class Member:
     tried: bool = False  # took part in a wave, completed or undone
     end: str = ""  # why it left (END_*), once it has
     owner: Any = None  # whoever waits for its answer (the wave loop's job)
+    keep_tree: bool = True  # its tree goes back with its answer (a session keeps it); False: a batch may skip the copy
 
 
 class WaveTimes:
