@@ -150,3 +150,13 @@ def test_rows_that_stay_fill_the_holes_and_keep_their_trees():
     batch.wave(np.full(3, 4))
     assert batch.done.tolist() == [16, 16, 16]
     assert (batch.res["outcome"][:, 0] == tr.NOT_TERMINAL).all()
+
+
+def test_a_member_no_session_keeps_leaves_without_its_tree():
+    params = SearchParams(simulations=None, deadline_ms=1.0, parallel_sims=4)
+    batch = GPU.open_batch(params)
+    batch.join(c4.stack([c4.parse_moves(m) for m in ["", "4"]]), [None] * 2, [1, 2], [0] * 2)
+    batch.wave(np.full(2, 4))
+    results, trees, kept = batch.leave([0, 1], [Member(None, None, keep_tree=False), Member(None, None)])
+    assert [r.simulations for r in results] == [4, 4] and kept.size == 0
+    assert trees[0] is None and int(trees[1].to_host().num_nodes[0]) == results[1].tree_nodes
