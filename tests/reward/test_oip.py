@@ -9,7 +9,7 @@ import os
 import grpc
 import numpy as np
 import pytest
-from conftest import loopback_config
+from conftest import closed, loopback_config, own_connection
 from tandem.v1 import reward_pb2, reward_pb2_grpc
 
 from reward_service import server as reward_server
@@ -413,11 +413,6 @@ def _regions_of(service, uid: int) -> list:
     return [r for r in list(service.servicer.regions._regions.values()) if r.uid == uid]
 
 
-def _own_connection(address: str) -> grpc.Channel:
-    """A channel with a connection of its own (gRPC shares one between channels of equal arguments)."""
-    return grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
-
-
 def _status(stub) -> list[str]:
     return sorted(stub.SystemSharedMemoryStatus(service_pb2.SystemSharedMemoryStatusRequest(), timeout=10).regions)
 
@@ -433,7 +428,7 @@ def test_a_connection_neither_sees_nor_unregisters_another_connection_s_regions(
     _, service, *_ = served
     address = f"127.0.0.1:{service.port}"
     handle = shm.create_shared_memory_region("conn_a", "/tandem_oip_conn_a", 84)
-    a_ch, b_ch = _own_connection(address), _own_connection(address)
+    a_ch, b_ch = own_connection(address), own_connection(address)
     a, b = service_pb2_grpc.GRPCInferenceServiceStub(a_ch), service_pb2_grpc.GRPCInferenceServiceStub(b_ch)
     try:
         shm.set_shared_memory_region(handle, [boards(1, seed=3)])
@@ -473,18 +468,6 @@ def _shm_infer(region: str) -> service_pb2.ModelInferRequest:
                                        "shared_memory_byte_size": P(int64_param=84)}}, raw_input_contents=[])
 
 
-def _wait_closed(peer_text: str, port: int) -> None:
-    """Until the kernel has the client's socket of ``peer_text`` closing (gRPC closes it on its own thread)."""
-    import time
-
-    from tandem import peer
-
-    deadline = time.monotonic() + 30
-    while peer.connection_open(peer_text, port) is not False:
-        assert time.monotonic() < deadline, f"{peer_text} still open"
-        time.sleep(0.01)
-
-
 def test_a_client_that_reconnects_keeps_its_regions(served):
     """Once the registering connection is closed, the next connection of the
     same user that names the region adopts it: it infers from it, lists it and
@@ -496,13 +479,13 @@ def test_a_client_that_reconnects_keeps_its_regions(served):
     handle = shm.create_shared_memory_region("moved", "/tandem_oip_moved", 84)
     try:
         shm.set_shared_memory_region(handle, [boards(1, seed=4)])
-        with _own_connection(address) as first:
+        with own_connection(address) as first:
             service_pb2_grpc.GRPCInferenceServiceStub(first).SystemSharedMemoryRegister(
                 service_pb2.SystemSharedMemoryRegisterRequest(name="moved", key="/tandem_oip_moved", byte_size=84),
                 timeout=10)
         (owner,) = {r.client_id for r in service.servicer.regions._regions.values() if r.name == "moved"}
-        _wait_closed(owner.split("@", 1)[1], service.port)
-        with _own_connection(address) as again:
+        assert closed(owner.split("@", 1)[1], service.port)
+        with own_connection(address) as again:
             stub = service_pb2_grpc.GRPCInferenceServiceStub(again)
             assert stub.ModelInfer(_shm_infer("moved"), timeout=30).outputs[0].name == "value"
             assert _status(stub) == ["moved"]

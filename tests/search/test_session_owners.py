@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import loopback_config
+from conftest import closed, loopback_config, own_connection
 from tandem.v1 import search_pb2, search_pb2_grpc
 
 from search_service import server as search_server
@@ -128,22 +128,13 @@ def test_a_session_is_bound_to_its_connection_until_that_one_closes():
     assert store.take(key, "4", lambda t, a: t, "conn-b", gone) == (None, False)
 
 
-def _own_connection(address: str):
-    """A channel with a connection of its own (gRPC shares one between channels of equal arguments)."""
-    import grpc
-
-    return grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
-
-
 def test_another_connection_of_the_same_user_gets_a_fresh_tree_and_leaves_the_first_one(served):
     """Issue 41 part 3: client B of the same user, on a connection of its own,
     names client A's session: B's search is answered from a fresh tree (not
     kept), and A's next move still reuses A's tree. Once A's connection is
     closed, a new connection (A reconnected) continues the tree."""
-    from tandem import peer
-
     _, service, address = served
-    with _own_connection(address) as a_ch, _own_connection(address) as b_ch:
+    with own_connection(address) as a_ch, own_connection(address) as b_ch:
         a, b = search_pb2_grpc.SearchServiceStub(a_ch), search_pb2_grpc.SearchServiceStub(b_ch)
         first = a.Search(_req("44", "shared-1", 300), timeout=60)
         continued = "44" + first.move + "3"
@@ -153,12 +144,7 @@ def test_another_connection_of_the_same_user_gets_a_fresh_tree_and_leaves_the_fi
         follow = a.Search(_req(continued, "shared-1"), timeout=60)
         assert follow.tree_reused and sum(follow.visit_counts) > 50
         a_peer = service.servicer.sessions._entries[(("uid", os.getuid()), "shared-1")].connection
-    import time
-
-    deadline = time.monotonic() + 30  # gRPC closes the socket on a thread of its own
-    while peer.connection_open(a_peer, service.port) is not False:
-        assert time.monotonic() < deadline, f"{a_peer} still open"
-        time.sleep(0.01)
-    with _own_connection(address) as again:
+    assert closed(a_peer, service.port)
+    with own_connection(address) as again:
         after = search_pb2_grpc.SearchServiceStub(again).Search(_req(continued + "4", "shared-1"), timeout=60)
     assert after.tree_reused
