@@ -57,7 +57,7 @@ ACTIVE_STREAM_PRIORITY = Gauge("tandem_search_stream_priority_active", "CUDA str
 POOL_BYTES = Gauge("tandem_search_pool_bytes", "CuPy memory pool: bytes in use and the fixed limit (0 = none).",
                    ["what"])
 EXHAUSTED = Counter("tandem_search_pool_exhausted", "Searches refused because the memory pool was full.")
-SESSIONS = Gauge("tandem_search_sessions", "Trees kept for reuse.")
+SESSIONS = Gauge("tandem_search_sessions", "Sessions kept: with their trees, or bound while a search holds the tree.")
 SESSION_CONFLICTS = Counter("tandem_search_session_conflicts_total",
                             "Searches naming a session bound to another open connection of the same user "
                             "(answered from a fresh tree, not kept).")
