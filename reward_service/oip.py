@@ -30,14 +30,22 @@ codes and the per-model metrics are RewardService's own:
   parameters ``shared_memory_region``, ``shared_memory_byte_size`` and
   ``shared_memory_offset`` (Triton's); such an input has no
   ``raw_input_contents`` entry, such an output an empty one. The protocol
-  carries no client id, so a region belongs to the client :data:`OIP_CLIENT`
-  of the caller's uid (its loopback peer's, tandem/peer.py, as every
-  registration's): one user's status and unregister-all see and remove that
-  user's regions only, and another user naming them in ModelInfer is refused
-  as another client. Region names are unique on the server, as Triton's.
-  Regions are leased like RewardService's: every use or status call renews a
-  region, one left unused for ``reward.shared_memory.lease_ttl_ms`` is
-  unregistered.
+  carries no client id, so a region belongs to the connection that
+  registered it (of the caller's uid, its loopback peer's, tandem/peer.py, as
+  every registration's): the region table's client
+  ``open-inference-protocol@<peer>``
+  (reward_service/shared_memory.py, ``connection_client``). Status and
+  unregister-all see and remove that connection's regions only; another
+  connection naming one in ModelInfer, Status or Unregister is refused as
+  another client (FAILED_PRECONDITION), until the registering connection is
+  closed: then the first connection of the same user that names the region
+  (or lists or unregisters all of its own) adopts it, so a client that
+  reconnects keeps its regions. A RewardService call may name only its own
+  connection's id (PERMISSION_DENIED otherwise). Region names are unique on
+  the server, as Triton's. Regions are leased like RewardService's: every use
+  or status call renews a region, one left unused for
+  ``reward.shared_memory.lease_ttl_ms`` is unregistered (a closed
+  connection's too, unless adopted first).
 """
 from __future__ import annotations
 
@@ -48,7 +56,8 @@ import grpc
 from tandem.v1 import reward_pb2
 
 from reward_service.batcher import LANES
-from tandem import contract
+from reward_service.shared_memory import CONNECTION_CLIENT_PREFIX, connection_client
+from tandem import contract, peer
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +79,6 @@ DEFAULT_PRIORITY_LEVEL = 2
 REQUEST_PARAMETERS = ("priority", "timeout")
 EXTENSIONS = ("model_configuration", "statistics", "schedule_policy", "parameters", "system_shared_memory",
               "cuda_shared_memory")
-OIP_CLIENT = "open-inference-protocol"  # the region table's client id of every OIP region (per uid)
 SHM_PARAMETERS = ("shared_memory_region", "shared_memory_byte_size", "shared_memory_offset")
 PLATFORM = "onnxruntime_onnx"
 
@@ -171,7 +179,11 @@ def make_servicer(reward, serving, model_config_pb2, service_pb2, service_pb2_gr
 
         def ModelInfer(self, request, context):
             s = _session(reward, request.model_name, request.model_version, context)
-            evaluate, timeout_s = _evaluate_request(s, request, context)
+            evaluate, timeout_s = _evaluate_request(s, request, context, connection_client(context.peer()))
+            if evaluate.client_id:
+                _client(reward, context, {t.shared_memory.region for t in evaluate.inputs
+                                          if t.WhichOneof("contents") == "shared_memory"}
+                        | {ref.region for ref in evaluate.output_shared_memory.values()})
             reply = reward.Evaluate(evaluate, _DeadlineContext(context, timeout_s))
             return pb.ModelInferResponse(
                 model_name=s.name, model_version=s.version, id=request.id,
@@ -189,7 +201,7 @@ def make_servicer(reward, serving, model_config_pb2, service_pb2, service_pb2_gr
 
         def SystemSharedMemoryRegister(self, request, context):
             reward.RegisterSharedMemory(reward_pb2.RegisterSharedMemoryRequest(
-                client_id=OIP_CLIENT, name=request.name, byte_size=request.byte_size,
+                client_id=connection_client(context.peer()), name=request.name, byte_size=request.byte_size,
                 system=reward_pb2.SystemSharedMemory(key=request.key, offset=request.offset)), context)
             return pb.SystemSharedMemoryRegisterResponse()
 
@@ -205,7 +217,7 @@ def make_servicer(reward, serving, model_config_pb2, service_pb2, service_pb2_gr
 
         def CudaSharedMemoryRegister(self, request, context):
             reward.RegisterSharedMemory(reward_pb2.RegisterSharedMemoryRequest(
-                client_id=OIP_CLIENT, name=request.name, byte_size=request.byte_size,
+                client_id=connection_client(context.peer()), name=request.name, byte_size=request.byte_size,
                 cuda=reward_pb2.CudaSharedMemory(raw_handle=request.raw_handle, device_id=request.device_id)), context)
             return pb.CudaSharedMemoryRegisterResponse()
 
@@ -222,10 +234,25 @@ def make_servicer(reward, serving, model_config_pb2, service_pb2, service_pb2_gr
     return OpenInferenceServicer()
 
 
+def _client(reward, context, names=None) -> str:
+    """This call's connection's client id in the region table, once it has
+    adopted the regions ``names`` (None: all) that connections of the same
+    user now closed held (reward_service/shared_memory.py, ``RegionTable.adopt``)."""
+    def gone(other: str) -> bool:
+        return (other.startswith(CONNECTION_CLIENT_PREFIX) and peer.connection_open(
+            other[len(CONNECTION_CLIENT_PREFIX):], reward.local_port) is False)
+
+    client = connection_client(context.peer())
+    reward.regions.adopt(client, names, lambda: reward.peer_uid(context), gone)
+    return client
+
+
 def _regions(reward, kind: str, name: str, context) -> list:
-    """The OIP regions of ``kind`` ("system" or "cuda"), or the one named
-    ``name`` (NOT_FOUND when it is of the other kind: Triton keeps the two apart)."""
-    regions = reward.SharedMemoryStatus(reward_pb2.SharedMemoryStatusRequest(client_id=OIP_CLIENT, name=name),
+    """This connection's OIP regions of ``kind`` ("system" or "cuda"), or the
+    one named ``name`` (NOT_FOUND when it is of the other kind: Triton keeps
+    the two apart)."""
+    client = _client(reward, context, [name] if name else None)
+    regions = reward.SharedMemoryStatus(reward_pb2.SharedMemoryStatusRequest(client_id=client, name=name),
                                         context).regions
     mine = [r for r in regions if r.WhichOneof("memory") == kind]
     if name and not mine:
@@ -235,8 +262,9 @@ def _regions(reward, kind: str, name: str, context) -> list:
 
 def _unregister(reward, kind: str, name: str, context) -> None:
     """Unregisters the OIP region ``name`` of ``kind`` (empty: every one of that kind)."""
+    client = connection_client(context.peer())
     for r in _regions(reward, kind, name, context):
-        reward.UnregisterSharedMemory(reward_pb2.UnregisterSharedMemoryRequest(client_id=OIP_CLIENT, name=r.name),
+        reward.UnregisterSharedMemory(reward_pb2.UnregisterSharedMemoryRequest(client_id=client, name=r.name),
                                       context)
 
 
@@ -288,9 +316,9 @@ def _parameter_value(p):
     return None if which is None else getattr(p, which)
 
 
-def _evaluate_request(session, request, context) -> tuple[reward_pb2.EvaluateRequest, float | None]:
-    """The EvaluateRequest for a ModelInferRequest, and the ``timeout``
-    parameter in seconds (None: none). Refuses (INVALID_ARGUMENT, naming the
+def _evaluate_request(session, request, context, client_id: str) -> tuple[reward_pb2.EvaluateRequest, float | None]:
+    """The EvaluateRequest for a ModelInferRequest (``client_id``: its regions'
+    owner, where it names any), and the ``timeout`` parameter in seconds (None: none). Refuses (INVALID_ARGUMENT, naming the
     field) what has no EvaluateRequest equivalent; everything else is checked
     by RewardServicer.Evaluate."""
     def refuse(message: str):
@@ -342,7 +370,7 @@ def _evaluate_request(session, request, context) -> tuple[reward_pb2.EvaluateReq
     shared = output_refs or any(ref is not None for ref in refs)
     evaluate = reward_pb2.EvaluateRequest(model=session.name, inputs=inputs, request_class=request_class,
                                           output_names=[o.name for o in request.outputs],
-                                          output_shared_memory=output_refs, client_id=OIP_CLIENT if shared else "")
+                                          output_shared_memory=output_refs, client_id=client_id if shared else "")
     return evaluate, timeout_s
 
 

@@ -20,7 +20,7 @@ from reward_service.in_process import InProcessServer
 from reward_service.model_metrics import ModelMetrics
 from reward_service.refusal import Refusal
 from reward_service.session import InputError, ModelSession, runners_per_model
-from reward_service.shared_memory import Lease, RegionStatus, RegionTable, SharedMemoryError
+from reward_service.shared_memory import Lease, RegionStatus, RegionTable, SharedMemoryError, check_client
 from tandem import in_process as tandem_in_process
 from tandem import peer, tensors, workers
 from tandem.failover import STANDBY_KEY
@@ -143,6 +143,8 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
                                   f"which serves bulk requests only; send critical ones to the reward service at "
                                   f"{self.critical_address}")
                 names = _region_names(request)
+                if names:
+                    check_client(request.client_id, context.peer())
                 with self.budget.admit(INPUT_COPIES * request.ByteSize(),
                                        lane == LANES[reward_pb2.REQUEST_CLASS_CRITICAL]) as held, \
                         self.regions.acquire(request.client_id, names, uid=self.peer_uid(context) if names else None) as lease:
@@ -215,6 +217,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
                 raise SharedMemoryError(grpc.StatusCode.PERMISSION_DENIED,
                                         f"peer {context.peer()}: shared memory is for clients on the server's host "
                                         f"(reward.shared_memory.local_clients_only)")
+            check_client(request.client_id, context.peer())
             kind, uid = request.WhichOneof("memory"), self.peer_uid(context)
             if kind == "system":
                 self.regions.register_system(request.client_id, request.name, request.byte_size,
@@ -228,11 +231,13 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
 
     def UnregisterSharedMemory(self, request, context):
         with _shared_memory_status(context):
+            check_client(request.client_id, context.peer())
             names = self.regions.unregister(request.client_id, request.name, uid=self.peer_uid(context))
         return reward_pb2.UnregisterSharedMemoryResponse(names=names)
 
     def SharedMemoryStatus(self, request, context):
         with _shared_memory_status(context):
+            check_client(request.client_id, context.peer())
             regions = self.regions.status(request.client_id, request.name, uid=self.peer_uid(context))
         return reward_pb2.SharedMemoryStatusResponse(regions=[_region_status(r) for r in regions],
                                                      lease_ttl_ms=self.shared_memory.lease_ttl_ms)

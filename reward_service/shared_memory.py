@@ -40,7 +40,7 @@ Three kinds of region:
 The region table's invariants:
 
 * ``RegionTable._lock`` guards ``_regions`` (name -> :class:`Region`) and
-  every Region's ``uses``, ``unregistered`` and ``expires``. It is never held
+  every Region's ``client_id``, ``uses``, ``unregistered`` and ``expires``. It is never held
   while memory is opened or closed, nor while bytes are read or written, so
   one slow client cannot stall the others' calls.
 * A region belongs to its owner, the pair (``uid``, ``client_id``): the
@@ -49,6 +49,13 @@ The region table's invariants:
   may name it in ``Evaluate``, renew it or unregister it; the same
   ``client_id`` from another uid is another client. Names are unique on the
   server.
+* A client id ``open-inference-protocol@<peer>`` (:func:`connection_client`)
+  is one connection's: only a call on that connection may name it
+  (:func:`check_client`), so the Open Inference Protocol's regions belong to
+  the connection that registered them. Once that connection is closed, the
+  next connection of the same user that names them (or lists or unregisters
+  all of its regions) adopts them (:meth:`RegionTable.adopt`): a client that
+  reconnects keeps its regions, as Triton's clients expect.
 * ``uses`` counts the requests holding the region (a :class:`Lease`). A region
   leaves the table when it is unregistered: by its client, by the reaper once
   its lease expired unused, or at shutdown. Its memory is closed by whoever
@@ -90,7 +97,7 @@ import stat
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Collection, Iterable
 
 import grpc
 import numpy as np
@@ -106,6 +113,30 @@ log = logging.getLogger(__name__)
 CUDA_IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
 MAX_NAME_CHARS = 256  # client ids and region names
 SERVICE_DEVICE = 0  # the reward service's CUDA device: ONNX Runtime's and CuPy's default (CUDA_VISIBLE_DEVICES picks the GPU)
+
+
+#: Client ids of this form name one connection's regions (the Open Inference
+#: Protocol's, which carries no client id): ``connection_client(peer)``.
+CONNECTION_CLIENT_PREFIX = "open-inference-protocol@"
+
+
+def connection_client(peer: str) -> str:
+    """The client id of the regions of the connection ``peer`` (``context.peer()``)."""
+    return CONNECTION_CLIENT_PREFIX + peer
+
+
+def check_client(client_id: str, peer: str) -> None:
+    """Refuses a client id that names another connection's regions: a caller
+    may name :func:`connection_client` of its own connection only.
+
+    Raises:
+        SharedMemoryError: PERMISSION_DENIED naming the client id.
+    """
+    if client_id.startswith(CONNECTION_CLIENT_PREFIX) and client_id != connection_client(peer):
+        raise _error(grpc.StatusCode.PERMISSION_DENIED,
+                     f"client_id: {quote(client_id)} names the regions of another connection (ids starting "
+                     f"{CONNECTION_CLIENT_PREFIX!r} belong to one connection each; this call's is "
+                     f"{quote(connection_client(peer))})")
 
 
 class SharedMemoryError(Exception):
@@ -477,8 +508,9 @@ class _CudaMemory:
 class Region:
     """A registered region: ``byte_size`` bytes of ``memory``, owned by the
     pair (``uid``, ``client_id``); ``uid`` None: a CUDA region of a caller whose
-    uid could not be told. ``uses``, ``unregistered`` and ``expires``
-    (time.monotonic s) are guarded by the table's lock."""
+    uid could not be told. ``client_id`` (changed by :meth:`RegionTable.adopt`),
+    ``uses``, ``unregistered`` and ``expires`` (time.monotonic s) are guarded
+    by the table's lock."""
 
     name: str
     client_id: str
@@ -660,6 +692,34 @@ class RegionTable:
             if close_now:
                 self._close(region.memory)
         return [r.name for r in regions]
+
+    def adopt(self, client_id: str, names: Collection[str] | None, uid: Callable[[], int | None],
+              gone: Callable[[str], bool]) -> list[str]:
+        """Gives ``client_id`` the regions of the caller's user (``uid()``,
+        asked only where another client holds one) held by clients that
+        ``gone(other_client_id)`` says have ended (a connection's client whose
+        connection is closed), and returns their names: the regions ``names``
+        (None: every region). ``gone`` is called outside the lock, once per
+        client. Adopted regions count for ``client_id`` from now on; none is
+        refused for its limits.
+        """
+        with self._lock:
+            others = {(r.client_id, r.uid) for r in self._regions.values()
+                      if r.client_id != client_id and r.uid is not None and (names is None or r.name in names)}
+        if not others:
+            return []
+        caller = uid()
+        ended = {c for c, u in others if u == caller and caller is not None and gone(c)}
+        if not ended:
+            return []
+        with self._lock:
+            moved = [r for r in self._regions.values() if r.uid == caller and r.client_id in ended
+                     and (names is None or r.name in names)]
+            for r in moved:
+                log.info("shared memory: region %r of ended client %r (uid %s) adopted by %r",
+                         r.name, r.client_id, r.uid, client_id)
+                r.client_id = client_id
+        return [r.name for r in moved]
 
     def _drop_locked(self, region: Region) -> bool:
         """Takes ``region`` out of the table; True when no request holds it

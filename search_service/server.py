@@ -57,7 +57,10 @@ ACTIVE_STREAM_PRIORITY = Gauge("tandem_search_stream_priority_active", "CUDA str
 POOL_BYTES = Gauge("tandem_search_pool_bytes", "CuPy memory pool: bytes in use and the fixed limit (0 = none).",
                    ["what"])
 EXHAUSTED = Counter("tandem_search_pool_exhausted", "Searches refused because the memory pool was full.")
-SESSIONS = Gauge("tandem_search_sessions", "Trees kept for reuse.")
+SESSIONS = Gauge("tandem_search_sessions", "Sessions kept: with their trees, or bound while a search holds the tree.")
+SESSION_CONFLICTS = Counter("tandem_search_session_conflicts_total",
+                            "Searches naming a session bound to another open connection of the same user "
+                            "(answered from a fresh tree, not kept).")
 SESSION_BYTES = Gauge("tandem_search_session_bytes", "Bytes the trees kept for reuse hold (search.max_session_bytes).")
 CANCELLED = Counter(
     "tandem_search_cancelled", "Searches stopped early because their caller went away (cancel or deadline)."
@@ -85,7 +88,8 @@ ANSWER_GRACE_S = 10.0  # past its deadline, how long a caller waits for the wave
 class _Item:
     """One validated search of a call: its request, game, root position (Positions [1]),
     params, whether it continues its session's tree, that session's store key
-    ((owner, session id), set with the tree) and that tree once taken."""
+    ((owner, session id), set with the tree where the caller's connection
+    holds the session; None: no session to keep) and that tree once taken."""
 
     request: search_pb2.SearchRequest
     game: object
@@ -283,17 +287,27 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
         every deadline bound by the caller's) and answers them in order."""
         remaining = context.time_remaining()
         # Sessions are the caller's own: another user naming the same id gets a session of its
-        # own (a fresh tree), exactly as for an id nobody holds. Not an error status: an unknown
-        # id is no error, so any refusal would tell that the id is someone's, and a refusal would
-        # let a client claim a predictable id ("engine-0") before its user does and lock them out.
-        who = self.owners(context.peer()) if any(item.reuse for item in items) else None
+        # own (a fresh tree), exactly as for an id nobody holds, and another open connection of
+        # the same user naming it gets a fresh tree that is not kept (search_service/sessions.py).
+        # Not an error status: an unknown id is no error, so any refusal would tell that the id
+        # is someone's, and a refusal would let a client claim a predictable id ("engine-0")
+        # before its user does and lock them out -- or lock out an engine that reconnected while
+        # its old connection lingers. The search is answered either way.
+        connection = context.peer()
+        who = self.owners(connection) if any(item.reuse for item in items) else None
         for item in items:
             item.params = dataclasses.replace(item.params, deadline_ms=search_deadline_ms(
                 item.params.deadline_ms, remaining, self.cfg.max_deadline_ms))  # the caller's deadline, now
             if item.reuse:
                 req = item.request
-                item.session = (who, req.session_id)
-                item.tree = self.sessions.take(item.session, req.moves, self.backend.reroot)
+                key = (who, req.session_id)
+                item.tree, holds = self.sessions.take(key, req.moves, self.backend.reroot, connection, self.owners.gone)
+                if holds:
+                    item.session = key
+                else:
+                    SESSION_CONFLICTS.inc()
+                    log.debug("session %s is bound to another open connection: a fresh tree, not kept",
+                              quote(req.session_id))
         outs = self._run_in_loop(items, context)
         if not context.is_active():
             # Nobody is waiting for these answers: keep no tree, say why in the log.
@@ -311,9 +325,10 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
                 (log.debug if r.deadline_reached else log.warning)(
                     "value model stopped after %d of %d simulations (%s): %s", r.model_simulations, r.simulations,
                     r.evaluation_failure, "answered from the tree" if r.deadline_reached else "went on with rollouts")
-            if item.reuse:
-                if not self.sessions.put(item.session, item.request.moves, tree):
-                    log.debug("session tree not kept: larger than search.max_session_bytes")
+            if item.session is not None:
+                if not self.sessions.put(item.session, item.request.moves, tree, connection):
+                    log.debug("session tree not kept: larger than search.max_session_bytes, or the session "
+                              "was bound to another connection meanwhile")
             total_ms = (time.perf_counter() - received) * 1e3
             self._observe(item.request, r, total_ms)
             responses.append(_response(item, r, handoff, self.backend.name, total_ms))
@@ -331,8 +346,8 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except Refused as exc:
             for item in items:  # refused, not accepted: the sessions keep their trees
-                if item.reuse and item.tree is not None:
-                    self.sessions.put(item.session, item.request.moves, item.tree)
+                if item.session is not None and item.tree is not None:
+                    self.sessions.put(item.session, item.request.moves, item.tree, context.peer())
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         outs = []
         for job in jobs:

@@ -10,11 +10,22 @@ than that alone is not kept), and any session unused for ``ttl_ms`` is dropped.
 A session belongs to the caller that first named it: the store is keyed by
 (:func:`owner`, session id), so a caller of another user naming the same id
 names a session of its own, and can neither continue, reset nor end the
-first caller's tree (see :func:`owner` for who counts as one caller).
+first caller's tree (see :func:`owner` for who counts as one caller). Within
+one owner, a session is bound to the connection (its gRPC peer string) that
+first named it, for as long as the session is kept: a search naming it from
+another connection that is still open (:func:`tandem.peer.connection_open`)
+is answered from a fresh tree, which is not kept, and the session's tree
+stays as it was. Once the binding connection is closed, the next connection
+naming the id takes the session over, tree and all: an engine that
+reconnects keeps its tree. Where a connection's state cannot be told (a
+remote or Unix-socket peer), it is never taken for closed: such an engine
+that reconnects starts a fresh tree under a new binding once the old one is
+dropped (``ttl_ms`` unused, or least recently used).
 
 Thread safety: ``_lock`` guards ``_entries`` and ``_bytes``. A tree is *taken*
-out of the store while a search runs on it, so two concurrent requests of one
-session never share a tree (the second simply starts fresh).
+out of its entry while a search runs on it, so two concurrent requests of one
+session never share a tree (the second simply starts fresh); the entry, and
+so the binding, stays.
 """
 from __future__ import annotations
 
@@ -30,9 +41,10 @@ from tandem import peer as peers
 @dataclass
 class _Entry:
     moves: str
-    tree: Any
+    tree: Any  # None while a search holds it, or none was kept
     used: float  # time.monotonic() of the last use
     nbytes: int  # memory the tree holds (tree_bytes)
+    connection: str  # the gRPC peer string of the connection the session is bound to
 
 
 def tree_bytes(tree: Any) -> int:
@@ -86,6 +98,12 @@ class Owners:
         self._seen: OrderedDict[str, tuple[float, Hashable]] = OrderedDict()  # guarded by _lock
         self.local_port = 0  # set once the server listens (one int write; read anywhere)
 
+    def gone(self, connection: str) -> bool:
+        """Whether the connection ``connection`` (a gRPC peer string) is known
+        to be closed (:func:`tandem.peer.connection_open`; never before
+        ``local_port`` is set)."""
+        return peers.connection_open(connection, self.local_port) is False
+
     def __call__(self, peer: str) -> Hashable:
         if self.local_port:
             return owner(peer, self.local_port)
@@ -106,8 +124,9 @@ class Owners:
 
 class SessionStore:
     """Args:
-        max_sessions: trees kept at most (count).
-        ttl_ms: a tree unused this long (ms) is dropped.
+        max_sessions: sessions kept at most (count; with their trees or, while
+            a search holds the tree, their binding alone).
+        ttl_ms: a session unused this long (ms) is dropped.
         max_bytes: the trees kept hold at most this many bytes together
             (:func:`tree_bytes`); None: no byte bound.
     """
@@ -120,35 +139,56 @@ class SessionStore:
         self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()  # guarded by _lock
         self._bytes = 0  # guarded by _lock: the kept trees' tree_bytes, summed
 
-    def take(self, key: Hashable, moves: str, reroot: Callable[[Any, list[int]], Any]) -> Any | None:
-        """Removes and returns the session's tree re-rooted at ``moves``, or None.
+    def take(self, key: Hashable, moves: str, reroot: Callable[[Any, list[int]], Any], connection: str = "",
+             gone: Callable[[str], bool] = lambda connection: False) -> tuple[Any | None, bool]:
+        """The session's tree re-rooted at ``moves`` (taken out of the store;
+        None: none to continue), and whether the caller holds the session.
 
-        ``key``: the session's (:func:`owner`, session id). ``reroot(tree, actions)``
-        promotes the child reached by the 0-based ``actions`` to root (or
-        returns None when it is not in the tree).
+        ``key``: the session's (:func:`owner`, session id); ``connection``: the
+        caller's gRPC peer string. A session nobody holds is bound to
+        ``connection``; one bound to another connection is taken over when
+        ``gone(that connection)`` (called outside the lock) says it is closed,
+        else the answer is (None, False): the caller gets no tree and must not
+        :meth:`put` one. ``reroot(tree, actions)`` promotes the child reached
+        by the 0-based ``actions`` to root (or returns None when it is not in
+        the tree).
         """
         with self._lock:
             self._expire()
-            entry = self._pop(key)
-        if entry is None or not moves.startswith(entry.moves):
-            return None
-        extra = [int(c) - 1 for c in moves[len(entry.moves):]]
-        return reroot(entry.tree, extra) if extra else entry.tree
+            entry = self._entries.get(key)
+            holder = entry.connection if entry is not None else connection
+        if holder != connection and not gone(holder):
+            return None, False
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                self._keep(key, _Entry("", None, time.monotonic(), 0, connection))
+                return None, True
+            if entry.connection not in (connection, holder):  # bound anew meanwhile
+                return None, False
+            entry.connection, entry.used, tree, rooted = connection, time.monotonic(), entry.tree, entry.moves
+            entry.tree, self._bytes, entry.nbytes = None, self._bytes - entry.nbytes, 0
+            self._entries.move_to_end(key)
+        if tree is None or not moves.startswith(rooted):
+            return None, True
+        extra = [int(c) - 1 for c in moves[len(rooted):]]
+        return (reroot(tree, extra) if extra else tree), True
 
-    def put(self, key: Hashable, moves: str, tree: Any) -> bool:
-        """Keeps ``tree`` for the session ``key`` (as in :meth:`take`; least
-        recently used sessions go to make room). Returns False when the tree
-        alone is larger than ``max_bytes`` (it is not kept)."""
+    def put(self, key: Hashable, moves: str, tree: Any, connection: str = "") -> bool:
+        """Keeps ``tree`` for the session ``key`` of ``connection`` (as in
+        :meth:`take`; least recently used sessions go to make room). Returns
+        False when it is not kept: the tree alone is larger than ``max_bytes``
+        (the session stays bound, without a tree), or the session is bound to
+        another connection."""
         nbytes = tree_bytes(tree)
         with self._lock:
-            self._pop(key)
-            if self.max_bytes is not None and nbytes > self.max_bytes:
+            entry = self._entries.get(key)
+            if entry is not None and entry.connection != connection:
                 return False
-            self._entries[key] = _Entry(moves, tree, time.monotonic(), nbytes)
-            self._bytes += nbytes
-            while len(self._entries) > self.max_sessions or (self.max_bytes is not None and self._bytes > self.max_bytes):
-                self._pop(next(iter(self._entries)))
-        return True
+            self._pop(key)
+            fits = self.max_bytes is None or nbytes <= self.max_bytes
+            self._keep(key, _Entry(moves, tree if fits else None, time.monotonic(), nbytes if fits else 0, connection))
+        return fits
 
     def __len__(self) -> int:
         with self._lock:
@@ -159,6 +199,12 @@ class SessionStore:
         """Bytes the kept trees hold (:func:`tree_bytes`, summed)."""
         with self._lock:
             return self._bytes
+
+    def _keep(self, key: Hashable, entry: _Entry) -> None:  # caller holds _lock
+        self._entries[key] = entry
+        self._bytes += entry.nbytes
+        while len(self._entries) > self.max_sessions or (self.max_bytes is not None and self._bytes > self.max_bytes):
+            self._pop(next(iter(self._entries)))
 
     def _pop(self, key: Hashable) -> _Entry | None:  # caller holds _lock
         entry = self._entries.pop(key, None)

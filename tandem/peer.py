@@ -79,20 +79,26 @@ def _candidates(p: Peer) -> list[tuple[str, str]]:
 
 
 # sock_diag(7): one socket looked up by its four-tuple (inet_diag_req_v2, SOCK_DIAG_BY_FAMILY).
-_NETLINK_SOCK_DIAG, _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST = 4, 20, 1
+_NETLINK_SOCK_DIAG, _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST, _NLMSG_ERROR = 4, 20, 1, 2
 _NLMSG = struct.Struct("=IHHII")  # nlmsghdr: len, type, flags, seq, pid
+_NLMSG_ERRNO = struct.Struct("=i")  # nlmsgerr.error (a negative errno) after the header
+_ENOENT = 2
 _REQUEST_HEAD = struct.Struct("=BBBBI")  # inet_diag_req_v2: family, protocol, ext, pad, states; then the sockid
 _PORTS = struct.Struct(">HH")  # inet_diag_sockid: sport, dport (network order); then src[16], dst[16], if, cookie[8]
 _SOCKID_TAIL = struct.Struct("=16s16sI8s")
+_MESSAGE_STATE_AT = 1  # inet_diag_msg.idiag_state, after idiag_family
 _MESSAGE_UID = struct.Struct("=I")  # inet_diag_msg.idiag_uid, after family..retrans (4), sockid (48), expires, rqueue, wqueue
 _MESSAGE_UID_AT = 4 + _PORTS.size + _SOCKID_TAIL.size + 12
 _NO_COOKIE = b"\xff" * 8  # INET_DIAG_NOCOOKIE
+_TCP_ESTABLISHED = 1  # include/net/tcp_states.h
+GONE = "gone"  # _diag's answer where the kernel has no such socket
 
 
-def _diag_uid(family: int, src: str, sport: int, dst: str, dport: int) -> int | None:
-    """The uid of the TCP socket (src:sport -> dst:dport), asked of the kernel
-    by netlink (an exact lookup: microseconds, where /proc/net/tcp walks every
-    hash bucket: milliseconds); None where there is none or netlink refuses."""
+def _diag(family: int, src: str, sport: int, dst: str, dport: int) -> tuple[int, int] | str | None:
+    """(state, uid) of the TCP socket (src:sport -> dst:dport), asked of the
+    kernel by netlink (an exact lookup: microseconds, where /proc/net/tcp
+    walks every hash bucket: milliseconds); :data:`GONE` where the kernel has
+    no such socket; None where netlink cannot answer."""
     try:
         request = (_REQUEST_HEAD.pack(family, socket.IPPROTO_TCP, 0, 0, 0xFFFFFFFF) + _PORTS.pack(sport, dport)
                    + _SOCKID_TAIL.pack(socket.inet_pton(family, src), socket.inet_pton(family, dst), 0, _NO_COOKIE))
@@ -102,11 +108,24 @@ def _diag_uid(family: int, src: str, sport: int, dst: str, dport: int) -> int | 
             reply = nl.recv(4096)
     except (OSError, ValueError):
         return None
-    if len(reply) < _NLMSG.size + _MESSAGE_UID_AT + _MESSAGE_UID.size:
-        return None  # NLMSG_ERROR (-ENOENT: no such socket) is shorter
-    if _NLMSG.unpack_from(reply)[1] != _SOCK_DIAG_BY_FAMILY:
+    if len(reply) < _NLMSG.size + _NLMSG_ERRNO.size:
         return None
-    return _MESSAGE_UID.unpack_from(reply, _NLMSG.size + _MESSAGE_UID_AT)[0]
+    kind = _NLMSG.unpack_from(reply)[1]
+    if kind == _NLMSG_ERROR:
+        return GONE if _NLMSG_ERRNO.unpack_from(reply, _NLMSG.size)[0] == -_ENOENT else None
+    if kind != _SOCK_DIAG_BY_FAMILY or len(reply) < _NLMSG.size + _MESSAGE_UID_AT + _MESSAGE_UID.size:
+        return None
+    return reply[_NLMSG.size + _MESSAGE_STATE_AT], _MESSAGE_UID.unpack_from(reply, _NLMSG.size + _MESSAGE_UID_AT)[0]
+
+
+def _diag_uid(family: int, src: str, sport: int, dst: str, dport: int) -> int | None:
+    """The uid of the ESTABLISHED TCP socket (src:sport -> dst:dport) (:func:`_diag`);
+    None for any other state: a closing socket has no owner any more (the
+    kernel reports a TIME_WAIT socket as uid 0, whoever held it)."""
+    found = _diag(family, src, sport, dst, dport)
+    if not isinstance(found, tuple) or found[0] != _TCP_ESTABLISHED:
+        return None
+    return found[1]
 
 
 def _server_hosts(p: Peer) -> list[str]:
@@ -145,3 +164,24 @@ def uid(peer: str, local_port: int = 0) -> int | None:
         except (OSError, ValueError):
             continue
     return None
+
+
+def connection_open(peer: str, local_port: int) -> bool | None:
+    """Whether the connection of a local TCP peer (``context.peer()``) to the
+    server's port ``local_port`` is still open: True while the client's socket
+    is ESTABLISHED, False once the kernel has it closing or closed (the client
+    closed it or its process ended), None where that cannot be told (a remote
+    or Unix-socket peer, no port, netlink refused). One netlink lookup per
+    address the client may have connected to (tens of µs; sock_diag(7)).
+    """
+    p = parse(peer)
+    if not p.local or p.port == 0 or not local_port or p.scheme not in ("ipv4", "ipv6"):
+        return None
+    mapped = getattr(ipaddress.ip_address(p.host), "ipv4_mapped", None)
+    if mapped is not None:  # a dual-stack server's IPv4 client: its own socket is an IPv4 one
+        p = Peer("ipv4", str(mapped), p.port)
+    family = socket.AF_INET if p.scheme == "ipv4" else socket.AF_INET6
+    answers = [_diag(family, p.host, p.port, host, local_port) for host in _server_hosts(p)]
+    if any(isinstance(a, tuple) and a[0] == _TCP_ESTABLISHED for a in answers):
+        return True
+    return None if any(a is None for a in answers) else False

@@ -59,6 +59,21 @@ KEEPALIVE_OPTIONS = (
     ("grpc.keepalive_timeout_ms", 20_000),
 )
 
+# Calls gRPC core holds before the server's Python code has taken them (its
+# polling thread takes one at a time, and runs the guard's admission). Past the
+# soft limit core sheds new calls at random, past the hard one every new call,
+# answering CANCELLED before tandem sees them; core's defaults (1,000 and
+# 3,000) shed 5-10 % of a flood of 2,000 Searches sent at once over 40
+# connections (CPU, 2 cores), which the guard answers RESOURCE_EXHAUSTED (or
+# serves) with these. Each pending call holds core's call state and what its
+# stream has received (at most its flow-control window).
+MAX_PENDING_CALLS = 4096
+MAX_PENDING_CALLS_HARD = 2 * MAX_PENDING_CALLS
+PENDING_CALL_OPTIONS = (
+    ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
+    ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS_HARD),
+)
+
 
 def _observe_latency(method: str, code: str, seconds: float) -> None:
     RPC_LATENCY.labels(method, code).observe(seconds)
@@ -181,6 +196,7 @@ def build_server(
         ("grpc.max_receive_message_length", server_cfg.max_message_bytes),
         ("grpc.max_send_message_length", server_cfg.max_message_bytes),
         ("grpc.so_reuseport", int(reuse_port)),
+        *PENDING_CALL_OPTIONS,
         *(
             (key, server_cfg.keepalive_min_ping_interval_ms)
             if key == "grpc.http2.min_ping_interval_without_data_ms" else (key, value)

@@ -86,6 +86,23 @@ def wait_for(predicate, timeout_s: float = 10.0) -> bool:
     return bool(predicate())
 
 
+def own_connection(address: str):
+    """A channel with a connection of its own (gRPC shares one between channels
+    of equal arguments in a process): another client, to the server."""
+    import grpc
+
+    return grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
+
+
+def closed(peer_text: str, port: int) -> bool:
+    """Whether the kernel has the client's socket of ``peer_text`` (a gRPC peer
+    string) to the server's ``port`` closing, within 30 s (a closed channel's
+    socket is closed on gRPC's own thread)."""
+    from tandem import peer
+
+    return wait_for(lambda: peer.connection_open(peer_text, port) is False, timeout_s=30.0)
+
+
 def lines_until(proc, prefix: str, timeout_s: float = 180.0) -> list[str]:
     """The lines a process prints on its (text) stdout up to and including the first
     that starts with ``prefix``, e.g. ``tandem up``'s "tandem is up"; fails the test

@@ -9,7 +9,7 @@ import os
 import grpc
 import numpy as np
 import pytest
-from conftest import loopback_config
+from conftest import closed, loopback_config, own_connection
 from tandem.v1 import reward_pb2, reward_pb2_grpc
 
 from reward_service import server as reward_server
@@ -366,13 +366,12 @@ def test_a_refused_large_request_frees_its_memory_at_once(served):
 
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to run a client as another user")
 def test_one_users_unregister_all_leaves_another_users_regions(served):
-    """OIP carries no client id: a region belongs to the caller's uid. A client
-    running as uid 65534 sees, and unregisters, its own regions only, cannot
-    register root's object, and root's unregister-all leaves its region."""
+    """OIP carries no client id: a region belongs to the caller's connection
+    (and uid). A client running as uid 65534 sees, and unregisters, its own
+    regions only, cannot register root's object, and root's unregister-all
+    leaves its region."""
     import tritonclient.utils.shared_memory as shm
     from test_shared_memory import NOBODY, run_client
-
-    from reward_service.oip import OIP_CLIENT
 
     client, service, *_ = served
     mine = shm.create_shared_memory_region("root_in", "/tandem_oip_root", 64)
@@ -402,7 +401,95 @@ def test_one_users_unregister_all_leaves_another_users_regions(served):
         assert list(client.get_system_shared_memory_status().regions) == ["root_in"]  # left by 65534's unregister-all
         client.unregister_system_shared_memory()
         assert not client.get_system_shared_memory_status().regions
-        assert [r.name for r in service.servicer.regions.status(OIP_CLIENT, uid=NOBODY)] == ["nobody_kept"]
+        assert [r.name for r in _regions_of(service, NOBODY)] == ["nobody_kept"]
     finally:
-        service.servicer.regions.unregister(OIP_CLIENT, uid=NOBODY)
+        for r in _regions_of(service, NOBODY):
+            service.servicer.regions.unregister(r.client_id, r.name, uid=NOBODY)
         shm.destroy_shared_memory_region(mine)
+
+
+def _regions_of(service, uid: int) -> list:
+    """The regions the reward service's table holds for ``uid`` (any client)."""
+    return [r for r in list(service.servicer.regions._regions.values()) if r.uid == uid]
+
+
+def _status(stub) -> list[str]:
+    return sorted(stub.SystemSharedMemoryStatus(service_pb2.SystemSharedMemoryStatusRequest(), timeout=10).regions)
+
+
+def test_a_connection_neither_sees_nor_unregisters_another_connection_s_regions(served):
+    """Issue 41 part 3: OIP regions belong to the connection that registered
+    them. Client B of the same user, on a connection of its own, does not list
+    A's region, cannot name it (FAILED_PRECONDITION) nor reach it through
+    RewardService by A's connection's client id (PERMISSION_DENIED), and its
+    unregister-all leaves it; A still infers from it and unregisters it."""
+    import tritonclient.utils.shared_memory as shm
+
+    _, service, *_ = served
+    address = f"127.0.0.1:{service.port}"
+    handle = shm.create_shared_memory_region("conn_a", "/tandem_oip_conn_a", 84)
+    a_ch, b_ch = own_connection(address), own_connection(address)
+    a, b = service_pb2_grpc.GRPCInferenceServiceStub(a_ch), service_pb2_grpc.GRPCInferenceServiceStub(b_ch)
+    try:
+        shm.set_shared_memory_region(handle, [boards(1, seed=3)])
+        a.SystemSharedMemoryRegister(service_pb2.SystemSharedMemoryRegisterRequest(
+            name="conn_a", key="/tandem_oip_conn_a", byte_size=84), timeout=10)
+        assert _status(a) == ["conn_a"] and _status(b) == []
+        with pytest.raises(grpc.RpcError) as info:
+            b.SystemSharedMemoryStatus(service_pb2.SystemSharedMemoryStatusRequest(name="conn_a"), timeout=10)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "another client" in info.value.details()
+        with pytest.raises(grpc.RpcError) as info:
+            b.SystemSharedMemoryUnregister(service_pb2.SystemSharedMemoryUnregisterRequest(name="conn_a"), timeout=10)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        b.SystemSharedMemoryUnregister(service_pb2.SystemSharedMemoryUnregisterRequest(), timeout=10)  # all of B's
+        (a_peer,) = {r.client_id for r in service.servicer.regions._regions.values() if r.name == "conn_a"}
+        assert a_peer.startswith("open-inference-protocol@ipv4:127.0.0.1:")
+        with pytest.raises(grpc.RpcError) as info:  # A's connection's id, named over RewardService by B
+            reward_pb2_grpc.RewardServiceStub(b_ch).UnregisterSharedMemory(
+                reward_pb2.UnregisterSharedMemoryRequest(client_id=a_peer), timeout=10)
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED and "another connection" in info.value.details()
+        infer_request = _shm_infer("conn_a")
+        with pytest.raises(grpc.RpcError) as info:
+            b.ModelInfer(infer_request, timeout=30)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert a.ModelInfer(infer_request, timeout=30).outputs[0].name == "value"
+        assert _status(a) == ["conn_a"]
+        a.SystemSharedMemoryUnregister(service_pb2.SystemSharedMemoryUnregisterRequest(), timeout=10)
+        assert _status(a) == []
+    finally:
+        a_ch.close()
+        b_ch.close()
+        shm.destroy_shared_memory_region(handle)
+
+
+def _shm_infer(region: str) -> service_pb2.ModelInferRequest:
+    """A ModelInfer of one board read from ``region`` (84 bytes at its start)."""
+    return _raw(tensor={"parameters": {"shared_memory_region": P(string_param=region),
+                                       "shared_memory_byte_size": P(int64_param=84)}}, raw_input_contents=[])
+
+
+def test_a_client_that_reconnects_keeps_its_regions(served):
+    """Once the registering connection is closed, the next connection of the
+    same user that names the region adopts it: it infers from it, lists it and
+    unregisters it (Triton's regions outlive a connection)."""
+    import tritonclient.utils.shared_memory as shm
+
+    _, service, *_ = served
+    address = f"127.0.0.1:{service.port}"
+    handle = shm.create_shared_memory_region("moved", "/tandem_oip_moved", 84)
+    try:
+        shm.set_shared_memory_region(handle, [boards(1, seed=4)])
+        with own_connection(address) as first:
+            service_pb2_grpc.GRPCInferenceServiceStub(first).SystemSharedMemoryRegister(
+                service_pb2.SystemSharedMemoryRegisterRequest(name="moved", key="/tandem_oip_moved", byte_size=84),
+                timeout=10)
+        (owner,) = {r.client_id for r in service.servicer.regions._regions.values() if r.name == "moved"}
+        assert closed(owner.split("@", 1)[1], service.port)
+        with own_connection(address) as again:
+            stub = service_pb2_grpc.GRPCInferenceServiceStub(again)
+            assert stub.ModelInfer(_shm_infer("moved"), timeout=30).outputs[0].name == "value"
+            assert _status(stub) == ["moved"]
+            stub.SystemSharedMemoryUnregister(service_pb2.SystemSharedMemoryUnregisterRequest(), timeout=10)
+            assert _status(stub) == []
+    finally:
+        shm.destroy_shared_memory_region(handle)

@@ -118,3 +118,20 @@ def test_a_request_grows_its_bytes_in_flight_within_the_limit():
     with budget.admit(90, critical=True) as alone:
         alone.grow(500)  # alone in flight: may hold any amount
         assert budget.held == 590
+
+
+def test_cpu_sessions_share_one_arena_without_memory_patterns():
+    """A CPU session's memory is the process's one ONNX Runtime arena, with no
+    per-shape memory patterns: each session's own arena kept twice its largest
+    run's working set per session for good (issue 41, 12 x 37 MiB batches:
+    +1.3 GB resident; reward_service/session.py, shared_cpu_arena)."""
+    from reward_service.session import ModelSession
+    from tandem.config import ModelConfig, RewardConfig
+
+    cfg = RewardConfig(execution_provider="cpu")
+    for model in ("connect4_value", "frame_reward"):
+        session = ModelSession(ModelConfig(name=model, path=f"reward_service/models/{model}.onnx"), cfg)
+        for runner in session.lane_runners():
+            options = runner.session.get_session_options()
+            assert options.enable_mem_pattern is False
+            assert options.get_session_config_entry("session.use_env_allocators") == "1"

@@ -156,7 +156,7 @@ def test_session_store_bounds_bytes_least_recently_used_first():
     for name in "abc":
         assert store.put(("owner", name), "4", _Tree(1000))
     assert len(store) == 2 and store.nbytes == 2000  # "a" went for "c"
-    assert store.take(("owner", "a"), "4", lambda t, a: t) is None
-    assert store.take(("owner", "b"), "4", lambda t, a: t) is not None and store.nbytes == 1000
+    assert store.take(("owner", "a"), "4", lambda t, a: t) == (None, True)  # a session of its own, anew
+    assert store.take(("owner", "b"), "4", lambda t, a: t)[0] is not None and store.nbytes == 1000
     assert not store.put(("owner", "big"), "4", _Tree(3000))  # larger than the bound alone: not kept
-    assert len(store) == 1 and store.nbytes == 1000
+    assert store.nbytes == 1000 and store.take(("owner", "big"), "4", lambda t, a: t) == (None, True)

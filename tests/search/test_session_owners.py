@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import loopback_config
+from conftest import closed, loopback_config, own_connection
 from tandem.v1 import search_pb2, search_pb2_grpc
 
 from search_service import server as search_server
@@ -50,9 +50,8 @@ def test_one_id_of_two_owners_is_two_sessions():
     mine, theirs = (("uid", 0), "game-1"), (("uid", NOBODY), "game-1")
     tree = _Tree()
     assert store.put(mine, "4", tree)
-    assert store.take(theirs, "4", lambda t, a: t) is None  # theirs is not mine ...
-    assert len(store) == 1  # ... and taking it left mine where it was
-    assert store.take(mine, "4", lambda t, a: t) is tree
+    assert store.take(theirs, "4", lambda t, a: t) == (None, True)  # theirs is not mine ...
+    assert store.take(mine, "4", lambda t, a: t) == (tree, True)  # ... and taking it left mine where it was
 
 
 def test_a_session_continues_for_its_own_caller(served):
@@ -109,3 +108,43 @@ def test_owners_remember_a_peer_for_their_ttl_only():
     assert owners(peer) == ("uid", os.getuid())
     assert Owners(ttl_s=0.0)(peer) == ("unknown",)
     assert owners("ipv4:10.1.2.3:1") == ("host", "10.1.2.3")
+
+
+def test_a_session_is_bound_to_its_connection_until_that_one_closes():
+    store = SessionStore(max_sessions=10, ttl_ms=60_000)
+    key, tree = (("uid", 0), "game-1"), _Tree()
+    closed = set()
+    gone = closed.__contains__
+    assert store.take(key, "4", lambda t, a: t, "conn-a", gone) == (None, True)  # bound to A by its first search
+    assert store.take(key, "4", lambda t, a: t, "conn-b", gone) == (None, False)  # B, while A searches
+    assert not store.put(key, "4", _Tree(), "conn-b")
+    assert store.put(key, "4", tree, "conn-a")
+    assert store.take(key, "4", lambda t, a: t, "conn-b", gone) == (None, False)  # nor once A's tree is back
+    assert store.take(key, "4", lambda t, a: t, "conn-a", gone) == (tree, True)
+    assert store.put(key, "4", tree, "conn-a")
+    closed.add("conn-a")  # A's connection closed: the next connection takes the session over, tree and all
+    assert store.take(key, "4", lambda t, a: t, "conn-c", gone) == (tree, True)
+    assert store.put(key, "4", tree, "conn-c")
+    assert store.take(key, "4", lambda t, a: t, "conn-b", gone) == (None, False)
+
+
+def test_another_connection_of_the_same_user_gets_a_fresh_tree_and_leaves_the_first_one(served):
+    """Issue 41 part 3: client B of the same user, on a connection of its own,
+    names client A's session: B's search is answered from a fresh tree (not
+    kept), and A's next move still reuses A's tree. Once A's connection is
+    closed, a new connection (A reconnected) continues the tree."""
+    _, service, address = served
+    with own_connection(address) as a_ch, own_connection(address) as b_ch:
+        a, b = search_pb2_grpc.SearchServiceStub(a_ch), search_pb2_grpc.SearchServiceStub(b_ch)
+        first = a.Search(_req("44", "shared-1", 300), timeout=60)
+        continued = "44" + first.move + "3"
+        taken = b.Search(_req(continued, "shared-1"), timeout=60)
+        assert not taken.tree_reused and sum(taken.visit_counts) <= 50
+        assert not b.Search(_req(continued, "shared-1"), timeout=60).tree_reused  # B's tree was not kept either
+        follow = a.Search(_req(continued, "shared-1"), timeout=60)
+        assert follow.tree_reused and sum(follow.visit_counts) > 50
+        a_peer = service.servicer.sessions._entries[(("uid", os.getuid()), "shared-1")].connection
+    assert closed(a_peer, service.port)
+    with own_connection(address) as again:
+        after = search_pb2_grpc.SearchServiceStub(again).Search(_req(continued + "4", "shared-1"), timeout=60)
+    assert after.tree_reused

@@ -1,8 +1,10 @@
 """Malformed compression in a gRPC request (issue 41, part 6), sent as raw
 HTTP/2 frames to a real search service on loopback: gRPC core refuses each
-with INTERNAL and a message naming what was wrong, before tandem's code sees
-the request (no handler can answer otherwise: grpcio decodes the message
-before it calls one), and the server keeps serving."""
+with INTERNAL and a message naming what was wrong, and the server keeps
+serving. The guard's handler is already running (it reads the message
+itself), but core fails the call with its own status as it receives the
+message, before handing it on, so nothing tandem sends can change it
+(docs/reliability.md, "The status contract")."""
 from __future__ import annotations
 
 import gzip

@@ -107,3 +107,42 @@ def test_the_kernel_s_exact_lookup_agrees_with_the_proc_tables(host):
     finally:
         srv.stop(0)
     assert recorder.seen == [(os.getuid(), os.getuid())]
+
+
+_TCP_TIME_WAIT = 6  # include/net/tcp_states.h
+
+
+def _closed_by_client(while_open=lambda text, port: None) -> tuple[str, int]:
+    """A loopback connection the client closed first (its socket left in
+    TIME_WAIT): its gRPC-style peer string and the server's port;
+    ``while_open(text, port)`` is called before the close."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))
+        text = f"ipv4:127.0.0.1:{client.getsockname()[1]}"
+        accepted, _ = listener.accept()
+        while_open(text, port)
+        client.close()
+        assert accepted.recv(1) == b""  # the client's FIN has come
+        accepted.close()
+    state = peer._diag(socket.AF_INET, "127.0.0.1", int(text.rsplit(":", 1)[1]), "127.0.0.1", port)
+    assert state == peer.GONE or state[0] == _TCP_TIME_WAIT
+    return text, port
+
+
+def test_a_closed_connection_has_no_uid():
+    # The kernel reports a TIME_WAIT socket as uid 0 whoever held it: taken for the
+    # owner, a client closing its socket under its own call would be served as root.
+    text, port = _closed_by_client()
+    assert peer.uid(text, port) is None
+
+
+def test_a_connection_is_open_until_its_client_closes_it():
+    def is_open(text, port):
+        assert peer.connection_open(text, port) is True
+
+    text, port = _closed_by_client(is_open)
+    assert peer.connection_open(text, port) is False
+    assert peer.connection_open(text, 0) is None  # no port: cannot be told
+    assert peer.connection_open("ipv4:10.1.2.3:5000", port) is None  # a remote peer
+    assert peer.connection_open("unix:/tmp/x.sock", port) is None
