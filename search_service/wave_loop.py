@@ -1,6 +1,6 @@
 """The wave loop: every search in flight advances as one batch of trees.
 
-Searches that share their constants (the evaluator, K = ``parallel_sims``,
+Searches that share their constants (the game, the evaluator, K = ``parallel_sims``,
 the exploration constants, the node limit: a *lane*) are the rows of one
 :class:`~search_service.mcts.batch.TreeBatch`, stepped by one thread of
 their own: each wave selects in every live tree, values all their leaves in
@@ -49,7 +49,6 @@ from typing import Any, Callable
 import numpy as np
 from prometheus_client import Counter, Gauge, Histogram
 
-from search_service.games import connect4
 from search_service.mcts.backend import SearchParams, SearchResult
 from search_service.mcts.batch import leave, run_wave
 from search_service.mcts.plan import Member, WaveTimes, fair_share
@@ -73,10 +72,11 @@ class Refused(Exception):
 
 @dataclass(eq=False)  # compared by identity
 class Job:
-    """One search: a root (Positions of one), the tree to search further or
-    None, its params (budget, seed) and its caller's stop check."""
+    """One search: a root (a batch of one position of ``params.game``), the
+    tree to search further or None, its params (budget, seed, game) and its
+    caller's stop check."""
 
-    roots: Any  # Positions [1]
+    roots: Any  # a batch of one position of params.game (Connect Four: Positions [1])
     tree: Any
     params: SearchParams
     should_stop: Callable[[], bool] | None = None
@@ -279,8 +279,8 @@ class WaveLoop:
                     self._answered(1)
 
     def _join_all(self, lane: _Lane, jobs: list[Job]) -> None:
-        lane.batch.join(connect4.stack([job.roots for job in jobs]), [job.tree for job in jobs], [job.params.seed for job in jobs],
-                        [job.stream for job in jobs])
+        lane.batch.join(lane.key.game.stack([job.roots for job in jobs]), [job.tree for job in jobs],
+                        [job.params.seed for job in jobs], [job.stream for job in jobs])
         lane.members += [Member(job.params.simulations, job.deadline, job.should_stop, owner=job) for job in jobs]
 
     def _leave(self, lane: _Lane):
