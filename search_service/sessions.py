@@ -8,7 +8,7 @@ reached or the trees kept hold more than ``max_bytes`` together (a tree larger
 than that alone is not kept), and any session unused for ``ttl_ms`` is dropped.
 
 A session belongs to the caller that first named it: the store is keyed by
-(:func:`owner`, session id), so a caller of another user naming the same id
+(:func:`owner`, game, session id), so a caller of another user naming the same id
 names a session of its own, and can neither continue, reset nor end the
 first caller's tree (see :func:`owner` for who counts as one caller).
 
@@ -120,19 +120,20 @@ class SessionStore:
         self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()  # guarded by _lock
         self._bytes = 0  # guarded by _lock: the kept trees' tree_bytes, summed
 
-    def take(self, key: Hashable, moves: str, reroot: Callable[[Any, list[int]], Any]) -> Any | None:
+    def take(self, key: Hashable, moves: str, reroot: Callable[[Any, str], Any]) -> Any | None:
         """Removes and returns the session's tree re-rooted at ``moves``, or None.
 
-        ``key``: the session's (:func:`owner`, session id). ``reroot(tree, actions)``
-        promotes the child reached by the 0-based ``actions`` to root (or
-        returns None when it is not in the tree).
+        ``key``: the session's (:func:`owner`, game, session id). ``reroot(tree,
+        extra)`` promotes the node that the moves ``extra`` (the end of
+        ``moves`` past the tree's own, in the game's notation) reach to root
+        (or returns None when it is not in the tree).
         """
         with self._lock:
             self._expire()
             entry = self._pop(key)
         if entry is None or not moves.startswith(entry.moves):
             return None
-        extra = [int(c) - 1 for c in moves[len(entry.moves):]]
+        extra = moves[len(entry.moves):]
         return reroot(entry.tree, extra) if extra else entry.tree
 
     def put(self, key: Hashable, moves: str, tree: Any) -> bool:

@@ -135,11 +135,16 @@ class WaveLoop:
             as ``lend()`` to backends whose ``open_batch`` takes it (a wave's
             leaves by the leaf channel's CUDA regions), bound by the wave's
             deadline; None: none.
+        backend_for: ``backend_for(game)`` -> the backend whose batches a
+            lane of that game's searches steps (search_service/backends.py
+            GameBackends.for_game); None: ``backend`` for every game.
     """
 
     def __init__(self, backend, evaluator=None, max_trees: int = 1024, wave_target_ms: float | None = None,
-                 launching: Callable[[], Any] | None = None, lend: Callable[[float | None], Any] | None = None):
+                 launching: Callable[[], Any] | None = None, lend: Callable[[float | None], Any] | None = None,
+                 backend_for: Callable[[Any], Any] | None = None):
         self.backend = backend
+        self.backend_for = backend_for or (lambda game: backend)
         self.evaluator = evaluator
         self.lend = lend
         self.max_trees = max_trees
@@ -221,11 +226,13 @@ class WaveLoop:
     _wave_deadline = threading.local()  # per lane thread: the monotonic deadline the evaluator's call is bound by
 
     def _open(self, key: SearchParams):
-        """A new batch of ``key``'s lane (with a device channel lent a wave, where the backend takes one)."""
-        if self.lend is not None and "lend" in inspect.signature(self.backend.open_batch).parameters:
-            return self.backend.open_batch(key, self._bound_evaluator,
-                                           lend=lambda: self.lend(getattr(self._wave_deadline, "value", None)))
-        return self.backend.open_batch(key, self._bound_evaluator)
+        """A new batch of ``key``'s lane, on its game's backend (with a device
+        channel lent a wave, where the backend takes one)."""
+        backend = self.backend_for(key.game)
+        if self.lend is not None and "lend" in inspect.signature(backend.open_batch).parameters:
+            return backend.open_batch(key, self._bound_evaluator,
+                                      lend=lambda: self.lend(getattr(self._wave_deadline, "value", None)))
+        return backend.open_batch(key, self._bound_evaluator)
 
     def _bound_evaluator(self, observations):
         until = getattr(self.evaluator, "until", None)

@@ -79,6 +79,11 @@ class SearchGame:
         return np.int8 if self.num_actions <= 127 else np.int16
 
     @property
+    def label(self) -> str:
+        """How messages name the game (a plug-in: its name and folder)."""
+        return repr(self.name)
+
+    @property
     def rows(self) -> int:
         return self.observation_shape[1]
 
@@ -124,6 +129,13 @@ class SearchGame:
     def move_to_text(self, action: int) -> str:
         """One action in the game's notation."""
         raise NotImplementedError
+
+    def split_moves(self, text: str) -> list[int] | None:
+        """The actions of ``text``, the end of a legal move string, where the
+        notation tells them apart without the moves before (a session's tree
+        is then re-rooted along them); None where it does not (it is
+        re-rooted at the position instead: :func:`search_service.mcts.tree.reroot_to`)."""
+        return None
 
     def is_terminal(self, positions) -> np.ndarray:
         """bool [B]: the games that are over."""
@@ -193,6 +205,9 @@ class ConnectFourSearch(SearchGame):
     def move_to_text(self, action: int) -> str:
         return connect4.move_to_text(action)
 
+    def split_moves(self, text: str) -> list[int]:
+        return [int(c) - 1 for c in text]  # one digit a move
+
     def legal(self, states: np.ndarray) -> np.ndarray:
         return connect4.legal_bits(states[:, 1]) & (self.terminal_code(states) == codes.NOT_TERMINAL)[:, None]
 
@@ -233,7 +248,11 @@ class PluginSearch(SearchGame):
         self.observation_shape = tuple(meta.observation)
 
     def __repr__(self) -> str:
-        return f"PluginSearch({self.plugin.meta.label})"
+        return f"PluginSearch({self.label})"
+
+    @property
+    def label(self) -> str:
+        return self.plugin.meta.label
 
     def as_states(self, positions) -> np.ndarray:
         return np.asarray(positions, np.uint64)
