@@ -34,7 +34,7 @@ from tandem.v1 import contract_pb2, contract_pb2_grpc, reward_pb2, reward_pb2_gr
 from tandem.failover import Failover
 
 API_VERSION = "tandem.v1"
-API_REVISION = 3  # the tandem.v1 revision this client is written against (HandshakeResponse.api_revision)
+API_REVISION = 4  # the tandem.v1 revision this client is written against (HandshakeResponse.api_revision)
 KEEPALIVE_TIME_MS = 30_000  # a ping on an idle connection every 30 s (servers allow one per 10 s by default)
 SEARCH_SHARE = 0.8  # of the frame budget, for the search itself; the rest is transport and margin
 
