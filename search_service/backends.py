@@ -1,10 +1,14 @@
 """Choosing the search backend: the CUDA kernels where CuPy sees a GPU and they
-are built in, else the NumPy CPU reference (what CI runs)."""
+are built in, else the NumPy CPU reference (what CI runs); and, per game, the
+backend that searches it (:class:`GameBackends`: the CUDA kernels hold
+Connect Four's rules only, so other games go to the CPU reference)."""
 from __future__ import annotations
 
 import importlib.util
 import logging
+import threading
 
+from search_service.mcts.games import ConnectFourSearch, SearchGame
 from tandem.gpu import cuda_device_count
 
 log = logging.getLogger(__name__)
@@ -42,3 +46,42 @@ def make_backend(choice: str, rollout_slice_ms: float | None = None, **cuda_opti
     from search_service.mcts.cpu_reference import CpuReferenceBackend
 
     return CpuReferenceBackend(rollout_slice_ms)
+
+
+def cuda_serves(game: SearchGame) -> str | None:
+    """None where the CUDA backend searches ``game``, else why not: its
+    kernels hold Connect Four's rules only, until each game folder's rules
+    come as device functions too (issue 42's device half)."""
+    if isinstance(game, ConnectFourSearch):
+        return None
+    return f"the CUDA kernels hold Connect Four's rules only; game {game.name} has no device rules yet"
+
+
+class GameBackends:
+    """The backend of each game: ``primary`` (:func:`make_backend`'s) where
+    it serves the game (its ``serves(game)`` is None), else a CPU reference
+    (made on first need, with ``rollout_slice_ms``), which serves every game.
+    Thread safe: the CPU reference is made under a lock."""
+
+    def __init__(self, primary, rollout_slice_ms: float | None = None):
+        self.primary = primary
+        self.rollout_slice_ms = rollout_slice_ms
+        self._lock = threading.Lock()
+        self._cpu = primary if primary.name == "cpu_reference" else None  # guarded by _lock
+
+    def why_not_primary(self, game: SearchGame) -> str | None:
+        """None where the primary backend searches ``game``, else why not."""
+        serves = getattr(self.primary, "serves", None)
+        return serves(game) if serves is not None else (None if isinstance(game, ConnectFourSearch)
+                                                        else f"backend {self.primary.name} serves Connect Four only")
+
+    def for_game(self, game: SearchGame):
+        """The backend that searches ``game``."""
+        if self.why_not_primary(game) is None:
+            return self.primary
+        with self._lock:
+            if self._cpu is None:
+                from search_service.mcts.cpu_reference import CpuReferenceBackend
+
+                self._cpu = CpuReferenceBackend(self.rollout_slice_ms)
+            return self._cpu

@@ -5,6 +5,12 @@ session's tree if the position continues that session's game, runs the
 backend on a batch of one tree, and answers with the chosen action, root visit
 counts, Q-values, root value, principal variation and a latency breakdown.
 
+The games served are Connect Four and every folder of ``search.games``
+(search_service/game_registry.py), all at once; each is searched by the
+configured backend where it can (the CUDA kernels hold Connect Four's rules
+only), else by the CPU reference (search_service/backends.py GameBackends),
+and ListGames says which.
+
 Each search launches on the CuPy stream of the stream priority the scheduler last
 assigned (search_service/streams.py; taken at the start of the search, kept
 to its end). A search that needs more device memory than the fixed pool
@@ -24,11 +30,11 @@ import grpc
 from prometheus_client import Counter, Gauge, Histogram
 from tandem.v1 import scheduler_pb2, search_pb2, search_pb2_grpc
 
-from search_service.backends import make_backend
+from search_service.backends import GameBackends, make_backend
 from search_service.budget import search_deadline_ms
 from search_service.coalescing import CoalescingEvaluator
 from search_service.evaluators import HANDOFF_GRPC, HandoffEvaluator
-from search_service.games import GAMES
+from search_service.game_registry import load_games
 from search_service.leaf_cache import CachedEvaluator, EvaluationCache
 from search_service.mcts import tree as tr
 from search_service.mcts.backend import SearchParams
@@ -92,7 +98,7 @@ class _Item:
     holds the session; None: no session to keep) and that tree once taken."""
 
     request: search_pb2.SearchRequest
-    game: object
+    game: object  # a SearchGame (search_service/mcts/games.py)
     position: object
     params: SearchParams
     reuse: bool
@@ -141,8 +147,10 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
     call, ``SessionStore`` guards its own table, and ``_lock`` guards the load
     figures reported to the scheduler."""
 
-    def __init__(self, cfg: TandemConfig, backend, evaluator, streams: StreamSet | None = None, handoff=None):
+    def __init__(self, cfg: TandemConfig, backend, evaluator, streams: StreamSet | None = None, handoff=None,
+                 games: dict | None = None):
         self.cfg = cfg.search
+        self.games = games if games is not None else load_games(cfg.search.games)  # name -> SearchGame
         self.default_evaluator = default_evaluator(cfg.search.evaluator, backend.name)  # a request naming none
         # What reports the hand-off of the value model's leaves (``handoff``: "in_process" | "ipc" | "grpc"):
         # the HandoffEvaluator inside the cache and the coalescer.
@@ -167,12 +175,14 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
     @backend.setter
     def backend(self, backend) -> None:
         self._backend = backend
+        self.backends = GameBackends(backend, self.cfg.rollout_slice_ms or None)  # each game's
         if self.loop is not None:
             self.loop.close()
         # Every search in flight as one batch of trees; a value-model wave's leaves by a device
         # channel lent for it where the hand-off has one (HandoffEvaluator.lend).
         self.loop = WaveLoop(backend, self.evaluator, self.cfg.max_trees, self.cfg.wave_target_ms or None,
-                             self.streams.launching, getattr(self.handoff, "lend", None))
+                             self.streams.launching, getattr(self.handoff, "lend", None),
+                             backend_for=self.backends.for_game)
 
     @property
     def evaluator(self):
@@ -191,10 +201,12 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
 
     # -- validation -------------------------------------------------------
     def _position(self, request, game, context, where: str = ""):
+        """The request's position, a batch of one of ``game``'s; aborts
+        INVALID_ARGUMENT naming the game and the cause where it is illegal."""
         try:
             position = game.parse_moves(request.moves)
         except ValueError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{where}moves: {exc}")
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{where}moves: not a legal {game.name} move string: {exc}")
         if request.HasField("board"):
             b = request.board
             try:
@@ -205,10 +217,11 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{where}board: does not match the position of moves")
             position = from_board
         if bool(game.is_terminal(position)[0]):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{where}position: the game is already over (won or drawn)")
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"{where}position: the game is already over (won or drawn): a finished {game.name} position")
         return position
 
-    def _params(self, request, context, where: str = "") -> SearchParams:
+    def _params(self, request, game, context, where: str = "") -> SearchParams:
         cfg = self.cfg
         sims, deadline = request.simulations, request.deadline_ms
         if not math.isfinite(deadline) or deadline < 0:
@@ -231,6 +244,12 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
         if request.evaluator not in (search_pb2.EVALUATOR_UNSPECIFIED, *_EVALUATORS):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{where}evaluator: unknown value {request.evaluator}")
         evaluator = _EVALUATORS.get(request.evaluator, self.default_evaluator)
+        if evaluator == "value_model" and not game.value_model:
+            if request.evaluator == search_pb2.EVALUATOR_VALUE_MODEL:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"{where}evaluator: game {game.name} has no value model; ask for EVALUATOR_ROLLOUT "
+                              f"or leave it unspecified")
+            evaluator = "rollout"  # the default, for a game without a model
         return SearchParams(
             simulations=sims or None,
             deadline_ms=deadline,
@@ -240,19 +259,20 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
             c_puct=cfg.c_puct,
             max_nodes=cfg.max_nodes,
             seed=request.seed or int.from_bytes(os.urandom(8), "little"),
+            game=game,
         )
 
     def _prepare(self, request, context, where: str = "") -> _Item:
         """A validated request (``where``: its place in a batch call, for the messages); aborts otherwise."""
-        game = GAMES.get(request.game)
+        game = self.games.get(request.game)
         if game is None:
             context.abort(grpc.StatusCode.NOT_FOUND,
-                          f"{where}game: unknown game {quote(request.game)} (games: {sorted(GAMES)})")
+                          f"{where}game: unknown game {quote(request.game)} (games: {sorted(self.games)})")
         if len(request.session_id) > MAX_SESSION_ID_CHARS:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"{where}session_id: longer than {MAX_SESSION_ID_CHARS} characters")
         position = self._position(request, game, context, where)
-        params = self._params(request, context, where)
+        params = self._params(request, game, context, where)
         reuse = bool(request.session_id and request.moves and not request.HasField("board"))
         return _Item(request, game, position, params, reuse)
 
@@ -300,8 +320,9 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
                 item.params.deadline_ms, remaining, self.cfg.max_deadline_ms))  # the caller's deadline, now
             if item.reuse:
                 req = item.request
-                key = (who, req.session_id)
-                item.tree, holds = self.sessions.take(key, req.moves, self.backend.reroot, connection, self.owners.gone)
+                key = (who, item.game.name, req.session_id)
+                item.tree, holds = self.sessions.take(key, req.moves, self._rerooter(item), connection,
+                                                      self.owners.gone)
                 if holds:
                     item.session = key
                 else:
@@ -331,10 +352,22 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
                               "was bound to another connection meanwhile")
             total_ms = (time.perf_counter() - received) * 1e3
             self._observe(item.request, r, total_ms)
-            responses.append(_response(item, r, handoff, self.backend.name, total_ms))
+            responses.append(_response(item, r, handoff, self.backends.for_game(item.game).name, total_ms))
         SESSIONS.set(len(self.sessions))
         SESSION_BYTES.set(self.sessions.nbytes)
         return responses
+
+    def _rerooter(self, item: _Item):
+        """``reroot(tree, extra)`` for the session of ``item``: along the
+        actions of the extra moves where the game's notation splits them
+        (``SearchGame.split_moves``), else at the item's position."""
+        backend = self.backends.for_game(item.game)
+
+        def reroot(tree, extra: str):
+            actions = item.game.split_moves(extra)
+            return backend.reroot(tree, actions) if actions is not None else backend.reroot_to(tree, item.position)
+
+        return reroot
 
     def _run_in_loop(self, items: list[_Item], context) -> list[tuple]:
         """The items as jobs of the wave loop (one batch of trees with every search in flight)."""
@@ -375,11 +408,15 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
                       f"search memory pool full ({self.cfg.memory_pool_bytes or 'no'} byte limit): {exc}")
 
     def ListGames(self, request, context):
-        return search_pb2.ListGamesResponse(
-            games=[
-                search_pb2.GameInfo(name=name, num_actions=g.NUM_ACTIONS, rows=g.ROWS, columns=g.COLUMNS)
-                for name, g in sorted(GAMES.items())
-            ]
+        return search_pb2.ListGamesResponse(games=[self.game_info(g) for _, g in sorted(self.games.items())])
+
+    def game_info(self, game) -> search_pb2.GameInfo:
+        """What ListGames says of ``game``: its shape, evaluators and backend."""
+        evaluators = [search_pb2.EVALUATOR_ROLLOUT] + ([search_pb2.EVALUATOR_VALUE_MODEL] if game.value_model else [])
+        return search_pb2.GameInfo(
+            name=game.name, num_actions=game.num_actions, rows=game.rows, columns=game.columns,
+            evaluators=evaluators, value_model=game.value_model, backend=self.backends.for_game(game).name,
+            backend_note=self.backends.why_not_primary(game) or "", boards=game.boards,
         )
 
     # -- load for the scheduler --------------------------------------------
@@ -430,14 +467,21 @@ def default_evaluator(choice: str, backend: str) -> str:
     return "value_model" if backend.startswith("cuda") else "rollout"
 
 
-def _warm_up(backend, cfg: TandemConfig) -> None:
-    """One short deadline search per game before SERVING: kernels compile and
-    pools are allocated now, not in the first frame."""
-    for game in GAMES.values():
-        params = SearchParams(
-            simulations=None, deadline_ms=5.0, parallel_sims=cfg.search.parallel_sims, max_nodes=cfg.search.max_nodes
-        )
-        backend.search(game.parse_moves(""), params, None, [None])
+def _warm_up(backends: GameBackends, games: dict, cfg: TandemConfig) -> None:
+    """One short deadline search per game, on its backend, before SERVING:
+    kernels compile and pools are allocated now, not in the first frame, and
+    a game whose rules fail in a search stops the start here.
+
+    Raises:
+        RuntimeError: a game's first search failed (one line: the game and why).
+    """
+    for game in games.values():
+        params = SearchParams(simulations=None, deadline_ms=5.0, parallel_sims=cfg.search.parallel_sims,
+                              max_nodes=cfg.search.max_nodes, game=game)
+        try:
+            backends.for_game(game).search(game.parse_moves(""), params, None, [None])
+        except Exception as exc:
+            raise RuntimeError(f"game {game.label}: its first search failed: {type(exc).__name__}: {exc}") from exc
 
 
 def start(cfg: TandemConfig, follow_scheduler: bool = True, place: WorkerPlace = WorkerPlace()) -> Service:
@@ -445,9 +489,13 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True, place: WorkerPlace =
     ``place`` of its workers (tandem/workers.py).
 
     Raises:
-        RuntimeError: ``backend: cuda`` cannot run here, or the address cannot be bound.
+        RuntimeError: a folder of ``search.games`` does not load or its first
+            search fails (one line naming the folder and the cause),
+            ``backend: cuda`` cannot run here, or the address cannot be bound.
     """
     phases = Phases(log)
+    with phases.phase("games"):
+        games = load_games(cfg.search.games)
     with phases.phase(f"search backend {cfg.search.backend}"):
         backend = make_backend(cfg.search.backend, cfg.search.rollout_slice_ms or None,
                                value_sims_per_warp=cfg.search.value_model_sims_per_warp)
@@ -456,8 +504,13 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True, place: WorkerPlace =
     # Streams and the pool limit only where the backend launches CUDA kernels.
     cupy = cupy_module() if backend.name.startswith("cuda") else None
     log.warning("search service: %s", pools.limit_cupy_pool(cupy, cfg.search.memory_pool_bytes))
+    backends = GameBackends(backend, cfg.search.rollout_slice_ms or None)
+    for game in games.values():
+        why = backends.why_not_primary(game)
+        log.warning("search service: game %s on %s%s%s", game.label, backends.for_game(game).name,
+                    f" ({why})" if why else "", "" if game.value_model else ", rollouts only (no value model)")
     with phases.phase("a first search per game (kernels, pools)"):
-        _warm_up(backend, cfg)
+        _warm_up(backends, games, cfg)
     reward_address = cfg.search.reward_address or cfg.reward.address
     reward_channel = channel(reward_address, cfg)
     streams = StreamSet(cfg.search.stream_priorities, cupy)
@@ -467,7 +520,7 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True, place: WorkerPlace =
                                device_channels=cfg.search.device_channels, address=reward_address)
     coalescer = CoalescingEvaluator(handoff, cfg.search.coalesce_max_rows)
     evaluator = CachedEvaluator(coalescer, EvaluationCache(cfg.search.evaluation_cache_bytes))
-    servicer = SearchServicer(cfg, backend, evaluator, streams, handoff)
+    servicer = SearchServicer(cfg, backend, evaluator, streams, handoff, games)
     POOL_BYTES.labels("used").set_function(lambda: pools.cupy_pool_use(cupy)[0])
     POOL_BYTES.labels("limit").set_function(lambda: pools.cupy_pool_use(cupy)[1])
 

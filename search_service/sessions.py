@@ -8,7 +8,7 @@ reached or the trees kept hold more than ``max_bytes`` together (a tree larger
 than that alone is not kept), and any session unused for ``ttl_ms`` is dropped.
 
 A session belongs to the caller that first named it: the store is keyed by
-(:func:`owner`, session id), so a caller of another user naming the same id
+(:func:`owner`, game, session id), so a caller of another user naming the same id
 names a session of its own, and can neither continue, reset nor end the
 first caller's tree (see :func:`owner` for who counts as one caller). Within
 one owner, a session is bound to the connection (its gRPC peer string) that
@@ -139,19 +139,20 @@ class SessionStore:
         self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()  # guarded by _lock
         self._bytes = 0  # guarded by _lock: the kept trees' tree_bytes, summed
 
-    def take(self, key: Hashable, moves: str, reroot: Callable[[Any, list[int]], Any], connection: str = "",
+    def take(self, key: Hashable, moves: str, reroot: Callable[[Any, str], Any], connection: str = "",
              gone: Callable[[str], bool] = lambda connection: False) -> tuple[Any | None, bool]:
         """The session's tree re-rooted at ``moves`` (taken out of the store;
         None: none to continue), and whether the caller holds the session.
 
-        ``key``: the session's (:func:`owner`, session id); ``connection``: the
-        caller's gRPC peer string. A session nobody holds is bound to
-        ``connection``; one bound to another connection is taken over when
-        ``gone(that connection)`` (called outside the lock) says it is closed,
-        else the answer is (None, False): the caller gets no tree and must not
-        :meth:`put` one. ``reroot(tree, actions)`` promotes the child reached
-        by the 0-based ``actions`` to root (or returns None when it is not in
-        the tree).
+        ``key``: the session's (:func:`owner`, game, session id);
+        ``connection``: the caller's gRPC peer string. A session nobody holds
+        is bound to ``connection``; one bound to another connection is taken
+        over when ``gone(that connection)`` (called outside the lock) says it
+        is closed, else the answer is (None, False): the caller gets no tree
+        and must not :meth:`put` one. ``reroot(tree, extra)`` promotes the
+        node that the moves ``extra`` (the end of ``moves`` past the tree's
+        own, in the game's notation) reach to root (or returns None when it
+        is not in the tree).
         """
         with self._lock:
             self._expire()
@@ -171,7 +172,7 @@ class SessionStore:
             self._entries.move_to_end(key)
         if tree is None or not moves.startswith(rooted):
             return None, True
-        extra = [int(c) - 1 for c in moves[len(rooted):]]
+        extra = moves[len(rooted):]
         return (reroot(tree, extra) if extra else tree), True
 
     def put(self, key: Hashable, moves: str, tree: Any, connection: str = "") -> bool:

@@ -1,6 +1,6 @@
 """The wave loop: every search in flight advances as one batch of trees.
 
-Searches that share their constants (the evaluator, K = ``parallel_sims``,
+Searches that share their constants (the game, the evaluator, K = ``parallel_sims``,
 the exploration constants, the node limit: a *lane*) are the rows of one
 :class:`~search_service.mcts.batch.TreeBatch`, stepped by one thread of
 their own: each wave selects in every live tree, values all their leaves in
@@ -49,7 +49,6 @@ from typing import Any, Callable
 import numpy as np
 from prometheus_client import Counter, Gauge, Histogram
 
-from search_service.games import connect4
 from search_service.mcts.backend import SearchParams, SearchResult
 from search_service.mcts.batch import leave, run_wave
 from search_service.mcts.plan import Member, WaveTimes, fair_share
@@ -73,10 +72,11 @@ class Refused(Exception):
 
 @dataclass(eq=False)  # compared by identity
 class Job:
-    """One search: a root (Positions of one), the tree to search further or
-    None, its params (budget, seed) and its caller's stop check."""
+    """One search: a root (a batch of one position of ``params.game``), the
+    tree to search further or None, its params (budget, seed, game) and its
+    caller's stop check."""
 
-    roots: Any  # Positions [1]
+    roots: Any  # a batch of one position of params.game (Connect Four: Positions [1])
     tree: Any
     params: SearchParams
     should_stop: Callable[[], bool] | None = None
@@ -136,11 +136,16 @@ class WaveLoop:
             as ``lend()`` to backends whose ``open_batch`` takes it (a wave's
             leaves by the leaf channel's CUDA regions), bound by the wave's
             deadline; None: none.
+        backend_for: ``backend_for(game)`` -> the backend whose batches a
+            lane of that game's searches steps (search_service/backends.py
+            GameBackends.for_game); None: ``backend`` for every game.
     """
 
     def __init__(self, backend, evaluator=None, max_trees: int = 1024, wave_target_ms: float | None = None,
-                 launching: Callable[[], Any] | None = None, lend: Callable[[float | None], Any] | None = None):
+                 launching: Callable[[], Any] | None = None, lend: Callable[[float | None], Any] | None = None,
+                 backend_for: Callable[[Any], Any] | None = None):
         self.backend = backend
+        self.backend_for = backend_for or (lambda game: backend)
         self.evaluator = evaluator
         self.lend = lend
         self.max_trees = max_trees
@@ -222,11 +227,13 @@ class WaveLoop:
     _wave_deadline = threading.local()  # per lane thread: the monotonic deadline the evaluator's call is bound by
 
     def _open(self, key: SearchParams):
-        """A new batch of ``key``'s lane (with a device channel lent a wave, where the backend takes one)."""
-        if self.lend is not None and "lend" in inspect.signature(self.backend.open_batch).parameters:
-            return self.backend.open_batch(key, self._bound_evaluator,
-                                           lend=lambda: self.lend(getattr(self._wave_deadline, "value", None)))
-        return self.backend.open_batch(key, self._bound_evaluator)
+        """A new batch of ``key``'s lane, on its game's backend (with a device
+        channel lent a wave, where the backend takes one)."""
+        backend = self.backend_for(key.game)
+        if self.lend is not None and "lend" in inspect.signature(backend.open_batch).parameters:
+            return backend.open_batch(key, self._bound_evaluator,
+                                      lend=lambda: self.lend(getattr(self._wave_deadline, "value", None)))
+        return backend.open_batch(key, self._bound_evaluator)
 
     def _bound_evaluator(self, observations):
         until = getattr(self.evaluator, "until", None)
@@ -280,8 +287,8 @@ class WaveLoop:
                     self._answered(1)
 
     def _join_all(self, lane: _Lane, jobs: list[Job]) -> None:
-        lane.batch.join(connect4.stack([job.roots for job in jobs]), [job.tree for job in jobs], [job.params.seed for job in jobs],
-                        [job.stream for job in jobs])
+        lane.batch.join(lane.key.game.stack([job.roots for job in jobs]), [job.tree for job in jobs],
+                        [job.params.seed for job in jobs], [job.stream for job in jobs])
         lane.members += [Member(job.params.simulations, job.deadline, job.should_stop, owner=job,
                                 keep_tree=job.keep_tree) for job in jobs]
 

@@ -103,14 +103,21 @@ def cmd_health(args) -> int:
 
 
 def _play_options(args, cfg: TandemConfig):
-    from stack.play import PlayOptions
+    from stack.play import PlayOptions, game_positions_file
 
+    if args.game == PlayOptions.game:
+        sets = tuple(args.positions) if args.positions else PlayOptions.position_sets
+    elif args.positions:
+        raise RuntimeError(f"--positions: Connect Four's labelled sets; --game {args.game} plays its folder's set")
+    else:
+        sets = (game_positions_file(cfg.search.games, args.game),)
     return PlayOptions(
         search_address=args.search or cfg.search.address,
         reward_address=args.reward or cfg.reward.address,
         frames=args.frames,
         fps=args.fps,
-        position_sets=tuple(args.positions) if args.positions else PlayOptions.position_sets,
+        game=args.game,
+        position_sets=sets,
         simulations=args.simulations,
         evaluator=args.evaluator,
         agents=args.agents,
@@ -236,8 +243,11 @@ class _Parser(argparse.ArgumentParser):
 def _add_play_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--frames", type=_number(int, 0), default=600, help="frames to play (default 600)")
     p.add_argument("--fps", type=_number(float, 0), default=60.0, help="target frame rate (default 60)")
+    p.add_argument("--game", default="connect4",
+                   help="the game to play (default connect4): another of the config's search.games plays its "
+                        "folder's position set, searches only (no value model)")
     p.add_argument("--positions", action="append", type=_position_set,
-                   help="position set name or JSONL path (repeatable)")
+                   help="Connect Four position set name or JSONL path (repeatable)")
     p.add_argument("--simulations", type=_number(int, 0, strict=False), default=0,
                    help="simulations per search; 0 = frame deadline only")
     p.add_argument("--evaluator", choices=("auto", "rollout", "value_model"), default="auto",

@@ -269,7 +269,7 @@ class FrameClient:
 
     def send(self, tick: Tick, moves: str | list[str], *, simulations: int, evaluator: str, seed: int,
              timeout_s: float, session_id: str = "", deadline_ms: float = 0.0,
-             evaluate: Callable[[], np.ndarray] | None = None) -> SentFrame:
+             evaluate: Callable[[], np.ndarray] | None = None, game: str = connect4.NAME) -> SentFrame:
         """Sends the frame's ``Search`` of the position after ``moves`` and, with
         ``evaluate``, an ``Evaluate`` (request class critical) of the array it returns;
         neither waits for an answer. ``moves`` a list: one ``SearchBatch`` of
@@ -277,7 +277,9 @@ class FrameClient:
         j``, its session ``session_id-j``).
 
         ``simulations`` 0: the ``deadline_ms`` alone bounds the search; ``deadline_ms``
-        0: the simulations alone; ``timeout_s``: the gRPC deadline of both calls.
+        0: the simulations alone; ``timeout_s``: the gRPC deadline of both calls;
+        ``game``: the game searched (``moves`` in its notation; the game phase
+        is sent for Connect Four, whose move strings count its stones).
         ``evaluate`` is called once the search has left (an engine's frame render
         then costs the Evaluate, not the Search).
 
@@ -289,8 +291,9 @@ class FrameClient:
             raise ValueError(f"evaluator: must be one of {sorted(EVALUATORS)}, got {evaluator!r}")
         def request(m: str, j: int | None = None) -> search_pb2.SearchRequest:
             return search_pb2.SearchRequest(
-                game="connect4", moves=m, simulations=simulations, deadline_ms=deadline_ms,
-                phase=game_phase(len(m)), evaluator=EVALUATORS[evaluator], seed=seed + (j or 0),
+                game=game, moves=m, simulations=simulations, deadline_ms=deadline_ms,
+                phase=game_phase(len(m)) if game == connect4.NAME else search_pb2.GAME_PHASE_UNSPECIFIED,
+                evaluator=EVALUATORS[evaluator], seed=seed + (j or 0),
                 session_id=f"{session_id}-{j}" if session_id and j is not None else session_id)
 
         frame = SentFrame(tick, expected=1 if evaluate is None else 2)

@@ -3,7 +3,12 @@
 For ``frames`` frames at ``fps`` it sends, per frame, one ``Search`` of a real
 labelled Connect Four position (the frame budget as the search deadline) and
 one ``Evaluate`` of the same position by the value model, both at once, and
-then scores the answers against the solver. With ``agents`` > 1 the frame's
+then scores the answers against the solver. With ``game`` another game the
+search service serves (``tandem play --game othello``), the positions are
+that game folder's position set (search_service/games/positions.py), each
+frame is its ``Search`` alone (the game has no value model) and nothing is
+scored against a solver: the report has the frame figures, the simulations
+and the proven results. With ``agents`` > 1 the frame's
 search is one ``SearchBatch`` of that many positions (an engine with many
 NPCs), each scored, and the Evaluate values the first:
 
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import json
 import platform
+import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +40,11 @@ from tandem.v1 import search_pb2
 from stack import frame_loop, interrupt
 from stack.frame_loop import FrameClient, SentFrame
 from stack.stats import percentiles, summary
+from search_service.games import connect4
+from search_service.games.metadata import GameError, read_metadata
+from search_service.games.positions import read_positions
 from tandem import nvml, tensors
+from tandem.config import resolve_path
 from tandem.positions import DEFAULT_SETS, LabelledPosition
 
 DRAW_BAND = 1.0 / 3.0  # |value| below this reads as a draw
@@ -58,6 +68,39 @@ class PlayOptions:
     seed: int = 1
     session_id: str = ""
     agents: int = 1  # positions searched per frame; > 1: in one SearchBatch call
+    game: str = connect4.NAME  # the game searched; another than Connect Four: position_sets is its set's file
+
+
+@dataclass(frozen=True)
+class GamePosition:
+    """A position of a game folder's set: its move string, no solver's label."""
+
+    moves: str
+    source: str
+    score = None  # unlabelled: nothing is scored against a solver
+
+
+def game_positions_file(games: tuple[str, ...], name: str) -> str:
+    """The position set file of game ``name``, one of the folders ``games``
+    (the config's ``search.games``).
+
+    Raises:
+        RuntimeError: no folder of ``games`` holds that game, or its game.yaml
+            names no positions file (one line: what is there instead).
+    """
+    found = []
+    for folder in games:
+        try:
+            meta = read_metadata(resolve_path(folder))
+        except GameError:
+            continue  # the search service refuses it at its start; here it only is not this game
+        found.append(meta.name)
+        if meta.name == name:
+            if meta.positions is None:
+                raise RuntimeError(f"game {meta.label}: its game.yaml names no positions file to play")
+            return str(meta.positions)
+    raise RuntimeError(f"--game {name}: not a game of search.games in the config "
+                       f"(games: {', '.join([connect4.NAME, *found])})")
 
 
 def _outcome(x: float) -> int:
@@ -83,6 +126,7 @@ class _Tally:
     model_simulations: list[int] = field(default_factory=list)  # of simulations, those the value model valued
     model_failures: int = 0  # searches whose value model failed (answered from the tree or with rollouts)
     failure_reasons: dict[str, int] = field(default_factory=dict)  # those searches by their failure's first words
+    evaluated: int = 0  # frames whose Evaluate was answered (a game with a value model)
     proven: int = 0  # searches whose root the solver proved
     proven_right: int = 0  # ... with the solver's result (win, loss or draw)
     played: int = 0  # frames sent and waited for
@@ -98,12 +142,14 @@ class _Tally:
             reason = f"{code}: {frame.failure_detail()[:_REASON_CHARS]}"
             self.error_reasons[reason] = self.error_reasons.get(reason, 0) + 1
             return False
-        reply, e_reply = frame.replies()
+        reply, *e_reply = frame.replies()
         self.frame_ms.append(frame_loop.frame_latency_ms(frame.records, since=frame.records[0].sent))
         for pos, s_reply in zip(positions, getattr(reply, "results", [reply])):
             self._score_search(pos, s_reply)
-        value = float(tensors.from_proto(e_reply.outputs[0]).reshape(-1)[0])
-        self.agree += _outcome(value) == int(np.sign(positions[0].score))
+        if e_reply:  # the Evaluate, where the game has a value model
+            value = float(tensors.from_proto(e_reply[0].outputs[0]).reshape(-1)[0])
+            self.agree += _outcome(value) == int(np.sign(positions[0].score))
+            self.evaluated += 1
         self.by_standby += any(r.server == "standby" for r in frame.records)
         return True
 
@@ -120,8 +166,10 @@ class _Tally:
             self.model_failures += 1
             reason = s_reply.evaluation_failure[:_REASON_CHARS]
             self.failure_reasons[reason] = self.failure_reasons.get(reason, 0) + 1
+        self.proven += bool(s_reply.proven)
+        if pos.score is None:  # unlabelled: no solver to score against
+            return
         if s_reply.proven:
-            self.proven += 1
             self.proven_right += _PROVEN_SIGN[s_reply.proven] == int(np.sign(pos.score))
         if pos.score >= 0:
             self.not_lost += 1
@@ -137,12 +185,19 @@ def play(opts: PlayOptions, cfg=None, log=print) -> dict:
 
     Raises:
         grpc.RpcError: ModelMetadata failed before the first frame.
-        ValueError: ``opts.evaluator`` is none of "auto", "rollout" and "value_model".
+        ValueError: ``opts.evaluator`` is none of "auto", "rollout" and "value_model";
+            a position set file that is not one.
     """
-    positions = frame_loop.shuffled_positions(opts.position_sets, opts.seed)
+    labelled = opts.game == connect4.NAME  # the value model's game, with solver-labelled sets
+    if labelled:
+        positions = frame_loop.shuffled_positions(opts.position_sets, opts.seed)
+    else:
+        positions = [GamePosition(m, f"{path}:{i}") for path in opts.position_sets
+                     for i, m in enumerate(read_positions(path), 1)]
+        random.Random(opts.seed).shuffle(positions)
     client = FrameClient(opts.search_address, opts.reward_address, cfg, model=opts.model)
     try:
-        provider = client.metadata().execution_provider
+        provider = client.metadata().execution_provider if labelled else "none (the game has no value model)"
         tally = _play_frames(opts, client, positions, log)
     finally:
         client.close()
@@ -166,13 +221,16 @@ def _frames(opts: PlayOptions, client: FrameClient, positions: list[LabelledPosi
     for tick in frame_loop.paced(opts.fps, frames=opts.frames):
         interrupt.raise_if_interrupted()  # a Ctrl-C whose KeyboardInterrupt gRPC swallowed
         agents = [positions[(tick.frame * opts.agents + j) % len(positions)] for j in range(opts.agents)]
-        obs = frame_loop.board_observation(agents[0].moves)
+        evaluate = None
+        if opts.game == connect4.NAME:  # the value model's game: its Evaluate beside the Search
+            obs = frame_loop.board_observation(agents[0].moves)
+            evaluate = lambda: obs  # noqa: E731
         moves = agents[0].moves if opts.agents == 1 else [p.moves for p in agents]
         frame = client.send(tick, moves, simulations=opts.simulations, evaluator=opts.evaluator,
                             seed=opts.seed * 1_000_003 + tick.frame + 1, session_id=opts.session_id,
                             deadline_ms=budget_ms * SEARCH_SHARE_OF_FRAME,
                             # A late answer is a missed frame, not an error: the gRPC deadline is generous.
-                            timeout_s=max(10 * budget_ms / 1000.0, 1.0), evaluate=lambda: obs)
+                            timeout_s=max(10 * budget_ms / 1000.0, 1.0), evaluate=evaluate, game=opts.game)
         while not frame.wait(INTERRUPT_POLL_S):  # a Ctrl-C lost inside a gRPC callback still stops the wait
             interrupt.raise_if_interrupted()
         answered = tally.score(agents, frame)
@@ -186,6 +244,7 @@ def _report(opts: PlayOptions, t: _Tally, reward_execution_provider: str) -> dic
     budget_ms = frame_loop.frame_budget_ms(opts.fps)
     answered = len(t.frame_ms)
     return {
+        "game": opts.game,
         "frames": t.played,
         "interrupted": t.interrupted,  # by Ctrl-C, after ``frames`` of the ``--frames`` asked for
         "frames_answered": answered,
@@ -196,7 +255,7 @@ def _report(opts: PlayOptions, t: _Tally, reward_execution_provider: str) -> dic
         "positions_not_lost": t.not_lost,
         "agents": opts.agents,
         "best_score_move_rate": round(t.best / len(t.simulations), 4) if t.simulations else None,
-        "value_sign_agreement": round(t.agree / answered, 4) if answered else None,
+        "value_sign_agreement": round(t.agree / t.evaluated, 4) if t.evaluated else None,
         "frame_latency_ms": summary(t.frame_ms),
         "search_latency_ms": summary(t.search_ms),
         "missed_frames": frame_loop.missed_frames(t.frame_ms, budget_ms) + sum(t.errors.values()),
@@ -233,6 +292,7 @@ def print_report(report: dict) -> None:
     print(
         "\n".join(
             [
+                f"game                   {report.get('game', connect4.NAME)}",
                 f"frames                 {report['frames']} at {report['fps_target']:g} FPS "
                 f"({report['frame_budget_ms']} ms budget), {report['frames_answered']} answered",
                 f"optimal_move_rate      {report['optimal_move_rate']}  (over {report['positions_not_lost']} positions not lost)",

@@ -337,6 +337,11 @@ class SearchConfig:
     # with one). One Python process serves about a thousand calls a second; more engines
     # need more workers. Metrics are worker 0's. At most 64.
     workers: int = 1
+    # Game folders the search service loads at start, besides Connect Four (built in): each
+    # a folder with game.yaml and rules.py (search_service/games/protocol.py), anywhere; a
+    # relative path under one of tandem's packages is the bundled folder. Every game loaded
+    # is served at once (Search.game, ListGames); a folder that does not load stops start-up.
+    games: tuple[str, ...] = ("search_service/games/othello", "search_service/games/gomoku")
     server: ServerConfig = field(default_factory=ServerConfig)
 
 
@@ -370,6 +375,8 @@ _MAY_BE_ZERO = {"metrics_port", "max_concurrent_streams", "max_rpcs_per_connecti
 _SELF_CHECKED = {"urgency"}
 # Lists of numbers checked by their own rule instead (in _check_list).
 _LISTS = {"batch_buckets", "stream_priorities"}
+# Lists of folders, each holding the named file (in _check_folders; the search service loads them).
+_FOLDERS = {"games": "game.yaml"}
 # Upper bounds, by field name or by the unit suffix of the name (the first match counts).
 # gRPC takes sizes, counts and intervals as C ints (int32), ports are 16-bit, and a
 # duration past a day is a typo that would overflow timers.
@@ -468,6 +475,8 @@ def _check(obj: Any, key: str = "") -> None:
             _check(value, path)
         elif isinstance(value, tuple) and f.name in _LISTS:
             _check_list(f.name, value, path)
+        elif isinstance(value, tuple) and f.name in _FOLDERS:
+            _check_folders(value, path)
         elif isinstance(value, tuple):
             for i, item in enumerate(value):
                 _check(item, f"{path}[{i}]")
@@ -498,6 +507,25 @@ def _check_list(name: str, value: tuple, path: str) -> None:
     elif name == "stream_priorities":
         if any(v > 0 for v in value) or len(set(value)) != len(value):
             raise ConfigError(f"{path}: must be distinct CUDA stream priorities <= 0, got {list(value)}")
+
+
+def _check_folders(value: tuple, path: str) -> None:
+    """Each entry a folder holding its file (``_FOLDERS``), no folder twice;
+    what is inside is checked where it is loaded (search.games: the search
+    service's start)."""
+    seen: dict[Path, int] = {}
+    for i, folder in enumerate(value):
+        where = f"{path}[{i}]"
+        if not folder:
+            raise ConfigError(f"{where}: must be a folder path, got an empty string")
+        resolved = resolve_path(folder).resolve()
+        name = _FOLDERS[path.rpartition(".")[2]]
+        if not (resolved / name).is_file():
+            why = "no such folder" if not resolved.is_dir() else f"the folder has no {name}"
+            raise ConfigError(f"{where}: {folder}: {why}")
+        if resolved in seen:
+            raise ConfigError(f"{where}: {folder} is also {path}[{seen[resolved]}]")
+        seen[resolved] = i
 
 
 BULK_SERVER = "reward_bulk"  # the bulk server's name as a process (tandem serve reward_bulk)

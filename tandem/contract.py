@@ -21,8 +21,9 @@ log = logging.getLogger(__name__)
 API_VERSION = "tandem.v1"
 #: 1: the first release, as committed in protos/baseline/tandem-v1.binpb;
 #: 2: ContractService (this Handshake);
-#: 3: SearchService.SearchBatch (an engine's agents in one call).
-API_REVISION = 3
+#: 3: SearchService.SearchBatch (an engine's agents in one call);
+#: 4: GameInfo's evaluators, value_model, backend, backend_note and boards (the games of search.games).
+API_REVISION = 4
 SERVICE_NAME = contract_pb2.DESCRIPTOR.services_by_name["ContractService"].full_name
 
 

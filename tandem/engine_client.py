@@ -34,7 +34,7 @@ from tandem.v1 import contract_pb2, contract_pb2_grpc, reward_pb2, reward_pb2_gr
 from tandem.failover import Failover
 
 API_VERSION = "tandem.v1"
-API_REVISION = 3  # the tandem.v1 revision this client is written against (HandshakeResponse.api_revision)
+API_REVISION = 4  # the tandem.v1 revision this client is written against (HandshakeResponse.api_revision)
 KEEPALIVE_TIME_MS = 30_000  # a ping on an idle connection every 30 s (servers allow one per 10 s by default)
 SEARCH_SHARE = 0.8  # of the frame budget, for the search itself; the rest is transport and margin
 
@@ -246,11 +246,12 @@ def main(argv: list[str] | None = None) -> int:
     """Asks the search service for a move in each of ``--frames`` frames."""
     p = argparse.ArgumentParser(prog="python -m tandem.engine_client", description=main.__doc__)
     p.add_argument("--search", required=True, help="search service HOST:PORT")
+    p.add_argument("--game", default="connect4", help="a game the search service serves (ListGames; default connect4)")
     p.add_argument("--frames", type=int, default=30)
     p.add_argument("--fps", type=float, default=60.0)
     args = p.parse_args(argv)
     try:
-        return _play(args.search, args.frames, args.fps)
+        return _play(args.search, args.frames, args.fps, args.game)
     except ContractError as exc:  # one line, as the tandem commands print theirs; exit 1
         print(f"{p.prog}: {exc}", file=sys.stderr)
     except grpc.RpcError as exc:
@@ -260,22 +261,27 @@ def main(argv: list[str] | None = None) -> int:
     return 1
 
 
-def _play(address: str, frames: int, fps: float) -> int:
+def _play(address: str, frames: int, fps: float, game: str = "connect4") -> int:
     budget_ms = 1000.0 / fps
     with open_channel(address) as ch:
         reply = handshake(ch, "tandem.v1.SearchService")
         print(f"server {reply.server_version}: {reply.api_version} revision {reply.api_revision}; "
               f"capabilities {', '.join(reply.capabilities)}")
-        client, fallbacks, played = EngineClient(ch), 0, []
+        client, fallbacks, played, line = EngineClient(ch, game=game), 0, [], []
         for frame in range(frames):
             start = time.monotonic()
-            # A stand-in for the engine's game: positions after 0..6 moves of one opening (none is over yet).
-            moves = "445566"[: frame % 7]
+            # A stand-in for the engine's game, in any game's notation: the search plays itself
+            # for 6 moves, from the start again every 7th frame (no game is over that soon).
+            if frame % 7 == 0:
+                line = []
+            moves = "".join(line)
             answer = client.best_move(moves, budget_ms)
             if answer.move is None:
                 fallbacks += 1  # the engine would play its own move this frame
+                line = []
             else:
                 played.append(f"{moves or '-'}:{answer.move}")
+                line.append(answer.move)
             time.sleep(max(0.0, budget_ms / 1000.0 - (time.monotonic() - start)))
         print(f"{frames} frames, {fallbacks} fallbacks; position:move {' '.join(played[:7])}")
     return 0

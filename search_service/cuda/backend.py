@@ -73,6 +73,7 @@ import cupy
 import numpy as np
 
 from search_service.cuda import abi
+from search_service.backends import cuda_serves
 from search_service.cuda import pool as pl
 from search_service.cuda.answers import call_model, model_values, result_fields, wave_slots
 from search_service.cuda.module import kernel
@@ -97,6 +98,13 @@ from tandem import nvtx, outputs_gate, ready_word, timeline
 
 log = logging.getLogger(__name__)
 A = connect4.NUM_ACTIONS
+
+
+def refuse_other_games(game) -> None:
+    """Raises ValueError (why) unless the CUDA backend searches ``game``: Connect Four only."""
+    why = CudaBackend.serves(game)
+    if why is not None:
+        raise ValueError(why)
 BACKUPS = ("warp_aggregated", "global_atomic")
 SCALE_TABLE = 1 << 18  # UCT scale(N) = c_uct * sqrt(ln N) from NumPy for N below this (2 MiB)
 _BUDGET_NONE = 1 << 30  # "no simulation budget" (deadline only)
@@ -203,9 +211,10 @@ class CudaBackend:
 
         Raises:
             ValueError: a finished root, a tree rooted at another position, no
-                ``evaluator`` for ``value_model``, or an evaluator answer of the
-                wrong shape.
+                ``evaluator`` for ``value_model``, an evaluator answer of the
+                wrong shape, or a game other than Connect Four.
         """
+        refuse_other_games(params.game)
         return _Search(self, roots, params, evaluator, trees, should_stop, device_waves).run()
 
     def open_batch(self, params: SearchParams, evaluator: LeafEvaluator | None = None, lend=None):
@@ -222,9 +231,18 @@ class CudaBackend:
                 every wave's leaves go by the host.
 
         Raises:
-            ValueError: ``value_model`` without an evaluator.
+            ValueError: ``value_model`` without an evaluator, or a game
+                other than Connect Four (:func:`refuse_other_games`).
         """
+        refuse_other_games(params.game)
         return CudaTreeBatch(self, params, evaluator, lend)
+
+    @staticmethod
+    def serves(game) -> str | None:
+        """None where this backend searches ``game`` (a
+        :class:`~search_service.mcts.games.SearchGame`), else why not
+        (:func:`search_service.backends.cuda_serves`)."""
+        return cuda_serves(game)
 
     @staticmethod
     def reroot(tree, actions: list[int]) -> pl.CudaTree | None:

@@ -111,8 +111,7 @@ class CudaTree:
         pos[n:] = 0
         edges, head = rows["edges"][None], rows["header"][None]  # [1, cap, 7], [1, cap]
         return tr.Tree(
-            node_current=pos["current"][None].copy(),
-            node_mask=pos["mask"][None].copy(),
+            node_state=np.stack([pos["current"], pos["mask"]], axis=-1)[None],  # Connect Four's [current, mask]
             node_terminal=head["terminal"].astype(np.int8),
             node_visits=head["visits"].copy(),
             node_parent=head["parent"].copy(),

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Callable, Protocol
 import numpy as np
 
 from search_service.mcts import tree as tr
+from search_service.mcts.games import CONNECT_FOUR, SearchGame
 
 if TYPE_CHECKING:
     from search_service.games.connect4 import Positions
@@ -24,7 +25,8 @@ if TYPE_CHECKING:
 EVALUATORS = ("rollout", "value_model")
 
 LeafEvaluator = Callable[[np.ndarray], "tuple[np.ndarray, np.ndarray | None]"]
-"""obs uint8 [N, 2, 6, 7] -> (values float32 [N] in [-1, 1] for the side to
+"""obs uint8 [N, planes, rows, columns] (the game's observation; Connect
+Four's [N, 2, 6, 7]) -> (values float32 [N] in [-1, 1] for the side to
 move at each leaf, priors float32 [N, A] or None). Called once per wave with
 every leaf of every tree that needs a model value. Raises
 :class:`EvaluationFailed` when it cannot (the backend undoes that wave)."""
@@ -48,6 +50,7 @@ class SearchParams:
     virtual_loss: float = 1.0  # value subtracted per in-flight simulation (each also counts one visit)
     max_nodes: int = 200_000  # node pool per tree, root included
     seed: int = 0  # 64-bit Philox key for rollouts
+    game: SearchGame = CONNECT_FOUR  # the game searched (search_service/mcts/games.py)
 
     def __post_init__(self) -> None:
         if self.simulations is None and self.deadline_ms is None:
@@ -69,6 +72,8 @@ class SearchParams:
             raise ValueError(f"max_nodes must be an int >= 1, got {self.max_nodes!r}")
         if not isinstance(self.seed, (int, np.integer)) or not 0 <= self.seed < 1 << 64:
             raise ValueError(f"seed must be an int in [0, 2**64), got {self.seed!r}")
+        if self.evaluator == "value_model" and not self.game.value_model:
+            raise ValueError(f"game {self.game.name} has no value model: search it with the rollout evaluator")
 
 
 class WaveClock:
@@ -309,30 +314,32 @@ def best_action(visits: np.ndarray, q: np.ndarray, legal: np.ndarray | None = No
     return np.argmax(np.where(top, q, -np.inf), axis=1)
 
 
-def kept_trees(roots: "Positions", trees: list, evaluator: str, convert=None) -> dict:
+def kept_trees(roots, trees: list, evaluator: str, convert=None, game: SearchGame = CONNECT_FOUR) -> dict:
     """The trees passed in to be searched further: {i: ``trees[i]``} (through
     ``convert``, e.g. an upload to the device) for each single tree built
-    with ``evaluator`` (another evaluator's is replaced by a fresh tree).
+    with ``evaluator`` in ``game`` (another evaluator's or game's is replaced by
+    a fresh tree). ``roots``: B positions of ``game`` (or their states).
 
     Raises:
         ValueError: a tree holding several, or rooted elsewhere than ``roots[i]``.
     """
     kept = {}
+    states = game.as_states(roots)
     for i, t in enumerate(trees):
-        if t is None or t.evaluator != evaluator:
+        if t is None or t.evaluator != evaluator or getattr(t, "game", CONNECT_FOUR).name != game.name:
             continue
         if t.batch != 1:
             raise ValueError(f"trees[{i}] holds {t.batch} trees; pass single trees")
         t = convert(t) if convert is not None else t
-        root = t.root_positions()
-        if not (root.current[0] == roots.current[i] and root.mask[0] == roots.mask[i]):
+        if not (game.as_states(t.root_positions())[0] == states[i]).all():
             raise ValueError(f"trees[{i}] is rooted at another position than roots[{i}]")
         kept[i] = t
     return kept
 
 
-def check_call(roots: "Positions", params: SearchParams, evaluator: LeafEvaluator | None, trees) -> list:
+def check_call(roots, params: SearchParams, evaluator: LeafEvaluator | None, trees) -> list:
     """Checks one ``search()`` call's arguments, the same for every backend.
+    ``roots``: B positions of ``params.game`` (or their states, uint64 [B, W]).
 
     Returns:
         ``trees`` as a list with one entry (a tree or None) per root.
@@ -341,14 +348,12 @@ def check_call(roots: "Positions", params: SearchParams, evaluator: LeafEvaluato
         ValueError: the value-model evaluator without a leaf evaluator, no
             roots, a finished game among them, or a trees list of another length.
     """
-    from search_service.games import connect4
-
     if params.evaluator == "value_model" and evaluator is None:
         raise ValueError("evaluator 'value_model' needs a leaf evaluator")
-    b = len(roots)
+    b = len(params.game.as_states(roots))
     if b == 0:
         raise ValueError("no roots to search")
-    finished = connect4.is_terminal(roots)
+    finished = params.game.is_terminal(roots)
     if finished.any():
         raise ValueError(f"root {int(np.flatnonzero(finished)[0])} is a finished game")
     trees = list(trees) if trees is not None else [None] * b

@@ -80,8 +80,6 @@ from typing import Callable
 
 import numpy as np
 
-from search_service.games import connect4
-from search_service.games.connect4 import Positions
 from search_service.mcts import tree as tr
 from search_service.mcts.backend import (
     EvaluationFailed,
@@ -95,11 +93,8 @@ from search_service.mcts.backend import (
 )
 from search_service.mcts.batch import ended_by, search_alone, sliced_waves
 from search_service.mcts.plan import Member
-from search_service.mcts.rollout import rollout_values
 from tandem import nvtx
 
-A = connect4.NUM_ACTIONS
-MAX_DEPTH = connect4.MAX_MOVES  # a selection path has at most 42 edges
 _INITIAL_CAPACITY = 4096  # slots per tree before the pool first grows
 
 
@@ -120,7 +115,7 @@ class CpuReferenceBackend:
 
     def search(
         self,
-        roots: Positions,
+        roots,
         params: SearchParams,
         evaluator: LeafEvaluator | None = None,
         trees: list[tr.Tree | None] | None = None,
@@ -130,12 +125,14 @@ class CpuReferenceBackend:
         """Searches each of the B ``roots`` (unfinished positions) in its own tree.
 
         Args:
-            roots: B positions.
+            roots: B positions of ``params.game`` (Connect Four:
+                :class:`~search_service.games.connect4.Positions`; a game
+                plug-in: its states, uint64 [B, W]).
             params: budget and constants.
             evaluator: the leaf evaluator; required for ``value_model``, ignored otherwise.
             trees: per root, a single tree rooted at it (from ``reroot``) to search
                 further, or None for a fresh one. Trees passed in are copied,
-                not modified. A tree built with another evaluator is replaced.
+                not modified. A tree built with another evaluator (or game) is replaced.
             should_stop: called between waves (after the first); true ends the
                 search there, like a deadline, and the results' ``extras`` say
                 ``stopped``. None: only the budget ends it.
@@ -149,9 +146,10 @@ class CpuReferenceBackend:
         """
         started = time.perf_counter()
         batch = self.open_batch(params, evaluator)
-        batch.join(roots, trees, [params.seed] * len(roots), list(range(len(roots))))
+        b = len(params.game.as_states(roots))
+        batch.join(roots, trees, [params.seed] * b, list(range(b)))
         deadline = None if params.deadline_ms is None else started + params.deadline_ms / 1e3
-        return search_alone(batch, [Member(params.simulations, deadline, should_stop) for _ in range(len(roots))])
+        return search_alone(batch, [Member(params.simulations, deadline, should_stop) for _ in range(b)])
 
     def open_batch(self, params: SearchParams, evaluator: LeafEvaluator | None = None) -> "CpuTreeBatch":
         """An empty :class:`CpuTreeBatch` with ``params``' constants (their
@@ -164,6 +162,16 @@ class CpuReferenceBackend:
     def reroot(tree: tr.Tree, actions: list[int]) -> tr.Tree | None:
         """See :func:`search_service.mcts.tree.reroot`."""
         return tr.reroot(tree, actions)
+
+    @staticmethod
+    def reroot_to(tree: tr.Tree, position) -> tr.Tree | None:
+        """See :func:`search_service.mcts.tree.reroot_to`."""
+        return tr.reroot_to(tree, position)
+
+    @staticmethod
+    def serves(game) -> str | None:
+        """None: the CPU reference searches every game (its rules in NumPy)."""
+        return None
 
 
 _ROW_FIELDS = {  # per-tree state of a CpuTreeBatch: name -> dtype (row b: tree b)
@@ -200,7 +208,10 @@ class CpuTreeBatch:
         self.slice_ms = slice_ms  # sliced waves (search_service/mcts/plan.py), or None
         self.evaluator = evaluator
         self.puct = params.evaluator == "value_model"  # PUCT selection with priors
-        self.tree = tr.gather([], 1)
+        self.game = params.game
+        self.a = params.game.num_actions  # A, edges per node
+        self.max_depth = params.game.max_moves  # edges on a selection path, at most
+        self.tree = tr.gather([], 1, self.game)
         self.tree.evaluator = params.evaluator
         self.row = {name: np.zeros(0, dt) if not isinstance(dt, tuple) else np.zeros((0, dt[1]), dt[0])
                     for name, dt in _ROW_FIELDS.items()}
@@ -224,13 +235,14 @@ class CpuTreeBatch:
         return self.row["failure"] != ""
 
     # -- joining and leaving -------------------------------------------------
-    def join(self, roots: Positions, trees: list | None, seeds: list[int], streams: list[int]) -> None:
-        p = self.p
+    def join(self, roots, trees: list | None, seeds: list[int], streams: list[int]) -> None:
+        p, game = self.p, self.game
         trees = check_call(roots, p, self.evaluator, trees)
-        n = len(roots)
+        states = game.as_states(roots)
+        n = states.shape[0]
         reused = np.zeros(n, bool)
-        reused[list(kept_trees(roots, trees, p.evaluator))] = True
-        fresh = tr.split(tr.new_trees(roots, 1, p.evaluator))
+        reused[list(kept_trees(states, trees, p.evaluator, game=game))] = True
+        fresh = tr.split(tr.new_trees(states, 1, p.evaluator, game))
         joining = [trees[i] if reused[i] else fresh[i] for i in range(n)]
         # Pool size: room for one node per simulation (the most a search can add)
         # when that is known, else a start that grows; never past max_nodes.
@@ -238,7 +250,7 @@ class CpuTreeBatch:
         adds = p.simulations if p.simulations is not None else max(_INITIAL_CAPACITY, p.parallel_sims)
         capacity = max(used, min(p.max_nodes, used + adds), self.tree.capacity)
         first = self.b
-        self.tree = tr.gather(tr.split(self.tree) + joining, capacity)
+        self.tree = tr.gather(tr.split(self.tree) + joining, capacity, game)
         self.tree.evaluator = p.evaluator
         added = {name: np.zeros((n, *self.row[name].shape[1:]), self.row[name].dtype) for name in _ROW_FIELDS}
         added["seed"][:] = np.asarray(seeds, np.uint64)
@@ -274,7 +286,7 @@ class CpuTreeBatch:
         tree = tr.take(self.tree, keep)
         used = int(tree.num_nodes.max(initial=1))
         if 4 * used < tree.capacity and tree.capacity > _INITIAL_CAPACITY:
-            tree = tr.gather(tr.split(tree), max(_INITIAL_CAPACITY, 2 * used))
+            tree = tr.gather(tr.split(tree), max(_INITIAL_CAPACITY, 2 * used), self.game)
         tree.evaluator = self.p.evaluator
         self.tree = tree
         self.row = {name: self.row[name][keep] for name in _ROW_FIELDS}
@@ -282,17 +294,16 @@ class CpuTreeBatch:
 
     # -- flat views over the batched pool (row = tree * capacity + slot) ----
     def _views(self) -> None:
-        t, n = self.tree, self.tree.capacity
+        t, n, a = self.tree, self.tree.capacity, self.a
         self.cap = n
-        self.children = t.children.reshape(-1, A)
-        self.visits = t.edge_visits.reshape(-1, A)
-        self.value = t.edge_value.reshape(-1, A)
-        self.vloss = t.edge_vloss.reshape(-1, A)
-        self.prior = t.prior.reshape(-1, A)
+        self.children = t.children.reshape(-1, a)
+        self.visits = t.edge_visits.reshape(-1, a)
+        self.value = t.edge_value.reshape(-1, a)
+        self.vloss = t.edge_vloss.reshape(-1, a)
+        self.prior = t.prior.reshape(-1, a)
         self.node_visits = t.node_visits.reshape(-1)
         self.node_terminal = t.node_terminal.reshape(-1)
-        self.node_current = t.node_current.reshape(-1)
-        self.node_mask = t.node_mask.reshape(-1)
+        self.node_state = t.node_state.reshape(-1, self.game.state_words)
 
     def _ensure_capacity(self, k: int) -> None:
         need = min(self.p.max_nodes, int(self.tree.num_nodes.max()) + k)
@@ -374,13 +385,13 @@ class CpuTreeBatch:
         tree_of = np.repeat(np.arange(b, dtype=np.int64), ks)
         first = np.cumsum(ks) - ks  # each tree's first selection
         in_tree = np.arange(w) - first[tree_of]  # the selection's rank in its tree's wave
-        path_rows = np.zeros((MAX_DEPTH, w), np.int64)
-        path_acts = np.zeros((MAX_DEPTH, w), np.int64)
+        path_rows = np.zeros((self.max_depth, w), np.int64)
+        path_acts = np.zeros((self.max_depth, w), np.int64)
         depth = np.zeros(w, np.int64)
         stop_child = np.full(w, -1, np.int64)  # row of the finished node a selection stopped at, else -1
         idx = np.arange(w)  # selections still descending, in simulation order
         rows = tree_of * cap  # their current node rows: the roots
-        for d in range(MAX_DEPTH):
+        for d in range(self.max_depth):
             if d == 0:  # every selection of tree t stands on its root; the j-th chooses j-th
                 trees = np.flatnonzero(ks)  # every live tree's root
                 node_rows, size, rank = trees * cap, ks[trees], in_tree
@@ -416,7 +427,7 @@ class CpuTreeBatch:
         ``Q[j] + scale[r] * g[j]``; both tables are built first, and the r loop
         only looks them up.
         """
-        p = self.p
+        p, a_count = self.p, self.a
         u_count, r_count = node_rows.size, int(size.max())
         n = self.visits.take(node_rows, axis=0).astype(np.float64)[:, :, None]  # [U, A, 1]
         w = self.value.take(node_rows, axis=0).astype(np.float64)[:, :, None]
@@ -435,8 +446,8 @@ class CpuTreeBatch:
             q[:, :, 0] = np.where(n[:, :, 0] == 0, np.inf, q[:, :, 0])  # unvisited edges first
         q[illegal] = -np.inf
         q, g = q.reshape(-1), g.reshape(-1)
-        at = (np.arange(u_count)[:, None] * A + np.arange(A)) * r_count  # [U, A]: offset of j = 0
-        held = np.zeros((u_count, A), np.int64)  # virtual losses added so far
+        at = (np.arange(u_count)[:, None] * a_count + np.arange(a_count)) * r_count  # [U, A]: offset of j = 0
+        held = np.zeros((u_count, a_count), np.int64)  # virtual losses added so far
         acts = np.empty((r_count, u_count), np.int64)
         cols = np.arange(u_count)
         for r in range(r_count):
@@ -458,7 +469,7 @@ class CpuTreeBatch:
     def _expand(self, walk: dict) -> dict:
         """Adds one node per distinct edge where selections stopped before a
         missing child; returns each selection's leaf (row, position, status)."""
-        cap, tree = self.cap, self.tree
+        cap, tree, a, game = self.cap, self.tree, self.a, self.game
         w = walk["depth"].size
         last = walk["depth"] - 1
         cols = np.arange(w)
@@ -466,20 +477,19 @@ class CpuTreeBatch:
         edge_acts = walk["acts"][last, cols]
         leaf_row = walk["stop_child"].copy()  # -1 for selections that stopped at a missing child
         new = np.flatnonzero(leaf_row < 0)
-        leaf_current = self.node_current[np.maximum(leaf_row, 0)].copy()
-        leaf_mask = self.node_mask[np.maximum(leaf_row, 0)].copy()
+        leaf_state = self.node_state[np.maximum(leaf_row, 0)]  # a copy (fancy indexing)
         leaf_terminal = self.node_terminal[np.maximum(leaf_row, 0)].copy()
         edge_key = np.full(w, -1, np.int64)  # distinct-leaf id for the value model
         if new.size:
-            keys = edge_rows[new] * A + edge_acts[new]
+            keys = edge_rows[new] * a + edge_acts[new]
             if walk["k"] == 1:  # one selection per tree: distinct edges, already in tree order
                 uniq, inverse = keys, np.arange(keys.size)
             else:
                 uniq, inverse = np.unique(keys, return_inverse=True)
-            u_rows, u_acts = uniq // A, uniq % A
+            u_rows, u_acts = uniq // a, uniq % a
             u_tree = u_rows // cap
-            cur, mask = connect4.play_bits(self.node_current[u_rows], self.node_mask[u_rows], u_acts)
-            term = tr.terminal_code(cur, mask)
+            state = game.play(self.node_state[u_rows], u_acts)
+            term = game.terminal_code(state)
             # Slots in key order (tree, parent slot, action); beyond max_nodes, no node.
             first_of_tree = np.searchsorted(u_tree, u_tree, side="left")
             slot = tree.num_nodes[u_tree].astype(np.int64) + (np.arange(uniq.size) - first_of_tree)
@@ -487,13 +497,12 @@ class CpuTreeBatch:
             self.row["pool_exhausted"][u_tree[~fits]] = True
             f_rows = u_tree[fits] * cap + slot[fits]
             if f_rows.size:
-                self.node_current[f_rows] = cur[fits]
-                self.node_mask[f_rows] = mask[fits]
+                self.node_state[f_rows] = state[fits]
                 self.node_terminal[f_rows] = term[fits]
                 self.node_visits[f_rows] = 0
                 tree.node_parent.reshape(-1)[f_rows] = u_rows[fits] - u_tree[fits] * cap
                 tree.node_action.reshape(-1)[f_rows] = u_acts[fits]
-                kids, prior = tr.init_edges(mask[fits], term[fits])
+                kids, prior = tr.edges(game.legal(state[fits]), term[fits])
                 self.children[f_rows] = kids
                 self.prior[f_rows] = prior
                 self.visits[f_rows] = 0
@@ -503,11 +512,10 @@ class CpuTreeBatch:
                 tree.num_nodes += np.bincount(u_tree[fits], minlength=self.b).astype(np.int32)
             u_leaf_row = np.where(fits, u_tree * cap + slot, -1)
             leaf_row[new] = u_leaf_row[inverse]
-            leaf_current[new] = cur[inverse]
-            leaf_mask[new] = mask[inverse]
+            leaf_state[new] = state[inverse]
             leaf_terminal[new] = term[inverse]
             edge_key[new] = inverse
-        return dict(row=leaf_row, current=leaf_current, mask=leaf_mask, terminal=leaf_terminal, key=edge_key)
+        return dict(row=leaf_row, state=leaf_state, terminal=leaf_terminal, key=edge_key)
 
     # -- 3. evaluation -----------------------------------------------------
     def _evaluate(self, walk: dict, leaf: dict) -> tuple[np.ndarray, EvaluationFailed | None]:
@@ -523,8 +531,8 @@ class CpuTreeBatch:
         if by_rollout.any():
             roll = open_[by_rollout]
             t = tree_of[by_rollout]
-            values[roll] = rollout_values(leaf["current"][roll], leaf["mask"][roll], walk["sim"][roll],
-                                          self.row["stream"][t], self.row["seed"][t])
+            values[roll] = self.game.rollout_values(leaf["state"][roll], walk["sim"][roll], self.row["stream"][t],
+                                                    self.row["seed"][t])
             open_ = open_[~by_rollout]
             if open_.size == 0:
                 return values, None
@@ -534,7 +542,7 @@ class CpuTreeBatch:
         _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
         who = open_[first]
         try:
-            v, priors = self._call_model(leaf["current"][who], leaf["mask"][who])
+            v, priors = self._call_model(leaf["state"][who])
         except EvaluationFailed as exc:
             return values, exc
         values[open_] = v[inverse]
@@ -544,11 +552,11 @@ class CpuTreeBatch:
             self.prior[rows[has_node]] = priors[has_node]
         return values, None
 
-    def _call_model(self, current: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-        """Values float32 [M] and masked, renormalised priors float32 [M, A] (or None)."""
-        pos = Positions(current, mask, connect4.popcount(mask))
-        values, priors = self.evaluator(connect4.observation(pos))
-        return model_answer(values, priors, connect4.legal_bits(mask))
+    def _call_model(self, states: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """Values float32 [M] and masked, renormalised priors float32 [M, A] (or
+        None) of unfinished states uint64 [M, W]."""
+        values, priors = self.evaluator(self.game.observation(states))
+        return model_answer(values, priors, self.game.legal(states))
 
     def _evaluate_fresh_roots(self, joined: np.ndarray) -> None:
         """Values the roots of trees ``joined`` (int [M]) never evaluated, for their priors."""
@@ -558,7 +566,7 @@ class CpuTreeBatch:
         t = time.perf_counter()
         rows = fresh * self.cap
         try:
-            _, priors = self._call_model(self.node_current[rows], self.node_mask[rows])
+            _, priors = self._call_model(self.node_state[rows])
         except EvaluationFailed as exc:
             self._stop_using_model(fresh, exc)  # uniform priors stay; rollouts value the leaves
             priors = None
@@ -568,13 +576,12 @@ class CpuTreeBatch:
         self.row["ms"][fresh, 2] += (time.perf_counter() - t) * 1e3
 
     # -- 4. backup ---------------------------------------------------------
-    @staticmethod
-    def _path_edges(walk: dict) -> tuple[np.ndarray, np.ndarray]:
+    def _path_edges(self, walk: dict) -> tuple[np.ndarray, np.ndarray]:
         """(node rows, flat edge indices) on every selection's path, depth-major."""
         depth = walk["depth"]
         on_path = np.arange(int(depth.max()))[:, None] < depth[None, :]  # [D, W]
         rows = walk["rows"][: on_path.shape[0]][on_path]
-        return rows, rows * A + walk["acts"][: on_path.shape[0]][on_path]
+        return rows, rows * self.a + walk["acts"][: on_path.shape[0]][on_path]
 
     def _backup(self, walk: dict, leaf: dict, values: np.ndarray) -> None:
         depth = walk["depth"]
@@ -613,9 +620,9 @@ class CpuTreeBatch:
         root_value = value.sum(axis=1) / np.maximum(visits.sum(axis=1), 1)
         proven = t.node_terminal[index, 0]
         root_value = np.where(proven != tr.NOT_TERMINAL, tr.OUTCOME_VALUE[proven], root_value)
-        action = best_action(visits, q, connect4.legal_bits(t.node_mask[index, 0]),
-                             self._child_codes(index * self.cap), t.prior[index, 0],
-                             connect4.loses_at_once_bits(t.node_current[index, 0], t.node_mask[index, 0]))
+        roots = t.node_state[index, 0]
+        action = best_action(visits, q, self.game.legal(roots), self._child_codes(index * self.cap),
+                             t.prior[index, 0], self.game.loses_at_once(roots))
         pv = self._principal_variations(index)
         return [
             SearchResult(
@@ -648,7 +655,7 @@ class CpuTreeBatch:
         pv: list[list[int]] = [[] for _ in range(index.size)]
         live = np.arange(index.size)
         rows = index * cap
-        for _ in range(MAX_DEPTH):
+        for _ in range(self.max_depth):
             n = self.visits[rows].astype(np.int64)
             q = np.where(n > 0, self.value[rows] / np.maximum(n, 1), 0.0)
             a = best_action(n, q)
@@ -664,8 +671,9 @@ class CpuTreeBatch:
 
 
 def _columns(d: dict, cols: np.ndarray) -> dict:
-    """A wave's per-selection arrays (the last axis of each: W) restricted to ``cols`` (bool [W])."""
-    return {k: v[..., cols] if isinstance(v, np.ndarray) else v for k, v in d.items()}
+    """A wave's per-selection arrays (the last axis of each: W; the first of
+    the leaves' ``state``, [W, state words]) restricted to ``cols`` (bool [W])."""
+    return {k: (v[cols] if k == "state" else v[..., cols]) if isinstance(v, np.ndarray) else v for k, v in d.items()}
 
 
 def _groups(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

@@ -19,7 +19,7 @@ How the search draws numbers (the CUDA backend must do exactly this)
 ---------------------------------------------------------------------
 Key: ``(seed & 0xFFFFFFFF, seed >> 32)`` for the 64-bit ``SearchParams.seed``.
 
-Random rollouts (the only consumer today). The rollout of simulation ``s`` of
+Random rollouts (the only consumer today), in every game. The rollout of simulation ``s`` of
 tree ``t`` uses, at its ``i``-th random move (``i = 0`` is the first move
 played from the leaf), word ``i % 4`` of::
 
@@ -30,9 +30,10 @@ where ``s`` is the 0-based index of the simulation among those of this
 after ``n`` simulations has ``s = n + k``), ``t`` the 0-based index of the
 tree in the batch, and ``STREAM_ROLLOUT = 0``. Other values of counter word 3
 are reserved for future consumers (e.g. root noise). With ``w`` that word and
-``n`` the number of legal columns, the move is the ``(w % n)``-th legal column
-counting from the left (0-based), i.e. the column ``c`` such that exactly
-``w % n`` legal columns lie left of it.
+``n`` the number of legal actions, the move is the ``(w % n)``-th legal action
+counting from action 0 (0-based), i.e. the action ``a`` such that exactly
+``w % n`` legal actions are lower than it (Connect Four: the ``(w % n)``-th
+legal column from the left).
 """
 from __future__ import annotations
 
@@ -109,5 +110,22 @@ def rollout_words(sims: np.ndarray, trees: np.ndarray, plies: int, seed: int | n
     ctr[..., 1] = trees[:, None]
     ctr[..., 2] = np.arange(blocks, dtype=np.uint64)[None, :]
     ctr[..., 3] = STREAM_ROLLOUT
-    key = seed_key(int(seed)) if np.ndim(seed) == 0 else seed_keys(seed)[:, None, :]
-    return philox4x32(ctr, key).reshape(m, blocks * 4)
+    key = _key(seed)
+    return philox4x32(ctr, key if key.ndim == 1 else key[:, None, :]).reshape(m, blocks * 4)
+
+
+def rollout_block(sims: np.ndarray, trees: np.ndarray, block: int, seed: int | np.ndarray) -> np.ndarray:
+    """uint32 [M, 4]: the words of moves ``4 * block .. 4 * block + 3`` of M
+    rollouts (column ``i % 4`` for move ``i``), as :func:`rollout_words`
+    draws them; for rollouts that draw a block at a time. Arguments as there."""
+    ctr = np.empty((sims.shape[0], 4), dtype=np.uint64)
+    ctr[:, 0] = sims
+    ctr[:, 1] = trees
+    ctr[:, 2] = block
+    ctr[:, 3] = STREAM_ROLLOUT
+    return philox4x32(ctr, _key(seed))
+
+
+def _key(seed: int | np.ndarray) -> np.ndarray:
+    """uint32 [2] for one seed, [M, 2] for each rollout's."""
+    return seed_key(int(seed)) if np.ndim(seed) == 0 else seed_keys(seed)

@@ -1,4 +1,11 @@
-"""Uniformly random Connect Four rollouts, vectorised over many leaves.
+"""Uniformly random rollouts, vectorised over many leaves: Connect Four's
+(:func:`rollout_values`, table-driven) and any game plug-in's
+(:func:`plugin_rollout_values`, through its rules), by one rule: the move is
+the ``(word % n)``-th of the ``n`` legal actions, the words drawn from Philox
+as :mod:`search_service.mcts.philox` says, so both give the same results for
+the same rules.
+
+Connect Four's:
 
 All rollouts advance one ply per step in lockstep; a rollout that has ended
 keeps "playing" (its moves are ignored) until, every 4 plies, large batches
@@ -19,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from search_service.games import connect4
-from search_service.mcts.philox import rollout_words
+from search_service.mcts.philox import rollout_block, rollout_words
 
 _U = np.uint64
 _C = _U(sum(1 << (connect4.COLUMN_BITS * c) for c in range(connect4.COLUMNS)))
@@ -87,3 +94,49 @@ def rollout_values(current: np.ndarray, mask: np.ndarray, sims: np.ndarray, tree
                 alive, cur, msk = alive[going], cur[going], msk[going]
     # The leaf's side to move plays plies 0, 2, 4, ...
     return np.where(end < 0, 0.0, np.where(end % 2 == 0, 1.0, -1.0)).astype(np.float32)
+
+
+def plugin_rollout_values(rules, max_moves: int, states: np.ndarray, sims: np.ndarray, trees: np.ndarray,
+                          seed: int | np.ndarray, name: str = "") -> np.ndarray:
+    """float32 [M]: results of random games from M unfinished states of a game
+    plug-in, for each state's side to move (+1 win, 0 draw, -1 loss).
+
+    The rollouts advance one ply per step in lockstep with the game's
+    ``legal_mask`` and ``step`` (:mod:`search_service.games.protocol`); one
+    that ends leaves the batch, and Philox words are drawn four plies at a time
+    for the rollouts still going. ``step``'s reward is the mover's, and the
+    leaf's side to move makes plies 0, 2, 4, ...
+
+    Args:
+        rules: the game's rules module.
+        max_moves: the game's ``max_moves`` (no rollout lasts longer).
+        states: uint64 [M, W], the leaves (none finished).
+        sims, trees, seed: as :func:`rollout_values`.
+        name: the game's name, for the error.
+
+    Raises:
+        RuntimeError: a rollout lasted more than ``max_moves`` plies (the
+            rules disagree with game.yaml).
+    """
+    m = states.shape[0]
+    values = np.zeros(m, np.float32)
+    alive = np.arange(m)
+    seeds = None if np.ndim(seed) == 0 else np.asarray(seed, np.uint64)
+    sims, trees = np.asarray(sims), np.asarray(trees)
+    cur, words = states, np.zeros((m, 4), np.uint32)
+    for i in range(max_moves):
+        if alive.size == 0:
+            return values
+        if i % 4 == 0:
+            words = rollout_block(sims[alive], trees[alive], i // 4, seed if seeds is None else seeds[alive])
+        legal = rules.legal_mask(cur)  # [n, A]
+        k = words[:, i % 4].astype(np.int64) % np.maximum(legal.sum(axis=1), 1)
+        action = np.argmax(np.cumsum(legal, axis=1) > k[:, None], axis=1)  # the k-th legal action
+        cur, terminal, reward = rules.step(cur, action)
+        if terminal.any():
+            values[alive[terminal]] = reward[terminal] if i % 2 == 0 else -reward[terminal]
+            going = ~terminal
+            alive, cur, words = alive[going], cur[going], words[going]
+    if alive.size:
+        raise RuntimeError(f"game {name}: a rollout lasted more than max_moves ({max_moves}) plies")
+    return values

@@ -1,20 +1,24 @@
 """Search trees as a structure of arrays over a batch of B trees (mctx style).
 
 Each tree owns a pool of ``capacity`` node slots; node 0 is the root and slots
-``[0, num_nodes)`` are in use. A node is one position; its A outgoing edges
-are stored contiguously in row ``[b, node, :]`` of the edge arrays, so the
+``[0, num_nodes)`` are in use. A node is one position, held as its game's
+``W = state_words`` uint64 words; its A = ``num_actions`` outgoing edges are
+stored contiguously in row ``[b, node, :]`` of the edge arrays, so the
 statistics read during selection (visits, value sum, virtual loss, prior) of
 one node's children sit side by side. Edge statistics live on the edge, not
 on the child node: an edge can be visited before (or without, once the pool
-is full) its child node exists.
+is full) its child node exists. The tree's game
+(:class:`~search_service.mcts.games.SearchGame`) fixes A and W.
 
-Memory per node slot, A = 7: 26 bytes of node fields + A * 20 bytes of edge
-fields = 166 bytes (a 200,000-node pool is 33 MB per tree). The CPU reference
-allocates lazily (grows the arrays, never past ``max_nodes``), so small
-searches stay small; the limit on nodes is the same as a preallocated pool's.
+Memory per node slot (:func:`bytes_per_node`): ``8 W`` bytes of state, 10 of
+the other node fields (11 where an action needs int16: A > 127), and A * 20
+bytes of edge fields: 166 bytes for Connect Four (A = 7, W = 2; a
+200,000-node pool is 33 MB per tree), 1,334 for Othello (A = 65, W = 3),
+4,583 for Gomoku (A = 225, W = 9). The CPU reference allocates lazily (grows
+the arrays, never past ``max_nodes``), so small searches stay small; the
+limit on nodes is the same as a preallocated pool's.
 
-Edge child codes: ``>= 0`` child node index, ``UNEXPANDED`` (-1) a legal move
-whose child is not in the tree, ``ILLEGAL`` (-2) a move that may not be played.
+Edge child codes and node result codes: :mod:`search_service.mcts.codes`.
 """
 from __future__ import annotations
 
@@ -23,33 +27,49 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from search_service.games import connect4
-from search_service.games.connect4 import Positions
+from search_service.mcts.codes import (  # re-exported: tree.NOT_TERMINAL etc.
+    ILLEGAL,
+    LOST,
+    NOT_TERMINAL,
+    OUTCOME_VALUE,
+    PROVEN_DRAW,
+    PROVEN_LOSS,
+    PROVEN_WIN,
+    TERMINAL_DRAW,
+    TERMINAL_LOSS,
+    UNEXPANDED,
+)
+from search_service.mcts.codes import connect4_terminal_code as terminal_code  # Connect Four's
+from search_service.mcts.games import CONNECT_FOUR, SearchGame
 
-UNEXPANDED = -1
-ILLEGAL = -2
-NOT_TERMINAL, TERMINAL_LOSS, TERMINAL_DRAW = 0, 1, 2
-# Results proven by the solver (MCTS-Solver, Winands, Bjornsson & Saito 2008,
-# "Monte-Carlo Tree Search Solver"), for the side to move at the node: the
-# node's value is known exactly, as at a terminal position.
-PROVEN_WIN, PROVEN_LOSS, PROVEN_DRAW = 3, 4, 5
-OUTCOME_VALUE = np.array([0.0, -1.0, 0.0, 1.0, -1.0, 0.0], np.float32)  # by code; the value of a known result
-LOST = (TERMINAL_LOSS, PROVEN_LOSS)  # codes of a node whose side to move has lost
-A = connect4.NUM_ACTIONS
-BYTES_PER_NODE = 8 + 8 + 1 + 4 + 4 + 1 + A * (4 + 4 + 4 + 4 + 4)
+__all__ = [
+    "BYTES_PER_NODE", "ILLEGAL", "LOST", "NOT_TERMINAL", "OUTCOME_VALUE", "PROVEN_DRAW", "PROVEN_LOSS", "PROVEN_WIN",
+    "TERMINAL_DRAW", "TERMINAL_LOSS", "UNEXPANDED", "Tree", "bytes_per_node", "edges", "find_node", "gather", "grow",
+    "init_edges", "new_trees", "reroot", "reroot_to", "set_roots", "solve", "split", "take", "terminal_code",
+]
+
+
+def bytes_per_node(game: SearchGame) -> int:
+    """Bytes one node slot of ``game``'s trees holds (state, node fields, A edges)."""
+    action = np.dtype(game.action_dtype).itemsize
+    return 8 * game.state_words + 1 + 4 + 4 + action + game.num_actions * (4 + 4 + 4 + 4 + 4)
+
+
+BYTES_PER_NODE = bytes_per_node(CONNECT_FOUR)  # Connect Four's: 166
 
 
 @dataclass
 class Tree:
-    """B trees; every array's first axis is the tree, the second the node slot (N = capacity)."""
+    """B trees of one game; every array's first axis is the tree, the second
+    the node slot (N = capacity); A and W are the game's."""
 
-    node_current: np.ndarray  # uint64 [B, N]: side to move's stones (Pons bitboard)
-    node_mask: np.ndarray  # uint64 [B, N]: occupied cells
-    # int8 [B, N]: the node's known result for its side to move: terminal (TERMINAL_LOSS: lost,
-    # TERMINAL_DRAW), proven by the solver (PROVEN_WIN, PROVEN_LOSS, PROVEN_DRAW), else NOT_TERMINAL.
+    node_state: np.ndarray  # uint64 [B, N, W]: the node's position (its game's state words)
+    # int8 [B, N]: the node's known result for its side to move (search_service/mcts/codes.py):
+    # terminal (TERMINAL_LOSS, TERMINAL_DRAW), proven (PROVEN_WIN, PROVEN_LOSS, PROVEN_DRAW), else NOT_TERMINAL.
     node_terminal: np.ndarray
     node_visits: np.ndarray  # int32 [B, N]: simulations that passed through or ended at the node
     node_parent: np.ndarray  # int32 [B, N]: parent slot, -1 for the root
-    node_action: np.ndarray  # int8 [B, N]: action from the parent, -1 for the root
+    node_action: np.ndarray  # int8 (int16 where A > 127) [B, N]: action from the parent, -1 for the root
     children: np.ndarray  # int32 [B, N, A]: child slot, UNEXPANDED or ILLEGAL
     edge_visits: np.ndarray  # int32 [B, N, A]: completed simulations through the edge
     edge_value: np.ndarray  # float32 [B, N, A]: sum of their values, for the player to move at the node
@@ -57,6 +77,7 @@ class Tree:
     prior: np.ndarray  # float32 [B, N, A]: policy prior (uniform over legal moves without a model)
     num_nodes: np.ndarray  # int32 [B]: slots in use
     evaluator: str = "rollout"  # what valued the leaves; a tree is only reused with the same evaluator
+    game: SearchGame = CONNECT_FOUR  # whose positions the nodes hold; a tree is only reused in its game
 
     @property
     def batch(self) -> int:
@@ -66,41 +87,48 @@ class Tree:
     def capacity(self) -> int:
         return int(self.node_visits.shape[1])
 
-    def root_positions(self) -> Positions:
-        """The B root positions."""
-        mask = self.node_mask[:, 0].copy()
-        return Positions(self.node_current[:, 0].copy(), mask, connect4.popcount(mask))
+    @property
+    def node_current(self) -> np.ndarray:
+        """uint64 [B, N]: state word 0 (Connect Four: the side to move's stones; a view)."""
+        return self.node_state[..., 0]
+
+    @property
+    def node_mask(self) -> np.ndarray:
+        """uint64 [B, N]: state word 1 (Connect Four: the occupied cells; a view)."""
+        return self.node_state[..., 1]
+
+    def root_states(self) -> np.ndarray:
+        """uint64 [B, W]: the B root positions' state words."""
+        return self.node_state[:, 0].copy()
+
+    def root_positions(self):
+        """The B root positions, as the game's position batch."""
+        return self.game.positions(self.root_states())
 
 
-def _zeros(batch: int, capacity: int, evaluator: str) -> Tree:
+def _zeros(batch: int, capacity: int, evaluator: str, game: SearchGame) -> Tree:
     # All zeros, so the pages of unused slots are never touched (calloc); a
     # slot's fields are written when its node is created.
+    a = game.num_actions
     return Tree(
-        node_current=np.zeros((batch, capacity), np.uint64),
-        node_mask=np.zeros((batch, capacity), np.uint64),
+        node_state=np.zeros((batch, capacity, game.state_words), np.uint64),
         node_terminal=np.zeros((batch, capacity), np.int8),
         node_visits=np.zeros((batch, capacity), np.int32),
         node_parent=np.zeros((batch, capacity), np.int32),
-        node_action=np.zeros((batch, capacity), np.int8),
-        children=np.zeros((batch, capacity, A), np.int32),
-        edge_visits=np.zeros((batch, capacity, A), np.int32),
-        edge_value=np.zeros((batch, capacity, A), np.float32),
-        edge_vloss=np.zeros((batch, capacity, A), np.int32),
-        prior=np.zeros((batch, capacity, A), np.float32),
+        node_action=np.zeros((batch, capacity), game.action_dtype),
+        children=np.zeros((batch, capacity, a), np.int32),
+        edge_visits=np.zeros((batch, capacity, a), np.int32),
+        edge_value=np.zeros((batch, capacity, a), np.float32),
+        edge_vloss=np.zeros((batch, capacity, a), np.int32),
+        prior=np.zeros((batch, capacity, a), np.float32),
         num_nodes=np.zeros(batch, np.int32),
         evaluator=evaluator,
+        game=game,
     )
 
 
-_NODE_FIELDS = ("node_current", "node_mask", "node_terminal", "node_visits", "node_parent", "node_action")
+_NODE_FIELDS = ("node_state", "node_terminal", "node_visits", "node_parent", "node_action")
 _EDGE_FIELDS = ("children", "edge_visits", "edge_value", "edge_vloss", "prior")
-
-
-def terminal_code(current: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """int8 [...]: NOT_TERMINAL, TERMINAL_LOSS or TERMINAL_DRAW for positions (current, mask)."""
-    lost = connect4.has_four(current ^ mask)
-    full = mask == connect4.BOARD_MASK
-    return np.where(lost, TERMINAL_LOSS, np.where(full, TERMINAL_DRAW, NOT_TERMINAL)).astype(np.int8)
 
 
 def solve(children: np.ndarray, child_codes: np.ndarray) -> np.ndarray:
@@ -123,30 +151,40 @@ def solve(children: np.ndarray, child_codes: np.ndarray) -> np.ndarray:
     return np.where(wins, PROVEN_WIN, np.where(settled, by_best, NOT_TERMINAL)).astype(np.int8)
 
 
-def init_edges(mask: np.ndarray, terminal: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(children int32 [M, A], prior float32 [M, A]) for fresh nodes: UNEXPANDED
-    legal moves with a uniform prior; ILLEGAL (prior 0) elsewhere and everywhere
-    in finished positions."""
-    legal = connect4.legal_bits(mask) & (terminal == NOT_TERMINAL)[:, None]
+def edges(legal: np.ndarray, terminal: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(children int32 [M, A], prior float32 [M, A]) for fresh nodes whose
+    legal actions are ``legal`` (bool [M, A]) and known results ``terminal``
+    (int8 [M]): UNEXPANDED legal moves with a uniform prior; ILLEGAL (prior 0)
+    elsewhere and everywhere in finished or proven positions."""
+    legal = legal & (terminal == NOT_TERMINAL)[:, None]
     children = np.where(legal, UNEXPANDED, ILLEGAL).astype(np.int32)
     prior = legal / np.maximum(legal.sum(axis=1, keepdims=True), 1)
     return children, prior.astype(np.float32)
 
 
-def new_trees(roots: Positions, capacity: int, evaluator: str = "rollout") -> Tree:
-    """Fresh trees holding only their root, with pools of ``capacity`` slots (>= 1)."""
-    tree = _zeros(len(roots), max(int(capacity), 1), evaluator)
-    set_roots(tree, np.arange(len(roots)), roots)
+def init_edges(mask: np.ndarray, terminal: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`edges` of fresh Connect Four nodes of occupied cells ``mask`` (uint64 [M])."""
+    return edges(connect4.legal_bits(mask), terminal)
+
+
+def new_trees(roots, capacity: int, evaluator: str = "rollout", game: SearchGame = CONNECT_FOUR) -> Tree:
+    """Fresh trees of ``game`` holding only their root (``roots``: B positions
+    of the game, or their states uint64 [B, W]), with pools of ``capacity``
+    slots (>= 1)."""
+    states = game.as_states(roots)
+    tree = _zeros(states.shape[0], max(int(capacity), 1), evaluator, game)
+    set_roots(tree, np.arange(states.shape[0]), states)
     return tree
 
 
-def set_roots(tree: Tree, index: np.ndarray, roots: Positions) -> None:
-    """Resets trees ``index`` (int [M]) to just their root ``roots`` (M positions)."""
-    current, mask = roots.current.astype(np.uint64), roots.mask.astype(np.uint64)
-    terminal = terminal_code(current, mask)
-    children, prior = init_edges(mask, terminal)
-    tree.node_current[index, 0] = current
-    tree.node_mask[index, 0] = mask
+def set_roots(tree: Tree, index: np.ndarray, roots) -> None:
+    """Resets trees ``index`` (int [M]) to just their root ``roots`` (M
+    positions of the tree's game, or their states uint64 [M, W])."""
+    game = tree.game
+    states = game.as_states(roots).astype(np.uint64)
+    terminal = game.terminal_code(states)
+    children, prior = edges(game.legal(states), terminal)
+    tree.node_state[index, 0] = states
     tree.node_terminal[index, 0] = terminal
     tree.node_visits[index, 0] = 0
     tree.node_parent[index, 0] = -1
@@ -162,7 +200,7 @@ def grow(tree: Tree, capacity: int) -> Tree:
     """A copy of ``tree`` with pools of ``capacity`` slots (>= the current one)."""
     if capacity <= tree.capacity:
         return tree
-    bigger = _zeros(tree.batch, capacity, tree.evaluator)
+    bigger = _zeros(tree.batch, capacity, tree.evaluator, tree.game)
     used = int(tree.num_nodes.max())
     for name in _NODE_FIELDS + _EDGE_FIELDS:
         getattr(bigger, name)[:, :used] = getattr(tree, name)[:, :used]
@@ -183,11 +221,14 @@ def split(tree: Tree) -> list[Tree]:
     ]
 
 
-def gather(trees: list[Tree], capacity: int) -> Tree:
-    """One batch holding copies of single trees (each of batch 1), with pools of
-    ``capacity`` slots (at least the largest tree's node count)."""
+def gather(trees: list[Tree], capacity: int, game: SearchGame | None = None) -> Tree:
+    """One batch holding copies of single trees (each of batch 1, all of one
+    game), with pools of ``capacity`` slots (at least the largest tree's node
+    count); ``game``: the batch's where ``trees`` is empty (None: the first
+    tree's, else Connect Four)."""
     used = [int(t.num_nodes[0]) for t in trees]
-    out = _zeros(len(trees), max([capacity, *used]), trees[0].evaluator if trees else "rollout")
+    game = game or (trees[0].game if trees else CONNECT_FOUR)
+    out = _zeros(len(trees), max([capacity, *used]), trees[0].evaluator if trees else "rollout", game)
     for b, (t, n) in enumerate(zip(trees, used)):
         for name in _NODE_FIELDS + _EDGE_FIELDS:
             getattr(out, name)[b, :n] = getattr(t, name)[0, :n]
@@ -200,7 +241,7 @@ def find_node(tree: Tree, actions: list[int]) -> int | None:
     _check_single(tree)
     node = 0
     for a in actions:
-        if not 0 <= int(a) < A:
+        if not 0 <= int(a) < tree.game.num_actions:
             return None
         child = int(tree.children[0, node, int(a)])
         if child < 0:
@@ -228,16 +269,16 @@ def reroot(tree: Tree, actions: list[int]) -> Tree | None:
     return _compact(tree, node)
 
 
-def reroot_to(tree: Tree, position: Positions) -> Tree | None:
-    """A single tree re-rooted at a node holding ``position`` (batch of 1), or
-    None if none does. Any node with that position will do: the subtree below a
+def reroot_to(tree: Tree, position) -> Tree | None:
+    """A single tree re-rooted at a node holding ``position`` (a batch of one
+    position of the tree's game, or its states uint64 [1, W]), or None if none
+    does. Any node with that position will do: the subtree below a
     position does not depend on the path to it (transpositions are separate
     nodes; the lowest slot is taken)."""
     _check_single(tree)
     n = int(tree.num_nodes[0])
-    hit = np.flatnonzero(
-        (tree.node_current[0, :n] == position.current[0]) & (tree.node_mask[0, :n] == position.mask[0])
-    )
+    state = tree.game.as_states(position)[0]
+    hit = np.flatnonzero((tree.node_state[0, :n] == state).all(axis=1))
     if hit.size == 0:
         return None
     node = int(hit[0])
@@ -259,7 +300,7 @@ def _compact(tree: Tree, node: int) -> Tree:
     order = np.concatenate(levels)
     remap = np.full(tree.capacity, -1, np.int64)
     remap[order] = np.arange(order.size)
-    out = _zeros(1, tree.capacity, tree.evaluator)
+    out = _zeros(1, tree.capacity, tree.evaluator, tree.game)
     n = order.size
     for name in _NODE_FIELDS + _EDGE_FIELDS:
         getattr(out, name)[0, :n] = getattr(tree, name)[0, order]

@@ -31,8 +31,10 @@ PACKAGE_DATA = [
     *(f"search_service/cuda/kernels/{name}" for name in ("common.cu", "search.cu", "reroot.cu")),
     "search_service/games/othello/game.yaml",
     "search_service/games/othello/rules.py",
+    "search_service/games/othello/positions.jsonl",
     "search_service/games/gomoku/game.yaml",
     "search_service/games/gomoku/rules.py",
+    "search_service/games/gomoku/positions.jsonl",
 ]
 
 # What the installed code finds through importlib.resources, printed as JSON.

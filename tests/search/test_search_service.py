@@ -34,7 +34,11 @@ def req(**kw):
 def test_list_games(stack):
     stub = stack[0]
     games = stub.ListGames(search_pb2.ListGamesRequest()).games
-    assert [(g.name, g.num_actions, g.rows, g.columns) for g in games] == [("connect4", 7, 6, 7)]
+    assert [(g.name, g.num_actions, g.rows, g.columns) for g in games] == [
+        ("connect4", 7, 6, 7), ("gomoku", 225, 15, 15), ("othello", 65, 8, 8)]
+    c4 = games[0]
+    assert list(c4.evaluators) == [search_pb2.EVALUATOR_ROLLOUT, search_pb2.EVALUATOR_VALUE_MODEL]
+    assert c4.value_model == "connect4_value" and c4.boards and c4.backend == "cpu_reference" and not c4.backend_note
 
 
 def test_search_answers_with_everything(stack):

@@ -59,7 +59,7 @@ def test_a_session_continues_for_its_own_caller(served):
     first = stub.Search(_req("44", "own-1", 300), timeout=60)
     follow = stub.Search(_req("44" + first.move + "3", "own-1"), timeout=60)
     assert follow.tree_reused and sum(follow.visit_counts) > 50
-    assert ((("uid", os.getuid()), "own-1")) in service.servicer.sessions._entries
+    assert (("uid", os.getuid()), "connect4", "own-1") in service.servicer.sessions._entries
 
 
 # The other user's client: imports grpc before it drops to uid 65534 (as tests/stack/test_peer.py),
@@ -91,7 +91,7 @@ def test_another_user_naming_a_session_neither_continues_nor_resets_it(served):
     # The other user's searches were answered, none from root's tree: the continuation started fresh, and so
     # did the reset and the batch (its own session, rooted at "11" by then, does not lead to that position).
     assert json.loads(child.stdout) == [False, False, False]
-    assert (("uid", NOBODY), "game-1") in service.servicer.sessions._entries
+    assert (("uid", NOBODY), "connect4", "game-1") in service.servicer.sessions._entries
     # The root client's tree is where it was: continued, with the visits of its first search below it.
     follow = stub.Search(_req(continued, "game-1"), timeout=60)
     assert follow.tree_reused and sum(follow.visit_counts) > 50
@@ -143,7 +143,7 @@ def test_another_connection_of_the_same_user_gets_a_fresh_tree_and_leaves_the_fi
         assert not b.Search(_req(continued, "shared-1"), timeout=60).tree_reused  # B's tree was not kept either
         follow = a.Search(_req(continued, "shared-1"), timeout=60)
         assert follow.tree_reused and sum(follow.visit_counts) > 50
-        a_peer = service.servicer.sessions._entries[(("uid", os.getuid()), "shared-1")].connection
+        a_peer = service.servicer.sessions._entries[(("uid", os.getuid()), "connect4", "shared-1")].connection
     assert closed(a_peer, service.port)
     with own_connection(address) as again:
         after = search_pb2_grpc.SearchServiceStub(again).Search(_req(continued + "4", "shared-1"), timeout=60)

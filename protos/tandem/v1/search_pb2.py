@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/search.proto\x12\ttandem.v1\"5\n\x05\x42oard\x12\x0c\n\x04rows\x18\x01 \x01(\r\x12\x0f\n\x07\x63olumns\x18\x02 \x01(\r\x12\r\n\x05\x63\x65lls\x18\x03 \x01(\x0c\"\xe7\x01\n\rSearchRequest\x12\x0c\n\x04game\x18\x01 \x01(\t\x12\r\n\x05moves\x18\x02 \x01(\t\x12\x1f\n\x05\x62oard\x18\x03 \x01(\x0b\x32\x10.tandem.v1.Board\x12\x13\n\x0bsimulations\x18\x04 \x01(\r\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x05 \x01(\x01\x12#\n\x05phase\x18\x06 \x01(\x0e\x32\x14.tandem.v1.GamePhase\x12\x12\n\nsession_id\x18\x07 \x01(\t\x12\'\n\tevaluator\x18\x08 \x01(\x0e\x32\x14.tandem.v1.Evaluator\x12\x0c\n\x04seed\x18\t \x01(\x04\"r\n\x10LatencyBreakdown\x12\x11\n\tselect_ms\x18\x01 \x01(\x01\x12\x11\n\texpand_ms\x18\x02 \x01(\x01\x12\x13\n\x0b\x65valuate_ms\x18\x03 \x01(\x01\x12\x11\n\tbackup_ms\x18\x04 \x01(\x01\x12\x10\n\x08total_ms\x18\x05 \x01(\x01\"\x86\x04\n\x0eSearchResponse\x12\x0e\n\x06\x61\x63tion\x18\x01 \x01(\x05\x12\x0c\n\x04move\x18\x02 \x01(\t\x12\x14\n\x0cvisit_counts\x18\x03 \x03(\r\x12\x10\n\x08q_values\x18\x04 \x03(\x02\x12\x12\n\nroot_value\x18\x05 \x01(\x02\x12\x1b\n\x13principal_variation\x18\x06 \x03(\x05\x12!\n\x19principal_variation_moves\x18\x07 \x01(\t\x12\x13\n\x0bsimulations\x18\x08 \x01(\x04\x12,\n\x07latency\x18\t \x01(\x0b\x32\x1b.tandem.v1.LatencyBreakdown\x12\x0f\n\x07\x62\x61\x63kend\x18\n \x01(\t\x12\'\n\tevaluator\x18\x0b \x01(\x0e\x32\x14.tandem.v1.Evaluator\x12\x11\n\tmax_depth\x18\x0c \x01(\r\x12\x12\n\ntree_nodes\x18\r \x01(\x04\x12\x13\n\x0btree_reused\x18\x0e \x01(\x08\x12\x16\n\x0epool_exhausted\x18\x0f \x01(\x08\x12\x18\n\x10\x64\x65\x61\x64line_reached\x18\x10 \x01(\x08\x12\x19\n\x11model_simulations\x18\x11 \x01(\x04\x12\x0f\n\x07handoff\x18\x12 \x01(\t\x12\x1a\n\x12\x65valuation_failure\x18\x13 \x01(\t\x12\'\n\x06proven\x18\x14 \x01(\x0e\x32\x17.tandem.v1.ProvenResult\"@\n\x12SearchBatchRequest\x12*\n\x08searches\x18\x01 \x03(\x0b\x32\x18.tandem.v1.SearchRequest\"A\n\x13SearchBatchResponse\x12*\n\x07results\x18\x01 \x03(\x0b\x32\x19.tandem.v1.SearchResponse\"\x12\n\x10ListGamesRequest\"L\n\x08GameInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0bnum_actions\x18\x02 \x01(\r\x12\x0c\n\x04rows\x18\x03 \x01(\r\x12\x0f\n\x07\x63olumns\x18\x04 \x01(\r\"7\n\x11ListGamesResponse\x12\"\n\x05games\x18\x01 \x03(\x0b\x32\x13.tandem.v1.GameInfo*f\n\tGamePhase\x12\x1a\n\x16GAME_PHASE_UNSPECIFIED\x10\x00\x12\x14\n\x10GAME_PHASE_EARLY\x10\x01\x12\x12\n\x0eGAME_PHASE_MID\x10\x02\x12\x13\n\x0fGAME_PHASE_LATE\x10\x03*t\n\x0cProvenResult\x12\x1d\n\x19PROVEN_RESULT_UNSPECIFIED\x10\x00\x12\x15\n\x11PROVEN_RESULT_WIN\x10\x01\x12\x16\n\x12PROVEN_RESULT_LOSS\x10\x02\x12\x16\n\x12PROVEN_RESULT_DRAW\x10\x03*X\n\tEvaluator\x12\x19\n\x15\x45VALUATOR_UNSPECIFIED\x10\x00\x12\x15\n\x11\x45VALUATOR_ROLLOUT\x10\x01\x12\x19\n\x15\x45VALUATOR_VALUE_MODEL\x10\x02\x32\xe4\x01\n\rSearchService\x12=\n\x06Search\x12\x18.tandem.v1.SearchRequest\x1a\x19.tandem.v1.SearchResponse\x12L\n\x0bSearchBatch\x12\x1d.tandem.v1.SearchBatchRequest\x1a\x1e.tandem.v1.SearchBatchResponse\x12\x46\n\tListGames\x12\x1b.tandem.v1.ListGamesRequest\x1a\x1c.tandem.v1.ListGamesResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/search.proto\x12\ttandem.v1\"5\n\x05\x42oard\x12\x0c\n\x04rows\x18\x01 \x01(\r\x12\x0f\n\x07\x63olumns\x18\x02 \x01(\r\x12\r\n\x05\x63\x65lls\x18\x03 \x01(\x0c\"\xe7\x01\n\rSearchRequest\x12\x0c\n\x04game\x18\x01 \x01(\t\x12\r\n\x05moves\x18\x02 \x01(\t\x12\x1f\n\x05\x62oard\x18\x03 \x01(\x0b\x32\x10.tandem.v1.Board\x12\x13\n\x0bsimulations\x18\x04 \x01(\r\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x05 \x01(\x01\x12#\n\x05phase\x18\x06 \x01(\x0e\x32\x14.tandem.v1.GamePhase\x12\x12\n\nsession_id\x18\x07 \x01(\t\x12\'\n\tevaluator\x18\x08 \x01(\x0e\x32\x14.tandem.v1.Evaluator\x12\x0c\n\x04seed\x18\t \x01(\x04\"r\n\x10LatencyBreakdown\x12\x11\n\tselect_ms\x18\x01 \x01(\x01\x12\x11\n\texpand_ms\x18\x02 \x01(\x01\x12\x13\n\x0b\x65valuate_ms\x18\x03 \x01(\x01\x12\x11\n\tbackup_ms\x18\x04 \x01(\x01\x12\x10\n\x08total_ms\x18\x05 \x01(\x01\"\x86\x04\n\x0eSearchResponse\x12\x0e\n\x06\x61\x63tion\x18\x01 \x01(\x05\x12\x0c\n\x04move\x18\x02 \x01(\t\x12\x14\n\x0cvisit_counts\x18\x03 \x03(\r\x12\x10\n\x08q_values\x18\x04 \x03(\x02\x12\x12\n\nroot_value\x18\x05 \x01(\x02\x12\x1b\n\x13principal_variation\x18\x06 \x03(\x05\x12!\n\x19principal_variation_moves\x18\x07 \x01(\t\x12\x13\n\x0bsimulations\x18\x08 \x01(\x04\x12,\n\x07latency\x18\t \x01(\x0b\x32\x1b.tandem.v1.LatencyBreakdown\x12\x0f\n\x07\x62\x61\x63kend\x18\n \x01(\t\x12\'\n\tevaluator\x18\x0b \x01(\x0e\x32\x14.tandem.v1.Evaluator\x12\x11\n\tmax_depth\x18\x0c \x01(\r\x12\x12\n\ntree_nodes\x18\r \x01(\x04\x12\x13\n\x0btree_reused\x18\x0e \x01(\x08\x12\x16\n\x0epool_exhausted\x18\x0f \x01(\x08\x12\x18\n\x10\x64\x65\x61\x64line_reached\x18\x10 \x01(\x08\x12\x19\n\x11model_simulations\x18\x11 \x01(\x04\x12\x0f\n\x07handoff\x18\x12 \x01(\t\x12\x1a\n\x12\x65valuation_failure\x18\x13 \x01(\t\x12\'\n\x06proven\x18\x14 \x01(\x0e\x32\x17.tandem.v1.ProvenResult\"@\n\x12SearchBatchRequest\x12*\n\x08searches\x18\x01 \x03(\x0b\x32\x18.tandem.v1.SearchRequest\"A\n\x13SearchBatchResponse\x12*\n\x07results\x18\x01 \x03(\x0b\x32\x19.tandem.v1.SearchResponse\"\x12\n\x10ListGamesRequest\"\xc2\x01\n\x08GameInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0bnum_actions\x18\x02 \x01(\r\x12\x0c\n\x04rows\x18\x03 \x01(\r\x12\x0f\n\x07\x63olumns\x18\x04 \x01(\r\x12(\n\nevaluators\x18\x05 \x03(\x0e\x32\x14.tandem.v1.Evaluator\x12\x13\n\x0bvalue_model\x18\x06 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x07 \x01(\t\x12\x14\n\x0c\x62\x61\x63kend_note\x18\x08 \x01(\t\x12\x0e\n\x06\x62oards\x18\t \x01(\x08\"7\n\x11ListGamesResponse\x12\"\n\x05games\x18\x01 \x03(\x0b\x32\x13.tandem.v1.GameInfo*f\n\tGamePhase\x12\x1a\n\x16GAME_PHASE_UNSPECIFIED\x10\x00\x12\x14\n\x10GAME_PHASE_EARLY\x10\x01\x12\x12\n\x0eGAME_PHASE_MID\x10\x02\x12\x13\n\x0fGAME_PHASE_LATE\x10\x03*t\n\x0cProvenResult\x12\x1d\n\x19PROVEN_RESULT_UNSPECIFIED\x10\x00\x12\x15\n\x11PROVEN_RESULT_WIN\x10\x01\x12\x16\n\x12PROVEN_RESULT_LOSS\x10\x02\x12\x16\n\x12PROVEN_RESULT_DRAW\x10\x03*X\n\tEvaluator\x12\x19\n\x15\x45VALUATOR_UNSPECIFIED\x10\x00\x12\x15\n\x11\x45VALUATOR_ROLLOUT\x10\x01\x12\x19\n\x15\x45VALUATOR_VALUE_MODEL\x10\x02\x32\xe4\x01\n\rSearchService\x12=\n\x06Search\x12\x18.tandem.v1.SearchRequest\x1a\x19.tandem.v1.SearchResponse\x12L\n\x0bSearchBatch\x12\x1d.tandem.v1.SearchBatchRequest\x1a\x1e.tandem.v1.SearchBatchResponse\x12\x46\n\tListGames\x12\x1b.tandem.v1.ListGamesRequest\x1a\x1c.tandem.v1.ListGamesResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.search_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_GAMEPHASE']._serialized_start=1251
-  _globals['_GAMEPHASE']._serialized_end=1353
-  _globals['_PROVENRESULT']._serialized_start=1355
-  _globals['_PROVENRESULT']._serialized_end=1471
-  _globals['_EVALUATOR']._serialized_start=1473
-  _globals['_EVALUATOR']._serialized_end=1561
+  _globals['_GAMEPHASE']._serialized_start=1370
+  _globals['_GAMEPHASE']._serialized_end=1472
+  _globals['_PROVENRESULT']._serialized_start=1474
+  _globals['_PROVENRESULT']._serialized_end=1590
+  _globals['_EVALUATOR']._serialized_start=1592
+  _globals['_EVALUATOR']._serialized_end=1680
   _globals['_BOARD']._serialized_start=37
   _globals['_BOARD']._serialized_end=90
   _globals['_SEARCHREQUEST']._serialized_start=93
@@ -51,10 +51,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SEARCHBATCHRESPONSE']._serialized_end=1094
   _globals['_LISTGAMESREQUEST']._serialized_start=1096
   _globals['_LISTGAMESREQUEST']._serialized_end=1114
-  _globals['_GAMEINFO']._serialized_start=1116
-  _globals['_GAMEINFO']._serialized_end=1192
-  _globals['_LISTGAMESRESPONSE']._serialized_start=1194
-  _globals['_LISTGAMESRESPONSE']._serialized_end=1249
-  _globals['_SEARCHSERVICE']._serialized_start=1564
-  _globals['_SEARCHSERVICE']._serialized_end=1792
+  _globals['_GAMEINFO']._serialized_start=1117
+  _globals['_GAMEINFO']._serialized_end=1311
+  _globals['_LISTGAMESRESPONSE']._serialized_start=1313
+  _globals['_LISTGAMESRESPONSE']._serialized_end=1368
+  _globals['_SEARCHSERVICE']._serialized_start=1683
+  _globals['_SEARCHSERVICE']._serialized_end=1911
 # @@protoc_insertion_point(module_scope)

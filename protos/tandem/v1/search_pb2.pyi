@@ -145,16 +145,26 @@ class ListGamesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GameInfo(_message.Message):
-    __slots__ = ("name", "num_actions", "rows", "columns")
+    __slots__ = ("name", "num_actions", "rows", "columns", "evaluators", "value_model", "backend", "backend_note", "boards")
     NAME_FIELD_NUMBER: _ClassVar[int]
     NUM_ACTIONS_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     COLUMNS_FIELD_NUMBER: _ClassVar[int]
+    EVALUATORS_FIELD_NUMBER: _ClassVar[int]
+    VALUE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_NOTE_FIELD_NUMBER: _ClassVar[int]
+    BOARDS_FIELD_NUMBER: _ClassVar[int]
     name: str
     num_actions: int
     rows: int
     columns: int
-    def __init__(self, name: _Optional[str] = ..., num_actions: _Optional[int] = ..., rows: _Optional[int] = ..., columns: _Optional[int] = ...) -> None: ...
+    evaluators: _containers.RepeatedScalarFieldContainer[Evaluator]
+    value_model: str
+    backend: str
+    backend_note: str
+    boards: bool
+    def __init__(self, name: _Optional[str] = ..., num_actions: _Optional[int] = ..., rows: _Optional[int] = ..., columns: _Optional[int] = ..., evaluators: _Optional[_Iterable[_Union[Evaluator, str]]] = ..., value_model: _Optional[str] = ..., backend: _Optional[str] = ..., backend_note: _Optional[str] = ..., boards: bool = ...) -> None: ...
 
 class ListGamesResponse(_message.Message):
     __slots__ = ("games",)

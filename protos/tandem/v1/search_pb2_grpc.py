@@ -55,9 +55,11 @@ class SearchServiceServicer(object):
     """Missing associated documentation comment in .proto file."""
 
     def Search(self, request, context):
-        """INVALID_ARGUMENT: a malformed or illegal move string or board, a finished
+        """INVALID_ARGUMENT: a malformed or illegal move string or board for the
+        game (the message names the game), a board for a game that takes move
+        strings only, the value model for a game without one, a finished
         position, a zero / negative / too large budget.
-        NOT_FOUND: unknown game.
+        NOT_FOUND: unknown game (ListGames lists those served).
         UNAVAILABLE: the value model is requested but the reward service is down.
         RESOURCE_EXHAUSTED: the service is at capacity (search.max_trees searches
         in flight, or its next wave is expected to take longer than this
