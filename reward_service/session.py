@@ -20,9 +20,9 @@ for who owns what, and the memory this costs).
 
 On a GPU (CUDA execution provider and CuPy) each runner has:
 
-* with ``cuda_graph``, one ONNX Runtime session, else one per batch bucket
-  (``batch_buckets``), bound to the runner's CuPy stream (of its stream
-  priority) through ``user_compute_stream``;
+* one ONNX Runtime session per batch bucket (``batch_buckets``), each bound
+  to the runner's CuPy stream (of its stream priority) through
+  ``user_compute_stream``;
 * per bucket: preallocated device input and output buffers bound once with
   IO binding, and pinned host staging buffers: request bytes are copied once
   into pinned memory, uploaded asynchronously on the runner's stream, and the
@@ -275,7 +275,7 @@ class _Slot:
     dev_in: dict
     host_out: dict
     dev_out: dict
-    session: ort.InferenceSession  # with graphs the runner's one session; else this bucket's own (one input shape)
+    session: ort.InferenceSession  # this bucket's own session: its input shapes never change
     binding: object
     run_options: ort.RunOptions
     dirty_rows: int = 0  # device input rows [0, dirty_rows) may hold an earlier batch's data
@@ -322,20 +322,14 @@ def _wait_inputs(requests, stream_ptr: int | None = None) -> None:
 
 
 class _BoundRunner:
-    """Buffers IO-bound per bucket, preallocated; with CUDA graphs one
-    session and a graph per bucket, without them one session per bucket.
+    """One session per bucket, IO-bound to preallocated buffers, optionally
+    with a CUDA graph.
 
-    Why a session per bucket without graphs: ONNX Runtime's CUDA convolutions
-    keep the cuDNN algorithm found for the input shape they saw last, and
-    search again on every change of shape (with EXHAUSTIVE: 80-185 ms per
-    switch on the H200, measured by bench/first_request.py, 2026-11-30, with
-    one session for all buckets). A session that only ever sees one shape
-    searches once, at warm-up. With graphs a bucket's run is its graph's
-    replay, which searches nothing, so the buckets share one session (run
-    option ``gpu_graph_id``: the bucket's index): each session costs about
-    0.65 s of warm-up on the H200 whatever its bucket (its cuDNN and cuBLAS
-    handles, its first runs; bench/startup.py, 2026-12-05), which a session
-    per bucket paid 14 times per runner.
+    Why a session per bucket: ONNX Runtime's CUDA convolutions keep the cuDNN
+    algorithm found for the input shape they saw last, and searched again on
+    every change of shape (with EXHAUSTIVE: 80-185 ms per switch on the H200,
+    measured by bench/first_request.py, 2026-11-30, with one session for all
+    buckets). A session that only ever sees one shape searches once, at warm-up.
 
     Not thread-safe: its buffers, IO bindings and ``dirty_rows`` belong to
     the one lane's worker thread that owns the runner (or to a benchmark with
@@ -361,17 +355,14 @@ class _BoundRunner:
         self.stream_priority = device.stream_priority
         self._inputs, self._outputs = inputs, outputs
         began = time.perf_counter()
-        if graphs:  # one session, a graph per bucket
-            sessions = [make_session()] * len(buckets)
-        else:
-            with ThreadPoolExecutor(min(len(buckets), CREATE_THREADS), thread_name_prefix="session-create") as pool:
-                sessions = list(pool.map(lambda _: make_session(), buckets))
+        with ThreadPoolExecutor(min(len(buckets), CREATE_THREADS), thread_name_prefix="session-create") as pool:
+            sessions = list(pool.map(lambda _: make_session(), buckets))
         self.create_s = time.perf_counter() - began
         self.warm_up_s: dict[int, float] = {}
-        self._slots = {b: self._bind(session, b, i) for i, (b, session) in enumerate(zip(buckets, sessions))}
+        self._slots = {b: self._bind(session, b) for b, session in zip(buckets, sessions)}
         self.session = self._slots[buckets[0]].session  # one of them, for its provider options
 
-    def _bind(self, session: ort.InferenceSession, bucket: int, graph_id: int) -> _Slot:
+    def _bind(self, session: ort.InferenceSession, bucket: int) -> _Slot:
         dev, binding = self.device, session.io_binding()
         host_in, dev_in, host_out, dev_out = {}, {}, {}, {}
         for spec in self._inputs:
@@ -385,11 +376,10 @@ class _BoundRunner:
         run_options = ort.RunOptions()
         # The output copy is queued on the same stream after the run: one sync per batch, ours.
         run_options.add_run_config_entry("disable_synchronize_execution_providers", "1")
-        # The bucket's graph in its session. Set even without graphs: ONNX Runtime's Python
-        # run_with_iobinding (1.31, 1.32) asks for it at every run, and an entry not set is a C++
-        # exception turned into RuntimeError (~96 µs of host time per run on the H200's host, 30 µs
-        # on a 2-core CPU; 0.2 µs set).
-        run_options.add_run_config_entry("gpu_graph_id", str(graph_id if self.graphs else 0))
+        # The default graph id, set: ONNX Runtime's Python run_with_iobinding (1.31, 1.32) asks for
+        # it at every run, and an entry not set is a C++ exception turned into RuntimeError
+        # (~96 µs of host time per run on the H200's host, 30 µs on a 2-core CPU; 0.2 µs set).
+        run_options.add_run_config_entry("gpu_graph_id", "0")
         return _Slot(host_in, dev_in, host_out, dev_out, session, binding, run_options)
 
     def _run_slot(self, bucket: int, rows: int, fill: Callable[[dict], None] | None,
@@ -537,7 +527,7 @@ class _SessionFactory:
     Args:
         raw: the model's ONNX bytes (in the configured precision).
         model, cfg: the model's and the reward service's configuration.
-        pool_bytes: the arena limit of each runner (bytes; 0 = no limit), split over its sessions.
+        pool_bytes: ``gpu_mem_limit`` of each CUDA session (bytes; 0 = no limit).
 
     Each method raises what ``ort.InferenceSession`` raises where the model cannot be loaded.
     """
@@ -572,15 +562,14 @@ class _SessionFactory:
         options.add_session_config_entry("session.use_env_allocators", "1")
         return ort.InferenceSession(self._raw, sess_options=options, providers=[CPU])
 
-    def cuda(self, stream_handle: str = "", graphs: bool = False, sessions: int = 1) -> ort.InferenceSession:
+    def cuda(self, stream_handle: str = "", graphs: bool = False) -> ort.InferenceSession:
         """A session on the CUDA execution provider (ONNX Runtime falls back to
         the CPU where CUDA does not load). ``stream_handle``: the address of the
         CUDA stream it runs on, in decimal (empty: ONNX Runtime's own stream);
-        ``graphs``: CUDA graph capture and replay; ``sessions``: how many
-        sessions share ``pool_bytes`` (its arena limit is their share)."""
+        ``graphs``: CUDA graph capture and replay."""
         options = {"arena_extend_strategy": "kSameAsRequested", **convolution_options(self._model, self._cfg)}
         if self.pool_bytes:
-            options["gpu_mem_limit"] = str(self.pool_bytes // sessions)
+            options["gpu_mem_limit"] = str(self.pool_bytes)
         if stream_handle:
             options["user_compute_stream"] = stream_handle
         if graphs:
@@ -613,8 +602,8 @@ class ModelSession:
     Args:
         model, cfg: the model's and the reward service's configuration.
         pool_bytes: ``gpu_mem_limit`` of each of this model's runners, split
-            evenly over the runner's sessions (one with CUDA graphs, else one
-            per bucket) (bytes; 0 = no limit); default ``cfg.memory_pool_bytes``. A model has
+            evenly over the runner's per-bucket sessions (bytes; 0 = no
+            limit); default ``cfg.memory_pool_bytes``. A model has
             :func:`runners_per_model` runners.
         host_binding: run the IO-binding path over host buffers and the CPU
             provider (tests of that path without a GPU).
@@ -791,8 +780,9 @@ class ModelSession:
         and capturable. Sets ``stream_priorities`` and the runtime notes."""
         on_gpu = self.execution_provider == CUDA
         self.buckets = tuple(b for b in model.batch_buckets if b <= self.max_batch_size) or (self.max_batch_size,)
+        factory.pool_bytes //= len(self.buckets)  # the model's share, split over its per-bucket sessions
         graphs = model.cuda_graph and on_gpu
-        graph_note = "on (one session, a graph per bucket)" if graphs else (
+        graph_note = "on (one graph per bucket: a session per bucket)" if graphs else (
             "off: not requested" if not model.cuda_graph else "off: CPU execution provider")
         bulk_devices = [_CupyDevice(cupy, p) for p in cfg.stream_priorities] if on_gpu else [_HostDevice()]
         critical_devices = []
@@ -825,8 +815,7 @@ class ModelSession:
             self.runtime["conv_bias"] = ("asked inside the convolution's kernel (fuse_conv_bias)" if model.fuse_conv_bias
                                          else "a kernel of its own")
             self.runtime["cudnn_conv_algo_search"] = cfg.cudnn_conv_algo_search
-            per_session = factory.pool_bytes // (1 if runners[-1].graphs else len(self.buckets))
-            self.runtime["gpu_mem_limit_bytes"] = str(per_session) if factory.pool_bytes else "none"  # per session
+            self.runtime["gpu_mem_limit_bytes"] = str(factory.pool_bytes) if factory.pool_bytes else "none"  # per session
 
     def _lanes_note(self, held: str, on_gpu: bool) -> str:
         if not self.critical_lane:
@@ -855,8 +844,7 @@ class ModelSession:
             except Exception as exc:  # capture needs every node on the CUDA provider
                 failure = f"off: capture failed ({str(exc).splitlines()[0][:200]})"
                 log.warning("model %s: CUDA graphs off: %s", self.name, exc)
-        make = (lambda: factory.cuda(device.stream_handle, sessions=len(self.buckets))) if device.ort_device == "cuda" \
-            else factory.cpu
+        make = (lambda: factory.cuda(device.stream_handle)) if device.ort_device == "cuda" else factory.cpu
         return _BoundRunner(make, device, self.inputs, self.outputs, self.buckets, False), failure
 
     def _log_times(self, runner, what: str) -> None:
