@@ -300,9 +300,12 @@ def _host_cpu() -> str:
 
 def versions() -> dict:
     """The software versions a result depends on (see the module docstring)."""
-    # $TANDEM_COMMIT first: the GPU machine's copy may hold an older .git than its work tree.
+    # $TANDEM_COMMIT first: the GPU machine's copy may hold an older .git than its work tree, so
+    # its `git status` is not the sender's either: $TANDEM_DIRTY (0 or 1), given with the
+    # commit by whoever sent the tree (bench/gpu_setup.sh), says whether it differed from it.
     commit = os.environ.get("TANDEM_COMMIT") or _run(["git", "rev-parse", "HEAD"]) or None
-    status = _run(["git", "status", "--porcelain"])
+    dirty = os.environ.get("TANDEM_DIRTY") if os.environ.get("TANDEM_COMMIT") else None
+    status = ("1" if dirty == "1" else "") if dirty in ("0", "1") else _run(["git", "status", "--porcelain"])
     _, driver = gpu_info()
     return {
         "python": platform.python_version(),

@@ -6,6 +6,8 @@
 #     and installed into /root/ortsite once;
 #   - the wheels carried in .whl (grpcio-health-checking, grpcio-reflection,
 #     onnxconverter-common: the machine has no registry) into /tmp/site;
+#   - TANDEM_COMMIT=<sha> TANDEM_DIRTY=0 exported by the caller when the tree sent is that commit, clean
+#     (bench/common.py versions(): the machine's own .git may be older than the tree);
 #   - the `tandem` command, as a user gets it ($TANDEM; no deps, no build isolation).
 # Prints the GPU, ONNX Runtime's providers and CuPy's version.
 W=/root/onnxruntime_gpu-1.31.1-cp312-cp312-manylinux_2_28_x86_64.whl  # pip needs a valid wheel name

@@ -52,10 +52,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -77,9 +75,6 @@ log = logging.getLogger(__name__)
 CUDA = "CUDAExecutionProvider"
 CPU = "CPUExecutionProvider"
 WARM_UP_RUNS = 3  # per bucket: a regular run (allocations), the capture, one replay
-# Sessions of one runner created at once (threads); creation is mostly ONNX Runtime's graph
-# optimisation, which runs without the GIL.
-CREATE_THREADS = max(1, min(8, os.cpu_count() or 1))
 CPU_WARM_ROWS = 16  # the CPU path warms every batch size up to this (a frame's critical requests: 1-16 images)
 
 
@@ -330,23 +325,22 @@ class _BoundRunner:
     every change of shape (with EXHAUSTIVE: 80-185 ms per switch on the H200,
     measured by bench/first_request.py, 2026-11-30, with one session for all
     buckets). A session that only ever sees one shape searches once, at warm-up.
+    That warm-up is most of a start-up: about 0.65 s a bucket on the H200
+    (connect4_value, EXHAUSTIVE), whatever the bucket's size, so 3 runners x 14
+    buckets take ~30 s (bench/startup.py). One session per runner with a graph
+    per bucket took longer, 0.85-1.2 s a bucket, paid again by each lane's
+    warm-up (docs/decisions/0011-start-up.md).
 
     Not thread-safe: its buffers, IO bindings and ``dirty_rows`` belong to
     the one lane's worker thread that owns the runner (or to a benchmark with
     no batcher), one batch at a time; no other thread ever runs it.
 
-    The sessions are created on up to CREATE_THREADS threads at once: ONNX
-    Runtime releases the GIL while it loads and optimises a model, and
-    creation does no GPU work that a capture could see (the warm-ups, which
-    do, run later on one thread: :meth:`warm_up`).
-
     Attributes:
-        create_s: seconds the sessions' creation took (wall clock, all buckets).
+        create_s: seconds the sessions' creation and binding took (wall clock, all buckets).
         warm_up_s: seconds of each bucket's last warm-up ({bucket: s}).
 
     Args:
-        make_session: returns a fresh session (on ``device``'s stream), one per
-            bucket; called from several threads at once.
+        make_session: returns a fresh session (on ``device``'s stream), one per bucket.
     """
 
     def __init__(self, make_session: Callable[[], ort.InferenceSession], device, inputs: tuple[Spec, ...],
@@ -355,11 +349,9 @@ class _BoundRunner:
         self.stream_priority = device.stream_priority
         self._inputs, self._outputs = inputs, outputs
         began = time.perf_counter()
-        with ThreadPoolExecutor(min(len(buckets), CREATE_THREADS), thread_name_prefix="session-create") as pool:
-            sessions = list(pool.map(lambda _: make_session(), buckets))
+        self._slots = {b: self._bind(make_session(), b) for b in buckets}
         self.create_s = time.perf_counter() - began
         self.warm_up_s: dict[int, float] = {}
-        self._slots = {b: self._bind(session, b) for b, session in zip(buckets, sessions)}
         self.session = self._slots[buckets[0]].session  # one of them, for its provider options
 
     def _bind(self, session: ort.InferenceSession, bucket: int) -> _Slot:
