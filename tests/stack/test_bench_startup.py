@@ -49,3 +49,12 @@ def test_the_callers_commit_and_tree_state_win_over_the_machines_git(monkeypatch
     monkeypatch.setenv("TANDEM_DIRTY", dirty)
     v = common.versions()
     assert v["tandem_commit"] == "0" * 40 and v["tandem_dirty"] is expected
+
+
+def test_profile_shares_count_a_function_once_per_sample_however_deep(tmp_path):
+    from bench.profile_summary import shares
+
+    raw = tmp_path / "p.raw"
+    raw.write_text("main (a.py:1);f (a.py:2);f (a.py:2) 3\nmain (a.py:1);g (a.py:3) 1\n")
+    total, rows = shares(raw)
+    assert total == 4 and dict(rows) == {"main (a.py:1)": 1.0, "f (a.py:2)": 0.75, "g (a.py:3)": 0.25}
