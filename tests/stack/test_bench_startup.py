@@ -5,21 +5,15 @@ commit and tree state as the GPU machine's caller gives them."""
 from __future__ import annotations
 
 import pytest
-import yaml
-from conftest import free_port
+from conftest import cpu_config_file
 
 from bench import common, startup
-from tandem.config import loopback_data
 
 pytestmark = pytest.mark.slow
 
 
 def test_startup_rows_name_every_server_and_the_phases_of_a_restart(tmp_path):
-    data = loopback_data(free_port)
-    data["reward"]["execution_provider"] = "cpu"
-    data["search"]["backend"] = "cpu"
-    config = tmp_path / "startup.yaml"
-    config.write_text(yaml.safe_dump(data))
+    config = cpu_config_file(tmp_path / "startup.yaml")
     rows = startup.run(str(config), ["reward"], timeout_s=60.0)
     cold = {r["server"]: r for r in rows if r["event"] == "cold"}
     assert set(cold) == {"scheduler", "reward", "reward_bulk", "search"}
