@@ -460,7 +460,7 @@ def test_serve_stops_on_sigterm_without_waiting_for_open_watch_streams(tmp_path)
             proc.wait()
     output = log_path.read_text()
     assert any(words in output for words in ("are not enforced across processes", "act across processes",
-                                             "stream priorities and MPS do not apply"))
+                                             "stream priorities and MPS: not applicable without a GPU"))
 
 
 # -- client library --------------------------------------------------------------------------------------
