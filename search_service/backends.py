@@ -20,10 +20,10 @@ def cuda_available() -> str | None:
     """None if the CUDA backend can run here, else the reason it cannot."""
     if importlib.util.find_spec(CUDA_MODULE) is None:
         return "this build has no CUDA search backend"
+    if cuda_device_count() == 0:  # before CuPy: on a CPU host, installing CuPy is no fix
+        return "no CUDA GPU is visible"
     if importlib.util.find_spec("cupy") is None:
         return "CuPy is not installed (pip install 'tandem[gpu]')"
-    if cuda_device_count() == 0:
-        return "no CUDA GPU is visible"
     return None
 
 
@@ -42,7 +42,8 @@ def make_backend(choice: str, rollout_slice_ms: float | None = None, **cuda_opti
             return importlib.import_module(CUDA_MODULE).CudaBackend(rollout_slice_ms=rollout_slice_ms, **cuda_options)
         if choice == "cuda":
             raise RuntimeError(f"search.backend is 'cuda' but {reason}")
-        log.warning("search backend: CPU reference (%s)", reason)
+        # Expected on a CPU host (INFO); on a GPU host, a GPU left idle (WARNING).
+        (log.warning if cuda_device_count() else log.info)("search backend: CPU reference (%s)", reason)
     from search_service.mcts.cpu_reference import CpuReferenceBackend
 
     return CpuReferenceBackend(rollout_slice_ms)

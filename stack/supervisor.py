@@ -169,7 +169,8 @@ class Stack:
         busy = [f"{name}: {addr}" for name, addr in self._ports() if not can_bind(addr)]
         if busy:
             raise RuntimeError(f"already in use (is another tandem up running?): {', '.join(busy)}; to run beside "
-                               f"it, give a config with other addresses: --config PATH (make demo CONFIG=PATH)")
+                               f"it, give a config with other addresses and metrics ports (each server's `address` "
+                               f"and `metrics_port` keys): --config PATH (make demo CONFIG=PATH)")
         try:
             addresses = self.addresses()
             for step in self.start_steps():

@@ -159,7 +159,8 @@ def test_up_refuses_ports_already_in_use(config_file):
         result = _tandem("up", "--config", str(config_file))
     assert result.returncode == 1
     assert f"already in use (is another tandem up running?): reward.address: {cfg.reward.address}" in result.stderr
-    assert "give a config with other addresses: --config PATH (make demo CONFIG=PATH)" in result.stderr
+    assert ("give a config with other addresses and metrics ports (each server's `address` and `metrics_port` "
+            "keys): --config PATH (make demo CONFIG=PATH)") in result.stderr
 
 
 def test_health_command(config_file):
