@@ -9,7 +9,7 @@
 # profile's top functions (bench/profile_summary.py) and each N's missed frames, last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-source bench/gpu_setup.sh > /dev/null
+[ -n "${NO_GPU_SETUP:-}" ] || source bench/gpu_setup.sh > /dev/null  # NO_GPU_SETUP=1: a machine set up already (a CPU smoke run)
 PYSPY=${PYSPY:-$PWD/.venv/bin/py-spy}
 D=${OUT:-/tmp}/profile
 mkdir -p "$D"
