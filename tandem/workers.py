@@ -38,7 +38,7 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from tandem.config import TandemConfig
@@ -121,8 +121,8 @@ class Restarts:
     ``MAX_DELAY_S``; a run of ``WINDOW_S`` or more ends the series. Not
     thread-safe: the watch thread's alone."""
 
-    started: dict[int, float]  # worker index -> when its running process started
-    in_a_row: dict[int, int]
+    started: dict[int, float] = field(default_factory=dict)  # worker index -> when its running process started
+    in_a_row: dict[int, int] = field(default_factory=dict)  # worker index -> its deaths in a row
 
     def died(self, index: int, now: float) -> float | None:
         """The delay (s) before worker ``index`` starts again, or None: it
@@ -150,7 +150,7 @@ class Workers:
         self._ctx = multiprocessing.get_context("spawn")
         self._target, self._args = target, args
         self._stopping = threading.Event()
-        self._restarts = Restarts({}, {})
+        self._restarts = Restarts()
         self.ready = [self._ctx.Event() for _ in range(count)]
         self.procs = [self._process(i) for i in range(1, count + 1)]
 
