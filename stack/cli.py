@@ -28,6 +28,7 @@ import grpc
 
 from stack import interrupt
 from tandem.config import BULK_SERVER, ConfigError, TandemConfig, endpoints, load_config
+from tandem.engine_client import address_type
 
 SERVE = {  # tandem serve NAME -> (module, its function that serves until SIGINT/SIGTERM)
     "scheduler": ("scheduler.main", "serve"),
@@ -212,17 +213,6 @@ def _number(kind: type, low: float, strict: bool = True):
     return parse
 
 
-def _address(service: str, default: str):
-    """An argparse type: HOST:PORT (``default``: the bundled config's address of ``service``, for the message)."""
-    def parse(text: str) -> str:
-        host, _, port = text.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise argparse.ArgumentTypeError(f"the address needs HOST:PORT (the {service}'s default: {default}), "
-                                             f"got {text[:200]!r}")
-        return text
-    return parse
-
-
 def _position_set(text: str) -> str:
     """An argparse type: a bundled position set's name or a readable JSONL file of labelled positions."""
     from tandem.positions import PONS_DIR, load_set
@@ -340,9 +330,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--service", default="", help="service name (default: the whole server)")
     p.add_argument("--timeout-s", type=_number(float, 0), default=2.0, help="seconds to wait for the answer (default 2)")
     p = command("play", cmd_play, "the sample game engine, against a running stack")
-    p.add_argument("--search", type=_address("search service", "127.0.0.1:50052"),
+    p.add_argument("--search", type=address_type("search service", "127.0.0.1:50052"),
                    help="search service HOST:PORT (default: the config's search.address)")
-    p.add_argument("--reward", type=_address("reward service", "127.0.0.1:50051"),
+    p.add_argument("--reward", type=address_type("reward service", "127.0.0.1:50051"),
                    help="reward service HOST:PORT (default: the config's reward.address)")
     _add_play_args(p)
     p = command("demo", cmd_demo, "up, play on the bundled positions, report, stop")

@@ -261,13 +261,17 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
-def _address(text: str) -> str:
-    """An argparse type: HOST:PORT."""
-    host, _, port = text.rpartition(":")
-    if not host or not port.isdigit():
-        raise argparse.ArgumentTypeError(f"the address needs HOST:PORT (the search service's default: "
-                                         f"{DEFAULT_SEARCH_ADDRESS}), got {text!r}")
-    return text
+def address_type(service: str, default: str):
+    """An argparse type: HOST:PORT, a port in 1..65535 (``default``: ``service``'s
+    address in the bundled config, for the message). The `tandem` commands take
+    addresses through it too."""
+    def parse(text: str) -> str:
+        host, _, port = text.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise argparse.ArgumentTypeError(f"the address needs HOST:PORT (the {service}'s default: {default}), "
+                                             f"got {text[:200]!r}")
+        return text
+    return parse
 
 
 def _positive(kind: type):
@@ -287,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     it for a move (the search's deadline: 80 % of the frame) and prints, at the
     end, how many frames fell back to the engine's own move."""
     p = _Parser(prog="python -m tandem.engine_client", description=main.__doc__)
-    p.add_argument("--search", required=True, type=_address,
+    p.add_argument("--search", required=True, type=address_type("search service", DEFAULT_SEARCH_ADDRESS),
                    help=f"search service HOST:PORT (tandem up's default: {DEFAULT_SEARCH_ADDRESS})")
     p.add_argument("--game", default="connect4", help="a game the search service serves (ListGames; default connect4)")
     p.add_argument("--frames", type=_positive(int), default=30, help="frames to play, one Search each (default 30)")
