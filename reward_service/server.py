@@ -28,7 +28,7 @@ from tandem.startup import Phases
 from tandem.workers import WorkerPlace
 from tandem.config import SharedMemoryConfig, TandemConfig
 from tandem.errors import quote
-from tandem.gpu import cuda_device_count
+from tandem.gpu import cuda_device_count, host_fact
 from tandem.leaf_channel import RUNTIME_KEY as LEAF_CHANNEL_KEY
 from tandem.service import Service, start_service
 
@@ -457,9 +457,7 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True, bulk_server: bool = 
             sessions[m.name] = ModelSession(m, cfg.reward, pool_bytes=per_runner, warm=False,
                                             critical_lane=critical_lane)
     providers = sorted({s.execution_provider for s in sessions.values()})
-    # What runs where: WARNING on a GPU host (worth seeing at a glance), INFO on a CPU host,
-    # where the CPU provider and its GPU features off are what is expected.
-    fact = log.warning if cuda_device_count() else log.info
+    fact = host_fact(log)
     fact("reward service: execution provider(s) in use: %s", ", ".join(providers))
     for s in sessions.values():
         off = {k: v for k, v in s.runtime.items() if v.startswith("off")}

@@ -9,7 +9,7 @@ import logging
 import threading
 
 from search_service.mcts.games import ConnectFourSearch, SearchGame
-from tandem.gpu import cuda_device_count
+from tandem.gpu import cuda_device_count, host_fact
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +42,7 @@ def make_backend(choice: str, rollout_slice_ms: float | None = None, **cuda_opti
             return importlib.import_module(CUDA_MODULE).CudaBackend(rollout_slice_ms=rollout_slice_ms, **cuda_options)
         if choice == "cuda":
             raise RuntimeError(f"search.backend is 'cuda' but {reason}")
-        # Expected on a CPU host (INFO); on a GPU host, a GPU left idle (WARNING).
-        (log.warning if cuda_device_count() else log.info)("search backend: CPU reference (%s)", reason)
+        host_fact(log)("search backend: CPU reference (%s)", reason)
     from search_service.mcts.cpu_reference import CpuReferenceBackend
 
     return CpuReferenceBackend(rollout_slice_ms)

@@ -45,7 +45,7 @@ from tandem import pools, workers
 from tandem.workers import WorkerPlace
 from tandem.config import TandemConfig
 from tandem.errors import quote
-from tandem.gpu import cuda_device_count, cupy_module
+from tandem.gpu import cupy_module, host_fact
 from tandem.server import LATENCY_BUCKETS_S, channel
 from tandem.service import Service, start_service
 from tandem.startup import Phases
@@ -499,9 +499,7 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True, place: WorkerPlace =
     with phases.phase(f"search backend {cfg.search.backend}"):
         backend = make_backend(cfg.search.backend, cfg.search.rollout_slice_ms or None,
                                value_sims_per_warp=cfg.search.value_model_sims_per_warp)
-    # What runs where: WARNING on a GPU host (worth seeing at a glance), INFO on a CPU host,
-    # where the CPU reference and rollouts are what is expected.
-    fact = log.warning if cuda_device_count() else log.info
+    fact = host_fact(log)
     fact("search service: backend %s, default evaluator %s (search.evaluator: %s)", backend.name,
          default_evaluator(cfg.search.evaluator, backend.name), cfg.search.evaluator)
     # Streams and the pool limit only where the backend launches CUDA kernels.
