@@ -18,7 +18,7 @@ case "${1:-curve}" in
            --contended 0 --policies default --out "$OUTDIR/curve" ;;
   contended) python3 -m bench.engines --engines "" --evaluators value_model --batch "" --contended 64 \
            --policies default,dynamic,static --out "$OUTDIR/contended" ;;
-  workers) python3 -m bench.search_calls --backend cuda --workers 1,2,4,8 --clients 16 --out "$OUTDIR"
+  workers) python3 -m bench.calls --service search,reward --backend cuda --provider auto --workers 1,2,4,8 --clients 16 --out "$OUTDIR"
            python3 -m bench.engines --engines 8,32,64 --evaluators rollout,value_model --batch "" --contended 0 \
              --policies default --search-workers "${WORKERS:-4}" --reward-workers "${REWARD_WORKERS:-${WORKERS:-4}}" \
              --out "$OUTDIR/workers" ;;
