@@ -30,7 +30,6 @@ from __future__ import annotations
 import json
 import platform
 import random
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,7 +42,7 @@ from stack.stats import percentiles, summary
 from search_service.games import connect4
 from search_service.games.metadata import GameError, read_metadata
 from search_service.games.positions import read_positions
-from tandem import nvml, tensors
+from tandem import provenance, tensors
 from tandem.config import resolve_path
 from tandem.positions import DEFAULT_SETS, LabelledPosition
 
@@ -247,6 +246,8 @@ def _report(opts: PlayOptions, t: _Tally, reward_execution_provider: str) -> dic
     answered = len(t.frame_ms)
     solver = opts.game == connect4.NAME  # its sets carry the solver's labels; another game's set does not
     return {
+        **provenance.record(),  # date, gpu, versions (commit, clean tree), command: the run's provenance first
+        "host": platform.node(),
         "game": opts.game,
         "solver": solver,
         "frames": t.played,
@@ -281,9 +282,6 @@ def _report(opts: PlayOptions, t: _Tally, reward_execution_provider: str) -> dic
             "evaluate_by_standby": t.by_standby,
             "reward_execution_provider": reward_execution_provider,
         },
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "gpu": nvml.name(),  # this host's GPU 0 (the engine's; the services' where they share it), None: none
-        "host": platform.node(),
     }
 
 
