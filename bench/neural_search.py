@@ -108,6 +108,7 @@ from scheduler import mps
 from stack.stats import percentiles
 from tandem import outputs_gate, timeline
 from tandem.config import load_config
+from tandem.deadline import Deadline
 from tandem.device import mps_client_env, mps_directories
 
 BENCHMARK = "neural_search"
@@ -257,7 +258,7 @@ def quality(backend, evaluator, set_name: str, limit: int, name: str, wave: int,
 
     def search(root, seed: int):
         # Bound the model calls by the search's deadline, and lend device waves, as the search server does.
-        deadline = time.monotonic() + budget_ms / 1e3
+        deadline = Deadline.after_ms(budget_ms)
         leaf = model.until(deadline) if model is not None else None
         with lend(deadline) if lend else contextlib.nullcontext() as waves:
             kw = {"device_waves": waves} if waves is not None else {}

@@ -72,6 +72,7 @@ from reward_service.refusal import Refusal, refusal_for
 from reward_service.session import READY_WAIT_S, ModelSession
 from tandem import tensors, timeline
 from tandem.cuda_events import LocalEvent
+from tandem.deadline import Deadline
 from tandem.errors import quote
 from tandem.gpu import cupy_module
 from tandem.leaf_channel import LeafChannelError
@@ -215,10 +216,10 @@ class Port:
     def close(self) -> None:
         """Nothing to release but memory, freed with the port (as a leaf channel's close)."""
 
-    def evaluate(self, inputs: np.ndarray, deadline: float | None = None) -> dict[str, np.ndarray]:
+    def evaluate(self, inputs: np.ndarray, deadline: Deadline | None = None) -> dict[str, np.ndarray]:
         """One host wave: ``inputs`` (``[N, *input_row]`` of ``input_dtype``,
         1 <= N <= max_rows) through the model, by ``deadline``
-        (``time.monotonic()`` s; None: none). Returns name -> float32
+        (None: none). Returns name -> float32
         ``[N, *row]`` (arrays of their own).
 
         Raises:
@@ -248,7 +249,7 @@ class Port:
         # A copy: a run given up at its deadline may still read it after the caller has moved on.
         return np.array(inputs, order="C")
 
-    def evaluate_device(self, rows: int, deadline: float | None = None) -> dict:
+    def evaluate_device(self, rows: int, deadline: Deadline | None = None) -> dict:
         """One device wave: rows ``[0, rows)`` of :attr:`inputs`, written by
         kernels queued on the current CUDA stream. Returns :attr:`outputs`
         (rows ``[0, rows)`` this wave's, valid until the next wave); the
@@ -296,7 +297,7 @@ class Port:
         self._server.metrics.failed(self.model, CRITICAL_LANE, "invalid_input", 0.0)
         return LeafChannelError(grpc.StatusCode.INVALID_ARGUMENT, message)
 
-    def drive(self, steps, deadline: float | None = None):
+    def drive(self, steps, deadline: Deadline | None = None):
         """Runs the generator ``steps`` on the model's critical-lane worker
         thread (Batcher.drive) and returns what it returns: no thread hop
         per wave, one for the whole loop. Each item it yields is one wave: an
@@ -305,7 +306,7 @@ class Port:
         generator also runs there), or an array, a host wave as
         :meth:`evaluate` takes it. The wave runs in the lane's next batch,
         merged with the other driven waves and the queued critical requests,
-        by ``deadline`` (``time.monotonic()`` s; None: none); what
+        by ``deadline`` (None: none); what
         :meth:`evaluate_device` or :meth:`evaluate` would return is sent
         back, or the LeafChannelError it would raise is thrown in. A device
         wave's ``ready`` event is waited for on the GPU (no host wait for the
@@ -350,7 +351,7 @@ class Port:
             stream = self._streams[key] = self._cupy.cuda.Stream(non_blocking=key[1], priority=key[0])
         return stream
 
-    def _wave(self, feeds: dict, targets: dict | None, rows: int, deadline: float | None):
+    def _wave(self, feeds: dict, targets: dict | None, rows: int, deadline: Deadline | None):
         """Runs one wave in the critical lane and records its figures; returns
         host outputs (a host wave) or None (a device wave: in its targets)."""
         start = self._begin()
@@ -408,7 +409,7 @@ class Port:
         self._server.metrics.failed(self.model, CRITICAL_LANE, refused.reason, time.perf_counter() - start)
         return LeafChannelError(refused.code, refused.message)
 
-    def _run(self, feeds: dict, targets: dict | None, rows: int, deadline: float | None):
+    def _run(self, feeds: dict, targets: dict | None, rows: int, deadline: Deadline | None):
         """Submits the wave and waits for it until ``deadline`` (a running one
         ``LATE_GRACE_S`` more); returns the done request.
 
@@ -423,7 +424,7 @@ class Port:
         batcher = self._server.batchers[self.model]
         req = batcher.submit(feeds, rows, CRITICAL, deadline, self._names, targets, None,
                              self._events if targets is not None else None)
-        if not req.wait(None if deadline is None else max(deadline - time.monotonic(), 0.0)):
+        if not req.wait(None if deadline is None else deadline.wait_s()):
             if batcher.cancel(req):
                 raise DeadlineExceeded("deadline passed before the run")
             if not req.wait(LATE_GRACE_S):
@@ -435,7 +436,7 @@ class Port:
         req.result()
         return req
 
-    def _wait_late(self, deadline: float | None) -> None:
+    def _wait_late(self, deadline: Deadline | None) -> None:
         """Waits (until ``deadline``) for a device wave given up at its deadline
         while it ran: its copies read and write this port's buffers.
 
@@ -445,7 +446,7 @@ class Port:
         late = self._late
         if late is None:
             return
-        if not late.wait(None if deadline is None else max(deadline - time.monotonic(), 0.0)):
+        if not late.wait(None if deadline is None else deadline.wait_s()):
             raise Refusal(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline_exceeded",
                           f"model {self.model!r}: the port's previous wave, given up at its deadline, still runs")
         self._late = None
@@ -457,7 +458,7 @@ class _Driven:
     written before ``finished`` is set, once the generator has returned or
     raised."""
 
-    def __init__(self, port: Port, steps, deadline: float | None, stream):
+    def __init__(self, port: Port, steps, deadline: Deadline | None, stream):
         self._port, self._steps, self._deadline, self._stream = port, steps, deadline, stream
         self._wave: tuple[int, dict | None, float] | None = None  # rows, targets, start of the wave in flight
         self.finished = threading.Event()

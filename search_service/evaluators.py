@@ -36,6 +36,7 @@ from tandem.v1 import reward_pb2, reward_pb2_grpc
 from search_service.games.connect4 import COLUMNS, NUM_ACTIONS, ROWS
 from search_service.mcts.backend import DETACH, EvaluationFailed, advance, drive
 from tandem import in_process, tensors, timeline
+from tandem.deadline import Deadline, within_s
 from tandem.in_process import HANDOFF_IN_PROCESS
 from tandem.leaf_channel import LeafChannel, LeafChannelError
 
@@ -99,13 +100,13 @@ class RewardServiceEvaluator:
         self._input = meta.inputs[0].name
         self._has_policy = any(o.name == "policy_logits" for o in meta.outputs)
 
-    def until(self, deadline: float | None):
+    def until(self, deadline: Deadline | None):
         """This evaluator as a LeafEvaluator whose calls end by ``deadline``
-        (``time.monotonic()`` seconds; None: only ``timeout_s``), so a slow
-        reward service cannot hold a search past its own deadline."""
+        (None: only ``timeout_s``), so a slow reward service cannot hold a
+        search past its own deadline."""
         return lambda observations: self(observations, deadline)
 
-    def __call__(self, observations: np.ndarray, deadline: float | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+    def __call__(self, observations: np.ndarray, deadline: Deadline | None = None) -> tuple[np.ndarray, np.ndarray | None]:
         """Values float32 [N] (side to move's view) and priors float32 [N, A] or None.
 
         Raises:
@@ -115,7 +116,7 @@ class RewardServiceEvaluator:
         start = time.perf_counter()
         timeout = self.timeout_s
         if deadline is not None:
-            timeout = max(min(timeout, deadline - time.monotonic()), 1e-3)
+            timeout = max(min(timeout, deadline.left_s()), 1e-3)
         try:
             if self._input is None:
                 self._metadata(timeout)
@@ -166,7 +167,7 @@ class LeafChannelEvaluator:
         self.channel, self.timeout_s, self.handoff = channel, timeout_s, handoff
         self.totals = CallTotals()
 
-    def __call__(self, observations: np.ndarray, deadline: float | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+    def __call__(self, observations: np.ndarray, deadline: Deadline | None = None) -> tuple[np.ndarray, np.ndarray | None]:
         """As :meth:`RewardServiceEvaluator.__call__`.
 
         Raises:
@@ -175,7 +176,7 @@ class LeafChannelEvaluator:
         """
         return values_and_priors(self.wave(self.channel.evaluate, observations, len(observations), deadline))
 
-    def wave(self, send, inputs, rows: int, deadline: float | None) -> dict:
+    def wave(self, send, inputs, rows: int, deadline: Deadline | None) -> dict:
         """``send(inputs, deadline)`` -- one of the channel's wave calls -- bound
         by ``deadline`` and at most ``timeout_s`` (as over gRPC: a reward service
         that hangs must not hold the search), counted in :attr:`totals`.
@@ -191,10 +192,9 @@ class LeafChannelEvaluator:
         self.answered(rows, start)
         return outputs
 
-    def limit(self, deadline: float | None) -> float:
-        """A wave's limit (time.monotonic() s): ``deadline``, at most ``timeout_s`` from now."""
-        cap = time.monotonic() + self.timeout_s
-        return cap if deadline is None else min(deadline, cap)
+    def limit(self, deadline: Deadline | None) -> Deadline:
+        """A wave's limit: ``deadline``, at most ``timeout_s`` from now."""
+        return within_s(deadline, self.timeout_s)
 
     def unavailable(self, exc: LeafChannelError) -> EvaluatorUnavailable:
         """A wave's failure as the search sees it."""
@@ -211,8 +211,8 @@ class DeviceWaves:
     a reward service in this process, lent to one search call: the CUDA
     backend's device path (``CudaBackend.search(device_waves=)``).
     :attr:`handoff` says which (``ipc`` or ``in_process``).
-    Its calls end by ``deadline`` (``time.monotonic()`` s, or None), and at
-    most ``timeout_s`` after they start, as :class:`LeafChannelEvaluator`'s.
+    Its calls end by ``deadline`` (or None: no deadline), and at most
+    ``timeout_s`` after they start, as :class:`LeafChannelEvaluator`'s.
 
     Attributes:
         inputs: the input region, CuPy uint8 ``[max_rows, 2, 6, 7]``: the
@@ -220,7 +220,7 @@ class DeviceWaves:
         max_rows: the most rows one wave may carry.
     """
 
-    def __init__(self, evaluator: LeafChannelEvaluator, deadline: float | None, driven: bool = True):
+    def __init__(self, evaluator: LeafChannelEvaluator, deadline: Deadline | None, driven: bool = True):
         self._ev, self.deadline = evaluator, deadline
         self.handoff = evaluator.handoff  # ipc or in_process
         self.max_rows = evaluator.channel.max_rows
@@ -463,11 +463,11 @@ class HandoffEvaluator:
         self.handoff = HANDOFF_IPC if mode == HANDOFF_IPC else HANDOFF_GRPC
         self.why_grpc = "" if mode != HANDOFF_GRPC else "search.handoff: grpc"  # why the last call used gRPC
 
-    def until(self, deadline: float | None):
-        """This evaluator with its calls bound by ``deadline`` (time.monotonic() s)."""
+    def until(self, deadline: Deadline | None):
+        """This evaluator with its calls bound by ``deadline`` (None: only ``timeout_s``)."""
         return lambda observations: self(observations, deadline)
 
-    def __call__(self, observations: np.ndarray, deadline: float | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+    def __call__(self, observations: np.ndarray, deadline: Deadline | None = None) -> tuple[np.ndarray, np.ndarray | None]:
         """As :meth:`RewardServiceEvaluator.__call__`.
 
         Raises:
@@ -578,9 +578,9 @@ class HandoffEvaluator:
                 self._top_up()
 
     @contextlib.contextmanager
-    def lend(self, deadline: float | None):
+    def lend(self, deadline: Deadline | None):
         """A :class:`DeviceWaves` over a free device channel for one search
-        call whose calls end by ``deadline`` (time.monotonic() s), given back
+        call whose calls end by ``deadline`` (None: none), given back
         when the block ends; None when none is free (the search goes the host
         way, through the dispatcher): none attached yet (an attach is started),
         all lent, or the reward service offers none with CUDA regions."""

@@ -19,7 +19,8 @@ service's object is passed, never imported):
   :class:`tandem.leaf_channel.LeafChannelError` (NOT_FOUND: no such model;
   INVALID_ARGUMENT: ``max_rows`` not an integer >= 1; FAILED_PRECONDITION: a
   model whose signature does not fit; UNAVAILABLE: the reward service stopped).
-* ``port.evaluate(inputs, deadline) -> {output name: ndarray}``: one host wave.
+* ``port.evaluate(inputs, deadline) -> {output name: ndarray}``: one host wave
+  (``deadline``: a :class:`tandem.deadline.Deadline`, or None).
 * ``port.evaluate_device(rows, deadline) -> {output name: CuPy view}``: one
   device wave whose rows ``[0, rows)`` of ``port.inputs`` were written by
   kernels queued on the caller's current CUDA stream; on return that stream

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import time
 
 import numpy as np
 import pytest
@@ -21,6 +20,7 @@ from search_service.games import connect4 as c4
 from tandem import timeline
 from tandem.leaf_channel import LeafChannel
 from tandem.server import channel
+from tandem.deadline import Deadline
 
 MODEL = "connect4_value"
 
@@ -49,7 +49,7 @@ def test_a_wave_leaves_its_marks_in_the_order_it_goes(enabled):
             lc = LeafChannel.offered(reward_pb2_grpc.RewardServiceStub(ch), MODEL, 16, 30)
             try:
                 timeline.take()  # the attach's
-                lc.evaluate(c4.observation(c4.stack([c4.parse_moves("44")] * 3)), time.monotonic() + 30)
+                lc.evaluate(c4.observation(c4.stack([c4.parse_moves("44")] * 3)), Deadline.after_s(30))
             finally:
                 lc.close()
     finally:

@@ -10,7 +10,6 @@ thread. A CUDA search driven so: test_in_process_gpu.py."""
 from __future__ import annotations
 
 import threading
-import time
 
 import grpc
 import numpy as np
@@ -25,6 +24,7 @@ from search_service.games import connect4 as c4
 from search_service.mcts.backend import DETACH, EvaluationFailed
 from tandem import in_process
 from tandem.leaf_channel import LeafChannelError
+from tandem.deadline import Deadline
 
 MODEL = "connect4_value"
 WORKER = f"batcher-{MODEL}-critical"  # the critical lane's worker thread (Batcher's name for it)
@@ -70,7 +70,7 @@ def test_a_driven_caller_runs_on_the_critical_worker_and_gets_evaluates_answers(
     want = [port.evaluate(x), port.evaluate(y)]
     requests, successes = figure("tandem_reward_model_requests_total"), figure("tandem_reward_model_request_successes_total")
     log = []
-    got = port.drive(waves_of(x, y, log=log), time.monotonic() + 30)
+    got = port.drive(waves_of(x, y, log=log), Deadline.after_s(30))
     assert log == [WORKER, WORKER] and threading.current_thread().name != WORKER
     for answer, expected in zip(got, want):
         assert set(answer) == {"value", "policy_logits"}
@@ -100,11 +100,11 @@ def test_two_driven_callers_waves_share_one_batch(server):
     got = [None, None]
     batcher._run = spy
     try:
-        held = threading.Thread(target=lambda: blocker.evaluate(marker, time.monotonic() + 30))
+        held = threading.Thread(target=lambda: blocker.evaluate(marker, Deadline.after_s(30)))
         held.start()
         assert holding.wait(30)
         callers = [threading.Thread(target=lambda i=i: got.__setitem__(
-            i, ports[i].drive(waves_of(boards("4"), boards("44")), time.monotonic() + 30))) for i in range(2)]
+            i, ports[i].drive(waves_of(boards("4"), boards("44")), Deadline.after_s(30)))) for i in range(2)]
         for t in callers:
             t.start()
         assert wait_for(lambda: len(batcher._lanes[reward_pb2.REQUEST_CLASS_CRITICAL].drivers) == 2, 10)
@@ -124,12 +124,12 @@ def test_a_bad_or_late_driven_wave_is_thrown_back_counted_and_the_caller_goes_on
     invalid = figure("tandem_reward_model_request_failures_total", reason="invalid_input")
     late = figure("tandem_reward_model_request_failures_total", reason="deadline_exceeded")
     answers = port.drive(waves_of(np.full((1, 2, 6, 7), 0.7), np.zeros((5, 2, 6, 7), np.uint8), 3, boards("4")),
-                         time.monotonic() + 30)
+                         Deadline.after_s(30))
     codes = [a[0] if isinstance(a, tuple) else "ok" for a in answers]
     assert codes == [grpc.StatusCode.INVALID_ARGUMENT] * 3 + ["ok"]
     assert "dtype float64" in answers[0][1] and "1..4 rows" in answers[1][1] and "a host port" in answers[2][1]
     assert figure("tandem_reward_model_request_failures_total", reason="invalid_input") == invalid + 3
-    (code, message), = port.drive(waves_of(boards("4")), time.monotonic() - 0.001)
+    (code, message), = port.drive(waves_of(boards("4")), Deadline.after_s(-0.001))
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED and "not run" in message
     assert figure("tandem_reward_model_request_failures_total", reason="deadline_exceeded") == late + 1
     assert port.evaluate(boards("4"))["value"].shape == (1, 1)  # the port and the lane go on

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -21,6 +20,7 @@ from search_service import server as search_server
 from search_service.evaluators import DeviceWaves, EvaluatorUnavailable, HandoffEvaluator, LeafChannelEvaluator
 from tandem.leaf_channel import ATTACH, MAX_MESSAGE_BYTES, LeafChannel
 from tandem.server import channel
+from tandem.deadline import Deadline
 
 
 def value_search(moves: str = "4453", **fields) -> search_pb2.SearchRequest:
@@ -216,7 +216,7 @@ def test_an_attach_failing_unexpectedly_is_retried(reward_only, monkeypatch):
         assert wait_for(lambda: failures and not handoff._attaching)
         assert handoff._ipc is None and "out of memory" in handoff.why_grpc  # ...failed
         assert handoff.wait_attached(10.0)  # a later one attached
-        values, priors = handoff(np.zeros((3, 2, 6, 7), np.uint8), time.monotonic() + 10)
+        values, priors = handoff(np.zeros((3, 2, 6, 7), np.uint8), Deadline.after_s(10))
         assert handoff.handoff == "ipc" and values.shape == (3,) and priors.shape == (3, 7)
     finally:
         handoff.close()

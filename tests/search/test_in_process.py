@@ -7,7 +7,6 @@ on, and a reward service that stops mid-search (the search keeps its tree,
 goes on with rollouts and says why). Device waves: test_in_process_gpu.py."""
 from __future__ import annotations
 
-import time
 
 import grpc
 import numpy as np
@@ -25,6 +24,7 @@ from stack import colocated
 from tandem import in_process, tensors
 from tandem.leaf_channel import LeafChannelError
 from tandem.server import channel
+from tandem.deadline import Deadline
 
 MODEL = "connect4_value"
 
@@ -53,7 +53,7 @@ def test_a_host_wave_answers_as_evaluate_does(reward):
     cfg, service = reward
     port = in_process.find(cfg.reward.address).port(MODEL, 16, device=False)
     x = boards("", "4", "4453", "172737")
-    out = port.evaluate(x, time.monotonic() + 30)
+    out = port.evaluate(x, Deadline.after_s(30))
     with channel(cfg.reward.address, cfg) as ch:
         reply = reward_pb2_grpc.RewardServiceStub(ch).Evaluate(reward_pb2.EvaluateRequest(
             model=MODEL, inputs=[tensors.to_proto("board", x)], request_class=reward_pb2.REQUEST_CLASS_CRITICAL),
@@ -127,9 +127,9 @@ def test_bad_waves_are_refused_counted_and_the_port_goes_on(reward):
 def test_a_wave_past_its_deadline_is_deadline_exceeded_and_never_run(reward):
     cfg, service = reward
     port = in_process.find(cfg.reward.address).port(MODEL, 4, device=False)
-    code, message = code_of(lambda: port.evaluate(boards("4"), time.monotonic() - 0.001))
+    code, message = code_of(lambda: port.evaluate(boards("4"), Deadline.after_s(-0.001)))
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED and "not run" in message
-    assert port.evaluate(boards("4"), time.monotonic() + 30)["value"].shape == (1, 1)
+    assert port.evaluate(boards("4"), Deadline.after_s(30))["value"].shape == (1, 1)
 
 
 def test_a_wave_still_running_at_its_deadline_is_deadline_exceeded_and_counted(reward):
@@ -146,10 +146,10 @@ def test_a_wave_still_running_at_its_deadline_is_deadline_exceeded_and_counted(r
     port = in_process.find(cfg.reward.address).port(MODEL, 512, device=False)
     before = expired()
     x = np.repeat(boards("4453"), 512, axis=0)
-    code, message = code_of(lambda: port.evaluate(x, time.monotonic() + 0.005))
+    code, message = code_of(lambda: port.evaluate(x, Deadline.after_s(0.005)))
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED and ("still running" in message or "not run" in message)
     assert expired() == before + 1
-    assert port.evaluate(boards("4"), time.monotonic() + 60)["value"].shape == (1, 1)
+    assert port.evaluate(boards("4"), Deadline.after_s(60))["value"].shape == (1, 1)
 
 
 def test_a_run_that_fails_is_internal_counted_and_the_port_goes_on(reward, monkeypatch):

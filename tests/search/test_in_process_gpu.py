@@ -20,6 +20,7 @@ from tandem.v1 import reward_pb2, reward_pb2_grpc, search_pb2, search_pb2_grpc
 from tandem import in_process, tensors
 from tandem.gpu import cupy_module
 from tandem.server import channel
+from tandem.deadline import Deadline
 
 pytestmark = pytest.mark.gpu
 
@@ -61,10 +62,10 @@ def test_device_waves_answer_as_evaluate_and_a_host_port_at_every_size(co_locate
             obs = random_boards(n, 100 + n)
             big = cp.asarray(np.repeat(obs[None], 8, axis=0))  # work queued ahead of the leaves' write
             device.device_inputs[:n] = (big.sum(axis=0) // 8).astype(cp.uint8)
-            outputs = device.evaluate_device(n, time.monotonic() + 30)
+            outputs = device.evaluate_device(n, Deadline.after_s(30))
             got = {k: v[:n].get() for k, v in outputs.items()}  # a copy queued on the same stream, after the wait
             assert device.bucket >= n
-            want_host = host.evaluate(obs, time.monotonic() + 30)
+            want_host = host.evaluate(obs, Deadline.after_s(30))
             reply = stub.Evaluate(reward_pb2.EvaluateRequest(model=MODEL, inputs=[tensors.to_proto("board", obs)],
                                                              request_class=reward_pb2.REQUEST_CLASS_CRITICAL))
             want = {t.name: tensors.from_proto(t) for t in reply.outputs}
@@ -129,7 +130,7 @@ def test_device_waves_merged_with_host_waves_get_their_own_answers(co_located):
     server = in_process.find(cfg.reward.address)
     blocker, host, device = (server.port(MODEL, 64, device=d) for d in (True, False, True))
     obs = random_boards(64, 7)
-    want = host.evaluate(obs, time.monotonic() + 30)["value"]
+    want = host.evaluate(obs, Deadline.after_s(30))["value"]
     batcher = server.batchers[MODEL]
     run, mixed, got, holding = batcher._run, [], {}, threading.Event()
 
@@ -146,7 +147,7 @@ def test_device_waves_merged_with_host_waves_get_their_own_answers(co_located):
             heavy = cp.ones((8192, 8192), cp.float32)
             heavy @ heavy  # ~20 ms ahead of its inputs: the worker waits for them (at most 5 ms)
             try:
-                blocker.evaluate_device(64, time.monotonic() + 30)
+                blocker.evaluate_device(64, Deadline.after_s(30))
             except LeafChannelError:
                 pass  # its inputs came too late: DEADLINE_EXCEEDED
 
@@ -156,7 +157,7 @@ def test_device_waves_merged_with_host_waves_get_their_own_answers(co_located):
 
     def device_wave():
         with cp.cuda.Stream(non_blocking=True):
-            got["device"] = device.evaluate_device(64, time.monotonic() + 30)["value"][:64].get()
+            got["device"] = device.evaluate_device(64, Deadline.after_s(30))["value"][:64].get()
 
     batcher._run = spy
     try:
@@ -164,7 +165,7 @@ def test_device_waves_merged_with_host_waves_get_their_own_answers(co_located):
         first.start()
         assert holding.wait(30)
         others = [threading.Thread(target=device_wave),
-                  threading.Thread(target=lambda: got.setdefault("host", host.evaluate(obs, time.monotonic() + 30)))]
+                  threading.Thread(target=lambda: got.setdefault("host", host.evaluate(obs, Deadline.after_s(30))))]
         for t in others:
             t.start()
         for t in [first, *others]:
@@ -189,19 +190,19 @@ def test_a_device_wave_given_up_at_its_deadline_never_spoils_the_next(co_located
     server = in_process.find(cfg.reward.address)
     port = server.port(MODEL, 64, device=True)
     small = random_boards(64, 12)
-    want = server.port(MODEL, 64, device=False).evaluate(small, time.monotonic() + 30)["value"]
+    want = server.port(MODEL, 64, device=False).evaluate(small, Deadline.after_s(30))["value"]
     heavy = cp.ones((8192, 8192), cp.float32)
     with cp.cuda.Stream(non_blocking=True) as stream:
         for i in range(10):
             heavy @ heavy  # queued ahead of the wave's inputs
             port.device_inputs[:64].set(random_boards(64, 100 + i))
             with pytest.raises(LeafChannelError) as info:
-                port.evaluate_device(64, time.monotonic() + 0.002)
+                port.evaluate_device(64, Deadline.after_s(0.002))
             assert info.value.code.name == "DEADLINE_EXCEEDED"
             stream.synchronize()
             port.device_inputs[:64].set(small)
             port.outputs["value"].fill(np.nan)
-            got = port.evaluate_device(64, time.monotonic() + 30)["value"][:64].get()
+            got = port.evaluate_device(64, Deadline.after_s(30))["value"][:64].get()
             np.testing.assert_allclose(got, want, atol=2e-3)
 
 
