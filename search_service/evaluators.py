@@ -5,7 +5,7 @@ reward service's value model, critical priority, and returns values (and
 priors from the policy logits, if the model has them), by one of two
 hand-offs:
 
-* :class:`LeafChannelEvaluator` (``ipc``): the leaf channel
+* :class:`LeafChannelEvaluator` (``leaf_channel``): the leaf channel
   (tandem/leaf_channel.py): shared-memory regions and one Unix-socket message
   each way, for a reward service on this host;
 * :class:`RewardServiceEvaluator` (``grpc``): one ``Evaluate`` call per wave,
@@ -43,7 +43,7 @@ from tandem.leaf_channel import LeafChannel, LeafChannelError
 log = logging.getLogger(__name__)
 
 HANDOFF_GRPC = "grpc"  # how leaves reach the reward service: one Evaluate call per wave
-HANDOFF_IPC = "ipc"  # the leaf channel: shared memory and a Unix-socket doorbell
+HANDOFF_LEAF_CHANNEL = "leaf_channel"  # the leaf channel: shared memory and a Unix-socket doorbell
 OBSERVATION_ROW = (2, ROWS, COLUMNS)  # a leaf's observation, as the CUDA selection kernel writes it (uint8)
 
 
@@ -160,10 +160,10 @@ class LeafChannelEvaluator:
             in-process port (tandem/in_process.py), which answers to the same calls.
         timeout_s: per-call deadline (s), as RewardServiceEvaluator's: a wave
             waits at most this long even with no or a later ``deadline``.
-        handoff: the hand-off's name (``ipc`` or ``in_process``).
+        handoff: the hand-off's name (``leaf_channel`` or ``in_process``).
     """
 
-    def __init__(self, channel: LeafChannel, timeout_s: float = 2.0, handoff: str = HANDOFF_IPC):
+    def __init__(self, channel: LeafChannel, timeout_s: float = 2.0, handoff: str = HANDOFF_LEAF_CHANNEL):
         self.channel, self.timeout_s, self.handoff = channel, timeout_s, handoff
         self.totals = CallTotals()
 
@@ -198,7 +198,7 @@ class LeafChannelEvaluator:
 
     def unavailable(self, exc: LeafChannelError) -> EvaluatorUnavailable:
         """A wave's failure as the search sees it."""
-        via = "leaf channel" if self.handoff == HANDOFF_IPC else "in process"
+        via = "leaf channel" if self.handoff == HANDOFF_LEAF_CHANNEL else "in process"
         return EvaluatorUnavailable(f"reward service ({via}): {exc}")
 
     def answered(self, rows: int, started: float) -> None:
@@ -210,7 +210,7 @@ class DeviceWaves:
     """A leaf channel whose two regions are CUDA memory, or a device port of
     a reward service in this process, lent to one search call: the CUDA
     backend's device path (``CudaBackend.search(device_waves=)``).
-    :attr:`handoff` says which (``ipc`` or ``in_process``).
+    :attr:`handoff` says which (``leaf_channel`` or ``in_process``).
     Its calls end by ``deadline`` (or None: no deadline), and at most
     ``timeout_s`` after they start, as :class:`LeafChannelEvaluator`'s.
 
@@ -222,7 +222,7 @@ class DeviceWaves:
 
     def __init__(self, evaluator: LeafChannelEvaluator, deadline: Deadline | None, driven: bool = True):
         self._ev, self.deadline = evaluator, deadline
-        self.handoff = evaluator.handoff  # ipc or in_process
+        self.handoff = evaluator.handoff  # leaf_channel or in_process
         self.max_rows = evaluator.channel.max_rows
         self.inputs = evaluator.channel.device_inputs
         # An in-process port runs a whole search on the model's critical-lane worker (Port.drive);
@@ -415,7 +415,7 @@ class HandoffEvaluator:
     ``"auto"``, where the reward service at ``address`` runs in this very
     process (co-located mode: tandem/in_process.py), hands the waves to it
     in-process (host waves, and device waves through device ports lent as
-    below: ``handoff`` ``in_process``); else ``"auto"`` and ``"ipc"`` attach a
+    below: ``handoff`` ``in_process``); else ``"auto"`` and ``"leaf_channel"`` attach a
     leaf channel in the background as soon as
     the reward service offers one (``ModelMetadata.runtime["leaf_channel"]``)
     and this process can connect to it, and use gRPC until then, or for waves
@@ -451,7 +451,7 @@ class HandoffEvaluator:
         self._stub, self.model, self.mode = reward_pb2_grpc.RewardServiceStub(channel), model, mode
         self.max_rows, self.retry_s, self.timeout_s = max_rows, retry_s, timeout_s
         self._lock = threading.Lock()
-        self._ipc: LeafChannelEvaluator | None = None  # guarded by _lock
+        self._leaf: LeafChannelEvaluator | None = None  # guarded by _lock
         self._attaching = False  # guarded by _lock
         self._next_attach = 0.0  # time.monotonic() s; guarded by _lock
         self._closed = False  # guarded by _lock
@@ -460,7 +460,7 @@ class HandoffEvaluator:
         self._device_count = 0  # device channels attached and not closed, lent or not; guarded by _lock
         self._topping_up = False  # guarded by _lock
         self._next_device_attach = 0.0  # time.monotonic() s: no top-up before; guarded by _lock
-        self.handoff = HANDOFF_IPC if mode == HANDOFF_IPC else HANDOFF_GRPC
+        self.handoff = HANDOFF_LEAF_CHANNEL if mode == HANDOFF_LEAF_CHANNEL else HANDOFF_GRPC
         self.why_grpc = "" if mode != HANDOFF_GRPC else "search.handoff: grpc"  # why the last call used gRPC
 
     def until(self, deadline: Deadline | None):
@@ -473,18 +473,18 @@ class HandoffEvaluator:
         Raises:
             EvaluatorUnavailable: the hand-off used failed.
         """
-        ipc = self._channel()
-        if ipc is None or len(observations) > self.max_rows:
+        leaf = self._channel()
+        if leaf is None or len(observations) > self.max_rows:
             self.handoff = HANDOFF_GRPC
             return self.grpc(observations, deadline)
-        self.handoff = ipc.handoff
+        self.handoff = leaf.handoff
         try:
-            return ipc(observations, deadline)
+            return leaf(observations, deadline)
         except EvaluatorUnavailable:
-            if ipc.channel.closed:  # the connection broke: attach again later
+            if leaf.channel.closed:  # the connection broke: attach again later
                 with self._lock:
-                    self._ipc = None
-                self.why_grpc = f"{ipc.handoff} hand-off lost"
+                    self._leaf = None
+                self.why_grpc = f"{leaf.handoff} hand-off lost"
             raise
 
     def wait_attached(self, timeout_s: float) -> bool:
@@ -516,8 +516,8 @@ class HandoffEvaluator:
         if self.mode == HANDOFF_GRPC:
             return None
         with self._lock:
-            if self._ipc is not None or self._closed:
-                return self._ipc
+            if self._leaf is not None or self._closed:
+                return self._leaf
             if self._attaching or time.monotonic() < self._next_attach:
                 return None
             self._attaching = True
@@ -546,17 +546,17 @@ class HandoffEvaluator:
             return None
 
     def _attach(self) -> None:
-        ipc = None
+        leaf = None
         try:
             port = self._local_port(device=False)
             channel = None if port else LeafChannel.offered(self._stub, self.model, self.max_rows, self.timeout_s)
             if port:
-                ipc = LeafChannelEvaluator(port, self.timeout_s, HANDOFF_IN_PROCESS)
+                leaf = LeafChannelEvaluator(port, self.timeout_s, HANDOFF_IN_PROCESS)
                 log.warning("search service: the reward service runs in this process; waves go to it in-process")
             elif channel is None:
                 self.why_grpc = "the reward service offers no leaf channel"
             else:
-                ipc = LeafChannelEvaluator(channel, self.timeout_s)
+                leaf = LeafChannelEvaluator(channel, self.timeout_s)
                 log.warning("search service: leaf channel to the reward service attached (%s input region, %s; "
                             "outputs gated on the GPU: %s)", channel.kind, channel.path, channel.gates)
         except (LeafChannelError, grpc.RpcError, OSError, ValueError) as exc:
@@ -569,10 +569,10 @@ class HandoffEvaluator:
         with self._lock:
             closed, self._attaching = self._closed, False
             if not closed:
-                self._ipc = ipc
-        if ipc is not None:
+                self._leaf = leaf
+        if leaf is not None:
             if closed:  # closed while attaching: nothing may hold the socket and the regions on
-                ipc.channel.close()
+                leaf.channel.close()
             else:
                 self.why_grpc = ""  # gRPC again only for waves larger than the channel
                 self._top_up()
@@ -611,8 +611,8 @@ class HandoffEvaluator:
         """Attaches device channels up to ``device_channels`` in the background,
         if the channel is attached with CUDA regions and no top-up is running."""
         with self._lock:
-            ipc = self._ipc
-            if (self._closed or self._topping_up or ipc is None or ipc.channel.kind != "cuda"
+            leaf = self._leaf
+            if (self._closed or self._topping_up or leaf is None or leaf.channel.kind != "cuda"
                     or self._device_count >= self.device_channels or time.monotonic() < self._next_device_attach):
                 return
             self._topping_up = True
@@ -636,7 +636,7 @@ class HandoffEvaluator:
                     if channel is not None:
                         channel.close()
                     return
-                handoff = HANDOFF_IN_PROCESS if local else HANDOFF_IPC
+                handoff = HANDOFF_IN_PROCESS if local else HANDOFF_LEAF_CHANNEL
                 with self._lock:
                     keep = not self._closed
                     if keep:
@@ -656,10 +656,10 @@ class HandoffEvaluator:
         one when it comes back), and attaches none again (an attach under way
         closes its channel as it ends)."""
         with self._lock:
-            ipc, self._ipc, self._closed = self._ipc, None, True
+            leaf, self._leaf, self._closed = self._leaf, None, True
             free, self._device_free = self._device_free, []
             self._device_count -= len(free)
         for ev in free:
             ev.channel.close()
-        if ipc is not None:
-            ipc.channel.close()
+        if leaf is not None:
+            leaf.channel.close()

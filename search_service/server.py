@@ -154,7 +154,7 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
         self.cfg = cfg.search
         self.games = games if games is not None else load_games(cfg.search.games)  # name -> SearchGame
         self.default_evaluator = default_evaluator(cfg.search.evaluator, backend.name)  # a request naming none
-        # What reports the hand-off of the value model's leaves (``handoff``: "in_process" | "ipc" | "grpc"):
+        # What reports the hand-off of the value model's leaves (``handoff``: "in_process" | "leaf_channel" | "grpc"):
         # the HandoffEvaluator inside the cache and the coalescer.
         self.handoff = handoff
         self.streams = streams or StreamSet(cfg.search.stream_priorities)

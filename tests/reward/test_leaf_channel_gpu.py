@@ -95,7 +95,7 @@ def test_a_cuda_search_service_sends_its_leaves_by_the_leaf_channel(gpu_reward):
         assert search.servicer.backend.split(64) == (64, 1)
         handoff = search.servicer.handoff
         assert handoff.wait_attached(30.0)
-        assert handoff._ipc.channel.kind == "cuda"
+        assert handoff._leaf.channel.kind == "cuda"
         # The device channels, lent one per search: this search's waves went by one of them.
         assert handoff.wait_device_channels(30.0) == cfg.search.device_channels
         lent = {id(ev): ev.totals.calls for ev in handoff._device_free}
@@ -103,7 +103,7 @@ def test_a_cuda_search_service_sends_its_leaves_by_the_leaf_channel(gpu_reward):
             stub = search_pb2_grpc.SearchServiceStub(ch)
             reply = stub.Search(search_pb2.SearchRequest(game="connect4", moves="4453", simulations=1000,
                                                          evaluator=search_pb2.EVALUATOR_VALUE_MODEL), timeout=60)
-        assert reply.handoff == "ipc" and reply.model_simulations == reply.simulations == 1000
+        assert reply.handoff == "leaf_channel" and reply.model_simulations == reply.simulations == 1000
         assert not reply.evaluation_failure
         assert sum(ev.totals.calls - lent[id(ev)] for ev in handoff._device_free) > 1
     finally:
@@ -422,7 +422,7 @@ def test_a_batch_of_device_trees_values_its_waves_by_the_device_channels(gpu_rew
 
     cfg, _ = gpu_reward
     with channel(cfg.reward.address) as ch:
-        handoff = HandoffEvaluator(ch, MODEL, "ipc", device_channels=1)
+        handoff = HandoffEvaluator(ch, MODEL, "leaf_channel", device_channels=1)
         try:
             assert handoff.wait_attached(30.0) and handoff.wait_device_channels(30.0) == 1
 

@@ -94,7 +94,7 @@ def test_a_co_located_model_of_few_rows_per_batch_still_goes_in_process():
     cfg = loopback_config(reward={"models": models}, search={"backend": "cpu", "value_model_parallel_sims": 8})
     with serving(cfg, *colocated.start(cfg, follow_scheduler=False)) as box:
         handoff = box["search"].servicer.handoff
-        assert handoff.wait_attached(10.0) and handoff._ipc.channel.max_rows == 16
+        assert handoff.wait_attached(10.0) and handoff._leaf.channel.max_rows == 16
         reply = box["stub"].Search(value_search(), timeout=60)
         assert reply.handoff == "in_process" and reply.model_simulations == 64 and not reply.evaluation_failure
 
@@ -211,33 +211,33 @@ def co_located():
 def test_a_co_located_search_hands_its_waves_over_in_process(co_located):
     handoff = co_located["search"].servicer.handoff
     assert handoff.wait_attached(10.0)
-    assert handoff._ipc.handoff == "in_process" and handoff._ipc.channel.path == "in-process"
+    assert handoff._leaf.handoff == "in_process" and handoff._leaf.channel.path == "in-process"
     reply = co_located["stub"].Search(value_search(), timeout=60)
     assert reply.handoff == "in_process" and reply.model_simulations == reply.simulations == 64
-    assert not reply.evaluation_failure and handoff._ipc.totals.calls > 0
+    assert not reply.evaluation_failure and handoff._leaf.totals.calls > 0
     assert handoff.wait_device_channels(0.3) == 0  # the CPU: host waves only, nothing lent
 
 
 def test_a_co_located_reward_service_stopped_mid_search_leaves_the_tree_and_a_reason(co_located):
     handoff = co_located["search"].servicer.handoff
     assert handoff.wait_attached(10.0)
-    r = stopped_mid_search(co_located, handoff._ipc)
+    r = stopped_mid_search(co_located, handoff._leaf)
     assert 0 < r.model_simulations < r.simulations  # the tree built so far was kept, rollouts went on in it
     assert "in process" in r.evaluation_failure and "UNAVAILABLE" in r.evaluation_failure
     assert r.handoff == "in_process" and r.deadline_reached
-    assert handoff._ipc is None  # the port was dropped: a new attach finds no reward service in this process
+    assert handoff._leaf is None  # the port was dropped: a new attach finds no reward service in this process
     # A reward service again in this process, offered under the same address: in-process again.
     cfg = co_located["cfg"]
     co_located["reward"] = reward_server.start(cfg, follow_scheduler=False)
     in_process.offer(cfg.reward.address, co_located["reward"].servicer.in_process)
-    assert wait_for(lambda: handoff.wait_attached(0.1) and handoff._ipc.handoff == "in_process", 20)
+    assert wait_for(lambda: handoff.wait_attached(0.1) and handoff._leaf.handoff == "in_process", 20)
     again = co_located["stub"].Search(value_search(), timeout=60)
     assert again.handoff == "in_process" and again.model_simulations == 64 and not again.evaluation_failure
 
 
-def test_co_located_and_told_ipc_the_leaves_go_by_the_leaf_channel():
-    cfg = loopback_config(search={"backend": "cpu", "value_model_parallel_sims": 8, "handoff": "ipc"})
+def test_co_located_and_told_leaf_channel_the_leaves_go_by_the_leaf_channel():
+    cfg = loopback_config(search={"backend": "cpu", "value_model_parallel_sims": 8, "handoff": "leaf_channel"})
     with serving(cfg, *colocated.start(cfg, follow_scheduler=False)) as box:
         handoff = box["search"].servicer.handoff
-        assert handoff.wait_attached(10.0) and handoff._ipc.handoff == "ipc"
-        assert box["stub"].Search(value_search(), timeout=60).handoff == "ipc"
+        assert handoff.wait_attached(10.0) and handoff._leaf.handoff == "leaf_channel"
+        assert box["stub"].Search(value_search(), timeout=60).handoff == "leaf_channel"
