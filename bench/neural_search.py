@@ -19,7 +19,7 @@ device waves); ``grpc``, one ``Evaluate`` per wave; and ``in_process`` /
 ``in_process_host``, co-located mode's hand-off (tandem/in_process.py): a
 second reward service started in this process, its critical lane reached
 with no socket: ``in_process``, the search driven on the critical lane's
-worker thread (Port.drive: no thread hop per wave), ``in_process_per_wave``,
+worker thread (InProcessLink.drive: no thread hop per wave), ``in_process_per_wave``,
 its device waves handed to that worker one by one (the way before), and
 ``in_process_host``, host waves (device waves' streams wait for the model on
 the GPU).
@@ -129,7 +129,7 @@ PER_WAVE = "per_wave"  # a way's ``device`` value: device waves, each handed ove
 def _device_waves(evaluator, rows: int, driven: bool = True):
     """Device waves over ``evaluator``'s leaf channel (no deadline) when it has
     CUDA regions of ``rows`` rows or more, else None (that row is skipped);
-    ``driven``: a search driven by an in-process port (DeviceWaves.run)."""
+    ``driven``: a search driven by an in-process link (DeviceWaves.run)."""
     from search_service.evaluators import DeviceWaves
 
     if not DeviceWaves.fits(evaluator.channel):
@@ -331,13 +331,13 @@ def _gpu_handoff(rows: list[dict], gpu_rows: list[dict], wave: int, g: int, how:
 
 
 def _in_process(cfg, device: bool):
-    """An evaluator over a port of the reward service started in this
+    """An evaluator over a link of the reward service started in this
     process (handoff ``in_process``), as co-located mode's search gets one."""
     from search_service.evaluators import HANDOFF_IN_PROCESS, LeafChannelEvaluator
     from tandem import in_process
 
-    port = in_process.find(cfg.reward.address).port("connect4_value", cfg.reward.leaf_channel.max_rows, device=device)
-    return LeafChannelEvaluator(port, timeout_s=30, handoff=HANDOFF_IN_PROCESS)
+    link = in_process.find(cfg.reward.address).link("connect4_value", cfg.reward.leaf_channel.max_rows, device=device)
+    return LeafChannelEvaluator(link, timeout_s=30, handoff=HANDOFF_IN_PROCESS)
 
 
 def _leaf_channel(stub, max_rows: int, events: bool = True, announce: bool = True, gate: bool | None = None):
@@ -505,7 +505,7 @@ def _run(args, kinds: set[str], cfg, on_mps: bool) -> None:
                 local = reward_server.start(local_cfg, follow_scheduler=False)
                 in_process.offer(local_cfg.reward.address, local.servicer.in_process)
                 ways = [(_in_process(local_cfg, device=False), False)]
-                if local.servicer.in_process.sessions["connect4_value"].orders_by_events:  # a GPU: device ports
+                if local.servicer.in_process.sessions["connect4_value"].orders_by_events:  # a GPU: device links
                     ways[:0] = [(_in_process(local_cfg, device=True), True),
                                 (_in_process(local_cfg, device=True), PER_WAVE)]
                 timed(ways)

@@ -11,7 +11,7 @@ hand-offs:
 * :class:`RewardServiceEvaluator` (``grpc``): one ``Evaluate`` call per wave,
   for any reward service;
 * ``in_process``: a reward service in this very process (co-located mode):
-  a :class:`LeafChannelEvaluator` over its in-process port
+  a :class:`LeafChannelEvaluator` over its in-process link
   (tandem/in_process.py), straight into its critical lane.
 
 :class:`HandoffEvaluator` picks between them (``search.handoff``) and says which
@@ -153,11 +153,11 @@ def values_and_priors(outputs: dict[str, np.ndarray]) -> tuple[np.ndarray, np.nd
 
 class LeafChannelEvaluator:
     """The value model through the leaf channel (tandem/leaf_channel.py), or
-    through the in-process port of a reward service in this process.
+    through the in-process link of a reward service in this process.
 
     Args:
         channel: an attached :class:`tandem.leaf_channel.LeafChannel`, or an
-            in-process port (tandem/in_process.py), which answers to the same calls.
+            in-process link (tandem/in_process.py), which answers to the same calls.
         timeout_s: per-call deadline (s), as RewardServiceEvaluator's: a wave
             waits at most this long even with no or a later ``deadline``.
         handoff: the hand-off's name (``leaf_channel`` or ``in_process``).
@@ -207,7 +207,7 @@ class LeafChannelEvaluator:
 
 
 class DeviceWaves:
-    """A leaf channel whose two regions are CUDA memory, or a device port of
+    """A leaf channel whose two regions are CUDA memory, or a device link of
     a reward service in this process, lent to one search call: the CUDA
     backend's device path (``CudaBackend.search(device_waves=)``).
     :attr:`handoff` says which (``leaf_channel`` or ``in_process``).
@@ -225,7 +225,7 @@ class DeviceWaves:
         self.handoff = evaluator.handoff  # leaf_channel or in_process
         self.max_rows = evaluator.channel.max_rows
         self.inputs = evaluator.channel.device_inputs
-        # An in-process port runs a whole search on the model's critical-lane worker (Port.drive);
+        # An in-process link runs a whole search on the model's critical-lane worker (InProcessLink.drive);
         # False: one hand-off per wave (benchmarks compare the two).
         self.driven = driven and hasattr(evaluator.channel, "drive")
         # A leaf channel ordered by events: a wave returns at its reply, and wait_outputs waits for its outputs.
@@ -349,12 +349,12 @@ class DeviceWaves:
         DETACH once it needs no more waves) and returns what it returns.
 
         Its set-up, up to its first wave, runs on this thread. Then, where
-        :attr:`driven` (an in-process port, co-located mode), its waves run on
-        the reward service's critical-lane worker thread (Port.drive), each
+        :attr:`driven` (an in-process link, co-located mode), its waves run on
+        the reward service's critical-lane worker thread (InProcessLink.drive), each
         merged into that lane's next batch with no thread hop at all, up
         to its DETACH: the rest (the answer; or a search the model stopped
         valuing, rollouts on the host) runs on this thread again, never on
-        the lane. Else, or where the port refuses the drive (the reward
+        the lane. Else, or where the link refuses the drive (the reward
         service stopping), every wave from this thread, one :meth:`evaluate`
         each.
 
@@ -383,7 +383,7 @@ class DeviceWaves:
         return drive(steps, functools.partial(self.evaluate, wait_outputs=False), rows)
 
     def _adapted(self, steps, rows):
-        """``steps``, which has just yielded ``rows``, as a port drives it: the
+        """``steps``, which has just yielded ``rows``, as a link drives it: the
         rows it yields pass through; the outputs sent back become (values,
         logits), a LeafChannelError thrown back EvaluatorUnavailable; it
         returns DETACH where ``steps`` yields it (``steps`` is then left at
@@ -414,7 +414,7 @@ class HandoffEvaluator:
     ``mode`` (``search.handoff``): ``"grpc"`` always calls ``Evaluate``;
     ``"auto"``, where the reward service at ``address`` runs in this very
     process (co-located mode: tandem/in_process.py), hands the waves to it
-    in-process (host waves, and device waves through device ports lent as
+    in-process (host waves, and device waves through device links lent as
     below: ``handoff`` ``in_process``); else ``"auto"`` and ``"leaf_channel"`` attach a
     leaf channel in the background as soon as
     the reward service offers one (``ModelMetadata.runtime["leaf_channel"]``)
@@ -530,28 +530,28 @@ class HandoffEvaluator:
         it runs in this process and ``mode`` is ``auto``; else None."""
         return in_process.find(self.address) if self.mode == "auto" and self.address else None
 
-    def _local_port(self, device: bool):
-        """A port of the in-process server (:meth:`_local`), or None: none, or
+    def _local_link(self, device: bool):
+        """A link of the in-process server (:meth:`_local`), or None: none, or
         one it refuses (logged, and said in ``why_grpc``; the leaf channel is
         tried instead for host waves)."""
         local = self._local()
         if local is None:
             return None
         try:
-            return local.port(self.model, self.max_rows, device=device)
+            return local.link(self.model, self.max_rows, device=device)
         except LeafChannelError as exc:
             self.why_grpc = f"in process: {exc}"
-            log.warning("search service: the in-process reward service refuses a %s port (%s)",
+            log.warning("search service: the in-process reward service refuses a %s link (%s)",
                         "device" if device else "host", exc)
             return None
 
     def _attach(self) -> None:
         leaf = None
         try:
-            port = self._local_port(device=False)
-            channel = None if port else LeafChannel.offered(self._stub, self.model, self.max_rows, self.timeout_s)
-            if port:
-                leaf = LeafChannelEvaluator(port, self.timeout_s, HANDOFF_IN_PROCESS)
+            link = self._local_link(device=False)
+            channel = None if link else LeafChannel.offered(self._stub, self.model, self.max_rows, self.timeout_s)
+            if link:
+                leaf = LeafChannelEvaluator(link, self.timeout_s, HANDOFF_IN_PROCESS)
                 log.warning("search service: the reward service runs in this process; waves go to it in-process")
             elif channel is None:
                 self.why_grpc = "the reward service offers no leaf channel"
@@ -627,7 +627,7 @@ class HandoffEvaluator:
                         return
                 local = self._local() is not None  # in this process a leaf channel's CUDA IPC handle does not open
                 try:
-                    channel = (self._local_port(device=True) if local else
+                    channel = (self._local_link(device=True) if local else
                                LeafChannel.offered(self._stub, self.model, self.max_rows, self.timeout_s))
                 except (LeafChannelError, grpc.RpcError, OSError, ValueError) as exc:
                     log.info("search service: no device leaf channel (%s)", exc)
