@@ -18,6 +18,7 @@ to its end). A search that needs more device memory than the fixed pool
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -320,6 +321,8 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
         who = self.owners(connection) if any(item.reuse for item in items) else None
         for item in items:
             item.deadline = search_deadline(item.params.deadline_ms, caller, self.cfg.max_deadline_ms, received)
+            # The params carry the same budget, in ms from the receipt (what a backend's own search takes).
+            item.params = dataclasses.replace(item.params, deadline_ms=item.deadline.left_ms(received))
             if item.reuse:
                 req = item.request
                 key = (who, item.game.name, req.session_id)
