@@ -27,6 +27,7 @@ from tandem.failover import STANDBY_KEY
 from tandem.startup import Phases
 from tandem.workers import WorkerPlace
 from tandem.config import SharedMemoryConfig, TandemConfig
+from tandem.deadline import Deadline
 from tandem.errors import quote
 from tandem.gpu import cuda_device_count, host_fact
 from tandem.leaf_channel import RUNTIME_KEY as LEAF_CHANNEL_KEY
@@ -35,7 +36,6 @@ from tandem.service import Service, start_service
 log = logging.getLogger(__name__)
 
 BULK_SERVER_KEY = "bulk_server"  # ModelMetadata.runtime key: the bulk server's address, for bulk clients
-NO_DEADLINE_S = 1e7  # remaining times beyond this (~4 months) mean "no deadline"
 IN_FLIGHT = Gauge("tandem_reward_requests_in_flight", "Evaluate calls being served.")
 BYTES_IN_FLIGHT = Gauge("tandem_reward_bytes_in_flight", "Bytes of the Evaluate calls being served (serialized).")
 STREAM_PRIORITY = Gauge("tandem_reward_stream_priority", "CUDA stream priority assigned by the scheduler.")
@@ -190,9 +190,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, "invalid_input", str(exc)) from None
         if held is not None:
             held.grow(OUTPUT_COPIES * rows * session.output_row_bytes(names))
-        remaining = context.time_remaining()
-        # A call without a deadline reports None or an "infinite" remaining time (years).
-        deadline = None if remaining is None or remaining > NO_DEADLINE_S else time.monotonic() + remaining
+        deadline = Deadline.of_grpc(context)  # None: a call without one
         request_class = _request_class(request.request_class)
         done = refusal.run(self.batchers[session.name], session.name, feeds, rows, request_class, deadline, names)
         outputs = done.outputs

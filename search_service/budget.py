@@ -9,6 +9,8 @@ a wave they expect to end past it (``search_service.mcts.backend.WaveClock``).
 """
 from __future__ import annotations
 
+from tandem.deadline import Deadline
+
 # The answer still has to be built, sent and decoded after the search stops:
 # leave that a share of the time left, within these bounds (ms).
 # (On a loaded 2-core host the reply took up to ~2 ms on loopback: bench/deadline_answers.py.)
@@ -37,3 +39,18 @@ def search_deadline_ms(requested_ms: float, grpc_remaining_s: float | None, max_
         left_ms = grpc_remaining_s * 1e3
         deadline = min(deadline, max(left_ms - reply_margin_ms(left_ms), MIN_SEARCH_MS))
     return deadline
+
+
+def search_deadline(requested_ms: float, caller: Deadline | None, max_ms: float,
+                    now: float | None = None) -> Deadline:
+    """The search's own deadline: :func:`search_deadline_ms` from ``now``.
+
+    Args:
+        requested_ms: as :func:`search_deadline_ms`'s.
+        caller: the caller's gRPC deadline (``Deadline.of_grpc``); None: none.
+        max_ms: ``search.max_deadline_ms``.
+        now: ``time.monotonic()`` s when the request was received (None: read it).
+    """
+    now = Deadline.now() if now is None else now
+    remaining_s = None if caller is None else caller.left_s(now)
+    return Deadline.after_ms(search_deadline_ms(requested_ms, remaining_s, max_ms), now)

@@ -52,6 +52,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from search_service.mcts.backend import SearchParams, SearchResult
 from search_service.mcts.batch import leave, run_wave
 from search_service.mcts.plan import Member, WaveTimes, fair_share
+from tandem.deadline import Deadline, earliest
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +74,9 @@ class Refused(Exception):
 @dataclass(eq=False)  # compared by identity
 class Job:
     """One search: a root (a batch of one position of ``params.game``), the
-    tree to search further or None, its params (budget, seed, game) and its
-    caller's stop check."""
+    tree to search further or None, its params (budget, seed, game), its
+    caller's stop check and its deadline (None where ``params.deadline_ms``
+    is None; not given: ``params.deadline_ms`` from the job's creation)."""
 
     roots: Any  # a batch of one position of params.game (Connect Four: Positions [1])
     tree: Any
@@ -82,17 +84,15 @@ class Job:
     should_stop: Callable[[], bool] | None = None
     stream: int = 0  # the tree's Philox tree word (its index within its own request)
     keep_tree: bool = True  # its tree comes back with its answer (False: no session keeps it; may be None)
-    started: float = field(default_factory=time.perf_counter)  # s: its deadline counts from here
+    deadline: Deadline | None = None  # by when it answers
     done: threading.Event = field(default_factory=threading.Event)
     result: SearchResult | None = None
     out_tree: Any = None
     error: BaseException | None = None
 
-    @property
-    def deadline(self) -> float | None:
-        """perf_counter s by which it answers (None: no deadline)."""
-        p = self.params
-        return None if p.deadline_ms is None else self.started + p.deadline_ms / 1e3
+    def __post_init__(self) -> None:
+        if self.deadline is None and self.params.deadline_ms is not None:
+            self.deadline = Deadline.after_ms(self.params.deadline_ms)
 
     def answer(self, result=None, tree=None, error: BaseException | None = None) -> None:
         self.result, self.out_tree, self.error = result, tree, error
@@ -123,9 +123,9 @@ class WaveLoop:
     Args:
         backend: a backend with ``open_batch(params, evaluator)``.
         evaluator: the leaf evaluator of value-model searches; with an
-            ``until(deadline)`` method (``time.monotonic()`` s) each wave's
-            call is bound by the earliest deadline among its trees (never
-            sooner than two expected waves away: ``_set_wave_deadline``).
+            ``until(deadline)`` method (a :class:`~tandem.deadline.Deadline`)
+            each wave's call is bound by the earliest deadline among its trees
+            (never sooner than two expected waves away: ``_set_wave_deadline``).
         max_trees: searches in flight at most (joined or waiting); more are refused.
         wave_target_ms: deadline-only searches take fewer simulations a wave
             where a wave would take longer (plan.py); None: always K.
@@ -142,7 +142,7 @@ class WaveLoop:
     """
 
     def __init__(self, backend, evaluator=None, max_trees: int = 1024, wave_target_ms: float | None = None,
-                 launching: Callable[[], Any] | None = None, lend: Callable[[float | None], Any] | None = None,
+                 launching: Callable[[], Any] | None = None, lend: Callable[[Deadline | None], Any] | None = None,
                  backend_for: Callable[[Any], Any] | None = None):
         self.backend = backend
         self.backend_for = backend_for or (lambda game: backend)
@@ -178,7 +178,7 @@ class WaveLoop:
             adding: dict[int, int] = {}  # id(lane) -> its jobs in this call
             for lane in lanes:
                 adding[id(lane)] = adding.get(id(lane), 0) + 1
-            now = time.perf_counter()
+            now = Deadline.now()
             for job, lane in zip(jobs, lanes):
                 busy = len(lane.members) + len(lane.queue)  # the lane thread's list: a racy length is enough here
                 if not busy or job.deadline is None:
@@ -187,7 +187,7 @@ class WaveLoop:
                 # as deadline-only: the wave the plan would run at most).
                 ks = np.full(busy + adding[id(lane)], lane.k_max, np.int64)
                 expected = fair_share(ks, np.ones(ks.size, bool), lane.times, lane.k_max, self.wave_target_ms)
-                left_ms = (job.deadline - now) * 1e3
+                left_ms = job.deadline.left_ms(now)
                 if left_ms < expected:
                     REFUSED.labels("deadline").inc(len(jobs))
                     raise Refused(f"the search service is at capacity: its next wave is expected to take "
@@ -224,7 +224,7 @@ class WaveLoop:
         return lane
 
     # -- the lane's thread --------------------------------------------------------
-    _wave_deadline = threading.local()  # per lane thread: the monotonic deadline the evaluator's call is bound by
+    _wave_deadline = threading.local()  # per lane thread: the Deadline the evaluator's call is bound by
 
     def _open(self, key: SearchParams):
         """A new batch of ``key``'s lane, on its game's backend (with a device
@@ -326,18 +326,17 @@ class WaveLoop:
             log.exception("a wave of %d searches failed", len(lane.members))
             self._fail_all(lane, exc)
 
-    def _set_wave_deadline(self, deadlines: list[float | None], lane: _Lane) -> None:
+    def _set_wave_deadline(self, deadlines: list[Deadline | None], lane: _Lane) -> None:
         """The evaluator's calls are bound by the earliest of ``deadlines``
-        (perf_counter s; None: none), so a stalled model holds no search past
-        its own deadline; but never sooner than two of the lane's expected
-        waves from now (a search with less time left was admitted alone)."""
-        known = [d for d in deadlines if d is not None]
-        if not known:
+        (None: none), so a stalled model holds no search past its own
+        deadline; but never sooner than two of the lane's expected waves from
+        now (a search with less time left was admitted alone)."""
+        first = earliest(*deadlines)
+        if first is None:
             self._wave_deadline.value = None
             return
-        now = time.perf_counter()
-        bound = max(min(known), now + 2 * lane.times.expected_ms(len(lane.members) * lane.k_max) / 1e3)
-        self._wave_deadline.value = time.monotonic() + (bound - now)
+        self._wave_deadline.value = max(first, Deadline.after_ms(
+            2 * lane.times.expected_ms(len(lane.members) * lane.k_max)))
 
     def _fail_all(self, lane: _Lane, exc: BaseException, queued: bool = False) -> None:
         """Answers the lane's joined jobs (and, ``queued``, those waiting to join)

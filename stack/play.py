@@ -124,7 +124,7 @@ class _Tally:
     error_reasons: dict[str, int] = field(default_factory=dict)  # ... by "CODE: its message's first characters"
     backends: set[str] = field(default_factory=set)
     evaluators: set[str] = field(default_factory=set)
-    handoffs: dict[str, int] = field(default_factory=dict)  # value-model frames by how the leaves went ("in_process" | "ipc" | "grpc")
+    handoffs: dict[str, int] = field(default_factory=dict)  # value-model frames by how the leaves went ("in_process" | "leaf_channel" | "grpc")
     model_simulations: list[int] = field(default_factory=list)  # of simulations, those the value model valued
     model_failures: int = 0  # searches whose value model failed (answered from the tree or with rollouts)
     failure_reasons: dict[str, int] = field(default_factory=dict)  # those searches by their failure's first words

@@ -309,7 +309,7 @@ class SearchConfig:
     # How leaves reach the reward service: "auto" (in-process where the reward service
     # runs in this process -- co-located mode, tandem/in_process.py -- else the leaf
     # channel where the reward service offers one this process can reach -- same host --
-    # else gRPC), "ipc" (the leaf channel; gRPC only while it cannot connect) or "grpc"
+    # else gRPC), "leaf_channel" (the leaf channel; gRPC only while it cannot connect) or "grpc"
     # (one Evaluate per wave).
     handoff: str = "auto"
     # Leaf channels of CUDA regions lent one per value-model search on the GPU
@@ -367,7 +367,7 @@ _CHOICES = {
     "reward.cudnn_conv_algo_search": ("EXHAUSTIVE", "HEURISTIC", "DEFAULT"),
     "search.backend": ("auto", "cpu", "cuda"),
     "search.evaluator": ("auto", "rollout", "value_model"),
-    "search.handoff": ("auto", "ipc", "grpc"),
+    "search.handoff": ("auto", "leaf_channel", "grpc"),
 }
 # Fields that may be zero (meaning "off" or "default"); every other number must be positive.
 _MAY_BE_ZERO = {"metrics_port", "max_concurrent_streams", "max_rpcs_per_connection", "gpu_memory_bytes", "memory_pool_bytes", "intra_op_threads", "max_queue_delay_us",

@@ -26,7 +26,7 @@ out (``kernels/search.cu`` has the details and the concurrency invariants):
   With device waves the search is a generator of waves (``_Search._steps``)
   that the device waves drive (``DeviceWaves.run``): wave by wave on the
   caller's thread, or, in co-located mode, on the reward service's
-  critical-lane worker (``Port.drive``: no thread hop per wave).
+  critical-lane worker (``InProcessLink.drive``: no thread hop per wave).
 * MCTS-Solver: every backup kernel proves what it can up the paths whose
   leaf has a known result (``solve_wave``); a tree whose root is proven runs
   no more simulations; the result carries the root's and its children's
