@@ -9,9 +9,9 @@ out (``kernels/search.cu`` has the details and the concurrency invariants):
 * K = ``parallel_sims`` simulations are in flight per tree, run by W warps of
   up to G = ``sims_per_warp`` simulations each (W = ceil(K / G)). A warp runs
   whole waves -- G selections one after another (one warp per selection,
-  lanes scoring the 7 children, a ``__shfl_xor_sync`` argmax), one node per
+  threads scoring the 7 children, a ``__shfl_xor_sync`` argmax), one node per
   distinct stopping edge (slots from one ``atomicAdd``), G rollouts on G
-  lanes, backup -- until the budget or the deadline.
+  threads, backup -- until the budget or the deadline.
 * Rollouts: the whole search is ONE kernel launch (plus one launch that sets
   the trees up and one that reads out the results: three launches and one
   copy back per call, whatever the number of simulations).

@@ -277,7 +277,7 @@ class SlowModel:
 
 
 def wait_for_a_wave(loop: WaveLoop) -> None:
-    lane = next(iter(loop._lanes.values()))
+    lane = next(iter(loop._groups.values()))
     deadline = time.monotonic() + 30
     while lane.times.expected_ms(1) == 0 and time.monotonic() < deadline:
         time.sleep(0.01)
