@@ -22,7 +22,7 @@ from reward_service.refusal import Refusal
 from reward_service.session import InputError, ModelSession, runners_per_model
 from reward_service.shared_memory import Lease, RegionStatus, RegionTable, SharedMemoryError, check_client
 from tandem import in_process as tandem_in_process
-from tandem import peer, tensors, workers
+from tandem import gpu, peer, tensors, workers
 from tandem.failover import STANDBY_KEY
 from tandem.startup import Phases
 from tandem.workers import WorkerPlace
@@ -438,6 +438,7 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True, bulk_server: bool = 
         RuntimeError: a model cannot be loaded, or the address cannot be bound;
             the bulk server where ``reward.bulk_server.enabled`` is false.
     """
+    gpu.set_host_wait(cfg.reward.host_wait)  # before ONNX Runtime or CuPy makes the device's context
     models, bulk_cfg = cfg.reward.models, cfg.reward.bulk_server
     if bulk_server and not bulk_cfg.enabled:
         # Off in the config, no one would know of it: the reward service names no bulk server, tandem

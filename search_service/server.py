@@ -41,7 +41,7 @@ from search_service.mcts.backend import SearchParams
 from search_service.sessions import Owners, SessionStore
 from search_service.streams import StreamSet
 from search_service.wave_loop import Job, Refused, Stopping, WaveLoop
-from tandem import pools, workers
+from tandem import gpu, pools, workers
 from tandem.workers import WorkerPlace
 from tandem.config import TandemConfig
 from tandem.deadline import Deadline
@@ -500,6 +500,7 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True, place: WorkerPlace =
             ``backend: cuda`` cannot run here, or the address cannot be bound.
     """
     phases = Phases(log)
+    gpu.set_host_wait(cfg.search.host_wait)  # before CuPy makes the device's context
     with phases.phase("games"):
         games = load_games(cfg.search.games)
     with phases.phase(f"search backend {cfg.search.backend}"):
