@@ -42,8 +42,11 @@ def search_deadline_ms(requested_ms: float, grpc_remaining_s: float | None, max_
 
 
 def search_deadline(requested_ms: float, caller: Deadline | None, max_ms: float,
-                    now: float | None = None) -> Deadline:
-    """The search's own deadline: :func:`search_deadline_ms` from ``now``.
+                    now: float | None = None) -> tuple[float, Deadline]:
+    """The search's own budget and deadline: (:func:`search_deadline_ms`, > 0
+    ms, and the instant it ends, that many ms from ``now``). The budget is
+    kept as computed, not read back from the instant: a budget far below the
+    clock's resolution (``deadline_ms`` 1e-300) is still > 0.
 
     Args:
         requested_ms: as :func:`search_deadline_ms`'s.
@@ -53,4 +56,5 @@ def search_deadline(requested_ms: float, caller: Deadline | None, max_ms: float,
     """
     now = Deadline.now() if now is None else now
     remaining_s = None if caller is None else caller.left_s(now)
-    return Deadline.after_ms(search_deadline_ms(requested_ms, remaining_s, max_ms), now)
+    ms = search_deadline_ms(requested_ms, remaining_s, max_ms)
+    return ms, Deadline.after_ms(ms, now)

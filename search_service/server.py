@@ -320,9 +320,10 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
         connection = context.peer()
         who = self.owners(connection) if any(item.reuse for item in items) else None
         for item in items:
-            item.deadline = search_deadline(item.params.deadline_ms, caller, self.cfg.max_deadline_ms, received)
             # The params carry the same budget, in ms from the receipt (what a backend's own search takes).
-            item.params = dataclasses.replace(item.params, deadline_ms=item.deadline.left_ms(received))
+            budget_ms, item.deadline = search_deadline(item.params.deadline_ms, caller, self.cfg.max_deadline_ms,
+                                                       received)
+            item.params = dataclasses.replace(item.params, deadline_ms=budget_ms)
             if item.reuse:
                 req = item.request
                 key = (who, item.game.name, req.session_id)

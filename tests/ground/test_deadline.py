@@ -67,8 +67,11 @@ def test_the_grpc_deadline_counts_from_now_and_an_infinite_one_is_none():
 
 def test_a_search_deadline_counts_from_the_receipt_capped_by_the_callers():
     # No gRPC deadline: the request's budget, or the service's limit.
-    assert search_deadline(16.0, None, 60_000.0, now=5.0) == Deadline.after_ms(16.0, 5.0)
-    assert search_deadline(0.0, None, 60_000.0, now=5.0) == Deadline.after_ms(60_000.0, 5.0)
+    assert search_deadline(16.0, None, 60_000.0, now=5.0) == (16.0, Deadline.after_ms(16.0, 5.0))
+    assert search_deadline(0.0, None, 60_000.0, now=5.0) == (60_000.0, Deadline.after_ms(60_000.0, 5.0))
     # A nearer gRPC deadline (10 ms left at the receipt) less the reply margin.
-    got = search_deadline(16.0, Deadline(5.010), 60_000.0, now=5.0)
-    assert got.left_ms(5.0) == pytest.approx(10.0 - REPLY_MARGIN_MIN_MS)
+    ms, got = search_deadline(16.0, Deadline(5.010), 60_000.0, now=5.0)
+    assert ms == pytest.approx(10.0 - REPLY_MARGIN_MIN_MS) and got.left_ms(5.0) == pytest.approx(ms)
+    # A budget below the clock's resolution stays a budget (> 0), though its instant is the receipt's.
+    ms, got = search_deadline(1e-300, None, 60_000.0, now=30_000.0)
+    assert ms == 1e-300 and got.at == 30_000.0
