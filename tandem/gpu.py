@@ -66,19 +66,33 @@ HOST_WAIT_FLAGS = {
 }
 
 
+_host_wait = "auto"  # this process's mode (set_host_wait)
+
+
+def spins() -> bool:
+    """Whether this process's own polling loops (a copy's word, the leaf
+    channel's reply, a CUDA event) spin a while before they sleep: with
+    host_wait ``auto`` or ``spin``; ``yield`` and ``block`` sleep from the
+    first poll, so no thread burns a core while it waits for the GPU."""
+    return _host_wait in ("auto", "spin")
+
+
 def set_host_wait(mode: str, device: int = 0) -> bool:
     """Sets how this process's threads wait for GPU ``device`` in synchronising
     CUDA calls (:data:`HOST_WAIT_FLAGS`), on the device's primary context,
     which CuPy and ONNX Runtime's CUDA provider share; call it before either
     creates the context (at the service's start). ``auto`` leaves CUDA's
-    default. Returns whether the flag was set: False on a host without a GPU,
-    or where the driver refuses it (logged).
+    default. The process's own polling loops follow the mode (:func:`spins`).
+    Returns whether the context's flag was set: False on a host without a
+    GPU, or where the driver refuses it (logged).
 
     Raises:
         ValueError: ``mode`` is not one of :data:`HOST_WAIT_FLAGS`.
     """
     if mode not in HOST_WAIT_FLAGS:
         raise ValueError(f"host wait {mode!r}: choose one of {', '.join(HOST_WAIT_FLAGS)}")
+    global _host_wait
+    _host_wait = mode
     if mode == "auto" or cuda_device_count() == 0:
         return False
     lib = ctypes.CDLL("libcuda.so.1")

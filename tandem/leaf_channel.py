@@ -84,7 +84,7 @@ import grpc
 import numpy as np
 from tandem.v1 import reward_pb2, reward_pb2_grpc
 
-from tandem import outputs_gate, tensors, timeline
+from tandem import gpu, outputs_gate, tensors, timeline
 from tandem.cuda_events import ExportedEvent, OpenedEvent
 from tandem.deadline import Deadline
 from tandem.ready_word import WORD_BYTES, ReadyWord
@@ -681,7 +681,7 @@ class LeafChannel:
         Raises:
             TimeoutError: none by ``deadline``. OSError: the socket broke.
         """
-        if REPLY_SPIN_S > 0:
+        if REPLY_SPIN_S > 0 and gpu.spins():
             spin_until = time.monotonic() + REPLY_SPIN_S
             self._sock.settimeout(None)  # blocking: MSG_DONTWAIT reads at once, and a send may still wait
             while True:

@@ -94,7 +94,7 @@ from search_service.mcts.backend import (
 )
 from search_service.mcts.philox import seed_key
 from search_service.mcts.rollout import rollout_values
-from tandem import nvtx, outputs_gate, ready_word, timeline
+from tandem import gpu, nvtx, outputs_gate, ready_word, timeline
 
 log = logging.getLogger(__name__)
 A = connect4.NUM_ACTIONS
@@ -946,7 +946,7 @@ class _AsyncCopy:
             cupy.cuda.runtime.CUDARuntimeError: the copy failed.
         """
         word, seq = self._word, self._seq
-        if COPY_SPIN_S > 0:
+        if COPY_SPIN_S > 0 and gpu.spins():
             spin_until = time.monotonic() + COPY_SPIN_S
             while int(word[0]) != seq and time.monotonic() < spin_until:
                 os.sched_yield()  # the GIL goes too

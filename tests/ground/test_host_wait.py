@@ -21,6 +21,14 @@ def test_auto_leaves_cuda_alone_and_a_cpu_host_has_nothing_to_set():
         assert gpu.set_host_wait("block") is False
 
 
+@pytest.mark.parametrize("mode, spins", [("auto", True), ("spin", True), ("yield", False), ("block", False)])
+def test_the_process_polling_loops_follow_the_mode(monkeypatch, mode, spins):
+    monkeypatch.setattr(gpu, "_host_wait", "auto")  # the process's mode is restored after the test
+    monkeypatch.setattr(gpu, "cuda_device_count", lambda: 0)  # the mode alone, no context to flag
+    gpu.set_host_wait(mode)
+    assert gpu.spins() is spins
+
+
 _PROBE = """
 import ctypes, sys
 from tandem import gpu
