@@ -7,7 +7,7 @@ records (docs/design.md, "Benchmark results").
 * ``gpu``: the name ``nvidia-smi`` gives for GPU 0, or None where there is none;
 * ``versions`` (:func:`versions`): python, numpy, cupy, jax, jaxlib, mctx, pgx
   (None where not installed), ``tandem_commit`` (``$TANDEM_COMMIT``, else
-  ``git rev-parse HEAD`` in the repository, else None), ``tandem_dirty`` (the
+  ``git rev-parse HEAD`` where the running tandem was imported from, else None), ``tandem_dirty`` (the
   working tree differs from that commit, untracked files included; None where
   unknown), ``nvidia_driver`` and ``host_cpu``;
 * ``command``: the exact command line (``sys.orig_argv``).
@@ -28,7 +28,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from tandem.paths import import_root
 
 
 def _dist_version(name: str) -> str | None:
@@ -47,9 +47,10 @@ def _cupy_version() -> str | None:
 
 
 def _run(cmd: list[str]) -> str | None:
-    """``cmd``'s stdout (stripped) run in the repository, or None where it fails or takes over 30 s."""
+    """``cmd``'s stdout (stripped), run where the running ``tandem`` was imported from (a checkout: its
+    git commands answer; an installed package: they fail), or None where it fails or takes over 30 s."""
     try:
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=30, cwd=REPO_ROOT)
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=30, cwd=import_root())
     except (OSError, subprocess.TimeoutExpired):
         return None
     return res.stdout.strip() if res.returncode == 0 else None
