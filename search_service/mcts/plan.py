@@ -11,6 +11,9 @@ search service's wave loop (search_service/wave_loop.py) share it.
 Rules (per member, in this order; the CPU reference's single-search rules,
 per tree):
 
+0. its tree is not ready (a fresh PUCT root waiting for its priors, which
+   the next wave's model call brings with that wave's leaves): it takes no
+   simulation, and rules 3 and 4 wait for its first wave;
 1. its root is proven: it leaves (``END_PROVEN``);
 2. its simulation cap is reached: it leaves (``END_BUDGET``); else it takes
    ``k = min(K, cap - done)`` simulations (K = ``parallel_sims``);
@@ -138,7 +141,8 @@ def fair_share(ks: np.ndarray, shared: np.ndarray, times: WaveTimes, k_max: int,
 
 
 def plan_wave(members: list[Member], done: np.ndarray, live: np.ndarray, times: WaveTimes, k_max: int,
-              wave_target_ms: float | None = None, now: float | None = None, sliced: bool = False) -> Plan:
+              wave_target_ms: float | None = None, now: float | None = None, sliced: bool = False,
+              ready: np.ndarray | None = None) -> Plan:
     """Plans the next wave of a batch (module docstring's rules).
 
     Args:
@@ -153,6 +157,7 @@ def plan_wave(members: list[Member], done: np.ndarray, live: np.ndarray, times: 
         sliced: the batch's waves last a time slice (module docstring):
             deadline-only members take ``OPEN``, capped ones the rest of
             their cap, and no fair share applies.
+        ready: bool [B], trees that can take simulations (rule 0; None: all).
 
     Returns:
         The plan; a member that leaves gets its ``end``.
@@ -171,7 +176,7 @@ def plan_wave(members: list[Member], done: np.ndarray, live: np.ndarray, times: 
             leave(i, END_PROVEN)
         elif m.simulations is not None and done[i] >= m.simulations:
             leave(i, END_BUDGET)
-        else:
+        elif ready is None or ready[i]:
             wave = OPEN if sliced else k_max
             ks[i] = wave if m.simulations is None else min(wave, m.simulations - int(done[i]))
     asked: dict[int, bool] = {}  # id(should_stop) -> its answer: one call per plan
