@@ -103,6 +103,19 @@ def test_wave_times_expect_a_fixed_cost_and_a_pessimistic_cost_per_simulation():
     assert times.expected_ms(100) == pytest.approx(4.0) and times.expected_ms(1) == pytest.approx(2.02)
 
 
+def test_a_hiccup_in_a_small_wave_is_not_read_as_a_cost_per_leaf():
+    """A 1 ms stall in a wave of 4 leaves: the old rule (the largest recent
+    (ms - overhead) / leaves) expected a wave of 256 to take 64.5 ms, and the
+    fair share cut every tree to one simulation a wave."""
+    times = WaveTimes()
+    times.add(1, 0.5)  # a root alone: the fixed cost
+    times.add(256, 1.5)
+    times.add(256, 1.5)  # 1/256 ms a leaf
+    times.add(4, 1.5)  # 1 ms of it a stall
+    assert times.expected_ms(256) == pytest.approx(1.5 + 252 / 256)  # the stalled wave, moved by 1/256 ms a leaf
+    assert times.expected_ms(4) == pytest.approx(1.5)
+
+
 def test_a_sliced_plan_opens_deadline_only_members_and_gives_capped_ones_their_rest():
     """Sliced waves (rollouts): no fair share, the slice ends the wave."""
     times = WaveTimes(sliced=True)
