@@ -348,6 +348,8 @@ class CudaTreeBatch:
         """The roots waiting, valued by a call of their own (a wave with no
         simulation); False if the model failed them."""
         rows = np.flatnonzero(self.row["waiting"])
+        if not rows.size:
+            return True
         t = time.perf_counter()
         failure = None
         try:
