@@ -36,6 +36,13 @@ A wave (``wave(ks)``):
   slice has passed since the launch began (``deadline_ns``, from ``t0``,
   zeroed before each launch).
 
+A fresh value-model root joins waiting for its priors (``ready()`` False,
+no simulation): the next wave's model call values it after that wave's
+leaves (device waves: init_trees writes its OBS row at row ``B * K + i``
+and ``mcts_vm_root_priors`` reads its logits; the host way: one more row of
+the evaluator call, then init_trees with the priors), or a call of its own
+where the wave has no simulation.
+
 After each wave and each join ``finish_trees`` writes every row's RES row,
 copied back: the trees' simulations done, node counts and roots' known
 results (:meth:`live`), and, at ``leave``, their answers.
