@@ -44,6 +44,7 @@ K (their trees equal the same search run alone, whatever shares the batch).
 from __future__ import annotations
 
 import math
+import statistics
 import threading
 from collections import deque
 from dataclasses import dataclass
@@ -101,32 +102,35 @@ class WaveTimes:
     their simulations: every wave counts as one leaf, so the next is expected
     to take the longest recent one.
 
-    The wave loop's thread adds; other threads (admission) may call
-    :meth:`expected_ms`: ``_lock`` guards the deques (copying a deque while
+    One thread adds (the wave loop's group thread), refitting the model
+    then; other threads (admission) may call :meth:`expected_ms`, a few µs:
+    ``_lock`` guards the recent waves and the fit (copying a deque while
     another thread appends to it raises)."""
 
     def __init__(self, window: int = 4, history: int = 32, sliced: bool = False):
         self.sliced = sliced
         self._lock = threading.Lock()
         self._recent: deque[tuple[int, float]] = deque(maxlen=window)  # guarded by _lock
-        self._history: deque[tuple[int, float]] = deque(maxlen=history)  # guarded by _lock
+        self._history: deque[tuple[int, float]] = deque(maxlen=history)  # the adding thread's only
+        self._fit = (0.0, 0.0)  # guarded by _lock: (overhead, per_leaf), refitted at each add
 
     def add(self, leaves: int, ms: float) -> None:
         """Records a wave of ``leaves`` simulations that took ``ms`` (undone waves too)."""
         wave = (1 if self.sliced else max(int(leaves), 1), float(ms))
+        self._history.append(wave)
+        overhead = min(t for _, t in self._history)
+        most = max(n for n, _ in self._history)
+        per_leaf = statistics.median((t - overhead) / n for n, t in self._history if 2 * n >= most)
         with self._lock:
             self._recent.append(wave)
-            self._history.append(wave)
+            self._fit = (overhead, per_leaf)
 
     def expected_ms(self, leaves: int) -> float:
         """ms a wave of ``leaves`` simulations is expected to take; 0 before any wave."""
         with self._lock:
-            recent, history = tuple(self._recent), tuple(self._history)
+            recent, (overhead, per_leaf) = tuple(self._recent), self._fit
         if not recent:
             return 0.0
-        overhead = min(ms for _, ms in history)
-        most = max(n for n, _ in history)
-        per_leaf = float(np.median([(ms - overhead) / n for n, ms in history if 2 * n >= most]))
         n = 1 if self.sliced else max(int(leaves), 1)
         return max(overhead + per_leaf * n, max(ms + per_leaf * (n - m) for m, ms in recent))
 
