@@ -89,8 +89,7 @@ class WaveTimes:
       noise feeding itself;
     * a wave of ``leaves``: the longest of the last ``window`` waves, each
       moved by ``per_leaf`` for the difference in leaves (pessimistic about
-      the fixed cost's jitter), and never under ``overhead + per_leaf *
-      leaves``.
+      the fixed cost's jitter), and never under ``overhead``.
 
     A search alone (the same leaves every wave) is so expected to take its
     longest recent wave, the CPU reference's rule. Where every wave had the
@@ -132,7 +131,7 @@ class WaveTimes:
         if not recent:
             return 0.0
         n = 1 if self.sliced else max(int(leaves), 1)
-        return max(overhead + per_leaf * n, max(ms + per_leaf * (n - m) for m, ms in recent))
+        return max(overhead, max(ms + per_leaf * (n - m) for m, ms in recent))
 
 
 @dataclass
@@ -145,16 +144,17 @@ class Plan:
 
 
 def fair_share(ks: np.ndarray, shared: np.ndarray, times: WaveTimes, k_max: int,
-               wave_target_ms: float | None) -> float:
+               wave_target_ms: float | None, roots: int = 0) -> float:
     """Shrinks, in place, the simulations ``ks`` (int64 [B]) of the members
     ``shared`` (bool [B]: bounded by a deadline alone) to one equal k where
     the wave would take longer than ``wave_target_ms``; returns the wave's
-    expected ms after it."""
-    expected = times.expected_ms(int(ks.sum()))
+    expected ms after it. ``roots``: rows the wave's model call values
+    besides (roots waiting for their priors), counted as leaves."""
+    expected = times.expected_ms(int(ks.sum()) + roots)
     if wave_target_ms is not None and expected > wave_target_ms and shared.any():
         k = max(1, min(k_max, math.floor(k_max * wave_target_ms / expected)))
         ks[shared] = np.minimum(ks[shared], k)
-        expected = times.expected_ms(int(ks.sum()))
+        expected = times.expected_ms(int(ks.sum()) + roots)
     return expected
 
 
@@ -208,7 +208,8 @@ def plan_wave(members: list[Member], done: np.ndarray, live: np.ndarray, times: 
     # The deadline, against the wave as planned (its fair shares included); those
     # that leave only shorten it.
     shared = np.array([m.simulations is None for m in members], bool)
-    expected = fair_share(ks, shared & (ks > 0), times, k_max, None if sliced else wave_target_ms)
+    waiting = 0 if ready is None else int(np.count_nonzero(~np.asarray(ready, bool) & np.asarray(live, bool)))
+    expected = fair_share(ks, shared & (ks > 0), times, k_max, None if sliced else wave_target_ms, waiting)
     for i, m in enumerate(members):
         if ks[i] and m.tried and m.deadline is not None and m.deadline.left_ms(now) <= expected:
             leave(i, END_DEADLINE)
