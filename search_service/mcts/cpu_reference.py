@@ -585,6 +585,7 @@ class CpuTreeBatch:
         waiting = np.flatnonzero(self.row["waiting"])
         rows = waiting * self.cap
         m = len(states)
+
         def valued() -> None:
             self.node_visits[rows] = 1  # the root's own evaluation: sqrt(N) > 0 at the first choice
             self.row["waiting"][waiting] = False

@@ -208,7 +208,7 @@ def plan_wave(members: list[Member], done: np.ndarray, live: np.ndarray, times: 
     # The deadline, against the wave as planned (its fair shares included); those
     # that leave only shorten it.
     shared = np.array([m.simulations is None for m in members], bool)
-    waiting = 0 if ready is None else int(np.count_nonzero(~np.asarray(ready, bool) & np.asarray(live, bool)))
+    waiting = 0 if ready is None else int(np.count_nonzero(~ready))  # the roots the wave's call values too
     expected = fair_share(ks, shared & (ks > 0), times, k_max, None if sliced else wave_target_ms, waiting)
     for i, m in enumerate(members):
         if ks[i] and m.tried and m.deadline is not None and m.deadline.left_ms(now) <= expected:
