@@ -8,7 +8,9 @@ over a connection of its own, for ``--seconds`` after a 2 s warm-up:
 
 * ``search``: ``Search``, one rollout search of ``--simulations`` simulations
   on the position "4453", on the backend of ``--backend`` (cpu: the CPU
-  reference, or cuda);
+  reference, or cuda); with ``--batch K`` (K > 1) a ``SearchBatch`` of K such
+  searches (seeds 1..K: an engine's agents), so the rows tell what a call
+  costs from what each search in it costs;
 * ``reward``: ``Evaluate``, one critical one-board request to the bundled
   ``connect4_value`` model on the execution provider of ``--provider``.
 
@@ -22,8 +24,9 @@ them); py-spy's own cost then counts in that run's figures.
 GPU (``SERVICE.host_wait``, tandem.gpu.set_host_wait) in one run.
 
 Row fields: ``service``, ``host_wait``, ``workers``, ``clients``, ``backend``
-(search backend or reward execution provider), ``calls_per_s``, ``cpu_cores``
-(service CPU seconds per wall second), ``cpu_us_per_call``, ``seconds``,
+(search backend or reward execution provider), ``batch`` (searches a call),
+``calls_per_s``, ``searches_per_s``, ``cpu_cores`` (service CPU seconds per
+wall second), ``cpu_us_per_call``, ``cpu_us_per_search``, ``seconds``,
 ``errors`` (calls that failed), and ``calls_ratio`` (calls_per_s over the
 same service's first one-worker row, the same run). One file per service:
 ``search_calls.json``, ``reward_calls.json``.
@@ -50,28 +53,32 @@ from bench.loopback_stack import loopback_stack_data
 from bench.service_cpu import board_request, cpu_seconds
 from tandem.workers import children
 
-COLUMNS = ("service", "host_wait", "workers", "clients", "backend", "calls_per_s", "calls_ratio", "cpu_cores", "cpu_us_per_call",
-           "errors")
+COLUMNS = ("service", "host_wait", "workers", "clients", "backend", "batch", "calls_per_s", "calls_ratio", "searches_per_s",
+           "cpu_cores", "cpu_us_per_call", "cpu_us_per_search", "errors")
 ROOT = Path(__file__).resolve().parents[1]
 WARM_S = 2.0
 
 
-def _call(service: str, channel: grpc.Channel, simulations: int):
+def _call(service: str, channel: grpc.Channel, simulations: int, batch: int = 1):
     """One call of ``service``'s measured method, bound to ``channel``."""
     if service == "search":
-        request = search_pb2.SearchRequest(game="connect4", moves="4453", simulations=simulations, seed=1)
+        requests = [search_pb2.SearchRequest(game="connect4", moves="4453", simulations=simulations, seed=s)
+                    for s in range(1, batch + 1)]
         stub = search_pb2_grpc.SearchServiceStub(channel)
-        return lambda: stub.Search(request, timeout=30)
+        if batch > 1:
+            many = search_pb2.SearchBatchRequest(searches=requests)
+            return lambda: stub.SearchBatch(many, timeout=30)
+        return lambda: stub.Search(requests[0], timeout=30)
     request = board_request()
     stub = reward_pb2_grpc.RewardServiceStub(channel)
     return lambda: stub.Evaluate(request, timeout=30)
 
 
-def _client(service: str, address: str, simulations: int, start: float, until: float, out) -> None:
+def _client(service: str, address: str, simulations: int, batch: int, start: float, until: float, out) -> None:
     """One client process: calls back to back over its own connection; (calls, errors) to ``out``."""
     calls = errors = 0
     with grpc.insecure_channel(address) as ch:
-        call = _call(service, ch, simulations)
+        call = _call(service, ch, simulations, batch)
         while time.time() < until:
             try:
                 call()
@@ -106,7 +113,7 @@ def _config(service: str, workers: int, backend: str, provider: str, host_wait: 
 
 
 def measure(service: str, workers: int, clients: int, backend: str, provider: str, simulations: int,
-            seconds: float, profile: Path | None = None, host_wait: str = "auto") -> dict:
+            seconds: float, profile: Path | None = None, host_wait: str = "auto", batch: int = 1) -> dict:
     data = _config(service, workers, backend, provider, host_wait)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "tandem.yaml"
@@ -121,14 +128,14 @@ def measure(service: str, workers: int, clients: int, backend: str, provider: st
             out = ctx.Queue()
             start = time.time() + WARM_S
             until = start + seconds
-            procs = [ctx.Process(target=_client, args=(service, address, simulations, start, until, out))
+            procs = [ctx.Process(target=_client, args=(service, address, simulations, batch, start, until, out))
                      for _ in range(clients)]
             for p in procs:
                 p.start()
             time.sleep(max(start - time.time(), 0))
             pids = [proc.pid, *children(proc.pid)]
             before = sum(cpu_seconds(p) for p in pids)
-            spies = _profile(proc.pid, seconds, profile / f"{service}_w{workers}_{host_wait}") if profile else []
+            spies = _profile(proc.pid, seconds, profile / f"{service}_w{workers}_{host_wait}_b{batch}") if profile else []
             time.sleep(max(until - time.time(), 0))
             used = sum(cpu_seconds(p) for p in pids) - before
             results = [out.get(timeout=60) for _ in procs]
@@ -141,8 +148,10 @@ def measure(service: str, workers: int, clients: int, backend: str, provider: st
             proc.wait(60)
     calls = sum(c for c, _ in results)
     return {"service": service, "workers": workers, "clients": clients, "host_wait": host_wait,
-            "backend": backend if service == "search" else provider, "calls_per_s": round(calls / seconds, 1),
+            "backend": backend if service == "search" else provider, "batch": batch,
+            "calls_per_s": round(calls / seconds, 1), "searches_per_s": round(calls * batch / seconds, 1),
             "cpu_cores": round(used / seconds, 3), "cpu_us_per_call": round(used / max(calls, 1) * 1e6, 1),
+            "cpu_us_per_search": round(used / max(calls * batch, 1) * 1e6, 1),
             "seconds": seconds, "errors": sum(e for _, e in results), "simulations": simulations}
 
 
@@ -154,6 +163,8 @@ def main() -> None:
     parser.add_argument("--workers", type=common.int_list, default=[1, 2, 4])
     parser.add_argument("--clients", type=int, default=8, help="client processes (default 8)")
     parser.add_argument("--simulations", type=int, default=1, help="simulations a search (default 1: the call's cost)")
+    parser.add_argument("--batch", type=common.int_list, default=[1],
+                        help="searches a call (search only; K > 1: a SearchBatch of K; default 1)")
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--host-wait", type=lambda s: s.split(","), default=["auto"],
                         help="comma list of SERVICE.host_wait values to compare (auto, spin, yield, block; "
@@ -171,9 +182,10 @@ def main() -> None:
     if args.profile:
         args.profile.mkdir(parents=True, exist_ok=True)
     for service in args.service:
+        batches = args.batch if service == "search" else [1]
         rows = [measure(service, w, args.clients, backend, provider, args.simulations, args.seconds, args.profile,
-                        wait) for wait in args.host_wait for w in args.workers]
-        base = next((r["calls_per_s"] for r in rows if r["workers"] == 1), None)  # the first host_wait's
+                        wait, k) for wait in args.host_wait for w in args.workers for k in batches]
+        base = next((r["calls_per_s"] for r in rows if r["workers"] == 1), None)  # the first host_wait's, first batch
         for r in rows:
             r["calls_ratio"] = round(r["calls_per_s"] / base, 3) if base else None
             common.progress(r)
