@@ -7,6 +7,8 @@ fails undone only in the model's trees. Every test needs a GPU (marker
 ``gpu``)."""
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -96,12 +98,58 @@ def test_value_model_trees_in_a_ragged_device_batch_match_the_reference_alone():
         assert g.action == r.action
 
 
+def policy_logits(obs):
+    """float32 [M, 7]: per column, the side to move's stones less the opponent's (as uint8: -1 wraps to 255)."""
+    return (obs[:, 0].sum(axis=1) - obs[:, 1].sum(axis=1)).astype(np.float32)
+
+
 def policy_model(obs):
     """toy_model's values with priors that depend on the position (no service)."""
     values, _ = toy_model(obs)
-    logits = (obs[:, 0].sum(axis=1) - obs[:, 1].sum(axis=1)).astype(np.float32)  # [M, 7]: stones per column
+    logits = policy_logits(obs)
     e = np.exp(logits - logits.max(axis=1, keepdims=True))
     return values, e / e.sum(axis=1, keepdims=True)
+
+
+class StandInWaves:
+    """A stand-in for search_service.evaluators.DeviceWaves, without a reward
+    service: the selection writes the leaves into ``inputs`` on the device,
+    ``evaluate`` values rows ``[0, rows)`` by policy_model's rules (on the
+    host) and hands back device regions of values and policy logits, rows
+    past them garbage. Unordered: the batch synchronises before the call."""
+
+    ordered = announces = False
+
+    def __init__(self, max_rows: int = 1024):
+        self.max_rows = max_rows
+        self.inputs = cupy.empty((max_rows, 2, c4.ROWS, c4.COLUMNS), np.uint8)
+        self.values = cupy.empty((max_rows, 1), np.float32)
+        self.logits = cupy.empty((max_rows, c4.NUM_ACTIONS), np.float32)
+        self.calls: list[int] = []
+
+    def carries(self, rows: int) -> bool:
+        return rows <= self.max_rows
+
+    def inputs_written(self) -> None:
+        pass
+
+    def evaluate(self, rows: int):
+        obs = self.inputs[:rows].get()
+        self.calls.append(rows)
+        self.values[:rows] = cupy.asarray(toy_model(obs)[0].reshape(rows, 1).astype(np.float32))
+        self.logits[:rows] = cupy.asarray(policy_logits(obs))
+        return self.values, self.logits
+
+
+class DeviceWavesBackend(OneWarpBackend):
+    """OneWarpBackend whose batches are lent one StandInWaves (``waves``) every wave."""
+
+    def __init__(self):
+        super().__init__()
+        self.waves = StandInWaves()
+
+    def open_batch(self, params, evaluator=None, lend=None):
+        return super().open_batch(params, evaluator, lambda: contextlib.nullcontext(self.waves))
 
 
 def test_value_model_trees_with_priors_and_short_last_waves_match_the_reference_alone():
@@ -182,7 +230,7 @@ def test_a_root_that_joins_gets_its_priors_from_the_next_waves_model_call():
         b.join(c4.parse_moves("4"), [None], [1], [0])
         assert b.wave(np.array([0]))  # its root alone
         assert b.wave(np.array([4]))
-        b.join(c4.parse_moves("3344"), [None], [2], [0])
+        b.join(c4.parse_moves("334"), [None], [2], [0])  # the model's priors for it are not uniform
         assert b.ready().tolist() == [True, False]
         assert b.wave(np.array([4, 0])) and b.ready().all()
     assert len(calls) == 3 and calls[0] == 1  # the root alone, then two waves: the last one with the new root
@@ -190,4 +238,55 @@ def test_a_root_that_joins_gets_its_priors_from_the_next_waves_model_call():
     expected, ref_trees, _ = ref.leave([0, 1], [Member(None, None), Member(None, None)])
     for got, want in zip(trees, ref_trees):
         np.testing.assert_allclose(got.to_host().prior[0, 0], want.prior[0, 0], atol=1e-6)
-    assert [r.simulations for r in results] == [r.simulations for r in expected] == [4, 0]
+    assert [r.simulations for r in results] == [r.simulations for r in expected] == [8, 0]
+
+
+def test_value_model_trees_by_device_waves_in_a_ragged_batch_match_the_reference_alone():
+    """The device waves' way (tree_batch._device_wave): leaves in the lent
+    input region, the backup reading the values and logits on the device
+    (masked_priors), the roots that join while others search valued in the
+    wave's call after its leaves' rows (init_trees' OBS rows,
+    mcts_vm_root_priors): the same visit counts and moves as the reference."""
+    specs = [("4453", 45, 1, 0), ("", 13, 2, 0), ("334", 61, 3, 1), ("7", 30, 4, 2), ("4", 20, 5, 2)]
+    backend = DeviceWavesBackend()
+    together = run_ragged(specs, 8, "value_model", policy_model, backend=backend)
+    assert len(backend.waves.calls) > 5  # the waves went by the stand-in's regions
+    for i, (moves, sims, seed, _) in enumerate(specs):
+        r, t = alone(moves, simulations=sims, seed=seed, parallel_sims=8, evaluator="value_model",
+                     evaluator_fn=policy_model)
+        g = together[i][0]
+        assert g.simulations == r.simulations == g.model_simulations == sims
+        np.testing.assert_array_equal(g.visit_counts, r.visit_counts)
+        assert g.action == r.action
+        np.testing.assert_allclose(together[i][1].to_host().prior[0, 0], t.prior[0, 0], atol=1e-6)
+
+
+def test_roots_waiting_in_rows_apart_get_their_priors_from_one_device_wave():
+    """Two roots join, a row leaves before the next wave and moves one of
+    them into its hole: the waiting rows are 0 and 2, two runs of init_trees
+    and mcts_vm_root_priors beside tree 1's leaves, one call; each root gets
+    the priors the reference's batch gives it (its rows in another order)."""
+    params = SearchParams(simulations=None, deadline_ms=1.0, parallel_sims=4, evaluator="value_model")
+    backend = DeviceWavesBackend()
+    batch, ref = backend.open_batch(params, policy_model), CPU.open_batch(params, policy_model)
+    order = {}
+    for b in (batch, ref):
+        b.join(c4.stack([c4.parse_moves(m) for m in ("4453", "")]), [None] * 2, [1, 2], [0, 1])
+        assert b.wave(np.zeros(2, np.int64)) and b.ready().all()  # their roots alone (host way)
+        b.join(c4.stack([c4.parse_moves(m) for m in ("334", "7")]), [None] * 2, [3, 4], [0, 1])
+        order[b] = b.leave([0], [Member(None, None)])[2]  # row r was row order[r] (joined r-th)
+    assert order[batch].tolist() == [3, 1, 2] and batch.ready().tolist() == [False, True, False]
+    calls = len(backend.waves.calls)
+    for b in (batch, ref):
+        assert b.wave(np.where(order[b] == 1, 4, 0)) and b.ready().all()  # the "" tree's wave
+    assert backend.waves.calls[calls:] == [3 * 4 + 2]  # one call: the slots of the 3 rows, then both roots
+    out = {}
+    for b in (batch, ref):
+        results, trees, _ = b.leave([0, 1, 2], [Member(None, None)] * 3)
+        out[b] = {int(j): (r, t if b is ref else t.to_host()) for j, r, t in zip(order[b], results, trees)}
+    for j in (1, 2, 3):
+        (got, got_tree), (want, want_tree) = out[batch][j], out[ref][j]
+        assert got.simulations == want.simulations == (4 if j == 1 else 0)
+        np.testing.assert_array_equal(got.visit_counts, want.visit_counts)
+        np.testing.assert_allclose(got_tree.prior[0, 0], want_tree.prior[0, 0], atol=1e-6)
+    assert out[batch][2][1].prior[0, 0].max() > 0.5 and out[batch][3][1].prior[0, 0].max() > 0.5  # not uniform

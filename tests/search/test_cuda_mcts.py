@@ -462,12 +462,14 @@ def test_a_search_answered_before_its_first_wave_plays_its_policy_as_the_referen
 def test_the_undone_wave_leaves_the_tree_as_before_it_on_the_device():
     from test_anytime import FailingModel
 
+    # One warp per tree (G = K = 4): its waves are the reference's, the same in both searches. With
+    # one warp per simulation the four warps select at once and the tree depends on their timing.
+    be = CudaBackend(value_sims_per_warp=4)
     roots = roots_of(["4453"])
     model = FailingModel(works=3)
     p = params(simulations=12, parallel_sims=4, evaluator="value_model", seed=5)
-    _, undone = CudaBackend().search(roots, p, model, should_stop=lambda: model.calls > model.works)
-    _, good = CudaBackend().search(roots, params(simulations=8, parallel_sims=4, evaluator="value_model", seed=5),
-                                   toy_model)
+    _, undone = be.search(roots, p, model, should_stop=lambda: model.calls > model.works)
+    _, good = be.search(roots, params(simulations=8, parallel_sims=4, evaluator="value_model", seed=5), toy_model)
     a, b = good[0].to_host(), undone[0].to_host()
     n = int(a.num_nodes[0])
     assert int(b.num_nodes[0]) == n
