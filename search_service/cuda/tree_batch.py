@@ -259,13 +259,15 @@ class CudaTreeBatch:
         order = list(range(len(stay)))
         holes = [r for r in sorted(leaving) if r < len(stay)]
         movers = [r for r in stay if r >= len(stay)]
-        ts_w, cyc_w = abi.TREE_STATE.words, abi.CYCLES.words
-        for hole, row in zip(holes, movers):
+        for hole, row in zip(holes, movers):  # as many holes as movers; a tree's copy is its node count
             pl.copy_into(self._ptr(hole), self.cap, pl.CudaTree(self.pool, row, self.cap, int(nodes[row]), 0, 0))
-            self.ts[hole * ts_w : (hole + 1) * ts_w] = self.ts[row * ts_w : (row + 1) * ts_w]
-            self.cyc[hole * cyc_w : (hole + 1) * cyc_w] = self.cyc[row * cyc_w : (row + 1) * cyc_w]
-            self.keys[hole * _KEY_WORDS : (hole + 1) * _KEY_WORDS] = self.keys[row * _KEY_WORDS : (row + 1) * _KEY_WORDS]
             order[hole] = row
+        if movers:  # the rows' small state: one gather and scatter per array, not a copy per row
+            to, frm = cupy.asarray(np.array(holes, np.int64)), cupy.asarray(np.array(movers, np.int64))
+            for words, per_row in ((self.ts, abi.TREE_STATE.words), (self.cyc, abi.CYCLES.words),
+                                   (self.keys, _KEY_WORDS)):
+                rows = words[: self.b * per_row].reshape(self.b, per_row)
+                rows[to] = rows[frm]
         return np.array(order, np.int64)
 
     def _results(self, index: np.ndarray, ends: list[tuple[bool, bool]]) -> list[SearchResult]:
