@@ -104,7 +104,7 @@ def test_device_waves_in_process_search_as_the_host_way_does(co_located):
 def test_a_co_located_cuda_search_service_sends_its_leaves_in_process(co_located):
     cfg, search, _ = co_located
     handoff = search.servicer.handoff
-    assert handoff.wait_attached(30.0) and handoff._ipc.handoff == "in_process"
+    assert handoff.wait_attached(30.0) and handoff._leaf.handoff == "in_process"
     assert handoff.wait_device_channels(30.0) == cfg.search.device_channels
     lent = {id(ev): ev.totals.calls for ev in handoff._device_free}
     assert all(ev.handoff == "in_process" for ev in handoff._device_free)
