@@ -125,15 +125,19 @@ def run_wave(batch: TreeBatch, members: list[Member], ks: np.ndarray, times: Wav
     """Runs the wave ``ks`` (from :func:`leave`) over ``batch``, timed into
     ``times`` from ``since`` (``time.perf_counter()`` s; None: the wave's start).
     A wave of no simulations runs where roots wait for their priors; each
-    such root counts as one leaf in ``times`` (a row of the model call)."""
-    waiting = int(np.count_nonzero(~batch.ready()))
+    such root counts as one leaf in ``times`` (a row of the model call), and
+    its member has then taken part in a wave (``tried``: plan rules 3, 4)."""
+    roots = ~batch.ready()
+    waiting = int(np.count_nonzero(roots))
     if not ks.any() and not waiting:
         return
     t = time.perf_counter() if since is None else since
     batch.wave(ks)
     times.add(int(ks.sum()) + waiting, (time.perf_counter() - t) * 1e3)
-    for m, k in zip(members, ks):
-        m.tried = m.tried or bool(k)
+    # A root valued in this wave took part in it: its search can answer (the policy's move), so
+    # the plan's deadline rule applies to it from now on (a fresh value-model search needs one wave).
+    for m, k, root in zip(members, ks, roots):
+        m.tried = m.tried or bool(k) or bool(root)
 
 
 def step(batch: TreeBatch, members: list[Member], times: WaveTimes,

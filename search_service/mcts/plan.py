@@ -13,7 +13,8 @@ per tree):
 
 0. its tree is not ready (a fresh PUCT root waiting for its priors, which
    the next wave's model call brings with that wave's leaves): it takes no
-   simulation, and rules 3 and 4 wait for its first wave;
+   simulation, and rules 3 and 4 wait for that wave (its first: once its
+   root is valued it can answer, with the policy's move);
 1. its root is proven: it leaves (``END_PROVEN``);
 2. its simulation cap is reached: it leaves (``END_BUDGET``); else it takes
    ``k = min(K, cap - done)`` simulations (K = ``parallel_sims``);

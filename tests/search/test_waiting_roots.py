@@ -92,14 +92,19 @@ def test_several_roots_alone_equal_each_alone():
         same_tree(trees[i], t[0])
 
 
-def test_a_capped_search_with_a_tiny_deadline_gets_its_root_valued_and_one_wave():
+def test_a_capped_search_with_a_tiny_deadline_gets_its_root_valued_and_plays_the_policys_move():
+    """Its one wave is its root's: the search answers by its deadline with the
+    move it has then, the model's policy's, and no simulation."""
     model = OnnxValueModel()
-    (r,), _ = BACKEND.search(c4.parse_moves("4453"), params(simulations=100, deadline_ms=0.001, parallel_sims=8,
-                                                             evaluator="value_model", seed=1), model)
-    assert r.simulations == r.model_simulations == 8 and r.deadline_reached and r.evaluation_failure == ""
+    root = c4.parse_moves("4453")
+    (r,), _ = BACKEND.search(root, params(simulations=100, deadline_ms=0.001, parallel_sims=8,
+                                          evaluator="value_model", seed=1), model)
+    assert r.simulations == r.model_simulations == 0 and r.deadline_reached and r.evaluation_failure == ""
+    _, priors = model(c4.observation(root))
+    assert r.action == int(np.argmax(np.where(c4.legal_mask(root)[0], priors[0], -1.0)))
 
 
-def test_run_wave_counts_waiting_roots_as_leaves_and_marks_no_member_tried():
+def test_run_wave_counts_waiting_roots_as_leaves_and_marks_their_members_tried():
     model = SlowModel(0.0)
     batch = BACKEND.open_batch(params(deadline_ms=1.0, parallel_sims=4, evaluator="value_model"), model)
     batch.join(c4.stack([c4.parse_moves(""), c4.parse_moves("4"), c4.parse_moves("3")]), [None] * 3, [1, 2, 3],
@@ -109,12 +114,9 @@ def test_run_wave_counts_waiting_roots_as_leaves_and_marks_no_member_tried():
     left, ks = leave(batch, members, times)
     assert not left and ks.tolist() == [0, 0, 0]
     run_wave(batch, members, ks, times)
-    assert model.calls == 1 and list(times._recent)[0][0] == 3 and not any(m.tried for m in members)
-    left, ks = leave(batch, members, times)  # ready, never tried: one wave runs
-    assert not left and ks.tolist() == [4, 4, 4]
-    run_wave(batch, members, ks, times)
-    left, ks = leave(batch, members, times)
-    assert len(left) == 3 and all(r.simulations == 4 and r.deadline_reached for _, r, _ in left)
+    assert model.calls == 1 and list(times._recent)[0][0] == 3 and all(m.tried for m in members)
+    left, ks = leave(batch, members, times)  # valued and past their deadlines: they answer now
+    assert len(left) == 3 and all(r.simulations == 0 and r.deadline_reached for _, r, _ in left)
 
 
 def test_a_root_only_wave_that_fails_times_and_tries_its_members():
@@ -131,7 +133,8 @@ def test_a_root_only_wave_that_fails_times_and_tries_its_members():
 
 def test_the_wave_loop_answers_searches_that_must_leave_before_their_roots_are_valued():
     """Deadline passed at submit, a caller gone, a session's keep_tree: each
-    gets its root valued and one wave, and is answered; the loop goes on."""
+    gets its root valued (its one wave: the first two answer then, with the
+    policy's move), and is answered; the loop goes on."""
     loop = WaveLoop(BACKEND, SlowModel(0.002))
     try:
         # Past its deadline already: admitted by an idle group only (a busy one refuses it at once).
@@ -147,8 +150,8 @@ def test_the_wave_loop_answers_searches_that_must_leave_before_their_roots_are_v
         loop.submit([gone, kept])
         for j in (late, gone, kept):
             assert j.done.wait(30) and j.error is None, j.error
-        assert late.result.deadline_reached and late.result.simulations == 4
-        assert gone.result.extras["stopped"] and gone.result.simulations == 4
+        assert late.result.deadline_reached and late.result.simulations == 0
+        assert gone.result.extras["stopped"] and gone.result.simulations == 0
         assert kept.result.simulations == 4 and kept.out_tree is not None
         assert int(kept.out_tree.node_visits[0, 0]) == 5  # its root's evaluation and 4 simulations
         assert busy.done.wait(30) and busy.error is None and busy.result.deadline_reached
@@ -225,6 +228,28 @@ def test_admission_of_a_newcomer_with_time_for_its_waves_and_refusal_without():
         ok = vm_job("4", deadline_ms=2000, parallel_sims=8)
         loop.submit([ok])
         assert ok.done.wait(30) and ok.error is None and ok.result.simulations >= 8
+    finally:
+        loop.close()
+
+
+def test_admission_asks_a_fresh_value_model_search_for_one_wave_its_roots():
+    """A newcomer whose deadline holds the group's next wave once but not
+    twice is admitted: that wave values its root, and it answers with the
+    policy's move if no wave of simulations fits after it."""
+    loop = WaveLoop(BACKEND, SlowModel(0.05))
+    try:
+        busy = vm_job("", deadline_ms=5000, parallel_sims=8, seed=1)
+        loop.submit([busy])
+        lane = next(iter(loop._groups.values()))
+        deadline = time.monotonic() + 10
+        while len(lane.times._history) < 4 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        expected = lane.times.expected_ms(16)
+        assert 50 <= expected < 200, lane.times._history
+        fresh = vm_job("4", deadline_ms=1.8 * expected, parallel_sims=8, seed=2)
+        loop.submit([fresh])  # no Refused: one expected wave fits
+        assert fresh.done.wait(30) and fresh.error is None
+        assert fresh.result.simulations % 8 == 0 and fresh.result.evaluation_failure == ""
     finally:
         loop.close()
 
