@@ -111,6 +111,11 @@ def group_key(params: SearchParams) -> SearchParams:
     return dataclasses.replace(params, simulations=None, deadline_ms=1.0, seed=0)
 
 
+# SearchParams' fields that group_key keeps: a search's group is found by their values (a
+# dict lookup, not a dataclass built and validated per search).
+_SHARED = tuple(f.name for f in dataclasses.fields(SearchParams) if f.name not in ("simulations", "deadline_ms", "seed"))
+
+
 class _Group:
     def __init__(self, key: SearchParams, batch):
         self.key = key  # group_key: the constants its searches share
@@ -159,7 +164,7 @@ class WaveLoop:
         self.launching = launching or nullcontext
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
-        self._groups: dict[SearchParams, _Group] = {}  # guarded by _lock
+        self._groups: dict[tuple, _Group] = {}  # by the values of _SHARED; guarded by _lock
         self._in_flight = 0  # guarded by _lock
         self._closed = False  # guarded by _lock
 
@@ -185,14 +190,18 @@ class WaveLoop:
             for group in groups:
                 adding[id(group)] = adding.get(id(group), 0) + 1
             now = Deadline.now()
+            expect: dict[int, float] = {}  # id(group) -> its next wave with this call's jobs, ms
             for job, group in zip(jobs, groups):
                 busy = len(group.members) + len(group.queue)  # the group thread's list: a racy length is enough here
                 if not busy or job.deadline is None:
                     continue
-                # Its group's next wave with it, every member at K and then at its fair share (all taken
-                # as deadline-only: the wave the plan would run at most).
-                ks = np.full(busy + adding[id(group)], group.k_max, np.int64)
-                expected = fair_share(ks, np.ones(ks.size, bool), group.times, group.k_max, self.wave_target_ms)
+                if id(group) not in expect:
+                    # Its group's next wave with them, every member at K and then at its fair share (all
+                    # taken as deadline-only: the wave the plan would run at most).
+                    ks = np.full(busy + adding[id(group)], group.k_max, np.int64)
+                    expect[id(group)] = fair_share(ks, np.ones(ks.size, bool), group.times, group.k_max,
+                                                   self.wave_target_ms)
+                expected = expect[id(group)]
                 left_ms = job.deadline.left_ms(now)
                 if left_ms < expected:
                     REFUSED.labels("deadline").inc(len(jobs))
@@ -220,10 +229,11 @@ class WaveLoop:
             t.join(5)
 
     def _lane(self, params: SearchParams) -> _Group:  # caller holds _lock
-        key = group_key(params)
-        group = self._groups.get(key)
+        shared = tuple(getattr(params, name) for name in _SHARED)
+        group = self._groups.get(shared)
         if group is None:
-            group = self._groups[key] = _Group(key, self._open(key))
+            key = group_key(params)
+            group = self._groups[shared] = _Group(key, self._open(key))
             group.thread = threading.Thread(target=self._run, args=(group,), name=f"wave-loop-{key.evaluator}",
                                            daemon=True)
             group.thread.start()

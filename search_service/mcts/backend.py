@@ -8,6 +8,7 @@ passed back (``trees=[...]``) for the next search of that game.
 """
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -58,7 +59,7 @@ class SearchParams:
         sims = self.simulations
         if sims is not None and (not isinstance(sims, (int, np.integer)) or sims < 1):
             raise ValueError(f"simulations must be an int >= 1 or None, got {self.simulations!r}")
-        if self.deadline_ms is not None and not (np.isfinite(self.deadline_ms) and self.deadline_ms > 0):
+        if self.deadline_ms is not None and not (math.isfinite(self.deadline_ms) and self.deadline_ms > 0):
             raise ValueError(f"deadline_ms must be a finite number > 0 or None, got {self.deadline_ms!r}")
         if not isinstance(self.parallel_sims, (int, np.integer)) or not 1 <= self.parallel_sims <= 65536:
             raise ValueError(f"parallel_sims must be an int in 1..65536, got {self.parallel_sims!r}")
@@ -66,7 +67,7 @@ class SearchParams:
             raise ValueError(f"evaluator must be one of {EVALUATORS}, got {self.evaluator!r}")
         for name in ("c_uct", "c_puct", "virtual_loss"):
             value = getattr(self, name)
-            if not (np.isfinite(value) and value >= 0):
+            if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         if not isinstance(self.max_nodes, (int, np.integer)) or self.max_nodes < 1:
             raise ValueError(f"max_nodes must be an int >= 1, got {self.max_nodes!r}")
