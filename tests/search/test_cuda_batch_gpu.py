@@ -88,14 +88,23 @@ def test_value_model_trees_in_a_ragged_device_batch_match_the_reference_alone():
     another order): the same visit counts and moves."""
     specs = SPECS[:6]
     together = run_ragged(specs, 8, "value_model", toy_model, backend=GPU)
+    like_alone(specs, together, toy_model)
+
+
+def like_alone(specs, together, model, priors: bool = False) -> None:
+    """Each value-model search of ``specs`` run in a ragged batch (``together``,
+    from run_ragged, K = 8) has the simulations, visit counts, Q-values and
+    move of the same search run alone by the reference (and its root's priors)."""
     for i, (moves, sims, seed, _) in enumerate(specs):
-        r, _ = alone(moves, simulations=sims, seed=seed, parallel_sims=8, evaluator="value_model",
-                     evaluator_fn=toy_model)
+        r, t = alone(moves, simulations=sims, seed=seed, parallel_sims=8, evaluator="value_model",
+                     evaluator_fn=model)
         g = together[i][0]
         assert g.simulations == r.simulations == g.model_simulations == sims
         np.testing.assert_array_equal(g.visit_counts, r.visit_counts)
         np.testing.assert_allclose(g.q_values, r.q_values, atol=1e-5)
         assert g.action == r.action
+        if priors:
+            np.testing.assert_allclose(together[i][1].to_host().prior[0, 0], t.prior[0, 0], atol=1e-6)
 
 
 def policy_logits(obs):
@@ -251,14 +260,7 @@ def test_value_model_trees_by_device_waves_in_a_ragged_batch_match_the_reference
     backend = DeviceWavesBackend()
     together = run_ragged(specs, 8, "value_model", policy_model, backend=backend)
     assert len(backend.waves.calls) > 5  # the waves went by the stand-in's regions
-    for i, (moves, sims, seed, _) in enumerate(specs):
-        r, t = alone(moves, simulations=sims, seed=seed, parallel_sims=8, evaluator="value_model",
-                     evaluator_fn=policy_model)
-        g = together[i][0]
-        assert g.simulations == r.simulations == g.model_simulations == sims
-        np.testing.assert_array_equal(g.visit_counts, r.visit_counts)
-        assert g.action == r.action
-        np.testing.assert_allclose(together[i][1].to_host().prior[0, 0], t.prior[0, 0], atol=1e-6)
+    like_alone(specs, together, policy_model, priors=True)
 
 
 def test_roots_waiting_in_rows_apart_get_their_priors_from_one_device_wave():

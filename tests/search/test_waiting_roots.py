@@ -208,6 +208,17 @@ def test_searches_joining_a_busy_wave_loop_one_by_one_equal_the_same_searches_al
         loop.close()
 
 
+def busy_group(loop: WaveLoop) -> float:
+    """Submits one long value-model search (K = 8) to ``loop``; once its group
+    has four waves behind it, the ms its next wave of 16 leaves is expected to take."""
+    loop.submit([vm_job("", deadline_ms=5000, parallel_sims=8, seed=1)])
+    lane = next(iter(loop._groups.values()))
+    deadline = time.monotonic() + 10
+    while len(lane.times._history) < 4 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return lane.times.expected_ms(16)
+
+
 def test_admission_of_a_newcomer_with_time_for_its_waves_and_refusal_without():
     """A busy group of 10 ms waves: a newcomer with 2 s is admitted, one with
     1 ms refused; neither refusal nor admission depends on the roots-only
@@ -215,14 +226,8 @@ def test_admission_of_a_newcomer_with_time_for_its_waves_and_refusal_without():
     from search_service.wave_loop import Refused
     loop = WaveLoop(BACKEND, SlowModel(0.01))
     try:
-        busy = vm_job("", deadline_ms=3000, parallel_sims=8, seed=1)
-        loop.submit([busy])
-        lane = next(iter(loop._groups.values()))
-        deadline = time.monotonic() + 10
-        while len(lane.times._history) < 4 and time.monotonic() < deadline:
-            time.sleep(0.005)
-        expected = lane.times.expected_ms(16)
-        assert 10 <= expected < 40, lane.times._history
+        expected = busy_group(loop)
+        assert 10 <= expected < 40, expected
         with pytest.raises(Refused):
             loop.submit([vm_job("4", deadline_ms=1, parallel_sims=8)])
         ok = vm_job("4", deadline_ms=2000, parallel_sims=8)
@@ -238,14 +243,8 @@ def test_admission_asks_a_fresh_value_model_search_for_one_wave_its_roots():
     policy's move if no wave of simulations fits after it."""
     loop = WaveLoop(BACKEND, SlowModel(0.05))
     try:
-        busy = vm_job("", deadline_ms=5000, parallel_sims=8, seed=1)
-        loop.submit([busy])
-        lane = next(iter(loop._groups.values()))
-        deadline = time.monotonic() + 10
-        while len(lane.times._history) < 4 and time.monotonic() < deadline:
-            time.sleep(0.005)
-        expected = lane.times.expected_ms(16)
-        assert 50 <= expected < 200, lane.times._history
+        expected = busy_group(loop)
+        assert 50 <= expected < 200, expected
         fresh = vm_job("4", deadline_ms=1.8 * expected, parallel_sims=8, seed=2)
         loop.submit([fresh])  # no Refused: one expected wave fits
         assert fresh.done.wait(30) and fresh.error is None
