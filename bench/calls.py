@@ -16,9 +16,11 @@ over a connection of its own, for ``--seconds`` after a 2 s warm-up:
 
 The service's CPU is the user + system time of its processes (the first and
 its workers, /proc) over the wall time. With ``--profile DIR``, py-spy records
-the service meanwhile (``DIR/SERVICE_wN.gil.raw``: what holds the interpreter
-lock; ``.all.raw``: every thread; ``python3 -m bench.profile_summary`` reads
-them); py-spy's own cost then counts in that run's figures.
+the service meanwhile (``DIR/SERVICE_wN_WAIT_bK.gil.raw``: what holds the
+interpreter lock; ``.all.raw``: every thread, waiting ones included;
+``python3 -m bench.profile_summary`` reads them), without pausing it
+(``--nonblocking``: py-spy's default pauses the process at each sample);
+py-spy's own CPU still counts in that run's figures.
 
 ``--host-wait auto,block`` compares how the service's threads wait for the
 GPU (``SERVICE.host_wait``, tandem.gpu.set_host_wait) in one run.
@@ -99,9 +101,9 @@ def _profile(pid: int, seconds: float, path: Path) -> list[subprocess.Popen]:
     """py-spy on the service and its workers during the measured seconds (module docstring)."""
     spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     return [subprocess.Popen([spy, "record", "-f", "raw", "-r", "250", "-d", str(max(int(seconds) - 1, 1)),
-                              "-o", f"{path}.{name}.raw", "--pid", str(pid), "--subprocesses", *flags],
+                              "-o", f"{path}.{name}.raw", "--pid", str(pid), "--subprocesses", "--nonblocking", *flags],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            for name, flags in (("gil", ["--gil"]), ("all", []))]
+            for name, flags in (("gil", ["--gil"]), ("all", ["--idle"]))]
 
 
 def _config(service: str, workers: int, backend: str, provider: str, host_wait: str) -> dict:

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Where the search and reward services' interpreters go while N engines play (GPU machine): `tandem up`
 # with the shipped config, then for each N in $ENGINES (default "1 8 64") N `tandem play` processes
-# ($EVALUATOR, default value_model; 420 frames at 60 FPS) and, 3 s in, py-spy on both services for 4 s twice: --gil (what
-# holds the interpreter lock) and all threads. Setup as bench/gpu_setup.sh says; py-spy is carried
+# ($EVALUATOR, default value_model; 420 frames at 60 FPS) and, 3 s in, py-spy on both services for the same 4 s, twice
+# over: --gil (what holds the interpreter lock) and --idle (every thread, waiting ones too), --nonblocking (py-spy's
+# default pauses the process at each sample: it slowed the services it measured). Setup as bench/gpu_setup.sh says; py-spy is carried
 # (carry ".venv/bin/py-spy": the `bench` extra installs it here). About 2 minutes.
 #   ENGINES="1 8 64" bash bench/run_profile_gpu.sh
 # Writes $OUT/profile/<service>_<N>[_gil].raw, the play reports, both services' /metrics after each N
@@ -26,14 +27,14 @@ for N in ${ENGINES:-1 8 64}; do
       > /dev/null 2>&1 & plays+=($!)
   done
   sleep 3
-  for gil in "--gil" ""; do
-    tag=${gil:+_gil}
-    timeout 10 "$PYSPY" record -p "$S" -d 4 -r 200 $gil -f raw -o "$D/search_${N}${tag}.raw" > /dev/null 2>&1 &
-    s_spy=$!
-    timeout 10 "$PYSPY" record -p "$R" -d 4 -r 200 $gil -f raw -o "$D/reward_${N}${tag}.raw" > /dev/null 2>&1
-    wait $s_spy
+  spies=()
+  for svc in "search:$S" "reward:$R"; do
+    for mode in "_gil:--gil" ":--idle"; do
+      timeout 10 "$PYSPY" record -p "${svc#*:}" -d 4 -r 200 --nonblocking ${mode#*:} -f raw \
+        -o "$D/${svc%%:*}_${N}${mode%%:*}.raw" > /dev/null 2>&1 & spies+=($!)
+    done
   done
-  wait "${plays[@]}"
+  wait "${spies[@]}" "${plays[@]}"
   for port in 9452 9451; do
     python3 -c "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1]).read().decode())" \
       "http://127.0.0.1:$port/metrics" > "$D/metrics_${N}_$port.txt" 2>&1
