@@ -45,6 +45,7 @@ struct Descent {
   int tcode;
 };
 
+#if NUM_ACTIONS <= 8  // a game folder's wide nodes: select_one is in wide.cu
 // One simulation's selection, run by the whole warp: lane e (mod 8) owns edge
 // e of the node at hand, so the lane that adds an edge's virtual loss is the
 // lane that reads that edge's record in the next selection (same thread, same
@@ -115,6 +116,7 @@ __device__ Descent select_one(const TreeView& t, const SelectParams& sp, int* pa
   out.depth = d;
   return out;
 }
+#endif
 
 // A warp's selections for one wave: simulation i < g descends after
 // simulations 0..i-1 (so it sees their virtual losses), writing its path to
