@@ -165,3 +165,25 @@ __device__ __forceinline__ u64 global_timer_ns() {
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
 }
+
+// The k-th (0-based) set bit of a legal mask of WORDS u32 words, k = word % n over its n set
+// bits (the rollouts' rule, search_service/mcts/rollout.py); -1 when n = 0.
+template <int WORDS>
+__device__ __forceinline__ int kth_legal(const u32* legal, u32 word) {
+  int n = 0;
+#pragma unroll
+  for (int i = 0; i < WORDS; ++i) n += __popc(legal[i]);
+  if (n == 0) return -1;
+  u32 k = word % (u32)n;
+#pragma unroll
+  for (int i = 0; i < WORDS; ++i) {
+    u32 m = legal[i];
+    const u32 c = (u32)__popc(m);
+    if (k < c) {
+      for (; k; --k) m &= m - 1;
+      return 32 * i + __ffs(m) - 1;
+    }
+    k -= c;
+  }
+  return -1;
+}

@@ -453,7 +453,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS_PER_BLOCK) mcts_vm_backu
 
 #endif  // GAME_VALUE_MODEL
 
-#if NUM_ACTIONS <= 8  // a game folder's wide nodes: finish_trees is in wide.cu
+#if NUM_ACTIONS <= 8  // a game folder's wide nodes: the #else branch below
 // Results, one warp per tree, after the search: a RES row per tree (the root's
 // edges and N, the TS counters, the principal variation, the CYC row). The
 // principal variation follows, from the root, the edge with the most visits
@@ -514,6 +514,74 @@ extern "C" __global__ void finish_trees(unsigned char* pool, long long cap, int 
     out[RES_PV_LENGTH] = len;
   }
   // The CYC row, copied as int words (two per u64).
+  if (lane < 2 * CYC_WORDS) out[RES_CYCLES + lane] = ((const int*)(cyc + (long long)b * CYC_WORDS))[lane];
+}
+#else
+// Results of wide nodes (a game folder's NUM_ACTIONS > 8): as above, lane l
+// taking edges l, l + 32, ...; each lane keeps its best edge by (visits, then
+// Q = W / n in float64, then the lower index), then a 32-lane butterfly.
+extern "C" __global__ void finish_trees(unsigned char* pool, long long cap, int n_trees, const int* tsa,
+                                        const u64* cyc, int* res) {
+  const long long gw = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (gw >= n_trees) return;
+  const int b = (int)gw, lane = threadIdx.x & 31;
+  const TreeView t = tree_view(pool, cap, b);
+  int* out = res + (long long)b * RES_WORDS;
+  const int* ts = tsa + (long long)b * TS_WORDS;
+  unsigned char* outcome = (unsigned char*)(out + RES_OUTCOME);
+  for (int a = lane; a < NUM_ACTIONS; a += 32) {
+    const int4 r = __ldcg(t.rows + a);
+    const int ch = __ldcg(t.child + a);
+    out[RES_VISITS + a] = r.x;
+    out[RES_VALUE_SUM + a] = r.z;
+    outcome[1 + a] = (unsigned char)(ch >= 0 ? __ldcg(node_code(t, ch)) : NOT_TERMINAL);
+  }
+  if (lane == 0) {
+    const int4 h = __ldcg(t.rows + HEADER);
+    out[RES_ROOT_VISITS] = h.x;
+    outcome[0] = (unsigned char)h.y;
+  }
+  int node = 0, len = 0;
+  for (int step = 0; step < MAX_DEPTH; ++step) {
+    int vis = -1, best = lane;
+    double q = 0.0;
+    for (int a = lane; a < NUM_ACTIONS; a += 32) {
+      const int4 r = __ldcg(t.rows + (long long)node * ROW + a);
+      const double qa = r.x > 0 ? (double)__int_as_float(r.z) / (double)r.x : 0.0;
+      if (r.x > vis || (r.x == vis && qa > q)) {
+        vis = r.x;
+        q = qa;
+        best = a;
+      }
+    }
+#pragma unroll
+    for (int off = 16; off >= 1; off >>= 1) {
+      const int ov = __shfl_xor_sync(FULL_MASK, vis, off);
+      const double oq = __shfl_xor_sync(FULL_MASK, q, off);
+      const int ob = __shfl_xor_sync(FULL_MASK, best, off);
+      if (ov > vis || (ov == vis && (oq > q || (oq == q && ob < best)))) {
+        vis = ov;
+        q = oq;
+        best = ob;
+      }
+    }
+    best = __shfl_sync(FULL_MASK, best, 0);
+    vis = __shfl_sync(FULL_MASK, vis, 0);
+    if (vis <= 0) break;
+    if (lane == 0) out[RES_PV + len] = best;
+    ++len;
+    const int c = __ldcg(t.child + (long long)node * ROW + best);
+    if (c < 0) break;
+    node = c;
+  }
+  if (lane == 0) {
+    out[RES_NODES] = ts[TS_NODES];
+    out[RES_MAX_DEPTH] = ts[TS_MAX_DEPTH];
+    out[RES_DONE] = ts[TS_DONE];
+    out[RES_EXHAUSTED] = ts[TS_EXHAUSTED];
+    out[RES_DEADLINE] = ts[TS_DEADLINE];
+    out[RES_PV_LENGTH] = len;
+  }
   if (lane < 2 * CYC_WORDS) out[RES_CYCLES + lane] = ((const int*)(cyc + (long long)b * CYC_WORDS))[lane];
 }
 #endif
