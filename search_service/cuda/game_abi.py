@@ -30,7 +30,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-import numpy as np
 
 from search_service.cuda import abi
 from search_service.cuda.abi import I32, U32, U64, U8, Constant, Field, Layout
