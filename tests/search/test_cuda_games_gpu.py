@@ -1,0 +1,101 @@
+"""The CUDA backend over game folders (marker ``gpu``): a search of a
+bundled game at fixed simulations and seed with one warp per tree (the CPU
+reference's order) equals the CPU reference's; with several warps a tree
+keeps the invariants (budget, visits summing to the simulations, a legal
+action); a tic-tac-toe folder with a rules.cu, in a temporary folder, loads
+and is searched on the GPU (and its solver proves the draw); a folder
+without rules.cu goes to the CPU reference, saying why."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+cupy = pytest.importorskip("cupy")
+
+import yaml  # noqa: E402
+from test_plugin_search import TIC_TAC_TOE_RULES  # noqa: E402
+
+from search_service.backends import GameBackends, cuda_serves  # noqa: E402
+from search_service.cuda import CudaBackend  # noqa: E402
+from search_service.games.plugin import bundled_folder, load_game  # noqa: E402
+from search_service.mcts import tree as tr  # noqa: E402
+from search_service.mcts.backend import SearchParams  # noqa: E402
+from search_service.mcts.cpu_reference import CpuReferenceBackend  # noqa: E402
+from search_service.mcts.games import PluginSearch  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+TTT_CU = (Path(__file__).resolve().parents[1] / "games" / "tic_tac_toe_rules.cu").read_text()
+GAMES = {name: PluginSearch(load_game(bundled_folder(name))) for name in ("othello", "gomoku")}
+CPU = CpuReferenceBackend()
+
+
+def _params(game, sims: int, k: int, seed: int = 7) -> SearchParams:
+    return SearchParams(simulations=sims, parallel_sims=k, max_nodes=4 * sims + 8, seed=seed, game=game)
+
+
+@pytest.mark.parametrize("name", ["othello", "gomoku"])
+@pytest.mark.parametrize("k", [1, 8, 32])
+def test_one_warp_per_tree_equals_the_cpu_reference(name, k):
+    game = GAMES[name]
+    roots = np.concatenate([game.rules.initial(1), game.parse_moves(_some_moves(game))])
+    gpu, _ = CudaBackend(sims_per_warp=32).search(roots, _params(game, 300, k))
+    cpu, _ = CPU.search(roots, _params(game, 300, k))
+    for g, c in zip(gpu, cpu):
+        assert g.simulations == c.simulations == 300
+        np.testing.assert_array_equal(g.visit_counts, c.visit_counts)
+        np.testing.assert_allclose(g.q_values, c.q_values, rtol=0, atol=1e-6)
+        assert (g.action, g.principal_variation, g.tree_nodes, g.max_depth) == (
+            c.action, c.principal_variation, c.tree_nodes, c.max_depth)
+
+
+@pytest.mark.parametrize("name", ["othello", "gomoku"])
+def test_many_warps_per_tree_keep_the_invariants(name):
+    game = GAMES[name]
+    roots = game.rules.initial(16)
+    results, _ = CudaBackend(sims_per_warp=1).search(roots, _params(game, 1000, 16))
+    legal = game.legal(roots)
+    for r, ok in zip(results, legal):
+        assert r.simulations == 1000 and r.visit_counts.sum() == 1000
+        assert ok[r.action] and (r.visit_counts[~ok] == 0).all()
+
+
+def test_tic_tac_toe_folder_is_searched_on_the_gpu(tmp_path):
+    folder = write_game(tmp_path / "ttt")
+    (folder / "rules.cu").write_text(TTT_CU)
+    game = PluginSearch(load_game(folder))
+    assert cuda_serves(game) is None
+    backends = GameBackends(CudaBackend(sims_per_warp=32))
+    assert backends.for_game(game) is backends.primary
+    (r,), _ = backends.for_game(game).search(game.rules.initial(1), _params(game, 20_000, 8))
+    cpu, _ = CPU.search(game.rules.initial(1), _params(game, 20_000, 8))
+    assert r.proven == tr.PROVEN_DRAW == cpu[0].proven  # the solver proves tic-tac-toe a draw
+    np.testing.assert_array_equal(r.visit_counts, cpu[0].visit_counts)
+
+
+def test_folder_without_rules_cu_goes_to_the_cpu_reference(tmp_path):
+    game = PluginSearch(load_game(write_game(tmp_path / "ttt_numpy_only", name="ttt_numpy_only")))
+    why = cuda_serves(game)
+    assert why is not None and "ttt_numpy_only" in why and "rules.cu" in why
+    backends = GameBackends(CudaBackend())
+    assert backends.for_game(game).name == "cpu_reference"
+
+
+def write_game(folder: Path, name: str = "tic_tac_toe") -> Path:
+    """A tic-tac-toe folder (NumPy rules only) named ``name`` in ``folder``."""
+    folder.mkdir(parents=True)
+    (folder / "game.yaml").write_text(yaml.safe_dump({"name": name, "num_actions": 9, "state_words": 1,
+                                                      "observation": [2, 3, 3], "players": 2, "max_moves": 9}))
+    (folder / "rules.py").write_text(TIC_TAC_TOE_RULES)
+    return folder
+
+
+def _some_moves(game) -> str:
+    rng = np.random.default_rng(5)
+    state, actions = game.rules.initial(1), []
+    for _ in range(10):
+        legal = np.flatnonzero(game.legal(state)[0])
+        actions.append(int(rng.choice(legal)))
+        state = game.play(state, np.array(actions[-1:]))
+    return game.rules.moves_to_text(actions)
