@@ -70,6 +70,8 @@ def cuda_serves(game: SearchGame) -> str | None:
             if not game_module.has_device_rules(plugin.meta):
                 why = (f"game {plugin.meta.label}: the folder has no {game_module.RULES_FILE}, "
                        "so the CPU reference searches it")
+            elif (reason := cuda_available()) is not None:  # no kernels to compile here: not cached
+                return f"game {plugin.meta.label}: its {game_module.RULES_FILE} needs the CUDA backend, but {reason}"
             else:
                 try:
                     game_module.device_module(plugin.meta)
