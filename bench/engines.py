@@ -14,7 +14,10 @@ bulk server by shared memory for the row's whole length
   worst engine's p99;
 * ``simulations_per_frame``: the mean over engines of each one's mean per
   agent; ``optimal_move_rate``: over all agents' positions not lost;
-* ``trainer_frames_per_s``: the trainer's rate during the row (0: none).
+* ``trainer_frames_per_s``: the trainer's rate during the row (0: none);
+* ``workers``, ``reward_workers``: the row's ``search.workers`` and
+  ``reward.workers`` (``--workers``, or each alone: ``--search-workers``,
+  ``--reward-workers``).
 
 "Games per GPU" is the largest ``engines * agents_per_engine`` of a value-model
 row without a trainer whose missed share is at most 0.5 % and whose agents
@@ -51,12 +54,12 @@ MISSED_TARGET = 0.005  # "games per GPU": at most 0.5 % of frames missed ...
 MIN_SIMULATIONS = 100  # ... and at least this many simulations per agent a frame
 
 
-def _config(policy: str, out: Path, workers: int | None = None) -> Path:
+def _config(policy: str, out: Path, search_workers: int | None = None, reward_workers: int | None = None) -> Path:
     cfg = yaml.safe_load(SHIPPED.read_text())
     cfg.setdefault("scheduler", {})["policy"] = policy
-    if workers:  # search.workers and reward.workers (tandem/workers.py)
-        cfg.setdefault("search", {})["workers"] = workers
-        cfg.setdefault("reward", {})["workers"] = workers
+    for service, workers in (("search", search_workers), ("reward", reward_workers)):  # tandem/workers.py
+        if workers:
+            cfg.setdefault(service, {})["workers"] = workers
     path = out / f"tandem_{policy}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -192,6 +195,8 @@ def main() -> None:
     ap.add_argument("--fps", type=float, default=60.0)
     ap.add_argument("--workers", type=int, default=None,
                     help="search.workers and reward.workers (default: the shipped config's)")
+    ap.add_argument("--search-workers", type=int, default=None, help="search.workers alone (over --workers)")
+    ap.add_argument("--reward-workers", type=int, default=None, help="reward.workers alone (over --workers)")
     args = ap.parse_args()
     if args.quick:
         args.engines, args.evaluators, args.batch, args.contended, args.frames = [1, 2], "rollout", "1x4", 2, 60
@@ -204,7 +209,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="engines_") as tmp:
         work = Path(tmp)
         for i, policy in enumerate(policies):
-            config = _config(policy, work, args.workers)
+            config = _config(policy, work, args.search_workers or args.workers, args.reward_workers or args.workers)
             logs = work / f"logs_{policy}"
             logs.mkdir()
             stack = Stack(config, logs)
@@ -214,7 +219,9 @@ def main() -> None:
                 plan += [(args.contended, 1, evaluators[0], "shm")] if args.contended else []
                 for engines, agents, ev, trainer in plan:
                     row = run_row(config, work, engines, agents, ev, args.frames, args.fps, trainer)
-                    row["workers"] = yaml.safe_load(config.read_text()).get("search", {}).get("workers", 1)
+                    written = yaml.safe_load(config.read_text())
+                    row["workers"] = written.get("search", {}).get("workers", 1)
+                    row["reward_workers"] = written.get("reward", {}).get("workers", 1)
                     progress(row)
                     rows.append(row)
             finally:

@@ -4,7 +4,8 @@
 #   bash bench/run_engines_gpu.sh curve      # N = 1, 8, 32, 64, 128 per evaluator, and the batch-call rows
 #   bash bench/run_engines_gpu.sh contended  # N = 64 beside the bulk-server trainer, per policy
 #   WORKERS=4 bash bench/run_engines_gpu.sh workers  # Search calls a second by search.workers, then the
-#                                            # curve's N = 8, 32, 64 rows with search and reward workers = $WORKERS
+#                                            # curve's N = 8, 32, 64 rows with search workers = $WORKERS and
+#                                            # reward workers = $REWARD_WORKERS (default $WORKERS)
 # Each writes $OUT/engines_h200.json and .png (the curve; engines_<mode>_h200.* for the others) and a
 # short table (last).
 set -o pipefail
@@ -17,9 +18,10 @@ case "${1:-curve}" in
            --contended 0 --policies default --out "$OUTDIR/curve" ;;
   contended) python3 -m bench.engines --engines "" --evaluators value_model --batch "" --contended 64 \
            --policies default,dynamic,static --out "$OUTDIR/contended" ;;
-  workers) python3 -m bench.search_calls --backend cuda --workers 1,2,4,8 --clients 16 --out "$OUTDIR"
+  workers) python3 -m bench.calls --service search,reward --backend cuda --provider auto --workers 1,2,4,8 --clients 16 --out "$OUTDIR"
            python3 -m bench.engines --engines 8,32,64 --evaluators rollout,value_model --batch "" --contended 0 \
-             --policies default --workers "${WORKERS:-4}" --out "$OUTDIR/workers" ;;
+             --policies default --search-workers "${WORKERS:-4}" --reward-workers "${REWARD_WORKERS:-${WORKERS:-4}}" \
+             --out "$OUTDIR/workers" ;;
 esac
 # The shelf's names (bench/results/): the curve is engines_h200, the others engines_<mode>_h200.
 for f in "$OUTDIR"/*/engines.json "$OUTDIR"/*/engines.png; do

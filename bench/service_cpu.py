@@ -45,7 +45,7 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _TICKS  # utime, stime: fields 14 and 15 of stat
 
 
-def _board_request() -> reward_pb2.EvaluateRequest:
+def board_request() -> reward_pb2.EvaluateRequest:
     board = np.zeros((1, 2, 6, 7), np.uint8)
     board[0, 0, 0, 3] = 1
     return reward_pb2.EvaluateRequest(model="connect4_value", inputs=[tensors.to_proto("board", board)],
@@ -63,7 +63,7 @@ def _measure(pids: dict[str, int], seconds: float, load=None) -> tuple[dict[str,
 
 
 def _paced_calls(stub, rate: float):
-    request = _board_request()
+    request = board_request()
 
     def run(until: float) -> int:
         calls, next_at = 0, time.monotonic()

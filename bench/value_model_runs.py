@@ -9,9 +9,10 @@ reward_service/session.py), in this process, on the GPU. One row per
 * ``variant``: ``fp32`` (NCHW, the file as is), ``fp32_nhwc``, ``fp16``
   (FP16 body, FP32 head), ``fp16_nhwc`` (what ``precision: auto`` +
   ``prefer_nhwc`` served on a GPU before), ``fp16_nhwc_fused_bias`` (the
-  same with ``fuse_conv_bias``: what the shipped config serves), ``fp32_heuristic`` and
-  ``fp16_nhwc_heuristic`` (cuDNN's HEURISTIC algorithm choice instead of
-  EXHAUSTIVE: a shorter start-up), ``fp32_no_graph`` and
+  same with ``fuse_conv_bias``), ``fp32_heuristic``, ``fp16_nhwc_heuristic``
+  and ``fp16_nhwc_fused_bias_heuristic`` (cuDNN's HEURISTIC algorithm choice
+  instead of EXHAUSTIVE: a shorter start-up; the last is what the shipped
+  config serves), ``fp32_no_graph`` and
   ``fp16_nhwc_no_graph`` (no CUDA graph: every kernel launched from the host);
 * ``nodes``: the nodes ONNX Runtime runs per run of the variant after its
   fusions (every node event of one run in its profile), ``top_ops`` the three
@@ -92,6 +93,8 @@ def variants(model, cfg):
         ("fp16_nhwc_fused_bias", replace(plain, precision="fp16", prefer_nhwc=True, fuse_conv_bias=True), exhaustive),
         ("fp32_heuristic", replace(plain, precision="fp32", prefer_nhwc=False), heuristic),
         ("fp16_nhwc_heuristic", replace(plain, precision="fp16", prefer_nhwc=True), heuristic),
+        ("fp16_nhwc_fused_bias_heuristic", replace(plain, precision="fp16", prefer_nhwc=True, fuse_conv_bias=True),
+         heuristic),
         ("fp32_no_graph", replace(plain, precision="fp32", prefer_nhwc=False, cuda_graph=False), exhaustive),
         ("fp16_nhwc_no_graph", replace(plain, precision="fp16", prefer_nhwc=True, cuda_graph=False), exhaustive),
     ]

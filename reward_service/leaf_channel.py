@@ -100,7 +100,7 @@ from tandem import tensors, timeline
 from tandem.config import LeafChannelConfig
 from tandem.cuda_events import IPC_EVENT_HANDLE_BYTES, ExportedEvent, LocalEvent, OpenedEvent
 from tandem.errors import quote
-from tandem.leaf_channel import (ATTACH, ERROR, MAX_MESSAGE_BYTES, REPLY, REPLY_FORMAT, WAVE, WAVE_FORMAT, OutputSlot,
+from tandem.leaf_channel import (ATTACH, MAX_MESSAGE_BYTES, REPLY, REPLY_FORMAT, WAVE, WAVE_FORMAT, OutputSlot,
                                  output_layout, pack_error)
 from tandem.gpu import cupy_module
 from tandem.ready_word import WORD_BYTES, WordWait, mapped_store

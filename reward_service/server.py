@@ -28,7 +28,7 @@ from tandem.startup import Phases
 from tandem.workers import WorkerPlace
 from tandem.config import SharedMemoryConfig, TandemConfig
 from tandem.errors import quote
-from tandem.gpu import cuda_device_count
+from tandem.gpu import cuda_device_count, host_fact
 from tandem.leaf_channel import RUNTIME_KEY as LEAF_CHANNEL_KEY
 from tandem.service import Service, start_service
 
@@ -457,11 +457,12 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True, bulk_server: bool = 
             sessions[m.name] = ModelSession(m, cfg.reward, pool_bytes=per_runner, warm=False,
                                             critical_lane=critical_lane)
     providers = sorted({s.execution_provider for s in sessions.values()})
-    log.warning("reward service: execution provider(s) in use: %s", ", ".join(providers))
+    fact = host_fact(log)
+    fact("reward service: execution provider(s) in use: %s", ", ".join(providers))
     for s in sessions.values():
         off = {k: v for k, v in s.runtime.items() if v.startswith("off")}
         if off:
-            log.warning("model %s: GPU features off: %s", s.name, "; ".join(f"{k} {v}" for k, v in off.items()))
+            fact("model %s: GPU features off: %s", s.name, "; ".join(f"{k} {v}" for k, v in off.items()))
     metrics = ModelMetrics(list(sessions))
     batchers = {}
     for name, s in sessions.items():
@@ -492,7 +493,7 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True, bulk_server: bool = 
             servicer.leaf_channel = leaf_channel.LeafChannelServer(
                 cfg.reward.leaf_channel, sessions, servicer.batchers, servicer.regions, metrics,
                 cfg.reward.shared_memory.lease_ttl_ms / 1e3)
-            log.warning("reward service: leaf channel on %s", servicer.leaf_channel.path)
+            fact("reward service: leaf channel on %s", servicer.leaf_channel.path)
         except OSError as exc:  # searches then send their leaves over gRPC
             log.warning("reward service: no leaf channel (%s); searches use gRPC", exc)
     if not bulk_server:  # co-located mode offers it to its search service (stack/colocated.py)

@@ -527,24 +527,24 @@ class _SessionFactory:
     def __init__(self, raw: bytes, model: ModelConfig, cfg: RewardConfig, pool_bytes: int):
         self._raw, self._model, self._cfg = raw, model, cfg
         self.pool_bytes = pool_bytes
-        self._options = ort.SessionOptions()
-        if cfg.intra_op_threads:
-            self._options.intra_op_num_threads = cfg.intra_op_threads
-        spin = "1" if cfg.ort_thread_spinning else "0"  # spinning threads burn a core each between runs
+        self._options = self._base_options()
+
+    def _base_options(self) -> ort.SessionOptions:
+        """The session options every session of the model starts from."""
+        options = ort.SessionOptions()
+        if self._cfg.intra_op_threads:
+            options.intra_op_num_threads = self._cfg.intra_op_threads
+        spin = "1" if self._cfg.ort_thread_spinning else "0"  # spinning threads burn a core each between runs
         for pool in ("intra_op", "inter_op"):
-            self._options.add_session_config_entry(f"session.{pool}.allow_spinning", spin)
-        self._options.log_severity_level = 3  # a CUDA fallback is reported by ModelSession, once
+            options.add_session_config_entry(f"session.{pool}.allow_spinning", spin)
+        options.log_severity_level = 3  # a CUDA fallback is reported by ModelSession, once
+        return options
 
     def cpu(self) -> ort.InferenceSession:
         """A session on the CPU execution provider only, its memory in the
         process's one CPU arena (:func:`shared_cpu_arena`) and without memory
         patterns."""
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = self._options.intra_op_num_threads
-        options.log_severity_level = self._options.log_severity_level
-        spin = "1" if self._cfg.ort_thread_spinning else "0"
-        for pool in ("intra_op", "inter_op"):
-            options.add_session_config_entry(f"session.{pool}.allow_spinning", spin)
+        options = self._base_options()
         # Memory patterns plan one block per input shape, kept beside the arena's chunks of the
         # first run of that shape: twice a batch's working set, per shape. Off, every run takes
         # its tensors from the one arena; a run costs the same (frame_reward at 256 rows: 37 ms

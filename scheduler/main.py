@@ -79,7 +79,11 @@ class _DrainHook:
 
 
 def log_findings(device: DeviceInfo, policy_name: str) -> None:
-    """Logs the device and MPS findings; a WARNING when priorities are not enforced."""
+    """Logs the device and MPS findings; a WARNING when a GPU's priorities are not enforced."""
+    if not device.has_gpu:  # nothing to enforce: not worth a warning, nor a range read from no device
+        log.info("no GPU: the models and the search run on the CPU; stream priorities and MPS: %s",
+                 mps.NOT_APPLICABLE)
+        return
     prange = device.priority_range
     source = "from the device" if device.range_from_device else "nominal (H200), no device to ask"
     log.info("GPU: %s; memory %d bytes; stream priorities least %d .. greatest %d (%s)",
@@ -87,8 +91,6 @@ def log_findings(device: DeviceInfo, policy_name: str) -> None:
     log.info("MPS: %s", device.mps_message)
     if device.priorities_enforced:
         log.info("%s", device.message)
-    elif not device.has_gpu:  # nothing to enforce: not worth a warning on a CPU host
-        log.info("no GPU: the models and the search run on the CPU; stream priorities and MPS do not apply")
     else:
         log.warning("stream priorities are not enforced across processes: %s%s", device.message,
                     f"; policy {policy_name!r} assigns priorities that only act within one process"
@@ -147,7 +149,8 @@ def start_mps(cfg: TandemConfig) -> mps.MpsControl:
         control = mps.MpsControl(pipe, logs, message="MPS left alone (scheduler.mps: off)")
     else:
         control = mps.ensure(pipe, logs, cuda_device_count() > 0)
-    (log.info if control.active else log.warning)("MPS: %s", control.message)
+    # Inactive on a GPU host: priorities do not act across processes (WARNING); on a CPU host: expected.
+    (log.info if control.active or not cuda_device_count() else log.warning)("MPS: %s", control.message)
     return control
 
 

@@ -64,8 +64,8 @@ def ensure(pipe_directory: str, log_directory: str, has_gpu: bool, *, timeout_s:
     its message says why and that priorities are not enforced across processes.
     """
     base = MpsControl(pipe_directory, log_directory)
-    if not has_gpu:
-        return _inactive(base, "no GPU: MPS not started")
+    if not has_gpu:  # nothing to enforce, so no remedy to give
+        return MpsControl(pipe_directory, log_directory, message=f"no GPU: MPS not started ({NOT_APPLICABLE})")
     binary = shutil.which(MPS_CONTROL_BINARY) or ""
     if not binary:
         return _inactive(base, f"MPS unavailable: {MPS_CONTROL_BINARY} is not on PATH")
@@ -96,6 +96,9 @@ def ensure(pipe_directory: str, log_directory: str, has_gpu: bool, *, timeout_s:
         time.sleep(0.05)
     return _inactive(base, f"started {MPS_CONTROL_BINARY} -d but it did not answer within {timeout_s:.0f} s "
                            f"({message}); see {log_directory}/control.log")
+
+
+NOT_APPLICABLE = "not applicable without a GPU"  # MPS and stream priorities on a CPU host
 
 
 def _inactive(base: MpsControl, why: str) -> MpsControl:

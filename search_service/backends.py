@@ -11,7 +11,7 @@ import threading
 
 from search_service.games.metadata import GameError
 from search_service.mcts.games import ConnectFourSearch, SearchGame
-from tandem.gpu import cuda_device_count
+from tandem.gpu import cuda_device_count, host_fact
 
 log = logging.getLogger(__name__)
 
@@ -22,10 +22,10 @@ def cuda_available() -> str | None:
     """None if the CUDA backend can run here, else the reason it cannot."""
     if importlib.util.find_spec(CUDA_MODULE) is None:
         return "this build has no CUDA search backend"
+    if cuda_device_count() == 0:  # before CuPy: on a CPU host, installing CuPy is no fix
+        return "no CUDA GPU is visible"
     if importlib.util.find_spec("cupy") is None:
         return "CuPy is not installed (pip install 'tandem[gpu]')"
-    if cuda_device_count() == 0:
-        return "no CUDA GPU is visible"
     return None
 
 
@@ -44,7 +44,7 @@ def make_backend(choice: str, rollout_slice_ms: float | None = None, **cuda_opti
             return importlib.import_module(CUDA_MODULE).CudaBackend(rollout_slice_ms=rollout_slice_ms, **cuda_options)
         if choice == "cuda":
             raise RuntimeError(f"search.backend is 'cuda' but {reason}")
-        log.warning("search backend: CPU reference (%s)", reason)
+        host_fact(log)("search backend: CPU reference (%s)", reason)
     from search_service.mcts.cpu_reference import CpuReferenceBackend
 
     return CpuReferenceBackend(rollout_slice_ms)

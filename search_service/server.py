@@ -45,7 +45,7 @@ from tandem import pools, workers
 from tandem.workers import WorkerPlace
 from tandem.config import TandemConfig
 from tandem.errors import quote
-from tandem.gpu import cupy_module
+from tandem.gpu import cupy_module, host_fact
 from tandem.server import LATENCY_BUCKETS_S, channel
 from tandem.service import Service, start_service
 from tandem.startup import Phases
@@ -499,16 +499,17 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True, place: WorkerPlace =
     with phases.phase(f"search backend {cfg.search.backend}"):
         backend = make_backend(cfg.search.backend, cfg.search.rollout_slice_ms or None,
                                value_sims_per_warp=cfg.search.value_model_sims_per_warp)
-    log.warning("search service: backend %s, default evaluator %s (search.evaluator: %s)", backend.name,
-                default_evaluator(cfg.search.evaluator, backend.name), cfg.search.evaluator)
+    fact = host_fact(log)
+    fact("search service: backend %s, default evaluator %s (search.evaluator: %s)", backend.name,
+         default_evaluator(cfg.search.evaluator, backend.name), cfg.search.evaluator)
     # Streams and the pool limit only where the backend launches CUDA kernels.
     cupy = cupy_module() if backend.name.startswith("cuda") else None
-    log.warning("search service: %s", pools.limit_cupy_pool(cupy, cfg.search.memory_pool_bytes))
+    fact("search service: %s", pools.limit_cupy_pool(cupy, cfg.search.memory_pool_bytes))
     backends = GameBackends(backend, cfg.search.rollout_slice_ms or None)
     for game in games.values():
         why = backends.why_not_primary(game)
-        log.warning("search service: game %s on %s%s%s", game.label, backends.for_game(game).name,
-                    f" ({why})" if why else "", "" if game.value_model else ", rollouts only (no value model)")
+        fact("search service: game %s on %s%s%s", game.label, backends.for_game(game).name,
+             f" ({why})" if why else "", "" if game.value_model else ", rollouts only (no value model)")
     with phases.phase("a first search per game (kernels, pools)"):
         _warm_up(backends, games, cfg)
     reward_address = cfg.search.reward_address or cfg.reward.address

@@ -28,6 +28,7 @@ import grpc
 
 from stack import interrupt
 from tandem.config import BULK_SERVER, ConfigError, TandemConfig, endpoints, load_config
+from tandem.engine_client import address_type
 
 SERVE = {  # tandem serve NAME -> (module, its function that serves until SIGINT/SIGTERM)
     "scheduler": ("scheduler.main", "serve"),
@@ -36,6 +37,10 @@ SERVE = {  # tandem serve NAME -> (module, its function that serves until SIGINT
     "search": ("search_service.server", "serve"),
     "co_located": ("stack.colocated", "serve"),  # reward + search in one process (co_located: true)
 }
+
+
+class BadArgument(RuntimeError):
+    """A command-line argument that cannot work (one line on stderr; exit 2)."""
 
 
 def _config(args) -> TandemConfig:
@@ -103,14 +108,18 @@ def cmd_health(args) -> int:
 
 
 def _play_options(args, cfg: TandemConfig):
+    """Raises BadArgument: ``--game`` is not a game of the config, or ``--positions`` is given for another game."""
     from stack.play import PlayOptions, game_positions_file
 
     if args.game == PlayOptions.game:
         sets = tuple(args.positions) if args.positions else PlayOptions.position_sets
     elif args.positions:
-        raise RuntimeError(f"--positions: Connect Four's labelled sets; --game {args.game} plays its folder's set")
+        raise BadArgument(f"--positions: Connect Four's labelled sets; --game {args.game} plays its folder's set")
     else:
-        sets = (game_positions_file(cfg.search.games, args.game),)
+        try:
+            sets = (game_positions_file(cfg.search.games, args.game),)
+        except RuntimeError as exc:
+            raise BadArgument(str(exc)) from None
     return PlayOptions(
         search_address=args.search or cfg.search.address,
         reward_address=args.reward or cfg.reward.address,
@@ -219,6 +228,9 @@ def _position_set(text: str) -> str:
     return text
 
 
+_PORT_WORDS = ("port", "address", "host")  # in an unknown option: the user looks for where ports are set
+
+
 class _Parser(argparse.ArgumentParser):
     """Bad arguments get one line on stderr (no usage block) and exit code 2."""
 
@@ -238,6 +250,18 @@ class _Parser(argparse.ArgumentParser):
                            for o in self._option_string_actions):
                     self.error(f"unrecognized argument {token!r} before the command")
         return super().parse_known_args(argv, namespace)
+
+    def parse_args(self, args=None, namespace=None):
+        # argparse names unknown arguments after the command from the top parser ("see tandem
+        # --help"): point at the command's own help, where its options are.
+        parsed, extra = self.parse_known_args(args, namespace)
+        if extra:
+            command = getattr(parsed, "command", None)
+            where = f"{self.prog} {command}" if command else self.prog
+            about_ports = any(word in t.lower() for t in extra if t.startswith("-") for word in _PORT_WORDS)
+            hint = "; ports are set in the config (--config)" if about_ports else ""
+            self.exit(2, f"{self.prog}: unrecognized arguments: {' '.join(extra)}{hint} (see {where} --help)\n")
+        return parsed
 
 
 def _add_play_args(p: argparse.ArgumentParser) -> None:
@@ -306,8 +330,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--service", default="", help="service name (default: the whole server)")
     p.add_argument("--timeout-s", type=_number(float, 0), default=2.0, help="seconds to wait for the answer (default 2)")
     p = command("play", cmd_play, "the sample game engine, against a running stack")
-    p.add_argument("--search", help="search service address (default: from the config)")
-    p.add_argument("--reward", help="reward service address (default: from the config)")
+    p.add_argument("--search", type=address_type("search service", "127.0.0.1:50052"),
+                   help="search service HOST:PORT (default: the config's search.address)")
+    p.add_argument("--reward", type=address_type("reward service", "127.0.0.1:50051"),
+                   help="reward service HOST:PORT (default: the config's reward.address)")
     _add_play_args(p)
     p = command("demo", cmd_demo, "up, play on the bundled positions, report, stop")
     p.add_argument("--log-dir", type=Path, default=None, help="write each server's log here (default: this terminal)")
@@ -340,6 +366,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.fn(args)
     except ConfigError as exc:
         print(f"tandem: config error: {exc}", file=sys.stderr)
+        return 2
+    except BadArgument as exc:
+        print(f"tandem {args.command}: {exc} (see tandem {args.command} --help)", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"tandem {args.command}: interrupted", file=sys.stderr, flush=True)

@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import faulthandler
 import logging
-import signal
-import threading
 
 from tandem import in_process
 from tandem.config import TandemConfig
+from tandem.server import wait_for_stop_signal
 from tandem.service import EXIT_TIMEOUT_S, Service
 
 log = logging.getLogger(__name__)
@@ -52,10 +51,7 @@ def serve(cfg: TandemConfig) -> None:
     """Runs both services until SIGINT/SIGTERM, then drains and stops the search
     service first (it calls the reward service), then the reward service."""
     reward, search = start(cfg)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    wait_for_stop_signal()
     search.stop(cfg.search.server.grace_period_ms)
     reward.stop(cfg.reward.server.grace_period_ms)
     log.info("stopped")

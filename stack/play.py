@@ -116,7 +116,8 @@ class _Tally:
     simulations: list[int] = field(default_factory=list)
     not_lost: int = 0  # positions the side to move does not lose
     kept: int = 0  # ... whose move keeps the solver's result
-    best: int = 0  # moves with the solver's best score
+    scored: int = 0  # searches scored against the solver (positions with its label)
+    best: int = 0  # ... whose move has the solver's best score
     agree: int = 0  # value-model outcomes that are the solver's
     errors: dict[str, int] = field(default_factory=dict)  # failed frames by the first failure's code
     error_reasons: dict[str, int] = field(default_factory=dict)  # ... by "CODE: its message's first characters"
@@ -169,6 +170,7 @@ class _Tally:
         self.proven += bool(s_reply.proven)
         if pos.score is None:  # unlabelled: no solver to score against
             return
+        self.scored += 1
         if s_reply.proven:
             self.proven_right += _PROVEN_SIGN[s_reply.proven] == int(np.sign(pos.score))
         if pos.score >= 0:
@@ -243,8 +245,10 @@ def _report(opts: PlayOptions, t: _Tally, reward_execution_provider: str) -> dic
     """The report's figures (see the module docstring) from the frames' tally."""
     budget_ms = frame_loop.frame_budget_ms(opts.fps)
     answered = len(t.frame_ms)
+    solver = opts.game == connect4.NAME  # its sets carry the solver's labels; another game's set does not
     return {
         "game": opts.game,
+        "solver": solver,
         "frames": t.played,
         "interrupted": t.interrupted,  # by Ctrl-C, after ``frames`` of the ``--frames`` asked for
         "frames_answered": answered,
@@ -254,7 +258,7 @@ def _report(opts: PlayOptions, t: _Tally, reward_execution_provider: str) -> dic
         "optimal_move_rate": round(t.kept / t.not_lost, 4) if t.not_lost else None,
         "positions_not_lost": t.not_lost,
         "agents": opts.agents,
-        "best_score_move_rate": round(t.best / len(t.simulations), 4) if t.simulations else None,
+        "best_score_move_rate": round(t.best / t.scored, 4) if t.scored else None,
         "value_sign_agreement": round(t.agree / t.evaluated, 4) if t.evaluated else None,
         "frame_latency_ms": summary(t.frame_ms),
         "search_latency_ms": summary(t.search_ms),
@@ -267,7 +271,7 @@ def _report(opts: PlayOptions, t: _Tally, reward_execution_provider: str) -> dic
         "model_simulations_per_frame": round(float(np.mean(t.model_simulations)), 1) if t.model_simulations else None,
         "value_model_failures": t.model_failures,
         "value_model_failure_reasons": t.failure_reasons,
-        "proven": {"frames": t.proven, "solver_agrees": t.proven_right},
+        "proven": {"frames": t.proven, "solver_agrees": t.proven_right if solver else None},
         "errors": t.errors,
         "error_reasons": t.error_reasons,
         "backends": {
@@ -287,6 +291,26 @@ def _counts(by_name: dict[str, int]) -> str:
     return ", ".join(f"{name} ({n} frames)" for name, n in sorted(by_name.items()))
 
 
+NO_SOLVER = "no solver for this game"
+
+
+def _scores(report: dict) -> list[str]:
+    """The lines that compare the answers with the solver's, or one line saying there is none."""
+    if not report.get("solver", True):
+        return [f"scores                 none: {NO_SOLVER} (optimal_move_rate, best_score_move_rate and "
+                f"value_sign_agreement are None)"]
+    return [f"optimal_move_rate      {report['optimal_move_rate']}  (over {report['positions_not_lost']} positions not lost)",
+            f"best_score_move_rate   {report['best_score_move_rate']}",
+            f"value_sign_agreement   {report['value_sign_agreement']}"]
+
+
+def _proven(report: dict) -> str:
+    proven = report["proven"]
+    if proven["solver_agrees"] is None:
+        return f"proven by the search   {proven['frames']} of the frames ({NO_SOLVER} to check them against)"
+    return f"proven by the search   {proven['frames']} of the frames, {proven['solver_agrees']} as the solver"
+
+
 def print_report(report: dict) -> None:
     lat = report["frame_latency_ms"]
     print(
@@ -295,14 +319,12 @@ def print_report(report: dict) -> None:
                 f"game                   {report.get('game', connect4.NAME)}",
                 f"frames                 {report['frames']} at {report['fps_target']:g} FPS "
                 f"({report['frame_budget_ms']} ms budget), {report['frames_answered']} answered",
-                f"optimal_move_rate      {report['optimal_move_rate']}  (over {report['positions_not_lost']} positions not lost)",
-                f"best_score_move_rate   {report['best_score_move_rate']}",
-                f"value_sign_agreement   {report['value_sign_agreement']}",
+                *_scores(report),
                 f"frame_latency_ms       p50 {lat['p50']}  p99 {lat['p99']}  mean {lat['mean']}  max {lat['max']}",
                 f"missed_frames          {report['missed_frames']}",
                 f"simulations per frame  mean {report['simulations_per_frame']['mean']}  min {report['simulations_per_frame']['min']}"
                 f"  (value model: {report['model_simulations_per_frame']}; its failures {report['value_model_failures']})",
-                f"proven by the search   {report['proven']['frames']} of the frames, {report['proven']['solver_agrees']} as the solver",
+                _proven(report),
                 f"backends               search {', '.join(report['backends']['search'])} "
                 f"({', '.join(report['backends']['evaluator'])}), reward {report['backends']['reward_execution_provider']}"
                 + (f", leaves by {_counts(report['backends']['handoff'])}" if report["backends"]["handoff"] else "")

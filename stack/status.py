@@ -15,21 +15,30 @@ def _kind(k: int) -> str:
     return scheduler_pb2.ServiceKind.Name(k).removeprefix("SERVICE_KIND_").lower()
 
 
+UP_HINT = "is tandem up running, with this config?"  # where nothing answers (as tandem play says)
+NOT_APPLICABLE = "not applicable without a GPU"
+
+
 def print_status(cfg: TandemConfig) -> int:
     """Prints the status; returns 0 if every server reports SERVING and the
     scheduler answered, else 1 (all of it is printed either way)."""
     print("health:")
-    healthy = True
+    healthy, reached = True, False
     for name, (address, _) in endpoints(cfg).items():
         health = health_status(address, cfg)
         healthy &= health == "SERVING"
+        reached |= health != "UNREACHABLE"
         print(f"  {name:<11} {address:<22} {health}")
     _print_restarts(cfg)
     with channel(cfg.scheduler.address, cfg) as ch:
         try:
             st = scheduler_pb2_grpc.SchedulerStub(ch).Status(scheduler_pb2.StatusRequest(), timeout=2)
         except grpc.RpcError as exc:
-            print(f"scheduler: {exc.code().name}: {exc.details()}")
+            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                print(f"scheduler: not answering at {cfg.scheduler.address}"
+                      + ("" if reached else f" ({UP_HINT})"))
+            else:
+                print(f"scheduler: {exc.code().name}: {exc.details()}")
             return 1
     print(f"scheduler: policy {st.policy}, {st.decisions} decisions, GPU {st.gpu or 'none'}")
     print(f"  bulk lever: frames {'AT RISK' if st.frames_at_risk else 'safe'}, "
@@ -38,13 +47,16 @@ def print_status(cfg: TandemConfig) -> int:
     if gpu is not None:
         print(f"  GPU utilisation {gpu['gpu_util_percent']:.0f} %, {gpu['memory_used_bytes'] / 2**30:.1f} of "
               f"{gpu['memory_total_bytes'] / 2**30:.1f} GiB in use, SM clock {gpu['sm_clock_mhz']} MHz")
-    print(f"  stream priorities: least {st.least_priority}, greatest {st.greatest_priority}")
-    enforced = "enforced" if st.priorities_enforced else "NOT ENFORCED across processes"
-    print(f"  MPS: {'active' if st.mps_active else 'inactive'}; priorities {enforced}: {st.mps_message}")
-    if cfg.co_located:
-        print("  co-located: reward and search share one process, where stream priorities act without MPS")
-    elif not st.priorities_enforced:
-        print("  to have priorities act here: start MPS, or set co_located: true in the config")
+    if not st.gpu:  # the models and the search run on the CPU: nothing to prioritise, nothing to fix
+        print(f"  stream priorities and MPS: {NOT_APPLICABLE} (the services run on the CPU)")
+    else:
+        print(f"  stream priorities: least {st.least_priority}, greatest {st.greatest_priority}")
+        enforced = "enforced" if st.priorities_enforced else "NOT ENFORCED across processes"
+        print(f"  MPS: {'active' if st.mps_active else 'inactive'}; priorities {enforced}: {st.mps_message}")
+        if cfg.co_located:
+            print("  co-located: reward and search share one process, where stream priorities act without MPS")
+        elif not st.priorities_enforced:
+            print("  to have priorities act here: start MPS, or set co_located: true in the config")
     if not st.services:
         print("  no services registered")
     for s in st.services:

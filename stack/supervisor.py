@@ -1,7 +1,8 @@
 """``tandem up``: the servers as separate processes (the scheduler, the
 reward service, its bulk server where ``reward.bulk_server.enabled``, the
-search service), started in order,
-each awaited until its health service reports SERVING, started again when one
+search service), started in steps (the bulk server and the search service
+together, after the reward service), each awaited until its health service
+reports SERVING, started again when one
 exits (with a growing delay; one that keeps exiting is reported crash-looping
 and restarted on, stack/restarts.py) while the others keep serving, and all
 stopped together (SIGTERM, drain, then SIGKILL) so that none is left orphaned."""
@@ -138,13 +139,21 @@ class Stack:
         return {name: address for name, (address, _) in endpoints(self.cfg).items()}
 
     def processes(self) -> tuple[str, ...]:
-        """The processes to start, in order (``tandem serve`` names). The bulk
-        server starts after the reward service, not beside it: two processes
-        warming up at once would time cuDNN's candidate kernels against each other."""
+        """The processes to start, in order (``tandem serve`` names)."""
+        return tuple(name for step in self.start_steps() for name in step)
+
+    def start_steps(self) -> tuple[tuple[str, ...], ...]:
+        """The processes to start, in steps: a step's processes start
+        together, after the step before serves. The bulk server starts after
+        the reward service, not beside it: two processes warming up at once
+        would time cuDNN's candidate kernels against each other (with
+        ``cudnn_conv_algo_search: EXHAUSTIVE``). The search service, which
+        runs no cuDNN, starts beside the bulk server: it needs the reward
+        service and the scheduler only."""
         bulk = (BULK_SERVER,) if self.cfg.reward.bulk_server.enabled else ()
         if self.cfg.co_located:
-            return ("scheduler", COLOCATED, *bulk)
-        return ("scheduler", "reward", *bulk, "search")
+            return ("scheduler",), (COLOCATED,), *((b,) for b in bulk)
+        return ("scheduler",), ("reward",), (*bulk, "search")
 
     def _serves(self, process: str) -> tuple[str, ...]:
         """The servers (:func:`tandem.config.endpoints` names) a process serves."""
@@ -160,14 +169,17 @@ class Stack:
         busy = [f"{name}: {addr}" for name, addr in self._ports() if not can_bind(addr)]
         if busy:
             raise RuntimeError(f"already in use (is another tandem up running?): {', '.join(busy)}; to run beside "
-                               f"it, give a config with other addresses: --config PATH (make demo CONFIG=PATH)")
+                               f"it, give a config with other addresses and metrics ports (each server's `address` "
+                               f"and `metrics_port` keys): --config PATH (make demo CONFIG=PATH)")
         try:
             addresses = self.addresses()
-            for name in self.processes():
-                self.spawn(name)
-                for server in self._serves(name):
-                    wait_serving(addresses[server], self.cfg, timeout_s, self.procs[name],
-                                 lambda name=name: self.why(name))
+            for step in self.start_steps():
+                for name in step:
+                    self.spawn(name)
+                for name in step:
+                    for server in self._serves(name):
+                        wait_serving(addresses[server], self.cfg, timeout_s, self.procs[name],
+                                     lambda name=name: self.why(name))
         except BaseException:
             self.stop()
             raise

@@ -221,9 +221,11 @@ class RewardConfig:
     # more: RESOURCE_EXHAUSTED. Bulk requests may fill 3/4 of it, the rest is for critical
     # ones; a request that finds nothing in flight is always admitted. 0 = no bound.
     max_bytes_in_flight: int = 256 << 20
-    # cuDNN convolution algorithm choice: "EXHAUSTIVE" (benchmark all, at warm-up),
-    # "HEURISTIC" (cuDNN's guess, faster start) or "DEFAULT" (a fixed algorithm).
-    cudnn_conv_algo_search: str = "EXHAUSTIVE"
+    # cuDNN convolution algorithm choice: "HEURISTIC" (cuDNN's guess: a bucket's warm-up
+    # ~0.11 s on the H200), "EXHAUSTIVE" (every algorithm timed at warm-up: ~0.7 s a
+    # bucket, runs within 8 % of HEURISTIC's; docs/decisions/0011-start-up.md) or
+    # "DEFAULT" (a fixed algorithm).
+    cudnn_conv_algo_search: str = "HEURISTIC"
     # CUDA stream priorities the service may be assigned by the scheduler (0 = least
     # urgent, down to -5 on an H200): one ONNX Runtime session per model, priority and batch bucket,
     # each bound to a CuPy stream of that priority (user_compute_stream), for the bulk lane;

@@ -37,6 +37,11 @@ API_VERSION = "tandem.v1"
 API_REVISION = 4  # the tandem.v1 revision this client is written against (HandshakeResponse.api_revision)
 KEEPALIVE_TIME_MS = 30_000  # a ping on an idle connection every 30 s (servers allow one per 10 s by default)
 SEARCH_SHARE = 0.8  # of the frame budget, for the search itself; the rest is transport and margin
+DEFAULT_SEARCH_ADDRESS = "127.0.0.1:50052"  # the search service's address in tandem's bundled config
+
+#: What each tandem.v1 service is called in messages.
+SERVICE_NAMES = {"tandem.v1.SearchService": "search service", "tandem.v1.RewardService": "reward service",
+                 "tandem.v1.Scheduler": "scheduler"}
 
 
 class Action(enum.Enum):
@@ -72,6 +77,10 @@ ACTIONS = {
 class ContractError(RuntimeError):
     """The server does not speak what this client needs, or the call can never
     succeed as sent (FIX_REQUEST / FIX_CONFIG); the message says which."""
+
+
+class WrongService(ContractError):
+    """The server at the address serves other tandem services than the one asked for."""
 
 
 class Backoff:
@@ -151,7 +160,10 @@ def handshake(ch: grpc.Channel, service: str, capabilities: tuple[str, ...] = ()
     if reply.api_version != API_VERSION or reply.api_revision < API_REVISION:
         raise ContractError(f"server speaks {reply.api_version} revision {reply.api_revision}; "
                             f"this client needs {API_VERSION} revision >= {API_REVISION}")
-    missing = [c for c in (service, *capabilities) if c not in (*reply.services, *reply.capabilities)]
+    if service not in reply.services:
+        found = [SERVICE_NAMES[s] for s in reply.services if s in SERVICE_NAMES] or list(reply.services)
+        raise WrongService(f"found the {' and the '.join(found)} there, not the {SERVICE_NAMES.get(service, service)}")
+    missing = [c for c in capabilities if c not in (*reply.services, *reply.capabilities)]
     if missing:
         raise ContractError(f"server lacks {missing} (services {list(reply.services)}, "
                             f"capabilities {list(reply.capabilities)})")
@@ -242,16 +254,55 @@ def _tensor(name: str, array: np.ndarray) -> reward_pb2.Tensor:
     return reward_pb2.Tensor(name=name, dtype=code, shape=array.shape, data=array.astype(np.dtype(_DTYPES[code])).tobytes())
 
 
+class _Parser(argparse.ArgumentParser):
+    """A bad argument is one line on stderr and exit code 2, as the tandem commands do."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def address_type(service: str, default: str):
+    """An argparse type: HOST:PORT, a port in 1..65535 (``default``: ``service``'s
+    address in the bundled config, for the message). The `tandem` commands take
+    addresses through it too."""
+    def parse(text: str) -> str:
+        host, _, port = text.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise argparse.ArgumentTypeError(f"the address needs HOST:PORT (the {service}'s default: {default}), "
+                                             f"got {text[:200]!r}")
+        return text
+    return parse
+
+
+def _positive(kind: type):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = 0
+        if not 0 < value < float("inf"):
+            raise argparse.ArgumentTypeError(f"expected a number above 0, got {text!r}")
+        return value
+    return parse
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Asks the search service for a move in each of ``--frames`` frames."""
-    p = argparse.ArgumentParser(prog="python -m tandem.engine_client", description=main.__doc__)
-    p.add_argument("--search", required=True, help="search service HOST:PORT")
+    """Plays --frames frames at --fps against the search service: each frame asks
+    it for a move (the search's deadline: 80 % of the frame) and prints, at the
+    end, how many frames fell back to the engine's own move."""
+    p = _Parser(prog="python -m tandem.engine_client", description=main.__doc__)
+    p.add_argument("--search", required=True, type=address_type("search service", DEFAULT_SEARCH_ADDRESS),
+                   help=f"search service HOST:PORT (tandem up's default: {DEFAULT_SEARCH_ADDRESS})")
     p.add_argument("--game", default="connect4", help="a game the search service serves (ListGames; default connect4)")
-    p.add_argument("--frames", type=int, default=30)
-    p.add_argument("--fps", type=float, default=60.0)
+    p.add_argument("--frames", type=_positive(int), default=30, help="frames to play, one Search each (default 30)")
+    p.add_argument("--fps", type=_positive(float), default=60.0,
+                   help="frame rate: a frame's budget is 1000 / fps ms, the Search's gRPC deadline (default 60)")
     args = p.parse_args(argv)
     try:
         return _play(args.search, args.frames, args.fps, args.game)
+    except WrongService as exc:  # e.g. the reward service's port
+        print(f"{p.prog}: {args.search}: {exc} (the search service's default address: {DEFAULT_SEARCH_ADDRESS})",
+              file=sys.stderr)
     except ContractError as exc:  # one line, as the tandem commands print theirs; exit 1
         print(f"{p.prog}: {exc}", file=sys.stderr)
     except grpc.RpcError as exc:

@@ -27,6 +27,14 @@ def cuda_device_count() -> int:
     return count.value
 
 
+def host_fact(log: logging.Logger):
+    """How ``log`` reports what runs where (a provider, a backend, GPU features
+    off): ``log.warning`` on a host with a GPU (a GPU left idle is worth seeing
+    at a glance), ``log.info`` on a CPU host, where the CPU paths are what is
+    expected."""
+    return log.warning if cuda_device_count() else log.info
+
+
 @functools.cache
 def cupy_module():
     """The ``cupy`` module where the driver sees a GPU, CuPy imports and CuPy

@@ -15,6 +15,7 @@ import logging
 import signal
 import socket
 import threading
+import time
 from concurrent import futures
 from dataclasses import dataclass
 from typing import Callable, Iterable
@@ -279,13 +280,36 @@ def start_metrics(port: int, host: str = "127.0.0.1") -> BoundedServer | None:
         raise RuntimeError(f"metrics_port {port} on {host}: {exc.strerror}") from None
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_SIGNAL_POLL_S = 0.1
+
+
+def wait_for_stop_signal() -> int:
+    """Blocks the main thread until SIGINT or SIGTERM; returns the signal.
+
+    The handler only appends to a list: a Python signal handler runs on the
+    main thread between two bytecodes, so one that took a lock (an
+    ``Event.set()``) could find it held by the very wait it interrupted, and
+    block forever: a server that took its parent-death SIGTERM while its main
+    thread sat in ``Event.wait()`` never stopped (tests/stack/test_stack.py,
+    test_servers_die_with_a_killed_supervisor: a search server outlived its
+    SIGKILLed supervisor, its main thread in nested handlers each blocked in
+    ``Event.set``).
+    The main thread looks at the list every ``_SIGNAL_POLL_S`` (the sleep ends
+    early when a signal comes: its handler runs, then the sleep goes on).
+    """
+    seen: list[int] = []
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, lambda signum, _frame: seen.append(signum))
+    while not seen:
+        time.sleep(_SIGNAL_POLL_S)
+    return seen[0]
+
+
 def serve_until_signalled(running: RunningServer, grace_ms: float, on_stop: Callable[[], None] | None = None) -> None:
-    """Blocks until SIGINT or SIGTERM, then reports NOT_SERVING, drains in-flight
-    RPCs for up to ``grace_ms`` and stops."""
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    """Blocks until SIGINT or SIGTERM (:func:`wait_for_stop_signal`), then
+    reports NOT_SERVING, drains in-flight RPCs for up to ``grace_ms`` and stops."""
+    wait_for_stop_signal()
     log.info("stopping: draining for up to %.0f ms", grace_ms)
     running.set_serving(False)
     running.health.end_watches()

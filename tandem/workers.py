@@ -15,8 +15,12 @@ Invariants:
 * the address is checked free (a plain bind, no ``SO_REUSEPORT``) before the
   first worker binds it: a stale server cannot share the port unseen;
 * a worker dies with the first process (``PR_SET_PDEATHSIG`` and a watch on
-  its parent), and the first process stops (exit 1) when a worker dies
-  unasked, so ``tandem up`` restarts the whole server;
+  its parent); a worker that dies unasked is started again by the first
+  process after a growing delay (:class:`Restarts`) while the others serve
+  on (its connections' calls fail UNAVAILABLE, and their clients reconnect
+  to a live worker), and one that keeps dying (``MAX_IN_A_ROW`` deaths in a
+  row, each within ``WINDOW_S`` of its start) stops the first process (exit
+  1), so that ``tandem up`` restarts the whole server under its policy;
 * stopping the first process stops every worker (SIGTERM; each drains as a
   server does), then it exits;
 * workers start one after another, each once the last serves: two warming
@@ -34,7 +38,7 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from tandem.config import TandemConfig
@@ -104,48 +108,99 @@ def _watch_parent(parent: int, interval_s: float = 1.0) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
+FIRST_DELAY_S = 0.5  # a dead worker's first restart waits this long; each in a row twice the last...
+MAX_DELAY_S = 30.0  # ...up to this
+MAX_IN_A_ROW = 5  # deaths in a row (each within WINDOW_S of its start) before the server gives up
+WINDOW_S = 60.0
+
+
+@dataclass
+class Restarts:
+    """When a dead worker starts again (``time.monotonic()`` seconds): after
+    ``FIRST_DELAY_S``, doubling with each death in a row up to
+    ``MAX_DELAY_S``; a run of ``WINDOW_S`` or more ends the series. Not
+    thread-safe: the watch thread's alone."""
+
+    started: dict[int, float] = field(default_factory=dict)  # worker index -> when its running process started
+    in_a_row: dict[int, int] = field(default_factory=dict)  # worker index -> its deaths in a row
+
+    def died(self, index: int, now: float) -> float | None:
+        """The delay (s) before worker ``index`` starts again, or None: it
+        died ``MAX_IN_A_ROW`` times in a row (the server should give up)."""
+        if now - self.started.get(index, now) >= WINDOW_S:
+            self.in_a_row[index] = 0
+        n = self.in_a_row.get(index, 0)
+        if n >= MAX_IN_A_ROW:
+            return None
+        self.in_a_row[index] = n + 1
+        return min(FIRST_DELAY_S * 2.0 ** n, MAX_DELAY_S)
+
+
 class Workers:
     """Processes 1 .. ``count`` of a server, each running ``target(*args,
     index, parent_pid, ready)`` (a module-level function: spawn pickles it)
     until SIGTERM; it sets ``ready`` (a multiprocessing Event) once it serves.
-    :meth:`watch` calls ``on_death(index, exitcode)`` once, on its own
-    thread, if one ends before :meth:`stop`."""
+    :meth:`watch` starts a worker that ends before :meth:`stop` again
+    (:class:`Restarts`), calling ``on_death(index, exitcode, delay_s)``
+    first; where ``delay_s`` is None (it keeps dying) it starts none and
+    watches no more. ``procs`` and ``ready`` are replaced by the watch
+    thread only; :meth:`stop` reads them after setting ``_stopping``."""
 
     def __init__(self, target: Callable[..., None], args: tuple[Any, ...], count: int):
-        ctx = multiprocessing.get_context("spawn")
+        self._ctx = multiprocessing.get_context("spawn")
+        self._target, self._args = target, args
         self._stopping = threading.Event()
-        self.ready = [ctx.Event() for _ in range(count)]
-        self.procs = [ctx.Process(target=target, args=(*args, i, os.getpid(), self.ready[i - 1]), name=f"worker-{i}",
-                                  daemon=False) for i in range(1, count + 1)]
+        self._restarts = Restarts()
+        self.ready = [self._ctx.Event() for _ in range(count)]
+        self.procs = [self._process(i) for i in range(1, count + 1)]
+
+    def _process(self, index: int):
+        return self._ctx.Process(target=self._target, args=(*self._args, index, os.getpid(), self.ready[index - 1]),
+                                 name=f"worker-{index}", daemon=False)
+
+    def _start_one(self, index: int, timeout_s: float) -> None:
+        """Starts worker ``index`` and waits until it serves, ends or ``timeout_s`` passes."""
+        p, ready = self.procs[index - 1], self.ready[index - 1]
+        p.start()
+        self._restarts.started[index] = time.monotonic()
+        end = time.monotonic() + timeout_s
+        while not ready.wait(0.5) and p.is_alive() and time.monotonic() < end and not self._stopping.is_set():
+            pass
 
     def start(self, timeout_s: float = 300.0) -> None:
         """Starts the workers one after another, each once the last serves (or
         has ended: :meth:`watch` reports it) or ``timeout_s`` has passed."""
-        for p, ready in zip(self.procs, self.ready):
-            p.start()
-            end = time.monotonic() + timeout_s
-            while not ready.wait(0.5) and p.is_alive() and time.monotonic() < end:
-                pass
+        for index in range(1, len(self.procs) + 1):
+            self._start_one(index, timeout_s)
 
-    def watch(self, on_death: Callable[[int, int | None], None]) -> None:
+    def watch(self, on_death: Callable[[int, int | None, float | None], None], timeout_s: float = 300.0) -> None:
         def run() -> None:
-            by_sentinel = {p.sentinel: i for i, p in enumerate(self.procs, start=1)}
-            ended = multiprocessing.connection.wait(list(by_sentinel))
-            if not self._stopping.is_set():
+            while not self._stopping.is_set():
+                by_sentinel = {p.sentinel: i for i, p in enumerate(self.procs, start=1)}
+                ended = multiprocessing.connection.wait(list(by_sentinel), timeout=0.5)
+                if not ended or self._stopping.is_set():
+                    continue
                 index = by_sentinel[ended[0]]
-                on_death(index, self.procs[index - 1].exitcode)
+                delay = self._restarts.died(index, time.monotonic())
+                on_death(index, self.procs[index - 1].exitcode, delay)
+                if delay is None or self._stopping.wait(delay):
+                    return
+                self.ready[index - 1] = self._ctx.Event()
+                self.procs[index - 1] = self._process(index)
+                self._start_one(index, timeout_s)
 
         threading.Thread(target=run, name="workers-watch", daemon=True).start()
 
     def stop(self, timeout_s: float) -> list[int | None]:
         """SIGTERM to every worker, each waited for up to ``timeout_s`` (then
         SIGKILL); returns their exit codes."""
-        self._stopping.set()
-        for p in self.procs:
+        self._stopping.set()  # the watch thread starts no worker from now on (one it is starting dies with us)
+        started = [p for p in self.procs if p.pid is not None]
+        for p in started:
             if p.is_alive():
                 p.terminate()
         deadline = time.monotonic() + timeout_s
-        for p in self.procs:
+        for p in started:
             p.join(max(deadline - time.monotonic(), 0.1))
             if p.is_alive():
                 log.error("worker %s did not stop in %.1f s: killed", p.name, timeout_s)
@@ -162,7 +217,7 @@ def serve(cfg: TandemConfig, count: int, address: str, grace_ms: float, start: s
 
     Raises:
         RuntimeError: the address is bound by another process (``count`` > 1).
-        SystemExit: 1, a worker died unasked (every other worker stopped).
+        SystemExit: 1, a worker kept dying (:class:`Restarts`; every other worker stopped).
     """
     first = _start_function(start)
     if count <= 1:
@@ -173,8 +228,12 @@ def serve(cfg: TandemConfig, count: int, address: str, grace_ms: float, start: s
     workers = Workers(run_worker, (start, cfg, WorkerPlace(0, count, service.port), grace_ms), count - 1)
     died = []
 
-    def on_death(index: int, code: int | None) -> None:
-        log.error("worker %d ended (exit code %s): the server stops", index, code)
+    def on_death(index: int, code: int | None, delay_s: float | None) -> None:
+        if delay_s is not None:
+            log.error("worker %d ended (exit code %s): started again in %.1f s; the other workers serve on",
+                      index, code, delay_s)
+            return
+        log.error("worker %d ended (exit code %s), %d times in a row: the server stops", index, code, MAX_IN_A_ROW)
         died.append(index)
         os.kill(os.getpid(), signal.SIGTERM)
 

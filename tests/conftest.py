@@ -47,6 +47,19 @@ def loopback_config(**sections) -> TandemConfig:
     return parse_config(loopback_data(free_port, sections=sections))
 
 
+def cpu_config_file(path):
+    """Writes the default config with every server on a free loopback port, the
+    reward models on the CPU provider and the CPU search backend, to ``path``
+    (a `tandem up --config` file); returns ``path``."""
+    import yaml
+
+    data = loopback_data(free_port)
+    data["reward"]["execution_provider"] = "cpu"
+    data["search"]["backend"] = "cpu"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
 @pytest.fixture(scope="module")
 def cpu_stack():
     """The config of a reward service and a CPU search service on loopback, for the module."""

@@ -202,6 +202,7 @@ def evaluate(value: np.ndarray, logits: np.ndarray, s: PositionSet) -> dict:
     return out
 
 
+PREVIOUS_REV = "PREVIOUS"  # stands in the card for --compare-rev's revision (documents cite no commit)
 PREVIOUS_SEED = 1995  # the previous model's split seed (its held-out 10 % of the L1 sets)
 
 
@@ -284,8 +285,13 @@ def write_card(path: Path, *, command: str, params: int, config: dict, args, cou
         trained_on = f"on {torch.cuda.get_device_name()} ({args.device})"
         gpu_caveat = " (cuDNN's convolutions on a GPU need not be deterministic)"
     value_meaning = "P(win) − P(loss)" if wdl else "tanh"
-    previous_line = (f"git show {args.compare_rev}:reward_service/models/connect4_value.onnx > {args.compare}   "
-                     "# the previous model, for --compare\n" if args.compare and args.compare_rev else "")
+    # The card names no commit: the previous model's revision is a placeholder, found in git's history.
+    previous_line = (f"git show {PREVIOUS_REV}:reward_service/models/connect4_value.onnx > {args.compare}   "
+                     f"# the previous model, for --compare; {PREVIOUS_REV}: a revision holding the model this one "
+                     "replaced (git log -- reward_service/models/connect4_value.onnx)\n"
+                     if args.compare and args.compare_rev else "")
+    if args.compare_rev:
+        command = command.replace(args.compare_rev, PREVIOUS_REV)
     text = f"""# connect4_value.onnx — Connect Four value and policy network
 
 A small residual CNN that estimates, for a Connect Four position, the game's

@@ -35,6 +35,7 @@ as a proof's.
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Sequence
 
 import numpy as np
@@ -47,7 +48,7 @@ from search_service.mcts.rollout import plugin_rollout_values, rollout_values
 CONNECT_FOUR_MODEL = "connect4_value"  # the value model of the bundled Connect Four (reward_service/models)
 
 
-class SearchGame:
+class SearchGame(ABC):
     """One game's rules for the tree search and the search server.
 
     Attributes:
@@ -63,7 +64,7 @@ class SearchGame:
         action_dtype: the dtype that holds an action (int8 up to 127 actions,
             int16 beyond): ``Tree.node_action``'s.
 
-    Subclasses implement the methods; every one works on a batch.
+    Subclasses implement the abstract methods; every method works on a batch.
     """
 
     name: str
@@ -92,25 +93,25 @@ class SearchGame:
         return self.observation_shape[2]
 
     # -- positions (the server's side) ----------------------------------------
+    @abstractmethod
     def as_states(self, positions) -> np.ndarray:
         """uint64 [B, W]: the state words of a batch of positions."""
-        raise NotImplementedError
 
+    @abstractmethod
     def positions(self, states: np.ndarray):
         """The batch of positions holding ``states`` (uint64 [B, W])."""
-        raise NotImplementedError
 
+    @abstractmethod
     def stack(self, batches: Sequence) -> object:
         """One batch of positions holding ``batches`` in order."""
-        raise NotImplementedError
 
+    @abstractmethod
     def parse_moves(self, text: str):
         """A batch of one position: the state a move string reaches.
 
         Raises:
             ValueError: a malformed or illegal move (the message names its character).
         """
-        raise NotImplementedError
 
     def from_cells(self, rows: int, columns: int, cells: bytes):
         """A batch of one position from an explicit board.
@@ -126,9 +127,9 @@ class SearchGame:
         sa, sb = self.as_states(a), self.as_states(b)
         return sa.shape == sb.shape and bool((sa == sb).all())
 
+    @abstractmethod
     def move_to_text(self, action: int) -> str:
         """One action in the game's notation."""
-        raise NotImplementedError
 
     def split_moves(self, text: str) -> list[int] | None:
         """The actions of ``text``, the end of a legal move string, where the
@@ -142,29 +143,29 @@ class SearchGame:
         return self.terminal_code(self.as_states(positions)) != codes.NOT_TERMINAL
 
     # -- the tree search's side (states uint64 [M, W]) -------------------------
+    @abstractmethod
     def legal(self, states: np.ndarray) -> np.ndarray:
         """bool [M, A]: the legal actions (none in a finished game)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def play(self, states: np.ndarray, actions: np.ndarray) -> np.ndarray:
         """uint64 [M, W]: the states after ``actions`` (int [M], each legal)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def terminal_code(self, states: np.ndarray) -> np.ndarray:
         """int8 [M]: NOT_TERMINAL, or the finished position's result for its
         side to move (TERMINAL_LOSS, TERMINAL_DRAW, PROVEN_WIN)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def rollout_values(self, states: np.ndarray, sims: np.ndarray, trees: np.ndarray,
                        seed: int | np.ndarray) -> np.ndarray:
         """float32 [M]: one uniformly random game from each unfinished state,
         its result for the state's side to move (+1, 0, -1); Philox words of
         (``sims``, ``trees``, ``seed``) as :mod:`search_service.mcts.philox` says."""
-        raise NotImplementedError
 
+    @abstractmethod
     def observation(self, states: np.ndarray) -> np.ndarray:
         """uint8 [M, planes, rows, columns]: what the value model takes."""
-        raise NotImplementedError
 
     def loses_at_once(self, states: np.ndarray) -> np.ndarray | None:
         """bool [M, A]: legal actions after which the opponent wins with its

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
 
 import numpy as np
 import pytest

@@ -39,10 +39,10 @@ def on_path(tmp_path, monkeypatch):
     return tmp_path
 
 
-def test_no_gpu_says_priorities_are_not_enforced(tmp_path):
+def test_no_gpu_says_mps_is_not_applicable_and_gives_no_remedy(tmp_path):
     c = mps.ensure(str(tmp_path / "pipe"), str(tmp_path / "log"), has_gpu=False)
     assert not c.active and not c.started
-    assert "no GPU" in c.message and "NOT enforced" in c.message
+    assert c.message == "no GPU: MPS not started (not applicable without a GPU)"
     assert not mps.stop(c)
 
 

@@ -460,7 +460,7 @@ def test_serve_stops_on_sigterm_without_waiting_for_open_watch_streams(tmp_path)
             proc.wait()
     output = log_path.read_text()
     assert any(words in output for words in ("are not enforced across processes", "act across processes",
-                                             "stream priorities and MPS do not apply"))
+                                             "stream priorities and MPS: not applicable without a GPU"))
 
 
 # -- client library --------------------------------------------------------------------------------------
@@ -597,3 +597,7 @@ def test_findings_warn_when_a_gpu_s_priorities_are_not_enforced_and_not_on_a_cpu
     assert len(warnings) == 1 and warnings[0].startswith("stream priorities are not enforced across processes: "
                                                           "MPS is not running; policy 'dynamic'")
     assert any("no GPU" in r.getMessage() and r.levelno == logging.INFO for r in caplog.records)
+    # Without a GPU: one line, no nominal priority range, no remedy.
+    cpu_lines = [r.getMessage() for r in caplog.records][-1:]
+    assert cpu_lines == ["no GPU: the models and the search run on the CPU; stream priorities and MPS: "
+                         "not applicable without a GPU"]

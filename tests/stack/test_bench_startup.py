@@ -5,21 +5,15 @@ commit and tree state as the GPU machine's caller gives them."""
 from __future__ import annotations
 
 import pytest
-import yaml
-from conftest import free_port
+from conftest import cpu_config_file
 
 from bench import common, startup
-from tandem.config import loopback_data
 
 pytestmark = pytest.mark.slow
 
 
 def test_startup_rows_name_every_server_and_the_phases_of_a_restart(tmp_path):
-    data = loopback_data(free_port)
-    data["reward"]["execution_provider"] = "cpu"
-    data["search"]["backend"] = "cpu"
-    config = tmp_path / "startup.yaml"
-    config.write_text(yaml.safe_dump(data))
+    config = cpu_config_file(tmp_path / "startup.yaml")
     rows = startup.run(str(config), ["reward"], timeout_s=60.0)
     cold = {r["server"]: r for r in rows if r["event"] == "cold"}
     assert set(cold) == {"scheduler", "reward", "reward_bulk", "search"}
@@ -49,3 +43,12 @@ def test_the_callers_commit_and_tree_state_win_over_the_machines_git(monkeypatch
     monkeypatch.setenv("TANDEM_DIRTY", dirty)
     v = common.versions()
     assert v["tandem_commit"] == "0" * 40 and v["tandem_dirty"] is expected
+
+
+def test_profile_shares_count_a_function_once_per_sample_however_deep(tmp_path):
+    from bench.profile_summary import shares
+
+    raw = tmp_path / "p.raw"
+    raw.write_text("main (a.py:1);f (a.py:2);f (a.py:2) 3\nmain (a.py:1);g (a.py:3) 1\n")
+    total, rows = shares(raw)
+    assert total == 4 and dict(rows) == {"main (a.py:1)": 1.0, "f (a.py:2)": 0.75, "g (a.py:3)": 0.25}

@@ -8,20 +8,15 @@ from __future__ import annotations
 
 import pytest
 import yaml
-from conftest import free_port
+from conftest import cpu_config_file
 
 from loadtest import chaos
-from tandem.config import loopback_data
 
 pytestmark = pytest.mark.slow
 
 
 def test_a_short_chaos_run_loses_nothing_and_ends_serving(tmp_path):
-    data = loopback_data(free_port)
-    data["reward"]["execution_provider"] = "cpu"
-    data["search"]["backend"] = "cpu"
-    config = tmp_path / "chaos.yaml"
-    config.write_text(yaml.safe_dump(data))
+    config = cpu_config_file(tmp_path / "chaos.yaml")
     out = tmp_path / "chaos.json"
     code = chaos.main(["--config", str(config), "--minutes", "0.75", "--engines", "2", "--fps", "10",
                        "--simulations", "16", "--kill-every-s", "10", "--stop-s", "2", "--trainer-batch", "4",

@@ -119,7 +119,9 @@ def test_runs_as_a_program(servers):
 
 
 @pytest.mark.parametrize("target, says", [
-    ("reward", "server lacks ['tandem.v1.SearchService']"),  # a reward service where the search was meant
+    # a reward service where the search was meant: what is there, and where the search service usually is
+    ("reward", "found the reward service there, not the search service (the search service's default address: "
+               "127.0.0.1:50052)"),
     ("dead", "is the search service running at that address?"),  # nothing listens
 ])
 def test_as_a_program_a_wrong_address_is_one_line_and_exit_1(servers, target, says):
@@ -128,3 +130,15 @@ def test_as_a_program_a_wrong_address_is_one_line_and_exit_1(servers, target, sa
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 1
     assert r.stderr.count("\n") == 1 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--search", "localhost"], "argument --search: the address needs HOST:PORT (the search service's default: "
+                                "127.0.0.1:50052), got 'localhost'"),
+    (["--search", "127.0.0.1:50052", "--frames", "0"], "argument --frames: expected a number above 0, got '0'"),
+])
+def test_as_a_program_a_bad_argument_is_one_line_and_exit_2(argv, says, capsys):
+    with pytest.raises(SystemExit) as done:
+        engine_client.main(argv)
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and err.count("\n") == 1 and says in err, err

@@ -57,11 +57,17 @@ def test_play_a_game_of_the_search_service(cpu_stack, name, capsys):
     report = play(opts, cfg, log=None)
     assert report["game"] == name and report["frames"] == report["frames_answered"] == 4 and not report["errors"]
     assert 1 <= report["simulations_per_frame"]["min"] <= 12
-    assert report["optimal_move_rate"] is None and report["value_sign_agreement"] is None  # no solver, no model
+    # No solver for these games: nothing is scored against one, and the printed report says so.
+    assert report["solver"] is False and report["proven"]["solver_agrees"] is None
+    assert report["optimal_move_rate"] is report["best_score_move_rate"] is report["value_sign_agreement"] is None
     assert report["backends"]["search"] == ["cpu_reference"] and report["backends"]["evaluator"] == ["EVALUATOR_ROLLOUT"]
     assert report["backends"]["reward_execution_provider"].startswith("none")
     print_report(report)
-    assert f"game                   {name}" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"game                   {name}" in out and "no solver for this game" in out
+    assert not any(line.startswith(("optimal_move_rate", "best_score_move_rate", "value_sign_agreement"))
+                   for line in out.splitlines())  # no comparison with a solver that is not there
+    assert "as the solver" not in out and "positions not lost" not in out
 
 
 def test_play_options_find_the_games_set_and_refuse_what_is_not_there(cpu_stack):

@@ -41,3 +41,6 @@ def test_a_whole_game_is_not_marked_interrupted_and_errors_print_as_counts(cfg, 
     print_report(report)
     out = capsys.readouterr().out
     assert "errors                 UNAVAILABLE (2 frames)" in out and "interrupted" not in out
+    # Connect Four's positions carry the solver's labels: the answers are compared with it.
+    assert report["solver"] is True and report["best_score_move_rate"] is not None
+    assert "best_score_move_rate" in out and " as the solver" in out and "no solver" not in out

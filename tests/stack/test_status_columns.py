@@ -31,3 +31,26 @@ def test_health_restart_and_endpoint_lines_keep_their_columns(capsys):
     cli._print_endpoints(cfg)
     endpoints = capsys.readouterr().out.splitlines()
     assert len(endpoints) == 4 and len(_columns(endpoints, "127.0.0.1:")) == 1
+
+
+def test_with_nothing_running_status_asks_whether_tandem_up_runs_in_one_line(capsys):
+    cfg = loopback_config()  # nothing listens on its ports
+    assert status.print_status(cfg) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1] == f"scheduler: not answering at {cfg.scheduler.address} (is tandem up running, with this config?)"
+    assert not any("failed to connect" in line or "Connection refused" in line for line in out)
+
+
+def test_on_a_cpu_host_status_gives_no_gpu_remedies(capsys):
+    from scheduler.main import start
+    from tandem.device import cpu_only
+
+    cfg = loopback_config()
+    handle = start(cfg, device=cpu_only())
+    try:
+        status.print_status(cfg)
+    finally:
+        handle.stop(0)
+    out = capsys.readouterr().out
+    assert "stream priorities and MPS: not applicable without a GPU" in out
+    assert "start MPS" not in out and "co_located" not in out and "NOT ENFORCED" not in out

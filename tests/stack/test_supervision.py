@@ -284,6 +284,11 @@ def test_status_and_play_name_the_service_that_is_down(config_file):
     (("health", "127.0.0.1:1", "--timeout-s", "0"), "tandem health: argument --timeout-s: must be > 0"),
     (("play", "--evaluator", "oracle"), "tandem play: argument --evaluator: invalid choice: 'oracle'"),
     (("play", "--bogus"), "tandem: unrecognized arguments: --bogus"),
+    (("play", "--rounds", "10"), "tandem: unrecognized arguments: --rounds 10 (see tandem play --help)"),
+    (("up", "--port", "6000"), "tandem: unrecognized arguments: --port 6000; ports are set in the config (--config)"),
+    (("play", "--search", "localhost"), "tandem play: argument --search: the address needs HOST:PORT (the search "
+                                        "service's default: 127.0.0.1:50052), got 'localhost'"),
+    (("play", "--game", "chess"), "tandem play: --game chess: not a game of search.games in the config"),
     (("--bogus", "status"), "tandem: unrecognized argument '--bogus' before the command"),
     (("--bogus",), "tandem: unrecognized argument '--bogus' before the command"),
     ((), "tandem: the following arguments are required: command"),

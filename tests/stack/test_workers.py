@@ -2,8 +2,8 @@
 address (``search.workers``, ``reward.workers``; tandem/workers.py): `tandem
 serve` as a real process on loopback (CPU reference, CPU execution provider),
 its workers listening on the same port, calls over new connections all
-answered, a worker's death stopping the whole service (exit 1) and SIGTERM
-stopping every worker."""
+answered, a dead worker started again while the others serve (one that
+keeps dying stops the server) and SIGTERM stopping every worker."""
 from __future__ import annotations
 
 import contextlib
@@ -24,7 +24,7 @@ from tandem.v1 import reward_pb2, reward_pb2_grpc, search_pb2, search_pb2_grpc
 
 from tandem import tensors
 from tandem.config import ConfigError, load_config, loopback_data
-from tandem.workers import check_free, children
+from tandem.workers import FIRST_DELAY_S, MAX_DELAY_S, MAX_IN_A_ROW, WINDOW_S, Restarts, check_free, children
 
 REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 120.0
@@ -106,12 +106,40 @@ def test_two_reward_workers_answer_evaluates_on_new_connections(tmp_path):
         assert proc.wait(60) == 0
 
 
-def test_a_worker_that_dies_stops_the_search_service(workers):
-    proc, _, port = workers
-    worker = max(children(proc.pid))
-    os.kill(worker, signal.SIGKILL)
-    assert proc.wait(60) == 1
-    assert _poll(lambda: _listeners(port) == 0, 30)
+def _workers_of(pid: int) -> list[int]:
+    """The worker processes of server ``pid`` (spawn's resource tracker left out)."""
+    def is_worker(child: int) -> bool:
+        try:
+            return b"resource_tracker" not in Path(f"/proc/{child}/cmdline").read_bytes()
+        except OSError:
+            return False
+    return [c for c in children(pid) if is_worker(c)]
+
+
+def test_a_worker_that_dies_starts_again_while_the_others_serve(workers):
+    proc, cfg, port = workers
+    before = _workers_of(proc.pid)
+    assert len(before) == 2
+    os.kill(before[-1], signal.SIGKILL)
+    request = search_pb2.SearchRequest(game="connect4", moves="4453", simulations=8, seed=1)
+    # A new connection: a live worker takes it (one the kernel queued on the dead worker's socket
+    # as it died is reset, and the channel connects again: wait_for_ready).
+    with grpc.insecure_channel(cfg.search.address) as ch:
+        assert search_pb2_grpc.SearchServiceStub(ch).Search(request, timeout=30, wait_for_ready=True).simulations == 8
+    assert proc.poll() is None  # the server serves on
+    assert _poll(lambda: _listeners(port) == 3 and len(_workers_of(proc.pid)) == 2, START_TIMEOUT_S)
+    after = _workers_of(proc.pid)
+    assert before[0] in after and before[-1] not in after  # the dead one replaced, the other untouched
+
+
+def test_a_worker_that_keeps_dying_gives_up_after_its_deaths_in_a_row():
+    restarts = Restarts({1: 0.0}, {})
+    delays = [restarts.died(1, 1.0) for _ in range(MAX_IN_A_ROW)]
+    assert delays == [min(FIRST_DELAY_S * 2 ** n, MAX_DELAY_S) for n in range(MAX_IN_A_ROW)]
+    assert restarts.died(1, 2.0) is None  # the server stops; tandem up's policy takes over
+    restarts.started[1] = 10.0
+    assert restarts.died(1, 10.0 + WINDOW_S) == FIRST_DELAY_S  # a run of WINDOW_S starts a new series
+    assert restarts.died(2, 0.0) == FIRST_DELAY_S  # each worker its own series
 
 
 def test_sigterm_stops_every_worker(workers):

@@ -1,0 +1,177 @@
+"""calls: how many calls a second a tandem service answers, and the CPU each
+costs it, by its number of worker processes.
+
+For each service of ``--service`` and each worker count it starts
+`tandem serve SERVICE` (a real process on loopback, ``SERVICE.workers`` set)
+and drives it from ``--clients`` client processes, each a closed loop of calls
+over a connection of its own, for ``--seconds`` after a 2 s warm-up:
+
+* ``search``: ``Search``, one rollout search of ``--simulations`` simulations
+  on the position "4453", on the backend of ``--backend`` (cpu: the CPU
+  reference, or cuda);
+* ``reward``: ``Evaluate``, one critical one-board request to the bundled
+  ``connect4_value`` model on the execution provider of ``--provider``.
+
+The service's CPU is the user + system time of its processes (the first and
+its workers, /proc) over the wall time. With ``--profile DIR``, py-spy records
+the service meanwhile (``DIR/SERVICE_wN.gil.raw``: what holds the interpreter
+lock; ``.all.raw``: every thread; ``python3 -m bench.profile_summary`` reads
+them); py-spy's own cost then counts in that run's figures.
+
+Row fields: ``service``, ``workers``, ``clients``, ``backend`` (search
+backend or reward execution provider), ``calls_per_s``, ``cpu_cores``
+(service CPU seconds per wall second), ``cpu_us_per_call``, ``seconds``,
+``errors`` (calls that failed), and ``calls_ratio`` (calls_per_s over the
+same service's one-worker row, the same run). One file per service:
+``search_calls.json``, ``reward_calls.json``.
+
+Command (full): ``python3 -m bench.calls --service search,reward --workers 1,2,4 --clients 8``
+Smoke test:     ``python3 -m bench.calls --quick --out /tmp/bench-smoke``
+"""
+from __future__ import annotations
+
+import multiprocessing
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+import yaml
+from tandem.v1 import reward_pb2_grpc, search_pb2, search_pb2_grpc
+
+from bench import common
+from bench.loopback_stack import loopback_stack_data
+from bench.service_cpu import board_request, cpu_seconds
+from tandem.workers import children
+
+COLUMNS = ("service", "workers", "clients", "backend", "calls_per_s", "calls_ratio", "cpu_cores", "cpu_us_per_call",
+           "errors")
+ROOT = Path(__file__).resolve().parents[1]
+WARM_S = 2.0
+
+
+def _call(service: str, channel: grpc.Channel, simulations: int):
+    """One call of ``service``'s measured method, bound to ``channel``."""
+    if service == "search":
+        request = search_pb2.SearchRequest(game="connect4", moves="4453", simulations=simulations, seed=1)
+        stub = search_pb2_grpc.SearchServiceStub(channel)
+        return lambda: stub.Search(request, timeout=30)
+    request = board_request()
+    stub = reward_pb2_grpc.RewardServiceStub(channel)
+    return lambda: stub.Evaluate(request, timeout=30)
+
+
+def _client(service: str, address: str, simulations: int, start: float, until: float, out) -> None:
+    """One client process: calls back to back over its own connection; (calls, errors) to ``out``."""
+    calls = errors = 0
+    with grpc.insecure_channel(address) as ch:
+        call = _call(service, ch, simulations)
+        while time.time() < until:
+            try:
+                call()
+                ok = True
+            except grpc.RpcError:
+                ok = False
+            if time.time() >= start:  # the warm-up's calls are not counted
+                calls, errors = calls + ok, errors + (not ok)
+    out.put((calls, errors))
+
+
+def _serving(address: str, timeout_s: float = 180.0) -> None:
+    with grpc.insecure_channel(address) as ch:
+        grpc.channel_ready_future(ch).result(timeout=timeout_s)
+
+
+def _profile(pid: int, seconds: float, path: Path) -> list[subprocess.Popen]:
+    """py-spy on the service and its workers during the measured seconds (module docstring)."""
+    spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    return [subprocess.Popen([spy, "record", "-f", "raw", "-r", "250", "-d", str(max(int(seconds) - 1, 1)),
+                              "-o", f"{path}.{name}.raw", "--pid", str(pid), "--subprocesses", *flags],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            for name, flags in (("gil", ["--gil"]), ("all", []))]
+
+
+def _config(service: str, workers: int, backend: str, provider: str) -> dict:
+    if service == "search":
+        return loopback_stack_data({"search": {"backend": backend, "evaluator": "rollout", "workers": workers}})
+    return loopback_stack_data({"reward": {"execution_provider": provider, "workers": workers}})
+
+
+def measure(service: str, workers: int, clients: int, backend: str, provider: str, simulations: int,
+            seconds: float, profile: Path | None = None) -> dict:
+    data = _config(service, workers, backend, provider)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "tandem.yaml"
+        path.write_text(yaml.safe_dump(data))
+        address = data[service]["address"]
+        proc = subprocess.Popen([sys.executable, "-m", "stack", "serve", service, "--config", str(path)], cwd=ROOT,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            _serving(address)
+            time.sleep(3.0 if workers > 1 else 0.5)  # every worker bound (they start after the first)
+            ctx = multiprocessing.get_context("spawn")
+            out = ctx.Queue()
+            start = time.time() + WARM_S
+            until = start + seconds
+            procs = [ctx.Process(target=_client, args=(service, address, simulations, start, until, out))
+                     for _ in range(clients)]
+            for p in procs:
+                p.start()
+            time.sleep(max(start - time.time(), 0))
+            pids = [proc.pid, *children(proc.pid)]
+            before = sum(cpu_seconds(p) for p in pids)
+            spies = _profile(proc.pid, seconds, profile / f"{service}_w{workers}") if profile else []
+            time.sleep(max(until - time.time(), 0))
+            used = sum(cpu_seconds(p) for p in pids) - before
+            results = [out.get(timeout=60) for _ in procs]
+            for p in procs:
+                p.join(30)
+            for spy in spies:
+                spy.wait(60)
+        finally:
+            proc.terminate()
+            proc.wait(60)
+    calls = sum(c for c, _ in results)
+    return {"service": service, "workers": workers, "clients": clients,
+            "backend": backend if service == "search" else provider, "calls_per_s": round(calls / seconds, 1),
+            "cpu_cores": round(used / seconds, 3), "cpu_us_per_call": round(used / max(calls, 1) * 1e6, 1),
+            "seconds": seconds, "errors": sum(e for _, e in results), "simulations": simulations}
+
+
+def main() -> None:
+    parser = common.make_parser(__doc__)
+    parser.add_argument("--service", type=lambda s: s.split(","), default=["search"],
+                        help="comma list of: search, reward (default search)")
+    parser.add_argument("--provider", default="auto", help="reward.execution_provider (default auto; --quick: cpu)")
+    parser.add_argument("--workers", type=common.int_list, default=[1, 2, 4])
+    parser.add_argument("--clients", type=int, default=8, help="client processes (default 8)")
+    parser.add_argument("--simulations", type=int, default=1, help="simulations a search (default 1: the call's cost)")
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--profile", type=Path, default=None,
+                        help="folder for py-spy profiles of the service while it is measured (module docstring)")
+    args = parser.parse_args()
+    unknown = set(args.service) - {"search", "reward"}
+    if unknown:
+        parser.error(f"--service: unknown {', '.join(sorted(unknown))} (choose from search, reward)")
+    backend = "cpu" if args.quick or not args.backend or args.backend == "all" else args.backend
+    provider = "cpu" if args.quick else args.provider
+    if args.quick:
+        args.workers, args.clients, args.seconds = [1, 2], 2, 2.0
+    if args.profile:
+        args.profile.mkdir(parents=True, exist_ok=True)
+    for service in args.service:
+        rows = [measure(service, w, args.clients, backend, provider, args.simulations, args.seconds, args.profile)
+                for w in args.workers]
+        base = next((r["calls_per_s"] for r in rows if r["workers"] == 1), None)
+        for r in rows:
+            r["calls_ratio"] = round(r["calls_per_s"] / base, 3) if base else None
+            common.progress(r)
+        common.write_results(f"{service}_calls", rows, args.out)
+        common.print_rows(rows, COLUMNS)
+
+
+if __name__ == "__main__":
+    main()
