@@ -43,8 +43,8 @@ def measure(name: str, trees: int, simulations: int, parallel: int, sims_per_war
 
     game, roots = _roots(name, trees)
     backend = CudaBackend(sims_per_warp=sims_per_warp)
-    params = SearchParams(simulations=simulations, parallel_sims=parallel, max_nodes=simulations + 8, seed=1,
-                          game=game)
+    params = SearchParams(simulations=simulations, deadline_ms=None, parallel_sims=parallel,
+                          max_nodes=simulations + 8, seed=1, game=game)
     backend.search(roots, params)  # compiles the module, warms the pools
     best = float("inf")
     for _ in range(repeats):

@@ -32,7 +32,8 @@ CPU = CpuReferenceBackend()
 
 
 def _params(game, sims: int, k: int, seed: int = 7) -> SearchParams:
-    return SearchParams(simulations=sims, parallel_sims=k, max_nodes=4 * sims + 8, seed=seed, game=game)
+    return SearchParams(simulations=sims, deadline_ms=None, parallel_sims=k, max_nodes=4 * sims + 8, seed=seed,
+                        game=game)
 
 
 @pytest.mark.parametrize("name", ["othello", "gomoku"])
