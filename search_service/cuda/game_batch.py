@@ -118,7 +118,8 @@ class GameTreeBatch:
         states = self.game.as_states(roots)
         n, first = len(states), self.b
         init = np.zeros(n, self.abi.init.dtype)
-        init["nodes"], init["fresh"], init["state"] = 1, 1, states
+        init["nodes"], init["fresh"] = 1, 1
+        init["state"] = states.reshape(init["state"].shape)  # a one-word state's field is a scalar: [n], not [n, 1]
         self._grow(first + n)
         a = self.abi
         self.init_dev[first * a.init.words : (first + n) * a.init.words].set(init.view(np.uint32))
