@@ -81,6 +81,7 @@ HD float rollout_value(u64 cur, u64 mask, u32 s, u32 t, u32 k0, u32 k1, const un
 
 #define GAME_VALUE_MODEL 1  // the value-model kernels (mcts_vm_*) and OBS rows are compiled in
 #define GAME_WARP_INIT 0    // a node's 7 edges are written by one lane (init_node)
+#define GAME_EIGHT_LANES 1  // a node row is 8 records, the header 8th: lane e % 8 owns record e (select.cu, finish_trees)
 #define MASK_WORDS 1        // a legal mask is one u32 word (7 bits)
 #define ROLLOUT_SMEM_BYTES COLUMN_TABLE_BYTES  // the rollouts' kth-free-column table
 

@@ -453,7 +453,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS_PER_BLOCK) mcts_vm_backu
 
 #endif  // GAME_VALUE_MODEL
 
-#if NUM_ACTIONS <= 8  // a game folder's wide nodes: the #else branch below
+#if GAME_EIGHT_LANES  // Connect Four's 8-record rows; a game folder's wide nodes: the #else branch below
 // Results, one warp per tree, after the search: a RES row per tree (the root's
 // edges and N, the TS counters, the principal variation, the CYC row). The
 // principal variation follows, from the root, the edge with the most visits
@@ -517,7 +517,7 @@ extern "C" __global__ void finish_trees(unsigned char* pool, long long cap, int 
   if (lane < 2 * CYC_WORDS) out[RES_CYCLES + lane] = ((const int*)(cyc + (long long)b * CYC_WORDS))[lane];
 }
 #else
-// Results of wide nodes (a game folder's NUM_ACTIONS > 8): as above, lane l
+// Results of wide nodes (every game folder's, whatever its NUM_ACTIONS): as above, lane l
 // taking edges l, l + 32, ...; each lane keeps its best edge by (visits, then
 // Q = W / n in float64, then the lower index), then a 32-lane butterfly.
 extern "C" __global__ void finish_trees(unsigned char* pool, long long cap, int n_trees, const int* tsa,

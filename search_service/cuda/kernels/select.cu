@@ -45,7 +45,7 @@ struct Descent {
   int tcode;
 };
 
-#if NUM_ACTIONS <= 8  // a game folder's wide nodes: the #else branch below
+#if GAME_EIGHT_LANES  // Connect Four's 8-record rows; a game folder's wide nodes: the #else branch below
 // One simulation's selection, run by the whole warp: lane e (mod 8) owns edge
 // e of the node at hand, so the lane that adds an edge's virtual loss is the
 // lane that reads that edge's record in the next selection (same thread, same
@@ -119,7 +119,7 @@ __device__ Descent select_one(const TreeView& t, const SelectParams& sp, int* pa
 #else
 #define EDGES_PER_LANE ((NUM_ACTIONS + 31) / 32)
 
-// Wide nodes (a game folder's NUM_ACTIONS > 8): lane l owns edges l, l + 32,
+// Wide nodes (every game folder's, whatever its NUM_ACTIONS): lane l owns edges l, l + 32,
 // l + 64, ... of the node at hand -- it loads their records, scores them and
 // adds the virtual loss to the one chosen among them, so again the lane that
 // adds an edge's virtual loss is the lane that reads that edge next (same

@@ -36,6 +36,9 @@ static_assert(POS_WORDS == STATE_WORDS, "a node's position is the state words");
 
 #define GAME_VALUE_MODEL 0    // rollouts only: no mcts_vm_* kernels
 #define GAME_WARP_INIT 1      // a node's edges are written by the whole warp (init_node_warp)
+// Wide nodes whatever NUM_ACTIONS: the 8-lane paths read a row of exactly 8 records with the header
+// 8th, which a folder's ROW (NUM_ACTIONS + 1 rounded up to 4) is only for 7 actions.
+#define GAME_EIGHT_LANES 0
 #define ROLLOUT_SMEM_BYTES 0  // no rollout tables in shared memory
 
 struct GameState {
