@@ -58,7 +58,11 @@ class GameTreeBatch:
         self.k_max = params.parallel_sims
         self.slice_ms = backend.rollout_slice_ms
         self.w, self.g = backend.split(self.k_max)
-        self.cap = min(params.max_nodes, (1 << 31) // self.abi.row - 1)  # node * ROW + action fits an int32
+        self.cap = min(params.max_nodes, (1 << 31) // self.abi.row - 2)  # node * ROW + action fits an int32
+        # Slots per tree region (the kernels' `cap`; `cap` stays the node limit): a node is 8 mod 16
+        # bytes where 8 * STATE_WORDS is, so an odd count would start every other tree's int4
+        # records 8 bytes off their alignment (a misaligned-address fault on the GPU).
+        self.region = self.cap + (self.cap & 1) * (self.abi.node_bytes % 16 // 8)
         self.smem = self.abi.smem_bytes(self.g)
         self.slots = self.b = 0
         self.states = np.zeros((0, self.abi.state_words), np.uint64)  # the roots
@@ -76,7 +80,7 @@ class GameTreeBatch:
             return
         n = max(slots, 2 * self.slots)
         a, b = self.abi, self.b
-        pool = cupy.empty((n, self.cap * a.node_bytes), np.uint8)
+        pool = cupy.empty((n, self.region * a.node_bytes), np.uint8)
         ts = cupy.zeros(n * abi.TREE_STATE.words, np.int32)
         cyc = cupy.zeros(n * abi.CYCLES.words, np.uint64)
         keys = cupy.zeros(n * _KEY_WORDS, np.uint32)
@@ -99,7 +103,7 @@ class GameTreeBatch:
             return
         self.mod.kernel("finish_trees")(
             ((self.b + abi.WARPS_PER_BLOCK - 1) // abi.WARPS_PER_BLOCK,), (32 * abi.WARPS_PER_BLOCK,),
-            (self.pool, np.int64(self.cap), np.int32(self.b), self.ts, self.cyc, self.res_dev))
+            (self.pool, np.int64(self.region), np.int32(self.b), self.ts, self.cyc, self.res_dev))
         self.res = self.res_dev[: self.b * self.abi.result.nbytes].get().view(self.abi.result.dtype)
 
     # -- TreeBatch -------------------------------------------------------------------
@@ -128,7 +132,7 @@ class GameTreeBatch:
         self.keys[first * _KEY_WORDS : (first + n) * _KEY_WORDS].set(keys.astype(np.uint32).reshape(-1))
         self.mod.kernel("init_trees")(
             ((n + 127) // 128,), (128,),
-            (self.pool[first:], np.int64(self.cap), np.int32(n), self.init_dev[first * a.init.words :],
+            (self.pool[first:], np.int64(self.region), np.int32(n), self.init_dev[first * a.init.words :],
              self.ts[first * abi.TREE_STATE.words :], self.cyc[first * abi.CYCLES.words :], self.t0, _NULL))
         self.states = np.concatenate([self.states, states])
         self.seed = np.concatenate([self.seed, seed])
@@ -152,7 +156,7 @@ class GameTreeBatch:
         if self.smem > _STATIC_SMEM:  # long games with many simulations a warp: opt in to more shared memory
             fn.max_dynamic_shared_size_bytes = self.smem
         fn(grid, block, (
-            self.pool, np.int64(self.cap), np.int32(self.cap), np.int32(b), np.int32(self.w), np.int32(g),
+            self.pool, np.int64(self.region), np.int32(self.cap), np.int32(b), np.int32(self.w), np.int32(g),
             np.int32(self.k_max), np.int32(0), np.int64(deadline_ns), self.t0, self.ts, self.cyc,
             np.float64(self.p.c_uct), np.float64(self.p.virtual_loss), scale, np.int32(scale.size),
             np.uint32(0), np.uint32(0), self.ks_dev, self.keys), shared_mem=self.smem)
@@ -174,7 +178,7 @@ class GameTreeBatch:
         ts_w, cyc_w = abi.TREE_STATE.words, abi.CYCLES.words
         for hole, row in zip(holes, movers):  # the used slots of the rows past the new end fill the holes
             used = int(nodes[row])
-            for part, size in zip(pl_offsets(self.cap, self.abi), (self.abi.rows_bytes, self.abi.child_bytes,
+            for part, size in zip(pl_offsets(self.region, self.abi), (self.abi.rows_bytes, self.abi.child_bytes,
                                                                      self.abi.pos_bytes)):
                 self.pool[hole, part : part + used * size] = self.pool[row, part : part + used * size]
             self.ts[hole * ts_w : (hole + 1) * ts_w] = self.ts[row * ts_w : (row + 1) * ts_w]
