@@ -127,10 +127,12 @@ __device__ Descent select_one(const TreeView& t, const SelectParams& sp, int* pa
 // index, as it scans upwards), then a 32-lane butterfly takes the argmax
 // (ties: the lower index), so the choice is the reference's: the first
 // maximum. N (the node's visits plus its edges' virtual losses) is the
-// header's visits plus a warp sum of the lanes' virtual losses. Every lane
-// reads the header and the chosen child entry (broadcast loads). The same
-// concurrency as above: reads through L2 (__ldcg), possibly stale with
-// W > 1, exact with one warp per tree.
+// header's visits plus a warp sum of the lanes' virtual losses. The header
+// and the chosen child entry are lane 0's loads, shuffled to the warp: the
+// loop's branches must be the same in every lane (warp-wide shuffles follow),
+// and with W > 1 another warp's solver or expansion may write them between
+// two lanes' loads. The same concurrency as above: reads through L2
+// (__ldcg), possibly stale with W > 1, exact with one warp per tree.
 __device__ Descent select_one(const TreeView& t, const SelectParams& sp, int* path, int lane) {
   int node = 0, d = 0;
   Descent out;
@@ -142,9 +144,10 @@ __device__ Descent select_one(const TreeView& t, const SelectParams& sp, int* pa
     const int4* rows = t.rows + (long long)node * ROW;
     const int* child = t.child + (long long)node * ROW;
     const int4 h = __ldcg(rows + HEADER);
-    if (node != 0 && h.y != NOT_TERMINAL) {  // an existing child with a known result (never the root)
+    const int n_node = __shfl_sync(FULL_MASK, h.x, 0), term = __shfl_sync(FULL_MASK, h.y, 0);
+    if (node != 0 && term != NOT_TERMINAL) {  // an existing child with a known result (never the root)
       out.tnode = node;
-      out.tcode = h.y;
+      out.tcode = term;
       break;
     }
     int4 r[EDGES_PER_LANE];
@@ -161,7 +164,7 @@ __device__ Descent select_one(const TreeView& t, const SelectParams& sp, int* pa
         vl_sum += (u32)r[i].y;
       }
     }
-    const int parent = h.x + (int)__reduce_add_sync(FULL_MASK, vl_sum);
+    const int parent = n_node + (int)__reduce_add_sync(FULL_MASK, vl_sum);
     double scale = 0.0;
     if (!sp.puct) scale = parent < sp.n_scale ? __ldg(sp.scale + parent) : sp.c * sqrt(log((double)parent));
     double s = neg_inf();
@@ -188,7 +191,7 @@ __device__ Descent select_one(const TreeView& t, const SelectParams& sp, int* pa
     }
     best = __shfl_sync(FULL_MASK, best, 0);
     if (lane == (best & 31)) atomicAdd((unsigned long long*)(rows + best), VLOSS_ONE);
-    const int c = __ldcg(child + best);
+    const int c = __shfl_sync(FULL_MASK, __ldcg(child + best), 0);
     if (lane == 0) path[d] = node * ROW + best;
     ++d;
     out.node = node;
