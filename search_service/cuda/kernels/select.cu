@@ -150,6 +150,9 @@ __device__ Descent select_one(const TreeView& t, const SelectParams& sp, int* pa
       out.tcode = term;
       break;
     }
+    // Checked here, not when the edge is taken: a finished node MAX_DEPTH edges down (a game
+    // that lasts exactly max_moves plies) is a leaf, and only an unfinished one is impossible.
+    if (d == MAX_DEPTH) __trap();
     int4 r[EDGES_PER_LANE];
     bool legal[EDGES_PER_LANE];
     u32 vl_sum = 0u;
@@ -197,7 +200,6 @@ __device__ Descent select_one(const TreeView& t, const SelectParams& sp, int* pa
     out.node = node;
     out.action = best;
     if (c < 0) break;  // UNEXPANDED or EXPANDING: the simulation stops at this edge
-    if (d == MAX_DEPTH) __trap();  // impossible in a well-formed tree: no game lasts longer
     node = c;
   }
   out.depth = d;
