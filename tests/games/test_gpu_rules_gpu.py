@@ -1,7 +1,8 @@
 """The device rules on the GPU (marker ``gpu``): 10,000 random games per
 bundled game played with its rules.cu equal its NumPy rules bit for bit
-(search_service/games/gpu_conformance.py), and a tic-tac-toe folder with a
-rules.cu, written in a temporary folder, passes the GPU half too."""
+(search_service/games/gpu_conformance.py), and a tic-tac-toe folder and the
+parity game's (8 actions), with rules.cu, written in temporary folders, pass
+the GPU half too."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,7 +11,7 @@ import pytest
 
 cupy = pytest.importorskip("cupy")
 
-from game_folders import write_game  # noqa: E402
+from game_folders import write_game, write_parity  # noqa: E402
 
 from search_service.games.conformance import Report  # noqa: E402
 from search_service.games.gpu_conformance import gpu_check  # noqa: E402
@@ -38,6 +39,11 @@ def test_tic_tac_toe_folder_with_rules_cu(tmp_path):
     (folder / "rules.cu").write_text(TTT_CU)
     report = _gpu_report(load_game(folder), 2_000, seed=3)
     assert report.ok and report.gpu.startswith("GPU playouts"), report.text()
+
+
+def test_parity_folder_with_rules_cu(tmp_path):
+    report = _gpu_report(load_game(write_parity(tmp_path / "parity")), 2_000, seed=5)
+    assert report.ok and report.gpu.startswith("GPU playouts: 2000 random games, 8000 plies"), report.text()
 
 
 def test_wrong_device_rules_are_caught(tmp_path):

@@ -49,6 +49,20 @@ def test_action_count_over_the_limit_is_a_game_error(tmp_path):
         game_module.source(meta)
 
 
+def test_parity_test_rules_compile(tmp_path):
+    import yaml
+
+    from search_service.games.metadata import read_metadata
+
+    here = __import__("pathlib").Path(__file__).resolve().parents[1] / "games"
+    (tmp_path / "game.yaml").write_text(yaml.safe_dump({"name": "parity", "num_actions": 8, "state_words": 1,
+                                                        "observation": [1, 1, 2], "players": 2, "max_moves": 4}))
+    source = game_module.source(read_metadata(tmp_path), (here / "parity_rules.cu").read_text())
+    assert "#define GAME_EIGHT_LANES 0" in source  # a folder's nodes are wide, even with 8 actions
+    ptx = nvrtc_check.compile_ptx(source, options=module.OPTIONS)
+    assert set(game_module.KERNELS) <= _kernels(ptx)
+
+
 def test_tic_tac_toe_test_rules_compile(tmp_path):
     import yaml
 

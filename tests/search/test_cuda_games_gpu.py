@@ -1,10 +1,12 @@
 """The CUDA backend over game folders (marker ``gpu``): a search of a
 bundled game at fixed simulations and seed with one warp per tree (the CPU
-reference's order) equals the CPU reference's; with several warps a tree
-keeps the invariants (budget, visits summing to the simulations, a legal
-action); a tic-tac-toe folder with a rules.cu, in a temporary folder, loads
-and is searched on the GPU (and its solver proves the draw); a folder
-without rules.cu goes to the CPU reference, saying why."""
+reference's order) equals the CPU reference's, a full node pool of an odd
+size too; with several warps a tree keeps the invariants (budget, visits
+summing to the simulations, a legal action); a tic-tac-toe folder with a
+rules.cu, in a temporary folder, loads and is searched on the GPU (and its
+solver proves the draw), and so is the parity game (8 actions, one state
+word, every game max_moves long); a folder without rules.cu goes to the CPU
+reference, saying why."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -26,7 +28,8 @@ from search_service.mcts.cpu_reference import CpuReferenceBackend  # noqa: E402
 from search_service.mcts.games import PluginSearch  # noqa: E402
 
 pytestmark = pytest.mark.gpu
-TTT_CU = (Path(__file__).resolve().parents[1] / "games" / "tic_tac_toe_rules.cu").read_text()
+GAMES_DIR = Path(__file__).resolve().parents[1] / "games"  # the test games' rules (tests/games)
+TTT_CU = (GAMES_DIR / "tic_tac_toe_rules.cu").read_text()
 GAMES = {name: PluginSearch(load_game(bundled_folder(name))) for name in ("othello", "gomoku")}
 CPU = CpuReferenceBackend()
 
@@ -49,6 +52,47 @@ def test_one_warp_per_tree_equals_the_cpu_reference(name, k):
         np.testing.assert_allclose(g.q_values, c.q_values, rtol=0, atol=1e-6)
         assert (g.action, g.principal_variation, g.tree_nodes, g.max_depth) == (
             c.action, c.principal_variation, c.tree_nodes, c.max_depth)
+
+
+def _assert_equal(gpu, cpu):
+    for g, c in zip(gpu, cpu):
+        assert g.simulations == c.simulations
+        np.testing.assert_array_equal(g.visit_counts, c.visit_counts)
+        np.testing.assert_allclose(g.q_values, c.q_values, rtol=0, atol=1e-6)
+        assert (g.action, g.principal_variation, g.tree_nodes, g.max_depth, g.proven) == (
+            c.action, c.principal_variation, c.tree_nodes, c.max_depth, c.proven)
+
+
+def test_a_full_pool_of_an_odd_size_equals_the_cpu_reference():
+    # 51 slots a tree: Othello's 1,384-byte nodes need the regions of an even slot count
+    # (16-byte aligned records), and the pool fills up (refused expansions, TS_EXHAUSTED).
+    game = GAMES["othello"]
+    roots = np.concatenate([game.rules.initial(1), game.parse_moves("f5"), game.parse_moves("f5d6c3")])
+    params = SearchParams(simulations=100, deadline_ms=None, parallel_sims=8, max_nodes=51, seed=3, game=game)
+    gpu, _ = CudaBackend(sims_per_warp=32).search(roots, params)
+    cpu, _ = CPU.search(roots, params)
+    assert all(r.tree_nodes == 51 for r in gpu)
+    _assert_equal(gpu, cpu)
+
+
+def test_parity_folder_is_searched_on_the_gpu_as_on_the_cpu(tmp_path):
+    # 8 actions (a node row of 12 records), one state word (two roots join at once), every game
+    # exactly max_moves long with a choice at its last ply (selections reach finished nodes at
+    # MAX_DEPTH), and an odd max_nodes.
+    folder = tmp_path / "parity"
+    folder.mkdir()
+    (folder / "game.yaml").write_text(yaml.safe_dump({"name": "parity", "num_actions": 8, "state_words": 1,
+                                                      "observation": [1, 1, 2], "players": 2, "max_moves": 4}))
+    for name in ("rules.py", "rules.cu"):
+        (folder / name).write_text((GAMES_DIR / f"parity_{name}").read_text())
+    game = PluginSearch(load_game(folder))
+    assert cuda_serves(game) is None
+    roots = np.concatenate([game.rules.initial(1), game.parse_moves("3")])
+    params = SearchParams(simulations=1500, deadline_ms=None, parallel_sims=16, max_nodes=4001, seed=5, game=game)
+    gpu, _ = CudaBackend(sims_per_warp=32).search(roots, params)
+    cpu, _ = CPU.search(roots, params)
+    assert gpu[0].max_depth == 4 and gpu[0].proven != tr.NOT_TERMINAL  # the solver proves the root
+    _assert_equal(gpu, cpu)
 
 
 @pytest.mark.parametrize("name", ["othello", "gomoku"])
