@@ -4,8 +4,8 @@ CI and a machine without a GPU use this to see that every module
 (Connect Four's and each game folder's, :mod:`search_service.cuda.module`)
 compiles: NVRTC needs no CUDA context and no driver, only ``libnvrtc``
 (pip's ``nvidia-cuda-nvrtc-cu12``, part of the ``gpu`` extra's CuPy
-install, or any CUDA toolkit's). Used by ``bench/compile_kernels.py`` and
-``tests/search/test_cuda_compile.py``.
+install, or any CUDA toolkit's). Used by ``tests/search/test_cuda_compile.py``;
+:func:`canonical_ptx` compares two builds of a module.
 """
 from __future__ import annotations
 
