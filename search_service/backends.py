@@ -65,7 +65,7 @@ def cuda_serves(game: SearchGame) -> str | None:
     with _serves_lock:
         key = (plugin.meta.folder, plugin.meta.name)
         if key not in _serves:
-            from search_service.cuda import game_module
+            import search_service.cuda.game_module as game_module  # the module, not the package (its __init__ reaches cuda.backend)
 
             if not game_module.has_device_rules(plugin.meta):
                 why = (f"game {plugin.meta.label}: the folder has no {game_module.RULES_FILE}, "

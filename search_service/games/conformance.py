@@ -88,6 +88,11 @@ class Report:
         if len(self.mismatches) < KEPT:
             self.mismatches.append(mismatch)
 
+    def mismatch(self, game: int, ply: int, moves: str, what: str) -> None:
+        """Adds a :class:`Mismatch` of these fields (the GPU half's way, which
+        imports nothing of this module: it is imported from here)."""
+        self.add(Mismatch(game, ply, moves, what))
+
     def text(self, shown: int = SHOWN) -> str:
         """The report as the command prints it."""
         lines = [

@@ -45,18 +45,12 @@ def gpu_check(plugin: GamePlugin, games: int, seed: int, report) -> None:
         mod = game_module.device_module(plugin.meta)
     except GameError as e:
         report.gpu = "GPU playouts: the device rules do not compile"
-        report.add(_mismatch(-1, 0, "", str(e)))
+        report.mismatch(-1, 0, "", str(e))
         return
     plies = 0
     for first in range(0, games, CHUNK):
         plies += _check_chunk(plugin, mod, first, min(CHUNK, games - first), seed, report)
     report.gpu = f"GPU playouts: {games} random games, {plies} plies, against the NumPy rules bit for bit"
-
-
-def _mismatch(game: int, ply: int, moves: str, what: str):
-    from search_service.games.conformance import Mismatch
-
-    return Mismatch(game, ply, moves, what)
 
 
 def packed_legal(legal: np.ndarray, words: int) -> np.ndarray:
@@ -90,7 +84,7 @@ def _check_chunk(plugin: GamePlugin, mod, first: int, n: int, seed: int, report)
     def fail(rows: np.ndarray, ply: int, what) -> None:
         for g in rows[~bad[rows]]:
             moves = rules.moves_to_text([int(x) for x in got["actions"][g, :ply + 1] if x >= 0])
-            report.add(_mismatch(first + int(g), ply, moves, what(int(g))))
+            report.mismatch(first + int(g), ply, moves, what(int(g)))
         bad[rows] = True
 
     start = rules.initial(n)
