@@ -18,11 +18,14 @@ the service meanwhile (``DIR/SERVICE_wN.gil.raw``: what holds the interpreter
 lock; ``.all.raw``: every thread; ``python3 -m bench.profile_summary`` reads
 them); py-spy's own cost then counts in that run's figures.
 
-Row fields: ``service``, ``workers``, ``clients``, ``backend`` (search
-backend or reward execution provider), ``calls_per_s``, ``cpu_cores``
+``--host-wait auto,block`` compares how the service's threads wait for the
+GPU (``SERVICE.host_wait``, tandem.gpu.set_host_wait) in one run.
+
+Row fields: ``service``, ``host_wait``, ``workers``, ``clients``, ``backend``
+(search backend or reward execution provider), ``calls_per_s``, ``cpu_cores``
 (service CPU seconds per wall second), ``cpu_us_per_call``, ``seconds``,
 ``errors`` (calls that failed), and ``calls_ratio`` (calls_per_s over the
-same service's one-worker row, the same run). One file per service:
+same service's first one-worker row, the same run). One file per service:
 ``search_calls.json``, ``reward_calls.json``.
 
 Command (full): ``python3 -m bench.calls --service search,reward --workers 1,2,4 --clients 8``
@@ -47,7 +50,7 @@ from bench.loopback_stack import loopback_stack_data
 from bench.service_cpu import board_request, cpu_seconds
 from tandem.workers import children
 
-COLUMNS = ("service", "workers", "clients", "backend", "calls_per_s", "calls_ratio", "cpu_cores", "cpu_us_per_call",
+COLUMNS = ("service", "host_wait", "workers", "clients", "backend", "calls_per_s", "calls_ratio", "cpu_cores", "cpu_us_per_call",
            "errors")
 ROOT = Path(__file__).resolve().parents[1]
 WARM_S = 2.0
@@ -94,15 +97,17 @@ def _profile(pid: int, seconds: float, path: Path) -> list[subprocess.Popen]:
             for name, flags in (("gil", ["--gil"]), ("all", []))]
 
 
-def _config(service: str, workers: int, backend: str, provider: str) -> dict:
+def _config(service: str, workers: int, backend: str, provider: str, host_wait: str) -> dict:
     if service == "search":
-        return loopback_stack_data({"search": {"backend": backend, "evaluator": "rollout", "workers": workers}})
-    return loopback_stack_data({"reward": {"execution_provider": provider, "workers": workers}})
+        return loopback_stack_data({"search": {"backend": backend, "evaluator": "rollout", "workers": workers,
+                                               "host_wait": host_wait}})
+    return loopback_stack_data({"reward": {"execution_provider": provider, "workers": workers,
+                                           "host_wait": host_wait}})
 
 
 def measure(service: str, workers: int, clients: int, backend: str, provider: str, simulations: int,
-            seconds: float, profile: Path | None = None) -> dict:
-    data = _config(service, workers, backend, provider)
+            seconds: float, profile: Path | None = None, host_wait: str = "auto") -> dict:
+    data = _config(service, workers, backend, provider, host_wait)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "tandem.yaml"
         path.write_text(yaml.safe_dump(data))
@@ -123,7 +128,7 @@ def measure(service: str, workers: int, clients: int, backend: str, provider: st
             time.sleep(max(start - time.time(), 0))
             pids = [proc.pid, *children(proc.pid)]
             before = sum(cpu_seconds(p) for p in pids)
-            spies = _profile(proc.pid, seconds, profile / f"{service}_w{workers}") if profile else []
+            spies = _profile(proc.pid, seconds, profile / f"{service}_w{workers}_{host_wait}") if profile else []
             time.sleep(max(until - time.time(), 0))
             used = sum(cpu_seconds(p) for p in pids) - before
             results = [out.get(timeout=60) for _ in procs]
@@ -135,7 +140,7 @@ def measure(service: str, workers: int, clients: int, backend: str, provider: st
             proc.terminate()
             proc.wait(60)
     calls = sum(c for c, _ in results)
-    return {"service": service, "workers": workers, "clients": clients,
+    return {"service": service, "workers": workers, "clients": clients, "host_wait": host_wait,
             "backend": backend if service == "search" else provider, "calls_per_s": round(calls / seconds, 1),
             "cpu_cores": round(used / seconds, 3), "cpu_us_per_call": round(used / max(calls, 1) * 1e6, 1),
             "seconds": seconds, "errors": sum(e for _, e in results), "simulations": simulations}
@@ -150,6 +155,9 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=8, help="client processes (default 8)")
     parser.add_argument("--simulations", type=int, default=1, help="simulations a search (default 1: the call's cost)")
     parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--host-wait", type=lambda s: s.split(","), default=["auto"],
+                        help="comma list of SERVICE.host_wait values to compare (auto, spin, yield, block; "
+                             "default auto)")
     parser.add_argument("--profile", type=Path, default=None,
                         help="folder for py-spy profiles of the service while it is measured (module docstring)")
     args = parser.parse_args()
@@ -163,9 +171,9 @@ def main() -> None:
     if args.profile:
         args.profile.mkdir(parents=True, exist_ok=True)
     for service in args.service:
-        rows = [measure(service, w, args.clients, backend, provider, args.simulations, args.seconds, args.profile)
-                for w in args.workers]
-        base = next((r["calls_per_s"] for r in rows if r["workers"] == 1), None)
+        rows = [measure(service, w, args.clients, backend, provider, args.simulations, args.seconds, args.profile,
+                        wait) for wait in args.host_wait for w in args.workers]
+        base = next((r["calls_per_s"] for r in rows if r["workers"] == 1), None)  # the first host_wait's
         for r in rows:
             r["calls_ratio"] = round(r["calls_per_s"] / base, 3) if base else None
             common.progress(r)

@@ -5,14 +5,8 @@ Result file (docs/design.md, "Benchmark results"; the field names are a contract
 ``bench/results/<benchmark>.json`` (or ``--out DIR``) holding
 ``{"benchmark", "date", "gpu", "versions", "command", "rows"}``:
 
-* ``date``: UTC time the file was written, ISO 8601 (``2026-11-30T12:00:00Z``);
-* ``gpu``: the name ``nvidia-smi`` gives for GPU 0, or null where there is none;
-* ``versions``: python, numpy, cupy, jax, jaxlib, mctx, pgx (null where not
-  installed), ``tandem_commit`` (``$TANDEM_COMMIT``, else ``git rev-parse
-  HEAD``, else null), ``tandem_dirty`` (the working tree differs from that commit,
-  untracked files included; null where unknown),
-  ``nvidia_driver`` and ``host_cpu`` (the machine the CPU rows ran on);
-* ``command``: the exact command line (``sys.orig_argv``);
+* ``date``, ``gpu``, ``versions`` (commit and clean tree included) and
+  ``command``: :func:`tandem.provenance.record` (its docstring gives each);
 * ``rows``: one dict per measurement, units in the field names.
 
 Timing: :func:`time_calls` runs a callable ``warmup`` times untimed, then
@@ -33,14 +27,9 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
 
 import argparse  # noqa: E402
-import datetime as _dt  # noqa: E402
 import functools  # noqa: E402
 import importlib  # noqa: E402
-import importlib.metadata as _md  # noqa: E402
 import json  # noqa: E402
-import platform  # noqa: E402
-import shlex  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
@@ -49,6 +38,7 @@ from typing import Callable, Iterable, Sequence  # noqa: E402
 
 import numpy as np  # noqa: E402
 
+from tandem import provenance  # noqa: E402
 from tandem.gpu import cupy_module  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -256,70 +246,9 @@ def time_calls(fn: Callable[[int], object], repeats: int, warmup: int = 1, sync:
 # -- the result file -------------------------------------------------------------
 
 
-def _dist_version(name: str) -> str | None:
-    try:
-        return _md.version(name)
-    except _md.PackageNotFoundError:
-        return None
-
-
-def _cupy_version() -> str | None:
-    for dist in _md.packages_distributions().get("cupy", []):
-        v = _dist_version(dist)
-        if v:
-            return v
-    return None
-
-
-def _run(cmd: list[str]) -> str | None:
-    try:
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=30, cwd=REPO_ROOT)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return res.stdout.strip() if res.returncode == 0 else None
-
-
-def gpu_info() -> tuple[str | None, str | None]:
-    """(GPU 0's name, driver version) from nvidia-smi, or (None, None)."""
-    out = _run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"])
-    if not out:
-        return None, None
-    name, _, driver = out.splitlines()[0].partition(",")
-    return name.strip() or None, driver.strip() or None
-
-
-def _host_cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} threads)"
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def versions() -> dict:
-    """The software versions a result depends on (see the module docstring)."""
-    # $TANDEM_COMMIT first: the GPU machine's copy may hold an older .git than its work tree, so
-    # its `git status` is not the sender's either: $TANDEM_DIRTY (0 or 1), given with the
-    # commit by whoever sent the tree (bench/gpu_setup.sh), says whether it differed from it.
-    commit = os.environ.get("TANDEM_COMMIT") or _run(["git", "rev-parse", "HEAD"]) or None
-    dirty = os.environ.get("TANDEM_DIRTY") if os.environ.get("TANDEM_COMMIT") else None
-    status = ("1" if dirty == "1" else "") if dirty in ("0", "1") else _run(["git", "status", "--porcelain"])
-    _, driver = gpu_info()
-    return {
-        "python": platform.python_version(),
-        "numpy": np.__version__,
-        "cupy": _cupy_version(),
-        "jax": _dist_version("jax"),
-        "jaxlib": _dist_version("jaxlib"),
-        "mctx": _dist_version("mctx"),
-        "pgx": _dist_version("pgx"),
-        "tandem_commit": commit,
-        "tandem_dirty": None if status is None else bool(status),
-        "nvidia_driver": driver,
-        "host_cpu": _host_cpu(),
-    }
+# The result's provenance (date, GPU, versions, commit) is tandem.provenance's: reports of
+# `tandem play` and the soak record the same fields.
+gpu_info, versions = provenance.gpu_info, provenance.versions
 
 
 def write_results(benchmark: str, rows: list[dict], out_dir: Path | None = None, summary: dict | None = None) -> Path:
@@ -327,13 +256,9 @@ def write_results(benchmark: str, rows: list[dict], out_dir: Path | None = None,
     ``summary``, figures over the rows) and returns its path."""
     out_dir = Path(out_dir) if out_dir is not None else RESULTS_DIR
     out_dir.mkdir(parents=True, exist_ok=True)
-    gpu, _ = gpu_info()
     doc = {
         "benchmark": benchmark,
-        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "gpu": gpu,
-        "versions": versions(),
-        "command": shlex.join(getattr(sys, "orig_argv", [sys.executable, *sys.argv])),
+        **provenance.record(),
         "rows": rows,
         **({"summary": summary} if summary else {}),
     }

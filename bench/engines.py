@@ -17,7 +17,7 @@ bulk server by shared memory for the row's whole length
 * ``trainer_frames_per_s``: the trainer's rate during the row (0: none);
 * ``workers``, ``reward_workers``: the row's ``search.workers`` and
   ``reward.workers`` (``--workers``, or each alone: ``--search-workers``,
-  ``--reward-workers``).
+  ``--reward-workers``); ``host_wait``: both services' (``--host-wait``).
 
 "Games per GPU" is the largest ``engines * agents_per_engine`` of a value-model
 row without a trainer whose missed share is at most 0.5 % and whose agents
@@ -54,12 +54,15 @@ MISSED_TARGET = 0.005  # "games per GPU": at most 0.5 % of frames missed ...
 MIN_SIMULATIONS = 100  # ... and at least this many simulations per agent a frame
 
 
-def _config(policy: str, out: Path, search_workers: int | None = None, reward_workers: int | None = None) -> Path:
+def _config(policy: str, out: Path, search_workers: int | None = None, reward_workers: int | None = None,
+            host_wait: str | None = None) -> Path:
     cfg = yaml.safe_load(SHIPPED.read_text())
     cfg.setdefault("scheduler", {})["policy"] = policy
     for service, workers in (("search", search_workers), ("reward", reward_workers)):  # tandem/workers.py
         if workers:
             cfg.setdefault(service, {})["workers"] = workers
+        if host_wait:  # tandem.gpu.set_host_wait
+            cfg.setdefault(service, {})["host_wait"] = host_wait
     path = out / f"tandem_{policy}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -197,6 +200,8 @@ def main() -> None:
                     help="search.workers and reward.workers (default: the shipped config's)")
     ap.add_argument("--search-workers", type=int, default=None, help="search.workers alone (over --workers)")
     ap.add_argument("--reward-workers", type=int, default=None, help="reward.workers alone (over --workers)")
+    ap.add_argument("--host-wait", default=None, choices=("auto", "spin", "yield", "block"),
+                    help="search.host_wait and reward.host_wait (default: the shipped config's)")
     args = ap.parse_args()
     if args.quick:
         args.engines, args.evaluators, args.batch, args.contended, args.frames = [1, 2], "rollout", "1x4", 2, 60
@@ -209,7 +214,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="engines_") as tmp:
         work = Path(tmp)
         for i, policy in enumerate(policies):
-            config = _config(policy, work, args.search_workers or args.workers, args.reward_workers or args.workers)
+            config = _config(policy, work, args.search_workers or args.workers, args.reward_workers or args.workers,
+                             args.host_wait)
             logs = work / f"logs_{policy}"
             logs.mkdir()
             stack = Stack(config, logs)
@@ -222,6 +228,7 @@ def main() -> None:
                     written = yaml.safe_load(config.read_text())
                     row["workers"] = written.get("search", {}).get("workers", 1)
                     row["reward_workers"] = written.get("reward", {}).get("workers", 1)
+                    row["host_wait"] = written.get("search", {}).get("host_wait", "auto")
                     progress(row)
                     rows.append(row)
             finally:

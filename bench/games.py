@@ -15,7 +15,12 @@ One row per game: ``game``, ``opponent``, ``games``, ``wins`` / ``draws`` /
 ``losses`` (tandem's), ``points_share`` (wins + half the draws, over
 games), ``ms_per_move`` (the mean wall time of tandem's ``Search`` calls,
 client side) and its p99, ``simulations_per_move`` (mean), the backend that
-searched and the bot's settings; the file's header has the GPU, the host CPU,
+searched and the bot's settings. A game whose folder has labelled endgames
+(game.yaml's ``endgames``, search_service/games/endgames.py) adds a row
+with ``opponent`` ``exact_endgames_openspiel_alpha_beta``: one fresh search
+a position, ``optimal_move_rate`` (over the positions not lost, the share of
+moves that keep the exact result), ``best_score_move_rate``, ``positions``.
+The file's header has the GPU, the host CPU,
 the versions, the date, the commit, whether the tree was clean and the exact
 command (bench/common.py). ``--games 4`` is a smoke test; the issue's
 figure is ``--games 200`` on the GPU machine.
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from pathlib import Path
 
 import numpy as np
 from tandem.v1 import search_pb2, search_pb2_grpc
@@ -42,8 +48,8 @@ from tandem.server import channel
 BENCHMARK = "games"
 UCT_C = 2.0  # OpenSpiel's examples' exploration constant for MCTSBot
 MAX_MEMORY_MB = 1000  # the bot's tree
-COLUMNS = ("game", "opponent", "games", "wins", "draws", "losses", "points_share", "ms_per_move",
-           "simulations_per_move", "backend")
+COLUMNS = ("game", "opponent", "games", "wins", "draws", "losses", "points_share", "positions", "optimal_move_rate",
+           "ms_per_move", "simulations_per_move", "backend")
 
 
 class Tandem:
@@ -61,16 +67,20 @@ class Tandem:
         self.simulations: list[int] = []
         self.backends: set[str] = set()
 
-    def move(self, actions: list[int], session: str, seed: int) -> int:
-        """The OpenSpiel action tandem plays after ``actions`` (its own numbering)."""
-        request = search_pb2.SearchRequest(game=self.plugin.name, moves=self.plugin.rules.moves_to_text(actions),
-                                           deadline_ms=self.frame_ms, session_id=session, seed=seed)
+    def search(self, moves: str, session: str, seed: int) -> int:
+        """tandem's action (its own numbering) in the position of the move string ``moves``."""
+        request = search_pb2.SearchRequest(game=self.plugin.name, moves=moves, deadline_ms=self.frame_ms,
+                                           session_id=session, seed=seed)
         start = time.perf_counter()
         reply = self.stub.Search(request, timeout=max(10 * self.frame_ms / 1000.0, 5.0))
         self.ms.append((time.perf_counter() - start) * 1e3)
         self.simulations.append(reply.simulations)
         self.backends.add(reply.backend)
-        return self.to_openspiel[reply.action]
+        return reply.action
+
+    def move(self, actions: list[int], session: str, seed: int) -> int:
+        """The OpenSpiel action tandem plays after ``actions`` (its own numbering)."""
+        return self.to_openspiel[self.search(self.plugin.rules.moves_to_text(actions), session, seed)]
 
 
 def play_match(tandem: Tandem, games: int, simulations: int, seed: int) -> dict:
@@ -115,6 +125,43 @@ def play_match(tandem: Tandem, games: int, simulations: int, seed: int) -> dict:
     }
 
 
+def score_endgames(tandem: Tandem, path, seed: int) -> dict:
+    """One ``Search`` (fresh tree, the frame as its deadline) of each position
+    of a labelled endgame set (search_service/games/endgames.py); the row:
+    ``optimal_move_rate``, over the positions the side to move does not
+    lose, the share of moves that keep the exact result, and
+    ``best_score_move_rate`` over all positions."""
+    from search_service.games.positions import read_records
+    from tandem.positions import LabelledPosition
+
+    kept = not_lost = best = 0
+    records = read_records(path)
+    for i, rec in enumerate(records):
+        pos = LabelledPosition(rec["moves"], rec["score"], rec["move_scores"], f"{path}:{i + 1}")
+        action = tandem.search(rec["moves"], "", seed + i)
+        best += pos.is_best(action)
+        if pos.score >= 0:
+            not_lost += 1
+            kept += pos.keeps_result(action)
+    return {
+        "game": tandem.plugin.name,
+        "opponent": "exact_endgames_openspiel_alpha_beta",
+        "games": None,  # not a match: one search a position
+        "points_share": None,
+        "positions": len(records),
+        "positions_not_lost": not_lost,
+        "optimal_move_rate": round(kept / not_lost, 4) if not_lost else None,
+        "best_score_move_rate": round(best / len(records), 4),
+        "ms_per_move": round(float(np.mean(tandem.ms)), 3),
+        "ms_per_move_p99": round(percentiles(tandem.ms, 99)[0], 3),
+        "simulations_per_move": round(float(np.mean(tandem.simulations)), 1),
+        "frame_ms": tandem.frame_ms,
+        "backend": ",".join(sorted(tandem.backends)),
+        "opponent_settings": {"solver": "open_spiel.python.algorithms.minimax.alpha_beta_search",
+                              "set": Path(path).name},
+    }
+
+
 def main() -> None:
     parser = make_parser(__doc__)
     parser.add_argument("--game", action="append", help="a game folder or bundled game (repeatable; "
@@ -138,6 +185,11 @@ def main() -> None:
                 row = play_match(Tandem(stub, folder, args.frame_ms), args.games, args.simulations, args.seed)
                 progress(row)
                 rows.append(row)
+                endgames = load_game(folder).meta.endgames
+                if endgames is not None:  # positions labelled by an exact solver
+                    row = score_endgames(Tandem(stub, folder, args.frame_ms), endgames, args.seed)
+                    progress(row)
+                    rows.append(row)
     write_results(BENCHMARK, rows, args.out)
     print_rows(rows, COLUMNS)
 

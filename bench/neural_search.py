@@ -3,23 +3,23 @@
 Starts the reward service in a child process (the shipped config's models, a
 free loopback port) and searches with the CUDA backend (``--backend``'s GPU
 variant; the CPU reference where no GPU runs it) whose leaves go to the reward
-service by each hand-off (``handoff``), all in one run: ``ipc``, the leaf
+service by each hand-off (``handoff``), all in one run: ``leaf_channel``, the leaf
 channel (tandem/leaf_channel.py: one Unix-socket message each way per wave)
 with CUDA IPC regions as device waves (the selection kernel writes the leaves
 into the input region, the backup kernel reads the outputs from the output
 region: what a GPU search service does; CUDA events and the ready word order
 the two services' work, tandem/cuda_events.py, tandem/ready_word.py, and each
-wave's message is announced ahead of its selection); ``ipc_unannounced``,
+wave's message is announced ahead of its selection); ``leaf_channel_unannounced``,
 the same without the ready word (the ``ready`` event orders the inputs, and
-each message follows its selection: the way before); ``ipc_synchronised``, device waves over a
+each message follows its selection: the way before); ``leaf_channel_synchronised``, device waves over a
 channel without events (each side synchronises its stream before its
-message: the way before events); ``ipc_host``, the same channel with
+message: the way before events); ``leaf_channel_host``, the same channel with
 the leaves and answers on the host (system regions, or a GPU search without
 device waves); ``grpc``, one ``Evaluate`` per wave; and ``in_process`` /
 ``in_process_host``, co-located mode's hand-off (tandem/in_process.py): a
 second reward service started in this process, its critical lane reached
 with no socket: ``in_process``, the search driven on the critical lane's
-worker thread (Port.drive: no thread hop per wave), ``in_process_per_wave``,
+worker thread (InProcessLink.drive: no thread hop per wave), ``in_process_per_wave``,
 its device waves handed to that worker one by one (the way before), and
 ``in_process_host``, host waves (device waves' streams wait for the model on
 the GPU).
@@ -43,7 +43,7 @@ Three kinds of row (``kind``):
 * ``throughput``: the value model's evaluated positions per second through
   one hand-off of ``batch`` boards (64 .. 8192; a batch larger than the
   hand-off carries is left out), as a client sees it.
-* ``timeline`` (``--timeline``): where the time of the ``ipc`` latency rows
+* ``timeline`` (``--timeline``): where the time of the ``leaf_channel`` latency rows
   goes, from the marks both services record (tandem/timeline.py): per pair
   of consecutive marks (``from_mark`` -> ``to_mark``, in either process),
   the median and p90 of the µs between them over every wave of the row's
@@ -108,6 +108,7 @@ from scheduler import mps
 from stack.stats import percentiles
 from tandem import outputs_gate, timeline
 from tandem.config import load_config
+from tandem.deadline import Deadline
 from tandem.device import mps_client_env, mps_directories
 
 BENCHMARK = "neural_search"
@@ -128,7 +129,7 @@ PER_WAVE = "per_wave"  # a way's ``device`` value: device waves, each handed ove
 def _device_waves(evaluator, rows: int, driven: bool = True):
     """Device waves over ``evaluator``'s leaf channel (no deadline) when it has
     CUDA regions of ``rows`` rows or more, else None (that row is skipped);
-    ``driven``: a search driven by an in-process port (DeviceWaves.run)."""
+    ``driven``: a search driven by an in-process link (DeviceWaves.run)."""
     from search_service.evaluators import DeviceWaves
 
     if not DeviceWaves.fits(evaluator.channel):
@@ -138,12 +139,12 @@ def _device_waves(evaluator, rows: int, driven: bool = True):
 
 
 def _row_handoff(evaluator, device) -> str:
-    """A row's ``handoff``: ``ipc`` (device waves, each wave's message
-    announced ahead of its selection), ``ipc_unannounced`` (device waves
-    ordered by the ready event alone), ``ipc_synchronised`` (device waves, a
-    channel without events), ``ipc_ungated`` (announced device waves whose
-    host waits for the outputs before it queues the backup, where ``ipc``'s
-    backup waits on the GPU: tandem/outputs_gate.py), ``ipc_host`` (the leaf channel
+    """A row's ``handoff``: ``leaf_channel`` (device waves, each wave's message
+    announced ahead of its selection), ``leaf_channel_unannounced`` (device waves
+    ordered by the ready event alone), ``leaf_channel_synchronised`` (device waves, a
+    channel without events), ``leaf_channel_ungated`` (announced device waves whose
+    host waits for the outputs before it queues the backup, where ``leaf_channel``'s
+    backup waits on the GPU: tandem/outputs_gate.py), ``leaf_channel_host`` (the leaf channel
     through the host), ``in_process`` / ``in_process_per_wave`` /
     ``in_process_host`` (a reward service in this process: a search driven on
     its critical lane's worker, device waves handed over one by one, host
@@ -152,19 +153,19 @@ def _row_handoff(evaluator, device) -> str:
         return "grpc"
     if not device:
         return f"{evaluator.handoff}_host"
-    if evaluator.handoff == "ipc" and not evaluator.channel.ordered:
-        return "ipc_synchronised"
-    if evaluator.handoff == "ipc" and not evaluator.channel.announces:
-        return "ipc_unannounced"
-    if evaluator.handoff == "ipc" and not evaluator.channel.gates and outputs_gate.enabled():
-        return "ipc_ungated"
+    if evaluator.handoff == "leaf_channel" and not evaluator.channel.ordered:
+        return "leaf_channel_synchronised"
+    if evaluator.handoff == "leaf_channel" and not evaluator.channel.announces:
+        return "leaf_channel_unannounced"
+    if evaluator.handoff == "leaf_channel" and not evaluator.channel.gates and outputs_gate.enabled():
+        return "leaf_channel_ungated"
     return f"{evaluator.handoff}_{PER_WAVE}" if device == PER_WAVE else evaluator.handoff
 
 
 def latency(backend, evaluator, wave: int, simulations: int, repeats: int, device: bool = False) -> dict | None:
     """One ``latency`` row: ``repeats`` searches of the empty board; ``device``:
-    the leaf channel's CUDA regions as device waves (handoff ``ipc``; the
-    same channel the host way is ``ipc_host``)."""
+    the leaf channel's CUDA regions as device waves (handoff ``leaf_channel``; the
+    same channel the host way is ``leaf_channel_host``)."""
     params = common.search_params(simulations=simulations, parallel_sims=wave, evaluator="value_model")
     if params is None:
         return None
@@ -211,8 +212,8 @@ def latency(backend, evaluator, wave: int, simulations: int, repeats: int, devic
 def throughput(evaluator, batch: int, repeats: int, device: bool = False) -> dict | None:
     """One ``throughput`` row: ``batch`` boards through ``evaluator``'s hand-off,
     round trips per second x batch; ``device``: boards already in the CUDA
-    input region, answers left in the output region (``ipc``; host arrays
-    both ways through the same channel: ``ipc_host``)."""
+    input region, answers left in the output region (``leaf_channel``; host arrays
+    both ways through the same channel: ``leaf_channel_host``)."""
     boards = np.random.default_rng(batch).integers(0, 2, (batch, 2, 6, 7)).astype(np.uint8)
     call = lambda: evaluator(boards)  # noqa: E731 - one call, timed below
     if device == PER_WAVE:
@@ -257,7 +258,7 @@ def quality(backend, evaluator, set_name: str, limit: int, name: str, wave: int,
 
     def search(root, seed: int):
         # Bound the model calls by the search's deadline, and lend device waves, as the search server does.
-        deadline = time.monotonic() + budget_ms / 1e3
+        deadline = Deadline.after_ms(budget_ms)
         leaf = model.until(deadline) if model is not None else None
         with lend(deadline) if lend else contextlib.nullcontext() as waves:
             kw = {"device_waves": waves} if waves is not None else {}
@@ -291,7 +292,7 @@ def _serve_reward(cfg, ready, stop) -> None:
 
 
 def timeline_rows(wave: int, search_marks: list, service_marks: list, searches: int,
-                  handoff: str = "ipc") -> list[dict]:
+                  handoff: str = "leaf_channel") -> list[dict]:
     """The ``timeline`` rows of one latency row: its searches' marks (this
     process; in-process, the reward service's too) with the reward service's
     marks of the same span (its own process's), in time order."""
@@ -330,13 +331,13 @@ def _gpu_handoff(rows: list[dict], gpu_rows: list[dict], wave: int, g: int, how:
 
 
 def _in_process(cfg, device: bool):
-    """An evaluator over a port of the reward service started in this
+    """An evaluator over a link of the reward service started in this
     process (handoff ``in_process``), as co-located mode's search gets one."""
     from search_service.evaluators import HANDOFF_IN_PROCESS, LeafChannelEvaluator
     from tandem import in_process
 
-    port = in_process.find(cfg.reward.address).port("connect4_value", cfg.reward.leaf_channel.max_rows, device=device)
-    return LeafChannelEvaluator(port, timeout_s=30, handoff=HANDOFF_IN_PROCESS)
+    link = in_process.find(cfg.reward.address).link("connect4_value", cfg.reward.leaf_channel.max_rows, device=device)
+    return LeafChannelEvaluator(link, timeout_s=30, handoff=HANDOFF_IN_PROCESS)
 
 
 def _leaf_channel(stub, max_rows: int, events: bool = True, announce: bool = True, gate: bool | None = None):
@@ -374,7 +375,7 @@ def _timed_rows(ways, kinds, args, value_backends, rows: list, marked: list, pro
                                  2 if args.quick else args.repeats, device)
             if profiler:
                 profiler.disable()
-            if row and args.timeline and row["handoff"] in ("ipc", "in_process", f"in_process_{PER_WAVE}"):
+            if row and args.timeline and row["handoff"] in ("leaf_channel", "in_process", f"in_process_{PER_WAVE}"):
                 marked.append((wave, g, timeline.take(), row["repeats"], row["handoff"], timeline.take_gpu()))
             if row:
                 row["sims_per_warp"] = g
@@ -416,7 +417,7 @@ def main() -> None:
     parser.add_argument("--kinds", default="latency,throughput,search_quality",
                         help="comma list of the row kinds to run (default: all three)")
     parser.add_argument("--timeline", action="store_true",
-                        help="record both services' marks (tandem/timeline.py) during the ipc latency rows "
+                        help="record both services' marks (tandem/timeline.py) during the leaf_channel latency rows "
                              "and add the timeline rows")
     parser.add_argument("--value-sims-per-warp", type=common.int_list, default=[1],
                         help="comma list: simulations per warp (CUDA) of the latency rows and the value model's "
@@ -426,8 +427,8 @@ def main() -> None:
                              "so the latency rows of such a run are not the clean ones) and the gpu_timeline rows")
     parser.add_argument("--handoffs", default="",
                         help="comma list: only the latency and throughput rows of these hand-offs (e.g. "
-                             "in_process,ipc; default: every one)")
-    parser.add_argument("--serving", choices=("ipc", "in_process"), default="ipc",
+                             "in_process,leaf_channel; default: every one)")
+    parser.add_argument("--serving", choices=("leaf_channel", "in_process"), default="leaf_channel",
                         help="the quality rows' hand-off: the leaf channel to the reward service's own process "
                              "(two processes, as tandem up runs them), or in-process (co-located mode)")
     parser.add_argument("--mps", action="store_true",
@@ -485,15 +486,15 @@ def _run(args, kinds: set[str], cfg, on_mps: bool) -> None:
         with channel(cfg.reward.address, cfg) as ch:
             stub = reward_pb2_grpc.RewardServiceStub(ch)
             max_rows = cfg.reward.leaf_channel.max_rows
-            ipc = _leaf_channel(stub, max_rows)
-            ways = [(ipc, True), (ipc, False), (RewardServiceEvaluator(ch, "connect4_value", timeout_s=30), False)]
-            synchronised = _leaf_channel(stub, max_rows, events=False) if ipc.channel.ordered else None
+            leaf = _leaf_channel(stub, max_rows)
+            ways = [(leaf, True), (leaf, False), (RewardServiceEvaluator(ch, "connect4_value", timeout_s=30), False)]
+            synchronised = _leaf_channel(stub, max_rows, events=False) if leaf.channel.ordered else None
             if synchronised is not None:  # device waves without events, in the same run
                 ways.insert(1, (synchronised, True))
-            unannounced = _leaf_channel(stub, max_rows, announce=False) if ipc.channel.announces else None
+            unannounced = _leaf_channel(stub, max_rows, announce=False) if leaf.channel.announces else None
             if unannounced is not None:  # ordered by the ready event alone: each message after its selection
                 ways.insert(1, (unannounced, True))
-            ungated = _leaf_channel(stub, max_rows, gate=False) if ipc.channel.gates else None
+            ungated = _leaf_channel(stub, max_rows, gate=False) if leaf.channel.gates else None
             if ungated is not None:  # the host waits for the outputs before it queues the backup
                 ways.insert(1, (ungated, True))
             timed(ways)
@@ -504,7 +505,7 @@ def _run(args, kinds: set[str], cfg, on_mps: bool) -> None:
                 local = reward_server.start(local_cfg, follow_scheduler=False)
                 in_process.offer(local_cfg.reward.address, local.servicer.in_process)
                 ways = [(_in_process(local_cfg, device=False), False)]
-                if local.servicer.in_process.sessions["connect4_value"].orders_by_events:  # a GPU: device ports
+                if local.servicer.in_process.sessions["connect4_value"].orders_by_events:  # a GPU: device links
                     ways[:0] = [(_in_process(local_cfg, device=True), True),
                                 (_in_process(local_cfg, device=True), PER_WAVE)]
                 timed(ways)
@@ -515,13 +516,13 @@ def _run(args, kinds: set[str], cfg, on_mps: bool) -> None:
                     pstats.Stats(profiler, stream=fh).sort_stats("tottime").print_stats(40)
                 profiler.dump_stats(out.with_suffix(".prof"))  # the whole profile, for pstats' callers and callees
                 common.note(f"profile of the latency rows: {out}")
-            for way in (ipc, synchronised, unannounced, ungated):
+            for way in (leaf, synchronised, unannounced, ungated):
                 if way is not None:
                     way.channel.close()
             if args.serving == "in_process":  # co-located mode's serving path
                 handoff = HandoffEvaluator(ch, "connect4_value", "auto", address=local_cfg.reward.address)
             else:
-                handoff = HandoffEvaluator(ch, "connect4_value", "ipc")
+                handoff = HandoffEvaluator(ch, "connect4_value", "leaf_channel")
             common.note(f"serving path: leaf channel attached: {handoff.wait_attached(10.0)}, device channels: "
                         f"{handoff.wait_device_channels(10.0)}")
             serving = CoalescingEvaluator(handoff)
@@ -554,10 +555,10 @@ def _run(args, kinds: set[str], cfg, on_mps: bool) -> None:
         service_gpu = [m for path in glob.glob(os.path.join(timeline.FOLDER, "gpu-timeline-*.json"))
                        for m in timeline.load(path)]
         for wave, g, marks, searches, how, gpu in marked:  # in_process: both services' marks are this process's
-            rows += [dict(r, sims_per_warp=g) for r in timeline_rows(wave, marks, service_marks if how == "ipc" else [],
+            rows += [dict(r, sims_per_warp=g) for r in timeline_rows(wave, marks, service_marks if how == "leaf_channel" else [],
                                                                      searches, how)]
             gpu_rows = [dict(r, kind="gpu_timeline", sims_per_warp=g)
-                        for r in timeline_rows(wave, gpu, service_gpu if how == "ipc" else [], searches, how)]
+                        for r in timeline_rows(wave, gpu, service_gpu if how == "leaf_channel" else [], searches, how)]
             rows += gpu_rows
             _gpu_handoff(rows, gpu_rows, wave, g, how)
     for row in rows:

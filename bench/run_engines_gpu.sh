@@ -6,6 +6,8 @@
 #   WORKERS=4 bash bench/run_engines_gpu.sh workers  # Search calls a second by search.workers, then the
 #                                            # curve's N = 8, 32, 64 rows with search workers = $WORKERS and
 #                                            # reward workers = $REWARD_WORKERS (default $WORKERS)
+#   bash bench/run_engines_gpu.sh host_wait  # calls a second and CPU a call with host_wait auto and block
+#                                            # (tandem.gpu.set_host_wait), then N = 8, 64 with block
 # Each writes $OUT/engines_h200.json and .png (the curve; engines_<mode>_h200.* for the others) and a
 # short table (last).
 set -o pipefail
@@ -22,6 +24,10 @@ case "${1:-curve}" in
            python3 -m bench.engines --engines 8,32,64 --evaluators rollout,value_model --batch "" --contended 0 \
              --policies default --search-workers "${WORKERS:-4}" --reward-workers "${REWARD_WORKERS:-${WORKERS:-4}}" \
              --out "$OUTDIR/workers" ;;
+  host_wait) python3 -m bench.calls --service search,reward --backend cuda --provider auto --workers 1 --clients 16 \
+           --host-wait auto,block --out "$OUTDIR"
+           python3 -m bench.engines --engines 8,64 --evaluators value_model,rollout --batch "" --contended 0 \
+             --policies default --host-wait block --out "$OUTDIR/host_wait" ;;
 esac
 # The shelf's names (bench/results/): the curve is engines_h200, the others engines_<mode>_h200.
 for f in "$OUTDIR"/*/engines.json "$OUTDIR"/*/engines.png; do

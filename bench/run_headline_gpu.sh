@@ -24,11 +24,11 @@ search)
     --batch-parallel-sims 16 --out "$OUT/thr" && mv "$OUT/thr/mcts_throughput.json" "$OUT/mcts_throughput_k16_h200.json"
   ;;
 neural)
-  python3 -m bench.neural_search --backend gpu --mps --repeats 20 --kinds latency --serving ipc --value-sims-per-warp 32 \
-    --handoffs ipc,ipc_ungated,in_process --out "$OUT/lat" && mv "$OUT/lat/neural_search.json" "$OUT/neural_search_latency_h200.json"
-  python3 -m bench.neural_search --backend gpu --mps --repeats 10 --kinds throughput --handoffs ipc,in_process \
+  python3 -m bench.neural_search --backend gpu --mps --repeats 20 --kinds latency --serving leaf_channel --value-sims-per-warp 32 \
+    --handoffs leaf_channel,leaf_channel_ungated,in_process --out "$OUT/lat" && mv "$OUT/lat/neural_search.json" "$OUT/neural_search_latency_h200.json"
+  python3 -m bench.neural_search --backend gpu --mps --repeats 10 --kinds throughput --handoffs leaf_channel,in_process \
     --out "$OUT/thr" && mv "$OUT/thr/neural_search.json" "$OUT/neural_search_throughput_h200.json"
-  python3 -m bench.neural_search --backend gpu --mps --kinds search_quality --serving ipc --value-sims-per-warp 32 \
+  python3 -m bench.neural_search --backend gpu --mps --kinds search_quality --serving leaf_channel --value-sims-per-warp 32 \
     --out "$OUT/q" && mv "$OUT/q/neural_search.json" "$OUT/neural_search_quality_h200.json"
   ;;
 play)

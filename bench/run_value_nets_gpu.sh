@@ -111,7 +111,7 @@ for label in ("shipped", "pick"):
                   f"({r['simulations_mean']:.0f} simulations)")
 for f in glob.glob(f"{out}/lat/*.json"):
     for r in json.load(open(f))["rows"]:
-        if r["kind"] in ("latency", "throughput") and r["handoff"] == "ipc":
+        if r["kind"] in ("latency", "throughput") and r["handoff"] == "leaf_channel":
             size = r.get("wave", r.get("batch"))
             print(f"pick     {r['kind']:10s} {size:5d}  p50 {r['latency_ms_p50']:.2f} ms  {r['evals_per_s'] / 1e6:.2f} M/s")
 EOF

@@ -41,7 +41,7 @@ from loadtest.background import TRANSPORTS, BackgroundProcess
 from loadtest.frame_scheduling import LeverSampler
 from loadtest.generator import LoadSpec, OpenLoopGenerator
 from stack.supervisor import Stack
-from tandem import nvml
+from tandem import nvml, provenance
 from tandem.config import bulk_address, load_config, loopback_data
 
 
@@ -195,6 +195,7 @@ def run_soak(seconds: float = 60.0, engines: int = 4, fps: float = 15.0, simulat
         finally:
             codes = stack.stop()
     return {
+        **provenance.record(),  # date, gpu, versions (commit, clean tree), command
         "seconds": seconds, "warmup_s": warmup_s, "engines": engines, "fps": fps, "simulations": simulations,
         "evaluator": evaluator, "frames": frames, "stack_startup_s": round(startup_s, 1), "load": load, "servers": servers,
         "server_exited_during_soak": failed, "exit_codes": codes, "policy": cfg.scheduler.policy,

@@ -32,8 +32,8 @@ Policy
   ``t * (100 / bulk_share - 1)`` seconds (none at 100 %, the default). A new
   share applies at once, also to the idle time already begun. The critical
   lane is never held back.
-* Deadlines: a request whose deadline (``time.monotonic()`` seconds) has
-  passed is never run; it completes with :class:`DeadlineExceeded` (at
+* Deadlines: a request whose deadline (a :class:`~tandem.deadline.Deadline`,
+  read on the batcher's clock) has passed is never run; it completes with :class:`DeadlineExceeded` (at
   submit, or when its lane's worker next forms a batch).
 * Bounded queue: at most ``max_queue_size`` requests wait, over both lanes
   together. A full queue sheds: a bulk request is refused
@@ -112,6 +112,7 @@ import numpy as np
 from tandem.v1 import reward_pb2
 
 from tandem import timeline
+from tandem.deadline import Deadline
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +147,7 @@ class Request:
     input of the model, already validated. ``output_names``: outputs to return
     (empty: all that ``run`` returns). ``request_class``:
     ``reward_pb2.REQUEST_CLASS_CRITICAL`` or ``REQUEST_CLASS_BULK``.
-    ``deadline``: ``time.monotonic()`` seconds, or None for none.
+    ``deadline``: a :class:`~tandem.deadline.Deadline`, or None for none.
 
     ``targets``: output name -> device array of ``rows`` rows (a leaf
     channel's CUDA output region), or None: where a bound runner that runs
@@ -186,7 +187,7 @@ class Request:
     feeds: dict[str, np.ndarray]
     rows: int
     request_class: int = reward_pb2.REQUEST_CLASS_BULK
-    deadline: float | None = None
+    deadline: Deadline | None = None
     output_names: tuple[str, ...] = ()
     enqueued: float = 0.0
     targets: dict | None = None
@@ -356,7 +357,8 @@ class Batcher:
             ones not counted).
         name: for the worker threads' names (``batcher-<name>-critical``,
             ``batcher-<name>-bulk``) and logs.
-        clock: ``time.monotonic`` (tests may pass another monotonic clock).
+        clock: ``time.monotonic``, the deadlines' clock (tests may pass
+            another monotonic clock, and deadlines on it).
         merge: False: one request per batch (models whose requests cannot be
             concatenated).
         warm_up: ``warm_up(lane)`` (``lane``: ``REQUEST_CLASS_CRITICAL`` or
@@ -433,7 +435,7 @@ class Batcher:
         feeds: dict[str, np.ndarray],
         rows: int,
         request_class: int = BULK,
-        deadline: float | None = None,
+        deadline: Deadline | None = None,
         output_names: Sequence[str] = (),
         targets: dict | None = None,
         on_written: Callable[[Request], bool] | None = None,
@@ -465,7 +467,7 @@ class Batcher:
         now = self._clock()
         req = Request(feeds, rows, request_class, deadline, tuple(output_names), enqueued=now, targets=targets,
                       on_written=on_written if targets else None, events=events)
-        if deadline is not None and deadline <= now:
+        if deadline is not None and deadline.passed(now):
             with self._lock:
                 lane.stats["expired"] += 1
             raise DeadlineExceeded("deadline passed before the request was queued")
@@ -507,7 +509,7 @@ class Batcher:
             lane.drivers.append(driver)
             lane.wake.notify()
 
-    def wave(self, feeds: dict, rows: int, deadline: float | None = None, output_names: Sequence[str] = (),
+    def wave(self, feeds: dict, rows: int, deadline: Deadline | None = None, output_names: Sequence[str] = (),
              targets: dict | None = None, events=None) -> Request:
         """A driver's next wave (a critical request, validated as :meth:`submit`
         wants), for :meth:`Driver.step` to return; its queue time counts from here.
@@ -568,7 +570,7 @@ class Batcher:
         feeds: dict[str, np.ndarray],
         rows: int,
         request_class: int = BULK,
-        deadline: float | None = None,
+        deadline: Deadline | None = None,
         output_names: Sequence[str] = (),
         targets: dict | None = None,
         on_written: Callable[[Request], bool] | None = None,
@@ -587,10 +589,10 @@ class Batcher:
         req = self.submit(feeds, rows, request_class, deadline, output_names, targets, on_written, events)
         while True:
             # Bounded waits: a far deadline must not overflow the platform's timeout type.
-            timeout = None if deadline is None else min(max(deadline - self._clock(), 0.0), _MAX_WAIT_S)
+            timeout = None if deadline is None else min(deadline.wait_s(self._clock()), _MAX_WAIT_S)
             if req.wait(timeout):
                 return req
-            if deadline is not None and deadline <= self._clock():
+            if deadline is not None and deadline.passed(self._clock()):
                 if self.cancel(req):
                     raise DeadlineExceeded("deadline passed before the result was ready")
                 if req.targets is not None or any(on_device(a) for a in req.feeds.values()):
@@ -708,15 +710,15 @@ class Batcher:
         marked DONE; every driver wave once closed) and takes its next batch:
         the queued requests and the drivers' waves in the order they were made."""
         now = self._clock()
-        expired = [r for r in lane.queue if r.deadline is not None and r.deadline <= now]
+        expired = [r for r in lane.queue if r.deadline is not None and r.deadline.passed(now)]
         if expired:
-            lane.queue = collections.deque(r for r in lane.queue if r.deadline is None or r.deadline > now)
+            lane.queue = collections.deque(r for r in lane.queue if r.deadline is None or not r.deadline.passed(now))
             for r in expired:
                 r.state = DONE
                 r.error = DeadlineExceeded("deadline passed while queued")
             self._queued -= len(expired)
             lane.stats["expired"] += len(expired)
-        unrun = [r for r in waves if self._closed or (r.deadline is not None and r.deadline <= now)]
+        unrun = [r for r in waves if self._closed or (r.deadline is not None and r.deadline.passed(now))]
         if unrun:
             waves[:] = [r for r in waves if r not in unrun]
             for r in unrun:

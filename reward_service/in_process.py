@@ -3,7 +3,7 @@ search service of this same process (co-located mode), straight into the
 model's critical lane, with no socket, no gRPC and no shared-memory region
 (the meeting point and the protocol: tandem/in_process.py).
 
-A search asks for a :class:`Port` to one model. A port holds, on a GPU, its
+A search asks for an :class:`InProcessLink` to one model. A link holds, on a GPU, its
 own device buffers: ``inputs`` (the model's input, ``[max_rows, *row]``),
 where the search's selection kernel writes a wave's leaves, and one output
 buffer per model output (float32 ``[max_rows, *row]``), where the bound
@@ -17,23 +17,23 @@ wake-up on the host, and no host wait for the model.
 
 Invariants:
 
-* A port belongs to one caller at a time (a search call, or the coalescing
+* A link belongs to one caller at a time (a search call, or the coalescing
   dispatcher): its buffers, events and last figures (``queue_ms``,
   ``compute_ms``, ``bucket``) are that caller's thread's, and at most one of
   its waves is in flight. ``_lock`` guards only ``_closed``.
 * A wave runs in the model's critical lane (reward_service/batcher.py),
   merged there with the other critical requests queued with it (other
-  ports' waves, leaf-channel waves, critical Evaluate calls): batching across
+  links' waves, leaf-channel waves, critical Evaluate calls): batching across
   searches. It runs on the lane's worker thread, never the caller's (ONNX
   Runtime's CUDA provider keeps per-thread state; batcher.py).
-* A driven caller (:meth:`Port.drive`: a whole search) runs on that worker
+* A driven caller (:meth:`InProcessLink.drive`: a whole search) runs on that worker
   too, from its first wave to its last: the worker steps its generator
   between batches (on the caller's CUDA stream), so a wave costs no thread
   hop; the caller's thread waits once, for the end. The generator
-  holds the port for the call (its waves are the port's only ones) and
+  holds the link for the call (its waves are the link's only ones) and
   must never wait for this model's critical lane itself (the worker runs
   it: it would wait for itself; Batcher.submit refuses that). The
-  generator's kernels run on a stream of the port's own (of the caller's
+  generator's kernels run on a stream of the link's own (of the caller's
   priority), joined to the caller's stream by an event at each end, so a
   driven device wave's ``ready`` event, waited for on the GPU
   (WaveEvents.ready_on_gpu), waits for that search's kernels alone: the
@@ -48,10 +48,10 @@ Invariants:
   leaf channel writes such a wave's into its region.
 * A wave answers by its deadline (a running one ``LATE_GRACE_S`` past it):
   one still running then is DEADLINE_EXCEEDED and its outputs are dropped. A
-  device wave given up so still reads and writes the port's buffers, so the
-  port's next wave first waits for it (``_late``), by its own deadline.
+  device wave given up so still reads and writes the link's buffers, so the
+  link's next wave first waits for it (``_late``), by its own deadline.
 * Every failure is a :class:`tandem.leaf_channel.LeafChannelError` with the
-  gRPC status a leaf channel would answer; the lane and the port go on.
+  gRPC status a leaf channel would answer; the lane and the link go on.
 """
 from __future__ import annotations
 
@@ -72,6 +72,7 @@ from reward_service.refusal import Refusal, refusal_for
 from reward_service.session import READY_WAIT_S, ModelSession
 from tandem import tensors, timeline
 from tandem.cuda_events import LocalEvent
+from tandem.deadline import Deadline
 from tandem.errors import quote
 from tandem.gpu import cupy_module
 from tandem.leaf_channel import LeafChannelError
@@ -80,12 +81,12 @@ log = logging.getLogger(__name__)
 
 CRITICAL = reward_pb2.REQUEST_CLASS_CRITICAL
 CRITICAL_LANE = LANES[CRITICAL]  # the per-model metrics' lane of every wave
-_VIEW_SIZES = 64  # wave sizes whose buffer views a device port keeps
+_VIEW_SIZES = 64  # wave sizes whose buffer views a device link keeps
 LATE_GRACE_S = 0.0005  # how long past its deadline a running wave is waited for (s), as a leaf channel's done event
 
 
 class InProcessServer:
-    """The reward service's in-process waves: ports to its models for
+    """The reward service's in-process waves: links to its models for
     searches of this process.
 
     Args:
@@ -105,14 +106,14 @@ class InProcessServer:
             return self._closed
 
     def close(self) -> None:
-        """Refuses new ports and waves (UNAVAILABLE); waves running end as they are."""
+        """Refuses new links and waves (UNAVAILABLE); waves running end as they are."""
         with self._lock:
             self._closed = True
 
-    def port(self, model: str, max_rows: int, device: bool) -> Port:
-        """A port to ``model`` carrying waves of up to ``max_rows`` rows, narrowed
+    def link(self, model: str, max_rows: int, device: bool) -> InProcessLink:
+        """A link to ``model`` carrying waves of up to ``max_rows`` rows, narrowed
         to ``reward.leaf_channel.max_rows`` and the model's max_batch_size (the
-        port's ``max_rows`` says how many); ``device``: with device buffers and
+        link's ``max_rows`` says how many); ``device``: with device buffers and
         events (a GPU search's device waves), else host waves (NumPy in, NumPy out).
 
         Raises:
@@ -145,11 +146,11 @@ class InProcessServer:
             raise LeafChannelError(grpc.StatusCode.FAILED_PRECONDITION,
                                    f"model {model!r}: its critical lane cannot take device waves "
                                    f"({session.execution_provider}, no CUDA events); send host waves")
-        return Port(self, session, max_rows, spec.name, row, tensors.numpy_dtype(spec.dtype),
+        return InProcessLink(self, session, max_rows, spec.name, row, tensors.numpy_dtype(spec.dtype),
                     [(o.name, r) for o, r in outputs], device)
 
 
-class Port:
+class InProcessLink:
     """One caller's way to one model (see the module's invariants). It
     answers to what a search asks of a :class:`tandem.leaf_channel.LeafChannel`
     (``evaluate``, ``evaluate_device``, ``device_inputs``, ``ordered``,
@@ -160,14 +161,14 @@ class Port:
         model, max_rows: as asked for.
         input_row, input_dtype: one row of the model's input (e.g. ``(2, 6, 7)``, uint8).
         output_rows: (name, row shape) of each output, in the model's order.
-        inputs: a device port's input buffer, CuPy ``[max_rows, *input_row]``
+        inputs: a device link's input buffer, CuPy ``[max_rows, *input_row]``
             of ``input_dtype``; None for host waves.
-        outputs: a device port's output buffers, name -> CuPy float32
+        outputs: a device link's output buffers, name -> CuPy float32
             ``[max_rows, *row]``; empty for host waves.
         queue_ms, compute_ms, bucket: the last wave's (the lane's queue, its
             run's host time, the batch's padded size).
         kind: ``"cuda"`` where the model's critical lane takes device waves
-            (a device port may be asked for), else ``"system"``.
+            (a device link may be asked for), else ``"system"``.
     """
 
     path = "in-process"  # where the waves go, for logs (a leaf channel's socket path)
@@ -203,7 +204,7 @@ class Port:
 
     @property
     def ordered(self) -> bool:
-        """A device port's waves are ordered by CUDA events: the caller calls
+        """A device link's waves are ordered by CUDA events: the caller calls
         :meth:`evaluate_device` without synchronising its stream."""
         return self._events is not None
 
@@ -213,12 +214,12 @@ class Port:
         return self._server.closed
 
     def close(self) -> None:
-        """Nothing to release but memory, freed with the port (as a leaf channel's close)."""
+        """Nothing to release but memory, freed with the link (as a leaf channel's close)."""
 
-    def evaluate(self, inputs: np.ndarray, deadline: float | None = None) -> dict[str, np.ndarray]:
+    def evaluate(self, inputs: np.ndarray, deadline: Deadline | None = None) -> dict[str, np.ndarray]:
         """One host wave: ``inputs`` (``[N, *input_row]`` of ``input_dtype``,
         1 <= N <= max_rows) through the model, by ``deadline``
-        (``time.monotonic()`` s; None: none). Returns name -> float32
+        (None: none). Returns name -> float32
         ``[N, *row]`` (arrays of their own).
 
         Raises:
@@ -243,12 +244,12 @@ class Port:
             raise self._invalid(f"inputs: dtype {inputs.dtype}, the model {self.model!r} takes {self.input_dtype}")
         rows = inputs.shape[0] if inputs.ndim else 0
         if not 1 <= rows <= self.max_rows or tuple(inputs.shape[1:]) != self.input_row:
-            raise self._invalid(f"inputs: shape {list(inputs.shape)}, the port carries 1..{self.max_rows} rows of "
+            raise self._invalid(f"inputs: shape {list(inputs.shape)}, the link carries 1..{self.max_rows} rows of "
                                 f"{list(self.input_row)}")
         # A copy: a run given up at its deadline may still read it after the caller has moved on.
         return np.array(inputs, order="C")
 
-    def evaluate_device(self, rows: int, deadline: float | None = None) -> dict:
+    def evaluate_device(self, rows: int, deadline: Deadline | None = None) -> dict:
         """One device wave: rows ``[0, rows)`` of :attr:`inputs`, written by
         kernels queued on the current CUDA stream. Returns :attr:`outputs`
         (rows ``[0, rows)`` this wave's, valid until the next wave); the
@@ -256,13 +257,13 @@ class Port:
         after the return read them in place.
 
         Raises:
-            LeafChannelError: as :meth:`evaluate`; INVALID_ARGUMENT also for a host port.
+            LeafChannelError: as :meth:`evaluate`; INVALID_ARGUMENT also for a host link.
         """
         rows = self._device_rows(rows)
         stream = self._cupy.cuda.get_current_stream().ptr
         self._events.ready.record(stream)
         self._wave(*self._device_views(rows), rows, deadline)
-        timeline.mark("port.answered")
+        timeline.mark("link.answered")
         self._events.done.wait_on_stream(stream)
         return self.outputs
 
@@ -270,12 +271,12 @@ class Port:
         """A device wave's row count, checked.
 
         Raises:
-            LeafChannelError: INVALID_ARGUMENT: a host port, or not an integer in 1..max_rows.
+            LeafChannelError: INVALID_ARGUMENT: a host link, or not an integer in 1..max_rows.
         """
         if self.inputs is None:
-            raise self._invalid("evaluate_device: a host port; use evaluate")
+            raise self._invalid("evaluate_device: a host link; use evaluate")
         if isinstance(rows, bool) or not isinstance(rows, (int, np.integer)) or not 1 <= rows <= self.max_rows:
-            raise self._invalid(f"rows: {rows!r}, the port carries 1..{self.max_rows} (an integer)")
+            raise self._invalid(f"rows: {rows!r}, the link carries 1..{self.max_rows} (an integer)")
         return int(rows)
 
     def _device_views(self, rows: int) -> tuple[dict, dict]:
@@ -296,16 +297,16 @@ class Port:
         self._server.metrics.failed(self.model, CRITICAL_LANE, "invalid_input", 0.0)
         return LeafChannelError(grpc.StatusCode.INVALID_ARGUMENT, message)
 
-    def drive(self, steps, deadline: float | None = None):
+    def drive(self, steps, deadline: Deadline | None = None):
         """Runs the generator ``steps`` on the model's critical-lane worker
         thread (Batcher.drive) and returns what it returns: no thread hop
         per wave, one for the whole loop. Each item it yields is one wave: an
-        int ``n``, rows ``[0, n)`` of :attr:`inputs` (a device port; written
+        int ``n``, rows ``[0, n)`` of :attr:`inputs` (a device link; written
         by kernels queued on this thread's current CUDA stream, on which the
         generator also runs there), or an array, a host wave as
         :meth:`evaluate` takes it. The wave runs in the lane's next batch,
         merged with the other driven waves and the queued critical requests,
-        by ``deadline`` (``time.monotonic()`` s; None: none); what
+        by ``deadline`` (None: none); what
         :meth:`evaluate_device` or :meth:`evaluate` would return is sent
         back, or the LeafChannelError it would raise is thrown in. A device
         wave's ``ready`` event is waited for on the GPU (no host wait for the
@@ -321,7 +322,7 @@ class Port:
         if self._server.closed:
             raise LeafChannelError(grpc.StatusCode.UNAVAILABLE, "the reward service is stopping")
         caller = stream = None
-        if self.inputs is not None:  # the generator's kernels go on a stream of the port's own, joined both ends
+        if self.inputs is not None:  # the generator's kernels go on a stream of the link's own, joined both ends
             caller = self._cupy.cuda.get_current_stream()
             stream = self._own_stream(caller)
             stream.wait_event(caller.record(self._joins[0]))
@@ -339,7 +340,7 @@ class Port:
         return value
 
     def _own_stream(self, caller):
-        """The port's stream of ``caller``'s priority and flags, made once: a
+        """The link's stream of ``caller``'s priority and flags, made once: a
         driven search's kernels run there, so the GPU-side wait for a wave's
         ``ready`` event waits for this search's kernels alone, never for
         other work queued on a stream the caller shares (another search's
@@ -350,7 +351,7 @@ class Port:
             stream = self._streams[key] = self._cupy.cuda.Stream(non_blocking=key[1], priority=key[0])
         return stream
 
-    def _wave(self, feeds: dict, targets: dict | None, rows: int, deadline: float | None):
+    def _wave(self, feeds: dict, targets: dict | None, rows: int, deadline: Deadline | None):
         """Runs one wave in the critical lane and records its figures; returns
         host outputs (a host wave) or None (a device wave: in its targets)."""
         start = self._begin()
@@ -358,7 +359,7 @@ class Port:
             self._wait_late(deadline)
             self._check_open()
             outputs = self._answer(self._run(feeds, targets, rows, deadline), targets, rows)
-        except Exception as exc:  # every failure a status; the port and the lane go on
+        except Exception as exc:  # every failure a status; the link and the lane go on
             raise self._failed(exc, start) from None
         self._succeeded(rows, start)
         return outputs
@@ -408,7 +409,7 @@ class Port:
         self._server.metrics.failed(self.model, CRITICAL_LANE, refused.reason, time.perf_counter() - start)
         return LeafChannelError(refused.code, refused.message)
 
-    def _run(self, feeds: dict, targets: dict | None, rows: int, deadline: float | None):
+    def _run(self, feeds: dict, targets: dict | None, rows: int, deadline: Deadline | None):
         """Submits the wave and waits for it until ``deadline`` (a running one
         ``LATE_GRACE_S`` more); returns the done request.
 
@@ -416,14 +417,14 @@ class Port:
             DeadlineExceeded, QueueFull, BatcherClosed: as Batcher.submit, or
                 not run by ``deadline``.
             Refusal: DEADLINE_EXCEEDED: still running past the grace (a device
-                wave's run is then waited for by the port's next wave: it
-                writes into the port's buffers).
+                wave's run is then waited for by the link's next wave: it
+                writes into the link's buffers).
             Exception: what the run raised.
         """
         batcher = self._server.batchers[self.model]
         req = batcher.submit(feeds, rows, CRITICAL, deadline, self._names, targets, None,
                              self._events if targets is not None else None)
-        if not req.wait(None if deadline is None else max(deadline - time.monotonic(), 0.0)):
+        if not req.wait(None if deadline is None else deadline.wait_s()):
             if batcher.cancel(req):
                 raise DeadlineExceeded("deadline passed before the run")
             if not req.wait(LATE_GRACE_S):
@@ -435,9 +436,9 @@ class Port:
         req.result()
         return req
 
-    def _wait_late(self, deadline: float | None) -> None:
+    def _wait_late(self, deadline: Deadline | None) -> None:
         """Waits (until ``deadline``) for a device wave given up at its deadline
-        while it ran: its copies read and write this port's buffers.
+        while it ran: its copies read and write this link's buffers.
 
         Raises:
             Refusal: DEADLINE_EXCEEDED: still running at ``deadline``.
@@ -445,20 +446,20 @@ class Port:
         late = self._late
         if late is None:
             return
-        if not late.wait(None if deadline is None else max(deadline - time.monotonic(), 0.0)):
+        if not late.wait(None if deadline is None else deadline.wait_s()):
             raise Refusal(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline_exceeded",
-                          f"model {self.model!r}: the port's previous wave, given up at its deadline, still runs")
+                          f"model {self.model!r}: the link's previous wave, given up at its deadline, still runs")
         self._late = None
 
 
 class _Driven:
-    """A generator run on the critical lane's worker (:meth:`Port.drive`):
-    the batcher's Driver. Its waves are its port's; ``value`` or ``error`` is
+    """A generator run on the critical lane's worker (:meth:`InProcessLink.drive`):
+    the batcher's Driver. Its waves are its link's; ``value`` or ``error`` is
     written before ``finished`` is set, once the generator has returned or
     raised."""
 
-    def __init__(self, port: Port, steps, deadline: float | None, stream):
-        self._port, self._steps, self._deadline, self._stream = port, steps, deadline, stream
+    def __init__(self, link: InProcessLink, steps, deadline: Deadline | None, stream):
+        self._link, self._steps, self._deadline, self._stream = link, steps, deadline, stream
         self._wave: tuple[int, dict | None, float] | None = None  # rows, targets, start of the wave in flight
         self.finished = threading.Event()
         self.value = self.error = None
@@ -486,41 +487,41 @@ class _Driven:
         """The generator's next item, given ``done`` (None: its first)."""
         if done is None:
             return self._steps.send(None)
-        port, (rows, targets, start) = self._port, self._wave
+        link, (rows, targets, start) = self._link, self._wave
         try:
             done.result()
-            outputs = port._answer(done, targets, rows)
-        except Exception as exc:  # every failure a status, as Port._wave's
-            return self._steps.throw(port._failed(exc, start))
-        port._succeeded(rows, start)
+            outputs = link._answer(done, targets, rows)
+        except Exception as exc:  # every failure a status, as InProcessLink._wave's
+            return self._steps.throw(link._failed(exc, start))
+        link._succeeded(rows, start)
         if targets is not None:  # a device wave: its stream waits for the run's outputs on the GPU
-            timeline.mark("port.answered")
-            port._events.done.wait_on_stream(self._stream.ptr)
-            outputs = port.outputs
+            timeline.mark("link.answered")
+            link._events.done.wait_on_stream(self._stream.ptr)
+            outputs = link.outputs
         return self._steps.send(outputs)
 
     def _request(self, item) -> Request:
         """The wave ``item`` stands for, made for the lane's next batch.
 
         Raises:
-            LeafChannelError: as :meth:`Port.evaluate` / :meth:`Port.evaluate_device` (not run).
+            LeafChannelError: as :meth:`InProcessLink.evaluate` / :meth:`InProcessLink.evaluate_device` (not run).
         """
-        port = self._port
+        link = self._link
         device = isinstance(item, (int, np.integer)) and not isinstance(item, bool)
-        inputs = None if device else port._host_inputs(item)
-        rows = port._device_rows(item) if device else len(inputs)
-        start = port._begin()
+        inputs = None if device else link._host_inputs(item)
+        rows = link._device_rows(item) if device else len(inputs)
+        start = link._begin()
         try:
-            port._wait_late(self._deadline)
-            port._check_open()
+            link._wait_late(self._deadline)
+            link._check_open()
             if device:
-                port._events.ready.record(self._stream.ptr)
-                feeds, targets = port._device_views(rows)
-                events = port._driven_events
+                link._events.ready.record(self._stream.ptr)
+                feeds, targets = link._device_views(rows)
+                events = link._driven_events
             else:
-                feeds, targets, events = {port._input_name: inputs}, None, None
-            req = port._server.batchers[port.model].wave(feeds, rows, self._deadline, port._names, targets, events)
+                feeds, targets, events = {link._input_name: inputs}, None, None
+            req = link._server.batchers[link.model].wave(feeds, rows, self._deadline, link._names, targets, events)
         except Exception as exc:
-            raise port._failed(exc, start) from None
+            raise link._failed(exc, start) from None
         self._wave = (rows, targets, start)
         return req

@@ -99,6 +99,7 @@ from reward_service.shared_memory import RegionTable, SharedMemoryError
 from tandem import tensors, timeline
 from tandem.config import LeafChannelConfig
 from tandem.cuda_events import IPC_EVENT_HANDLE_BYTES, ExportedEvent, LocalEvent, OpenedEvent
+from tandem.deadline import Deadline
 from tandem.errors import quote
 from tandem.leaf_channel import (ATTACH, MAX_MESSAGE_BYTES, REPLY, REPLY_FORMAT, WAVE, WAVE_FORMAT, OutputSlot,
                                  output_layout, pack_error)
@@ -687,7 +688,7 @@ class LeafChannelServer:
             if not 1 <= rows <= a.max_rows:
                 raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, f"wave: rows {rows} out of range 1..{a.max_rows} "
                                  "(the attached regions' size)")
-            deadline = time.monotonic() + timeout_us / 1e6 if timeout_us > 0 else None
+            deadline = Deadline.after_s(timeout_us / 1e6) if timeout_us > 0 else None
             # The worker's send never blocks (a client not reading its replies must not hold
             # the lane): refused, this thread sends instead.
             answer = None if nonblocking is None else (lambda req, seq=seq: _try_send(nonblocking, _reply(seq, req)))
@@ -716,7 +717,7 @@ class LeafChannelServer:
         else:
             self.metrics.failed(name, CRITICAL_LANE, reason, elapsed_s)
 
-    def _run_wave(self, a: _Attachment, seq: int, rows: int, deadline: float | None, answer):
+    def _run_wave(self, a: _Attachment, seq: int, rows: int, deadline: Deadline | None, answer):
         """Runs rows [0, rows) of the input region and writes the outputs.
         With a CUDA output region the run may write them there itself (a
         bound runner fed device waves only), and the critical lane's worker
@@ -743,7 +744,7 @@ class LeafChannelServer:
             events = a.events
             if events is not None and a.ready_region:  # this wave's poll of the ready word
                 word = lease.array(a.ready_region, 0, _WORD, (1,))
-                hard_limit = time.monotonic() + WORD_WAIT_CAP_S if deadline is None else deadline
+                hard_limit = (Deadline.after_s(WORD_WAIT_CAP_S) if deadline is None else deadline).at
                 events = WaveEvents(WordWait(word, seq, events.done, READY_WAIT_S, hard_limit), events.done)
             if events is not None and a.done_word is not None and out_kind == "cuda":
                 done_word = (lease.array(a.output_region, a.done_word, _WORD, (1,)).data.ptr, seq)

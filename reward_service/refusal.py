@@ -8,6 +8,7 @@ import numpy as np
 
 from reward_service.batcher import Batcher, BatcherClosed, BatcherError, DeadlineExceeded, QueueFull, Request
 from tandem import pools
+from tandem.deadline import Deadline
 
 
 class Refusal(Exception):
@@ -20,15 +21,15 @@ class Refusal(Exception):
 
 
 def run(batcher: Batcher, model: str, feeds: dict[str, np.ndarray], rows: int, request_class: int,
-        deadline: float | None, names, targets: dict | None = None, on_written=None,
+        deadline: Deadline | None, names, targets: dict | None = None, on_written=None,
         events=None) -> Request:
     """Runs ``feeds`` (``rows`` rows) through ``batcher`` and returns the done
     request (``outputs``, ``queue_ms``, ``compute_ms``, ``bucket``; ``targets``,
     ``on_written``, ``events``: see :class:`reward_service.batcher.Request`).
 
     Raises:
-        Refusal: DEADLINE_EXCEEDED (not run by ``deadline``, time.monotonic()
-            s), RESOURCE_EXHAUSTED (queue full, memory pool full), UNAVAILABLE
+        Refusal: DEADLINE_EXCEEDED (not run by ``deadline``; None: none),
+            RESOURCE_EXHAUSTED (queue full, memory pool full), UNAVAILABLE
             (stopping), INTERNAL (the run failed).
     """
     try:

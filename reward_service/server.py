@@ -22,11 +22,12 @@ from reward_service.refusal import Refusal
 from reward_service.session import InputError, ModelSession, runners_per_model
 from reward_service.shared_memory import Lease, RegionStatus, RegionTable, SharedMemoryError, check_client
 from tandem import in_process as tandem_in_process
-from tandem import peer, tensors, workers
+from tandem import gpu, peer, tensors, workers
 from tandem.failover import STANDBY_KEY
 from tandem.startup import Phases
 from tandem.workers import WorkerPlace
 from tandem.config import SharedMemoryConfig, TandemConfig
+from tandem.deadline import Deadline
 from tandem.errors import quote
 from tandem.gpu import cuda_device_count, host_fact
 from tandem.leaf_channel import RUNTIME_KEY as LEAF_CHANNEL_KEY
@@ -35,7 +36,6 @@ from tandem.service import Service, start_service
 log = logging.getLogger(__name__)
 
 BULK_SERVER_KEY = "bulk_server"  # ModelMetadata.runtime key: the bulk server's address, for bulk clients
-NO_DEADLINE_S = 1e7  # remaining times beyond this (~4 months) mean "no deadline"
 IN_FLIGHT = Gauge("tandem_reward_requests_in_flight", "Evaluate calls being served.")
 BYTES_IN_FLIGHT = Gauge("tandem_reward_bytes_in_flight", "Bytes of the Evaluate calls being served (serialized).")
 STREAM_PRIORITY = Gauge("tandem_reward_stream_priority", "CUDA stream priority assigned by the scheduler.")
@@ -190,9 +190,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, "invalid_input", str(exc)) from None
         if held is not None:
             held.grow(OUTPUT_COPIES * rows * session.output_row_bytes(names))
-        remaining = context.time_remaining()
-        # A call without a deadline reports None or an "infinite" remaining time (years).
-        deadline = None if remaining is None or remaining > NO_DEADLINE_S else time.monotonic() + remaining
+        deadline = Deadline.of_grpc(context)  # None: a call without one
         request_class = _request_class(request.request_class)
         done = refusal.run(self.batchers[session.name], session.name, feeds, rows, request_class, deadline, names)
         outputs = done.outputs
@@ -440,6 +438,7 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True, bulk_server: bool = 
         RuntimeError: a model cannot be loaded, or the address cannot be bound;
             the bulk server where ``reward.bulk_server.enabled`` is false.
     """
+    gpu.set_host_wait(cfg.reward.host_wait)  # before ONNX Runtime or CuPy makes the device's context
     models, bulk_cfg = cfg.reward.models, cfg.reward.bulk_server
     if bulk_server and not bulk_cfg.enabled:
         # Off in the config, no one would know of it: the reward service names no bulk server, tandem

@@ -65,6 +65,7 @@ from tandem.v1 import reward_pb2
 from reward_service.batcher import BULK, CRITICAL, LANES, Batch, Request, bucket_for
 from tandem import nvtx, tensors, timeline
 from tandem.config import ModelConfig, RewardConfig, resolve_path
+from tandem.deadline import Deadline, earliest
 from tandem.errors import quote
 from tandem.gpu import cuda_device_count, cupy_module
 from tandem.ready_word import mapped_store
@@ -307,11 +308,10 @@ def _wait_inputs(requests, stream_ptr: int | None = None) -> None:
             waiting.append(req)
     if not waiting:
         return
-    deadlines = [r.deadline for r in requests if r.deadline is not None]
-    limit = min([time.monotonic() + READY_WAIT_S, *deadlines])
+    limit = earliest(Deadline.after_s(READY_WAIT_S), *(r.deadline for r in requests))
     for req in waiting:
         try:
-            req.inputs_late = not req.events.ready.wait_host(limit)
+            req.inputs_late = not req.events.ready.wait_host(limit.at)
         except Exception:  # noqa: BLE001 - CUDARuntimeError: the client's context is gone
             req.inputs_late = True
 

@@ -9,6 +9,8 @@ a wave they expect to end past it (``search_service.mcts.backend.WaveClock``).
 """
 from __future__ import annotations
 
+from tandem.deadline import Deadline
+
 # The answer still has to be built, sent and decoded after the search stops:
 # leave that a share of the time left, within these bounds (ms).
 # (On a loaded 2-core host the reply took up to ~2 ms on loopback: bench/deadline_answers.py.)
@@ -37,3 +39,22 @@ def search_deadline_ms(requested_ms: float, grpc_remaining_s: float | None, max_
         left_ms = grpc_remaining_s * 1e3
         deadline = min(deadline, max(left_ms - reply_margin_ms(left_ms), MIN_SEARCH_MS))
     return deadline
+
+
+def search_deadline(requested_ms: float, caller: Deadline | None, max_ms: float,
+                    now: float | None = None) -> tuple[float, Deadline]:
+    """The search's own budget and deadline: (:func:`search_deadline_ms`, > 0
+    ms, and the instant it ends, that many ms from ``now``). The budget is
+    kept as computed, not read back from the instant: a budget far below the
+    clock's resolution (``deadline_ms`` 1e-300) is still > 0.
+
+    Args:
+        requested_ms: as :func:`search_deadline_ms`'s.
+        caller: the caller's gRPC deadline (``Deadline.of_grpc``); None: none.
+        max_ms: ``search.max_deadline_ms``.
+        now: ``time.monotonic()`` s when the request was received (None: read it).
+    """
+    now = Deadline.now() if now is None else now
+    remaining_s = None if caller is None else caller.left_s(now)
+    ms = search_deadline_ms(requested_ms, remaining_s, max_ms)
+    return ms, Deadline.after_ms(ms, now)

@@ -19,13 +19,13 @@ without a deadline: the evaluator's own timeout).
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
 from prometheus_client import Histogram
 
 from search_service.mcts.backend import EvaluationFailed
+from tandem.deadline import Deadline
 
 CALL_ROWS = Histogram("tandem_search_coalesced_rows", "Leaves per coalesced model call.",
                       buckets=(1, 8, 16, 32, 64, 128, 256, 512, 1024, 4096))
@@ -36,7 +36,7 @@ CALL_SEARCHES = Histogram("tandem_search_coalesced_requests", "Searches' request
 @dataclass(eq=False)  # compared by identity, never by its arrays
 class _Request:
     obs: np.ndarray  # uint8 [M, 2, 6, 7]
-    deadline: float | None  # time.monotonic() seconds
+    deadline: Deadline | None
     done: threading.Event = field(default_factory=threading.Event)
     values: np.ndarray | None = None  # float32 [M], once answered
     priors: np.ndarray | None = None  # float32 [M, A] or None
@@ -47,8 +47,8 @@ class CoalescingEvaluator:
     """One model call for the leaves of every search waiting.
 
     Args:
-        inner: ``inner(obs uint8 [M, 2, 6, 7], deadline) -> (values float32 [M],
-            priors float32 [M, A] or None)``; raises EvaluationFailed.
+        inner: ``inner(obs uint8 [M, 2, 6, 7], deadline: Deadline | None) ->
+            (values float32 [M], priors float32 [M, A] or None)``; raises EvaluationFailed.
         max_rows: most leaves in one call (more wait for the next one).
     """
 
@@ -62,11 +62,11 @@ class CoalescingEvaluator:
         self._thread = threading.Thread(target=self._dispatch, name="coalescing-evaluator", daemon=True)
         self._thread.start()
 
-    def until(self, deadline: float | None):
+    def until(self, deadline: Deadline | None):
         """This evaluator with the wait and the call bound by ``deadline``."""
         return lambda observations: self(observations, deadline)
 
-    def __call__(self, observations, deadline: float | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+    def __call__(self, observations, deadline: Deadline | None = None) -> tuple[np.ndarray, np.ndarray | None]:
         """Values float32 [N] and priors float32 [N, A] or None, for observations uint8 [N, 2, 6, 7].
 
         Raises:
@@ -79,9 +79,7 @@ class CoalescingEvaluator:
                 raise EvaluationFailed("leaf evaluator closed")
             self._queue.append(req)
             self._wake.notify()
-        # A far deadline (a call with no gRPC deadline) must not overflow the wait.
-        timeout = None if deadline is None else min(max(deadline - time.monotonic(), 0.0), threading.TIMEOUT_MAX)
-        if not req.done.wait(timeout):
+        if not req.done.wait(None if deadline is None else deadline.wait_s()):
             raise EvaluationFailed("reward service: DEADLINE_EXCEEDED (waiting for a coalesced model call)")
         if req.error is not None:
             raise req.error
@@ -113,10 +111,10 @@ class CoalescingEvaluator:
 
     def _dispatch(self) -> None:
         while (taken := self._take()) is not None:
-            now = time.monotonic()
+            now = Deadline.now()
             live = []
             for r in taken:
-                if r.deadline is None or r.deadline > now:
+                if r.deadline is None or not r.deadline.passed(now):
                     live.append(r)
                 else:  # its caller has given up waiting: answer it, never send it
                     r.error = EvaluationFailed("reward service: DEADLINE_EXCEEDED (before the call)")

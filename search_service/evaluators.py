@@ -5,13 +5,13 @@ reward service's value model, critical priority, and returns values (and
 priors from the policy logits, if the model has them), by one of two
 hand-offs:
 
-* :class:`LeafChannelEvaluator` (``ipc``): the leaf channel
+* :class:`LeafChannelEvaluator` (``leaf_channel``): the leaf channel
   (tandem/leaf_channel.py): shared-memory regions and one Unix-socket message
   each way, for a reward service on this host;
 * :class:`RewardServiceEvaluator` (``grpc``): one ``Evaluate`` call per wave,
   for any reward service;
 * ``in_process``: a reward service in this very process (co-located mode):
-  a :class:`LeafChannelEvaluator` over its in-process port
+  a :class:`LeafChannelEvaluator` over its in-process link
   (tandem/in_process.py), straight into its critical lane.
 
 :class:`HandoffEvaluator` picks between them (``search.handoff``) and says which
@@ -36,13 +36,14 @@ from tandem.v1 import reward_pb2, reward_pb2_grpc
 from search_service.games.connect4 import COLUMNS, NUM_ACTIONS, ROWS
 from search_service.mcts.backend import DETACH, EvaluationFailed, advance, drive
 from tandem import in_process, tensors, timeline
+from tandem.deadline import Deadline, within_s
 from tandem.in_process import HANDOFF_IN_PROCESS
 from tandem.leaf_channel import LeafChannel, LeafChannelError
 
 log = logging.getLogger(__name__)
 
 HANDOFF_GRPC = "grpc"  # how leaves reach the reward service: one Evaluate call per wave
-HANDOFF_IPC = "ipc"  # the leaf channel: shared memory and a Unix-socket doorbell
+HANDOFF_LEAF_CHANNEL = "leaf_channel"  # the leaf channel: shared memory and a Unix-socket doorbell
 OBSERVATION_ROW = (2, ROWS, COLUMNS)  # a leaf's observation, as the CUDA selection kernel writes it (uint8)
 
 
@@ -99,13 +100,13 @@ class RewardServiceEvaluator:
         self._input = meta.inputs[0].name
         self._has_policy = any(o.name == "policy_logits" for o in meta.outputs)
 
-    def until(self, deadline: float | None):
+    def until(self, deadline: Deadline | None):
         """This evaluator as a LeafEvaluator whose calls end by ``deadline``
-        (``time.monotonic()`` seconds; None: only ``timeout_s``), so a slow
-        reward service cannot hold a search past its own deadline."""
+        (None: only ``timeout_s``), so a slow reward service cannot hold a
+        search past its own deadline."""
         return lambda observations: self(observations, deadline)
 
-    def __call__(self, observations: np.ndarray, deadline: float | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+    def __call__(self, observations: np.ndarray, deadline: Deadline | None = None) -> tuple[np.ndarray, np.ndarray | None]:
         """Values float32 [N] (side to move's view) and priors float32 [N, A] or None.
 
         Raises:
@@ -115,7 +116,7 @@ class RewardServiceEvaluator:
         start = time.perf_counter()
         timeout = self.timeout_s
         if deadline is not None:
-            timeout = max(min(timeout, deadline - time.monotonic()), 1e-3)
+            timeout = max(min(timeout, deadline.left_s()), 1e-3)
         try:
             if self._input is None:
                 self._metadata(timeout)
@@ -152,21 +153,21 @@ def values_and_priors(outputs: dict[str, np.ndarray]) -> tuple[np.ndarray, np.nd
 
 class LeafChannelEvaluator:
     """The value model through the leaf channel (tandem/leaf_channel.py), or
-    through the in-process port of a reward service in this process.
+    through the in-process link of a reward service in this process.
 
     Args:
         channel: an attached :class:`tandem.leaf_channel.LeafChannel`, or an
-            in-process port (tandem/in_process.py), which answers to the same calls.
+            in-process link (tandem/in_process.py), which answers to the same calls.
         timeout_s: per-call deadline (s), as RewardServiceEvaluator's: a wave
             waits at most this long even with no or a later ``deadline``.
-        handoff: the hand-off's name (``ipc`` or ``in_process``).
+        handoff: the hand-off's name (``leaf_channel`` or ``in_process``).
     """
 
-    def __init__(self, channel: LeafChannel, timeout_s: float = 2.0, handoff: str = HANDOFF_IPC):
+    def __init__(self, channel: LeafChannel, timeout_s: float = 2.0, handoff: str = HANDOFF_LEAF_CHANNEL):
         self.channel, self.timeout_s, self.handoff = channel, timeout_s, handoff
         self.totals = CallTotals()
 
-    def __call__(self, observations: np.ndarray, deadline: float | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+    def __call__(self, observations: np.ndarray, deadline: Deadline | None = None) -> tuple[np.ndarray, np.ndarray | None]:
         """As :meth:`RewardServiceEvaluator.__call__`.
 
         Raises:
@@ -175,7 +176,7 @@ class LeafChannelEvaluator:
         """
         return values_and_priors(self.wave(self.channel.evaluate, observations, len(observations), deadline))
 
-    def wave(self, send, inputs, rows: int, deadline: float | None) -> dict:
+    def wave(self, send, inputs, rows: int, deadline: Deadline | None) -> dict:
         """``send(inputs, deadline)`` -- one of the channel's wave calls -- bound
         by ``deadline`` and at most ``timeout_s`` (as over gRPC: a reward service
         that hangs must not hold the search), counted in :attr:`totals`.
@@ -191,14 +192,13 @@ class LeafChannelEvaluator:
         self.answered(rows, start)
         return outputs
 
-    def limit(self, deadline: float | None) -> float:
-        """A wave's limit (time.monotonic() s): ``deadline``, at most ``timeout_s`` from now."""
-        cap = time.monotonic() + self.timeout_s
-        return cap if deadline is None else min(deadline, cap)
+    def limit(self, deadline: Deadline | None) -> Deadline:
+        """A wave's limit: ``deadline``, at most ``timeout_s`` from now."""
+        return within_s(deadline, self.timeout_s)
 
     def unavailable(self, exc: LeafChannelError) -> EvaluatorUnavailable:
         """A wave's failure as the search sees it."""
-        via = "leaf channel" if self.handoff == HANDOFF_IPC else "in process"
+        via = "leaf channel" if self.handoff == HANDOFF_LEAF_CHANNEL else "in process"
         return EvaluatorUnavailable(f"reward service ({via}): {exc}")
 
     def answered(self, rows: int, started: float) -> None:
@@ -207,12 +207,12 @@ class LeafChannelEvaluator:
 
 
 class DeviceWaves:
-    """A leaf channel whose two regions are CUDA memory, or a device port of
+    """A leaf channel whose two regions are CUDA memory, or a device link of
     a reward service in this process, lent to one search call: the CUDA
     backend's device path (``CudaBackend.search(device_waves=)``).
-    :attr:`handoff` says which (``ipc`` or ``in_process``).
-    Its calls end by ``deadline`` (``time.monotonic()`` s, or None), and at
-    most ``timeout_s`` after they start, as :class:`LeafChannelEvaluator`'s.
+    :attr:`handoff` says which (``leaf_channel`` or ``in_process``).
+    Its calls end by ``deadline`` (or None: no deadline), and at most
+    ``timeout_s`` after they start, as :class:`LeafChannelEvaluator`'s.
 
     Attributes:
         inputs: the input region, CuPy uint8 ``[max_rows, 2, 6, 7]``: the
@@ -220,12 +220,12 @@ class DeviceWaves:
         max_rows: the most rows one wave may carry.
     """
 
-    def __init__(self, evaluator: LeafChannelEvaluator, deadline: float | None, driven: bool = True):
+    def __init__(self, evaluator: LeafChannelEvaluator, deadline: Deadline | None, driven: bool = True):
         self._ev, self.deadline = evaluator, deadline
-        self.handoff = evaluator.handoff  # ipc or in_process
+        self.handoff = evaluator.handoff  # leaf_channel or in_process
         self.max_rows = evaluator.channel.max_rows
         self.inputs = evaluator.channel.device_inputs
-        # An in-process port runs a whole search on the model's critical-lane worker (Port.drive);
+        # An in-process link runs a whole search on the model's critical-lane worker (InProcessLink.drive);
         # False: one hand-off per wave (benchmarks compare the two).
         self.driven = driven and hasattr(evaluator.channel, "drive")
         # A leaf channel ordered by events: a wave returns at its reply, and wait_outputs waits for its outputs.
@@ -349,12 +349,12 @@ class DeviceWaves:
         DETACH once it needs no more waves) and returns what it returns.
 
         Its set-up, up to its first wave, runs on this thread. Then, where
-        :attr:`driven` (an in-process port, co-located mode), its waves run on
-        the reward service's critical-lane worker thread (Port.drive), each
+        :attr:`driven` (an in-process link, co-located mode), its waves run on
+        the reward service's critical-lane worker thread (InProcessLink.drive), each
         merged into that lane's next batch with no thread hop at all, up
         to its DETACH: the rest (the answer; or a search the model stopped
         valuing, rollouts on the host) runs on this thread again, never on
-        the lane. Else, or where the port refuses the drive (the reward
+        the lane. Else, or where the link refuses the drive (the reward
         service stopping), every wave from this thread, one :meth:`evaluate`
         each.
 
@@ -383,7 +383,7 @@ class DeviceWaves:
         return drive(steps, functools.partial(self.evaluate, wait_outputs=False), rows)
 
     def _adapted(self, steps, rows):
-        """``steps``, which has just yielded ``rows``, as a port drives it: the
+        """``steps``, which has just yielded ``rows``, as a link drives it: the
         rows it yields pass through; the outputs sent back become (values,
         logits), a LeafChannelError thrown back EvaluatorUnavailable; it
         returns DETACH where ``steps`` yields it (``steps`` is then left at
@@ -414,8 +414,8 @@ class HandoffEvaluator:
     ``mode`` (``search.handoff``): ``"grpc"`` always calls ``Evaluate``;
     ``"auto"``, where the reward service at ``address`` runs in this very
     process (co-located mode: tandem/in_process.py), hands the waves to it
-    in-process (host waves, and device waves through device ports lent as
-    below: ``handoff`` ``in_process``); else ``"auto"`` and ``"ipc"`` attach a
+    in-process (host waves, and device waves through device links lent as
+    below: ``handoff`` ``in_process``); else ``"auto"`` and ``"leaf_channel"`` attach a
     leaf channel in the background as soon as
     the reward service offers one (``ModelMetadata.runtime["leaf_channel"]``)
     and this process can connect to it, and use gRPC until then, or for waves
@@ -451,7 +451,7 @@ class HandoffEvaluator:
         self._stub, self.model, self.mode = reward_pb2_grpc.RewardServiceStub(channel), model, mode
         self.max_rows, self.retry_s, self.timeout_s = max_rows, retry_s, timeout_s
         self._lock = threading.Lock()
-        self._ipc: LeafChannelEvaluator | None = None  # guarded by _lock
+        self._leaf: LeafChannelEvaluator | None = None  # guarded by _lock
         self._attaching = False  # guarded by _lock
         self._next_attach = 0.0  # time.monotonic() s; guarded by _lock
         self._closed = False  # guarded by _lock
@@ -460,31 +460,31 @@ class HandoffEvaluator:
         self._device_count = 0  # device channels attached and not closed, lent or not; guarded by _lock
         self._topping_up = False  # guarded by _lock
         self._next_device_attach = 0.0  # time.monotonic() s: no top-up before; guarded by _lock
-        self.handoff = HANDOFF_IPC if mode == HANDOFF_IPC else HANDOFF_GRPC
+        self.handoff = HANDOFF_LEAF_CHANNEL if mode == HANDOFF_LEAF_CHANNEL else HANDOFF_GRPC
         self.why_grpc = "" if mode != HANDOFF_GRPC else "search.handoff: grpc"  # why the last call used gRPC
 
-    def until(self, deadline: float | None):
-        """This evaluator with its calls bound by ``deadline`` (time.monotonic() s)."""
+    def until(self, deadline: Deadline | None):
+        """This evaluator with its calls bound by ``deadline`` (None: only ``timeout_s``)."""
         return lambda observations: self(observations, deadline)
 
-    def __call__(self, observations: np.ndarray, deadline: float | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+    def __call__(self, observations: np.ndarray, deadline: Deadline | None = None) -> tuple[np.ndarray, np.ndarray | None]:
         """As :meth:`RewardServiceEvaluator.__call__`.
 
         Raises:
             EvaluatorUnavailable: the hand-off used failed.
         """
-        ipc = self._channel()
-        if ipc is None or len(observations) > self.max_rows:
+        leaf = self._channel()
+        if leaf is None or len(observations) > self.max_rows:
             self.handoff = HANDOFF_GRPC
             return self.grpc(observations, deadline)
-        self.handoff = ipc.handoff
+        self.handoff = leaf.handoff
         try:
-            return ipc(observations, deadline)
+            return leaf(observations, deadline)
         except EvaluatorUnavailable:
-            if ipc.channel.closed:  # the connection broke: attach again later
+            if leaf.channel.closed:  # the connection broke: attach again later
                 with self._lock:
-                    self._ipc = None
-                self.why_grpc = f"{ipc.handoff} hand-off lost"
+                    self._leaf = None
+                self.why_grpc = f"{leaf.handoff} hand-off lost"
             raise
 
     def wait_attached(self, timeout_s: float) -> bool:
@@ -516,8 +516,8 @@ class HandoffEvaluator:
         if self.mode == HANDOFF_GRPC:
             return None
         with self._lock:
-            if self._ipc is not None or self._closed:
-                return self._ipc
+            if self._leaf is not None or self._closed:
+                return self._leaf
             if self._attaching or time.monotonic() < self._next_attach:
                 return None
             self._attaching = True
@@ -530,33 +530,33 @@ class HandoffEvaluator:
         it runs in this process and ``mode`` is ``auto``; else None."""
         return in_process.find(self.address) if self.mode == "auto" and self.address else None
 
-    def _local_port(self, device: bool):
-        """A port of the in-process server (:meth:`_local`), or None: none, or
+    def _local_link(self, device: bool):
+        """A link of the in-process server (:meth:`_local`), or None: none, or
         one it refuses (logged, and said in ``why_grpc``; the leaf channel is
         tried instead for host waves)."""
         local = self._local()
         if local is None:
             return None
         try:
-            return local.port(self.model, self.max_rows, device=device)
+            return local.link(self.model, self.max_rows, device=device)
         except LeafChannelError as exc:
             self.why_grpc = f"in process: {exc}"
-            log.warning("search service: the in-process reward service refuses a %s port (%s)",
+            log.warning("search service: the in-process reward service refuses a %s link (%s)",
                         "device" if device else "host", exc)
             return None
 
     def _attach(self) -> None:
-        ipc = None
+        leaf = None
         try:
-            port = self._local_port(device=False)
-            channel = None if port else LeafChannel.offered(self._stub, self.model, self.max_rows, self.timeout_s)
-            if port:
-                ipc = LeafChannelEvaluator(port, self.timeout_s, HANDOFF_IN_PROCESS)
+            link = self._local_link(device=False)
+            channel = None if link else LeafChannel.offered(self._stub, self.model, self.max_rows, self.timeout_s)
+            if link:
+                leaf = LeafChannelEvaluator(link, self.timeout_s, HANDOFF_IN_PROCESS)
                 log.warning("search service: the reward service runs in this process; waves go to it in-process")
             elif channel is None:
                 self.why_grpc = "the reward service offers no leaf channel"
             else:
-                ipc = LeafChannelEvaluator(channel, self.timeout_s)
+                leaf = LeafChannelEvaluator(channel, self.timeout_s)
                 log.warning("search service: leaf channel to the reward service attached (%s input region, %s; "
                             "outputs gated on the GPU: %s)", channel.kind, channel.path, channel.gates)
         except (LeafChannelError, grpc.RpcError, OSError, ValueError) as exc:
@@ -569,18 +569,18 @@ class HandoffEvaluator:
         with self._lock:
             closed, self._attaching = self._closed, False
             if not closed:
-                self._ipc = ipc
-        if ipc is not None:
+                self._leaf = leaf
+        if leaf is not None:
             if closed:  # closed while attaching: nothing may hold the socket and the regions on
-                ipc.channel.close()
+                leaf.channel.close()
             else:
                 self.why_grpc = ""  # gRPC again only for waves larger than the channel
                 self._top_up()
 
     @contextlib.contextmanager
-    def lend(self, deadline: float | None):
+    def lend(self, deadline: Deadline | None):
         """A :class:`DeviceWaves` over a free device channel for one search
-        call whose calls end by ``deadline`` (time.monotonic() s), given back
+        call whose calls end by ``deadline`` (None: none), given back
         when the block ends; None when none is free (the search goes the host
         way, through the dispatcher): none attached yet (an attach is started),
         all lent, or the reward service offers none with CUDA regions."""
@@ -611,8 +611,8 @@ class HandoffEvaluator:
         """Attaches device channels up to ``device_channels`` in the background,
         if the channel is attached with CUDA regions and no top-up is running."""
         with self._lock:
-            ipc = self._ipc
-            if (self._closed or self._topping_up or ipc is None or ipc.channel.kind != "cuda"
+            leaf = self._leaf
+            if (self._closed or self._topping_up or leaf is None or leaf.channel.kind != "cuda"
                     or self._device_count >= self.device_channels or time.monotonic() < self._next_device_attach):
                 return
             self._topping_up = True
@@ -627,7 +627,7 @@ class HandoffEvaluator:
                         return
                 local = self._local() is not None  # in this process a leaf channel's CUDA IPC handle does not open
                 try:
-                    channel = (self._local_port(device=True) if local else
+                    channel = (self._local_link(device=True) if local else
                                LeafChannel.offered(self._stub, self.model, self.max_rows, self.timeout_s))
                 except (LeafChannelError, grpc.RpcError, OSError, ValueError) as exc:
                     log.info("search service: no device leaf channel (%s)", exc)
@@ -636,7 +636,7 @@ class HandoffEvaluator:
                     if channel is not None:
                         channel.close()
                     return
-                handoff = HANDOFF_IN_PROCESS if local else HANDOFF_IPC
+                handoff = HANDOFF_IN_PROCESS if local else HANDOFF_LEAF_CHANNEL
                 with self._lock:
                     keep = not self._closed
                     if keep:
@@ -656,10 +656,10 @@ class HandoffEvaluator:
         one when it comes back), and attaches none again (an attach under way
         closes its channel as it ends)."""
         with self._lock:
-            ipc, self._ipc, self._closed = self._ipc, None, True
+            leaf, self._leaf, self._closed = self._leaf, None, True
             free, self._device_free = self._device_free, []
             self._device_count -= len(free)
         for ev in free:
             ev.channel.close()
-        if ipc is not None:
-            ipc.channel.close()
+        if leaf is not None:
+            leaf.channel.close()

@@ -23,6 +23,7 @@ import numpy as np
 from prometheus_client import Counter, Gauge
 
 from search_service.games import connect4
+from tandem.deadline import Deadline
 
 A = connect4.NUM_ACTIONS
 # Bytes one entry holds, measured with sys.getsizeof in CPython 3.11: the key
@@ -116,18 +117,18 @@ class CachedEvaluator:
     Args:
         inner: ``inner(obs uint8 [M, 2, 6, 7], deadline) -> (values float32 [M],
             priors float32 [M, A] or None)``; ``deadline`` is a
-            ``time.monotonic()`` time or None. Raises EvaluationFailed.
+            :class:`~tandem.deadline.Deadline` or None. Raises EvaluationFailed.
         cache: where answers are kept.
     """
 
     def __init__(self, inner, cache: EvaluationCache):
         self.inner, self.cache = inner, cache
 
-    def until(self, deadline: float | None):
+    def until(self, deadline: Deadline | None):
         """This evaluator with every model call bound by ``deadline`` (see RewardServiceEvaluator.until)."""
         return lambda observations: self(observations, deadline)
 
-    def __call__(self, observations, deadline: float | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+    def __call__(self, observations, deadline: Deadline | None = None) -> tuple[np.ndarray, np.ndarray | None]:
         """Values float32 [N] and priors float32 [N, A] or None, for observations uint8 [N, 2, 6, 7].
 
         Raises:

@@ -31,7 +31,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from tandem.v1 import scheduler_pb2, search_pb2, search_pb2_grpc
 
 from search_service.backends import GameBackends, make_backend
-from search_service.budget import search_deadline_ms
+from search_service.budget import search_deadline, search_deadline_ms
 from search_service.coalescing import CoalescingEvaluator
 from search_service.evaluators import HANDOFF_GRPC, HandoffEvaluator
 from search_service.game_registry import load_games
@@ -41,9 +41,10 @@ from search_service.mcts.backend import SearchParams
 from search_service.sessions import Owners, SessionStore
 from search_service.streams import StreamSet
 from search_service.wave_loop import Job, Refused, Stopping, WaveLoop
-from tandem import pools, workers
+from tandem import gpu, pools, workers
 from tandem.workers import WorkerPlace
 from tandem.config import TandemConfig
+from tandem.deadline import Deadline
 from tandem.errors import quote
 from tandem.gpu import cupy_module, host_fact
 from tandem.server import LATENCY_BUCKETS_S, channel
@@ -95,7 +96,8 @@ class _Item:
     """One validated search of a call: its request, game, root position (Positions [1]),
     params, whether it continues its session's tree, that session's store key
     ((owner, session id), set with the tree where the caller's connection
-    holds the session; None: no session to keep) and that tree once taken."""
+    holds the session; None: no session to keep), that tree once taken, and
+    its deadline once bound by the caller's (search_service/budget.py)."""
 
     request: search_pb2.SearchRequest
     game: object  # a SearchGame (search_service/mcts/games.py)
@@ -104,6 +106,7 @@ class _Item:
     reuse: bool
     session: tuple | None = None
     tree: object = None
+    deadline: Deadline | None = None
 
 
 def _response(item: _Item, r, handoff: str, backend: str, total_ms: float) -> search_pb2.SearchResponse:
@@ -152,7 +155,7 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
         self.cfg = cfg.search
         self.games = games if games is not None else load_games(cfg.search.games)  # name -> SearchGame
         self.default_evaluator = default_evaluator(cfg.search.evaluator, backend.name)  # a request naming none
-        # What reports the hand-off of the value model's leaves (``handoff``: "in_process" | "ipc" | "grpc"):
+        # What reports the hand-off of the value model's leaves (``handoff``: "in_process" | "leaf_channel" | "grpc"):
         # the HandoffEvaluator inside the cache and the coalescer.
         self.handoff = handoff
         self.streams = streams or StreamSet(cfg.search.stream_priorities)
@@ -238,8 +241,8 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"{where}deadline_ms: {deadline} exceeds the limit of {cfg.max_deadline_ms}"
             )
-        # Never open-ended (search_service/budget.py); the gRPC deadline is applied at the
-        # start of the search itself (_answer), so the time spent until then counts.
+        # Never open-ended (search_service/budget.py); the caller's gRPC deadline bounds the
+        # search's own Deadline, made in _answer from the instant the call was received.
         deadline = search_deadline_ms(deadline, None, cfg.max_deadline_ms)
         if request.evaluator not in (search_pb2.EVALUATOR_UNSPECIFIED, *_EVALUATORS):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{where}evaluator: unknown value {request.evaluator}")
@@ -278,11 +281,11 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
 
     # -- RPCs -------------------------------------------------------------
     def Search(self, request, context):
-        received = time.perf_counter()
+        received = time.monotonic()
         return self._answer([self._prepare(request, context)], context, received)[0]
 
     def SearchBatch(self, request, context):
-        received = time.perf_counter()
+        received = time.monotonic()
         searches, limit = request.searches, self.cfg.max_batch_searches
         if not searches:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"searches: empty; send 1 to {limit} positions")
@@ -304,8 +307,9 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
 
     def _answer(self, items: list[_Item], context, received: float) -> list:
         """Searches the validated ``items`` (their sessions' trees taken now,
-        every deadline bound by the caller's) and answers them in order."""
-        remaining = context.time_remaining()
+        every deadline bound by the caller's and counted from ``received``,
+        ``time.monotonic()`` s) and answers them in order."""
+        caller = Deadline.of_grpc(context)
         # Sessions are the caller's own: another user naming the same id gets a session of its
         # own (a fresh tree), exactly as for an id nobody holds, and another open connection of
         # the same user naming it gets a fresh tree that is not kept (search_service/sessions.py).
@@ -316,8 +320,10 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
         connection = context.peer()
         who = self.owners(connection) if any(item.reuse for item in items) else None
         for item in items:
-            item.params = dataclasses.replace(item.params, deadline_ms=search_deadline_ms(
-                item.params.deadline_ms, remaining, self.cfg.max_deadline_ms))  # the caller's deadline, now
+            # The params carry the same budget, in ms from the receipt (what a backend's own search takes).
+            budget_ms, item.deadline = search_deadline(item.params.deadline_ms, caller, self.cfg.max_deadline_ms,
+                                                       received)
+            item.params = dataclasses.replace(item.params, deadline_ms=budget_ms)
             if item.reuse:
                 req = item.request
                 key = (who, item.game.name, req.session_id)
@@ -350,7 +356,7 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
                 if not self.sessions.put(item.session, item.request.moves, tree, connection):
                     log.debug("session tree not kept: larger than search.max_session_bytes, or the session "
                               "was bound to another connection meanwhile")
-            total_ms = (time.perf_counter() - received) * 1e3
+            total_ms = (time.monotonic() - received) * 1e3
             self._observe(item.request, r, total_ms)
             responses.append(_response(item, r, handoff, self.backends.for_game(item.game).name, total_ms))
         SESSIONS.set(len(self.sessions))
@@ -372,7 +378,8 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
     def _run_in_loop(self, items: list[_Item], context) -> list[tuple]:
         """The items as jobs of the wave loop (one batch of trees with every search in flight)."""
         stop = lambda: not context.is_active()  # noqa: E731 - one callable: asked once a wave for all
-        jobs = [Job(item.position, item.tree, item.params, stop, keep_tree=item.reuse) for item in items]
+        jobs = [Job(item.position, item.tree, item.params, stop, keep_tree=item.reuse, deadline=item.deadline)
+                for item in items]
         try:
             self.loop.submit(jobs)
         except Stopping as exc:
@@ -384,7 +391,7 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         outs = []
         for job in jobs:
-            wait_s = (job.params.deadline_ms or self.cfg.max_deadline_ms) / 1e3 + ANSWER_GRACE_S
+            wait_s = job.deadline.wait_s() + ANSWER_GRACE_S
             if not job.done.wait(wait_s):
                 context.abort(grpc.StatusCode.INTERNAL, f"the wave loop gave no answer within {wait_s:.1f} s")
             if job.error is not None:
@@ -494,6 +501,7 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True, place: WorkerPlace =
             ``backend: cuda`` cannot run here, or the address cannot be bound.
     """
     phases = Phases(log)
+    gpu.set_host_wait(cfg.search.host_wait)  # before CuPy makes the device's context
     with phases.phase("games"):
         games = load_games(cfg.search.games)
     with phases.phase(f"search backend {cfg.search.backend}"):

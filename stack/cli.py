@@ -108,18 +108,19 @@ def cmd_health(args) -> int:
 
 
 def _play_options(args, cfg: TandemConfig):
-    """Raises BadArgument: ``--game`` is not a game of the config, or ``--positions`` is given for another game."""
+    """Raises BadArgument: ``--game`` is not a game of the config, or a ``--positions`` set that cannot be read."""
     from stack.play import PlayOptions, game_positions_file
 
     if args.game == PlayOptions.game:
+        for name in args.positions or ():
+            _check_position_set(name)
         sets = tuple(args.positions) if args.positions else PlayOptions.position_sets
-    elif args.positions:
-        raise BadArgument(f"--positions: Connect Four's labelled sets; --game {args.game} plays its folder's set")
     else:
         try:
-            sets = (game_positions_file(cfg.search.games, args.game),)
+            default = Path(game_positions_file(cfg.search.games, args.game))
         except RuntimeError as exc:
             raise BadArgument(str(exc)) from None
+        sets = tuple(_game_set(default.parent, args.game, name) for name in args.positions or (default.name,))
     return PlayOptions(
         search_address=args.search or cfg.search.address,
         reward_address=args.reward or cfg.reward.address,
@@ -213,8 +214,9 @@ def _number(kind: type, low: float, strict: bool = True):
     return parse
 
 
-def _position_set(text: str) -> str:
-    """An argparse type: a bundled position set's name or a readable JSONL file of labelled positions."""
+def _check_position_set(text: str) -> None:
+    """Raises BadArgument unless ``text`` is a bundled Connect Four set's name or a readable JSONL file of
+    labelled positions."""
     from tandem.positions import PONS_DIR, load_set
 
     try:
@@ -222,10 +224,30 @@ def _position_set(text: str) -> str:
             raise ValueError("no positions in it")
     except FileNotFoundError:
         names = ", ".join(sorted(p.stem for p in PONS_DIR.glob("*.jsonl")))
-        raise argparse.ArgumentTypeError(f"no position set or file {text[:200]!r} (bundled sets: {names})")
+        raise BadArgument(f"argument --positions: no position set or file {text[:200]!r} (bundled sets: {names})") from None
     except (OSError, ValueError, UnicodeDecodeError) as exc:
-        raise argparse.ArgumentTypeError(f"{text[:200]!r}: {exc}")
-    return text
+        raise BadArgument(f"argument --positions: {text[:200]!r}: {exc}") from None
+
+
+def _game_set(folder: Path, game: str, text: str) -> str:
+    """The path of another game's position set: a file of its folder (``endgames.jsonl``) or a path.
+
+    Raises:
+        BadArgument: no such file, or not a position set (the line named).
+    """
+    from search_service.games.positions import read_records
+
+    path = folder / text if (folder / text).is_file() else Path(text)
+    try:
+        if not read_records(path):
+            raise ValueError("no positions in it")
+    except FileNotFoundError:
+        files = ", ".join(sorted(p.name for p in folder.glob("*.jsonl")))
+        raise BadArgument(f"argument --positions: no file {text[:200]!r} in game {game}'s folder nor at that path "
+                          f"(its sets: {files})") from None
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        raise BadArgument(f"argument --positions: {str(exc)[:300]}") from None
+    return str(path)
 
 
 _PORT_WORDS = ("port", "address", "host")  # in an unknown option: the user looks for where ports are set
@@ -270,8 +292,9 @@ def _add_play_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--game", default="connect4",
                    help="the game to play (default connect4): another of the config's search.games plays its "
                         "folder's position set, searches only (no value model)")
-    p.add_argument("--positions", action="append", type=_position_set,
-                   help="Connect Four position set name or JSONL path (repeatable)")
+    p.add_argument("--positions", action="append",
+                   help="Connect Four: a bundled position set's name or a JSONL path; another game: a file of "
+                        "its folder (endgames.jsonl: labelled by an exact solver) or a path (repeatable)")
     p.add_argument("--simulations", type=_number(int, 0, strict=False), default=0,
                    help="simulations per search; 0 = frame deadline only")
     p.add_argument("--evaluator", choices=("auto", "rollout", "value_model"), default="auto",

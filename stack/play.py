@@ -5,10 +5,12 @@ labelled Connect Four position (the frame budget as the search deadline) and
 one ``Evaluate`` of the same position by the value model, both at once, and
 then scores the answers against the solver. With ``game`` another game the
 search service serves (``tandem play --game othello``), the positions are
-that game folder's position set (search_service/games/positions.py), each
-frame is its ``Search`` alone (the game has no value model) and nothing is
-scored against a solver: the report has the frame figures, the simulations
-and the proven results. With ``agents`` > 1 the frame's
+that game folder's position set (search_service/games/positions.py) or
+another of its files (``--positions endgames.jsonl``), each frame is its
+``Search`` alone (the game has no value model), and the answers are scored
+where the set carries an exact solver's labels (a folder's endgames,
+search_service/games/endgames.py); else the report has the frame figures,
+the simulations and the proven results. With ``agents`` > 1 the frame's
 search is one ``SearchBatch`` of that many positions (an engine with many
 NPCs), each scored, and the Evaluate values the first:
 
@@ -30,7 +32,6 @@ from __future__ import annotations
 import json
 import platform
 import random
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,8 +43,8 @@ from stack.frame_loop import FrameClient, SentFrame
 from stack.stats import percentiles, summary
 from search_service.games import connect4
 from search_service.games.metadata import GameError, read_metadata
-from search_service.games.positions import read_positions
-from tandem import nvml, tensors
+from search_service.games.positions import read_records
+from tandem import provenance, tensors
 from tandem.config import resolve_path
 from tandem.positions import DEFAULT_SETS, LabelledPosition
 
@@ -123,7 +124,7 @@ class _Tally:
     error_reasons: dict[str, int] = field(default_factory=dict)  # ... by "CODE: its message's first characters"
     backends: set[str] = field(default_factory=set)
     evaluators: set[str] = field(default_factory=set)
-    handoffs: dict[str, int] = field(default_factory=dict)  # value-model frames by how the leaves went ("in_process" | "ipc" | "grpc")
+    handoffs: dict[str, int] = field(default_factory=dict)  # value-model frames by how the leaves went ("in_process" | "leaf_channel" | "grpc")
     model_simulations: list[int] = field(default_factory=list)  # of simulations, those the value model valued
     model_failures: int = 0  # searches whose value model failed (answered from the tree or with rollouts)
     failure_reasons: dict[str, int] = field(default_factory=dict)  # those searches by their failure's first words
@@ -190,20 +191,28 @@ def play(opts: PlayOptions, cfg=None, log=print) -> dict:
         ValueError: ``opts.evaluator`` is none of "auto", "rollout" and "value_model";
             a position set file that is not one.
     """
-    labelled = opts.game == connect4.NAME  # the value model's game, with solver-labelled sets
-    if labelled:
+    value_model_game = opts.game == connect4.NAME  # the value model's game, with solver-labelled sets
+    if value_model_game:
         positions = frame_loop.shuffled_positions(opts.position_sets, opts.seed)
     else:
-        positions = [GamePosition(m, f"{path}:{i}") for path in opts.position_sets
-                     for i, m in enumerate(read_positions(path), 1)]
+        positions = [_game_position(r, f"{path}:{i}") for path in opts.position_sets
+                     for i, r in enumerate(read_records(path), 1)]
         random.Random(opts.seed).shuffle(positions)
     client = FrameClient(opts.search_address, opts.reward_address, cfg, model=opts.model)
     try:
-        provider = client.metadata().execution_provider if labelled else "none (the game has no value model)"
+        provider = (client.metadata().execution_provider if value_model_game
+                    else "none (the game has no value model)")
         tally = _play_frames(opts, client, positions, log)
     finally:
         client.close()
-    return _report(opts, tally, provider)
+    return _report(opts, tally, provider, solver=all(p.score is not None for p in positions))
+
+
+def _game_position(record: dict, source: str) -> GamePosition | LabelledPosition:
+    """A game folder set's record: labelled by an exact solver (endgames) or not."""
+    if "score" in record:
+        return LabelledPosition(record["moves"], record["score"], record["move_scores"], source)
+    return GamePosition(record["moves"], source)
 
 
 def _play_frames(opts: PlayOptions, client: FrameClient, positions: list[LabelledPosition], log) -> _Tally:
@@ -241,12 +250,14 @@ def _frames(opts: PlayOptions, client: FrameClient, positions: list[LabelledPosi
             log(f"frame {tick.frame + 1}/{opts.frames}: p50 {percentiles(tally.frame_ms, 50)[0]:.2f} ms")
 
 
-def _report(opts: PlayOptions, t: _Tally, reward_execution_provider: str) -> dict:
-    """The report's figures (see the module docstring) from the frames' tally."""
+def _report(opts: PlayOptions, t: _Tally, reward_execution_provider: str, solver: bool) -> dict:
+    """The report's figures (see the module docstring) from the frames' tally;
+    ``solver``: every position carries a solver's labels."""
     budget_ms = frame_loop.frame_budget_ms(opts.fps)
     answered = len(t.frame_ms)
-    solver = opts.game == connect4.NAME  # its sets carry the solver's labels; another game's set does not
     return {
+        **provenance.record(),  # date, gpu, versions (commit, clean tree), command: the run's provenance first
+        "host": platform.node(),
         "game": opts.game,
         "solver": solver,
         "frames": t.played,
@@ -281,9 +292,6 @@ def _report(opts: PlayOptions, t: _Tally, reward_execution_provider: str) -> dic
             "evaluate_by_standby": t.by_standby,
             "reward_execution_provider": reward_execution_provider,
         },
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "gpu": nvml.name(),  # this host's GPU 0 (the engine's; the services' where they share it), None: none
-        "host": platform.node(),
     }
 
 
@@ -291,7 +299,7 @@ def _counts(by_name: dict[str, int]) -> str:
     return ", ".join(f"{name} ({n} frames)" for name, n in sorted(by_name.items()))
 
 
-NO_SOLVER = "no solver for this game"
+NO_SOLVER = "no solver's labels in this position set"
 
 
 def _scores(report: dict) -> list[str]:

@@ -212,6 +212,11 @@ class RewardConfig:
     # inter_op.allow_spinning) unless told not to: off, an idle or lightly loaded service
     # costs ~0 CPU (on a 2-core host the search's); on, a run may start a few µs sooner.
     ort_thread_spinning: bool = False
+    # How the service's threads wait for the GPU in synchronising CUDA calls (tandem.gpu.set_host_wait):
+    # "auto" (CUDA's default: spin while the process has fewer contexts than cores) | "spin" | "yield" |
+    # "block" (sleep until the GPU signals: no core burnt per waiting thread, a wake-up later).
+    # Co-located mode applies the reward service's.
+    host_wait: str = "auto"
     # Dynamic batcher (reward_service/batcher.py), one queue per model:
     # how long a bulk request waits for others to merge with (µs; 0 = merge only what is
     # already queued). REQUEST_CLASS_CRITICAL requests never wait for company.
@@ -268,6 +273,7 @@ class SearchConfig:
     address: str = "127.0.0.1:50052"
     metrics_port: int = 9452
     backend: str = "auto"  # "auto" (CUDA where CuPy sees a GPU, else CPU) | "cpu" | "cuda"
+    host_wait: str = "auto"  # as reward.host_wait, for the search service's threads
     # default when a request leaves it unspecified: "auto" (the value model where the search runs on
     # the CUDA backend, rollouts on the CPU, where the model is too slow for a frame) | "rollout" | "value_model"
     evaluator: str = "auto"
@@ -309,7 +315,7 @@ class SearchConfig:
     # How leaves reach the reward service: "auto" (in-process where the reward service
     # runs in this process -- co-located mode, tandem/in_process.py -- else the leaf
     # channel where the reward service offers one this process can reach -- same host --
-    # else gRPC), "ipc" (the leaf channel; gRPC only while it cannot connect) or "grpc"
+    # else gRPC), "leaf_channel" (the leaf channel; gRPC only while it cannot connect) or "grpc"
     # (one Evaluate per wave).
     handoff: str = "auto"
     # Leaf channels of CUDA regions lent one per value-model search on the GPU
@@ -365,9 +371,11 @@ _CHOICES = {
     "reward.execution_provider": ("auto", "cuda", "cpu"),
     "reward.nonfinite_inputs": ("reject", "pass"),
     "reward.cudnn_conv_algo_search": ("EXHAUSTIVE", "HEURISTIC", "DEFAULT"),
+    "reward.host_wait": ("auto", "spin", "yield", "block"),
+    "search.host_wait": ("auto", "spin", "yield", "block"),
     "search.backend": ("auto", "cpu", "cuda"),
     "search.evaluator": ("auto", "rollout", "value_model"),
-    "search.handoff": ("auto", "ipc", "grpc"),
+    "search.handoff": ("auto", "leaf_channel", "grpc"),
 }
 # Fields that may be zero (meaning "off" or "default"); every other number must be positive.
 _MAY_BE_ZERO = {"metrics_port", "max_concurrent_streams", "max_rpcs_per_connection", "gpu_memory_bytes", "memory_pool_bytes", "intra_op_threads", "max_queue_delay_us",

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import time
 
+from tandem import gpu
 from tandem.gpu import cupy_module
 
 IPC_EVENT_HANDLE_BYTES = 64  # sizeof(cudaIpcEventHandle_t)
@@ -63,7 +64,7 @@ class _Event:
             cupy.cuda.runtime.CUDARuntimeError: the driver reports an error
                 for the event (e.g. its process's context is gone).
         """
-        spin_until = time.monotonic() + _SPIN_S
+        spin_until = time.monotonic() + (_SPIN_S if gpu.spins() else 0.0)
         while not self.query():
             now = time.monotonic()
             if deadline is not None and now >= deadline:

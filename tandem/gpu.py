@@ -54,3 +54,55 @@ def cupy_module():
     except Exception as exc:  # driver / runtime mismatch
         log.warning("CuPy sees no usable GPU: %s", exc)
         return None
+
+
+# CUDA's scheduling flags for a context (cuda.h CUctx_flags): how a host thread waits for the GPU
+# in a synchronising call (a stream or event synchronize, a copy back).
+HOST_WAIT_FLAGS = {
+    "auto": 0x0,  # CU_CTX_SCHED_AUTO: spin while the process has fewer active contexts than cores, else yield
+    "spin": 0x1,  # CU_CTX_SCHED_SPIN: busy-wait, the lowest latency, a core per waiting thread
+    "yield": 0x2,  # CU_CTX_SCHED_YIELD: poll, yielding the core between polls
+    "block": 0x4,  # CU_CTX_SCHED_BLOCKING_SYNC: sleep on an OS primitive until the GPU signals
+}
+
+
+_host_wait = "auto"  # this process's mode (set_host_wait)
+
+
+def spins() -> bool:
+    """Whether this process's own polling loops (a copy's word, the leaf
+    channel's reply, a CUDA event) spin a while before they sleep: with
+    host_wait ``auto`` or ``spin``; ``yield`` and ``block`` sleep from the
+    first poll, so no thread burns a core while it waits for the GPU."""
+    return _host_wait in ("auto", "spin")
+
+
+def set_host_wait(mode: str, device: int = 0) -> bool:
+    """Sets how this process's threads wait for GPU ``device`` in synchronising
+    CUDA calls (:data:`HOST_WAIT_FLAGS`), on the device's primary context,
+    which CuPy and ONNX Runtime's CUDA provider share; call it before either
+    creates the context (at the service's start). ``auto`` leaves CUDA's
+    default. The process's own polling loops follow the mode (:func:`spins`).
+    Returns whether the context's flag was set: False on a host without a
+    GPU, or where the driver refuses it (logged).
+
+    Raises:
+        ValueError: ``mode`` is not one of :data:`HOST_WAIT_FLAGS`.
+    """
+    if mode not in HOST_WAIT_FLAGS:
+        raise ValueError(f"host wait {mode!r}: choose one of {', '.join(HOST_WAIT_FLAGS)}")
+    global _host_wait
+    _host_wait = mode
+    if mode == "auto" or cuda_device_count() == 0:
+        return False
+    lib = ctypes.CDLL("libcuda.so.1")
+    handle = ctypes.c_int(0)
+    status = lib.cuDeviceGet(ctypes.byref(handle), device)
+    if status == 0:
+        status = lib.cuDevicePrimaryCtxSetFlags(handle, HOST_WAIT_FLAGS[mode])
+    if status != 0:
+        log.warning("GPU %d: CUDA refused host wait %r (CUresult %d); its default stays", device, mode, status)
+        return False
+    log.info("GPU %d: host threads %s while they wait for the GPU (host_wait %s)", device,
+             {"spin": "spin", "yield": "yield their core", "block": "sleep"}[mode], mode)
+    return True

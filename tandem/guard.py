@@ -550,6 +550,8 @@ class _Responses:
             raise
         if place is not None and not admission.received(place):
             _displaced(context, call)  # a newcomer took the place while the message was on its way
+        if place is not None and call.handler.response_streaming and not context.add_callback(self._ended):
+            self._ended()  # the call ended already
         if call.handler.request_streaming:
             argument = requests if first is _END else itertools.chain((first,), requests)
         else:
@@ -587,6 +589,16 @@ class _Responses:
                    f"ms (server.response_write_timeout_ms): the client does not read; call ended")
         log.warning("%s", message)
         _cancel(self._context, message)
+
+    def _ended(self) -> None:
+        """On gRPC's thread as the call terminates (sent, failed or cancelled):
+        the place comes back now. gRPC stops asking a cancelled stream for
+        responses without closing it, and an armed write timer would keep this
+        object, and the place, until it fired."""
+        write, self._write = self._write, None
+        if write is not None:
+            WATCHDOG.disarm(write)
+        self._call.guard._admission.leave(self._call.place)
 
     def _finish(self) -> None:
         close = getattr(self._inner, "close", None)

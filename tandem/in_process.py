@@ -13,19 +13,20 @@ point: both services import it, neither imports the other (tests/test_layers.py)
 What a search calls on the offered server (duck-typed: the reward
 service's object is passed, never imported):
 
-* ``server.port(model, max_rows, device) -> port``: one caller's way to
+* ``server.link(model, max_rows, device) -> link``: one caller's way to
   ``model``, its rows checked as the leaf channel checks them (``max_rows``
   narrowed to what the model takes). Raises
   :class:`tandem.leaf_channel.LeafChannelError` (NOT_FOUND: no such model;
   INVALID_ARGUMENT: ``max_rows`` not an integer >= 1; FAILED_PRECONDITION: a
   model whose signature does not fit; UNAVAILABLE: the reward service stopped).
-* ``port.evaluate(inputs, deadline) -> {output name: ndarray}``: one host wave.
-* ``port.evaluate_device(rows, deadline) -> {output name: CuPy view}``: one
-  device wave whose rows ``[0, rows)`` of ``port.inputs`` were written by
+* ``link.evaluate(inputs, deadline) -> {output name: ndarray}``: one host wave
+  (``deadline``: a :class:`tandem.deadline.Deadline`, or None).
+* ``link.evaluate_device(rows, deadline) -> {output name: CuPy view}``: one
+  device wave whose rows ``[0, rows)`` of ``link.inputs`` were written by
   kernels queued on the caller's current CUDA stream; on return that stream
   is made to wait (on the GPU) for the run's outputs: the caller queues its
   next kernels without a host wait.
-* ``port.queue_ms``, ``port.compute_ms``, ``port.bucket``: the last wave's
+* ``link.queue_ms``, ``link.compute_ms``, ``link.bucket``: the last wave's
   figures, as a leaf-channel reply gives them.
 
 Why a GPU-side wait is safe here and not across processes

@@ -84,8 +84,9 @@ import grpc
 import numpy as np
 from tandem.v1 import reward_pb2, reward_pb2_grpc
 
-from tandem import outputs_gate, tensors, timeline
+from tandem import gpu, outputs_gate, tensors, timeline
 from tandem.cuda_events import ExportedEvent, OpenedEvent
+from tandem.deadline import Deadline
 from tandem.ready_word import WORD_BYTES, ReadyWord
 from tandem.shared_memory_client import CudaSharedMemoryRegion, SealedMemory, aligned
 from tandem.gpu import cupy_module
@@ -391,11 +392,12 @@ class LeafChannel:
         cuda_outputs = "cuda" in meta.runtime.get(f"{RUNTIME_KEY}_outputs", "system").split(",")
         return cls(stub, path, model, max_rows, device, timeout_s, meta, cuda_outputs, events, announce, gate)
 
-    def evaluate(self, inputs, deadline: float | None = None) -> dict[str, np.ndarray]:
+    def evaluate(self, inputs, deadline: Deadline | None = None) -> dict[str, np.ndarray]:
         """The model's outputs (name -> float32 ``[N, *row]``, copies) for
         ``inputs`` (``[N, *row]``, NumPy, or CuPy on a CUDA region; N <= max_rows).
 
-        ``deadline``: ``time.monotonic()`` seconds, or None (no deadline).
+        ``deadline``: by when the answer is due, or None (no deadline); it
+        travels to the server as the time left (the wave message's ``timeout_us``).
 
         Raises:
             LeafChannelError: the server's status (DEADLINE_EXCEEDED when the
@@ -435,7 +437,7 @@ class LeafChannel:
         """Whether both regions are CUDA memory (:meth:`evaluate_device` works)."""
         return self.kind == "cuda" and self._outputs_region is not None and self._outputs_region.kind == "cuda"
 
-    def evaluate_device(self, rows: int, deadline: float | None = None, wait_outputs: bool = True) -> dict:
+    def evaluate_device(self, rows: int, deadline: Deadline | None = None, wait_outputs: bool = True) -> dict:
         """Runs rows ``[0, rows)`` already in :attr:`device_inputs` (written and
         synchronised by the caller; on an :attr:`ordered` channel, queued on
         its current stream) and returns the output region's views (name ->
@@ -468,7 +470,7 @@ class LeafChannel:
         :attr:`ordered` channel with a ready word (tandem/ready_word.py)."""
         return self._word is not None and self._done is not None
 
-    def announce(self, rows: int, deadline: float | None = None) -> None:
+    def announce(self, rows: int, deadline: Deadline | None = None) -> None:
         """Sends the next wave's message now, before its inputs are written:
         the server takes it into its critical lane and waits for the ready
         word (at most session.READY_WAIT_S once the previous wave's outputs
@@ -543,13 +545,13 @@ class LeafChannel:
         the channel does not gate, or no such wave is pending."""
         if self._done_word is None or self._outputs_due is None:
             return None
-        deadline = self._outputs_due or time.monotonic() + self._timeout_s
-        limit = deadline + DONE_GRACE_S + GATE_SLACK_S  # when the gate closes by itself
+        deadline = self._outputs_due or Deadline.after_s(self._timeout_s)
+        limit = deadline.later_s(DONE_GRACE_S + GATE_SLACK_S)  # when the gate closes by itself
         token = outputs_gate.GateWords.token()
-        self._gated = (token, limit + GATE_REPORT_S)
+        self._gated = (token, limit.later_s(GATE_REPORT_S).at)
         words = self._gate_words
         return outputs_gate.Gate(self._done_word, self._outputs_seq, words.cancel_address, words.report_address,
-                                 token, max(int((limit - time.monotonic()) * 1e9), 0))
+                                 token, max(int(limit.left_s() * 1e9), 0))
 
     def wait_outputs(self) -> None:
         """Waits for the outputs of the last wave answered with
@@ -610,14 +612,14 @@ class LeafChannel:
         if self._gated is not None:
             self._gate_verdict(LeafChannelError(grpc.StatusCode.CANCELLED, "abandoned"))
 
-    def _send(self, rows: int, deadline: float | None) -> None:
+    def _send(self, rows: int, deadline: Deadline | None) -> None:
         """Sends the next wave's ``W`` message.
 
         Raises:
             LeafChannelError: UNAVAILABLE: the connection broke (closed then).
         """
         self._seq += 1
-        timeout_us = 0 if deadline is None else max(int((deadline - time.monotonic()) * 1e6), 1)
+        timeout_us = 0 if deadline is None else max(int(deadline.left_s() * 1e6), 1)
         try:
             timeline.mark("wave.sent")
             self._sock.send(WAVE + WAVE_FORMAT.pack(self._seq, rows, timeout_us))
@@ -625,7 +627,7 @@ class LeafChannel:
             self.close(wait_detached=False)
             raise LeafChannelError(grpc.StatusCode.UNAVAILABLE, f"socket {self.path}: {exc}") from None
 
-    def _wave(self, rows: int, deadline: float | None, wait_outputs: bool = True) -> None:
+    def _wave(self, rows: int, deadline: Deadline | None, wait_outputs: bool = True) -> None:
         """Sends one wave of ``rows`` rows (its inputs in place), unless it was
         announced, and waits for its reply (and, ``wait_outputs``, for its
         outputs in place); see :meth:`evaluate` for the errors."""
@@ -672,14 +674,14 @@ class LeafChannel:
             else:
                 self._outputs_due, self._outputs_seq = deadline or False, self._seq
 
-    def _recv_reply(self, deadline: float | None) -> bytes:
+    def _recv_reply(self, deadline: Deadline | None) -> bytes:
         """The next message from the server: read without blocking for up
         to REPLY_SPIN_S (the GIL let go between reads), then waited for.
 
         Raises:
             TimeoutError: none by ``deadline``. OSError: the socket broke.
         """
-        if REPLY_SPIN_S > 0:
+        if REPLY_SPIN_S > 0 and gpu.spins():
             spin_until = time.monotonic() + REPLY_SPIN_S
             self._sock.settimeout(None)  # blocking: MSG_DONTWAIT reads at once, and a send may still wait
             while True:
@@ -688,15 +690,15 @@ class LeafChannel:
                 except BlockingIOError:
                     pass
                 now = time.monotonic()
-                if deadline is not None and now >= deadline:  # no blocking read past it
+                if deadline is not None and deadline.passed(now):  # no blocking read past it
                     raise TimeoutError("no reply by the deadline")
                 if now >= spin_until:
                     break
                 os.sched_yield()  # the GIL goes too
-        self._sock.settimeout(None if deadline is None else max(deadline - time.monotonic(), 1e-4))
+        self._sock.settimeout(None if deadline is None else max(deadline.left_s(), 1e-4))
         return self._sock.recv(MAX_MESSAGE_BYTES)
 
-    def _wait_done(self, deadline: float | None) -> None:
+    def _wait_done(self, deadline: Deadline | None) -> None:
         """Waits for the server's ``done`` event (its wave's output copies):
         the reply came, so the wave's run is queued on the GPU, a few hundred
         µs from done; a wave that straddles the deadline is waited for up to
@@ -707,9 +709,9 @@ class LeafChannel:
                 the grace, or ``timeout_s`` without one); UNAVAILABLE (the
                 driver reports an error for it: the channel is closed).
         """
-        limit = time.monotonic() + self._timeout_s if deadline is None else deadline + DONE_GRACE_S
+        limit = Deadline.after_s(self._timeout_s) if deadline is None else deadline.later_s(DONE_GRACE_S)
         try:
-            ok = self._done.wait_host(limit)
+            ok = self._done.wait_host(limit.at)
         except Exception as exc:  # CUDARuntimeError: its process's context is gone
             self.close(wait_detached=False)
             raise LeafChannelError(grpc.StatusCode.UNAVAILABLE, f"the server's done_event: {exc}") from None

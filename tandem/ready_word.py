@@ -35,6 +35,7 @@ import time
 
 import numpy as np
 
+from tandem import gpu
 from tandem.gpu import cupy_module
 
 WORD_BYTES = 8  # uint64 at offset 0 of the region
@@ -211,7 +212,7 @@ class WordWait:
         may last a previous wave's model run, and the service's other threads
         run on."""
         start = time.monotonic()
-        spin_until = start + _SPIN_S
+        spin_until = start + (_SPIN_S if gpu.spins() else 0.0)
         window_end = None if self.after is not None else start + self.window
         while True:
             word = int(self.view[0])

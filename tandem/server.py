@@ -284,8 +284,10 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _SIGNAL_POLL_S = 0.1
 
 
-def wait_for_stop_signal() -> int:
-    """Blocks the main thread until SIGINT or SIGTERM; returns the signal.
+def wait_for_stop_signal(seen: list[int] | None = None) -> int:
+    """Blocks the main thread until SIGINT or SIGTERM; returns the signal
+    (with ``seen``, a list of :func:`catch_stop_signals`: one that came
+    before the call too).
 
     The handler only appends to a list: a Python signal handler runs on the
     main thread between two bytecodes, so one that took a lock (an
@@ -298,18 +300,30 @@ def wait_for_stop_signal() -> int:
     The main thread looks at the list every ``_SIGNAL_POLL_S`` (the sleep ends
     early when a signal comes: its handler runs, then the sleep goes on).
     """
-    seen: list[int] = []
-    for sig in STOP_SIGNALS:
-        signal.signal(sig, lambda signum, _frame: seen.append(signum))
+    seen = catch_stop_signals() if seen is None else seen
     while not seen:
         time.sleep(_SIGNAL_POLL_S)
     return seen[0]
 
 
-def serve_until_signalled(running: RunningServer, grace_ms: float, on_stop: Callable[[], None] | None = None) -> None:
-    """Blocks until SIGINT or SIGTERM (:func:`wait_for_stop_signal`), then
-    reports NOT_SERVING, drains in-flight RPCs for up to ``grace_ms`` and stops."""
-    wait_for_stop_signal()
+def catch_stop_signals() -> list[int]:
+    """From now on SIGINT and SIGTERM are recorded, not fatal: each is
+    appended to the list returned (by a handler that takes no lock, as
+    :func:`wait_for_stop_signal` says), which :func:`wait_for_stop_signal`
+    then takes, so a signal that came while a server was still starting
+    (its workers) stops it as soon as it serves."""
+    seen: list[int] = []
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, lambda signum, _frame: seen.append(signum))
+    return seen
+
+
+def serve_until_signalled(running: RunningServer, grace_ms: float, on_stop: Callable[[], None] | None = None,
+                          seen: list[int] | None = None) -> None:
+    """Blocks until SIGINT or SIGTERM (:func:`wait_for_stop_signal`, with
+    ``seen``), then reports NOT_SERVING, drains in-flight RPCs for up to
+    ``grace_ms`` and stops."""
+    wait_for_stop_signal(seen)
     log.info("stopping: draining for up to %.0f ms", grace_ms)
     running.set_serving(False)
     running.health.end_watches()

@@ -56,14 +56,15 @@ class Service:
         # frozen: a process that starts services again (tests, benches) would keep every one.
         gc.unfreeze()
 
-    def serve_forever(self, grace_ms: float) -> None:
-        """Blocks until SIGINT/SIGTERM, then drains and stops.
+    def serve_forever(self, grace_ms: float, seen: list[int] | None = None) -> None:
+        """Blocks until SIGINT/SIGTERM (one already in ``seen``, a list of
+        :func:`tandem.server.catch_stop_signals`, too), then drains and stops.
 
         Shutdown is bounded: if the interpreter has not exited
         ``EXIT_TIMEOUT_S`` after draining (a library thread that will not
         end), every thread's stack goes to stderr and the process exits 1.
         """
-        serve_until_signalled(self.running, grace_ms, on_stop=self._close)
+        serve_until_signalled(self.running, grace_ms, on_stop=self._close, seen=seen)
         log.info("stopped")
         faulthandler.dump_traceback_later(EXIT_TIMEOUT_S, exit=True)
 

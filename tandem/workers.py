@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from tandem.config import TandemConfig
-from tandem.server import can_bind
+from tandem.server import can_bind, catch_stop_signals
 
 log = logging.getLogger(__name__)
 
@@ -167,10 +167,13 @@ class Workers:
         while not ready.wait(0.5) and p.is_alive() and time.monotonic() < end and not self._stopping.is_set():
             pass
 
-    def start(self, timeout_s: float = 300.0) -> None:
+    def start(self, timeout_s: float = 300.0, stop: Callable[[], bool] = lambda: False) -> None:
         """Starts the workers one after another, each once the last serves (or
-        has ended: :meth:`watch` reports it) or ``timeout_s`` has passed."""
+        has ended: :meth:`watch` reports it) or ``timeout_s`` has passed; none
+        more once ``stop()`` is true (a stop signal came meanwhile)."""
         for index in range(1, len(self.procs) + 1):
+            if stop():
+                return
             self._start_one(index, timeout_s)
 
     def watch(self, on_death: Callable[[int, int | None, float | None], None], timeout_s: float = 300.0) -> None:
@@ -225,6 +228,8 @@ def serve(cfg: TandemConfig, count: int, address: str, grace_ms: float, start: s
         return
     check_free(address)  # a stale server would share a port bound with SO_REUSEPORT
     service = first(cfg, place=WorkerPlace(0, count))
+    # Serving from here on: a stop signal while the workers start is recorded, and stops all once they have.
+    seen = catch_stop_signals()
     workers = Workers(run_worker, (start, cfg, WorkerPlace(0, count, service.port), grace_ms), count - 1)
     died = []
 
@@ -237,10 +242,10 @@ def serve(cfg: TandemConfig, count: int, address: str, grace_ms: float, start: s
         died.append(index)
         os.kill(os.getpid(), signal.SIGTERM)
 
-    workers.start()
+    workers.start(stop=lambda: bool(seen))
     workers.watch(on_death)
     try:
-        service.serve_forever(grace_ms)
+        service.serve_forever(grace_ms, seen)
     finally:
         workers.stop(grace_ms / 1000.0 + 5.0)
     if died:

@@ -9,9 +9,9 @@ out (``kernels/search.cu`` has the details and the concurrency invariants):
 * K = ``parallel_sims`` simulations are in flight per tree, run by W warps of
   up to G = ``sims_per_warp`` simulations each (W = ceil(K / G)). A warp runs
   whole waves -- G selections one after another (one warp per selection,
-  lanes scoring the 7 children, a ``__shfl_xor_sync`` argmax), one node per
+  threads scoring the 7 children, a ``__shfl_xor_sync`` argmax), one node per
   distinct stopping edge (slots from one ``atomicAdd``), G rollouts on G
-  lanes, backup -- until the budget or the deadline.
+  threads, backup -- until the budget or the deadline.
 * Rollouts: the whole search is ONE kernel launch (plus one launch that sets
   the trees up and one that reads out the results: three launches and one
   copy back per call, whatever the number of simulations).
@@ -26,7 +26,7 @@ out (``kernels/search.cu`` has the details and the concurrency invariants):
   With device waves the search is a generator of waves (``_Search._steps``)
   that the device waves drive (``DeviceWaves.run``): wave by wave on the
   caller's thread, or, in co-located mode, on the reward service's
-  critical-lane worker (``Port.drive``: no thread hop per wave).
+  critical-lane worker (``InProcessLink.drive``: no thread hop per wave).
 * MCTS-Solver: every backup kernel proves what it can up the paths whose
   leaf has a known result (``solve_wave``); a tree whose root is proven runs
   no more simulations; the result carries the root's and its children's
@@ -97,7 +97,8 @@ from search_service.mcts.batch import search_alone
 from search_service.mcts.games import ConnectFourSearch
 from search_service.mcts.plan import Member
 from search_service.mcts.rollout import rollout_values
-from tandem import nvtx, outputs_gate, ready_word, timeline
+from tandem import gpu, nvtx, outputs_gate, ready_word, timeline
+from tandem.deadline import Deadline
 
 log = logging.getLogger(__name__)
 A = connect4.NUM_ACTIONS
@@ -230,11 +231,11 @@ class CudaBackend:
         """
         refuse_other_games(params.game)
         if not isinstance(params.game, ConnectFourSearch):  # a game folder's: its module, rollouts
-            started = time.perf_counter()
+            started = Deadline.now()  # the deadline counts from the call, tree set-up included
             batch = _game_batch(self, params)
             b = len(params.game.as_states(roots))
             batch.join(roots, trees, [params.seed] * b, list(range(b)))
-            deadline = None if params.deadline_ms is None else started + params.deadline_ms / 1e3
+            deadline = None if params.deadline_ms is None else Deadline.after_ms(params.deadline_ms, started)
             return search_alone(batch, [Member(params.simulations, deadline, should_stop) for _ in range(b)])
         return _Search(self, roots, params, evaluator, trees, should_stop, device_waves).run()
 
@@ -970,7 +971,7 @@ class _AsyncCopy:
             cupy.cuda.runtime.CUDARuntimeError: the copy failed.
         """
         word, seq = self._word, self._seq
-        if COPY_SPIN_S > 0:
+        if COPY_SPIN_S > 0 and gpu.spins():
             spin_until = time.monotonic() + COPY_SPIN_S
             while int(word[0]) != seq and time.monotonic() < spin_until:
                 os.sched_yield()  # the GIL goes too

@@ -13,7 +13,7 @@ doubles when a join needs more rows (the rows in use are copied); the rows
 that leave below the new end are filled by the rows that stay past it (their
 used slots, TS, CYC and key rows moved), so ``leave`` returns the new order.
 Every row holds a whole pool of ``max_nodes`` slots and the slab does not
-shrink: a lane's memory is its most trees at once times ``max_nodes * 176``
+shrink: a batch's memory is its most trees at once times ``max_nodes * 176``
 bytes.
 
 A wave (``wave(ks)``):

@@ -10,6 +10,8 @@ Fields (all required unless marked optional)::
     max_moves: 120             # no game lasts longer (plies, passes included)
     openspiel: othello         # optional: the pyspiel game with the same rules
     positions: positions.jsonl # optional: a file in the folder, for `tandem play --game`
+    endgames: endgames.jsonl   # optional: a file in the folder, positions labelled with their exact
+                               # results (search_service/games/endgames.py), to score moves against
 
 Unknown fields are errors, so a misspelt optional field is not silently ignored.
 """
@@ -24,7 +26,7 @@ import yaml
 MAX_ACTIONS = 4096
 _NAME = re.compile(r"[A-Za-z0-9_.-]+")
 _REQUIRED = ("name", "num_actions", "state_words", "observation", "players", "max_moves")
-_OPTIONAL = ("openspiel", "positions")
+_OPTIONAL = ("openspiel", "positions", "endgames")
 
 
 class GameError(ValueError):
@@ -50,6 +52,7 @@ class GameMeta:
     max_moves: int
     openspiel: str | None = None
     positions: Path | None = None  # resolved inside the folder
+    endgames: Path | None = None  # resolved inside the folder
 
     @property
     def label(self) -> str:
@@ -113,7 +116,8 @@ def read_metadata(folder: Path) -> GameMeta:
         players=players,
         max_moves=_int_field(where, data, "max_moves", 1, None),
         openspiel=openspiel,
-        positions=_positions(where, folder, data.get("positions")),
+        positions=_folder_file(where, folder, "positions", data.get("positions")),
+        endgames=_folder_file(where, folder, "endgames", data.get("endgames")),
     )
 
 
@@ -131,14 +135,14 @@ def _int_field(where: str, data: dict, key: str, low: int, high: int | None) -> 
     return v
 
 
-def _positions(where: str, folder: Path, value: object) -> Path | None:
+def _folder_file(where: str, folder: Path, key: str, value: object) -> Path | None:
     if value is None:
         return None
     if not isinstance(value, str) or not value:
-        raise GameError(where, f"field positions must be a file name, got {value!r}")
+        raise GameError(where, f"field {key} must be a file name, got {value!r}")
     path = (folder / value).resolve()
     if not path.is_relative_to(folder):  # the folder is the plug-in: it must not reach outside itself
-        raise GameError(where, f"field positions ({value}) points outside the game folder")
+        raise GameError(where, f"field {key} ({value}) points outside the game folder")
     if not path.is_file():
-        raise GameError(where, f"field positions names {value}, which is not a file in the game folder")
+        raise GameError(where, f"field {key} names {value}, which is not a file in the game folder")
     return path

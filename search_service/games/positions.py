@@ -5,7 +5,9 @@ The file (game.yaml's ``positions``) is JSON lines, one position a line::
     {"moves": "f5d6c3", "plies": 3}
 
 ``moves`` is the position's move string from the start in the game's
-notation; ``plies`` its moves. The bundled sets were made by this module's
+notation; ``plies`` its moves. A record may also carry an exact solver's
+labels, ``score`` and ``move_scores`` (search_service/games/endgames.py),
+which ``tandem play`` scores the search's moves against. The bundled sets were made by this module's
 command, from the game's own rules and nothing else (so they are free of any
 licence), with its defaults::
 
@@ -63,24 +65,46 @@ def random_positions(game: GamePlugin, count: int, seed: int, min_plies: int = 2
     return out
 
 
-def read_positions(path: Path) -> list[str]:
-    """The move strings of a position set file.
+def read_records(path: Path) -> list[dict]:
+    """The records of a position set file: ``{"moves": str}``, and where the
+    record is labelled ``"score"`` (-1, 0 or 1) and ``"move_scores"`` (action
+    int -> -1, 0 or 1).
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: a line that is not a record with a string ``moves`` (the line named).
+        ValueError: a line that is not a record with a string ``moves``, or
+            whose labels are malformed (the line named).
     """
     out = []
     with Path(path).open() as f:
         for i, line in enumerate(f, 1):
             try:
-                moves = json.loads(line)["moves"]
+                rec = json.loads(line)
+                moves = rec["moves"]
             except (KeyError, ValueError, TypeError) as exc:
                 raise ValueError(f"{path}:{i}: not a position record ({exc})") from None
             if not isinstance(moves, str):
                 raise ValueError(f"{path}:{i}: moves must be a string, got {type(moves).__name__}")
-            out.append(moves)
+            out.append({"moves": moves, **_labels(rec, f"{path}:{i}")})
     return out
+
+
+def _labels(rec: dict, where: str) -> dict:
+    if "score" not in rec and "move_scores" not in rec:
+        return {}
+    results = (-1, 0, 1)
+    try:
+        score, scores = rec["score"], {int(a): v for a, v in rec["move_scores"].items()}
+    except (KeyError, ValueError, TypeError, AttributeError) as exc:
+        raise ValueError(f"{where}: labels need score and move_scores {{action: result}} ({exc})") from None
+    if score not in results or any(v not in results for v in scores.values()):
+        raise ValueError(f"{where}: a result must be -1, 0 or 1 (score {score!r}, move_scores {scores!r})")
+    return {"score": score, "move_scores": scores}
+
+
+def read_positions(path: Path) -> list[str]:
+    """The move strings of a position set file (:func:`read_records` raises)."""
+    return [r["moves"] for r in read_records(path)]
 
 
 def main(argv: list[str] | None = None) -> int:

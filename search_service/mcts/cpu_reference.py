@@ -94,6 +94,7 @@ from search_service.mcts.backend import (
 from search_service.mcts.batch import ended_by, search_alone, sliced_waves
 from search_service.mcts.plan import Member
 from tandem import nvtx
+from tandem.deadline import Deadline
 
 _INITIAL_CAPACITY = 4096  # slots per tree before the pool first grows
 
@@ -144,11 +145,11 @@ class CpuReferenceBackend:
             ValueError: a finished root, a tree rooted at another position, or
                 no ``evaluator`` for ``value_model``.
         """
-        started = time.perf_counter()
+        started = Deadline.now()  # the deadline counts from the call, tree set-up included
         batch = self.open_batch(params, evaluator)
         b = len(params.game.as_states(roots))
         batch.join(roots, trees, [params.seed] * b, list(range(b)))
-        deadline = None if params.deadline_ms is None else started + params.deadline_ms / 1e3
+        deadline = None if params.deadline_ms is None else Deadline.after_ms(params.deadline_ms, started)
         return search_alone(batch, [Member(params.simulations, deadline, should_stop) for _ in range(b)])
 
     def open_batch(self, params: SearchParams, evaluator: LeafEvaluator | None = None) -> "CpuTreeBatch":

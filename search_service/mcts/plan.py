@@ -42,12 +42,13 @@ from __future__ import annotations
 
 import math
 import threading
-import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
+
+from tandem.deadline import Deadline
 
 END_BUDGET, END_PROVEN, END_DEADLINE, END_STOPPED = "budget", "proven", "deadline", "stopped"
 OPEN = 1 << 20  # a sliced wave's simulations for a search bounded by its deadline alone: the slice ends it
@@ -57,12 +58,12 @@ OPEN = 1 << 20  # a sliced wave's simulations for a search bounded by its deadli
 class Member:
     """One search's budget in a batch of trees (one tree).
 
-    ``deadline`` is absolute, in ``time.perf_counter()`` seconds (None: none);
+    ``deadline``: by when it answers (None: none);
     ``simulations`` caps the simulations this search runs (None: none).
     """
 
     simulations: int | None
-    deadline: float | None
+    deadline: Deadline | None
     should_stop: Callable[[], bool] | None = None
     tried: bool = False  # took part in a wave, completed or undone
     end: str = ""  # why it left (END_*), once it has
@@ -148,7 +149,7 @@ def plan_wave(members: list[Member], done: np.ndarray, live: np.ndarray, times: 
         k_max: K, simulations per tree per wave (>= 1).
         wave_target_ms: the longest a wave should take where deadline-only
             members can take fewer simulations (None: no target).
-        now: ``time.perf_counter()`` (None: read it).
+        now: ``time.monotonic()`` s, the deadlines' clock (None: read it).
         sliced: the batch's waves last a time slice (module docstring):
             deadline-only members take ``OPEN``, capped ones the rest of
             their cap, and no fair share applies.
@@ -156,7 +157,7 @@ def plan_wave(members: list[Member], done: np.ndarray, live: np.ndarray, times: 
     Returns:
         The plan; a member that leaves gets its ``end``.
     """
-    now = time.perf_counter() if now is None else now
+    now = Deadline.now() if now is None else now
     b = len(members)
     ks = np.zeros(b, np.int64)
     leaving: list[int] = []
@@ -186,6 +187,6 @@ def plan_wave(members: list[Member], done: np.ndarray, live: np.ndarray, times: 
     shared = np.array([m.simulations is None for m in members], bool)
     expected = fair_share(ks, shared & (ks > 0), times, k_max, None if sliced else wave_target_ms)
     for i, m in enumerate(members):
-        if ks[i] and m.tried and m.deadline is not None and now + expected / 1e3 >= m.deadline:
+        if ks[i] and m.tried and m.deadline is not None and m.deadline.left_ms(now) <= expected:
             leave(i, END_DEADLINE)
     return Plan(ks, sorted(leaving))

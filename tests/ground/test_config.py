@@ -31,6 +31,8 @@ def test_shipped_config_loads_and_matches_defaults():
         ({"search": {"server": {"max_workers": True}}}, "search.server.max_workers: expected an integer"),
         ([1, 2], "config: expected a mapping"),
         ({"scheduler": {"mps": "on"}}, "scheduler.mps: must be one of"),
+        ({"reward": {"host_wait": "sleep"}}, "reward.host_wait: must be one of"),
+        ({"search": {"host_wait": "busy"}}, "search.host_wait: must be one of"),
         ({"scheduler": {"urgency": {"phase_lat": 2}}}, "scheduler.urgency.phase_lat: unknown key"),
         ({"scheduler": {"urgency": {"lower_threshold": 3.0}}}, "scheduler.urgency: UrgencyWeights.lower_threshold"),
         ({"scheduler": {"urgency": {"slack_weight": -1}}}, "scheduler.urgency: UrgencyWeights.slack_weight"),

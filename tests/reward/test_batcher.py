@@ -22,6 +22,7 @@ from reward_service.batcher import (
     QueueFull,
     bucket_for,
 )
+from tandem.deadline import Deadline
 
 CRITICAL, BULK = reward_pb2.REQUEST_CLASS_CRITICAL, reward_pb2.REQUEST_CLASS_BULK
 
@@ -139,7 +140,7 @@ def test_batch_fill_pads_with_zeros_and_feeds_avoids_copies():
 def test_one_request_gets_its_outputs():
     model = Model()
     b = make(model)
-    req = b.evaluate(rows_of(3, 3), 3, deadline=time.monotonic() + 5)
+    req = b.evaluate(rows_of(3, 3), 3, deadline=Deadline.after_s(5))
     out = req.result()
     assert out["y"].shape == (3, 3) and (out["y"] == 6).all()
     assert req.batch_rows == 3 and req.bucket == 4  # padded to the bucket
@@ -191,7 +192,7 @@ def test_a_critical_request_completes_while_a_bulk_batch_is_held_running():
     model.hold(BULK)
     bulk = b.submit(rows_of(1, 64), 64, BULK)
     assert model.wait_inside(1)
-    crit = b.evaluate(rows_of(3, 1), 1, CRITICAL, deadline=time.monotonic() + 10)
+    crit = b.evaluate(rows_of(3, 1), 1, CRITICAL, deadline=Deadline.after_s(10))
     assert (crit.result()["y"] == 6).all()
     assert not bulk.done() and model.wait_inside(1, timeout=0)  # the bulk batch is still running
     assert model.ran(CRITICAL)[0][1] == "batcher-model-critical"
@@ -231,12 +232,12 @@ def test_critical_does_not_wait_but_bulk_waits_for_company():
     the test's waits, and a bulk one is surely still waiting after 0.2 s."""
     model = Model()
     b = make(model, max_queue_delay_us=60_000_000)
-    b.evaluate(rows_of(1, 1), 1, CRITICAL, deadline=time.monotonic() + 10).result()
+    b.evaluate(rows_of(1, 1), 1, CRITICAL, deadline=Deadline.after_s(10)).result()
     r1 = b.submit(rows_of(1, 1), 1, BULK)
     r2 = b.submit(rows_of(2, 1), 1, BULK)
     time.sleep(0.2)
     assert not r1.done() and not r2.done()  # waiting for company
-    b.evaluate(rows_of(1, 1), 1, CRITICAL, deadline=time.monotonic() + 10).result()  # not behind them
+    b.evaluate(rows_of(1, 1), 1, CRITICAL, deadline=Deadline.after_s(10)).result()  # not behind them
     assert not r1.done()
     r3 = b.submit(rows_of(3, 6), 6, BULK)  # 8 rows: a full batch's worth does not wait
     assert r1.wait(5) and r2.wait(5) and r3.wait(5)
@@ -249,7 +250,7 @@ def test_a_passed_deadline_is_refused_at_submit(lane):
     model = Model()
     b = make(model)
     with pytest.raises(DeadlineExceeded):
-        b.submit(rows_of(1, 1), 1, lane, deadline=time.monotonic() - 0.001)
+        b.submit(rows_of(1, 1), 1, lane, deadline=Deadline.after_s(-0.001))
     s = b.stats()
     assert s["expired"] == 1 and s["lanes"][LANES[lane]]["expired"] == 1 and not model.batches
     b.close()
@@ -260,8 +261,8 @@ def test_a_request_that_expires_in_the_queue_is_never_run(lane):
     model = Model()
     b = make(model)
     block(model, b, lane)
-    doomed = b.submit(rows_of(5, 1), 1, lane, deadline=time.monotonic() + 0.05)
-    kept = b.submit(rows_of(6, 1), 1, lane, deadline=time.monotonic() + 10)
+    doomed = b.submit(rows_of(5, 1), 1, lane, deadline=Deadline.after_s(0.05))
+    kept = b.submit(rows_of(6, 1), 1, lane, deadline=Deadline.after_s(10))
     time.sleep(0.1)
     model.gate.set()
     assert doomed.wait(5) and kept.wait(5)
@@ -280,7 +281,7 @@ def test_evaluate_gives_up_at_the_deadline_and_cancels(lane):
     b = make(model)
     block(model, b, lane)
     with pytest.raises(DeadlineExceeded):
-        b.evaluate(rows_of(5, 1), 1, lane, deadline=time.monotonic() + 0.05)
+        b.evaluate(rows_of(5, 1), 1, lane, deadline=Deadline.after_s(0.05))
     assert b.stats()["queued"] == 0
     model.gate.set()
     b.evaluate(rows_of(1, 1), 1, lane).result()
@@ -297,13 +298,13 @@ def test_a_running_request_with_targets_is_waited_for_past_its_deadline():
     b = make(model)
     model.hold(CRITICAL)
     target = {"y": np.zeros((1, 3), np.float32)}
-    deadline = time.monotonic() + 2.0  # the worker takes the request long before
+    deadline = Deadline.after_s(2.0)  # the worker takes the request long before
     answer = {}
     waiter = threading.Thread(target=lambda: answer.update(done=b.evaluate(
         rows_of(5, 1), 1, CRITICAL, deadline=deadline, targets=target)))
     waiter.start()
     assert model.wait_inside(1)  # running
-    time.sleep(max(deadline - time.monotonic(), 0) + 0.2)  # the deadline passed while it runs
+    time.sleep(max(deadline.left_s(), 0) + 0.2)  # the deadline passed while it runs
     assert waiter.is_alive()  # still waiting for the run
     model.gate.set()
     waiter.join(5)
@@ -312,7 +313,7 @@ def test_a_running_request_with_targets_is_waited_for_past_its_deadline():
     running = b.submit(rows_of(6, 1), 1, CRITICAL)
     assert model.wait_inside(1)
     with pytest.raises(DeadlineExceeded):
-        b.evaluate(rows_of(7, 1), 1, CRITICAL, deadline=time.monotonic() + 0.05)  # queued: cancelled
+        b.evaluate(rows_of(7, 1), 1, CRITICAL, deadline=Deadline.after_s(0.05))  # queued: cancelled
     model.gate.set()
     running.wait(5)
     b.close()
@@ -464,7 +465,7 @@ def test_a_full_queue_does_not_stop_the_critical_lane_running():
     b = make(model, max_queue_size=3)
     block(model, b, BULK)
     queued = [b.submit(rows_of(i, 1), 1, BULK) for i in range(3)]
-    crit = b.evaluate(rows_of(9, 1), 1, CRITICAL, deadline=time.monotonic() + 10)
+    crit = b.evaluate(rows_of(9, 1), 1, CRITICAL, deadline=Deadline.after_s(10))
     assert (crit.result()["y"] == 18).all()
     assert queued[-1].done() and isinstance(queued[-1].error, QueueFull)
     assert not any(r.done() for r in queued[:2])
@@ -562,7 +563,7 @@ def test_many_threads_at_once():
             n = int(rng.integers(1, 5))
             x = rng.random((n, 3), dtype=np.float32)
             try:
-                out = b.evaluate({"x": x}, n, CRITICAL if j % 3 == 0 else BULK, deadline=time.monotonic() + 10)
+                out = b.evaluate({"x": x}, n, CRITICAL if j % 3 == 0 else BULK, deadline=Deadline.after_s(10))
                 np.testing.assert_array_equal(out.result()["y"], 2 * x)
             except Exception as exc:  # collected: assertion errors in threads are lost otherwise
                 errors.append(exc)
@@ -681,7 +682,7 @@ def test_a_small_bulk_share_holds_the_next_bulk_batch_but_never_a_critical_one()
     second = b.submit(rows_of(2, 1), 1, BULK)
     model.gate.set()
     assert first.wait(10)
-    crit = b.evaluate(rows_of(3, 1), 1, CRITICAL, deadline=time.monotonic() + 10)
+    crit = b.evaluate(rows_of(3, 1), 1, CRITICAL, deadline=Deadline.after_s(10))
     assert (crit.result()["y"] == 6).all()
     assert not second.done()  # still idling out the bulk lane's share
     b.set_bulk_share(100)
@@ -723,7 +724,7 @@ def test_take_latencies_gives_each_answered_request_of_a_lane_once():
     model = Model()
     b = make(model)
     for lane in (CRITICAL, CRITICAL, BULK):
-        b.evaluate(rows_of(1, 1), 1, lane, deadline=time.monotonic() + 10)
+        b.evaluate(rows_of(1, 1), 1, lane, deadline=Deadline.after_s(10))
     critical = b.take_latencies(CRITICAL)
     assert len(critical) == 2 and all(ms >= 0 for ms in critical)
     assert len(b.take_latencies(BULK)) == 1
@@ -791,7 +792,7 @@ def test_drivers_waves_and_queued_critical_requests_share_one_batch_oldest_first
 def test_a_driver_wave_past_its_deadline_is_done_unrun_and_its_driver_goes_on():
     model = Model()
     b = make(model)
-    driver = Waves(b, [(7, time.monotonic() - 0.001), 8])
+    driver = Waves(b, [(7, Deadline.after_s(-0.001)), 8])
     b.drive(driver)
     assert driver.finished.wait(5)
     assert isinstance(driver.answers[0], DeadlineExceeded) and driver.answers[1] == [16, 16]
@@ -814,7 +815,7 @@ def test_drivers_whose_waves_fill_every_batch_never_starve_the_queue():
         b.drive(d)
     assert model.wait_inside(1)
     before = len(model.batches)
-    req = b.submit(rows_of(5, 1), 1, CRITICAL, time.monotonic() + 10)
+    req = b.submit(rows_of(5, 1), 1, CRITICAL, Deadline.after_s(10))
     model.gate.set()
     assert req.wait(10) and (req.result()["y"] == 10).all()
     at = next(i for i, batch in enumerate(model.batches) if req in batch.requests)
@@ -840,7 +841,7 @@ def test_a_driven_callers_own_request_to_its_lane_is_refused_not_left_waiting():
 
     b.drive(SelfSubmitting())
     assert wait_for(lambda: caught) and "would wait for itself" in caught[0]
-    assert (b.evaluate(rows_of(2, 1), 1, CRITICAL, time.monotonic() + 5).result()["y"] == 4).all()
+    assert (b.evaluate(rows_of(2, 1), 1, CRITICAL, Deadline.after_s(5)).result()["y"] == 4).all()
     b.close()
 
 
@@ -881,7 +882,7 @@ def test_a_driver_whose_step_raises_is_dropped_and_the_lane_goes_on(caplog):
     b = make(model)
     driver = Waves(b, [1, 2, 3], fail_at=1)
     b.drive(driver)
-    assert (b.evaluate(rows_of(4, 1), 1, CRITICAL, time.monotonic() + 5).result()["y"] == 8).all()
+    assert (b.evaluate(rows_of(4, 1), 1, CRITICAL, Deadline.after_s(5)).result()["y"] == 8).all()
     assert wait_for(lambda: "a driven caller's step raised" in caplog.text)
     assert driver.answers == [[2, 2]] and not driver.finished.is_set()
     b.close()

@@ -30,6 +30,7 @@ from tandem.leaf_channel import (ATTACH, ERROR, MAX_MESSAGE_BYTES, REPLY, WAVE, 
                                  LeafChannelError, unpack_error)
 from tandem.server import channel
 from tandem.shared_memory_client import SealedMemory
+from tandem.deadline import Deadline
 
 MODEL = "connect4_value"
 
@@ -63,7 +64,7 @@ def test_the_runtime_names_the_socket_and_the_answers_equal_evaluate(reward):
     obs = boards("", "4", "44", "4453", "1234567")
     lc = LeafChannel(stub, meta.runtime["leaf_channel"], MODEL, 64)
     try:
-        got = lc.evaluate(obs, time.monotonic() + 10)
+        got = lc.evaluate(obs, Deadline.after_s(10))
         want = stub.Evaluate(reward_pb2.EvaluateRequest(model=MODEL, inputs=[tensors.to_proto("board", obs)],
                                                         request_class=reward_pb2.REQUEST_CLASS_CRITICAL))
         by_name = {t.name: tensors.from_proto(t) for t in want.outputs}
@@ -73,7 +74,7 @@ def test_the_runtime_names_the_socket_and_the_answers_equal_evaluate(reward):
         # Waves of other sizes, one after another, each its own rows.
         for n in (1, 3, 64):
             rows = np.repeat(obs, -(-n // len(obs)), axis=0)[:n]
-            assert lc.evaluate(rows, time.monotonic() + 10)["value"].shape == (n, 1)
+            assert lc.evaluate(rows, Deadline.after_s(10))["value"].shape == (n, 1)
         assert lc.bucket >= 1 and lc.compute_ms > 0
     finally:
         lc.close()
@@ -95,7 +96,7 @@ def test_close_after_a_wave_given_up_returns_once_the_server_is_done_with_the_re
     lc = LeafChannel(stub, service.servicer.leaf_channel.path, MODEL, 64)
     client_id = lc._inputs.client_id
     with pytest.raises(LeafChannelError) as err:
-        lc.evaluate(np.repeat(boards(""), 64, axis=0), time.monotonic() + 1e-6)
+        lc.evaluate(np.repeat(boards(""), 64, axis=0), Deadline.after_s(1e-6))
     assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
     lc.close()
     assert held(service, client_id) == 0
@@ -107,7 +108,7 @@ def test_an_idle_connection_keeps_its_regions_past_their_lease(reward):
     lc = LeafChannel(stub, service.servicer.leaf_channel.path, MODEL, 16)
     try:
         time.sleep(3.0)  # lease_ttl_ms 2000: the connection renews every 0.5 s
-        assert lc.evaluate(boards("4"), time.monotonic() + 10)["value"].shape == (1, 1)
+        assert lc.evaluate(boards("4"), Deadline.after_s(10))["value"].shape == (1, 1)
     finally:
         lc.close()
 
@@ -297,7 +298,7 @@ def test_a_sealed_memfd_cannot_shrink_and_the_server_serves_on(reward):
             for size in (0, region.byte_size // 2, region.byte_size * 2):
                 with pytest.raises(PermissionError):
                     os.ftruncate(region.fd, size)
-        assert lc.evaluate(boards("4"), time.monotonic() + 10)["value"].shape == (1, 1)
+        assert lc.evaluate(boards("4"), Deadline.after_s(10))["value"].shape == (1, 1)
     finally:
         lc.close()
 
@@ -391,13 +392,13 @@ def test_a_region_unregistered_under_an_attached_channel_fails_its_waves_cleanly
         stub.UnregisterSharedMemory(reward_pb2.UnregisterSharedMemoryRequest(
             client_id=lc._inputs.client_id, name=lc._inputs.name))
         with pytest.raises(LeafChannelError) as err:
-            lc.evaluate(boards("4"), time.monotonic() + 10)
+            lc.evaluate(boards("4"), Deadline.after_s(10))
         assert err.value.code == grpc.StatusCode.NOT_FOUND and lc._inputs.name in str(err.value)
     finally:
         lc.close()
     again = LeafChannel(stub, service.servicer.leaf_channel.path, MODEL, 16)  # the server serves on
     try:
-        assert again.evaluate(boards("4"), time.monotonic() + 10)["value"].shape == (1, 1)
+        assert again.evaluate(boards("4"), Deadline.after_s(10))["value"].shape == (1, 1)
     finally:
         again.close()
 
@@ -429,7 +430,7 @@ def test_a_client_that_dies_without_closing_loses_nothing_on_the_server(reward):
     c.outputs.close(unregister=False)
     lc = LeafChannel(stub, service.servicer.leaf_channel.path, MODEL, 4)
     try:
-        assert lc.evaluate(boards(""), time.monotonic() + 10)["value"].shape == (1, 1)
+        assert lc.evaluate(boards(""), Deadline.after_s(10))["value"].shape == (1, 1)
     finally:
         lc.close()
 
@@ -479,7 +480,7 @@ def test_a_region_registered_again_under_its_name_is_refused_per_wave(reward):
         small.unlink()
     lc = LeafChannel(stub, service.servicer.leaf_channel.path, MODEL, 4)
     try:
-        assert lc.evaluate(boards("4"), time.monotonic() + 10)["value"].shape == (1, 1)
+        assert lc.evaluate(boards("4"), Deadline.after_s(10))["value"].shape == (1, 1)
     finally:
         lc.close()
 
@@ -528,14 +529,14 @@ def test_closing_the_server_ends_its_threads_unregisters_and_removes_the_socket(
     lc = LeafChannel(stub, server.path, MODEL, 4)
     client_id = lc._inputs.client_id
     try:
-        assert lc.evaluate(boards("4"), time.monotonic() + 10)["value"].shape == (1, 1)
+        assert lc.evaluate(boards("4"), Deadline.after_s(10))["value"].shape == (1, 1)
         threads = list(server._connections.values())
         server.close()
         assert not server._accepter.is_alive()  # woken from accept(), not left blocked in it
         assert not any(t.is_alive() for t in threads)
         assert held(service, client_id) == 0 and not os.path.exists(server.path)
         with pytest.raises(LeafChannelError) as err:
-            lc.evaluate(boards("4"), time.monotonic() + 10)
+            lc.evaluate(boards("4"), Deadline.after_s(10))
         assert err.value.code == grpc.StatusCode.UNAVAILABLE
     finally:
         lc.close()
@@ -628,9 +629,9 @@ def test_rows_of_another_shape_are_refused_before_anything_is_sent(reward):
     try:
         for wrong in (np.zeros((2, 6, 7), np.uint8), np.zeros((1, 1, 6, 7), np.uint8)):
             with pytest.raises(ValueError, match=r"rows of shape .* takes \[2, 6, 7\]"):
-                lc.evaluate(wrong, time.monotonic() + 10)
+                lc.evaluate(wrong, Deadline.after_s(10))
         assert lc._seq == 0  # nothing was sent
-        assert lc.evaluate(boards("4"), time.monotonic() + 10)["value"].shape == (1, 1)
+        assert lc.evaluate(boards("4"), Deadline.after_s(10))["value"].shape == (1, 1)
     finally:
         lc.close()
 
@@ -643,10 +644,10 @@ def test_a_wave_given_up_by_its_deadline_never_answers_a_later_one(reward):
     try:
         stale = np.repeat(boards(""), 64, axis=0)
         with pytest.raises(LeafChannelError) as err:
-            lc.evaluate(stale, time.monotonic() + 1e-6)  # gives up before any answer can come
+            lc.evaluate(stale, Deadline.after_s(1e-6))  # gives up before any answer can come
         assert err.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
         fresh = boards("4453", "1234567", "44")
-        got = lc.evaluate(fresh, time.monotonic() + 10)
+        got = lc.evaluate(fresh, Deadline.after_s(10))
         want = stub.Evaluate(reward_pb2.EvaluateRequest(model=MODEL, inputs=[tensors.to_proto("board", fresh)],
                                                         request_class=reward_pb2.REQUEST_CLASS_CRITICAL))
         by_name = {t.name: tensors.from_proto(t) for t in want.outputs}
@@ -693,7 +694,7 @@ def test_messages_not_of_the_protocol_are_internal_errors_and_close_the_channel(
         with pytest.raises(LeafChannelError) as err:
             lc = LeafChannel(stub, str(tmp_path / "peer.sock"), MODEL, 4)
             try:
-                lc.evaluate(boards("4"), time.monotonic() + 10)
+                lc.evaluate(boards("4"), Deadline.after_s(10))
             finally:
                 assert lc.closed
         assert err.value.code == grpc.StatusCode.INTERNAL and "malformed" in str(err.value)
@@ -719,7 +720,7 @@ def test_a_connection_that_never_attaches_is_closed_after_the_attach_window_and_
         assert wait_for(lambda: not server._connections)
         lc = LeafChannel(stub, server.path, MODEL, 4)
         try:
-            assert lc.evaluate(boards("4"), time.monotonic() + 10)["value"].shape == (1, 1)
+            assert lc.evaluate(boards("4"), Deadline.after_s(10))["value"].shape == (1, 1)
         finally:
             lc.close()
     finally:
@@ -749,7 +750,7 @@ def test_a_peer_of_another_user_is_permission_denied(reward):
         assert code == grpc.StatusCode.PERMISSION_DENIED and "peer uid 65534" in message
         lc = LeafChannel(stub, server.path, MODEL, 4)  # its own user is served
         try:
-            assert lc.evaluate(boards("4"), time.monotonic() + 10)["value"].shape == (1, 1)
+            assert lc.evaluate(boards("4"), Deadline.after_s(10))["value"].shape == (1, 1)
         finally:
             lc.close()
     finally:
@@ -808,7 +809,7 @@ def test_waves_are_counted_in_the_models_metrics_once_answered(reward):
     bad = RawClient(service, stub, max_rows=8)
     try:
         for n in (1, 3, 5):
-            assert lc.evaluate(np.repeat(boards("4"), n, axis=0), time.monotonic() + 30)["value"].shape == (n, 1)
+            assert lc.evaluate(np.repeat(boards("4"), n, axis=0), Deadline.after_s(30))["value"].shape == (n, 1)
         assert bad.attach()[:1] == ATTACH
         assert status(bad.wave(0))[0] == grpc.StatusCode.INVALID_ARGUMENT
     finally:
@@ -863,12 +864,12 @@ def test_the_reply_read_spins_then_blocks_and_keeps_the_deadline(monkeypatch, sp
     read = client.LeafChannel._recv_reply
     try:
         peer.send(b"R1")
-        assert read(chan, time.monotonic() + 30) == b"R1"
+        assert read(chan, Deadline.after_s(30)) == b"R1"
         threading.Timer(0.02, peer.send, args=(b"R2",)).start()
         assert read(chan, None) == b"R2"
         with pytest.raises(TimeoutError):
-            read(chan, time.monotonic() + 0.001)  # inside the spin where there is one
+            read(chan, Deadline.after_s(0.001))  # inside the spin where there is one
         peer.close()
-        assert read(chan, time.monotonic() + 30) == b""
+        assert read(chan, Deadline.after_s(30)) == b""
     finally:
         ours.close()

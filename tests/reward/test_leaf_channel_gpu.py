@@ -21,6 +21,7 @@ from tandem import tensors
 from tandem.gpu import cupy_module
 from tandem.leaf_channel import RUNTIME_KEY, LeafChannel
 from tandem.server import channel
+from tandem.deadline import Deadline
 
 pytestmark = pytest.mark.gpu
 
@@ -49,7 +50,7 @@ def test_the_first_wave_from_a_cuda_region_costs_at_most_twice_its_p50(gpu_rewar
         for rows in (37, 200, 700):  # buckets 64, 256, 1024, padded
             times = []
             for i in range(12):
-                lc.evaluate(random_boards(rows, i), time.monotonic() + 30)
+                lc.evaluate(random_boards(rows, i), Deadline.after_s(30))
                 times.append(lc.queue_ms + lc.compute_ms)
             if times[0] > 2 * float(np.median(times[1:])):
                 slow.append((rows, lc.bucket, times[0], float(np.median(times[1:]))))
@@ -68,8 +69,8 @@ def test_a_cuda_region_answers_as_evaluate_at_every_bucket(gpu_reward):
         assert lc.kind == "cuda"
         for n in (1, 37, 256, 1024):
             obs = random_boards(n, n)
-            got = lc.evaluate(obs, time.monotonic() + 30)
-            from_device = lc.evaluate(cp.asarray(obs), time.monotonic() + 30)
+            got = lc.evaluate(obs, Deadline.after_s(30))
+            from_device = lc.evaluate(cp.asarray(obs), Deadline.after_s(30))
             reply = stub.Evaluate(reward_pb2.EvaluateRequest(model=MODEL, inputs=[tensors.to_proto("board", obs)],
                                                              request_class=reward_pb2.REQUEST_CLASS_CRITICAL))
             want = {t.name: tensors.from_proto(t) for t in reply.outputs}
@@ -94,7 +95,7 @@ def test_a_cuda_search_service_sends_its_leaves_by_the_leaf_channel(gpu_reward):
         assert search.servicer.backend.split(64) == (64, 1)
         handoff = search.servicer.handoff
         assert handoff.wait_attached(30.0)
-        assert handoff._ipc.channel.kind == "cuda"
+        assert handoff._leaf.channel.kind == "cuda"
         # The device channels, lent one per search: this search's waves went by one of them.
         assert handoff.wait_device_channels(30.0) == cfg.search.device_channels
         lent = {id(ev): ev.totals.calls for ev in handoff._device_free}
@@ -102,7 +103,7 @@ def test_a_cuda_search_service_sends_its_leaves_by_the_leaf_channel(gpu_reward):
             stub = search_pb2_grpc.SearchServiceStub(ch)
             reply = stub.Search(search_pb2.SearchRequest(game="connect4", moves="4453", simulations=1000,
                                                          evaluator=search_pb2.EVALUATOR_VALUE_MODEL), timeout=60)
-        assert reply.handoff == "ipc" and reply.model_simulations == reply.simulations == 1000
+        assert reply.handoff == "leaf_channel" and reply.model_simulations == reply.simulations == 1000
         assert not reply.evaluation_failure
         assert sum(ev.totals.calls - lent[id(ev)] for ev in handoff._device_free) > 1
     finally:
@@ -252,7 +253,7 @@ def test_an_ordered_channel_answers_unsynchronised_device_inputs_as_a_synchronis
                     lc.device_inputs[:n] = (big.sum(axis=0) // 8).astype(cp.uint8)
                     if not lc.ordered:
                         cp.cuda.get_current_stream().synchronize()
-                    answers.append({k: v[:n].get() for k, v in lc.evaluate_device(n, time.monotonic() + 30).items()})
+                    answers.append({k: v[:n].get() for k, v in lc.evaluate_device(n, Deadline.after_s(30)).items()})
                 reply = stub.Evaluate(reward_pb2.EvaluateRequest(model=MODEL, inputs=[tensors.to_proto("board", obs)],
                                                                  request_class=reward_pb2.REQUEST_CLASS_CRITICAL))
                 want = {t.name: tensors.from_proto(t) for t in reply.outputs}
@@ -295,23 +296,23 @@ def test_an_announced_wave_answers_as_evaluate_and_a_cancelled_one_leaves_the_ch
             answers, views = [], {}
             for i, obs in enumerate(waves):
                 n = len(obs)
-                lc.announce(n, time.monotonic() + 30)
+                lc.announce(n, Deadline.after_s(30))
                 if i:  # the previous wave's outputs, read before this wave's inputs are marked
                     lc.wait_outputs()
                     answers.append({k: v[: len(waves[i - 1])].get() for k, v in views.items()})
                 lc.device_inputs[:n] = leaves(obs)
                 lc.inputs_written()
-                views = lc.evaluate_device(n, time.monotonic() + 30, wait_outputs=False)
+                views = lc.evaluate_device(n, Deadline.after_s(30), wait_outputs=False)
             lc.wait_outputs()
             answers.append({k: v[: len(waves[-1])].get() for k, v in views.items()})
             for obs, got in zip(waves, answers):
                 expected = want(obs)
                 for name in ("value", "policy_logits"):
                     np.testing.assert_allclose(got[name], expected[name], atol=1e-4)
-            lc.announce(16, time.monotonic() + 30)
+            lc.announce(16, Deadline.after_s(30))
             lc.cancel_announced()
             obs = random_boards(16, 5)
-            got = lc.evaluate(obs, time.monotonic() + 30)
+            got = lc.evaluate(obs, Deadline.after_s(30))
             np.testing.assert_allclose(got["value"], want(obs)["value"], atol=1e-4)
     finally:
         lc.close()
@@ -340,7 +341,7 @@ def test_a_ready_event_the_server_cannot_open_leaves_the_channel_synchronised(gp
     try:
         assert lc.device_outputs and not lc.ordered
         obs = random_boards(40, 7)
-        got = lc.evaluate(obs, time.monotonic() + 30)
+        got = lc.evaluate(obs, Deadline.after_s(30))
         assert got["value"].shape == (40, 1) and np.isfinite(got["value"]).all()
     finally:
         lc.close()
@@ -362,7 +363,7 @@ def _wave_behind_a_long_kernel(address, sending, code) -> None:
     lc.device_inputs[:8] = cp.zeros((8, 2, 6, 7), cp.uint8)
     sending.set()
     try:
-        lc.evaluate_device(8, time.monotonic() + 30)
+        lc.evaluate_device(8, Deadline.after_s(30))
     except LeafChannelError as exc:
         code.value = exc.code.value[0]
     time.sleep(3600)  # killed
@@ -390,7 +391,7 @@ def test_a_client_whose_inputs_are_never_written_costs_its_own_wave_only(gpu_rew
                                                              request_class=reward_pb2.REQUEST_CLASS_CRITICAL),
                                   timeout=30)
             want = {t.name: tensors.from_proto(t) for t in reply.outputs}
-            got = lc.evaluate(obs, time.monotonic() + 30)
+            got = lc.evaluate(obs, Deadline.after_s(30))
             np.testing.assert_allclose(got["value"], want["value"], atol=1e-4)
             for _ in range(300):  # the stuck wave's answer, well before its kernel ends
                 if code.value >= 0:
@@ -399,7 +400,7 @@ def test_a_client_whose_inputs_are_never_written_costs_its_own_wave_only(gpu_rew
             assert code.value == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
             child.kill()
             child.join(30)
-            got = lc.evaluate(obs, time.monotonic() + 30)
+            got = lc.evaluate(obs, Deadline.after_s(30))
             np.testing.assert_allclose(got["value"], want["value"], atol=1e-4)
         finally:
             lc.close()
@@ -421,7 +422,7 @@ def test_a_batch_of_device_trees_values_its_waves_by_the_device_channels(gpu_rew
 
     cfg, _ = gpu_reward
     with channel(cfg.reward.address) as ch:
-        handoff = HandoffEvaluator(ch, MODEL, "ipc", device_channels=1)
+        handoff = HandoffEvaluator(ch, MODEL, "leaf_channel", device_channels=1)
         try:
             assert handoff.wait_attached(30.0) and handoff.wait_device_channels(30.0) == 1
 

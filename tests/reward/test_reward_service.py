@@ -12,6 +12,7 @@ from tandem.v1 import reward_pb2, reward_pb2_grpc
 from reward_service import server as reward_server
 from tandem import tensors
 from tandem.server import channel
+from tandem.deadline import Deadline
 
 MODEL = "connect4_value"
 
@@ -437,7 +438,7 @@ def test_each_lane_warms_up_and_runs_its_runners_on_its_own_thread_only(binding)
         assert {(id(r), t) for r, t in warmed} == {(id(crit[0]), "batcher-lanes-critical")} | {
             (id(r), "batcher-lanes-bulk") for r in bulk}
         for request_class in (reward_pb2.REQUEST_CLASS_CRITICAL, reward_pb2.REQUEST_CLASS_BULK) * 2:
-            got = b.evaluate({"board": x}, 5, request_class, deadline=time.monotonic() + 10).result()
+            got = b.evaluate({"board": x}, 5, request_class, deadline=Deadline.after_s(10)).result()
             np.testing.assert_allclose(got["value"], want["value"], atol=1e-5)
     finally:
         b.close()

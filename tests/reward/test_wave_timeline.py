@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import time
 
 import numpy as np
 import pytest
@@ -21,6 +20,7 @@ from search_service.games import connect4 as c4
 from tandem import timeline
 from tandem.leaf_channel import LeafChannel
 from tandem.server import channel
+from tandem.deadline import Deadline
 
 MODEL = "connect4_value"
 
@@ -49,7 +49,7 @@ def test_a_wave_leaves_its_marks_in_the_order_it_goes(enabled):
             lc = LeafChannel.offered(reward_pb2_grpc.RewardServiceStub(ch), MODEL, 16, 30)
             try:
                 timeline.take()  # the attach's
-                lc.evaluate(c4.observation(c4.stack([c4.parse_moves("44")] * 3)), time.monotonic() + 30)
+                lc.evaluate(c4.observation(c4.stack([c4.parse_moves("44")] * 3)), Deadline.after_s(30))
             finally:
                 lc.close()
     finally:
@@ -113,12 +113,12 @@ def test_the_gpu_handoff_is_the_two_idle_legs_of_a_wave():
         gpu += [(t, "gpu.selected"), (t + 20 * us, "gpu.model_start"), (t + 320 * us, "gpu.model_end"),
                 (t + 325 * us, "gpu.backup")]
     gpu_rows = timeline_rows(256, gpu, [], 3)
-    rows = [dict(kind="latency", wave=256, sims_per_warp=32, handoff="ipc"),
-            dict(kind="latency", wave=128, sims_per_warp=32, handoff="ipc")]
-    _gpu_handoff(rows, gpu_rows, 256, 32, "ipc")
+    rows = [dict(kind="latency", wave=256, sims_per_warp=32, handoff="leaf_channel"),
+            dict(kind="latency", wave=128, sims_per_warp=32, handoff="leaf_channel")]
+    _gpu_handoff(rows, gpu_rows, 256, 32, "leaf_channel")
     assert rows[0]["handoff_gpu_us_per_wave"] == pytest.approx(25.0)
     assert "handoff_gpu_us_per_wave" not in rows[1]
-    _gpu_handoff(rows, gpu_rows[:1], 128, 32, "ipc")  # a leg missing: nothing set
+    _gpu_handoff(rows, gpu_rows[:1], 128, 32, "leaf_channel")  # a leg missing: nothing set
     assert "handoff_gpu_us_per_wave" not in rows[1]
 
 

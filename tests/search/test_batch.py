@@ -20,6 +20,7 @@ from search_service.mcts.cpu_reference import CpuReferenceBackend
 from search_service.mcts.plan import (END_BUDGET, END_DEADLINE, END_PROVEN, END_STOPPED, OPEN, Member, WaveTimes,
                                       plan_wave)
 from search_service.wave_loop import Job, Refused, WaveLoop
+from tandem.deadline import Deadline
 
 BACKEND = CpuReferenceBackend()
 MODEL = Path(__file__).resolve().parents[2] / "reward_service" / "models" / "connect4_value.onnx"
@@ -66,8 +67,8 @@ def test_the_plan_lets_proven_capped_late_and_stopped_members_leave():
         Member(None, None),  # 1: root proven
         Member(8, None),  # 2: cap reached
         Member(10, None),  # 3: 2 left of its cap
-        Member(None, now + 0.005, tried=True),  # 4: 5 ms left, a wave takes >= 10
-        Member(None, now + 0.005),  # 5: the same, but it has had no wave yet: one always runs
+        Member(None, Deadline.after_s(0.005, now), tried=True),  # 4: 5 ms left, a wave takes >= 10
+        Member(None, Deadline.after_s(0.005, now)),  # 5: the same, but it has had no wave yet: one always runs
         Member(None, None, stop, tried=True),  # 6 and 7: one stop check, asked once
         Member(None, None, stop, tried=True),
     ]
@@ -107,7 +108,8 @@ def test_a_sliced_plan_opens_deadline_only_members_and_gives_capped_ones_their_r
     times = WaveTimes(sliced=True)
     times.add(4096, 1.2)  # a slice of any size: the longest recent one is what the next is expected to take
     times.add(64, 1.5)
-    members = [Member(None, None), Member(1000, None), Member(None, 100.001, tried=True), Member(None, 100.1, tried=True)]
+    members = [Member(None, None), Member(1000, None), Member(None, Deadline(100.001), tried=True),
+               Member(None, Deadline(100.1), tried=True)]
     plan = plan_wave(members, np.array([0, 990, 0, 0]), np.ones(4, bool), times, 16, wave_target_ms=0.1, now=100.0,
                      sliced=True)
     assert plan.ks.tolist() == [OPEN, 10, 0, OPEN] and plan.leaving == [2]  # 1 ms left < a 1.5 ms slice
@@ -275,7 +277,7 @@ class SlowModel:
 
 
 def wait_for_a_wave(loop: WaveLoop) -> None:
-    lane = next(iter(loop._lanes.values()))
+    lane = next(iter(loop._groups.values()))
     deadline = time.monotonic() + 30
     while lane.times.expected_ms(1) == 0 and time.monotonic() < deadline:
         time.sleep(0.01)

@@ -1,4 +1,4 @@
-"""Driven callers in co-located mode (Port.drive, reward_service/in_process.py;
+"""Driven callers in co-located mode (InProcessLink.drive, reward_service/in_process.py;
 Batcher.drive): a search's whole loop of waves runs on the model's
 critical-lane worker thread, each wave merged into that lane's next batch,
 with no thread hand-off per wave. Here on the CPU with host waves (a real
@@ -10,7 +10,6 @@ thread. A CUDA search driven so: test_in_process_gpu.py."""
 from __future__ import annotations
 
 import threading
-import time
 
 import grpc
 import numpy as np
@@ -25,6 +24,7 @@ from search_service.games import connect4 as c4
 from search_service.mcts.backend import DETACH, EvaluationFailed
 from tandem import in_process
 from tandem.leaf_channel import LeafChannelError
+from tandem.deadline import Deadline
 
 MODEL = "connect4_value"
 WORKER = f"batcher-{MODEL}-critical"  # the critical lane's worker thread (Batcher's name for it)
@@ -65,12 +65,12 @@ def waves_of(*inputs, log: list | None = None):
 
 
 def test_a_driven_caller_runs_on_the_critical_worker_and_gets_evaluates_answers(server):
-    port = server.port(MODEL, 16, device=False)
+    link = server.link(MODEL, 16, device=False)
     x, y = boards("", "4", "4453"), boards("172737")
-    want = [port.evaluate(x), port.evaluate(y)]
+    want = [link.evaluate(x), link.evaluate(y)]
     requests, successes = figure("tandem_reward_model_requests_total"), figure("tandem_reward_model_request_successes_total")
     log = []
-    got = port.drive(waves_of(x, y, log=log), time.monotonic() + 30)
+    got = link.drive(waves_of(x, y, log=log), Deadline.after_s(30))
     assert log == [WORKER, WORKER] and threading.current_thread().name != WORKER
     for answer, expected in zip(got, want):
         assert set(answer) == {"value", "policy_logits"}
@@ -78,14 +78,14 @@ def test_a_driven_caller_runs_on_the_critical_worker_and_gets_evaluates_answers(
             np.testing.assert_array_equal(answer[name], expected[name])
     assert figure("tandem_reward_model_requests_total") == requests + 2
     assert figure("tandem_reward_model_request_successes_total") == successes + 2
-    assert port.bucket == 1 and port.queue_ms >= 0 and port.compute_ms > 0  # the last wave's figures
+    assert link.bucket == 1 and link.queue_ms >= 0 and link.compute_ms > 0  # the last wave's figures
 
 
 def test_two_driven_callers_waves_share_one_batch(server):
     """Batching across searches: two generators handed over while the lane
     runs a third caller's wave have their next waves run as one batch."""
     batcher = server.batchers[MODEL]
-    blocker, ports = server.port(MODEL, 8, device=False), [server.port(MODEL, 8, device=False) for _ in range(2)]
+    blocker, links = server.link(MODEL, 8, device=False), [server.link(MODEL, 8, device=False) for _ in range(2)]
     run, holding, release, batches = batcher._run, threading.Event(), threading.Event(), []
     marker = boards("1111")
 
@@ -100,11 +100,11 @@ def test_two_driven_callers_waves_share_one_batch(server):
     got = [None, None]
     batcher._run = spy
     try:
-        held = threading.Thread(target=lambda: blocker.evaluate(marker, time.monotonic() + 30))
+        held = threading.Thread(target=lambda: blocker.evaluate(marker, Deadline.after_s(30)))
         held.start()
         assert holding.wait(30)
         callers = [threading.Thread(target=lambda i=i: got.__setitem__(
-            i, ports[i].drive(waves_of(boards("4"), boards("44")), time.monotonic() + 30))) for i in range(2)]
+            i, links[i].drive(waves_of(boards("4"), boards("44")), Deadline.after_s(30)))) for i in range(2)]
         for t in callers:
             t.start()
         assert wait_for(lambda: len(batcher._lanes[reward_pb2.REQUEST_CLASS_CRITICAL].drivers) == 2, 10)
@@ -120,38 +120,38 @@ def test_two_driven_callers_waves_share_one_batch(server):
 
 
 def test_a_bad_or_late_driven_wave_is_thrown_back_counted_and_the_caller_goes_on(server):
-    port = server.port(MODEL, 4, device=False)
+    link = server.link(MODEL, 4, device=False)
     invalid = figure("tandem_reward_model_request_failures_total", reason="invalid_input")
     late = figure("tandem_reward_model_request_failures_total", reason="deadline_exceeded")
-    answers = port.drive(waves_of(np.full((1, 2, 6, 7), 0.7), np.zeros((5, 2, 6, 7), np.uint8), 3, boards("4")),
-                         time.monotonic() + 30)
+    answers = link.drive(waves_of(np.full((1, 2, 6, 7), 0.7), np.zeros((5, 2, 6, 7), np.uint8), 3, boards("4")),
+                         Deadline.after_s(30))
     codes = [a[0] if isinstance(a, tuple) else "ok" for a in answers]
     assert codes == [grpc.StatusCode.INVALID_ARGUMENT] * 3 + ["ok"]
-    assert "dtype float64" in answers[0][1] and "1..4 rows" in answers[1][1] and "a host port" in answers[2][1]
+    assert "dtype float64" in answers[0][1] and "1..4 rows" in answers[1][1] and "a host link" in answers[2][1]
     assert figure("tandem_reward_model_request_failures_total", reason="invalid_input") == invalid + 3
-    (code, message), = port.drive(waves_of(boards("4")), time.monotonic() - 0.001)
+    (code, message), = link.drive(waves_of(boards("4")), Deadline.after_s(-0.001))
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED and "not run" in message
     assert figure("tandem_reward_model_request_failures_total", reason="deadline_exceeded") == late + 1
-    assert port.evaluate(boards("4"))["value"].shape == (1, 1)  # the port and the lane go on
+    assert link.evaluate(boards("4"))["value"].shape == (1, 1)  # the link and the lane go on
 
 
 def test_what_a_driven_generator_raises_reaches_its_caller_and_the_lane_goes_on(server):
-    port = server.port(MODEL, 4, device=False)
+    link = server.link(MODEL, 4, device=False)
 
     def broken():
         yield boards("4")
         raise ValueError("a bug in the search")
 
     with pytest.raises(ValueError, match="a bug in the search"):
-        port.drive(broken())
-    assert port.evaluate(boards("4"))["value"].shape == (1, 1)
+        link.drive(broken())
+    assert link.evaluate(boards("4"))["value"].shape == (1, 1)
 
 
 def test_a_reward_service_stopping_mid_drive_throws_unavailable_and_refuses_new_drives():
     cfg = loopback_config()
     service = reward_server.start(cfg, follow_scheduler=False)
     server = service.servicer.in_process
-    port = server.port(MODEL, 4, device=False)
+    link = server.link(MODEL, 4, device=False)
     began, closed = threading.Event(), threading.Event()
 
     def until_closed():
@@ -165,7 +165,7 @@ def test_a_reward_service_stopping_mid_drive_throws_unavailable_and_refuses_new_
         return first, None, ""
 
     answer = {}
-    caller = threading.Thread(target=lambda: answer.setdefault("r", port.drive(until_closed())))
+    caller = threading.Thread(target=lambda: answer.setdefault("r", link.drive(until_closed())))
     caller.start()
     assert began.wait(30)
     server.close()
@@ -174,7 +174,7 @@ def test_a_reward_service_stopping_mid_drive_throws_unavailable_and_refuses_new_
     first, code, message = answer["r"]
     assert first["value"].shape == (1, 1) and code == grpc.StatusCode.UNAVAILABLE and "stopping" in message
     with pytest.raises(LeafChannelError) as info:
-        port.drive(waves_of(boards("4")))
+        link.drive(waves_of(boards("4")))
     assert info.value.code == grpc.StatusCode.UNAVAILABLE
     service.stop()
 
@@ -184,14 +184,14 @@ def test_a_search_handed_back_at_detach_ends_on_its_own_thread(server):
     caller's thread, its waves on the worker until it yields DETACH (the
     model stopped valuing its leaves), the rest on the caller's thread
     again; a refused wave reaches the search as EvaluationFailed, naming why."""
-    waves = DeviceWaves(LeafChannelEvaluator(server.port(MODEL, 8, device=False), 30, HANDOFF_IN_PROCESS), None)
+    waves = DeviceWaves(LeafChannelEvaluator(server.link(MODEL, 8, device=False), 30, HANDOFF_IN_PROCESS), None)
     assert waves.driven
     seen, errors = [], []
 
     def steps():
         seen.append(threading.current_thread().name)
         try:
-            yield 4  # a device wave, which a host port refuses: INVALID_ARGUMENT
+            yield 4  # a device wave, which a host link refuses: INVALID_ARGUMENT
         except EvaluationFailed as exc:
             errors.append(str(exc))
             seen.append(threading.current_thread().name)
@@ -202,16 +202,16 @@ def test_a_search_handed_back_at_detach_ends_on_its_own_thread(server):
     caller = threading.current_thread().name
     assert waves.run(steps()) == "answered"
     assert seen == [caller, WORKER, caller]
-    assert "in process" in errors[0] and "a host port" in errors[0]
+    assert "in process" in errors[0] and "a host link" in errors[0]
 
 
 def test_a_refused_drive_runs_the_search_wave_by_wave_on_its_own_thread():
-    """A reward service stopping: Port.drive refuses (UNAVAILABLE) and the
+    """A reward service stopping: InProcessLink.drive refuses (UNAVAILABLE) and the
     search runs on its own thread, each wave's failure thrown in (here the
-    host port's refusal of a device wave, which the port checks first)."""
+    host link's refusal of a device wave, which the link checks first)."""
     cfg = loopback_config()
     service = reward_server.start(cfg, follow_scheduler=False)
-    waves = DeviceWaves(LeafChannelEvaluator(service.servicer.in_process.port(MODEL, 8, device=False), 30,
+    waves = DeviceWaves(LeafChannelEvaluator(service.servicer.in_process.link(MODEL, 8, device=False), 30,
                                              HANDOFF_IN_PROCESS), None)
     service.stop()
     seen, errors = [], []
@@ -225,4 +225,4 @@ def test_a_refused_drive_runs_the_search_wave_by_wave_on_its_own_thread():
         return len(seen)
 
     assert waves.run(steps()) == 1 and seen == [threading.current_thread().name]
-    assert errors == ["reward service (in process): INVALID_ARGUMENT: evaluate_device: a host port; use evaluate"]
+    assert errors == ["reward service (in process): INVALID_ARGUMENT: evaluate_device: a host link; use evaluate"]

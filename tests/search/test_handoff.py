@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -21,6 +20,7 @@ from search_service import server as search_server
 from search_service.evaluators import DeviceWaves, EvaluatorUnavailable, HandoffEvaluator, LeafChannelEvaluator
 from tandem.leaf_channel import ATTACH, MAX_MESSAGE_BYTES, LeafChannel
 from tandem.server import channel
+from tandem.deadline import Deadline
 
 
 def value_search(moves: str = "4453", **fields) -> search_pb2.SearchRequest:
@@ -58,8 +58,8 @@ def test_on_one_host_the_leaves_go_by_the_leaf_channel(services):
     handoff = services["search"].servicer.handoff
     assert handoff.wait_attached(10.0)
     reply = services["stub"].Search(value_search(), timeout=60)
-    assert reply.handoff == "ipc" and reply.model_simulations == reply.simulations == 64
-    assert handoff._ipc.totals.calls > 0 and handoff._ipc.channel.kind == "memfd"  # the CPU build's regions
+    assert reply.handoff == "leaf_channel" and reply.model_simulations == reply.simulations == 64
+    assert handoff._leaf.totals.calls > 0 and handoff._leaf.channel.kind == "memfd"  # the CPU build's regions
     rollout = services["stub"].Search(value_search(evaluator=search_pb2.EVALUATOR_ROLLOUT), timeout=60)
     assert rollout.handoff == ""  # no leaves handed off
 
@@ -73,7 +73,7 @@ def test_system_regions_lend_no_device_waves(services):
     with handoff.lend(None) as waves:
         assert waves is None
     reply = services["stub"].Search(value_search(), timeout=60)
-    assert reply.handoff == "ipc" and reply.model_simulations == reply.simulations
+    assert reply.handoff == "leaf_channel" and reply.model_simulations == reply.simulations
 
 
 @pytest.mark.parametrize("services", ["grpc"], indirect=True)
@@ -105,17 +105,17 @@ def test_a_reward_service_without_a_leaf_channel_is_reached_by_grpc():
 def test_a_reward_service_killed_mid_search_leaves_the_tree_and_a_reason_and_a_new_one_is_attached(services):
     handoff = services["search"].servicer.handoff
     assert handoff.wait_attached(10.0)
-    ipc = handoff._ipc
-    r = stopped_mid_search(services, ipc)  # its leaf channel closes with it
+    leaf = handoff._leaf
+    r = stopped_mid_search(services, leaf)  # its leaf channel closes with it
     assert 0 < r.model_simulations < r.simulations  # the tree built so far was kept, rollouts went on in it
-    assert "leaf channel" in r.evaluation_failure and r.handoff == "ipc"
+    assert "leaf channel" in r.evaluation_failure and r.handoff == "leaf_channel"
     assert r.deadline_reached
     # A reward service again (a restart: the same address, a new socket): attached again.
     services["reward"] = reward_server.start(services["cfg"], follow_scheduler=False)
-    assert handoff.wait_attached(10.0) and handoff._ipc is not ipc
+    assert handoff.wait_attached(10.0) and handoff._leaf is not leaf
     assert handoff.why_grpc == ""  # attached again: no reason for gRPC left over
     again = services["stub"].Search(value_search(), timeout=60)
-    assert again.handoff == "ipc" and again.model_simulations == 64 and not again.evaluation_failure
+    assert again.handoff == "leaf_channel" and again.model_simulations == 64 and not again.evaluation_failure
 
 
 def stopped_mid_search(box, evaluator) -> search_pb2.SearchResponse:
@@ -149,7 +149,7 @@ def test_a_closed_handoff_drops_the_attach_under_way_and_never_attaches_again(re
     assert handoff._channel() is None  # an attach started in the background
     handoff.close()  # before it ends (a registration and a connect take far longer than this)
     assert wait_for(lambda: not handoff._attaching)
-    assert handoff._ipc is None and not handoff.wait_attached(1.0)
+    assert handoff._leaf is None and not handoff.wait_attached(1.0)
     # Nothing left on the reward service: no connection, no region of the search's.
     assert wait_for(lambda: not reward.servicer.leaf_channel._connections)
     assert wait_for(lambda: reward.servicer.regions.stats()["regions"] == 0)
@@ -214,10 +214,10 @@ def test_an_attach_failing_unexpectedly_is_retried(reward_only, monkeypatch):
     try:
         assert handoff._channel() is None  # the first attempt, in the background...
         assert wait_for(lambda: failures and not handoff._attaching)
-        assert handoff._ipc is None and "out of memory" in handoff.why_grpc  # ...failed
+        assert handoff._leaf is None and "out of memory" in handoff.why_grpc  # ...failed
         assert handoff.wait_attached(10.0)  # a later one attached
-        values, priors = handoff(np.zeros((3, 2, 6, 7), np.uint8), time.monotonic() + 10)
-        assert handoff.handoff == "ipc" and values.shape == (3,) and priors.shape == (3, 7)
+        values, priors = handoff(np.zeros((3, 2, 6, 7), np.uint8), Deadline.after_s(10))
+        assert handoff.handoff == "leaf_channel" and values.shape == (3,) and priors.shape == (3, 7)
     finally:
         handoff.close()
 
@@ -259,7 +259,7 @@ class _DeviceChannel:
 
 def _pool(n: int) -> tuple[HandoffEvaluator, list]:
     """A HandoffEvaluator whose device pool holds ``n`` fake channels (no top-up: none attached)."""
-    handoff = HandoffEvaluator(channel("127.0.0.1:1"), "connect4_value", "ipc", device_channels=n)
+    handoff = HandoffEvaluator(channel("127.0.0.1:1"), "connect4_value", "leaf_channel", device_channels=n)
     evs = [LeafChannelEvaluator(_DeviceChannel(), 1.0) for _ in range(n)]
     handoff._device_free, handoff._device_count = list(evs), n
     return handoff, evs
@@ -299,8 +299,8 @@ def test_a_channel_lent_when_the_evaluator_closes_is_closed_as_it_comes_back():
 def test_a_failing_device_attach_is_not_retried_at_every_search(monkeypatch):
     """Top-ups start at most every retry_s: an attach the reward service refuses
     (max_connections, say) must not be repeated by every search."""
-    handoff = HandoffEvaluator(channel("127.0.0.1:1"), "connect4_value", "ipc", retry_s=60.0)
-    handoff._ipc = LeafChannelEvaluator(_DeviceChannel(), 1.0)  # attached, CUDA regions
+    handoff = HandoffEvaluator(channel("127.0.0.1:1"), "connect4_value", "leaf_channel", retry_s=60.0)
+    handoff._leaf = LeafChannelEvaluator(_DeviceChannel(), 1.0)  # attached, CUDA regions
     started = []
     monkeypatch.setattr(threading, "Thread", lambda **kw: type("T", (), {"start": lambda self: started.append(kw)})())
     for _ in range(5):

@@ -2,12 +2,11 @@
 co-located mode the search service hands its leaf waves to the reward
 service of its own process, straight into the critical lane. Here on the
 CPU (host waves): the same answers as Evaluate, the hand-off reported, every
-bad port and wave refused with its status while the port and the service go
+bad link and wave refused with its status while the link and the service go
 on, and a reward service that stops mid-search (the search keeps its tree,
 goes on with rollouts and says why). Device waves: test_in_process_gpu.py."""
 from __future__ import annotations
 
-import time
 
 import grpc
 import numpy as np
@@ -19,12 +18,13 @@ from test_handoff import serving, stopped_mid_search, value_search
 
 from reward_service import in_process as in_process_server
 from reward_service import server as reward_server
-from reward_service.in_process import Port
+from reward_service.in_process import InProcessLink
 from search_service.games import connect4 as c4
 from stack import colocated
 from tandem import in_process, tensors
 from tandem.leaf_channel import LeafChannelError
 from tandem.server import channel
+from tandem.deadline import Deadline
 
 MODEL = "connect4_value"
 
@@ -51,9 +51,9 @@ def code_of(call) -> tuple[grpc.StatusCode, str]:
 
 def test_a_host_wave_answers_as_evaluate_does(reward):
     cfg, service = reward
-    port = in_process.find(cfg.reward.address).port(MODEL, 16, device=False)
+    link = in_process.find(cfg.reward.address).link(MODEL, 16, device=False)
     x = boards("", "4", "4453", "172737")
-    out = port.evaluate(x, time.monotonic() + 30)
+    out = link.evaluate(x, Deadline.after_s(30))
     with channel(cfg.reward.address, cfg) as ch:
         reply = reward_pb2_grpc.RewardServiceStub(ch).Evaluate(reward_pb2.EvaluateRequest(
             model=MODEL, inputs=[tensors.to_proto("board", x)], request_class=reward_pb2.REQUEST_CLASS_CRITICAL),
@@ -63,8 +63,8 @@ def test_a_host_wave_answers_as_evaluate_does(reward):
     for name, array in out.items():
         assert array.dtype == np.float32 and array.shape == by_name[name].shape
         np.testing.assert_allclose(array, by_name[name], rtol=1e-5, atol=1e-6)
-    assert port.bucket >= 4 and port.queue_ms >= 0 and port.compute_ms > 0
-    assert port.kind == "system" and port.device_inputs is None and not port.ordered and not port.closed
+    assert link.bucket >= 4 and link.queue_ms >= 0 and link.compute_ms > 0
+    assert link.kind == "system" and link.device_inputs is None and not link.ordered and not link.closed
 
 
 @pytest.mark.parametrize("model, max_rows, device, code, words", [
@@ -76,25 +76,25 @@ def test_a_host_wave_answers_as_evaluate_does(reward):
 ])
 def test_a_bad_port_is_refused_naming_what_was_wrong(reward, model, max_rows, device, code, words):
     cfg, _ = reward
-    got, message = code_of(lambda: in_process.find(cfg.reward.address).port(model, max_rows, device))
+    got, message = code_of(lambda: in_process.find(cfg.reward.address).link(model, max_rows, device))
     assert got == code and words in message
 
 
 def test_a_port_is_narrowed_to_the_channels_and_the_models_rows(reward):
     cfg, _ = reward
     server = in_process.find(cfg.reward.address)
-    assert server.port(MODEL, 4096, device=False).max_rows == 512  # reward.leaf_channel.max_rows
-    assert server.port(MODEL, np.int64(64), device=False).max_rows == 64
+    assert server.link(MODEL, 4096, device=False).max_rows == 512  # reward.leaf_channel.max_rows
+    assert server.link(MODEL, np.int64(64), device=False).max_rows == 64
 
 
 def test_a_co_located_model_of_few_rows_per_batch_still_goes_in_process():
-    """A value model of max_batch_size 16: the search's port (it asks for
+    """A value model of max_batch_size 16: the search's link (it asks for
     coalesce_max_rows) is narrowed to 16, as LeafChannel.offered narrows an attach."""
     models = [{"name": MODEL, "path": "reward_service/models/connect4_value.onnx", "max_batch_size": 16}]
     cfg = loopback_config(reward={"models": models}, search={"backend": "cpu", "value_model_parallel_sims": 8})
     with serving(cfg, *colocated.start(cfg, follow_scheduler=False)) as box:
         handoff = box["search"].servicer.handoff
-        assert handoff.wait_attached(10.0) and handoff._ipc.channel.max_rows == 16
+        assert handoff.wait_attached(10.0) and handoff._leaf.channel.max_rows == 16
         reply = box["stub"].Search(value_search(), timeout=60)
         assert reply.handoff == "in_process" and reply.model_simulations == 64 and not reply.evaluation_failure
 
@@ -107,18 +107,18 @@ def test_bad_waves_are_refused_counted_and_the_port_goes_on(reward):
 
     before = (figure("tandem_reward_model_requests_total"), figure("tandem_reward_model_request_successes_total"),
               figure("tandem_reward_model_request_failures_total", reason="invalid_input"))
-    port = in_process.find(cfg.reward.address).port(MODEL, 4, device=False)
+    link = in_process.find(cfg.reward.address).link(MODEL, 4, device=False)
     shapes = (np.zeros((0, 2, 6, 7), np.uint8), np.zeros((5, 2, 6, 7), np.uint8), np.zeros((2, 84), np.uint8),
               np.uint8(1))
     for bad in shapes:
-        code, message = code_of(lambda: port.evaluate(bad))
-        assert code == grpc.StatusCode.INVALID_ARGUMENT and "the port carries 1..4 rows of [2, 6, 7]" in message
+        code, message = code_of(lambda: link.evaluate(bad))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "the link carries 1..4 rows of [2, 6, 7]" in message
     for bad, dtype in ((np.full((1, 2, 6, 7), 0.7), "float64"), ("boards", "<U6"), (np.zeros((1, 2, 6, 7), np.int8), "int8")):
-        code, message = code_of(lambda: port.evaluate(bad))
+        code, message = code_of(lambda: link.evaluate(bad))
         assert code == grpc.StatusCode.INVALID_ARGUMENT and f"dtype {dtype}, the model" in message and "uint8" in message
-    code, message = code_of(lambda: port.evaluate_device(1))
-    assert code == grpc.StatusCode.INVALID_ARGUMENT and "a host port" in message
-    assert port.evaluate(boards("4"))["value"].shape == (1, 1)  # the port goes on
+    code, message = code_of(lambda: link.evaluate_device(1))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "a host link" in message
+    assert link.evaluate(boards("4"))["value"].shape == (1, 1)  # the link goes on
     after = (figure("tandem_reward_model_requests_total"), figure("tandem_reward_model_request_successes_total"),
              figure("tandem_reward_model_request_failures_total", reason="invalid_input"))
     assert [a - b for a, b in zip(after, before)] == [9, 1, 8]
@@ -126,16 +126,16 @@ def test_bad_waves_are_refused_counted_and_the_port_goes_on(reward):
 
 def test_a_wave_past_its_deadline_is_deadline_exceeded_and_never_run(reward):
     cfg, service = reward
-    port = in_process.find(cfg.reward.address).port(MODEL, 4, device=False)
-    code, message = code_of(lambda: port.evaluate(boards("4"), time.monotonic() - 0.001))
+    link = in_process.find(cfg.reward.address).link(MODEL, 4, device=False)
+    code, message = code_of(lambda: link.evaluate(boards("4"), Deadline.after_s(-0.001)))
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED and "not run" in message
-    assert port.evaluate(boards("4"), time.monotonic() + 30)["value"].shape == (1, 1)
+    assert link.evaluate(boards("4"), Deadline.after_s(30))["value"].shape == (1, 1)
 
 
 def test_a_wave_still_running_at_its_deadline_is_deadline_exceeded_and_counted(reward):
     """A wave of 512 rows takes far longer than 5 ms on the CPU: at its deadline
     it is running (or, on a busy machine, still queued: then never run), and
-    either way the port answers DEADLINE_EXCEEDED by then, not when the run
+    either way the link answers DEADLINE_EXCEEDED by then, not when the run
     ends; the next wave is served."""
     cfg, _ = reward
 
@@ -143,25 +143,25 @@ def test_a_wave_still_running_at_its_deadline_is_deadline_exceeded_and_counted(r
         return REGISTRY.get_sample_value("tandem_reward_model_request_failures_total",
                                          {"model": MODEL, "lane": "critical", "reason": "deadline_exceeded"}) or 0.0
 
-    port = in_process.find(cfg.reward.address).port(MODEL, 512, device=False)
+    link = in_process.find(cfg.reward.address).link(MODEL, 512, device=False)
     before = expired()
     x = np.repeat(boards("4453"), 512, axis=0)
-    code, message = code_of(lambda: port.evaluate(x, time.monotonic() + 0.005))
+    code, message = code_of(lambda: link.evaluate(x, Deadline.after_s(0.005)))
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED and ("still running" in message or "not run" in message)
     assert expired() == before + 1
-    assert port.evaluate(boards("4"), time.monotonic() + 60)["value"].shape == (1, 1)
+    assert link.evaluate(boards("4"), Deadline.after_s(60))["value"].shape == (1, 1)
 
 
 def test_a_run_that_fails_is_internal_counted_and_the_port_goes_on(reward, monkeypatch):
     """Whatever a wave raises past the batcher (here the host outputs' check
     itself failing) is INTERNAL with the error named, and counted."""
     cfg, _ = reward
-    port = in_process.find(cfg.reward.address).port(MODEL, 4, device=False)
+    link = in_process.find(cfg.reward.address).link(MODEL, 4, device=False)
     monkeypatch.setattr(in_process_server, "wave_output", lambda *args: 1 / 0)
-    code, message = code_of(lambda: port.evaluate(boards("4")))
+    code, message = code_of(lambda: link.evaluate(boards("4")))
     assert code == grpc.StatusCode.INTERNAL and "division by zero" in message
     monkeypatch.undo()
-    assert port.evaluate(boards("4"))["value"].shape == (1, 1)
+    assert link.evaluate(boards("4"))["value"].shape == (1, 1)
 
 
 def test_withdrawing_one_server_leaves_another_offered_under_the_address():
@@ -175,14 +175,14 @@ def test_withdrawing_one_server_leaves_another_offered_under_the_address():
 
 
 def test_an_output_that_does_not_fit_the_signature_is_internal_and_nothing_is_returned(reward):
-    """The port checks every output against the model's signature (a model
+    """The link checks every output against the model's signature (a model
     whose output shape does not fit): INTERNAL, naming the output."""
     cfg, service = reward
     server = in_process.find(cfg.reward.address)
     session = server.sessions[MODEL]
-    port = Port(server, session, 4, "board", (2, 6, 7), np.dtype(np.uint8), [("value", (2,)), ("policy_logits", (7,))],
+    link = InProcessLink(server, session, 4, "board", (2, 6, 7), np.dtype(np.uint8), [("value", (2,)), ("policy_logits", (7,))],
                 device=False)
-    code, message = code_of(lambda: port.evaluate(boards("4")))
+    code, message = code_of(lambda: link.evaluate(boards("4")))
     assert code == grpc.StatusCode.INTERNAL and "output value is [1, 1], a wave expects [1, 2]" in message
 
 
@@ -191,13 +191,13 @@ def test_stopping_the_reward_service_withdraws_its_server_and_its_ports_are_unav
     service = reward_server.start(cfg, follow_scheduler=False)
     server = service.servicer.in_process
     in_process.offer(cfg.reward.address, server)
-    port = server.port(MODEL, 4, device=False)
+    link = server.link(MODEL, 4, device=False)
     assert in_process.find(cfg.reward.address) is server
     service.stop()
-    assert in_process.find(cfg.reward.address) is None and port.closed
-    code, message = code_of(lambda: port.evaluate(boards("4")))
+    assert in_process.find(cfg.reward.address) is None and link.closed
+    code, message = code_of(lambda: link.evaluate(boards("4")))
     assert code == grpc.StatusCode.UNAVAILABLE and "stopping" in message
-    code, _ = code_of(lambda: server.port(MODEL, 4, device=False))
+    code, _ = code_of(lambda: server.link(MODEL, 4, device=False))
     assert code == grpc.StatusCode.UNAVAILABLE
 
 
@@ -211,33 +211,33 @@ def co_located():
 def test_a_co_located_search_hands_its_waves_over_in_process(co_located):
     handoff = co_located["search"].servicer.handoff
     assert handoff.wait_attached(10.0)
-    assert handoff._ipc.handoff == "in_process" and handoff._ipc.channel.path == "in-process"
+    assert handoff._leaf.handoff == "in_process" and handoff._leaf.channel.path == "in-process"
     reply = co_located["stub"].Search(value_search(), timeout=60)
     assert reply.handoff == "in_process" and reply.model_simulations == reply.simulations == 64
-    assert not reply.evaluation_failure and handoff._ipc.totals.calls > 0
+    assert not reply.evaluation_failure and handoff._leaf.totals.calls > 0
     assert handoff.wait_device_channels(0.3) == 0  # the CPU: host waves only, nothing lent
 
 
 def test_a_co_located_reward_service_stopped_mid_search_leaves_the_tree_and_a_reason(co_located):
     handoff = co_located["search"].servicer.handoff
     assert handoff.wait_attached(10.0)
-    r = stopped_mid_search(co_located, handoff._ipc)
+    r = stopped_mid_search(co_located, handoff._leaf)
     assert 0 < r.model_simulations < r.simulations  # the tree built so far was kept, rollouts went on in it
     assert "in process" in r.evaluation_failure and "UNAVAILABLE" in r.evaluation_failure
     assert r.handoff == "in_process" and r.deadline_reached
-    assert handoff._ipc is None  # the port was dropped: a new attach finds no reward service in this process
+    assert handoff._leaf is None  # the link was dropped: a new attach finds no reward service in this process
     # A reward service again in this process, offered under the same address: in-process again.
     cfg = co_located["cfg"]
     co_located["reward"] = reward_server.start(cfg, follow_scheduler=False)
     in_process.offer(cfg.reward.address, co_located["reward"].servicer.in_process)
-    assert wait_for(lambda: handoff.wait_attached(0.1) and handoff._ipc.handoff == "in_process", 20)
+    assert wait_for(lambda: handoff.wait_attached(0.1) and handoff._leaf.handoff == "in_process", 20)
     again = co_located["stub"].Search(value_search(), timeout=60)
     assert again.handoff == "in_process" and again.model_simulations == 64 and not again.evaluation_failure
 
 
-def test_co_located_and_told_ipc_the_leaves_go_by_the_leaf_channel():
-    cfg = loopback_config(search={"backend": "cpu", "value_model_parallel_sims": 8, "handoff": "ipc"})
+def test_co_located_and_told_leaf_channel_the_leaves_go_by_the_leaf_channel():
+    cfg = loopback_config(search={"backend": "cpu", "value_model_parallel_sims": 8, "handoff": "leaf_channel"})
     with serving(cfg, *colocated.start(cfg, follow_scheduler=False)) as box:
         handoff = box["search"].servicer.handoff
-        assert handoff.wait_attached(10.0) and handoff._ipc.handoff == "ipc"
-        assert box["stub"].Search(value_search(), timeout=60).handoff == "ipc"
+        assert handoff.wait_attached(10.0) and handoff._leaf.handoff == "leaf_channel"
+        assert box["stub"].Search(value_search(), timeout=60).handoff == "leaf_channel"

@@ -1,10 +1,10 @@
 """In-process device waves on a GPU (tandem/in_process.py,
 reward_service/in_process.py): co-located mode's reward service in this test
-process, its device ports' answers equal to Evaluate's and to a host port's
+process, its device links' answers equal to Evaluate's and to a host link's
 at every size, inputs written by kernels still queued when the wave is
 handed over, outputs read by kernels queued after it returns (the stream's
 wait on the GPU), and a co-located CUDA search service whose value-model
-searches go by device ports. Marked ``gpu``.
+searches go by device links. Marked ``gpu``.
 
     pytest -m gpu tests/search/test_in_process_gpu.py
 """
@@ -20,6 +20,7 @@ from tandem.v1 import reward_pb2, reward_pb2_grpc, search_pb2, search_pb2_grpc
 from tandem import in_process, tensors
 from tandem.gpu import cupy_module
 from tandem.server import channel
+from tandem.deadline import Deadline
 
 pytestmark = pytest.mark.gpu
 
@@ -49,22 +50,22 @@ def test_device_waves_answer_as_evaluate_and_a_host_port_at_every_size(co_locate
     """Inputs written by a kernel still queued on the caller's stream when the
     wave is handed over are the ones the model reads (the ready event), and
     the outputs read by a copy queued after the return are the wave's (the
-    stream waits for the done event on the GPU): equal to a host port's and
+    stream waits for the done event on the GPU): equal to a host link's and
     to Evaluate's."""
     cfg, _, stub = co_located
     cp = cupy_module()
     server = in_process.find(cfg.reward.address)
-    device, host = server.port(MODEL, 1024, device=True), server.port(MODEL, 1024, device=False)
+    device, host = server.link(MODEL, 1024, device=True), server.link(MODEL, 1024, device=False)
     assert device.ordered and device.kind == "cuda" and device.device_inputs.shape == (1024, 2, 6, 7)
     with cp.cuda.Stream(non_blocking=True):
         for n in (1, 37, 256, 1024):
             obs = random_boards(n, 100 + n)
             big = cp.asarray(np.repeat(obs[None], 8, axis=0))  # work queued ahead of the leaves' write
             device.device_inputs[:n] = (big.sum(axis=0) // 8).astype(cp.uint8)
-            outputs = device.evaluate_device(n, time.monotonic() + 30)
+            outputs = device.evaluate_device(n, Deadline.after_s(30))
             got = {k: v[:n].get() for k, v in outputs.items()}  # a copy queued on the same stream, after the wait
             assert device.bucket >= n
-            want_host = host.evaluate(obs, time.monotonic() + 30)
+            want_host = host.evaluate(obs, Deadline.after_s(30))
             reply = stub.Evaluate(reward_pb2.EvaluateRequest(model=MODEL, inputs=[tensors.to_proto("board", obs)],
                                                              request_class=reward_pb2.REQUEST_CLASS_CRITICAL))
             want = {t.name: tensors.from_proto(t) for t in reply.outputs}
@@ -75,7 +76,7 @@ def test_device_waves_answer_as_evaluate_and_a_host_port_at_every_size(co_locate
 
 def test_device_waves_in_process_search_as_the_host_way_does(co_located):
     """A search whose leaves and answers stay on the device through a device
-    port values every simulation with the model and builds the tree the host
+    link values every simulation with the model and builds the tree the host
     way builds (as the leaf channel's device waves do)."""
     from search_service.cuda.backend import CudaBackend
     from search_service.evaluators import HANDOFF_IN_PROCESS, DeviceWaves, LeafChannelEvaluator
@@ -84,8 +85,8 @@ def test_device_waves_in_process_search_as_the_host_way_does(co_located):
 
     cfg, _, _ = co_located
     server = in_process.find(cfg.reward.address)
-    host = LeafChannelEvaluator(server.port(MODEL, 1024, device=False), 30, HANDOFF_IN_PROCESS)
-    dev_ev = LeafChannelEvaluator(server.port(MODEL, 1024, device=True), 30, HANDOFF_IN_PROCESS)
+    host = LeafChannelEvaluator(server.link(MODEL, 1024, device=False), 30, HANDOFF_IN_PROCESS)
+    dev_ev = LeafChannelEvaluator(server.link(MODEL, 1024, device=True), 30, HANDOFF_IN_PROCESS)
     assert DeviceWaves.fits(dev_ev.channel)
     waves = DeviceWaves(dev_ev, None)
     assert waves.ordered and waves.handoff == "in_process"
@@ -127,9 +128,9 @@ def test_device_waves_merged_with_host_waves_get_their_own_answers(co_located):
     cfg, _, _ = co_located
     cp = cupy_module()
     server = in_process.find(cfg.reward.address)
-    blocker, host, device = (server.port(MODEL, 64, device=d) for d in (True, False, True))
+    blocker, host, device = (server.link(MODEL, 64, device=d) for d in (True, False, True))
     obs = random_boards(64, 7)
-    want = host.evaluate(obs, time.monotonic() + 30)["value"]
+    want = host.evaluate(obs, Deadline.after_s(30))["value"]
     batcher = server.batchers[MODEL]
     run, mixed, got, holding = batcher._run, [], {}, threading.Event()
 
@@ -146,7 +147,7 @@ def test_device_waves_merged_with_host_waves_get_their_own_answers(co_located):
             heavy = cp.ones((8192, 8192), cp.float32)
             heavy @ heavy  # ~20 ms ahead of its inputs: the worker waits for them (at most 5 ms)
             try:
-                blocker.evaluate_device(64, time.monotonic() + 30)
+                blocker.evaluate_device(64, Deadline.after_s(30))
             except LeafChannelError:
                 pass  # its inputs came too late: DEADLINE_EXCEEDED
 
@@ -156,7 +157,7 @@ def test_device_waves_merged_with_host_waves_get_their_own_answers(co_located):
 
     def device_wave():
         with cp.cuda.Stream(non_blocking=True):
-            got["device"] = device.evaluate_device(64, time.monotonic() + 30)["value"][:64].get()
+            got["device"] = device.evaluate_device(64, Deadline.after_s(30))["value"][:64].get()
 
     batcher._run = spy
     try:
@@ -164,7 +165,7 @@ def test_device_waves_merged_with_host_waves_get_their_own_answers(co_located):
         first.start()
         assert holding.wait(30)
         others = [threading.Thread(target=device_wave),
-                  threading.Thread(target=lambda: got.setdefault("host", host.evaluate(obs, time.monotonic() + 30)))]
+                  threading.Thread(target=lambda: got.setdefault("host", host.evaluate(obs, Deadline.after_s(30))))]
         for t in others:
             t.start()
         for t in [first, *others]:
@@ -180,34 +181,34 @@ def test_a_device_wave_given_up_at_its_deadline_never_spoils_the_next(co_located
     """A wave whose inputs come after a long kernel (a matrix product of ~20
     ms queued ahead of them) cannot run by its 2 ms deadline: it is answered
     DEADLINE_EXCEEDED by then (not run, its inputs late, or still running past
-    the grace), and the next wave on the same port and buffers has its own
+    the grace), and the next wave on the same link and buffers has its own
     answers."""
     from tandem.leaf_channel import LeafChannelError
 
     cfg, _, _ = co_located
     cp = cupy_module()
     server = in_process.find(cfg.reward.address)
-    port = server.port(MODEL, 64, device=True)
+    link = server.link(MODEL, 64, device=True)
     small = random_boards(64, 12)
-    want = server.port(MODEL, 64, device=False).evaluate(small, time.monotonic() + 30)["value"]
+    want = server.link(MODEL, 64, device=False).evaluate(small, Deadline.after_s(30))["value"]
     heavy = cp.ones((8192, 8192), cp.float32)
     with cp.cuda.Stream(non_blocking=True) as stream:
         for i in range(10):
             heavy @ heavy  # queued ahead of the wave's inputs
-            port.device_inputs[:64].set(random_boards(64, 100 + i))
+            link.device_inputs[:64].set(random_boards(64, 100 + i))
             with pytest.raises(LeafChannelError) as info:
-                port.evaluate_device(64, time.monotonic() + 0.002)
+                link.evaluate_device(64, Deadline.after_s(0.002))
             assert info.value.code.name == "DEADLINE_EXCEEDED"
             stream.synchronize()
-            port.device_inputs[:64].set(small)
-            port.outputs["value"].fill(np.nan)
-            got = port.evaluate_device(64, time.monotonic() + 30)["value"][:64].get()
+            link.device_inputs[:64].set(small)
+            link.outputs["value"].fill(np.nan)
+            got = link.evaluate_device(64, Deadline.after_s(30))["value"][:64].get()
             np.testing.assert_allclose(got, want, atol=2e-3)
 
 
 def test_a_driven_search_builds_the_same_tree_as_one_handed_over_wave_by_wave(co_located):
     """Co-located mode drives a search's waves on the critical lane's worker
-    (Port.drive): the same leaves and answers as the per-wave hand-off, so
+    (InProcessLink.drive): the same leaves and answers as the per-wave hand-off, so
     the same tree (one warp per tree: the search's order is fixed)."""
     from search_service.cuda.backend import CudaBackend
     from search_service.evaluators import HANDOFF_IN_PROCESS, DeviceWaves, LeafChannelEvaluator
@@ -222,7 +223,7 @@ def test_a_driven_search_builds_the_same_tree_as_one_handed_over_wave_by_wave(co
     root = connect4.parse_moves("4453")
     results = {}
     for driven in (False, True):
-        ev = LeafChannelEvaluator(server.port(MODEL, 1024, device=True), 30, HANDOFF_IN_PROCESS)
+        ev = LeafChannelEvaluator(server.link(MODEL, 1024, device=True), 30, HANDOFF_IN_PROCESS)
         waves = DeviceWaves(ev, None, driven=driven)
         assert waves.driven == driven
         drove = batcher.stats()["lanes"]["critical"]["submitted"]
@@ -260,7 +261,7 @@ def test_two_driven_searches_at_once_share_the_lanes_batches(co_located):
         return run(batch)
 
     def search(i: int, moves: str) -> None:
-        ev = LeafChannelEvaluator(server.port(MODEL, 1024, device=True), 30, HANDOFF_IN_PROCESS)
+        ev = LeafChannelEvaluator(server.link(MODEL, 1024, device=True), 30, HANDOFF_IN_PROCESS)
         with cp.cuda.Stream(non_blocking=True):
             (got[i],), _ = backend.search(connect4.parse_moves(moves), params, ev, device_waves=DeviceWaves(ev, None))
 

@@ -17,6 +17,7 @@ from search_service.games import connect4 as c4
 from search_service.leaf_cache import ENTRY_BYTES, CachedEvaluator, EvaluationCache
 from search_service.mcts.backend import EvaluationFailed
 from tandem.server import channel
+from tandem.deadline import Deadline
 
 
 def observations(*moves: str) -> np.ndarray:
@@ -135,7 +136,7 @@ def test_a_caller_past_its_deadline_gives_up_and_the_others_get_their_answers():
         first, out0 = _in_thread(ev, observations("4"))
         assert model.entered.wait(5)
         with pytest.raises(EvaluationFailed, match="DEADLINE_EXCEEDED"):
-            ev(observations("3"), time.monotonic() + 0.01)
+            ev(observations("3"), Deadline.after_s(0.01))
         model.gate.set()
         first.join(5)
         np.testing.assert_array_equal(out0["value"][0], expected(observations("4"))[0])
@@ -187,7 +188,7 @@ def test_a_far_deadline_waits_like_none():
     """A search with no gRPC deadline gets a deadline far away; the wait must not overflow."""
     ev = CoalescingEvaluator(Model())
     try:
-        v, _ = ev(observations("4"), time.monotonic() + 1e12)
+        v, _ = ev(observations("4"), Deadline.after_s(1e12))
         np.testing.assert_array_equal(v, expected(observations("4"))[0])
     finally:
         ev.close()

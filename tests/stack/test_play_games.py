@@ -34,7 +34,7 @@ def test_the_positions_command_writes_into_a_folder_and_refuses_a_bad_range(tmp_
     folder.mkdir()
     yaml_text = (bundled_folder("othello") / "game.yaml").read_text()
     (folder / "game.yaml").write_text("".join(line for line in yaml_text.splitlines(True)
-                                              if not line.startswith("positions:")))  # the set is to be made
+                                              if not line.startswith(("positions:", "endgames:"))))  # sets to be made
     (folder / "rules.py").write_text((bundled_folder("othello") / "rules.py").read_text())
     assert positions_main([str(folder), "--count", "5", "--seed", "1", "--out", "few.jsonl"]) == 0
     assert len(read_positions(folder / "few.jsonl")) == 5
@@ -57,17 +57,32 @@ def test_play_a_game_of_the_search_service(cpu_stack, name, capsys):
     report = play(opts, cfg, log=None)
     assert report["game"] == name and report["frames"] == report["frames_answered"] == 4 and not report["errors"]
     assert 1 <= report["simulations_per_frame"]["min"] <= 12
-    # No solver for these games: nothing is scored against one, and the printed report says so.
+    # No solver's labels in these sets: nothing is scored against one, and the printed report says so.
     assert report["solver"] is False and report["proven"]["solver_agrees"] is None
     assert report["optimal_move_rate"] is report["best_score_move_rate"] is report["value_sign_agreement"] is None
     assert report["backends"]["search"] == ["cpu_reference"] and report["backends"]["evaluator"] == ["EVALUATOR_ROLLOUT"]
     assert report["backends"]["reward_execution_provider"].startswith("none")
     print_report(report)
     out = capsys.readouterr().out
-    assert f"game                   {name}" in out and "no solver for this game" in out
+    assert f"game                   {name}" in out and "no solver's labels in this position set" in out
     assert not any(line.startswith(("optimal_move_rate", "best_score_move_rate", "value_sign_agreement"))
                    for line in out.splitlines())  # no comparison with a solver that is not there
     assert "as the solver" not in out and "positions not lost" not in out
+
+
+def test_play_othello_endgames_is_scored_against_the_exact_labels(cpu_stack, capsys):
+    """A folder's endgames carry an exact solver's labels: each move is scored
+    as Connect Four's are (keeps the result or not), with no value model."""
+    cfg = cpu_stack
+    args = cli.parser().parse_args(["play", "--game", "othello", "--positions", "endgames.jsonl", "--frames", "6",
+                                    "--fps", "10", "--simulations", "64", "--evaluator", "rollout"])
+    report = play(cli._play_options(args, cfg), cfg, log=None)
+    assert report["solver"] is True and report["frames_answered"] == 6 and not report["errors"]
+    assert report["positions_not_lost"] >= 1 and 0.0 <= report["optimal_move_rate"] <= 1.0
+    assert 0.0 <= report["best_score_move_rate"] <= 1.0 and report["value_sign_agreement"] is None
+    print_report(report)
+    out = capsys.readouterr().out
+    assert "optimal_move_rate" in out and "no solver's labels" not in out
 
 
 def test_play_options_find_the_games_set_and_refuse_what_is_not_there(cpu_stack):
@@ -78,8 +93,12 @@ def test_play_options_find_the_games_set_and_refuse_what_is_not_there(cpu_stack)
     with pytest.raises(RuntimeError, match=r"--game chess: not a game of search.games in the config "
                                            r"\(games: connect4, othello, gomoku\)"):
         cli._play_options(cli.parser().parse_args(["play", "--game", "chess"]), cfg)
-    with pytest.raises(RuntimeError, match="--positions: Connect Four's labelled sets; --game othello plays"):
+    with pytest.raises(RuntimeError, match=r"argument --positions: no file 'Test_L3_R1' in game othello's folder "
+                                           r"nor at that path \(its sets: endgames.jsonl, positions.jsonl\)"):
         cli._play_options(cli.parser().parse_args(["play", "--game", "othello", "--positions", "Test_L3_R1"]), cfg)
+    endgames = cli._play_options(cli.parser().parse_args(["play", "--game", "othello", "--positions",
+                                                          "endgames.jsonl"]), cfg)
+    assert endgames.position_sets == (str(bundled_folder("othello") / "endgames.jsonl"),)
     default = cli._play_options(cli.parser().parse_args(["play"]), cfg)
     assert default.game == "connect4" and default.position_sets == PlayOptions.position_sets
 

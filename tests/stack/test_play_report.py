@@ -44,3 +44,17 @@ def test_a_whole_game_is_not_marked_interrupted_and_errors_print_as_counts(cfg, 
     # Connect Four's positions carry the solver's labels: the answers are compared with it.
     assert report["solver"] is True and report["best_score_move_rate"] is not None
     assert "best_score_move_rate" in out and " as the solver" in out and "no solver" not in out
+
+
+def test_a_report_records_its_provenance(cfg, monkeypatch):
+    """Where a figure came from travels with it: the commit the caller names
+    (as a tree sent to the GPU machine does), whether the tree differed, the
+    command line and the date, first in the report."""
+    monkeypatch.setenv("TANDEM_COMMIT", "0" * 40)
+    monkeypatch.setenv("TANDEM_DIRTY", "0")
+    opts = PlayOptions(cfg.search.address, cfg.reward.address, frames=1, fps=10.0, simulations=4,
+                       evaluator="rollout")
+    report = play(opts, cfg, log=None)
+    assert list(report)[:4] == ["date", "gpu", "versions", "command"]
+    assert report["versions"]["tandem_commit"] == "0" * 40 and report["versions"]["tandem_dirty"] is False
+    assert report["versions"]["numpy"] and report["date"].endswith("Z") and report["command"]

@@ -262,8 +262,13 @@ def test_a_short_search_does_not_wait_behind_long_ones(search):
 
 def test_streams_give_their_admission_place_back_when_cancelled():
     """A scheduler taking 2 calls: 6 watch streams in turn, each cancelled after
-    its first assignment, leave both places free (nothing leaks)."""
-    cfg = loopback_config(scheduler={"server": {"max_workers": 8, "max_concurrent_rpcs": 2}})
+    its first assignment, leave both places free (nothing leaks). Each place
+    comes back as its call ends, not when the write timer (here a minute)
+    would have cancelled it: gRPC stops asking a cancelled stream for
+    responses without closing it. The lease outlives the test."""
+    cfg = loopback_config(scheduler={"lease_ttl_ms": 600_000.0,
+                                     "server": {"max_workers": 8, "max_concurrent_rpcs": 2,
+                                                "response_write_timeout_ms": 60_000.0}})
     handle = start_scheduler(cfg, device=cpu_only())
     ch = grpc.insecure_channel(cfg.scheduler.address)
     stub = scheduler_pb2_grpc.SchedulerStub(ch)

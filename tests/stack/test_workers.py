@@ -24,6 +24,7 @@ from tandem.v1 import reward_pb2, reward_pb2_grpc, search_pb2, search_pb2_grpc
 
 from tandem import tensors
 from tandem.config import ConfigError, load_config, loopback_data
+from tandem.server import health_status
 from tandem.workers import FIRST_DELAY_S, MAX_DELAY_S, MAX_IN_A_ROW, WINDOW_S, Restarts, check_free, children
 
 REPO = Path(__file__).resolve().parents[2]
@@ -148,6 +149,31 @@ def test_sigterm_stops_every_worker(workers):
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(60) == 0
     assert _poll(lambda: _listeners(port) == 0 and not any(os.path.exists(f"/proc/{k}") for k in kids), 30)
+
+
+def test_sigterm_while_the_workers_start_stops_everything_cleanly(tmp_path):
+    """A stop signal that comes once the first process serves, while its
+    workers are still starting, is kept (tandem.server.catch_stop_signals):
+    no further worker starts, and the server drains and exits 0 as soon as
+    the one starting serves, instead of dying of the signal (-15) and leaving
+    its workers to their parent-death signal."""
+    data = loopback_data(free_port, sections={"search": {"backend": "cpu", "evaluator": "rollout", "workers": 3}})
+    path = tmp_path / "tandem.yaml"
+    path.write_text(yaml.safe_dump(data))
+    cfg = load_config(path)
+    port = int(cfg.search.address.rpartition(":")[2])
+    proc = subprocess.Popen([sys.executable, "-m", "stack", "serve", "search", "--config", str(path)], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "search.log", "w"))
+    try:
+        assert _poll(lambda: health_status(cfg.search.address, cfg) == "SERVING" or proc.poll() is not None,
+                     START_TIMEOUT_S), (tmp_path / "search.log").read_text()[-3000:]
+        proc.send_signal(signal.SIGTERM)  # the workers are starting one after another meanwhile
+        assert proc.wait(120) == 0, (tmp_path / "search.log").read_text()[-3000:]
+        assert _poll(lambda: _listeners(port) == 0, 30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
 
 
 def test_a_bound_port_is_not_free_and_workers_are_bounded(tmp_path):
