@@ -60,6 +60,11 @@ TREES = Gauge("tandem_search_batch_trees", "Searches in flight in the wave loop 
 WAVE_TREES = Histogram("tandem_search_wave_trees", "Trees in one wave of the wave loop.",
                        buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024))
 REFUSED = Counter("tandem_search_refused", "Searches refused at admission (RESOURCE_EXHAUSTED).", ["reason"])
+PHASE_SECONDS = Histogram(
+    "tandem_search_wave_phase_seconds",
+    "Time of one step of a group's thread (s): join (newcomers join the batch), leave (plan the wave, answer "
+    "those done), wave (select, value, back up).", ["phase"],
+    buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3, 8e-3, 16e-3, 32e-3, 64e-3, 0.128, 0.256))
 
 
 class Stopping(RuntimeError):
@@ -275,7 +280,7 @@ class WaveLoop:
             return
         self._set_wave_deadline([job.deadline for job in jobs], group)
         try:
-            with self.launching():
+            with self.launching(), PHASE_SECONDS.labels("join").time():
                 self._join_all(group, jobs)
         except Exception:  # noqa: BLE001 - the batch is as it was: find the job that cannot join
             for job in jobs:
@@ -316,11 +321,12 @@ class WaveLoop:
         WAVE_TREES.observe(len(group.members))
         planned = time.perf_counter()
         ks = self._leave(group)
+        PHASE_SECONDS.labels("leave").observe(time.perf_counter() - planned)
         if ks is None or not group.members:
             return
         self._set_wave_deadline([m.deadline for m in group.members], group)
         try:
-            with self.launching():
+            with self.launching(), PHASE_SECONDS.labels("wave").time():
                 run_wave(group.batch, group.members, ks, group.times, since=planned)
         except Exception as exc:  # noqa: BLE001 - every job of the batch fails with it; the group goes on empty
             log.exception("a wave of %d searches failed", len(group.members))

@@ -114,6 +114,7 @@ class _Tally:
 
     frame_ms: list[float] = field(default_factory=list)  # answered frames only
     search_ms: list[float] = field(default_factory=list)  # the search service's own total
+    phases_ms: list[tuple[float, float, float, float]] = field(default_factory=list)  # its select, expand, evaluate, backup
     simulations: list[int] = field(default_factory=list)
     not_lost: int = 0  # positions the side to move does not lose
     kept: int = 0  # ... whose move keeps the solver's result
@@ -159,6 +160,8 @@ class _Tally:
         """One agent's search answer, against the solver."""
         self.simulations.append(s_reply.simulations)
         self.search_ms.append(s_reply.latency.total_ms)
+        lat = s_reply.latency
+        self.phases_ms.append((lat.select_ms, lat.expand_ms, lat.evaluate_ms, lat.backup_ms))
         self.backends.add(s_reply.backend)
         self.evaluators.add(search_pb2.Evaluator.Name(s_reply.evaluator))
         self.model_simulations.append(s_reply.model_simulations)
@@ -273,6 +276,8 @@ def _report(opts: PlayOptions, t: _Tally, reward_execution_provider: str, solver
         "value_sign_agreement": round(t.agree / t.evaluated, 4) if t.evaluated else None,
         "frame_latency_ms": summary(t.frame_ms),
         "search_latency_ms": summary(t.search_ms),
+        "search_phases_ms": {name: summary(col) for name, col in
+                             zip(("select", "expand", "evaluate", "backup"), zip(*t.phases_ms))} if t.phases_ms else {},
         "missed_frames": frame_loop.missed_frames(t.frame_ms, budget_ms) + sum(t.errors.values()),
         "simulations_per_frame": {
             "mean": round(float(np.mean(t.simulations)), 1) if t.simulations else None,

@@ -20,6 +20,7 @@ differed from that commit), as bench/gpu_setup.sh says.
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import importlib.metadata as _md
 import os
 import platform
@@ -56,8 +57,9 @@ def _run(cmd: list[str]) -> str | None:
     return res.stdout.strip() if res.returncode == 0 else None
 
 
+@functools.cache
 def gpu_info() -> tuple[str | None, str | None]:
-    """(GPU 0's name, driver version) from nvidia-smi, or (None, None)."""
+    """(GPU 0's name, driver version) from nvidia-smi, or (None, None); asked once a process."""
     out = _run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"])
     if not out:
         return None, None

@@ -24,7 +24,9 @@ CHECKED = [*DOCS, *sorted((ROOT / "reward_service" / "models").glob("*.md")),
            ROOT / "clients" / "python" / "README.md", ROOT / "deploy" / "README.md"]
 _HEX = re.compile(r"(?<![\w/.-])[0-9a-f]{7,40}(?![\w-])")
 _LINK = re.compile(r"\]\(([^)#\s]+)")
-_OUTSIDE = ("../shared", "/work/", "/work`", "/work)", "/root/")
+_OUTSIDE = ("/work/", "/work`", "/work)", "/root/")  # this host's and the GPU machine's folders
+# A relative path up and out of the document's folder ("../data/x.csv"), in a link or in the text.
+_UP = re.compile(r"(?<![\w./-])((?:\.\./)+[\w./-]*[\w/])")
 # Provenance, not history: `owner/repo` commit <40 hex digits>, and a file's sha256.
 _PROVENANCE = re.compile(r"`[\w.-]+/[\w.-]+` commit ([0-9a-f]{40})\b|sha256 ([0-9a-f]{7,64})")
 
@@ -81,6 +83,10 @@ def test_provenance_is_told_from_a_commit_of_tandem():
 def test_no_document_cites_a_path_outside_the_repository(doc):
     text = _text(doc)
     bad = [s for s in _OUTSIDE if s in text]
+    for target in _UP.findall(text):  # must name a file or folder of the repository
+        resolved = (doc.parent / target).resolve()
+        if (ROOT not in resolved.parents and resolved != ROOT) or not resolved.exists():
+            bad.append(target)
     for target in _LINK.findall(text):
         if "://" in target or target.startswith("mailto:"):
             continue

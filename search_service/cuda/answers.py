@@ -22,32 +22,44 @@ assert [_RES_OFFSET[f] for f in _RES_COUNTERS] == list(range(_RES_NODES, _RES_NO
 
 
 def model_values(evaluator, vin: np.ndarray, planes: np.ndarray, obs_dev, open_: np.ndarray, leader: np.ndarray,
-                 wants_cupy: bool) -> bool:
+                 wants_cupy: bool, roots: tuple[np.ndarray, np.ndarray] | None = None,
+                 ) -> tuple[bool, np.ndarray | None]:
     """Fills the EVAL rows ``vin`` (abi.EVAL.dtype [n]) of a wave's open
     leaves (``open_`` bool [n]) from one call of ``evaluator`` (each distinct
     leaf once: its leader's row, ``leader`` int [n]; observations from
     ``planes`` uint8 [n, 2, 6, 7] on the host, or the OBS rows ``obs_dev`` on
-    the device where ``wants_cupy``); returns has_priors.
+    the device where ``wants_cupy``), which also values ``roots`` (current,
+    mask: uint64 [R] each, positions waiting for their priors) after them.
+    Returns has_priors and the roots' priors (float32 [R, A]; None: none
+    given, or no roots).
 
     Raises:
         EvaluationFailed: the evaluator could not value the leaves.
     """
     n = len(vin)
     rows = np.flatnonzero(open_ & (leader == np.arange(n)))
-    if rows.size == 0:
-        return False
+    r = 0 if roots is None else len(roots[0])
+    if rows.size + r == 0:
+        return False, None
     obs = obs_dev[cupy.asarray(rows)].reshape(-1, 2, connect4.ROWS, connect4.COLUMNS) if wants_cupy else planes[rows]
     top = planes[rows, :, -1, :]  # uint8 [M, 2, A]: the top row of both stone planes
     legal = (top[:, 0] | top[:, 1]) == 0
+    if r:
+        root_obs = connect4.observation(Positions(roots[0], roots[1], connect4.popcount(roots[1])))
+        obs = (cupy.concatenate([obs, cupy.asarray(root_obs)]) if wants_cupy
+               else np.concatenate([obs, root_obs]))
+        legal = np.concatenate([legal, connect4.legal_bits(roots[1])])
     with nvtx.span("search.evaluate"):
         values, priors = _model_answer(evaluator, obs, legal)
+    m = rows.size
     by_slot = np.zeros(n, np.float32)
-    by_slot[rows] = values
+    by_slot[rows] = values[:m]
     vin["value"][open_] = by_slot[leader[open_]]
-    if priors is None:
-        return False
-    vin["priors"][rows] = priors
-    return True
+    root_priors = None if priors is None or not r else priors[m:]
+    if priors is None or not m:
+        return False, root_priors
+    vin["priors"][rows] = priors[:m]
+    return True, root_priors
 
 
 def result_fields(res: np.ndarray, currents: np.ndarray, masks: np.ndarray,

@@ -721,8 +721,8 @@ class _Search:
                         if gate is None:
                             dw.wait_outputs()  # before the backup reads them
                     elif self.use_model:
-                        has_priors = model_values(self.evaluator, vin, planes, obs_dev, open_, meta["leader"],
-                                                  wants_cupy)
+                        has_priors, _ = model_values(self.evaluator, vin, planes, obs_dev, open_, meta["leader"],
+                                                     wants_cupy)
                     elif open_.any():
                         pos = connect4.from_observation(planes[open_])
                         sims = done[tree_of[open_]] + in_wave_of[open_]

@@ -36,6 +36,13 @@ A wave (``wave(ks)``):
   slice has passed since the launch began (``deadline_ns``, from ``t0``,
   zeroed before each launch).
 
+A fresh value-model root joins waiting for its priors (``ready()`` False,
+no simulation): the next wave's model call values it after that wave's
+leaves (device waves: init_trees writes its OBS row at row ``B * K + i``
+and ``mcts_vm_root_priors`` reads its logits; the host way: one more row of
+the evaluator call, then init_trees with the priors), or a call of its own
+where the wave has no simulation.
+
 After each wave and each join ``finish_trees`` writes every row's RES row,
 copied back: the trees' simulations done, node counts and roots' known
 results (:meth:`live`), and, at ``leave``, their answers.
@@ -70,6 +77,7 @@ _HOST_FIELDS = {  # per-row host state: name -> dtype (row b: tree b)
     "model_simulations": np.int64,
     "waves": np.int64,
     "reused": bool,
+    "waiting": bool,  # a fresh root not yet valued: the next wave's model call brings its priors
     "use_model": bool,
     "failure": object,
     "ms": (np.float64, 4),  # select, expand, evaluate, backup: wall-clock ms of its waves
@@ -170,6 +178,9 @@ class CudaTreeBatch:
     def live(self) -> np.ndarray:
         return self.res["outcome"][:, 0].astype(np.int8) == tr.NOT_TERMINAL
 
+    def ready(self) -> np.ndarray:
+        return ~self.row["waiting"]
+
     def failed(self) -> np.ndarray:
         return self.row["failure"] != ""
 
@@ -184,20 +195,9 @@ class CudaTreeBatch:
         init["current"], init["mask"] = roots.current, roots.mask
         init["nodes"] = [kept[i].num_nodes if i in kept else 1 for i in range(n)]
         init["fresh"] = fresh
-        use_model = np.full(n, self.puct)
-        failure = np.full(n, "", object)
-        t = time.perf_counter()
-        if self.puct and fresh.any():  # the roots' priors first: a failure that raises changes nothing
-            idx = np.flatnonzero(fresh)
-            init["root_visits"][idx] = 1  # the root's own evaluation: sqrt(N) > 0 at the first choice
-            try:
-                _, priors = call_model(self.evaluator, roots.current[idx], roots.mask[idx])
-            except EvaluationFailed as exc:  # uniform priors stay; rollouts value the leaves
-                use_model[idx], failure[idx], priors = False, str(exc) or type(exc).__name__, None
-            if priors is not None:
-                init["has_priors"][idx] = 1
-                init["priors"][idx] = priors
-        root_ms = (time.perf_counter() - t) * 1e3
+        # Fresh PUCT roots wait for their priors: the next wave's model call brings them (_value_roots).
+        waiting = fresh & self.puct
+        init["root_visits"][waiting] = 1  # the root's own evaluation: sqrt(N) > 0 at the first choice
         first = self.b
         self._grow(first + n)
         for i, tree in kept.items():
@@ -217,8 +217,8 @@ class CudaTreeBatch:
         added["current"][:], added["mask"][:] = roots.current, roots.mask
         added["floor"][:] = init["nodes"]
         added["reused"][:] = ~fresh
-        added["use_model"][:], added["failure"][:] = use_model, failure
-        added["ms"][fresh & self.puct, 2] = root_ms
+        added["waiting"][:] = waiting
+        added["use_model"][:], added["failure"][:] = self.puct, ""
         self.row = {name: np.concatenate([self.row[name], added[name]]) for name in _HOST_FIELDS}
         self.b += n
         self._refresh()
@@ -300,13 +300,73 @@ class CudaTreeBatch:
         return ((warps + abi.WARPS_PER_BLOCK - 1) // abi.WARPS_PER_BLOCK,), (32 * abi.WARPS_PER_BLOCK,)
 
     def _model_wave(self, ks: np.ndarray) -> bool:
-        n = self.b * self.k_max
+        if not ks.any():  # roots waiting for their priors, and no simulation to go with them
+            return self._value_roots_alone()
+        n = self.b * self.k_max + int(self.row["waiting"].sum())
         if self.lend is None or not self.row["use_model"][ks > 0].all():
             return self._host_wave(ks)
         with self.lend() as dw:
             if dw is None or not dw.carries(n):
                 return self._host_wave(ks)
             return self._device_wave(ks, dw)
+
+    # -- the roots waiting for their priors (ready() False) --------------------------------
+    def _root_init(self, rows: np.ndarray, priors: np.ndarray | None = None) -> np.ndarray:
+        """INIT rows (abi.INIT.dtype [M]) that make fresh trees of ``rows``' roots
+        (int [M]), valued (root N 1), with ``priors`` float32 [M, A] where given."""
+        init = np.zeros(len(rows), abi.INIT.dtype)
+        init["current"], init["mask"] = self.row["current"][rows], self.row["mask"][rows]
+        init["nodes"], init["fresh"], init["root_visits"] = 1, 1, 1
+        if priors is not None:
+            init["has_priors"], init["priors"] = 1, priors
+        return init
+
+    def _by_runs(self, rows: np.ndarray, launch) -> None:
+        """``launch(row, i, count)`` per run of consecutive rows in ``rows`` (int
+        [M], ascending): rows ``row .. row + count - 1`` are ``rows[i : i + count]``."""
+        i = 0
+        while i < len(rows):
+            j = i + 1
+            while j < len(rows) and rows[j] == rows[j - 1] + 1:
+                j += 1
+            launch(int(rows[i]), i, j - i)
+            i = j
+
+    def _reinit(self, rows: np.ndarray, init_dev, obs=None) -> None:
+        """Queues init_trees over ``rows`` (int [M], ascending, untouched since
+        they joined) from ``init_dev`` (their INIT rows on the device, in
+        order), each root's OBS row into ``obs`` row i where given."""
+        ts_w, cyc_w, words = abi.TREE_STATE.words, abi.CYCLES.words, abi.INIT.words
+        self._by_runs(rows, lambda r, i, c: kernel("init_trees")(
+            ((c + 127) // 128,), (128,),
+            (self.pool[r:], np.int64(self.cap), np.int32(c), init_dev[i * words :], self.ts[r * ts_w :],
+             self.cyc[r * cyc_w :], self.t0, _NULL if obs is None else obs[i:])))
+
+    def _roots_valued(self, rows: np.ndarray, ms: float, failure: EvaluationFailed | None) -> None:
+        """Bookkeeping once the model call of the roots ``rows`` is done (failed:
+        uniform priors stay and their leaves go to rollouts)."""
+        self.row["waiting"][rows] = False
+        self.row["ms"][rows, 2] += ms
+        if failure is not None:
+            self.row["use_model"][rows] = False
+            self.row["failure"][rows] = str(failure) or type(failure).__name__
+
+    def _value_roots_alone(self) -> bool:
+        """The roots waiting, valued by a call of their own (a wave with no
+        simulation); False if the model failed them."""
+        rows = np.flatnonzero(self.row["waiting"])
+        if not rows.size:
+            return True
+        t = time.perf_counter()
+        failure = None
+        try:
+            _, priors = call_model(self.evaluator, self.row["current"][rows], self.row["mask"][rows])
+        except EvaluationFailed as exc:
+            failure, priors = exc, None
+        self._reinit(rows, cupy.asarray(self._root_init(rows, priors).view(np.uint32)))
+        self._roots_valued(rows, (time.perf_counter() - t) * 1e3, failure)
+        self._refresh()
+        return failure is None
 
     def _select(self, ks: np.ndarray, obs) -> tuple:
         """Queues the selection of wave ``ks`` (OBS rows into ``obs``): its kernels' (grid, block, args)."""
@@ -331,17 +391,25 @@ class CudaTreeBatch:
         self.row["waves"] += done
 
     def _device_wave(self, ks: np.ndarray, dw) -> bool:
-        """A wave whose leaves and model outputs stay on the device (``dw``'s regions)."""
+        """A wave whose leaves and model outputs stay on the device (``dw``'s
+        regions): the leaves at rows ``[0, B * K)``, the roots waiting for their
+        priors after them (init_trees writes their OBS rows, mcts_vm_root_priors
+        reads their logits: the single-call search's way, backend.py)."""
         n = self.b * self.k_max
+        roots = np.flatnonzero(self.row["waiting"])
         t = time.perf_counter()
-        obs = dw.inputs.reshape(-1, abi.OBS.words)[:n]
+        inputs = dw.inputs.reshape(-1, abi.OBS.words)
+        obs = inputs[:n]
         grid, block, args = self._select(ks, obs)
+        if roots.size:  # untouched since they joined: written afresh, with their OBS rows
+            root_init = cupy.asarray(self._root_init(roots).view(np.uint32))
+            self._reinit(roots, root_init, inputs[n:])
         dw.inputs_written()  # an ordered channel: the reward service's copy waits for the selection
         if not dw.ordered:  # else the channel's event orders the selection before the model's copy
             cupy.cuda.get_current_stream().synchronize()
         t1 = time.perf_counter()
         try:
-            values, logits = dw.evaluate(n)
+            values, logits = dw.evaluate(n + roots.size)
         except EvaluationFailed as exc:
             t2 = time.perf_counter()
             kernel("mcts_vm_undo")(grid, block, (*args, self.ts, self.meta_dev, self.paths, self.ks_dev))
@@ -349,12 +417,20 @@ class CudaTreeBatch:
             self.row["use_model"][used] = False
             self.row["failure"][used] = str(exc) or type(exc).__name__
             self.row["ms"][used, 2] += (t2 - t1) * 1e3
+            self._roots_valued(roots, (t2 - t1) * 1e3, exc)  # uniform priors stay
             self._refresh()
             return False
         t2 = time.perf_counter()
         self._backup_kernel()(grid, block, (*args, self.ts, self.meta_dev, self.paths, self.vin_dev, np.int32(0),
                                             np.int32(1), values, _NULL if logits is None else logits, obs, _NULL,
                                             self.ks_dev))
+        if roots.size and logits is not None:  # without a policy head the uniform priors stay
+            words = abi.INIT.words
+            self._by_runs(roots, lambda r, i, c: kernel("mcts_vm_root_priors")(
+                ((c + 127) // 128,), (128,),
+                (self.pool[r:], np.int64(self.cap), np.int32(c), root_init[i * words :], inputs[n + i :],
+                 logits[n + i :])))
+        self._roots_valued(roots, (t2 - t1) * 1e3, None)
         self._refresh()
         t3 = time.perf_counter()
         self._count(ks, ks, ks > 0, ((t1 - t) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3))
@@ -386,13 +462,19 @@ class CudaTreeBatch:
             lead = roll & (meta["leader"] == slot)
             vin["priors"][lead] = tr.init_edges(pos.mask[lead[roll]], np.zeros(int(lead.sum()), np.int8))[1]
         used = self.row["use_model"] & (ks > 0)
-        has_priors, failure = False, None
+        has_priors, failure, root_priors = False, None, None
+        roots = np.flatnonzero(self.row["waiting"])
         try:
-            has_priors = model_values(self.evaluator, vin, planes, self.obs_dev, open_ & by_model, meta["leader"],
-                                      bool(getattr(self.evaluator, "accepts_cupy", False)))
+            has_priors, root_priors = model_values(
+                self.evaluator, vin, planes, self.obs_dev, open_ & by_model, meta["leader"],
+                bool(getattr(self.evaluator, "accepts_cupy", False)),
+                roots=(self.row["current"][roots], self.row["mask"][roots]))
         except EvaluationFailed as exc:
             failure = exc
         t2 = time.perf_counter()
+        if roots.size:  # untouched since they joined: written afresh, with their priors
+            self._reinit(roots, cupy.asarray(self._root_init(roots, root_priors).view(np.uint32)))
+            self._roots_valued(roots, (t2 - t1) * 1e3, failure)
         backed = ks
         if failure is not None:  # the model's trees undo the wave; those on rollouts keep theirs
             self.ks_dev[:b].set(np.where(used, ks, 0).astype(np.int32))

@@ -55,6 +55,11 @@ class TreeBatch(Protocol):
         """bool [B]: trees whose root is not proven."""
         ...
 
+    def ready(self) -> np.ndarray:
+        """bool [B]: trees that can take simulations; False: a fresh PUCT
+        root whose priors the next wave's model call brings (plan.py, rule 0)."""
+        ...
+
     def failed(self) -> np.ndarray:
         """bool [B]: trees the value model failed for (an undone wave, or a
         root it could not value): that took their time, as a wave does."""
@@ -63,8 +68,10 @@ class TreeBatch(Protocol):
     def join(self, roots: "Positions", trees: list, seeds: list[int], streams: list[int]) -> None:
         """Appends one tree per root (rows B .. B + len(roots) - 1): ``trees[i]``
         (a single tree rooted at ``roots[i]``, searched further; copied) or a
-        fresh one (None, or a tree built with another evaluator); PUCT roots
-        that have never been evaluated are valued now (their priors).
+        fresh one (None, or a tree built with another evaluator). PUCT roots
+        that have never been evaluated join not :meth:`ready`: the next
+        wave's model call values them (their priors) with that wave's
+        leaves, so a join costs no model call of its own.
 
         Raises:
             ValueError: a finished root or a tree rooted elsewhere (nothing joins).
@@ -76,7 +83,11 @@ class TreeBatch(Protocol):
         sliced batch: at most ``ks[b]``, in waves of K until ``slice_ms`` has passed).
         False if the value model could not value it: the wave is undone in
         every tree (as if it never ran) and the trees that used the model go
-        on with rollouts (their results' ``evaluation_failure`` says why)."""
+        on with rollouts (their results' ``evaluation_failure`` says why).
+        The same model call values the roots of the trees not :meth:`ready`
+        (``ks`` 0 there), which are ready after it (uniform priors and
+        rollouts where it failed); a wave of no simulations values those
+        roots alone."""
         ...
 
     def leave(self, rows: list[int], members: list[Member]) -> "tuple[list[SearchResult], list, np.ndarray]":
@@ -98,7 +109,7 @@ def leave(batch: TreeBatch, members: list[Member], times: WaveTimes,
     for m, failed in zip(members, batch.failed()):
         m.tried = m.tried or bool(failed)
     plan = plan_wave(members, batch.done, batch.live(), times, batch.k_max, wave_target_ms,
-                     sliced=batch.slice_ms is not None)
+                     sliced=batch.slice_ms is not None, ready=batch.ready())
     left = []
     if plan.leaving:
         gone = [members[i] for i in plan.leaving]
@@ -112,12 +123,15 @@ def leave(batch: TreeBatch, members: list[Member], times: WaveTimes,
 def run_wave(batch: TreeBatch, members: list[Member], ks: np.ndarray, times: WaveTimes,
              since: float | None = None) -> None:
     """Runs the wave ``ks`` (from :func:`leave`) over ``batch``, timed into
-    ``times`` from ``since`` (``time.perf_counter()`` s; None: the wave's start)."""
-    if not ks.any():
+    ``times`` from ``since`` (``time.perf_counter()`` s; None: the wave's start).
+    A wave of no simulations runs where roots wait for their priors; each
+    such root counts as one leaf in ``times`` (a row of the model call)."""
+    waiting = int(np.count_nonzero(~batch.ready()))
+    if not ks.any() and not waiting:
         return
     t = time.perf_counter() if since is None else since
     batch.wave(ks)
-    times.add(int(ks.sum()), (time.perf_counter() - t) * 1e3)
+    times.add(int(ks.sum()) + waiting, (time.perf_counter() - t) * 1e3)
     for m, k in zip(members, ks):
         m.tried = m.tried or bool(k)
 

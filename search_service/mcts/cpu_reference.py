@@ -70,8 +70,10 @@ a ``deadline_ms`` (counted from the call, tree set-up included) ends the
 search before a wave expected to end past it (:class:`~search_service.mcts.plan.WaveTimes`:
 as long as the longest of the last four; at least one wave always runs), and so
 does ``should_stop()`` returning true (the caller went away: the server passes
-"the RPC is no longer active"). For PUCT a fresh root is evaluated first (for
-its priors; not a simulation).
+"the RPC is no longer active"). For PUCT a fresh root is evaluated before
+its first simulation (for its priors; not a simulation), by the model call
+of the batch's next wave, beside that wave's leaves (a root-only call where
+the wave has none).
 """
 from __future__ import annotations
 
@@ -184,6 +186,7 @@ _ROW_FIELDS = {  # per-tree state of a CpuTreeBatch: name -> dtype (row b: tree 
     "reused": bool,  # a tree passed in is searched further
     "pool_exhausted": bool,
     "max_depth": np.int64,  # longest selection path since it joined
+    "waiting": bool,  # a fresh PUCT root not yet valued: the next wave's model call brings its priors
     "use_model": bool,  # its leaves are valued by the model (False after an EvaluationFailed)
     "failure": object,  # why the model stopped valuing its leaves ("" while it does)
     "ms": (np.float64, 4),  # wall-clock ms of the waves it took part in: select, expand, evaluate, backup
@@ -232,6 +235,9 @@ class CpuTreeBatch:
     def live(self) -> np.ndarray:
         return self.tree.node_terminal[:, 0] == tr.NOT_TERMINAL
 
+    def ready(self) -> np.ndarray:
+        return ~self.row["waiting"]
+
     def failed(self) -> np.ndarray:
         return self.row["failure"] != ""
 
@@ -261,12 +267,8 @@ class CpuTreeBatch:
         added["failure"][:] = ""
         self.row = {name: np.concatenate([self.row[name], added[name]]) for name in _ROW_FIELDS}
         self._views()
-        if self.puct:
-            try:
-                self._evaluate_fresh_roots(np.arange(first, self.b))
-            except BaseException:  # nothing joins: the batch is as it was
-                self._keep(np.arange(self.b) < first)
-                raise
+        if self.puct:  # roots never evaluated wait for the next wave's model call
+            self.row["waiting"][first:] = self.tree.node_visits[first:, 0] == 0
 
     def leave(self, rows: list[int], members: list) -> tuple[list[SearchResult], list[tr.Tree], np.ndarray]:
         index = np.asarray(rows, np.int64)
@@ -324,6 +326,8 @@ class CpuTreeBatch:
         return self._wave(ks)
 
     def _wave(self, ks: np.ndarray) -> bool:
+        if not ks.any():  # roots waiting for their priors, and no simulation to value beside them
+            return self._value_roots_alone()
         self._ensure_capacity(int(ks.max()))  # a pool that grows counts in its wave's time
         in_wave = ks > 0
         used_model = self.row["use_model"] & in_wave
@@ -526,6 +530,7 @@ class CpuTreeBatch:
         values = tr.OUTCOME_VALUE[leaf["terminal"]]  # exact where the result is known, 0 elsewhere
         open_ = np.flatnonzero(leaf["terminal"] == tr.NOT_TERMINAL)
         if open_.size == 0:
+            self._value_roots_alone()
             return values, None
         tree_of = walk["tree_of"][open_]
         by_rollout = ~self.row["use_model"][tree_of]
@@ -536,14 +541,15 @@ class CpuTreeBatch:
                                                     self.row["seed"][t])
             open_ = open_[~by_rollout]
             if open_.size == 0:
+                self._value_roots_alone()
                 return values, None
         # Value model: one call per wave, one row per distinct leaf (selections
-        # that stopped at the same missing child share it).
+        # that stopped at the same missing child share it), then the roots waiting.
         keys = leaf["key"][open_]
         _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
         who = open_[first]
         try:
-            v, priors = self._call_model(leaf["state"][who])
+            v, priors = self._value_roots(leaf["state"][who], time.perf_counter())
         except EvaluationFailed as exc:
             return values, exc
         values[open_] = v[inverse]
@@ -559,22 +565,42 @@ class CpuTreeBatch:
         values, priors = self.evaluator(self.game.observation(states))
         return model_answer(values, priors, self.game.legal(states))
 
-    def _evaluate_fresh_roots(self, joined: np.ndarray) -> None:
-        """Values the roots of trees ``joined`` (int [M]) never evaluated, for their priors."""
-        fresh = joined[self.tree.node_visits[joined, 0] == 0]
-        if fresh.size == 0:
-            return
-        t = time.perf_counter()
-        rows = fresh * self.cap
+    def _value_roots_alone(self) -> bool:
+        """The roots waiting for their priors, valued by a call of their own (a
+        wave with no leaf for the model); False if the model failed them."""
+        if not self.row["waiting"].any():
+            return True
         try:
-            _, priors = self._call_model(self.node_state[rows])
+            self._value_roots(np.zeros((0, self.game.state_words), np.uint64), time.perf_counter())
+        except EvaluationFailed:
+            return False
+        return True
+
+    def _value_roots(self, states: np.ndarray, t: float) -> tuple[np.ndarray, np.ndarray | None]:
+        """One model call for the leaves ``states`` (uint64 [M, W]) and the roots
+        waiting for their priors (which are valued, ready, after it): the
+        leaves' values and priors (float32 [M], [M, A] or None). Where the call
+        fails the roots keep uniform priors and go on with rollouts; the
+        failure is raised for the leaves' sake. ``t``: the wave's evaluation
+        start (perf_counter s), counted as the roots' evaluation time."""
+        waiting = np.flatnonzero(self.row["waiting"])
+        rows = waiting * self.cap
+        m = len(states)
+        def valued() -> None:
+            self.node_visits[rows] = 1  # the root's own evaluation: sqrt(N) > 0 at the first choice
+            self.row["waiting"][waiting] = False
+            self.row["ms"][waiting, 2] += (time.perf_counter() - t) * 1e3
+
+        try:
+            values, priors = self._call_model(np.concatenate([states, self.node_state[rows]]))
         except EvaluationFailed as exc:
-            self._stop_using_model(fresh, exc)  # uniform priors stay; rollouts value the leaves
-            priors = None
+            self._stop_using_model(waiting, exc)  # uniform priors stay; rollouts value the leaves
+            valued()
+            raise
         if priors is not None:
-            self.prior[rows] = priors
-        self.node_visits[rows] = 1  # the root's own evaluation: sqrt(N) > 0 at the first choice
-        self.row["ms"][fresh, 2] += (time.perf_counter() - t) * 1e3
+            self.prior[rows] = priors[m:]
+        valued()
+        return values[:m], None if priors is None else priors[:m]
 
     # -- 4. backup ---------------------------------------------------------
     def _path_edges(self, walk: dict) -> tuple[np.ndarray, np.ndarray]:

@@ -11,6 +11,9 @@ search service's wave loop (search_service/wave_loop.py) share it.
 Rules (per member, in this order; the CPU reference's single-search rules,
 per tree):
 
+0. its tree is not ready (a fresh PUCT root waiting for its priors, which
+   the next wave's model call brings with that wave's leaves): it takes no
+   simulation, and rules 3 and 4 wait for its first wave;
 1. its root is proven: it leaves (``END_PROVEN``);
 2. its simulation cap is reached: it leaves (``END_BUDGET``); else it takes
    ``k = min(K, cap - done)`` simulations (K = ``parallel_sims``);
@@ -73,15 +76,26 @@ class Member:
 
 class WaveTimes:
     """The batch's recent waves, as (leaves, ms), and what the next one is
-    expected to take: an affine model, ``overhead + per_leaf * leaves``, with
-    ``overhead`` the quickest of the last ``history`` waves (a wave's fixed
-    cost: launches, the model call's round trip) and ``per_leaf`` the largest
-    of the last ``window`` waves' ``(ms - overhead) / leaves`` (pessimistic).
+    expected to take: a fixed cost per wave plus a cost per leaf.
+
+    * ``overhead``: the quickest of the last ``history`` waves (launches, the
+      model call's round trip);
+    * ``per_leaf``: the median ``(ms - overhead) / leaves`` of the last
+      ``history`` waves with at least half the most leaves among them. Small
+      waves do not set it: a hiccup in a wave of few leaves (a scheduler
+      tick, a collection) would read as a large cost per leaf, and the fair
+      share would then shrink every wave to one simulation a tree, its
+      noise feeding itself;
+    * a wave of ``leaves``: the longest of the last ``window`` waves, each
+      moved by ``per_leaf`` for the difference in leaves (pessimistic about
+      the fixed cost's jitter), and never under ``overhead + per_leaf *
+      leaves``.
+
     A search alone (the same leaves every wave) is so expected to take its
-    longest recent wave, the CPU reference's rule. Where every recent wave
-    had the same size the model cannot tell fixed from per-leaf cost and
-    takes it all as fixed: the first wave of a batch that grows at once may
-    run long, and the next ones are planned from it.
+    longest recent wave, the CPU reference's rule. Where every wave had the
+    same size the model cannot tell fixed from per-leaf cost and takes it
+    all as fixed: the first wave of a batch that grows at once may run long,
+    and the next ones are planned from it.
 
     ``sliced``: the waves of a sliced batch, which last a time slice whatever
     their simulations: every wave counts as one leaf, so the next is expected
@@ -95,13 +109,14 @@ class WaveTimes:
         self.sliced = sliced
         self._lock = threading.Lock()
         self._recent: deque[tuple[int, float]] = deque(maxlen=window)  # guarded by _lock
-        self._history: deque[float] = deque(maxlen=history)  # guarded by _lock
+        self._history: deque[tuple[int, float]] = deque(maxlen=history)  # guarded by _lock
 
     def add(self, leaves: int, ms: float) -> None:
         """Records a wave of ``leaves`` simulations that took ``ms`` (undone waves too)."""
+        wave = (1 if self.sliced else max(int(leaves), 1), float(ms))
         with self._lock:
-            self._recent.append((1 if self.sliced else max(int(leaves), 1), float(ms)))
-            self._history.append(float(ms))
+            self._recent.append(wave)
+            self._history.append(wave)
 
     def expected_ms(self, leaves: int) -> float:
         """ms a wave of ``leaves`` simulations is expected to take; 0 before any wave."""
@@ -109,9 +124,11 @@ class WaveTimes:
             recent, history = tuple(self._recent), tuple(self._history)
         if not recent:
             return 0.0
-        overhead = min(history)
-        per_leaf = max((ms - overhead) / n for n, ms in recent)
-        return overhead + per_leaf * (1 if self.sliced else max(int(leaves), 1))
+        overhead = min(ms for _, ms in history)
+        most = max(n for n, _ in history)
+        per_leaf = float(np.median([(ms - overhead) / n for n, ms in history if 2 * n >= most]))
+        n = 1 if self.sliced else max(int(leaves), 1)
+        return max(overhead + per_leaf * n, max(ms + per_leaf * (n - m) for m, ms in recent))
 
 
 @dataclass
@@ -138,7 +155,8 @@ def fair_share(ks: np.ndarray, shared: np.ndarray, times: WaveTimes, k_max: int,
 
 
 def plan_wave(members: list[Member], done: np.ndarray, live: np.ndarray, times: WaveTimes, k_max: int,
-              wave_target_ms: float | None = None, now: float | None = None, sliced: bool = False) -> Plan:
+              wave_target_ms: float | None = None, now: float | None = None, sliced: bool = False,
+              ready: np.ndarray | None = None) -> Plan:
     """Plans the next wave of a batch (module docstring's rules).
 
     Args:
@@ -153,6 +171,7 @@ def plan_wave(members: list[Member], done: np.ndarray, live: np.ndarray, times: 
         sliced: the batch's waves last a time slice (module docstring):
             deadline-only members take ``OPEN``, capped ones the rest of
             their cap, and no fair share applies.
+        ready: bool [B], trees that can take simulations (rule 0; None: all).
 
     Returns:
         The plan; a member that leaves gets its ``end``.
@@ -171,7 +190,7 @@ def plan_wave(members: list[Member], done: np.ndarray, live: np.ndarray, times: 
             leave(i, END_PROVEN)
         elif m.simulations is not None and done[i] >= m.simulations:
             leave(i, END_BUDGET)
-        else:
+        elif ready is None or ready[i]:
             wave = OPEN if sliced else k_max
             ks[i] = wave if m.simulations is None else min(wave, m.simulations - int(done[i]))
     asked: dict[int, bool] = {}  # id(should_stop) -> its answer: one call per plan

@@ -411,8 +411,11 @@ def test_a_client_whose_inputs_are_never_written_costs_its_own_wave_only(gpu_rew
 def test_a_batch_of_device_trees_values_its_waves_by_the_device_channels(gpu_reward):
     """The CUDA batch of trees (search_service/cuda/tree_batch.py) lent a
     device channel a wave: ragged value-model searches, every simulation
-    valued by the model through the CUDA regions, none on the host."""
+    valued by the model through the CUDA regions, none on the host; the
+    roots that join while others search get their priors from the wave's
+    call (mcts_vm_root_priors), the model's own for them."""
     from search_service.cuda import CudaBackend
+    from search_service.cuda.answers import call_model
     from search_service.cuda.tree_batch import CudaTreeBatch
     from search_service.evaluators import HandoffEvaluator
     from search_service.games import connect4
@@ -431,19 +434,22 @@ def test_a_batch_of_device_trees_values_its_waves_by_the_device_channels(gpu_rew
                                   lend=lambda: handoff.lend(None))
             before = handoff._device_free[0].totals.calls
             specs = [("4453", 256, 0), ("", 128, 0), ("3344", 96, 1), ("7", 200, 3)]
-            members, times, out, wave = [], WaveTimes(), {}, 0
+            members, times, out, trees, wave = [], WaveTimes(), {}, {}, 0
             while len(out) < len(specs):
                 for i, (moves, sims, at) in enumerate(specs):
                     if at == wave:
                         batch.join(connect4.parse_moves(moves), [None], [i + 1], [0])
                         members.append(Member(sims, None, owner=i))
-                for m, r, _ in step(batch, members, times):
-                    out[m.owner] = r
+                for m, r, tree in step(batch, members, times):
+                    out[m.owner], trees[m.owner] = r, tree
                 wave += 1
-            for i, (_, sims, _) in enumerate(specs):
+            for i, (moves, sims, _) in enumerate(specs):
                 r = out[i]
                 assert r.simulations == r.model_simulations == sims and int(r.visit_counts.sum()) == sims
                 assert not r.evaluation_failure
+                pos = connect4.parse_moves(moves)
+                _, priors = call_model(handoff, pos.current, pos.mask)
+                np.testing.assert_allclose(trees[i].to_host().prior[0, 0], priors[0], atol=2e-3)
             assert handoff._device_free[0].totals.calls - before >= 8  # the waves went by the device channel
         finally:
             handoff.close()

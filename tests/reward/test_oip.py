@@ -333,10 +333,12 @@ def _rss_bytes() -> int:
 
 
 def test_a_refused_large_request_frees_its_memory_at_once(served):
-    """Six refused 8 MiB ModelInfers (the shape disagrees with the bytes), the
-    garbage collector off: the process's RSS (the server is in it) stays
-    within 50 MiB of where three earlier ones left it (they warm gRPC's and
-    the allocator's buffers). A refusal used to keep several times its size
+    """24 refused 8 MiB ModelInfers (the shape disagrees with the bytes, 192 MiB
+    in all), the garbage collector off: the process's RSS (the server is in
+    it) grows by less than half of that from where three earlier ones left it
+    (they warm gRPC's and the allocator's buffers; gRPC's threads' malloc
+    arenas still add 10-50 MiB, more on a loaded host, so a bound near one
+    request's size would measure the host). A refusal used to keep several times its size
     alive until a collection: cycles through the guard's frame
     (tandem/guard.py, _passes) and through the refusal kept in
     RewardServicer.Evaluate's frame (reward_service/server.py, clear_chain)."""
@@ -357,11 +359,11 @@ def test_a_refused_large_request_frees_its_memory_at_once(served):
     try:
         refuse(3)
         before = _rss_bytes()
-        refuse(6)
+        refuse(24)
         grown = _rss_bytes() - before
     finally:
         gc.enable()
-    assert grown < 50 << 20, f"RSS grew {grown / 2**20:.0f} MiB"
+    assert grown < 24 * size // 2, f"RSS grew {grown / 2**20:.0f} MiB"
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to run a client as another user")

@@ -103,6 +103,19 @@ def test_wave_times_expect_a_fixed_cost_and_a_pessimistic_cost_per_simulation():
     assert times.expected_ms(100) == pytest.approx(4.0) and times.expected_ms(1) == pytest.approx(2.02)
 
 
+def test_a_hiccup_in_a_small_wave_is_not_read_as_a_cost_per_leaf():
+    """A 1 ms stall in a wave of 4 leaves: the old rule (the largest recent
+    (ms - overhead) / leaves) expected a wave of 256 to take 64.5 ms, and the
+    fair share cut every tree to one simulation a wave."""
+    times = WaveTimes()
+    times.add(1, 0.5)  # a root alone: the fixed cost
+    times.add(256, 1.5)
+    times.add(256, 1.5)  # 1/256 ms a leaf
+    times.add(4, 1.5)  # 1 ms of it a stall
+    assert times.expected_ms(256) == pytest.approx(1.5 + 252 / 256)  # the stalled wave, moved by 1/256 ms a leaf
+    assert times.expected_ms(4) == pytest.approx(1.5)
+
+
 def test_a_sliced_plan_opens_deadline_only_members_and_gives_capped_ones_their_rest():
     """Sliced waves (rollouts): no fair share, the slice ends the wave."""
     times = WaveTimes(sliced=True)
@@ -406,26 +419,36 @@ def test_a_wave_that_fails_does_not_lose_the_searches_that_left_before_it():
 def test_trees_on_rollouts_keep_a_wave_the_model_failed_for_others():
     model = SlowModel(0.0, fail_after=0)  # every call fails
     batch = BACKEND.open_batch(params(deadline_ms=1.0, parallel_sims=4, evaluator="value_model"), model)
-    batch.join(c4.parse_moves("4"), [None], [1], [0])  # its root's evaluation fails: rollouts from now on
-    assert batch.failed().tolist() == [True]
-    model.fail_after = None  # the next root is valued
+    batch.join(c4.parse_moves("4"), [None], [1], [0])
+    assert batch.ready().tolist() == [False]  # its root waits for the next wave's model call
+    assert not batch.wave(np.array([0]))  # its root's evaluation fails: rollouts from now on
+    assert batch.failed().tolist() == [True] and batch.ready().tolist() == [True]
+    model.fail_after = None  # the next root is valued, beside the rollout tree's wave
     batch.join(c4.parse_moves("3"), [None], [2], [0])
+    assert batch.wave(np.array([4, 0])) and batch.ready().tolist() == [True, True]
     model.fail_after = model.calls  # and every wave's call fails
     assert not batch.wave(np.array([4, 4]))
-    assert batch.done.tolist() == [4, 0]  # the rollout tree kept its wave, the model's tree undid it
+    assert batch.done.tolist() == [8, 0]  # the rollout tree kept its wave, the model's tree undid it
     assert batch.failed().tolist() == [True, True]
     results, trees, kept = batch.leave([0, 1], [Member(None, None), Member(None, None)])
     assert kept.size == 0
-    assert [r.simulations for r in results] == [4, 0] and int(trees[1].num_nodes[0]) == 1
+    assert [r.simulations for r in results] == [8, 0] and int(trees[1].num_nodes[0]) == 1
     assert not trees[1].edge_vloss.any() and not trees[0].edge_vloss.any()
 
 
-def test_a_root_evaluation_that_raises_leaves_the_batch_as_it_was():
-    model = SlowModel(0.0, fail_after=0, error=RuntimeError)
+def test_a_join_calls_no_model_and_the_next_wave_values_its_root_with_the_leaves():
+    model = SlowModel(0.0)
     batch = BACKEND.open_batch(params(deadline_ms=1.0, parallel_sims=4, evaluator="value_model"), model)
+    batch.join(c4.parse_moves("4"), [None], [1], [0])
+    assert model.calls == 0 and batch.ready().tolist() == [False]
+    assert batch.wave(np.array([0])) and model.calls == 1  # its root alone: no leaf to go with it
+    batch.join(c4.parse_moves("3"), [None], [2], [0])
+    assert batch.wave(np.array([4, 0])) and model.calls == 2  # the first tree's leaves and the new root: one call
+    assert batch.ready().all() and batch.done.tolist() == [4, 0]
+    model.fail_after, model.error = model.calls, RuntimeError  # not an EvaluationFailed: the wave raises it
+    batch.join(c4.parse_moves("5"), [None], [3], [0])
     with pytest.raises(RuntimeError):
-        batch.join(c4.parse_moves("4"), [None], [1], [0])
-    assert len(batch) == 0 and batch.done.size == 0
+        batch.wave(np.array([0, 0, 0]))
 
 
 def test_the_pools_shrink_once_a_large_tree_has_left():

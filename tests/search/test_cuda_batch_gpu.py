@@ -122,14 +122,18 @@ def test_a_failed_wave_is_undone_only_in_the_models_trees_on_the_device():
     model = SlowModel(0.0, fail_after=0)
     params = SearchParams(simulations=None, deadline_ms=1.0, parallel_sims=4, evaluator="value_model")
     batch = GPU.open_batch(params, model)
-    batch.join(c4.parse_moves("4"), [None], [1], [0])  # its root's evaluation fails: rollouts from now on
-    model.fail_after = None
+    batch.join(c4.parse_moves("4"), [None], [1], [0])
+    assert model.calls == 0 and batch.ready().tolist() == [False]  # its root waits for the next wave's call
+    assert not batch.wave(np.array([0]))  # its root's evaluation fails: rollouts from now on
+    assert batch.failed().tolist() == [True] and batch.ready().tolist() == [True]
+    model.fail_after = None  # the next root is valued, beside the rollout tree's wave
     batch.join(c4.parse_moves("3"), [None], [2], [0])
+    assert batch.wave(np.array([4, 0])) and batch.ready().all()
     model.fail_after = model.calls
     assert not batch.wave(np.array([4, 4]))
-    assert batch.done.tolist() == [4, 0] and batch.failed().tolist() == [True, True]
+    assert batch.done.tolist() == [8, 0] and batch.failed().tolist() == [True, True]
     results, trees, kept = batch.leave([0, 1], [Member(None, None), Member(None, None)])
-    assert [r.simulations for r in results] == [4, 0] and kept.size == 0
+    assert [r.simulations for r in results] == [8, 0] and kept.size == 0
     host = trees[1].to_host()
     assert int(host.num_nodes[0]) == 1 and not host.edge_vloss.any() and not trees[0].to_host().edge_vloss.any()
 
@@ -160,3 +164,30 @@ def test_a_member_no_session_keeps_leaves_without_its_tree():
     results, trees, kept = batch.leave([0, 1], [Member(None, None, keep_tree=False), Member(None, None)])
     assert [r.simulations for r in results] == [4, 4] and kept.size == 0
     assert trees[0] is None and int(trees[1].to_host().num_nodes[0]) == results[1].tree_nodes
+
+
+def test_a_root_that_joins_gets_its_priors_from_the_next_waves_model_call():
+    """No model call at the join; the next wave's one values the other
+    tree's leaves and the new root together (host way), and the root's
+    edges get the model's priors, as the CPU reference's do."""
+    calls = []
+
+    def counting(obs):
+        calls.append(len(obs))
+        return policy_model(obs)
+
+    params = SearchParams(simulations=None, deadline_ms=1.0, parallel_sims=4, evaluator="value_model")
+    batch, ref = GPU.open_batch(params, counting), CPU.open_batch(params, policy_model)
+    for b in (batch, ref):
+        b.join(c4.parse_moves("4"), [None], [1], [0])
+        assert b.wave(np.array([0]))  # its root alone
+        assert b.wave(np.array([4]))
+        b.join(c4.parse_moves("3344"), [None], [2], [0])
+        assert b.ready().tolist() == [True, False]
+        assert b.wave(np.array([4, 0])) and b.ready().all()
+    assert len(calls) == 3 and calls[0] == 1  # the root alone, then two waves: the last one with the new root
+    results, trees, _ = batch.leave([0, 1], [Member(None, None), Member(None, None)])
+    expected, ref_trees, _ = ref.leave([0, 1], [Member(None, None), Member(None, None)])
+    for got, want in zip(trees, ref_trees):
+        np.testing.assert_allclose(got.to_host().prior[0, 0], want.prior[0, 0], atol=1e-6)
+    assert [r.simulations for r in results] == [r.simulations for r in expected] == [4, 0]
