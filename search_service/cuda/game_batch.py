@@ -117,6 +117,9 @@ class GameTreeBatch:
     def live(self) -> np.ndarray:
         return self.res["outcome"][:, 0].astype(np.int8) == tr.NOT_TERMINAL
 
+    def ready(self) -> np.ndarray:
+        return np.ones(self.b, bool)  # rollouts only: no root waits for priors
+
     def failed(self) -> np.ndarray:
         return np.zeros(self.b, bool)
 
