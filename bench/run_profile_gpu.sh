@@ -50,6 +50,9 @@ for n in sys.argv[2:]:
           f"simulations a frame {sum(sims) / max(len(sims), 1):.1f}, errors {sum(sum(r['errors'].values()) for r in rs)}")
     for key in ("frame_latency_ms", "search_latency_ms"):
         print(f"  {key} p50 {[r[key]['p50'] for r in rs][:8]}")
+    for kind in ("search", "evaluate"):
+        print(f"  {kind} request p50/p99 ms", [(r["request_latency_ms"][kind]["p50"], r["request_latency_ms"][kind]["p99"])
+                                               for r in rs if kind in r.get("request_latency_ms", {})][:6])
     phases = {k: [r["search_phases_ms"][k]["mean"] for r in rs if r.get("search_phases_ms")] for k in
               ("select", "expand", "evaluate", "backup")}
     print("  phases mean ms (first engines):", {k: v[:4] for k, v in phases.items()})

@@ -338,8 +338,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self._at_risk = policy.frames_at_risk(loads, was, self._weights)
         FRAMES_AT_RISK.set(int(self._at_risk))
         if self._at_risk != was:
-            log.info("frames %s (critical p95 %s ms)", "at risk" if self._at_risk else "safe again",
-                     ", ".join(f"{l.critical_latency_ms:.2f}" for k, l in loads if k == policy.REWARD and l))
+            slack = min([l.deadline_slack_ms for k, l in loads if k == policy.SEARCH and l and l.deadline_slack_ms]
+                        or [0.0])
+            acts = "" if self._policy == "dynamic" else f"; policy {self._policy} leaves the bulk share as it is"
+            log.info("frames %s (reward services' critical queue + model p95: %s ms; searches' worst deadline "
+                     "slack %.2f ms, 0: none reported)%s", "at risk" if self._at_risk else "safe again",
+                     ", ".join(f"{l.critical_latency_ms:.2f}" for k, l in loads if k == policy.REWARD and l) or "none",
+                     slack, acts)
         if reporter.kind != policy.REWARD:
             return
         old = reporter.bulk_share_percent

@@ -13,7 +13,8 @@ job; a ``SearchBatch`` call is K jobs submitted at once.
 Admission (at :meth:`WaveLoop.submit`, on the caller's thread, answered at
 once, never late): more trees in flight than ``max_trees``, or a deadline
 shorter than the wave its group is expected to run next once it has joined
-(a search that cannot get one wave, the minimum useful search), is refused
+(a search that cannot get one wave, the minimum useful search; two for a
+fresh value-model root, whose priors the first brings), is refused
 with :class:`Refused` (RESOURCE_EXHAUSTED). A group with no search in flight
 admits any deadline: a lone search always gets its one wave, as a
 backend's own ``search`` does.
@@ -30,7 +31,7 @@ Invariants (``_lock`` guards ``_in_flight`` and every group's ``queue`` and
   yet answered;
 * a job that leaves is answered before the group's next wave runs (that wave
   is why it left: it would end past its deadline), and before newcomers
-  join (a join costs time: the batch grows, PUCT roots are valued);
+  join (a join costs time: the batch grows);
 * a failure outside the model (an exception from the batch) fails every job
   joined to that group's batch, which starts empty again; the jobs still
   queued join it, and the other groups go on.
@@ -192,6 +193,8 @@ class WaveLoop:
                 # as deadline-only: the wave the plan would run at most).
                 ks = np.full(busy + adding[id(group)], group.k_max, np.int64)
                 expected = fair_share(ks, np.ones(ks.size, bool), group.times, group.k_max, self.wave_target_ms)
+                if job.params.evaluator == "value_model" and job.tree is None:
+                    expected *= 2  # its root's wave, then its first simulations'
                 left_ms = job.deadline.left_ms(now)
                 if left_ms < expected:
                     REFUSED.labels("deadline").inc(len(jobs))

@@ -24,8 +24,12 @@ NPCs), each scored, and the Evaluate values the first:
   solver's.
 
 Frame latency runs from the frame's start (its Search leaving) to the later
-of the two answers; a frame is missed when that exceeds ``1000 / fps`` ms. The
-pacing, requests and timing are the engine's frame loop, stack/frame_loop.py.
+of the two answers; a frame is missed when that exceeds ``1000 / fps`` ms.
+``request_latency_ms`` splits it by request (``search`` or ``search_batch``,
+``evaluate``: sent to answered, answered frames), and ``search_phases_ms``
+gives the search service's own select, expand, evaluate and backup ms per
+search (its waves only, not its wait to join them). The pacing, requests
+and timing are the engine's frame loop, stack/frame_loop.py.
 """
 from __future__ import annotations
 
@@ -115,6 +119,7 @@ class _Tally:
     frame_ms: list[float] = field(default_factory=list)  # answered frames only
     search_ms: list[float] = field(default_factory=list)  # the search service's own total
     phases_ms: list[tuple[float, float, float, float]] = field(default_factory=list)  # its select, expand, evaluate, backup
+    request_ms: dict[str, list[float]] = field(default_factory=dict)  # answered frames' requests by kind: sent to answer
     simulations: list[int] = field(default_factory=list)
     not_lost: int = 0  # positions the side to move does not lose
     kept: int = 0  # ... whose move keeps the solver's result
@@ -147,6 +152,8 @@ class _Tally:
             return False
         reply, *e_reply = frame.replies()
         self.frame_ms.append(frame_loop.frame_latency_ms(frame.records, since=frame.records[0].sent))
+        for r in frame.records:
+            self.request_ms.setdefault(r.kind, []).append((r.done - r.sent) * 1e3)
         for pos, s_reply in zip(positions, getattr(reply, "results", [reply])):
             self._score_search(pos, s_reply)
         if e_reply:  # the Evaluate, where the game has a value model
@@ -276,6 +283,7 @@ def _report(opts: PlayOptions, t: _Tally, reward_execution_provider: str, solver
         "value_sign_agreement": round(t.agree / t.evaluated, 4) if t.evaluated else None,
         "frame_latency_ms": summary(t.frame_ms),
         "search_latency_ms": summary(t.search_ms),
+        "request_latency_ms": {kind: summary(ms) for kind, ms in sorted(t.request_ms.items())},
         "search_phases_ms": {name: summary(col) for name, col in
                              zip(("select", "expand", "evaluate", "backup"), zip(*t.phases_ms))} if t.phases_ms else {},
         "missed_frames": frame_loop.missed_frames(t.frame_ms, budget_ms) + sum(t.errors.values()),

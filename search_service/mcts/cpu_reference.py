@@ -327,7 +327,7 @@ class CpuTreeBatch:
 
     def _wave(self, ks: np.ndarray) -> bool:
         if not ks.any():  # roots waiting for their priors, and no simulation to value beside them
-            return self._value_roots_alone()
+            return self._value_roots_alone() is None
         self._ensure_capacity(int(ks.max()))  # a pool that grows counts in its wave's time
         in_wave = ks > 0
         used_model = self.row["use_model"] & in_wave
@@ -340,7 +340,7 @@ class CpuTreeBatch:
             leaf = self._expand(walk)
         t2 = time.perf_counter()
         with nvtx.span("search.evaluate"):
-            values, failure = self._evaluate(walk, leaf)
+            values, failure, roots_valued = self._evaluate(walk, leaf)
         t3 = time.perf_counter()
         done = in_wave
         if failure is not None:  # the model's trees undo the wave; those on rollouts keep theirs
@@ -359,7 +359,7 @@ class CpuTreeBatch:
         self.row["done"] += np.where(done, ks, 0)
         self.row["model_simulations"] += np.where(used_model, ks, 0)
         self.row["waves"] += done
-        return failure is None
+        return failure is None and roots_valued
 
     def _stop_using_model(self, rows: np.ndarray, exc: EvaluationFailed) -> None:
         """Trees ``rows`` (bool [B] or int [M]) value their leaves by rollouts from now on."""
@@ -523,15 +523,15 @@ class CpuTreeBatch:
         return dict(row=leaf_row, state=leaf_state, terminal=leaf_terminal, key=edge_key)
 
     # -- 3. evaluation -----------------------------------------------------
-    def _evaluate(self, walk: dict, leaf: dict) -> tuple[np.ndarray, EvaluationFailed | None]:
+    def _evaluate(self, walk: dict, leaf: dict) -> tuple[np.ndarray, EvaluationFailed | None, bool]:
         """float32 [W]: each selection's leaf value for the leaf's side to move,
-        and the model's failure (None where it valued its leaves; its trees'
-        values are then meaningless)."""
+        the model's failure (None where it valued its leaves; its trees'
+        values are then meaningless), and whether it valued the roots waiting
+        for their priors (their own call where no leaf needs the model)."""
         values = tr.OUTCOME_VALUE[leaf["terminal"]]  # exact where the result is known, 0 elsewhere
         open_ = np.flatnonzero(leaf["terminal"] == tr.NOT_TERMINAL)
         if open_.size == 0:
-            self._value_roots_alone()
-            return values, None
+            return values, None, self._value_roots_alone() is None
         tree_of = walk["tree_of"][open_]
         by_rollout = ~self.row["use_model"][tree_of]
         if by_rollout.any():
@@ -541,8 +541,7 @@ class CpuTreeBatch:
                                                     self.row["seed"][t])
             open_ = open_[~by_rollout]
             if open_.size == 0:
-                self._value_roots_alone()
-                return values, None
+                return values, None, self._value_roots_alone() is None
         # Value model: one call per wave, one row per distinct leaf (selections
         # that stopped at the same missing child share it), then the roots waiting.
         keys = leaf["key"][open_]
@@ -551,13 +550,13 @@ class CpuTreeBatch:
         try:
             v, priors = self._value_roots(leaf["state"][who], time.perf_counter())
         except EvaluationFailed as exc:
-            return values, exc
+            return values, exc, False
         values[open_] = v[inverse]
         rows = leaf["row"][who]
         if priors is not None:
             has_node = rows >= 0
             self.prior[rows[has_node]] = priors[has_node]
-        return values, None
+        return values, None, True
 
     def _call_model(self, states: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
         """Values float32 [M] and masked, renormalised priors float32 [M, A] (or
@@ -565,16 +564,16 @@ class CpuTreeBatch:
         values, priors = self.evaluator(self.game.observation(states))
         return model_answer(values, priors, self.game.legal(states))
 
-    def _value_roots_alone(self) -> bool:
+    def _value_roots_alone(self) -> EvaluationFailed | None:
         """The roots waiting for their priors, valued by a call of their own (a
-        wave with no leaf for the model); False if the model failed them."""
+        wave with no leaf for the model); the model's failure, or None."""
         if not self.row["waiting"].any():
-            return True
+            return None
         try:
             self._value_roots(np.zeros((0, self.game.state_words), np.uint64), time.perf_counter())
-        except EvaluationFailed:
-            return False
-        return True
+        except EvaluationFailed as exc:
+            return exc
+        return None
 
     def _value_roots(self, states: np.ndarray, t: float) -> tuple[np.ndarray, np.ndarray | None]:
         """One model call for the leaves ``states`` (uint64 [M, W]) and the roots

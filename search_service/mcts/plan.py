@@ -44,6 +44,7 @@ K (their trees equal the same search run alone, whatever shares the batch).
 from __future__ import annotations
 
 import math
+import statistics
 import threading
 from collections import deque
 from dataclasses import dataclass
@@ -88,8 +89,7 @@ class WaveTimes:
       noise feeding itself;
     * a wave of ``leaves``: the longest of the last ``window`` waves, each
       moved by ``per_leaf`` for the difference in leaves (pessimistic about
-      the fixed cost's jitter), and never under ``overhead + per_leaf *
-      leaves``.
+      the fixed cost's jitter), and never under ``overhead``.
 
     A search alone (the same leaves every wave) is so expected to take its
     longest recent wave, the CPU reference's rule. Where every wave had the
@@ -101,34 +101,37 @@ class WaveTimes:
     their simulations: every wave counts as one leaf, so the next is expected
     to take the longest recent one.
 
-    The wave loop's thread adds; other threads (admission) may call
-    :meth:`expected_ms`: ``_lock`` guards the deques (copying a deque while
+    One thread adds (the wave loop's group thread), refitting the model
+    then; other threads (admission) may call :meth:`expected_ms`, a few µs:
+    ``_lock`` guards the recent waves and the fit (copying a deque while
     another thread appends to it raises)."""
 
     def __init__(self, window: int = 4, history: int = 32, sliced: bool = False):
         self.sliced = sliced
         self._lock = threading.Lock()
         self._recent: deque[tuple[int, float]] = deque(maxlen=window)  # guarded by _lock
-        self._history: deque[tuple[int, float]] = deque(maxlen=history)  # guarded by _lock
+        self._history: deque[tuple[int, float]] = deque(maxlen=history)  # the adding thread's only
+        self._fit = (0.0, 0.0)  # guarded by _lock: (overhead, per_leaf), refitted at each add
 
     def add(self, leaves: int, ms: float) -> None:
         """Records a wave of ``leaves`` simulations that took ``ms`` (undone waves too)."""
         wave = (1 if self.sliced else max(int(leaves), 1), float(ms))
+        self._history.append(wave)
+        overhead = min(t for _, t in self._history)
+        most = max(n for n, _ in self._history)
+        per_leaf = statistics.median((t - overhead) / n for n, t in self._history if 2 * n >= most)
         with self._lock:
             self._recent.append(wave)
-            self._history.append(wave)
+            self._fit = (overhead, per_leaf)
 
     def expected_ms(self, leaves: int) -> float:
         """ms a wave of ``leaves`` simulations is expected to take; 0 before any wave."""
         with self._lock:
-            recent, history = tuple(self._recent), tuple(self._history)
+            recent, (overhead, per_leaf) = tuple(self._recent), self._fit
         if not recent:
             return 0.0
-        overhead = min(ms for _, ms in history)
-        most = max(n for n, _ in history)
-        per_leaf = float(np.median([(ms - overhead) / n for n, ms in history if 2 * n >= most]))
         n = 1 if self.sliced else max(int(leaves), 1)
-        return max(overhead + per_leaf * n, max(ms + per_leaf * (n - m) for m, ms in recent))
+        return max(overhead, max(ms + per_leaf * (n - m) for m, ms in recent))
 
 
 @dataclass
@@ -141,16 +144,17 @@ class Plan:
 
 
 def fair_share(ks: np.ndarray, shared: np.ndarray, times: WaveTimes, k_max: int,
-               wave_target_ms: float | None) -> float:
+               wave_target_ms: float | None, roots: int = 0) -> float:
     """Shrinks, in place, the simulations ``ks`` (int64 [B]) of the members
     ``shared`` (bool [B]: bounded by a deadline alone) to one equal k where
     the wave would take longer than ``wave_target_ms``; returns the wave's
-    expected ms after it."""
-    expected = times.expected_ms(int(ks.sum()))
+    expected ms after it. ``roots``: rows the wave's model call values
+    besides (roots waiting for their priors), counted as leaves."""
+    expected = times.expected_ms(int(ks.sum()) + roots)
     if wave_target_ms is not None and expected > wave_target_ms and shared.any():
         k = max(1, min(k_max, math.floor(k_max * wave_target_ms / expected)))
         ks[shared] = np.minimum(ks[shared], k)
-        expected = times.expected_ms(int(ks.sum()))
+        expected = times.expected_ms(int(ks.sum()) + roots)
     return expected
 
 
@@ -204,7 +208,8 @@ def plan_wave(members: list[Member], done: np.ndarray, live: np.ndarray, times: 
     # The deadline, against the wave as planned (its fair shares included); those
     # that leave only shorten it.
     shared = np.array([m.simulations is None for m in members], bool)
-    expected = fair_share(ks, shared & (ks > 0), times, k_max, None if sliced else wave_target_ms)
+    waiting = 0 if ready is None else int(np.count_nonzero(~np.asarray(ready, bool) & np.asarray(live, bool)))
+    expected = fair_share(ks, shared & (ks > 0), times, k_max, None if sliced else wave_target_ms, waiting)
     for i, m in enumerate(members):
         if ks[i] and m.tried and m.deadline is not None and m.deadline.left_ms(now) <= expected:
             leave(i, END_DEADLINE)

@@ -408,6 +408,45 @@ def test_a_client_whose_inputs_are_never_written_costs_its_own_wave_only(gpu_rew
         child.kill()
 
 
+def test_roots_waiting_in_rows_apart_get_their_priors_from_a_device_wave(gpu_reward):
+    """Two roots join a device batch, a row leaves before the next wave and
+    moves one of them into its hole: the waiting rows are 0 and 2, two runs of
+    init_trees and mcts_vm_root_priors beside tree 1's leaves; each root gets
+    the model's own priors."""
+    from search_service.cuda import CudaBackend
+    from search_service.cuda.answers import call_model
+    from search_service.cuda.tree_batch import CudaTreeBatch
+    from search_service.evaluators import HandoffEvaluator
+    from search_service.games import connect4
+    from search_service.mcts.backend import SearchParams
+    from search_service.mcts.plan import Member
+
+    cfg, _ = gpu_reward
+    with channel(cfg.reward.address) as ch:
+        handoff = HandoffEvaluator(ch, MODEL, "leaf_channel", device_channels=1)
+        try:
+            assert handoff.wait_attached(30.0) and handoff.wait_device_channels(30.0) == 1
+            params = SearchParams(simulations=None, deadline_ms=1.0, parallel_sims=32, evaluator="value_model")
+            batch = CudaTreeBatch(CudaBackend(value_sims_per_warp=32), params, handoff,
+                                  lend=lambda: handoff.lend(None))
+            batch.join(connect4.stack([connect4.parse_moves(m) for m in ("4453", "")]), [None] * 2, [1, 2], [0, 1])
+            assert batch.wave(np.zeros(2, np.int64)) and batch.ready().all()  # their roots alone (host way)
+            batch.join(connect4.stack([connect4.parse_moves(m) for m in ("3344", "7")]), [None] * 2, [3, 4], [0, 1])
+            _, _, kept = batch.leave([0], [Member(None, None)])
+            assert kept.tolist() == [3, 1, 2] and batch.ready().tolist() == [False, True, False]
+            before = handoff._device_free[0].totals.calls
+            assert batch.wave(np.array([0, 32, 0])) and batch.ready().all()
+            assert handoff._device_free[0].totals.calls == before + 1  # one call: tree 1's leaves and both roots
+            results, trees, _ = batch.leave([0, 1, 2], [Member(None, None)] * 3)
+            assert [r.simulations for r in results] == [0, 32, 0]
+            for tree, moves in zip(trees, ("7", "", "3344")):
+                pos = connect4.parse_moves(moves)
+                _, priors = call_model(handoff, pos.current, pos.mask)
+                np.testing.assert_allclose(tree.to_host().prior[0, 0], priors[0], atol=2e-3)
+        finally:
+            handoff.close()
+
+
 def test_a_batch_of_device_trees_values_its_waves_by_the_device_channels(gpu_reward):
     """The CUDA batch of trees (search_service/cuda/tree_batch.py) lent a
     device channel a wave: ragged value-model searches, every simulation

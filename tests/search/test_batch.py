@@ -333,8 +333,9 @@ def test_every_search_answers_by_its_deadline_while_others_join_and_leave():
 
 
 def test_a_search_that_is_done_is_answered_before_a_newcomer_joins():
-    """A join costs time (here the newcomer's root valued by a slow model): the
-    search whose cap the last wave reached does not wait for it."""
+    """A join and the newcomer's first wave cost time (here its root valued
+    by the next wave's model call): the search whose cap the last wave
+    reached does not wait for them."""
     first = job("4453", simulations=4, parallel_sims=4, evaluator="value_model", seed=1)
     in_wave, go, seen = threading.Event(), threading.Event(), []
 
