@@ -1,13 +1,15 @@
 """Choosing the search backend: the CUDA kernels where CuPy sees a GPU and they
 are built in, else the NumPy CPU reference (what CI runs); and, per game, the
-backend that searches it (:class:`GameBackends`: the CUDA kernels hold
-Connect Four's rules only, so other games go to the CPU reference)."""
+backend that searches it (:class:`GameBackends`: the CUDA backend searches
+Connect Four and every game folder with a ``rules.cu`` that compiles; the
+other games go to the CPU reference)."""
 from __future__ import annotations
 
 import importlib.util
 import logging
 import threading
 
+from search_service.games.metadata import GameError
 from search_service.mcts.games import ConnectFourSearch, SearchGame
 from tandem.gpu import cuda_device_count, host_fact
 
@@ -49,12 +51,40 @@ def make_backend(choice: str, rollout_slice_ms: float | None = None, **cuda_opti
 
 
 def cuda_serves(game: SearchGame) -> str | None:
-    """None where the CUDA backend searches ``game``, else why not: its
-    kernels hold Connect Four's rules only, until each game folder's rules
-    come as device functions too (issue 42's device half)."""
+    """None where the CUDA backend searches ``game``, else why not: Connect
+    Four's kernels are built in; a game folder's are its ``rules.cu``
+    compiled with tandem's kernels (:func:`search_service.cuda.game_module.device_module`,
+    once per process), so a folder without rules.cu, or whose rules.cu does
+    not compile, is searched by the CPU reference (the reason, naming the
+    game and the cause, is logged once and said by ``ListGames``' backend_note)."""
     if isinstance(game, ConnectFourSearch):
         return None
-    return f"the CUDA kernels hold Connect Four's rules only; game {game.name} has no device rules yet"
+    plugin = getattr(game, "plugin", None)
+    if plugin is None:
+        return f"game {game.name} has no device rules"
+    with _serves_lock:
+        key = (plugin.meta.folder, plugin.meta.name)
+        if key not in _serves:
+            import search_service.cuda.game_module as game_module  # the module, not the package (its __init__ reaches cuda.backend)
+
+            if not game_module.has_device_rules(plugin.meta):
+                why = (f"game {plugin.meta.label}: the folder has no {game_module.RULES_FILE}, "
+                       "so the CPU reference searches it")
+            elif (reason := cuda_available()) is not None:  # no kernels to compile here: not cached
+                return f"game {plugin.meta.label}: its {game_module.RULES_FILE} needs the CUDA backend, but {reason}"
+            else:
+                try:
+                    game_module.device_module(plugin.meta)
+                    why = None
+                except GameError as e:
+                    why = f"{e} (the CPU reference searches it)"
+                    log.error("search backend: %s", why)
+            _serves[key] = why
+        return _serves[key]
+
+
+_serves_lock = threading.Lock()
+_serves: dict = {}  # (folder, name) -> cuda_serves' answer; guarded by _serves_lock
 
 
 class GameBackends:

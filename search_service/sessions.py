@@ -49,7 +49,11 @@ class _Entry:
 
 def tree_bytes(tree: Any) -> int:
     """Bytes of the arrays a kept tree holds alive: the NumPy pools of a
-    ``search_service.mcts.tree.Tree``, the device pool of a ``CudaTree``."""
+    ``search_service.mcts.tree.Tree``, the device pool of a ``CudaTree``;
+    0 for None (a backend that gives no tree back: a game folder's on the
+    CUDA backend, search_service/cuda/game_batch.py)."""
+    if tree is None:
+        return 0
     fields = getattr(tree, "__slots__", None)
     values = [getattr(tree, name) for name in fields] if fields else vars(tree).values()
     return sum(int(getattr(v, "nbytes", 0)) for v in values)

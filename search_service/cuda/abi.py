@@ -232,16 +232,20 @@ CONSTANTS = (
 def header() -> str:
     """The kernels' header ``abi.h``: ``#define``s of every constant and
     layout field above, each with its doc (deterministic text)."""
-    lines = [
+    return render([
         "// abi.h -- GENERATED from search_service/cuda/abi.py (module.source() puts",
         "// it ahead of the kernels): the constants and records the host and the",
         "// kernels share. Change the table there, never this text. Record fields",
         "// are word offsets: row b's field F of layout P is p[b * P_WORDS + P_F].",
-        "",
-        "// Constants",
-    ]
-    lines += [_define(c.name, c.value, c.doc) for c in CONSTANTS]
-    for layout in LAYOUTS:
+    ], CONSTANTS, LAYOUTS)
+
+
+def render(intro: list[str], constants, layouts) -> str:
+    """A header's text: the ``intro`` comment lines, then ``#define``s of
+    ``constants`` and of every field of ``layouts`` (deterministic text)."""
+    lines = [*intro, "", "// Constants"]
+    lines += [_define(c.name, c.value, c.doc) for c in constants]
+    for layout in layouts:
         lines += ["", f"// {layout.prefix}: {layout.doc}"]
         for f in layout.fields:
             kind = f.dtype.name + (f" [{f.count}]" if f.count > 1 else "")

@@ -17,7 +17,7 @@ from tandem import nvtx
 
 _RES_OFFSET = {f.name: f.offset for f in abi.RESULT.fields}  # RES field -> its first word
 _RES_COUNTERS = ("nodes", "max_depth", "done", "exhausted", "deadline", "pv_length")  # one word each, in this order
-_RES_NODES, _RES_PV = _RES_OFFSET["nodes"], _RES_OFFSET["pv"]
+_RES_NODES = _RES_OFFSET["nodes"]
 assert [_RES_OFFSET[f] for f in _RES_COUNTERS] == list(range(_RES_NODES, _RES_NODES + len(_RES_COUNTERS)))
 
 
@@ -64,17 +64,28 @@ def model_values(evaluator, vin: np.ndarray, planes: np.ndarray, obs_dev, open_:
 
 def result_fields(res: np.ndarray, currents: np.ndarray, masks: np.ndarray,
                   root_priors: Callable[[np.ndarray], np.ndarray | None]) -> list[tuple[dict, bool]]:
-    """The :class:`SearchResult` fields that M trees' RES rows give (``res``:
-    abi.RESULT.dtype [M]; ``currents``, ``masks``: uint64 [M], the roots' side
-    to move's stones and occupied cells;
-    ``root_priors(total)``: the roots' priors float32 [M, A] where a tree has
-    no root visit at all, given the roots' visits int64 [M], else None), with
-    whether its deadline stopped a warp of the tree, one pair per tree.
-    Whole-batch arrays and lists first, in as few NumPy calls as may be: each
-    costs the host a few µs while the caller waits for its answer, whatever M
-    (docs/benchmarks.md)."""
+    """The :class:`SearchResult` fields that M Connect Four trees' RES rows
+    give (``res``: abi.RESULT.dtype [M]; ``currents``, ``masks``: uint64 [M],
+    the roots' side to move's stones and occupied cells; ``root_priors(total)``:
+    the roots' priors float32 [M, A] where a tree has no root visit at all,
+    given the roots' visits int64 [M], else None), with whether its deadline
+    stopped a warp of the tree, one pair per tree (:func:`game_result_fields`)."""
+    return game_result_fields(res, connect4.legal_bits(masks), connect4.loses_at_once_bits(currents, masks),
+                              root_priors)
+
+
+def game_result_fields(res: np.ndarray, legal: np.ndarray, loses_at_once: np.ndarray | None,
+                       root_priors: Callable[[np.ndarray], np.ndarray | None]) -> list[tuple[dict, bool]]:
+    """As :func:`result_fields`, for any game's RES rows (``res``: a RES
+    dtype [M], Connect Four's :mod:`.abi` or a game module's
+    :class:`~.game_abi.GameAbi`), given the roots' legal actions (bool [M, A])
+    and the actions that lose at once (bool [M, A], or None where the game
+    does not say). Whole-batch arrays and lists first, in as few NumPy calls
+    as may be: each costs the host a few µs while the caller waits for its
+    answer, whatever M (docs/benchmarks.md)."""
     m = len(res)
-    words = res.view(np.int32).reshape(m, abi.RESULT.words)  # [M, 74]: the RES rows as words
+    offset = {name: res.dtype.fields[name][1] // 4 for name in ("nodes", "pv")}
+    words = res.view(np.int32).reshape(m, res.dtype.itemsize // 4)  # the RES rows as words
     visits = res["visits"].astype(np.int64)  # [M, A]
     value = res["value_sum"].astype(np.float64)
     q = np.where(visits > 0, value / np.maximum(visits, 1), 0.0)
@@ -84,10 +95,9 @@ def result_fields(res: np.ndarray, currents: np.ndarray, masks: np.ndarray,
     proven = outcome[:, 0]
     root_value = np.where(proven != tr.NOT_TERMINAL, tr.OUTCOME_VALUE[proven],
                           value.sum(axis=1) / np.maximum(total, 1)).tolist()
-    action = best_action(visits, q, connect4.legal_bits(masks), outcome[:, 1:], root_priors(total),
-                         connect4.loses_at_once_bits(currents, masks)).tolist()
-    counters = words[:, _RES_NODES : _RES_NODES + len(_RES_COUNTERS)].tolist()  # [M][6]: _RES_COUNTERS
-    pv = words[:, _RES_PV : _RES_PV + abi.MAX_DEPTH].tolist()
+    action = best_action(visits, q, legal, outcome[:, 1:], root_priors(total), loses_at_once).tolist()
+    counters = words[:, offset["nodes"] : offset["nodes"] + len(_RES_COUNTERS)].tolist()  # [M][6]: _RES_COUNTERS
+    pv = words[:, offset["pv"] : offset["pv"] + res.dtype.fields["pv"][0].shape[0]].tolist()
     proven = proven.tolist()
     return [
         (dict(action=action[i], visit_counts=visits[i], q_values=q32[i], root_value=root_value[i],

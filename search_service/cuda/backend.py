@@ -93,18 +93,31 @@ from search_service.mcts.backend import (
     kept_trees,
 )
 from search_service.mcts.philox import seed_key
+from search_service.mcts.batch import search_alone
+from search_service.mcts.games import ConnectFourSearch
+from search_service.mcts.plan import Member
 from search_service.mcts.rollout import rollout_values
 from tandem import gpu, nvtx, outputs_gate, ready_word, timeline
+from tandem.deadline import Deadline
 
 log = logging.getLogger(__name__)
 A = connect4.NUM_ACTIONS
 
 
 def refuse_other_games(game) -> None:
-    """Raises ValueError (why) unless the CUDA backend searches ``game``: Connect Four only."""
+    """Raises ValueError (why) unless the CUDA backend searches ``game``:
+    Connect Four, or a game folder whose rules.cu compiled (:func:`cuda_serves`)."""
     why = CudaBackend.serves(game)
     if why is not None:
         raise ValueError(why)
+
+
+def _game_batch(backend, params: SearchParams):
+    """A :class:`~.game_batch.GameTreeBatch` for ``params.game``, a game folder's game."""
+    from search_service.cuda.game_batch import GameTreeBatch
+    from search_service.cuda.game_module import device_module
+
+    return GameTreeBatch(backend, params, device_module(params.game.plugin.meta))
 BACKUPS = ("warp_aggregated", "global_atomic")
 SCALE_TABLE = 1 << 18  # UCT scale(N) = c_uct * sqrt(ln N) from NumPy for N below this (2 MiB)
 _BUDGET_NONE = 1 << 30  # "no simulation budget" (deadline only)
@@ -212,9 +225,18 @@ class CudaBackend:
         Raises:
             ValueError: a finished root, a tree rooted at another position, no
                 ``evaluator`` for ``value_model``, an evaluator answer of the
-                wrong shape, or a game other than Connect Four.
+                wrong shape, or a game the backend does not serve
+                (:func:`refuse_other_games`). A game folder's game is searched
+                by its module (:mod:`.game_batch`: rollouts, fresh trees).
         """
         refuse_other_games(params.game)
+        if not isinstance(params.game, ConnectFourSearch):  # a game folder's: its module, rollouts
+            started = Deadline.now()  # the deadline counts from the call, tree set-up included
+            batch = _game_batch(self, params)
+            b = len(params.game.as_states(roots))
+            batch.join(roots, trees, [params.seed] * b, list(range(b)))
+            deadline = None if params.deadline_ms is None else Deadline.after_ms(params.deadline_ms, started)
+            return search_alone(batch, [Member(params.simulations, deadline, should_stop) for _ in range(b)])
         return _Search(self, roots, params, evaluator, trees, should_stop, device_waves).run()
 
     def open_batch(self, params: SearchParams, evaluator: LeafEvaluator | None = None, lend=None):
@@ -231,10 +253,13 @@ class CudaBackend:
                 every wave's leaves go by the host.
 
         Raises:
-            ValueError: ``value_model`` without an evaluator, or a game
-                other than Connect Four (:func:`refuse_other_games`).
+            ValueError: ``value_model`` without an evaluator (or for a game
+                folder's game), or a game the backend does not serve
+                (:func:`refuse_other_games`).
         """
         refuse_other_games(params.game)
+        if not isinstance(params.game, ConnectFourSearch):
+            return _game_batch(self, params)
         return CudaTreeBatch(self, params, evaluator, lend)
 
     @staticmethod

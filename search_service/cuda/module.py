@@ -33,6 +33,7 @@ KERNEL_FILES = (
     "backup.cu",  # global_atomic and warp_aggregated backups
     "search.cu",  # init, search (rollout; value-model halves), results
     "reroot.cu",  # breadth-first compaction for tree reuse
+    "playout.cu",  # the conformance kit's random games with the device rules
 )
 OPTIONS = ("-std=c++17", "--fmad=false")
 
@@ -44,7 +45,12 @@ _kernels: dict[str, cupy.RawKernel] = {}
 def source() -> str:
     """The concatenated CUDA C++ source (what NVRTC compiles): ``abi.h``, then
     the kernel files, each behind a ``#line`` so errors name the right file."""
-    parts = [(HEADER_NAME, abi.header())] + [(name, (KERNEL_DIR / name).read_text()) for name in KERNEL_FILES]
+    return assemble([(HEADER_NAME, abi.header())] + [(name, (KERNEL_DIR / name).read_text()) for name in KERNEL_FILES])
+
+
+def assemble(parts: list[tuple[str, str]]) -> str:
+    """One translation unit of ``(file name, text)`` parts, in order, each
+    behind a ``#line`` so that NVRTC's errors name the right file."""
     return "\n".join(f"// ==== {name} ====\n#line 1 \"{name}\"\n{text}" for name, text in parts)
 
 

@@ -23,8 +23,10 @@ among the legal ones. At every ply it checks:
 
 A game that disagrees stops at its first mismatch, and only that one is
 reported; the report lists the first few with their move strings. Exit status: 0 conformant, 1 a mismatch, 2 the
-folder does not load. The GPU half (CUDA playouts equal the NumPy rules bit
-for bit) comes with the CUDA device rules.
+folder does not load. The GPU half (:mod:`search_service.games.gpu_conformance`:
+random games played with the folder's ``rules.cu`` on the GPU equal the NumPy
+rules bit for bit) runs where CuPy sees a GPU and the folder has a rules.cu;
+the report says when it was skipped, and why.
 """
 from __future__ import annotations
 
@@ -73,6 +75,7 @@ class Report:
     plies: int = 0  # actions played over all games
     seconds: float = 0.0
     openspiel: str = ""  # what the OpenSpiel part compared, or why it was skipped
+    gpu: str = ""  # what the GPU half compared, or why it was skipped ("": not asked for)
     count: int = 0  # mismatches found
     mismatches: list[Mismatch] = field(default_factory=list)  # the first KEPT of them
 
@@ -85,6 +88,11 @@ class Report:
         if len(self.mismatches) < KEPT:
             self.mismatches.append(mismatch)
 
+    def mismatch(self, game: int, ply: int, moves: str, what: str) -> None:
+        """Adds a :class:`Mismatch` of these fields (the GPU half's way, which
+        imports nothing of this module: it is imported from here)."""
+        self.add(Mismatch(game, ply, moves, what))
+
     def text(self, shown: int = SHOWN) -> str:
         """The report as the command prints it."""
         lines = [
@@ -93,6 +101,7 @@ class Report:
             f"  rules against themselves: every ply; one state at a time = a shuffled batch of every move "
             f"of the first {min(self.single_games, self.games)} games",
             f"  {self.openspiel}",
+            *([f"  {self.gpu}"] if self.gpu else []),
             f"mismatches: {self.count}",
         ]
         lines += [f"  {m}" for m in self.mismatches[:shown]]
@@ -102,18 +111,23 @@ class Report:
         return "\n".join(lines)
 
 
-def check_folder(folder: str | Path, games: int = 1000, seed: int = 0, single_games: int = 100) -> Report:
+def check_folder(folder: str | Path, games: int = 1000, seed: int = 0, single_games: int = 100,
+                 gpu: bool = True) -> Report:
     """Loads ``folder`` (a path, or a bundled game's name) and runs the kit on it.
 
     Raises:
         GameError: the folder does not load.
     """
-    return check_game(load_game(resolve_folder(folder)), games, seed, single_games)
+    return check_game(load_game(resolve_folder(folder)), games, seed, single_games, gpu)
 
 
-def check_game(plugin: GamePlugin, games: int = 1000, seed: int = 0, single_games: int = 100) -> Report:
+def check_game(plugin: GamePlugin, games: int = 1000, seed: int = 0, single_games: int = 100,
+               gpu: bool = True) -> Report:
     """Runs the kit on a loaded game: ``games`` random games from ``seed``,
-    the one-state-at-a-time checks over the first ``single_games`` of them.
+    the one-state-at-a-time checks over the first ``single_games`` of them,
+    and, with ``gpu``, the GPU half over ``games`` more
+    (:func:`~search_service.games.gpu_conformance.gpu_check`: skipped, with
+    the reason in the report, without a GPU or a rules.cu).
 
     Raises:
         ValueError: ``games`` < 1 or ``single_games`` < 0.
@@ -123,6 +137,10 @@ def check_game(plugin: GamePlugin, games: int = 1000, seed: int = 0, single_game
     report = Report(plugin.name, plugin.meta.folder, games, seed, single_games)
     start = time.perf_counter()
     _Run(plugin, report, np.random.default_rng(seed), single_games).play()
+    if gpu:
+        from search_service.games.gpu_conformance import gpu_check
+
+        gpu_check(plugin, games, seed, report)
     report.seconds = time.perf_counter() - start
     return report
 
@@ -380,6 +398,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     ap.add_argument("--single-games", type=int, default=100,
                     help="games also checked one state at a time (default 100)")
+    ap.add_argument("--no-gpu", action="store_true",
+                    help="skip the GPU half (random games with the folder's rules.cu on the GPU)")
 
 
 def run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -388,7 +408,7 @@ def run(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.games < 1 or args.single_games < 0:
         ap.error("--games must be >= 1 and --single-games >= 0")
     try:
-        report = check_folder(args.folder, args.games, args.seed, args.single_games)
+        report = check_folder(args.folder, args.games, args.seed, args.single_games, not args.no_gpu)
     except GameError as e:
         print(e, file=sys.stderr)
         return 2

@@ -20,7 +20,8 @@ _backends.cuda_available = lambda: None  # the CUDA backend "can run here"
 _gpu.cuda_device_count = lambda: 1  # tests/conftest.py then keeps the gpu marker's tests
 
 # The GPU test files whose tests run under the emulation.
-EMULATED = ("tests/search/test_cuda_batch_gpu.py", "tests/search/test_cuda_mcts.py")
+EMULATED = ("tests/search/test_cuda_batch_gpu.py", "tests/search/test_cuda_mcts.py",
+            "tests/search/test_cuda_games_gpu.py", "tests/games/test_gpu_rules_gpu.py")
 # Tests of those files that cannot: test name (without parameters) -> why. A
 # test that needs the device-side leaf channel (cuStreamWriteValue64,
 # host-mapped memory a kernel polls, ONNX Runtime's CUDA provider) or a

@@ -32,3 +32,25 @@ def broken(old: str, new: str) -> str:
     """Tic-tac-toe's rules with ``old`` replaced by ``new`` (which must occur once)."""
     assert TIC_TAC_TOE_RULES.count(old) == 1, old
     return TIC_TAC_TOE_RULES.replace(old, new)
+
+
+HERE = Path(__file__).resolve().parent
+PARITY = {  # parity_rules.py: few actions, one state word, every game max_moves long
+    "name": "parity",
+    "num_actions": 8,
+    "state_words": 1,
+    "observation": [1, 1, 2],
+    "players": 2,
+    "max_moves": 4,
+}
+
+
+def write_parity(folder: Path, device_rules: bool = True) -> Path:
+    """``folder`` holding the parity game (parity_rules.py, and with
+    ``device_rules`` its rules.cu); the folder."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "game.yaml").write_text(yaml.safe_dump(PARITY, sort_keys=False))
+    (folder / "rules.py").write_text((HERE / "parity_rules.py").read_text())
+    if device_rules:
+        (folder / "rules.cu").write_text((HERE / "parity_rules.cu").read_text())
+    return folder

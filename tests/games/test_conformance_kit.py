@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from game_folders import broken, write_game
+from game_folders import broken, write_game, write_parity
 
 from search_service.games import conformance
 from search_service.games.conformance import check_folder
@@ -139,3 +139,10 @@ def test_tandem_check_game_runs_the_kit_with_its_exit_status(capsys):
     assert "mismatches: 0" in capsys.readouterr().out
     assert cli.main(["check-game", "/nonexistent/game"]) == 2
     assert "no such game folder" in capsys.readouterr().err
+
+
+def test_the_parity_test_game_is_conformant_without_a_gpu(tmp_path):
+    # The GPU tests search it on the device (tests/search/test_cuda_games_gpu.py); its NumPy rules first.
+    report = check_folder(write_parity(tmp_path / "parity"), games=300, seed=4, single_games=30, gpu=False)
+    assert report.ok, report.text()
+    assert report.plies == 300 * 4 and not report.gpu

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import yaml
 
-from search_service.backends import GameBackends, cuda_serves
+from search_service.backends import GameBackends, cuda_available, cuda_serves
 from search_service.games.plugin import bundled_folder, load_game
 from search_service.mcts import tree as tr
 from search_service.mcts.backend import SearchParams
@@ -236,9 +236,13 @@ def test_finished_plugin_roots_are_refused(tic_tac_toe):
         search(tic_tac_toe, ["14253"], simulations=4)
 
 
-def test_the_cuda_backend_serves_connect_four_only():
+def test_the_cuda_backend_serves_connect_four_and_folders_with_device_rules(tmp_path):
     assert cuda_serves(CONNECT_FOUR) is None
-    assert "game othello has no device rules yet" in cuda_serves(OTHELLO)
+    if cuda_available() is not None:  # here (no GPU): Othello's rules.cu cannot be compiled
+        assert "othello" in cuda_serves(OTHELLO) and "needs the CUDA backend" in cuda_serves(OTHELLO)
+    numpy_only = folder_game(tmp_path / "ttt", TIC_TAC_TOE_RULES, name="ttt_numpy_only", num_actions=9,
+                             state_words=1, observation=[2, 3, 3], max_moves=9)
+    assert "has no rules.cu" in cuda_serves(numpy_only)
 
 
 class _ConnectFourOnly:
@@ -254,6 +258,6 @@ def test_games_the_primary_backend_cannot_search_go_to_the_cpu_reference():
     assert backends.for_game(CONNECT_FOUR) is backends.primary
     cpu = backends.for_game(OTHELLO)
     assert cpu.name == "cpu_reference" and cpu.rollout_slice_ms == 1.0 and backends.for_game(GOMOKU) is cpu
-    assert backends.why_not_primary(GOMOKU).startswith("the CUDA kernels hold Connect Four's rules only")
+    assert "gomoku" in backends.why_not_primary(GOMOKU)  # here: its rules.cu needs a GPU to compile
     cpu_only = GameBackends(BACKEND)
     assert cpu_only.for_game(OTHELLO) is BACKEND and cpu_only.why_not_primary(OTHELLO) is None

@@ -160,3 +160,12 @@ def test_session_store_bounds_bytes_least_recently_used_first():
     assert store.take(("owner", "b"), "4", lambda t, a: t)[0] is not None and store.nbytes == 1000
     assert not store.put(("owner", "big"), "4", _Tree(3000))  # larger than the bound alone: not kept
     assert store.nbytes == 1000 and store.take(("owner", "big"), "4", lambda t, a: t) == (None, True)
+
+
+def test_session_store_keeps_a_session_whose_search_gave_no_tree_back():
+    # A game folder's search on the CUDA backend answers without a tree: the session stays, treeless.
+    store = SessionStore(max_sessions=100, ttl_ms=60_000, max_bytes=2500)
+    assert tree_bytes(None) == 0
+    assert store.take(("owner", "s"), "", lambda t, a: t) == (None, True)
+    assert store.put(("owner", "s"), "d3", None) and store.nbytes == 0 and len(store) == 1
+    assert store.take(("owner", "s"), "d3c5", lambda t, a: t) == (None, True)

@@ -82,7 +82,7 @@ __device__ __forceinline__ void edge_update(const TreeView& t, int e, int count,
   int4* rec = t.rows + e;
   atomicAdd((unsigned long long*)rec, (u64)count - ((u64)count << 32));
   atomicAdd((float*)rec + EDGE_VALUE_SUM, value);
-  atomicAdd((int*)(t.rows + (e & ~(ROW - 1)) + HEADER) + HEAD_VISITS, count);  // the row's header: N
+  atomicAdd((int*)(t.rows + ROW_START(e) + HEADER) + HEAD_VISITS, count);  // the row's header: N
 }
 
 // Lane i < g holds simulation i: its path (path + i * MAX_DEPTH, written by

@@ -98,26 +98,33 @@ typedef unsigned int u32;
 #define VISIT_DONE 0xFFFFFFFF00000001ull
 #define VLOSS_ONE 0x0000000100000000ull
 
-// What the code assumes of abi.h's table: a node's records are int4s (edges,
-// then the header) read as members .x .y .z .w (words 0..3; an edge's visits
-// and vloss one u64), its child row int32s, its position a ulonglong2 (.x
-// current, .y mask); a key node * ROW + action is masked to its row; a META
-// row moves as one int4.
+// What the code assumes of the header's table (abi.h for Connect Four,
+// game.h for a game folder): a node's records are int4s (edges, then the
+// header at HEADER, then padding to ROW) read as members .x .y .z .w (words
+// 0..3; an edge's visits and vloss one u64), its child row int32s (ROW, of
+// which NUM_ACTIONS used), its position POS_WORDS u64s (the game's state
+// words); a key node * ROW + action names an edge; a META row moves as one int4.
 static_assert(EDGE_VISITS == 0 && EDGE_VLOSS == 1 && EDGE_VALUE_SUM == 2 && EDGE_PRIOR == 3 && EDGE_WORDS == 4,
               "edge record: int4 (visits, vloss, value_sum, prior)");
 static_assert(HEAD_VISITS == 0 && HEAD_TERMINAL == 1 && HEAD_PARENT == 2 && HEAD_ACTION == 3 && HEAD_WORDS == 4,
               "node header: int4 (N, terminal, parent, action)");
-static_assert(POS_CURRENT == 0 && POS_MASK == 1 && POS_WORDS == 2, "position: ulonglong2 (current, mask)");
 static_assert(ROWS_BYTES == ROW * sizeof(int4) && CHILD_BYTES == ROW * sizeof(int) &&
-              POS_BYTES == sizeof(ulonglong2) && NODE_BYTES == ROWS_BYTES + CHILD_BYTES + POS_BYTES,
+              POS_BYTES == POS_WORDS * sizeof(unsigned long long) && NODE_BYTES == ROWS_BYTES + CHILD_BYTES + POS_BYTES,
               "node pool layout");
-static_assert(HEADER == NUM_ACTIONS && ROW == NUM_ACTIONS + 1 && (ROW & (ROW - 1)) == 0, "node row layout");
+static_assert(HEADER == NUM_ACTIONS && ROW > NUM_ACTIONS && ROW % 4 == 0, "node row layout");
 static_assert(META_WORDS * sizeof(int) == sizeof(int4), "META row");
+
+// The first record of the row that holds key e (node * ROW + action).
+#if (ROW & (ROW - 1)) == 0
+#define ROW_START(e) ((e) & ~(ROW - 1))
+#else
+#define ROW_START(e) ((e) / ROW * ROW)
+#endif
 
 struct TreeView {
   int4* rows;  // [cap * ROW]
   int* child;  // [cap * ROW]
-  u64* pos;    // [cap * 2]
+  u64* pos;    // [cap * POS_WORDS]
 };
 
 __device__ __forceinline__ TreeView tree_view(unsigned char* pool, long long cap, int b) {
@@ -157,4 +164,26 @@ __device__ __forceinline__ u64 global_timer_ns() {
   u64 t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
+}
+
+// The k-th (0-based) set bit of a legal mask of WORDS u32 words, k = word % n over its n set
+// bits (the rollouts' rule, search_service/mcts/rollout.py); -1 when n = 0.
+template <int WORDS>
+__device__ __forceinline__ int kth_legal(const u32* legal, u32 word) {
+  int n = 0;
+#pragma unroll
+  for (int i = 0; i < WORDS; ++i) n += __popc(legal[i]);
+  if (n == 0) return -1;
+  u32 k = word % (u32)n;
+#pragma unroll
+  for (int i = 0; i < WORDS; ++i) {
+    u32 m = legal[i];
+    const u32 c = (u32)__popc(m);
+    if (k < c) {
+      for (; k; --k) m &= m - 1;
+      return 32 * i + __ffs(m) - 1;
+    }
+    k -= c;
+  }
+  return -1;
 }

@@ -1,29 +1,7 @@
 // expand.cu -- node creation: one node per distinct edge where a warp's
-// simulations stopped, slots claimed with ONE atomicAdd per wave.
-
-// Writes a fresh node (no visits; uniform prior over legal moves, as
-// tree.init_edges) into slot s. Called by one lane, before the node is
-// published (atomicExch on its parent's child entry, after __threadfence).
-__device__ void init_node(const TreeView& t, int s, u64 cur, u64 mask, int term, int parent, int action) {
-  int legal[NUM_ACTIONS];
-  int n_legal = 0;
-#pragma unroll
-  for (int a = 0; a < NUM_ACTIONS; ++a) {
-    legal[a] = term == NOT_TERMINAL && !(mask & C4_TOP(a));
-    n_legal += legal[a];
-  }
-  const float prior = n_legal ? (float)(1.0 / (double)n_legal) : 0.0f;
-  int4* row = t.rows + (long long)s * ROW;
-#pragma unroll
-  for (int a = 0; a < NUM_ACTIONS; ++a) row[a] = make_int4(0, 0, 0, legal[a] ? __float_as_int(prior) : 0);
-  row[HEADER] = make_int4(0, term, parent, action);
-  int4* ch = (int4*)(t.child + (long long)s * ROW);
-  ch[0] = make_int4(legal[0] ? UNEXPANDED : ILLEGAL, legal[1] ? UNEXPANDED : ILLEGAL,
-                    legal[2] ? UNEXPANDED : ILLEGAL, legal[3] ? UNEXPANDED : ILLEGAL);
-  ch[1] = make_int4(legal[4] ? UNEXPANDED : ILLEGAL, legal[5] ? UNEXPANDED : ILLEGAL,
-                    legal[6] ? UNEXPANDED : ILLEGAL, ILLEGAL);
-  ((ulonglong2*)t.pos)[s] = make_ulonglong2(cur, mask);
-}
+// simulations stopped, slots claimed with ONE atomicAdd per wave. The game
+// module writes a node (init_node: one lane, Connect Four's 7 edges;
+// init_node_warp: the whole warp, a game folder's wide nodes).
 
 // Expansion for a warp's wave. Lane i (a simulation) passes missing = it
 // stopped at an edge without a node, that edge's key (node * 8 + action) and
@@ -47,8 +25,8 @@ __device__ void init_node(const TreeView& t, int s, u64 cur, u64 mask, int term,
 //     before it waits on others', so waits never form a cycle; the awaited
 //     warp is running (it made the claim), so the spin ends.
 //  5. Followers take their leader's slot.
-__device__ int expand_leaves(const TreeView& t, int* ts, int limit, int lane, bool missing, int key, u64 cur,
-                             u64 mask, int term, int& leader) {
+__device__ int expand_leaves(const TreeView& t, int* ts, int limit, int lane, bool missing, int key,
+                             const GameState& st, int term, int& leader) {
   const unsigned mm = __ballot_sync(FULL_MASK, missing);
   leader = lane;
   if (missing) leader = __ffs(__match_any_sync(mm, key)) - 1;
@@ -67,10 +45,35 @@ __device__ int expand_leaves(const TreeView& t, int* ts, int limit, int lane, bo
     int base = 0;
     if (lane == 0) base = atomicAdd(ts + TS_NODES, __popc(wm));
     base = __shfl_sync(FULL_MASK, base, 0);
+#if GAME_WARP_INIT
+    // Wide nodes: the whole warp writes each winner's node (init_node_warp),
+    // every lane fences its own stores, and the __syncwarp orders those
+    // fences before the winner's publication.
+    for (unsigned m = wm; m; m &= m - 1) {
+      const int j = __ffs(m) - 1;
+      const int sj = __shfl_sync(FULL_MASK, base + rank, j);
+      const int kj = __shfl_sync(FULL_MASK, key, j);
+      const int tj = __shfl_sync(FULL_MASK, term, j);
+      const GameState stj = shfl_state(st, j);
+      if (sj < limit) init_node_warp(t, sj, stj, tj, kj / ROW, kj % ROW, lane);
+    }
+    __threadfence();
+    __syncwarp();
     if (won) {
       const int s = base + rank;
       if (s < limit) {
-        init_node(t, s, cur, mask, term, key / ROW, key % ROW);
+        atomicExch(t.child + key, s);
+        slot = s;
+      } else {
+        atomicExch(t.child + key, UNEXPANDED);
+        ts[TS_EXHAUSTED] = 1;
+      }
+    }
+#else
+    if (won) {
+      const int s = base + rank;
+      if (s < limit) {
+        init_node(t, s, st, term, key / ROW, key % ROW);
         __threadfence();
         atomicExch(t.child + key, s);
         slot = s;
@@ -79,6 +82,7 @@ __device__ int expand_leaves(const TreeView& t, int* ts, int limit, int lane, bo
         ts[TS_EXHAUSTED] = 1;
       }
     }
+#endif
   }
   __syncwarp();
   if (lead && !won) {
@@ -93,26 +97,22 @@ __device__ int expand_leaves(const TreeView& t, int* ts, int limit, int lane, bo
 
 // The expansion step of a wave, after select_wave (`mine`: the lane's
 // Descent; lanes < g are active). An active lane that stopped at an edge
-// without a node gets the position behind that edge (cur, msk) and its
+// without a node gets the position behind that edge (st) and its
 // terminal code (term), and expands it (expand_leaves); one that stopped at
 // an existing finished node gets that node and its code. Returns the leaf's
 // slot (-1: refused by the pool, or an inactive lane); `leader` is the lane
 // that evaluates the leaf (the lowest stopping at the same edge).
 __device__ __forceinline__ int expand_wave(const TreeView& t, int* ts, int limit, int lane, int g, const Descent& mine,
-                                           u64& cur, u64& msk, int& term, int& leader) {
+                                           GameState& st, int& term, int& leader) {
   const bool active = lane < g;
   const bool missing = active && mine.tnode < 0;
-  cur = 0;
-  msk = 0;
+  st = GameState{};
   term = mine.tcode;
   if (missing) {
-    const ulonglong2 pp = __ldcg((const ulonglong2*)t.pos + mine.node);
-    cur = pp.x;
-    msk = pp.y;
-    play_column(cur, msk, mine.action);
-    term = terminal_code(cur, msk);
+    st = load_state(t, mine.node);
+    term = play_code(st, mine.action);
   }
-  int leaf = expand_leaves(t, ts, limit, lane, missing, mine.node * ROW + mine.action, cur, msk, term, leader);
+  int leaf = expand_leaves(t, ts, limit, lane, missing, mine.node * ROW + mine.action, st, term, leader);
   if (active && !missing) leaf = mine.tnode;
   return leaf;
 }

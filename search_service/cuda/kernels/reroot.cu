@@ -119,5 +119,5 @@ extern "C" __global__ void reroot_copy(unsigned char* src, long long src_cap, un
     const int c = s.child[(long long)old * ROW + a];
     d.child[(long long)n * ROW + a] = c >= 0 ? remap[c] : c;
   }
-  ((ulonglong2*)d.pos)[n] = ((const ulonglong2*)s.pos)[old];
+  copy_state(d, n, s, old);
 }

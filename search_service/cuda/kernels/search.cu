@@ -29,6 +29,7 @@
 // per tree always runs). A tree whose root the solver has proven claims no
 // more simulations (backup.cu: solve_wave).
 
+#if GAME_VALUE_MODEL
 // A position's OBS row: the side to move's stones, then the opponent's, [row][col].
 __device__ __forceinline__ void write_obs(unsigned char* o, u64 cur, u64 msk) {
   const u64 opp = cur ^ msk;
@@ -38,6 +39,7 @@ __device__ __forceinline__ void write_obs(unsigned char* o, u64 cur, u64 msk) {
     o[OBS_OPPONENT + i] = (unsigned char)((opp >> bit) & 1ull);
   }
 }
+#endif
 
 // Fills a tree's root (fresh trees) and its search state (TS row) from its
 // INIT row (u32 [B][INIT_WORDS]; the u64 bitboards as (low, high) words).
@@ -59,20 +61,22 @@ extern "C" __global__ void init_trees(unsigned char* pool, long long cap, int n_
   ts[TS_NODES] = (int)in[INIT_NODES];
   ts[TS_WAVE_BASE] = (int)in[INIT_NODES];
   if (!in[INIT_FRESH]) return;
-  const u64 cur = (u64)in[INIT_CURRENT] | ((u64)in[INIT_CURRENT + 1] << 32);
-  const u64 mask = (u64)in[INIT_MASK] | ((u64)in[INIT_MASK + 1] << 32);
+  const GameState st = init_state(in);
   const TreeView t = tree_view(pool, cap, b);
-  init_node(t, 0, cur, mask, terminal_code(cur, mask), -1, -1);
-  if (obs != nullptr) write_obs(obs + (long long)b * OBS_WORDS, cur, mask);
+  init_node(t, 0, st, state_code(st), -1, -1);
+#if GAME_VALUE_MODEL
+  if (obs != nullptr) write_obs(obs + (long long)b * OBS_WORDS, st.cur, st.mask);
   if (in[INIT_HAS_PRIORS]) {
     for (int a = 0; a < NUM_ACTIONS; ++a) t.rows[a].w = (int)in[INIT_PRIORS + a];
   }
+#endif
   t.rows[HEADER].x = (int)in[INIT_ROOT_VISITS];
 }
 
-// The tables and per-warp scratch in dynamic shared memory (the host asks for
-// COLUMN_TABLE_BYTES + WARPS_PER_BLOCK * warp_scratch_ints(G) * 4 bytes):
-// [kth-free-column table, COLUMN_TABLE_BYTES][per warp: path G * MAX_DEPTH int, vals 32 float, deps 32 int].
+// The game's rollout tables and per-warp scratch in dynamic shared memory (the
+// host asks for ROLLOUT_SMEM_BYTES + WARPS_PER_BLOCK * warp_scratch_ints(G) * 4
+// bytes): [rollout tables, ROLLOUT_SMEM_BYTES (Connect Four: its kth-free-column
+// table; a game folder: none)][per warp: path G * MAX_DEPTH int, vals 32 float, deps 32 int].
 __device__ __forceinline__ int warp_scratch_ints(int G) { return G * MAX_DEPTH + 64; }
 
 struct WarpJob {
@@ -107,12 +111,10 @@ __device__ void rollout_search(unsigned char* pool, long long cap, int limit, in
                                const u32* keys) {
   extern __shared__ __align__(16) unsigned char smem[];
   unsigned char* table = smem;
-  for (int i = threadIdx.x; i < COLUMN_TABLE_BYTES; i += blockDim.x) {
-    table[i] = (unsigned char)kth_free_column(i >> 3, i & 7);
-  }
+  rollout_smem_init(table);
   __syncthreads();
   const int lane = threadIdx.x & 31;
-  int* wbuf = (int*)(smem + COLUMN_TABLE_BYTES) + (threadIdx.x >> 5) * warp_scratch_ints(G);
+  int* wbuf = (int*)(smem + ROLLOUT_SMEM_BYTES) + (threadIdx.x >> 5) * warp_scratch_ints(G);
   int* path = wbuf;
   float* vals = (float*)(wbuf + G * MAX_DEPTH);
   int* deps = wbuf + G * MAX_DEPTH + 32;
@@ -161,14 +163,14 @@ __device__ void rollout_search(unsigned char* pool, long long cap, int limit, in
     select_wave(t, sp, path, lane, g, mine);
     const long long c1 = clock64();
     const bool active = lane < g;
-    u64 cur, msk;
+    GameState st;
     int term, leader;  // leader: not needed here (each lane plays its own rollout)
-    const int leaf = expand_wave(t, ts, limit, lane, g, mine, cur, msk, term, leader);
+    const int leaf = expand_wave(t, ts, limit, lane, g, mine, st, term, leader);
     const long long c2 = clock64();
     float v = 0.0f;
     if (active) {
       v = term != NOT_TERMINAL ? outcome_value(term)  // terminal or proven: exact
-                               : rollout_value(cur, msk, (u32)(s0 + lane), tree_word, k0, k1, table);
+                               : game_rollout(st, (u32)(s0 + lane), tree_word, k0, k1, table);
     }
     const long long c3 = clock64();
     backup_wave<AGG>(t, ts, path, vals, deps, lane, g, mine.depth, v, leaf);
@@ -206,6 +208,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS_PER_BLOCK) mcts_rollout_
                     budgets, keys);
 }
 
+#if GAME_VALUE_MODEL
 // A warp's share of a value-model wave: its tree, its simulations g (0: none
 // this wave) and the META/path row q0 of its first one.
 struct VmWarp {
@@ -256,9 +259,9 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS_PER_BLOCK) mcts_vm_selec
   Descent mine;
   select_wave(t, sp, path, lane, g, mine);
   const bool active = lane < g;
-  u64 cur, msk;
+  GameState st;
   int term, leader;
-  const int leaf = expand_wave(t, ts, limit, lane, g, mine, cur, msk, term, leader);
+  const int leaf = expand_wave(t, ts, limit, lane, g, mine, st, term, leader);
   if (active) {
     const long long q = q0 + lane;
     __align__(16) int m[META_WORDS];  // stored as one int4
@@ -267,7 +270,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS_PER_BLOCK) mcts_vm_selec
     m[META_TERMINAL] = term;
     m[META_LEADER] = (int)(q0 + leader);
     ((int4*)meta)[q] = *(const int4*)m;
-    if (term == NOT_TERMINAL) write_obs(obs + q * OBS_WORDS, cur, msk);
+    if (term == NOT_TERMINAL) write_obs(obs + q * OBS_WORDS, st.cur, st.mask);
   }
 }
 
@@ -448,6 +451,9 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS_PER_BLOCK) mcts_vm_backu
                  logits, obs, verdict, ks);
 }
 
+#endif  // GAME_VALUE_MODEL
+
+#if GAME_EIGHT_LANES  // Connect Four's 8-record rows; a game folder's wide nodes: the #else branch below
 // Results, one warp per tree, after the search: a RES row per tree (the root's
 // edges and N, the TS counters, the principal variation, the CYC row). The
 // principal variation follows, from the root, the edge with the most visits
@@ -510,3 +516,72 @@ extern "C" __global__ void finish_trees(unsigned char* pool, long long cap, int 
   // The CYC row, copied as int words (two per u64).
   if (lane < 2 * CYC_WORDS) out[RES_CYCLES + lane] = ((const int*)(cyc + (long long)b * CYC_WORDS))[lane];
 }
+#else
+// Results of wide nodes (every game folder's, whatever its NUM_ACTIONS): as above, lane l
+// taking edges l, l + 32, ...; each lane keeps its best edge by (visits, then
+// Q = W / n in float64, then the lower index), then a 32-lane butterfly.
+extern "C" __global__ void finish_trees(unsigned char* pool, long long cap, int n_trees, const int* tsa,
+                                        const u64* cyc, int* res) {
+  const long long gw = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (gw >= n_trees) return;
+  const int b = (int)gw, lane = threadIdx.x & 31;
+  const TreeView t = tree_view(pool, cap, b);
+  int* out = res + (long long)b * RES_WORDS;
+  const int* ts = tsa + (long long)b * TS_WORDS;
+  unsigned char* outcome = (unsigned char*)(out + RES_OUTCOME);
+  for (int a = lane; a < NUM_ACTIONS; a += 32) {
+    const int4 r = __ldcg(t.rows + a);
+    const int ch = __ldcg(t.child + a);
+    out[RES_VISITS + a] = r.x;
+    out[RES_VALUE_SUM + a] = r.z;
+    outcome[1 + a] = (unsigned char)(ch >= 0 ? __ldcg(node_code(t, ch)) : NOT_TERMINAL);
+  }
+  if (lane == 0) {
+    const int4 h = __ldcg(t.rows + HEADER);
+    out[RES_ROOT_VISITS] = h.x;
+    outcome[0] = (unsigned char)h.y;
+  }
+  int node = 0, len = 0;
+  for (int step = 0; step < MAX_DEPTH; ++step) {
+    int vis = -1, best = lane;
+    double q = 0.0;
+    for (int a = lane; a < NUM_ACTIONS; a += 32) {
+      const int4 r = __ldcg(t.rows + (long long)node * ROW + a);
+      const double qa = r.x > 0 ? (double)__int_as_float(r.z) / (double)r.x : 0.0;
+      if (r.x > vis || (r.x == vis && qa > q)) {
+        vis = r.x;
+        q = qa;
+        best = a;
+      }
+    }
+#pragma unroll
+    for (int off = 16; off >= 1; off >>= 1) {
+      const int ov = __shfl_xor_sync(FULL_MASK, vis, off);
+      const double oq = __shfl_xor_sync(FULL_MASK, q, off);
+      const int ob = __shfl_xor_sync(FULL_MASK, best, off);
+      if (ov > vis || (ov == vis && (oq > q || (oq == q && ob < best)))) {
+        vis = ov;
+        q = oq;
+        best = ob;
+      }
+    }
+    best = __shfl_sync(FULL_MASK, best, 0);
+    vis = __shfl_sync(FULL_MASK, vis, 0);
+    if (vis <= 0) break;
+    if (lane == 0) out[RES_PV + len] = best;
+    ++len;
+    const int c = __ldcg(t.child + (long long)node * ROW + best);
+    if (c < 0) break;
+    node = c;
+  }
+  if (lane == 0) {
+    out[RES_NODES] = ts[TS_NODES];
+    out[RES_MAX_DEPTH] = ts[TS_MAX_DEPTH];
+    out[RES_DONE] = ts[TS_DONE];
+    out[RES_EXHAUSTED] = ts[TS_EXHAUSTED];
+    out[RES_DEADLINE] = ts[TS_DEADLINE];
+    out[RES_PV_LENGTH] = len;
+  }
+  if (lane < 2 * CYC_WORDS) out[RES_CYCLES + lane] = ((const int*)(cyc + (long long)b * CYC_WORDS))[lane];
+}
+#endif

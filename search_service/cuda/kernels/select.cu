@@ -45,6 +45,7 @@ struct Descent {
   int tcode;
 };
 
+#if GAME_EIGHT_LANES  // Connect Four's 8-record rows; a game folder's wide nodes: the #else branch below
 // One simulation's selection, run by the whole warp: lane e (mod 8) owns edge
 // e of the node at hand, so the lane that adds an edge's virtual loss is the
 // lane that reads that edge's record in the next selection (same thread, same
@@ -115,6 +116,96 @@ __device__ Descent select_one(const TreeView& t, const SelectParams& sp, int* pa
   out.depth = d;
   return out;
 }
+#else
+#define EDGES_PER_LANE ((NUM_ACTIONS + 31) / 32)
+
+// Wide nodes (every game folder's, whatever its NUM_ACTIONS): lane l owns edges l, l + 32,
+// l + 64, ... of the node at hand -- it loads their records, scores them and
+// adds the virtual loss to the one chosen among them, so again the lane that
+// adds an edge's virtual loss is the lane that reads that edge next (same
+// thread, same address). Each lane keeps its best edge (ties: the lower
+// index, as it scans upwards), then a 32-lane butterfly takes the argmax
+// (ties: the lower index), so the choice is the reference's: the first
+// maximum. N (the node's visits plus its edges' virtual losses) is the
+// header's visits plus a warp sum of the lanes' virtual losses. The header
+// and the chosen child entry are lane 0's loads, shuffled to the warp: the
+// loop's branches must be the same in every lane (warp-wide shuffles follow),
+// and with W > 1 another warp's solver or expansion may write them between
+// two lanes' loads. The same concurrency as above: reads through L2
+// (__ldcg), possibly stale with W > 1, exact with one warp per tree.
+__device__ Descent select_one(const TreeView& t, const SelectParams& sp, int* path, int lane) {
+  int node = 0, d = 0;
+  Descent out;
+  out.tnode = -1;
+  out.tcode = NOT_TERMINAL;
+  out.node = 0;
+  out.action = 0;
+  while (true) {
+    const int4* rows = t.rows + (long long)node * ROW;
+    const int* child = t.child + (long long)node * ROW;
+    const int4 h = __ldcg(rows + HEADER);
+    const int n_node = __shfl_sync(FULL_MASK, h.x, 0), term = __shfl_sync(FULL_MASK, h.y, 0);
+    if (node != 0 && term != NOT_TERMINAL) {  // an existing child with a known result (never the root)
+      out.tnode = node;
+      out.tcode = term;
+      break;
+    }
+    // Checked here, not when the edge is taken: a finished node MAX_DEPTH edges down (a game
+    // that lasts exactly max_moves plies) is a leaf, and only an unfinished one is impossible.
+    if (d == MAX_DEPTH) __trap();
+    int4 r[EDGES_PER_LANE];
+    bool legal[EDGES_PER_LANE];
+    u32 vl_sum = 0u;
+#pragma unroll
+    for (int i = 0; i < EDGES_PER_LANE; ++i) {
+      const int a = lane + 32 * i;
+      legal[i] = false;
+      r[i] = make_int4(0, 0, 0, 0);
+      if (a < NUM_ACTIONS) {
+        r[i] = __ldcg(rows + a);
+        legal[i] = __ldcg(child + a) != ILLEGAL;
+        vl_sum += (u32)r[i].y;
+      }
+    }
+    const int parent = n_node + (int)__reduce_add_sync(FULL_MASK, vl_sum);
+    double scale = 0.0;
+    if (!sp.puct) scale = parent < sp.n_scale ? __ldg(sp.scale + parent) : sp.c * sqrt(log((double)parent));
+    double s = neg_inf();
+    int best = lane;
+#pragma unroll
+    for (int i = 0; i < EDGES_PER_LANE; ++i) {
+      if (!legal[i]) continue;
+      const double si = sp.puct ? puct_score(r[i].x, r[i].y, __int_as_float(r[i].z), __int_as_float(r[i].w), sp.vl,
+                                             sp.c, sqrt((double)parent))
+                                : uct_score(r[i].x, r[i].y, __int_as_float(r[i].z), sp.vl, scale);
+      if (si > s) {
+        s = si;
+        best = lane + 32 * i;
+      }
+    }
+#pragma unroll
+    for (int off = 16; off >= 1; off >>= 1) {
+      const double os = __shfl_xor_sync(FULL_MASK, s, off);
+      const int ob = __shfl_xor_sync(FULL_MASK, best, off);
+      if (os > s || (os == s && ob < best)) {
+        s = os;
+        best = ob;
+      }
+    }
+    best = __shfl_sync(FULL_MASK, best, 0);
+    if (lane == (best & 31)) atomicAdd((unsigned long long*)(rows + best), VLOSS_ONE);
+    const int c = __shfl_sync(FULL_MASK, __ldcg(child + best), 0);
+    if (lane == 0) path[d] = node * ROW + best;
+    ++d;
+    out.node = node;
+    out.action = best;
+    if (c < 0) break;  // UNEXPANDED or EXPANDING: the simulation stops at this edge
+    node = c;
+  }
+  out.depth = d;
+  return out;
+}
+#endif
 
 // A warp's selections for one wave: simulation i < g descends after
 // simulations 0..i-1 (so it sees their virtual losses), writing its path to
