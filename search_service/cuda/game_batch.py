@@ -28,6 +28,7 @@ import numpy as np
 from search_service.cuda import abi
 from search_service.cuda.answers import game_result_fields
 from search_service.cuda.game_module import GameModule
+from search_service.cuda.slab import fill_holes
 from search_service.mcts import tree as tr
 from search_service.mcts.backend import SearchParams, SearchResult, check_call
 from search_service.mcts.batch import ended_by
@@ -176,22 +177,16 @@ class GameTreeBatch:
         index = np.asarray(rows, np.int64)
         results = self._results(index, [ended_by(m) for m in members])
         nodes = np.minimum(self.res["nodes"].astype(np.int64), self.cap)
-        leaving = set(rows)
-        stay = [r for r in range(self.b) if r not in leaving]
-        order = list(range(len(stay)))
-        holes = [r for r in sorted(leaving) if r < len(stay)]
-        movers = [r for r in stay if r >= len(stay)]
-        ts_w, cyc_w = abi.TREE_STATE.words, abi.CYCLES.words
-        for hole, row in zip(holes, movers):  # the used slots of the rows past the new end fill the holes
+        parts = list(zip(pl_offsets(self.region, self.abi), (self.abi.rows_bytes, self.abi.child_bytes,
+                                                             self.abi.pos_bytes)))
+
+        def move_tree(hole: int, row: int) -> None:  # its used slots
             used = int(nodes[row])
-            for part, size in zip(pl_offsets(self.region, self.abi), (self.abi.rows_bytes, self.abi.child_bytes,
-                                                                     self.abi.pos_bytes)):
+            for part, size in parts:
                 self.pool[hole, part : part + used * size] = self.pool[row, part : part + used * size]
-            self.ts[hole * ts_w : (hole + 1) * ts_w] = self.ts[row * ts_w : (row + 1) * ts_w]
-            self.cyc[hole * cyc_w : (hole + 1) * cyc_w] = self.cyc[row * cyc_w : (row + 1) * cyc_w]
-            self.keys[hole * _KEY_WORDS : (hole + 1) * _KEY_WORDS] = self.keys[row * _KEY_WORDS : (row + 1) * _KEY_WORDS]
-            order[hole] = row
-        order = np.array(order, np.int64)
+
+        order = fill_holes(self.b, set(rows), move_tree, [(self.ts, abi.TREE_STATE.words),
+                                                          (self.cyc, abi.CYCLES.words), (self.keys, _KEY_WORDS)])
         self.states, self.seed, self.waves, self.ms = (x[order] for x in (self.states, self.seed, self.waves, self.ms))
         self.res = self.res[order]
         self.b = len(order)

@@ -58,6 +58,7 @@ from search_service.cuda import abi
 from search_service.cuda import pool as pl
 from search_service.cuda.answers import call_model, model_values, result_fields, wave_slots
 from search_service.cuda.module import kernel
+from search_service.cuda.slab import fill_holes
 from search_service.games import connect4
 from search_service.games.connect4 import Positions
 from search_service.mcts import tree as tr
@@ -241,7 +242,9 @@ class CudaTreeBatch:
             pl.copy_into(dst.data.ptr, n, src)
             trees.append(pl.CudaTree(dst, 0, n, n, int(self.row["current"][i]), int(self.row["mask"][i]),
                                      self.p.evaluator))
-        order = self._fill_holes(set(rows), nodes)
+        order = fill_holes(self.b, set(rows), lambda hole, row: pl.copy_into(
+            self._ptr(hole), self.cap, pl.CudaTree(self.pool, row, self.cap, int(nodes[row]), 0, 0)),
+            [(self.ts, abi.TREE_STATE.words), (self.cyc, abi.CYCLES.words), (self.keys, _KEY_WORDS)])
         self.row = {name: values[order] for name, values in self.row.items()}
         self.res = self.res[order]
         self.b = len(order)
@@ -251,24 +254,6 @@ class CudaTreeBatch:
     def _nodes(self) -> np.ndarray:
         """int64 [B]: slots in use per tree (claims past the node limit were refused)."""
         return np.minimum(self.res["nodes"].astype(np.int64), np.maximum(self.cap, self.row["floor"]))
-
-    def _fill_holes(self, leaving: set[int], nodes: np.ndarray) -> np.ndarray:
-        """Moves the rows that stay past the new end into the rows below it
-        that leave; returns the new order (int [B']: new row r was row order[r])."""
-        stay = [r for r in range(self.b) if r not in leaving]
-        order = list(range(len(stay)))
-        holes = [r for r in sorted(leaving) if r < len(stay)]
-        movers = [r for r in stay if r >= len(stay)]
-        for hole, row in zip(holes, movers):  # as many holes as movers; a tree's copy is its node count
-            pl.copy_into(self._ptr(hole), self.cap, pl.CudaTree(self.pool, row, self.cap, int(nodes[row]), 0, 0))
-            order[hole] = row
-        if movers:  # the rows' small state: one gather and scatter per array, not a copy per row
-            to, frm = cupy.asarray(np.array(holes, np.int64)), cupy.asarray(np.array(movers, np.int64))
-            for words, per_row in ((self.ts, abi.TREE_STATE.words), (self.cyc, abi.CYCLES.words),
-                                   (self.keys, _KEY_WORDS)):
-                rows = words[: self.b * per_row].reshape(self.b, per_row)
-                rows[to] = rows[frm]
-        return np.array(order, np.int64)
 
     def _results(self, index: np.ndarray, ends: list[tuple[bool, bool]]) -> list[SearchResult]:
         res, row, nodes = self.res[index], {k: v[index] for k, v in self.row.items()}, self._nodes()[index]

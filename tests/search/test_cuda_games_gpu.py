@@ -63,6 +63,26 @@ def _assert_equal(gpu, cpu):
             c.action, c.principal_variation, c.tree_nodes, c.max_depth, c.proven)
 
 
+def test_a_ragged_game_batch_whose_rows_fill_holes_equals_the_cpu_reference_alone():
+    """Three Othello trees in one batch with caps 40, 200 and 120: row 0
+    leaves first and row 2 moves into its hole (its tree region, tree state,
+    cycles and Philox keys), and goes on there; each search equals the same
+    search alone on the CPU reference."""
+    from search_service.mcts.batch import search_alone
+    from search_service.mcts.plan import Member
+
+    game = GAMES["othello"]
+    roots = np.concatenate([game.rules.initial(1), game.parse_moves(_some_moves(game)), game.rules.initial(1)])
+    caps, seeds = [40, 200, 120], [7, 8, 9]
+    batch = CudaBackend(sims_per_warp=32).open_batch(_params(game, 200, 8))
+    batch.join(roots, [None] * 3, seeds, [0] * 3)
+    together, _ = search_alone(batch, [Member(c, None) for c in caps])
+    for i, (cap, seed) in enumerate(zip(caps, seeds)):
+        (alone,), _ = CPU.search(roots[i : i + 1], _params(game, cap, 8, seed))
+        _assert_equal([together[i]], [alone])
+        assert together[i].simulations == cap
+
+
 def test_a_full_pool_of_an_odd_size_equals_the_cpu_reference():
     # 51 slots a tree: Othello's 1,384-byte nodes need the regions of an even slot count
     # (16-byte aligned records), and the pool fills up (refused expansions, TS_EXHAUSTED).
