@@ -28,7 +28,7 @@ import numpy as np
 from search_service.cuda import abi
 from search_service.cuda.answers import game_result_fields
 from search_service.cuda.game_module import GameModule
-from search_service.cuda.slab import fill_holes
+from search_service.cuda.slab import fill_holes, grown
 from search_service.mcts import tree as tr
 from search_service.mcts.backend import SearchParams, SearchResult, check_call
 from search_service.mcts.batch import ended_by
@@ -84,16 +84,11 @@ class GameTreeBatch:
             return
         n = max(slots, 2 * self.slots)
         a, b = self.abi, self.b
-        pool = cupy.empty((n, self.region * a.node_bytes), np.uint8)
-        ts = cupy.zeros(n * abi.TREE_STATE.words, np.int32)
-        cyc = cupy.zeros(n * abi.CYCLES.words, np.uint64)
-        keys = cupy.zeros(n * _KEY_WORDS, np.uint32)
-        if b:
-            pool[:b] = self.pool[:b]
-            ts[: b * abi.TREE_STATE.words] = self.ts[: b * abi.TREE_STATE.words]
-            cyc[: b * abi.CYCLES.words] = self.cyc[: b * abi.CYCLES.words]
-            keys[: b * _KEY_WORDS] = self.keys[: b * _KEY_WORDS]
-        self.pool, self.ts, self.cyc, self.keys = pool, ts, cyc, keys
+        self.pool = grown(self.pool if b else None, n, self.region * a.node_bytes, np.uint8, b, flat=False,
+                          empty=True)
+        self.ts = grown(self.ts if b else None, n, abi.TREE_STATE.words, np.int32, b)
+        self.cyc = grown(self.cyc if b else None, n, abi.CYCLES.words, np.uint64, b)
+        self.keys = grown(self.keys if b else None, n, _KEY_WORDS, np.uint32, b)
         self.res_dev = cupy.empty(n * a.result.nbytes, np.uint8)
         self.init_dev = cupy.empty(n * a.init.words, np.uint32)
         self.ks_dev = cupy.zeros(n, np.int32)

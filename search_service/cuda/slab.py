@@ -1,6 +1,7 @@
-"""The rows of a batch of trees on the device kept dense: when searches leave,
-each row that stays past the new end moves into a hole below it (their trees
-and small per-row state), so rows ``[0, B')`` are the trees in use.
+"""The rows of a batch of trees on the device (a slab): grown as trees join,
+kept dense as they leave (each row that stays past the new end moves into a
+hole below it, its tree and small per-row state), so rows ``[0, B')`` are the
+trees in use.
 
 Shared by Connect Four's batch (``tree_batch.py``) and the game folders'
 (``game_batch.py``), which copy a tree's region each their own way."""
@@ -33,3 +34,16 @@ def fill_holes(b: int, leaving: set[int], move_tree: Callable[[int, int], None],
             rows = words[: b * n].reshape(b, n)
             rows[to] = rows[frm]
     return np.array(order, np.int64)
+
+
+
+def grown(old: cupy.ndarray | None, rows: int, per_row: int, dtype, used: int, flat: bool = True,
+          empty: bool = False) -> cupy.ndarray:
+    """A device array of ``rows`` rows of ``per_row`` elements, ``flat`` (one
+    axis, as the kernels take the per-row state) or ``[rows, per_row]``; zeros,
+    or uninitialised where ``empty``; the first ``used`` rows of ``old`` copied in."""
+    new = (cupy.empty if empty else cupy.zeros)((rows * per_row,) if flat else (rows, per_row), dtype)
+    if used:
+        n = used * per_row if flat else used
+        new[:n] = old[:n]
+    return new

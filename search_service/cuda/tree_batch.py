@@ -58,7 +58,7 @@ from search_service.cuda import abi
 from search_service.cuda import pool as pl
 from search_service.cuda.answers import call_model, model_values, result_fields, wave_slots
 from search_service.cuda.module import kernel
-from search_service.cuda.slab import fill_holes
+from search_service.cuda.slab import fill_holes, grown
 from search_service.games import connect4
 from search_service.games.connect4 import Positions
 from search_service.mcts import tree as tr
@@ -132,21 +132,14 @@ class CudaTreeBatch:
         if slots <= self.slots:
             return
         slots = max(slots, 2 * self.slots)
-        n, k = slots, self.k_max
-        pool = cupy.empty((n, self.cap * pl.NODE_BYTES), np.uint8)
-        ts = cupy.zeros(n * abi.TREE_STATE.words, np.int32)
-        cyc = cupy.zeros(n * abi.CYCLES.words, np.uint64)
-        if self.b:
-            pool[: self.b] = self.pool[: self.b]
-            ts[: self.b * abi.TREE_STATE.words] = self.ts[: self.b * abi.TREE_STATE.words]
-            cyc[: self.b * abi.CYCLES.words] = self.cyc[: self.b * abi.CYCLES.words]
-        self.pool, self.ts, self.cyc = pool, ts, cyc
+        n, k, b = slots, self.k_max, self.b
+        self.pool = grown(self.pool if b else None, n, self.cap * pl.NODE_BYTES, np.uint8, b, flat=False,
+                          empty=True)
+        self.ts = grown(self.ts if b else None, n, abi.TREE_STATE.words, np.int32, b)
+        self.cyc = grown(self.cyc if b else None, n, abi.CYCLES.words, np.uint64, b)
+        self.keys = grown(self.keys if b else None, n, _KEY_WORDS, np.uint32, b)
         self.res_dev = cupy.empty(n * abi.RESULT.nbytes, np.uint8)
         self.init_dev = cupy.empty(n * abi.INIT.words, np.uint32)
-        keys = cupy.zeros(n * _KEY_WORDS, np.uint32)
-        if self.b:
-            keys[: self.b * _KEY_WORDS] = self.keys[: self.b * _KEY_WORDS]
-        self.keys = keys
         self.ks_dev = cupy.zeros(n, np.int32)  # a wave's k per tree (value model) or budget (rollouts)
         self.t0 = cupy.zeros(1, np.uint64)
         if self.puct:

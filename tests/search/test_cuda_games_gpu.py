@@ -64,19 +64,26 @@ def _assert_equal(gpu, cpu):
 
 
 def test_a_ragged_game_batch_whose_rows_fill_holes_equals_the_cpu_reference_alone():
-    """Three Othello trees in one batch with caps 40, 200 and 120: row 0
-    leaves first and row 2 moves into its hole (its tree region, tree state,
-    cycles and Philox keys), and goes on there; each search equals the same
-    search alone on the CPU reference."""
-    from search_service.mcts.batch import search_alone
-    from search_service.mcts.plan import Member
+    """Three Othello trees with caps 40, 200 and 120: the first joins alone
+    (a slab of one row), the others after its first wave (the slab grows, its
+    row copied); row 0 leaves first and row 2 moves into its hole (its tree
+    region, tree state, cycles and Philox keys) and goes on there; each search
+    equals the same search alone on the CPU reference."""
+    from search_service.mcts.batch import step
+    from search_service.mcts.plan import Member, WaveTimes
 
     game = GAMES["othello"]
     roots = np.concatenate([game.rules.initial(1), game.parse_moves(_some_moves(game)), game.rules.initial(1)])
     caps, seeds = [40, 200, 120], [7, 8, 9]
     batch = CudaBackend(sims_per_warp=32).open_batch(_params(game, 200, 8))
-    batch.join(roots, [None] * 3, seeds, [0] * 3)
-    together, _ = search_alone(batch, [Member(c, None) for c in caps])
+    batch.join(roots[:1], [None], seeds[:1], [0])
+    members, times, together = [Member(caps[0], None, owner=0)], WaveTimes(), {}
+    step(batch, members, times)
+    batch.join(roots[1:], [None] * 2, seeds[1:], [0] * 2)
+    members += [Member(caps[i], None, owner=i) for i in (1, 2)]
+    while members:
+        for m, r, _ in step(batch, members, times):
+            together[m.owner] = r
     for i, (cap, seed) in enumerate(zip(caps, seeds)):
         (alone,), _ = CPU.search(roots[i : i + 1], _params(game, cap, 8, seed))
         _assert_equal([together[i]], [alone])
