@@ -28,13 +28,13 @@ import numpy as np
 from search_service.cuda import abi
 from search_service.cuda.answers import game_result_fields
 from search_service.cuda.game_module import GameModule
-from search_service.cuda.slab import fill_holes, grown
+from search_service.cuda.slab import KEY_WORDS as _KEY_WORDS
+from search_service.cuda.slab import fill_holes, grow
 from search_service.mcts import tree as tr
 from search_service.mcts.backend import SearchParams, SearchResult, check_call
 from search_service.mcts.batch import ended_by
 
 _NULL = np.uint64(0)
-_KEY_WORDS = 3  # a tree's Philox key row: k0, k1, its tree word
 _STATIC_SMEM = 48 * 1024  # dynamic shared memory a launch may use without opting in
 
 
@@ -83,16 +83,7 @@ class GameTreeBatch:
         if slots <= self.slots:
             return
         n = max(slots, 2 * self.slots)
-        a, b = self.abi, self.b
-        self.pool = grown(self.pool if b else None, n, self.region * a.node_bytes, np.uint8, b, flat=False,
-                          empty=True)
-        self.ts = grown(self.ts if b else None, n, abi.TREE_STATE.words, np.int32, b)
-        self.cyc = grown(self.cyc if b else None, n, abi.CYCLES.words, np.uint64, b)
-        self.keys = grown(self.keys if b else None, n, _KEY_WORDS, np.uint32, b)
-        self.res_dev = cupy.empty(n * a.result.nbytes, np.uint8)
-        self.init_dev = cupy.empty(n * a.init.words, np.uint32)
-        self.ks_dev = cupy.zeros(n, np.int32)
-        self.t0 = cupy.zeros(1, np.uint64)
+        grow(self, n, self.region * self.abi.node_bytes, self.abi.result.nbytes, self.abi.init.words)
         self.slots = n
 
     def _refresh(self) -> None:
@@ -180,8 +171,7 @@ class GameTreeBatch:
             for part, size in parts:
                 self.pool[hole, part : part + used * size] = self.pool[row, part : part + used * size]
 
-        order = fill_holes(self.b, set(rows), move_tree, [(self.ts, abi.TREE_STATE.words),
-                                                          (self.cyc, abi.CYCLES.words), (self.keys, _KEY_WORDS)])
+        order = fill_holes(self, set(rows), move_tree)
         self.states, self.seed, self.waves, self.ms = (x[order] for x in (self.states, self.seed, self.waves, self.ms))
         self.res = self.res[order]
         self.b = len(order)

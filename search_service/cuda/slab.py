@@ -12,15 +12,19 @@ from typing import Callable
 import cupy
 import numpy as np
 
+from search_service.cuda import abi
 
-def fill_holes(b: int, leaving: set[int], move_tree: Callable[[int, int], None],
-               per_row: list[tuple[cupy.ndarray, int]]) -> np.ndarray:
-    """Moves the rows of ``b`` that stay past the new end into the rows below
-    it that leave (``leaving``): ``move_tree(hole, row)`` copies a tree's
-    region; each ``(words, n)`` of ``per_row`` (a flat device array of ``n``
-    words a row) moves by one gather and one scatter for all rows, not a copy
-    a row. Returns the new order (int64 [B']: new row r was row ``order[r]``).
-    """
+KEY_WORDS = 3  # a tree's Philox key row: k0, k1, its tree word
+
+
+def fill_holes(batch, leaving: set[int], move_tree: Callable[[int, int], None]) -> np.ndarray:
+    """Moves the rows of ``batch`` (a CUDA batch of trees, ``batch.b`` rows)
+    that stay past the new end into the rows below it that leave
+    (``leaving``): ``move_tree(hole, row)`` copies a tree's region; its tree
+    state, cycles and Philox keys (``ts``, ``cyc``, ``keys``) move by one
+    gather and one scatter for all rows, not a copy a row. Returns the new
+    order (int64 [B']: new row r was row ``order[r]``)."""
+    b = batch.b
     stay = [r for r in range(b) if r not in leaving]
     order = list(range(len(stay)))
     holes = [r for r in sorted(leaving) if r < len(stay)]  # as many as the movers
@@ -30,11 +34,10 @@ def fill_holes(b: int, leaving: set[int], move_tree: Callable[[int, int], None],
         order[hole] = row
     if movers:
         to, frm = cupy.asarray(np.array(holes, np.int64)), cupy.asarray(np.array(movers, np.int64))
-        for words, n in per_row:
+        for words, n in ((batch.ts, abi.TREE_STATE.words), (batch.cyc, abi.CYCLES.words), (batch.keys, KEY_WORDS)):
             rows = words[: b * n].reshape(b, n)
             rows[to] = rows[frm]
     return np.array(order, np.int64)
-
 
 
 def grown(old: cupy.ndarray | None, rows: int, per_row: int, dtype, used: int, flat: bool = True,
@@ -47,3 +50,21 @@ def grown(old: cupy.ndarray | None, rows: int, per_row: int, dtype, used: int, f
         n = used * per_row if flat else used
         new[:n] = old[:n]
     return new
+
+
+def grow(batch, rows: int, tree_bytes: int, result_bytes: int, init_words: int) -> None:
+    """Gives ``batch`` (a CUDA batch of trees, ``batch.b`` rows in use) a slab
+    of ``rows`` rows: its trees (``pool``, ``tree_bytes`` a row), tree state
+    (``ts``), cycles (``cyc``) and Philox keys (``keys``) with the rows in use
+    copied; fresh RES rows (``res_dev``, ``result_bytes`` a row), INIT rows
+    (``init_dev``, ``init_words`` a row), a wave's k per tree (``ks_dev``) and
+    the slice's start (``t0``)."""
+    b = batch.b
+    batch.pool = grown(batch.pool if b else None, rows, tree_bytes, np.uint8, b, flat=False, empty=True)
+    batch.ts = grown(batch.ts if b else None, rows, abi.TREE_STATE.words, np.int32, b)
+    batch.cyc = grown(batch.cyc if b else None, rows, abi.CYCLES.words, np.uint64, b)
+    batch.keys = grown(batch.keys if b else None, rows, KEY_WORDS, np.uint32, b)
+    batch.res_dev = cupy.empty(rows * result_bytes, np.uint8)
+    batch.init_dev = cupy.empty(rows * init_words, np.uint32)
+    batch.ks_dev = cupy.zeros(rows, np.int32)  # a wave's k per tree (value model) or budget (rollouts)
+    batch.t0 = cupy.zeros(1, np.uint64)

@@ -58,7 +58,8 @@ from search_service.cuda import abi
 from search_service.cuda import pool as pl
 from search_service.cuda.answers import call_model, model_values, result_fields, wave_slots
 from search_service.cuda.module import kernel
-from search_service.cuda.slab import fill_holes, grown
+from search_service.cuda.slab import KEY_WORDS as _KEY_WORDS
+from search_service.cuda.slab import fill_holes, grow
 from search_service.games import connect4
 from search_service.games.connect4 import Positions
 from search_service.mcts import tree as tr
@@ -68,7 +69,6 @@ from search_service.mcts.rollout import rollout_values
 
 A = connect4.NUM_ACTIONS
 _NULL = np.uint64(0)  # a null pointer argument of a kernel
-_KEY_WORDS = 3  # a tree's Philox key row: k0, k1, its tree word
 _HOST_FIELDS = {  # per-row host state: name -> dtype (row b: tree b)
     "seed": np.uint64,
     "stream": np.int64,
@@ -132,16 +132,8 @@ class CudaTreeBatch:
         if slots <= self.slots:
             return
         slots = max(slots, 2 * self.slots)
-        n, k, b = slots, self.k_max, self.b
-        self.pool = grown(self.pool if b else None, n, self.cap * pl.NODE_BYTES, np.uint8, b, flat=False,
-                          empty=True)
-        self.ts = grown(self.ts if b else None, n, abi.TREE_STATE.words, np.int32, b)
-        self.cyc = grown(self.cyc if b else None, n, abi.CYCLES.words, np.uint64, b)
-        self.keys = grown(self.keys if b else None, n, _KEY_WORDS, np.uint32, b)
-        self.res_dev = cupy.empty(n * abi.RESULT.nbytes, np.uint8)
-        self.init_dev = cupy.empty(n * abi.INIT.words, np.uint32)
-        self.ks_dev = cupy.zeros(n, np.int32)  # a wave's k per tree (value model) or budget (rollouts)
-        self.t0 = cupy.zeros(1, np.uint64)
+        n, k = slots, self.k_max
+        grow(self, n, self.cap * pl.NODE_BYTES, abi.RESULT.nbytes, abi.INIT.words)
         if self.puct:
             sizes = (n * k * abi.META.nbytes, n * k * abi.OBS.nbytes)
             self.stage = cupy.empty(sum(sizes), np.uint8)
@@ -235,9 +227,8 @@ class CudaTreeBatch:
             pl.copy_into(dst.data.ptr, n, src)
             trees.append(pl.CudaTree(dst, 0, n, n, int(self.row["current"][i]), int(self.row["mask"][i]),
                                      self.p.evaluator))
-        order = fill_holes(self.b, set(rows), lambda hole, row: pl.copy_into(
-            self._ptr(hole), self.cap, pl.CudaTree(self.pool, row, self.cap, int(nodes[row]), 0, 0)),
-            [(self.ts, abi.TREE_STATE.words), (self.cyc, abi.CYCLES.words), (self.keys, _KEY_WORDS)])
+        order = fill_holes(self, set(rows), lambda hole, row: pl.copy_into(
+            self._ptr(hole), self.cap, pl.CudaTree(self.pool, row, self.cap, int(nodes[row]), 0, 0)))
         self.row = {name: values[order] for name, values in self.row.items()}
         self.res = self.res[order]
         self.b = len(order)
