@@ -15,6 +15,8 @@ import numpy as np
 from search_service.cuda import abi
 
 KEY_WORDS = 3  # a tree's Philox key row: k0, k1, its tree word
+# A row's small state: (the batch's attribute, a flat device array; its words a row; dtype).
+PER_ROW = (("ts", abi.TREE_STATE.words, np.int32), ("cyc", abi.CYCLES.words, np.uint64), ("keys", KEY_WORDS, np.uint32))
 
 
 def fill_holes(batch, leaving: set[int], move_tree: Callable[[int, int], None]) -> np.ndarray:
@@ -34,22 +36,10 @@ def fill_holes(batch, leaving: set[int], move_tree: Callable[[int, int], None]) 
         order[hole] = row
     if movers:
         to, frm = cupy.asarray(np.array(holes, np.int64)), cupy.asarray(np.array(movers, np.int64))
-        for words, n in ((batch.ts, abi.TREE_STATE.words), (batch.cyc, abi.CYCLES.words), (batch.keys, KEY_WORDS)):
-            rows = words[: b * n].reshape(b, n)
+        for name, n, _ in PER_ROW:
+            rows = getattr(batch, name)[: b * n].reshape(b, n)
             rows[to] = rows[frm]
     return np.array(order, np.int64)
-
-
-def grown(old: cupy.ndarray | None, rows: int, per_row: int, dtype, used: int, flat: bool = True,
-          empty: bool = False) -> cupy.ndarray:
-    """A device array of ``rows`` rows of ``per_row`` elements, ``flat`` (one
-    axis, as the kernels take the per-row state) or ``[rows, per_row]``; zeros,
-    or uninitialised where ``empty``; the first ``used`` rows of ``old`` copied in."""
-    new = (cupy.empty if empty else cupy.zeros)((rows * per_row,) if flat else (rows, per_row), dtype)
-    if used:
-        n = used * per_row if flat else used
-        new[:n] = old[:n]
-    return new
 
 
 def grow(batch, rows: int, tree_bytes: int, result_bytes: int, init_words: int) -> None:
@@ -60,10 +50,15 @@ def grow(batch, rows: int, tree_bytes: int, result_bytes: int, init_words: int) 
     (``init_dev``, ``init_words`` a row), a wave's k per tree (``ks_dev``) and
     the slice's start (``t0``)."""
     b = batch.b
-    batch.pool = grown(batch.pool if b else None, rows, tree_bytes, np.uint8, b, flat=False, empty=True)
-    batch.ts = grown(batch.ts if b else None, rows, abi.TREE_STATE.words, np.int32, b)
-    batch.cyc = grown(batch.cyc if b else None, rows, abi.CYCLES.words, np.uint64, b)
-    batch.keys = grown(batch.keys if b else None, rows, KEY_WORDS, np.uint32, b)
+    pool = cupy.empty((rows, tree_bytes), np.uint8)
+    if b:
+        pool[:b] = batch.pool[:b]
+    batch.pool = pool
+    for name, n, dtype in PER_ROW:
+        words = cupy.zeros(rows * n, dtype)
+        if b:
+            words[: b * n] = getattr(batch, name)[: b * n]
+        setattr(batch, name, words)
     batch.res_dev = cupy.empty(rows * result_bytes, np.uint8)
     batch.init_dev = cupy.empty(rows * init_words, np.uint32)
     batch.ks_dev = cupy.zeros(rows, np.int32)  # a wave's k per tree (value model) or budget (rollouts)
