@@ -17,7 +17,9 @@ bulk server by shared memory for the row's whole length
 * ``trainer_frames_per_s``: the trainer's rate during the row (0: none);
 * ``workers``, ``reward_workers``: the row's ``search.workers`` and
   ``reward.workers`` (``--workers``, or each alone: ``--search-workers``,
-  ``--reward-workers``); ``host_wait``: both services' (``--host-wait``).
+  ``--reward-workers``); ``host_wait``: both services' (``--host-wait``);
+  ``switch_interval_us``: both services' interpreter switch interval
+  (``--switch-interval-us``: ``server.switch_interval_us``).
 
 "Games per GPU" is the largest ``engines * agents_per_engine`` of a value-model
 row without a trainer whose missed share is at most 0.5 % and whose agents
@@ -44,6 +46,7 @@ from collections import Counter
 import yaml
 
 from bench.common import RESULTS_DIR, int_list, make_parser, note, print_rows, progress, write_results
+from tandem.config import ServerConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "deploy" / "config" / "tandem.yaml"
@@ -55,7 +58,7 @@ MIN_SIMULATIONS = 100  # ... and at least this many simulations per agent a fram
 
 
 def _config(policy: str, out: Path, search_workers: int | None = None, reward_workers: int | None = None,
-            host_wait: str | None = None) -> Path:
+            host_wait: str | None = None, switch_interval_us: float | None = None) -> Path:
     cfg = yaml.safe_load(SHIPPED.read_text())
     cfg.setdefault("scheduler", {})["policy"] = policy
     for service, workers in (("search", search_workers), ("reward", reward_workers)):  # tandem/workers.py
@@ -63,6 +66,8 @@ def _config(policy: str, out: Path, search_workers: int | None = None, reward_wo
             cfg.setdefault(service, {})["workers"] = workers
         if host_wait:  # tandem.gpu.set_host_wait
             cfg.setdefault(service, {})["host_wait"] = host_wait
+        if switch_interval_us:  # tandem.server.build_server
+            cfg.setdefault(service, {}).setdefault("server", {})["switch_interval_us"] = switch_interval_us
     path = out / f"tandem_{policy}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -172,8 +177,9 @@ def plot(rows: list[dict], path: Path) -> None:
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     for ev in sorted({r["evaluator"] for r in rows}):
-        curve = sorted((r["engines"] * r["agents_per_engine"], r) for r in rows
-                       if r["evaluator"] == ev and r["trainer"] == "none" and r["policy"] == rows[0]["policy"])
+        curve = sorted(((r["engines"] * r["agents_per_engine"], r) for r in rows
+                        if r["evaluator"] == ev and r["trainer"] == "none" and r["policy"] == rows[0]["policy"]),
+                       key=lambda nr: nr[0])  # ties (16x16 and 1x256): kept in run order
         xs = [n for n, _ in curve]
         ax1.plot(xs, [100 * r["missed_frame_share"] for _, r in curve], "o-", label=ev)
         ax2.plot(xs, [r["simulations_per_frame"] for _, r in curve], "o-", label=ev)
@@ -202,6 +208,8 @@ def main() -> None:
     ap.add_argument("--reward-workers", type=int, default=None, help="reward.workers alone (over --workers)")
     ap.add_argument("--host-wait", default=None, choices=("auto", "spin", "yield", "block"),
                     help="search.host_wait and reward.host_wait (default: the shipped config's)")
+    ap.add_argument("--switch-interval-us", type=float, default=None,
+                    help="search and reward server.switch_interval_us (default: the shipped config's)")
     args = ap.parse_args()
     if args.quick:
         args.engines, args.evaluators, args.batch, args.contended, args.frames = [1, 2], "rollout", "1x4", 2, 60
@@ -215,7 +223,7 @@ def main() -> None:
         work = Path(tmp)
         for i, policy in enumerate(policies):
             config = _config(policy, work, args.search_workers or args.workers, args.reward_workers or args.workers,
-                             args.host_wait)
+                             args.host_wait, args.switch_interval_us)
             logs = work / f"logs_{policy}"
             logs.mkdir()
             stack = Stack(config, logs)
@@ -229,6 +237,8 @@ def main() -> None:
                     row["workers"] = written.get("search", {}).get("workers", 1)
                     row["reward_workers"] = written.get("reward", {}).get("workers", 1)
                     row["host_wait"] = written.get("search", {}).get("host_wait", "auto")
+                    row["switch_interval_us"] = written.get("search", {}).get("server", {}).get(
+                        "switch_interval_us", ServerConfig.switch_interval_us)
                     progress(row)
                     rows.append(row)
             finally:

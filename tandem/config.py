@@ -81,6 +81,11 @@ class ServerConfig:
     # Clients may ping an idle connection this often (game engines ping every ~45 s);
     # a client pinging faster is sent GOAWAY (too_many_pings) after two strikes.
     keepalive_min_ping_interval_ms: int = 10_000
+    # How long a Python thread may hold the interpreter before another that waits for it is
+    # let in (sys.setswitchinterval; the process's, so co-located servers share the smaller).
+    # Python's 5000 µs would make a thread that waits on the GPU or a socket many times a
+    # wave wait up to 5 ms each time it wants the interpreter back from a busy gRPC handler.
+    switch_interval_us: float = 200.0
 
 
 @dataclass(frozen=True)
@@ -399,6 +404,7 @@ _MAX_BY_NAME = {
     "value_model_parallel_sims": 65536,
     "value_model_sims_per_warp": 32,  # a warp's 32 lanes
     "workers": 64,  # processes sharing one address (tandem/workers.py)
+    "switch_interval_us": 1_000_000.0,
 }
 _MAX_BY_SUFFIX = (("_port", 65535), ("_bytes", 2**62), ("_ms", 86_400_000.0), ("_us", 86_400_000_000.0))
 # Lower bounds of durations that a smaller positive value cannot mean (a typo, or seconds
@@ -406,7 +412,7 @@ _MAX_BY_SUFFIX = (("_port", 65535), ("_bytes", 2**62), ("_ms", 86_400_000.0), ("
 _MIN_BY_NAME = {"lease_ttl_ms": 10.0, "report_interval_ms": 10.0, "request_message_timeout_ms": 1.0,
                 "response_write_timeout_ms": 1.0,
                 "grace_period_ms": 1.0, "keepalive_min_ping_interval_ms": 1000, "max_deadline_ms": 1.0,
-                "session_ttl_ms": 1.0, "wave_target_ms": 0.1, "rollout_slice_ms": 0.05, "attach_timeout_ms": 1.0}
+                "session_ttl_ms": 1.0, "wave_target_ms": 0.1, "rollout_slice_ms": 0.05, "attach_timeout_ms": 1.0, "switch_interval_us": 1.0}
 _MAX_INT = _INT32_MAX  # any other count or size
 
 

@@ -12,6 +12,7 @@ capped status messages) is :mod:`tandem.guard`.
 from __future__ import annotations
 
 import logging
+import sys
 import signal
 import socket
 import threading
@@ -190,9 +191,14 @@ def build_server(
     names them and ``capabilities``) is added to every server. Health starts NOT_SERVING: the
     caller calls ``set_serving(True)`` once it is ready.
 
+    Sets the process's interpreter switch interval to
+    ``server_cfg.switch_interval_us`` (the smallest of its servers' where it
+    runs several).
+
     Raises:
         RuntimeError: the address could not be bound.
     """
+    sys.setswitchinterval(min(sys.getswitchinterval(), server_cfg.switch_interval_us / 1e6))
     options = [
         ("grpc.max_receive_message_length", server_cfg.max_message_bytes),
         ("grpc.max_send_message_length", server_cfg.max_message_bytes),
