@@ -15,6 +15,13 @@ bulk server by shared memory for the row's whole length
 * ``simulations_per_frame``: the mean over engines of each one's mean per
   agent; ``optimal_move_rate``: over all agents' positions not lost;
 * ``trainer_frames_per_s``: the trainer's rate during the row (0: none);
+* which side is late: ``search_request_ms_p50``/``_p99`` and
+  ``evaluate_request_ms_p50``/``_p99`` (the engines' requests: median p50,
+  worst p99), ``search_server_ms_p50`` (the searches' own time on the server);
+* where the host's time went (bench/row_load.py): ``cpu_cores`` per server
+  (its workers summed), ``clients_cpu_cores``, ``host_busy_share``, and the
+  search service's wave loop (worker 0): ``wave_ms_mean``, ``join_ms_mean``,
+  ``leave_ms_mean``, ``waves_per_s``, ``trees_per_wave``;
 * ``workers``, ``reward_workers``: the row's ``search.workers`` and
   ``reward.workers`` (``--workers``, or each alone: ``--search-workers``,
   ``--reward-workers``); ``host_wait``: both services' (``--host-wait``);
@@ -46,7 +53,8 @@ from collections import Counter
 import yaml
 
 from bench.common import RESULTS_DIR, int_list, make_parser, note, print_rows, progress, write_results
-from tandem.config import ServerConfig
+from bench.row_load import RowLoad
+from tandem.config import SearchConfig, ServerConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "deploy" / "config" / "tandem.yaml"
@@ -111,21 +119,36 @@ def _trainer(config: Path, seconds: float, report: Path) -> subprocess.Popen:
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
+def _request_ms(done: list[dict], kind: str) -> tuple[float | None, float | None]:
+    """(median of the engines' p50s, worst p99) of their ``kind`` requests (ms)."""
+    got = [r["request_latency_ms"][kind] for r in done if kind in r.get("request_latency_ms", {})]
+    p50s = sorted(g["p50"] for g in got if g["p50"] is not None)
+    p99s = [g["p99"] for g in got if g["p99"] is not None]
+    return (p50s[len(p50s) // 2] if p50s else None), (max(p99s) if p99s else None)
+
+
 def run_row(config: Path, work: Path, engines: int, agents: int, evaluator: str, frames: int, fps: float,
-            trainer: str) -> dict:
-    """One row: ``engines`` play processes at once (and the trainer); their pooled figures."""
+            trainer: str, stack_pid: int | None = None) -> dict:
+    """One row: ``engines`` play processes at once (and the trainer); their pooled
+    figures, and where the host's time went (bench/row_load.py; ``stack_pid``:
+    the ``tandem up`` process, None: not measured)."""
     tag = f"{engines}x{agents}_{evaluator}_{trainer}_{config.stem}"
     reports = [work / f"{tag}_{e}.json" for e in range(engines)]
     train_report = work / f"{tag}_trainer.json"
     train = _trainer(config, frames / fps + 10, train_report) if trainer != "none" else None
     if train is not None:
         time.sleep(5)  # the trainer at full rate before the engines start
+    load = None
+    if stack_pid is not None:
+        load = RowLoad(stack_pid, yaml.safe_load(config.read_text()).get("search", {}).get(
+            "metrics_port", SearchConfig.metrics_port))
     plays = [subprocess.Popen([*TANDEM, "play", "--config", str(config), "--frames", str(frames), "--fps", str(fps),
                                "--agents", str(agents), "--evaluator", evaluator, "--seed", str(e + 1),
                                "--report", str(r)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
              for e, r in enumerate(reports)]
     for p in plays:
         p.wait()
+    host = load.finish() if load is not None else {}
     trainer_rate = 0.0
     if train is not None:
         train.wait()
@@ -140,6 +163,9 @@ def run_row(config: Path, work: Path, engines: int, agents: int, evaluator: str,
     sims = [r["simulations_per_frame"]["mean"] for r in done if r["simulations_per_frame"]["mean"] is not None]
     not_lost = sum(r["positions_not_lost"] for r in done)
     kept = sum((r["optimal_move_rate"] or 0) * r["positions_not_lost"] for r in done)
+    search_kind = "search" if agents == 1 else "search_batch"
+    (search_p50, search_p99), (evaluate_p50, evaluate_p99) = _request_ms(done, search_kind), _request_ms(done, "evaluate")
+    server_p50s = sorted(r["search_latency_ms"]["p50"] for r in done if r["search_latency_ms"]["p50"] is not None)
     return {
         "engines": engines,
         "agents_per_engine": agents,
@@ -157,6 +183,12 @@ def run_row(config: Path, work: Path, engines: int, agents: int, evaluator: str,
         # The three commonest failures, with their messages' first characters.
         "error_reasons": dict(sum((Counter(r.get("error_reasons", {})) for r in done), Counter()).most_common(3)),
         "backends": sorted({b for r in done for b in r["backends"]["search"]}),
+        # Which side is late: the engines' Search (or SearchBatch) and Evaluate request times, and the
+        # searches' own time on the server (its wave loop; the rest of a request is gRPC and queues).
+        "search_request_ms_p50": search_p50, "search_request_ms_p99": search_p99,
+        "evaluate_request_ms_p50": evaluate_p50, "evaluate_request_ms_p99": evaluate_p99,
+        "search_server_ms_p50": server_p50s[len(server_p50s) // 2] if server_p50s else None,
+        **host,
     }
 
 
@@ -232,7 +264,7 @@ def main() -> None:
                 plan += [] if i else [(n, k, evaluators[0], "none") for n, k in batches]
                 plan += [(args.contended, 1, evaluators[0], "shm")] if args.contended else []
                 for engines, agents, ev, trainer in plan:
-                    row = run_row(config, work, engines, agents, ev, args.frames, args.fps, trainer)
+                    row = run_row(config, work, engines, agents, ev, args.frames, args.fps, trainer, stack.proc.pid)
                     written = yaml.safe_load(config.read_text())
                     row["workers"] = written.get("search", {}).get("workers", 1)
                     row["reward_workers"] = written.get("reward", {}).get("workers", 1)

@@ -58,6 +58,8 @@ def test_shipped_config_loads_and_matches_defaults():
         ({"search": {"max_deadline_ms": 0.5}}, "search.max_deadline_ms: must be >= 1.0"),
         ({"search": {"wave_target_ms": 0.01}}, "search.wave_target_ms: must be >= 0.1 (or 0)"),
         ({"search": {"max_trees": 0}}, "search.max_trees: must be > 0"),
+        ({"search": {"server": {"switch_interval_us": 0.5}}}, "search.server.switch_interval_us: must be >= 1.0"),
+        ({"reward": {"server": {"switch_interval_us": 2e6}}}, "reward.server.switch_interval_us: must be <= 1000000"),
         ({"search": {"max_batch_searches": -1}}, "search.max_batch_searches: must be > 0"),
         ({"search": {"evaluator": "x" * 10_000}}, "search.evaluator: must be one of"),
         ({"reward": {"models": [{"name": "m", "path": "reward_service/models/connect4_value.onnx",

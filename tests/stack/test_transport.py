@@ -7,6 +7,8 @@ Real servers on loopback; no timing asserts (timeouts only guard against hangs).
 from __future__ import annotations
 
 import collections
+import subprocess
+import sys
 
 import grpc
 import pytest
@@ -260,3 +262,19 @@ def test_grpc_core_keeps_a_flood_for_the_guard_to_answer(monkeypatch):
     running.server.stop(0)
     assert seen["grpc.server.max_pending_requests"] == tandem_server.MAX_PENDING_CALLS >= 4096
     assert seen["grpc.server.max_pending_requests_hard_limit"] == 2 * tandem_server.MAX_PENDING_CALLS
+
+
+def test_a_server_sets_its_process_switch_interval_and_a_second_keeps_the_smaller():
+    """server.switch_interval_us becomes the interpreter's switch interval (in a
+    process of its own: it is the whole process's); co-located servers keep
+    the smaller."""
+    code = ("import sys\n"
+            "from dataclasses import replace\n"
+            "from tandem.config import ServerConfig, parse_config\n"
+            "from tandem.server import build_server\n"
+            "cfg = parse_config({})\n"
+            "for us in (300.0, 500.0):\n"
+            "    build_server('127.0.0.1:0', replace(ServerConfig(), switch_interval_us=us), cfg, []).server.stop(0)\n"
+            "    print(round(sys.getswitchinterval() * 1e6))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.split() == ["300", "300"]

@@ -1,0 +1,132 @@
+"""Where a benchmark row's time went on the host: CPU per tandem server (all
+its workers), the clients' CPU, the host's busy share, and the search
+service's wave loop from its /metrics, all over the row (Linux, /proc).
+
+A row of many engines that misses frames is either short of CPU somewhere
+(one interpreter at its limit: a server's ``cpu_cores`` near 1 per worker; the
+host's ``host_busy_share`` near 1) or waits on the GPU; these figures tell
+which, beside the frame figures.
+
+    load = RowLoad(stack_pid, search_metrics_port)
+    ...  # the row runs
+    row.update(load.finish())
+"""
+from __future__ import annotations
+
+import os
+import resource
+import time
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from tandem.workers import children
+
+_TICKS = os.sysconf("SC_CLK_TCK")
+_PHASES = ("join", "leave", "wave")
+
+
+def _cpu_s(pids: list[int]) -> float:
+    """User + system CPU seconds of ``pids`` so far (those gone count 0)."""
+    total = 0.0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()  # after "(comm)", which may hold spaces
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / _TICKS  # utime, stime
+    return total
+
+
+def _host_ticks() -> tuple[int, int]:
+    """(busy, total) CPU ticks of the whole host so far (/proc/stat)."""
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:]]
+    idle = ticks[3] + ticks[4]  # idle, iowait
+    return sum(ticks) - idle, sum(ticks)
+
+
+def _servers(supervisor: int) -> dict[str, list[int]]:
+    """``tandem up``'s servers by name (its ``serve NAME`` children), each with its workers."""
+    out: dict[str, list[int]] = {}
+    for pid in children(supervisor):
+        try:
+            argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if b"serve" in argv:
+            out[argv[argv.index(b"serve") + 1].decode()] = [pid, *children(pid)]
+    return out
+
+
+def _wave_sums(port: int) -> dict[str, float]:
+    """The search service's wave-loop counters now (sums in s, counts):
+    ``<phase>_s``, ``<phase>_n`` per phase, ``trees``, ``waves``; {} if
+    /metrics does not answer."""
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+    except OSError:
+        return {}
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "tandem_search_wave_phase_seconds_sum":
+                out[f"{s.labels['phase']}_s"] = s.value
+            elif s.name == "tandem_search_wave_phase_seconds_count":
+                out[f"{s.labels['phase']}_n"] = s.value
+            elif s.name == "tandem_search_wave_trees_sum":
+                out["trees"] = s.value
+            elif s.name == "tandem_search_wave_trees_count":
+                out["waves"] = s.value
+    return out
+
+
+class RowLoad:
+    """Samples at construction, reports the differences at :meth:`finish`.
+
+    Args:
+        supervisor: the ``tandem up`` process's pid.
+        search_metrics_port: ``search.metrics_port`` (its worker 0's wave loop;
+            0: no wave figures).
+    """
+
+    def __init__(self, supervisor: int, search_metrics_port: int = 0):
+        self.servers = _servers(supervisor)
+        self.port = search_metrics_port
+        self.t0 = time.monotonic()
+        self.cpu0 = {name: _cpu_s(pids) for name, pids in self.servers.items()}
+        self.host0 = _host_ticks()
+        self.clients0 = self._clients_s()
+        self.waves0 = _wave_sums(self.port) if self.port else {}
+
+    @staticmethod
+    def _clients_s() -> float:
+        """CPU seconds of this process's children that have ended and been waited for (the engines)."""
+        r = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return r.ru_utime + r.ru_stime
+
+    def finish(self) -> dict:
+        """The row's figures: ``cpu_cores`` {server: cores used on average over
+        the row, its workers summed}, ``clients_cpu_cores`` (this process's
+        children waited for since: the engines), ``host_busy_share`` (0..1, every core), and
+        the search service's worker 0 wave loop (``wave_ms_mean``,
+        ``join_ms_mean``, ``leave_ms_mean``: ms a step; ``waves_per_s``;
+        ``trees_per_wave``; absent without /metrics)."""
+        wall = max(time.monotonic() - self.t0, 1e-9)
+        busy, total = _host_ticks()
+        out: dict = {
+            "cpu_cores": {name: round((_cpu_s(pids) - self.cpu0[name]) / wall, 2)
+                          for name, pids in self.servers.items()},
+            "clients_cpu_cores": round((self._clients_s() - self.clients0) / wall, 2),
+            "host_busy_share": round((busy - self.host0[0]) / max(total - self.host0[1], 1), 3),
+        }
+        now = _wave_sums(self.port) if self.port else {}
+        d = {k: now[k] - self.waves0.get(k, 0.0) for k in now}
+        for phase in _PHASES:
+            if d.get(f"{phase}_n"):
+                out[f"{phase}_ms_mean"] = round(1e3 * d[f"{phase}_s"] / d[f"{phase}_n"], 3)
+        if d.get("waves"):
+            out["waves_per_s"] = round(d["waves"] / wall, 1)
+            out["trees_per_wave"] = round(d["trees"] / d["waves"], 2)
+        return out
