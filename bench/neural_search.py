@@ -57,8 +57,8 @@ Three kinds of row (``kind``):
   start, plus the output copies' end to the backup's start). The stamps'
   kernels lengthen those rows' searches: their latencies are not the clean ones.
 * ``search_quality``: ``optimal_move_rate`` with a 16 ms deadline per
-  position (each its own search, as served: the cache and the coalescing of
-  the serving path in front of the reward service, the leaf channel where it
+  position (each its own search, as served: the evaluation cache of the
+  serving path in front of the reward service, the leaf channel where it
   attaches), value model against rollouts in the same run, on every bundled
   Pons set (``--positions`` per set); the value model at each ``--value-waves``
   wave size (default: the config's ``search.value_model_parallel_sims``), and
@@ -459,7 +459,6 @@ def _run(args, kinds: set[str], cfg, on_mps: bool) -> None:
     from tandem.v1 import reward_pb2_grpc
 
     from reward_service import server as reward_server
-    from search_service.coalescing import CoalescingEvaluator
     from search_service.evaluators import HandoffEvaluator, RewardServiceEvaluator
     from search_service.leaf_cache import CachedEvaluator, EvaluationCache
     from tandem import in_process
@@ -525,7 +524,6 @@ def _run(args, kinds: set[str], cfg, on_mps: bool) -> None:
                 handoff = HandoffEvaluator(ch, "connect4_value", "leaf_channel")
             common.note(f"serving path: leaf channel attached: {handoff.wait_attached(10.0)}, device channels: "
                         f"{handoff.wait_device_channels(10.0)}")
-            serving = CoalescingEvaluator(handoff)
             try:
                 value_waves = args.value_waves or [cfg.search.value_model_parallel_sims]
                 for set_name in SETS if "search_quality" in kinds else ():
@@ -533,7 +531,7 @@ def _run(args, kinds: set[str], cfg, on_mps: bool) -> None:
                                           ("rollout", 256 if variant != common.CPU_VARIANT else cfg.search.parallel_sims,
                                            1)]:
                         # A cache of its own per row: another row's evaluations of the same positions would be hits.
-                        cached = CachedEvaluator(serving, EvaluationCache(cfg.search.evaluation_cache_bytes))
+                        cached = CachedEvaluator(handoff, EvaluationCache(cfg.search.evaluation_cache_bytes))
                         row = common.attempt(f"quality {set_name} {name}", quality,
                                              value_backends.get(g, backend), cached, set_name,
                                              8 if args.quick else args.positions, name, wave, 16.0, handoff)
@@ -542,7 +540,6 @@ def _run(args, kinds: set[str], cfg, on_mps: bool) -> None:
                             common.progress(row)
                             rows.append(row)
             finally:
-                serving.close()
                 handoff.close()
     finally:
         if local is not None:

@@ -17,8 +17,8 @@ wake-up on the host, and no host wait for the model.
 
 Invariants:
 
-* A link belongs to one caller at a time (a search call, or the coalescing
-  dispatcher): its buffers, events and last figures (``queue_ms``,
+* A link belongs to one caller at a time (a device wave that borrowed it, or
+  the search service's host calls, which HandoffEvaluator serialises): its buffers, events and last figures (``queue_ms``,
   ``compute_ms``, ``bucket``) are that caller's thread's, and at most one of
   its waves is in flight. ``_lock`` guards only ``_closed``.
 * A wave runs in the model's critical lane (reward_service/batcher.py),

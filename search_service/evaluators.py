@@ -57,7 +57,7 @@ class CallTotals:
     of a wave split into the reward service's queue and model run (as its
     replies report them) and the rest of the call (the hand-off: copies,
     transport, decoding). Written by the calling thread; read between searches
-    (the serving path calls from one dispatcher thread)."""
+    (HandoffEvaluator serialises the serving path's host calls)."""
 
     calls: int = 0
     leaves: int = 0
@@ -427,17 +427,18 @@ class HandoffEvaluator:
 
     Device channels: once the channel is attached with CUDA regions, up to
     ``device_channels`` more are attached in the background, which
-    :meth:`lend` lends one per search call to the CUDA backend's device path
-    (:class:`DeviceWaves`): a search holding one sends its waves itself,
-    besides the dispatcher, and the reward service's critical lane merges
-    the waves that meet there (batching across searches). A lent channel
+    :meth:`lend` lends one per wave (or search call) to the CUDA backend's
+    device path (:class:`DeviceWaves`): its borrower sends its waves itself,
+    besides the host calls, and the reward service's critical lane merges
+    the waves that meet there (batching across groups and workers). A lent channel
     whose connection broke is closed when it comes back, with the free ones
     (the reward service they reach restarted or died), and new ones are
     attached at the next :meth:`lend` that finds none free.
 
-    Thread safety: host calls come from one thread (the coalescing
-    dispatcher); a lent channel is used by its borrower's thread alone until
-    it is given back. ``_lock`` guards the channel that the background attach
+    Thread safety: host calls (:meth:`__call__`) are serialised by ``_calls``
+    (the wave loop's group threads: one per group of searches sharing their
+    constants; the leaf channel carries one wave at a time); a lent channel
+    is used by its borrower's thread alone until it is given back. ``_lock`` guards the channel that the background attach
     publishes, ``_closed`` (a channel attached after :meth:`close` is closed at
     once), ``_device_free``, ``_device_count``, ``_topping_up`` and
     ``_next_device_attach`` (a top-up starts at most every ``retry_s``).
@@ -451,6 +452,8 @@ class HandoffEvaluator:
         self._stub, self.model, self.mode = reward_pb2_grpc.RewardServiceStub(channel), model, mode
         self.max_rows, self.retry_s, self.timeout_s = max_rows, retry_s, timeout_s
         self._lock = threading.Lock()
+        self._calls = threading.Lock()  # one host call at a time (class docstring)
+        self.calls = 0  # host calls made, each one model call (tests read it); guarded by _calls
         self._leaf: LeafChannelEvaluator | None = None  # guarded by _lock
         self._attaching = False  # guarded by _lock
         self._next_attach = 0.0  # time.monotonic() s; guarded by _lock
@@ -473,6 +476,11 @@ class HandoffEvaluator:
         Raises:
             EvaluatorUnavailable: the hand-off used failed.
         """
+        with self._calls:
+            self.calls += 1
+            return self._call(observations, deadline)
+
+    def _call(self, observations: np.ndarray, deadline: Deadline | None) -> tuple[np.ndarray, np.ndarray | None]:
         leaf = self._channel()
         if leaf is None or len(observations) > self.max_rows:
             self.handoff = HANDOFF_GRPC
@@ -582,7 +590,7 @@ class HandoffEvaluator:
         """A :class:`DeviceWaves` over a free device channel for one search
         call whose calls end by ``deadline`` (None: none), given back
         when the block ends; None when none is free (the search goes the host
-        way, through the dispatcher): none attached yet (an attach is started),
+        way, :meth:`__call__`): none attached yet (an attach is started),
         all lent, or the reward service offers none with CUDA regions."""
         with self._lock:
             ev = self._device_free.pop() if self._device_free else None

@@ -32,7 +32,6 @@ from tandem.v1 import scheduler_pb2, search_pb2, search_pb2_grpc
 
 from search_service.backends import GameBackends, make_backend
 from search_service.budget import search_deadline, search_deadline_ms
-from search_service.coalescing import CoalescingEvaluator
 from search_service.evaluators import HANDOFF_GRPC, HandoffEvaluator
 from search_service.game_registry import load_games
 from search_service.leaf_cache import CachedEvaluator, EvaluationCache
@@ -158,7 +157,7 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
         self.games = games if games is not None else load_games(cfg.search.games)  # name -> SearchGame
         self.default_evaluator = default_evaluator(cfg.search.evaluator, backend.name)  # a request naming none
         # What reports the hand-off of the value model's leaves (``handoff``: "in_process" | "leaf_channel" | "grpc"):
-        # the HandoffEvaluator inside the cache and the coalescer.
+        # the HandoffEvaluator inside the cache.
         self.handoff = handoff
         self.streams = streams or StreamSet(cfg.search.stream_priorities)
         self.loop = None
@@ -525,12 +524,11 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True, place: WorkerPlace =
     reward_address = cfg.search.reward_address or cfg.reward.address
     reward_channel = channel(reward_address, cfg)
     streams = StreamSet(cfg.search.stream_priorities, cupy)
-    # Leaves: the cache answers what it can, the rest of every search waiting goes in one call.
+    # Leaves: the cache answers what it can; a wave's rest (every tree of its batch) goes in one call.
     handoff = HandoffEvaluator(reward_channel, cfg.search.value_model, cfg.search.handoff,
-                               max_rows=min(cfg.search.coalesce_max_rows, cfg.reward.leaf_channel.max_rows),
+                               max_rows=cfg.reward.leaf_channel.max_rows,
                                device_channels=cfg.search.device_channels, address=reward_address)
-    coalescer = CoalescingEvaluator(handoff, cfg.search.coalesce_max_rows)
-    evaluator = CachedEvaluator(coalescer, EvaluationCache(cfg.search.evaluation_cache_bytes))
+    evaluator = CachedEvaluator(handoff, EvaluationCache(cfg.search.evaluation_cache_bytes))
     servicer = SearchServicer(cfg, backend, evaluator, streams, handoff, games)
     POOL_BYTES.labels("used").set_function(lambda: pools.cupy_pool_use(cupy)[0])
     POOL_BYTES.labels("limit").set_function(lambda: pools.cupy_pool_use(cupy)[1])
@@ -557,7 +555,7 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True, place: WorkerPlace =
     )
     service.servicer = servicer
     servicer.owners.local_port = service.port  # from now on a caller's uid is one netlink lookup (tandem/peer.py)
-    service.on_close = lambda: (servicer.close(), coalescer.close(), handoff.close(), reward_channel.close())
+    service.on_close = lambda: (servicer.close(), handoff.close(), reward_channel.close())
     return service
 
 

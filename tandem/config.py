@@ -314,19 +314,15 @@ class SearchConfig:
     # Value-model leaves: the answers of positions already evaluated, kept up to this
     # many bytes (least recently used out; search_service/leaf_cache.py). 0 = no cache.
     evaluation_cache_bytes: int = 64 << 20
-    # Leaves of concurrent searches go to the reward service in one Evaluate per
-    # dispatch, up to this many rows (search_service/coalescing.py).
-    coalesce_max_rows: int = 4096
     # How leaves reach the reward service: "auto" (in-process where the reward service
     # runs in this process -- co-located mode, tandem/in_process.py -- else the leaf
     # channel where the reward service offers one this process can reach -- same host --
     # else gRPC), "leaf_channel" (the leaf channel; gRPC only while it cannot connect) or "grpc"
     # (one Evaluate per wave).
     handoff: str = "auto"
-    # Leaf channels of CUDA regions lent one per value-model search on the GPU
-    # (search_service/evaluators.py HandoffEvaluator.lend): a search holding one sends
-    # its waves itself, the leaves and the model's answers never on the host; searches
-    # beyond it go through the dispatcher. 0 = none. Each takes a reward.leaf_channel
+    # Leaf channels of CUDA regions lent one per value-model wave on the GPU
+    # (search_service/evaluators.py HandoffEvaluator.lend): the leaves and the model's
+    # answers never on the host; a wave that finds none free goes the host way. 0 = none. Each takes a reward.leaf_channel
     # connection (max_connections).
     device_channels: int = 4
     # Every search in flight advances as one batch of trees, one wave at a time

@@ -192,7 +192,7 @@ def _metadata(stub, model: str, timeout_s: float) -> reward_pb2.ModelMetadataRes
 class LeafChannel:
     """The client's end: regions registered with the reward service, a socket
     attached to them, then :meth:`evaluate` per wave. One caller at a time
-    (the search service's coalescing dispatcher is its one thread).
+    (the search service's HandoffEvaluator serialises its host calls).
 
     Args:
         stub: a ``RewardServiceStub`` (registers the regions over gRPC).
@@ -695,7 +695,7 @@ class LeafChannel:
                 if now >= spin_until:
                     break
                 os.sched_yield()  # the GIL goes too
-        self._sock.settimeout(None if deadline is None else max(deadline.left_s(), 1e-4))
+        self._sock.settimeout(None if deadline is None else max(deadline.wait_s(), 1e-4))  # wait_s: a far one fits
         return self._sock.recv(MAX_MESSAGE_BYTES)
 
     def _wait_done(self, deadline: Deadline | None) -> None:

@@ -89,7 +89,7 @@ def test_a_port_is_narrowed_to_the_channels_and_the_models_rows(reward):
 
 def test_a_co_located_model_of_few_rows_per_batch_still_goes_in_process():
     """A value model of max_batch_size 16: the search's link (it asks for
-    coalesce_max_rows) is narrowed to 16, as LeafChannel.offered narrows an attach."""
+    reward.leaf_channel.max_rows) is narrowed to 16, as LeafChannel.offered narrows an attach."""
     models = [{"name": MODEL, "path": "reward_service/models/connect4_value.onnx", "max_batch_size": 16}]
     cfg = loopback_config(reward={"models": models}, search={"backend": "cpu", "value_model_parallel_sims": 8})
     with serving(cfg, *colocated.start(cfg, follow_scheduler=False)) as box:

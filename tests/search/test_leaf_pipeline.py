@@ -1,23 +1,19 @@
-"""The value model's leaf path in the search service: the evaluation cache and
-the coalescing of concurrent searches' leaves into one call."""
+"""The value model's leaf path in the search service: the evaluation cache,
+and concurrent searches' leaves in one call per wave of their batch."""
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
-import pytest
 from conftest import loopback_config
 from tandem.v1 import search_pb2, search_pb2_grpc
 
 from reward_service import server as reward_server
 from search_service import server as search_server
-from search_service.coalescing import CoalescingEvaluator
 from search_service.games import connect4 as c4
 from search_service.leaf_cache import ENTRY_BYTES, CachedEvaluator, EvaluationCache
 from search_service.mcts.backend import EvaluationFailed
 from tandem.server import channel
-from tandem.deadline import Deadline
 
 
 def observations(*moves: str) -> np.ndarray:
@@ -88,74 +84,6 @@ def test_a_zero_budget_keeps_nothing():
     assert ev.inner.calls == [1, 1] and len(ev.cache) == 0
 
 
-# -- coalescing --------------------------------------------------------------------------
-
-
-def _in_thread(fn, *args):
-    out = {}
-
-    def run():
-        try:
-            out["value"] = fn(*args)
-        except Exception as exc:  # noqa: BLE001 - handed to the test
-            out["error"] = exc
-
-    t = threading.Thread(target=run)
-    t.start()
-    return t, out
-
-
-def test_searches_waiting_during_a_call_share_the_next_one():
-    model = Model()
-    ev = CoalescingEvaluator(model)
-    try:
-        model.gate.clear()
-        first, out0 = _in_thread(ev, observations("4"))
-        assert model.entered.wait(5)  # the first call is in flight, held
-        waiting = [_in_thread(ev, observations(m, m + "1")) for m in ("2", "3", "5")]
-        deadline = time.monotonic() + 5
-        while sum(len(r.obs) for r in ev._queue) < 6 and time.monotonic() < deadline:
-            time.sleep(0.001)
-        model.gate.set()
-        for t, _ in [(first, out0), *waiting]:
-            t.join(5)
-        assert model.calls == [1, 6]  # the three waiting searches went in one call
-        for m, (_, out) in zip(("2", "3", "5"), waiting):
-            obs = observations(m, m + "1")
-            np.testing.assert_array_equal(out["value"][0], expected(obs)[0])
-            np.testing.assert_array_equal(out["value"][1], expected(obs)[1])
-    finally:
-        ev.close()
-
-
-def test_a_caller_past_its_deadline_gives_up_and_the_others_get_their_answers():
-    model = Model()
-    ev = CoalescingEvaluator(model)
-    try:
-        model.gate.clear()
-        first, out0 = _in_thread(ev, observations("4"))
-        assert model.entered.wait(5)
-        with pytest.raises(EvaluationFailed, match="DEADLINE_EXCEEDED"):
-            ev(observations("3"), Deadline.after_s(0.01))
-        model.gate.set()
-        first.join(5)
-        np.testing.assert_array_equal(out0["value"][0], expected(observations("4"))[0])
-        v, _ = ev(observations("2"))  # the dispatcher still serves
-        np.testing.assert_array_equal(v, expected(observations("2"))[0])
-        assert model.calls == [1, 1]  # the abandoned request was dropped, never sent
-    finally:
-        ev.close()
-
-
-def test_a_failed_call_fails_every_search_in_it_and_closing_fails_the_rest():
-    ev = CoalescingEvaluator(Model(fail=True))
-    with pytest.raises(EvaluationFailed, match="UNAVAILABLE"):
-        ev(observations("4"))
-    ev.close()
-    with pytest.raises(EvaluationFailed, match="closed"):
-        ev(observations("4"))
-
-
 # -- through the real services ----------------------------------------------------------
 
 
@@ -175,20 +103,10 @@ def test_concurrent_value_model_searches_share_calls_and_the_cache():
             again = stub.Search(req, timeout=60)  # the same search once more, alone
         assert all(r.model_simulations == r.simulations == 64 for r in replies + [again])
         waves = 6 * (1 + 64 // 8)  # each search: the fresh root, then its waves
-        # However the six overlapped, each wave was coalesced with another's or answered from the cache.
+        # However the six overlapped, they shared waves of one batch (one call each) or the cache.
         assert made < waves
         # The repeat meets only leaves already valued: all from the cache, no model call.
         assert cached.inner.calls == made and cached.cache.hits > hits
     finally:
         search.stop()
         reward.stop()
-
-
-def test_a_far_deadline_waits_like_none():
-    """A search with no gRPC deadline gets a deadline far away; the wait must not overflow."""
-    ev = CoalescingEvaluator(Model())
-    try:
-        v, _ = ev(observations("4"), Deadline.after_s(1e12))
-        np.testing.assert_array_equal(v, expected(observations("4"))[0])
-    finally:
-        ev.close()
