@@ -133,6 +133,7 @@ def _play_options(args, cfg: TandemConfig):
         agents=args.agents,
         model=cfg.search.value_model,
         seed=args.seed,
+        late_answers=args.late_answers,
     )
 
 
@@ -306,6 +307,9 @@ def _add_play_args(p: argparse.ArgumentParser) -> None:
                         "call where more than one (at most the search service's search.max_batch_searches; "
                         "default 1: one Search)")
     p.add_argument("--seed", type=int, default=1, help="seed of the position order and the searches (default 1)")
+    p.add_argument("--late-answers", action="store_true",
+                   help="wait up to ten frames for each answer, to see how late they come (default: each "
+                        "call's gRPC deadline is the frame's end, as an engine sets it)")
     p.add_argument("--report", help="write the report as JSON here")
 
 

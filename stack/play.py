@@ -25,6 +25,10 @@ NPCs), each scored, and the Evaluate values the first:
 
 Frame latency runs from the frame's start (its Search leaving) to the later
 of the two answers; a frame is missed when that exceeds ``1000 / fps`` ms.
+Each call's gRPC deadline is the frame's end, as an engine sets it (the
+search service fits the search into the time left; a call that cannot make
+it fails DEADLINE_EXCEEDED, a missed frame); ``late_answers`` waits longer
+instead, to see how late the answers come.
 ``request_latency_ms`` splits it by request (``search`` or ``search_batch``,
 ``evaluate``: sent to answered, answered frames), and ``search_phases_ms``
 gives the search service's own select, expand, evaluate and backup ms per
@@ -74,6 +78,10 @@ class PlayOptions:
     session_id: str = ""
     agents: int = 1  # positions searched per frame; > 1: in one SearchBatch call
     game: str = connect4.NAME  # the game searched; another than Connect Four: position_sets is its set's file
+    # False: each call's gRPC deadline is the frame's end (the budget from its send), as an engine sets
+    # it: the server fits the search into what is left, a late call fails DEADLINE_EXCEEDED and the
+    # loop goes on. True: calls wait up to ten frames (at least 1 s), to see how late answers come.
+    late_answers: bool = False
 
 
 @dataclass(frozen=True)
@@ -218,6 +226,12 @@ def play(opts: PlayOptions, cfg=None, log=print) -> dict:
     return _report(opts, tally, provider, solver=all(p.score is not None for p in positions))
 
 
+def call_timeout_s(budget_ms: float, late_answers: bool = False) -> float:
+    """A frame's calls' gRPC deadline (s from their send): the frame's budget,
+    or, with ``late_answers``, ten frames and at least 1 s (PlayOptions)."""
+    return max(10 * budget_ms / 1000.0, 1.0) if late_answers else budget_ms / 1000.0
+
+
 def _game_position(record: dict, source: str) -> GamePosition | LabelledPosition:
     """A game folder set's record: labelled by an exact solver (endgames) or not."""
     if "score" in record:
@@ -250,8 +264,8 @@ def _frames(opts: PlayOptions, client: FrameClient, positions: list[LabelledPosi
         frame = client.send(tick, moves, simulations=opts.simulations, evaluator=opts.evaluator,
                             seed=opts.seed * 1_000_003 + tick.frame + 1, session_id=opts.session_id,
                             deadline_ms=budget_ms * SEARCH_SHARE_OF_FRAME,
-                            # A late answer is a missed frame, not an error: the gRPC deadline is generous.
-                            timeout_s=max(10 * budget_ms / 1000.0, 1.0), evaluate=evaluate, game=opts.game)
+                            timeout_s=call_timeout_s(budget_ms, opts.late_answers), evaluate=evaluate,
+                            game=opts.game)
         while not frame.wait(INTERRUPT_POLL_S):  # a Ctrl-C lost inside a gRPC callback still stops the wait
             interrupt.raise_if_interrupted()
         answered = tally.score(agents, frame)

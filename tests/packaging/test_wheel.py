@@ -90,7 +90,7 @@ def test_installed_tandem_up_and_play_60_frames(venv: Venv, tmp_path: Path):
         lines = lines_until(up, "tandem is up")
         assert lines[0].startswith("compute: search on the CPU (search.backend: cpu)"), lines[0]
         report = tmp_path / "report.json"
-        play = venv.run("tandem", "play", "--config", str(config), "--frames", "60", "--report", str(report),
+        play = venv.run("tandem", "play", "--config", str(config), "--frames", "60", "--late-answers", "--report", str(report),
                         cwd=tmp_path, timeout_s=300)
         assert play.returncode == 0, play.stdout + play.stderr
         figures = json.loads(report.read_text())

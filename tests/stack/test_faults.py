@@ -253,7 +253,7 @@ def test_a_frame_keeps_its_evaluate_while_the_reward_service_is_killed(tmp_path)
         killer = threading.Thread(target=kill_and_restart)
         killer.start()
         # 10 FPS: a generous frame on a busy 2-core host; the frames must outlast the outage.
-        opts = PlayOptions(cfg.search.address, cfg.reward.address, frames=100, fps=10.0, simulations=16,
+        opts = PlayOptions(cfg.search.address, cfg.reward.address, late_answers=True, frames=100, fps=10.0, simulations=16,
                            evaluator="value_model")
         report = play(opts, cfg, log=None)
         killer.join()

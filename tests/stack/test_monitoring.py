@@ -108,7 +108,7 @@ def stack(tmp_path_factory):
                     call(**bad)
         before_play = {name: scrape(port) for name, port in ports.items()}
         play = subprocess.run([sys.executable, "-m", "stack", "play", "--config", str(path), "--frames", "5",
-                               "--fps", "30"], capture_output=True, text=True, timeout=120)
+                               "--fps", "30", "--late-answers"], capture_output=True, text=True, timeout=120)
         assert play.returncode == 0, play.stdout + play.stderr
         after_play = {name: scrape(port) for name, port in ports.items()}
         yield cfg, before_play, after_play

@@ -15,7 +15,7 @@ def test_an_engine_of_several_agents_plays_every_agents_search():
     search = search_server.start(cfg, follow_scheduler=False)
     try:
         # Frames of 10 fps: a generous budget on a loaded 2-core host; a capped search each.
-        opts = PlayOptions(cfg.search.address, cfg.reward.address, frames=4, fps=10.0, simulations=20,
+        opts = PlayOptions(cfg.search.address, cfg.reward.address, late_answers=True, frames=4, fps=10.0, simulations=20,
                            evaluator="rollout", agents=3)
         report = play(opts, cfg, log=None)
     finally:

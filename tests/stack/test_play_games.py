@@ -52,7 +52,7 @@ def test_a_position_file_that_is_not_one_names_its_line(tmp_path):
 @pytest.mark.parametrize("name", ["othello", "gomoku"])
 def test_play_a_game_of_the_search_service(cpu_stack, name, capsys):
     cfg = cpu_stack
-    opts = PlayOptions(cfg.search.address, cfg.reward.address, frames=4, fps=10.0, simulations=12,
+    opts = PlayOptions(cfg.search.address, cfg.reward.address, late_answers=True, frames=4, fps=10.0, simulations=12,
                        evaluator="rollout", game=name, position_sets=(game_positions_file(cfg.search.games, name),))
     report = play(opts, cfg, log=None)
     assert report["game"] == name and report["frames"] == report["frames_answered"] == 4 and not report["errors"]
@@ -75,7 +75,7 @@ def test_play_othello_endgames_is_scored_against_the_exact_labels(cpu_stack, cap
     as Connect Four's are (keeps the result or not), with no value model."""
     cfg = cpu_stack
     args = cli.parser().parse_args(["play", "--game", "othello", "--positions", "endgames.jsonl", "--frames", "6",
-                                    "--fps", "10", "--simulations", "64", "--evaluator", "rollout"])
+                                    "--fps", "10", "--simulations", "64", "--evaluator", "rollout", "--late-answers"])
     report = play(cli._play_options(args, cfg), cfg, log=None)
     assert report["solver"] is True and report["frames_answered"] == 6 and not report["errors"]
     assert report["positions_not_lost"] >= 1 and 0.0 <= report["optimal_move_rate"] <= 1.0

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from stack.play import REPORT_DOC, PlayOptions, play, print_report
+from stack.play import REPORT_DOC, PlayOptions, call_timeout_s, play, print_report
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +21,7 @@ def _ctrl_c_at(frame: int):
 
 
 def test_a_ctrl_c_mid_game_reports_the_frames_played(cfg, capsys):
-    opts = PlayOptions(cfg.search.address, cfg.reward.address, frames=10, fps=10.0, simulations=20,
+    opts = PlayOptions(cfg.search.address, cfg.reward.address, late_answers=True, frames=10, fps=10.0, simulations=20,
                        evaluator="rollout")
     report = play(opts, cfg, log=_ctrl_c_at(3))
     assert report["interrupted"] is True
@@ -33,7 +33,7 @@ def test_a_ctrl_c_mid_game_reports_the_frames_played(cfg, capsys):
 
 
 def test_a_whole_game_is_not_marked_interrupted_and_errors_print_as_counts(cfg, capsys):
-    opts = PlayOptions(cfg.search.address, cfg.reward.address, frames=2, fps=10.0, simulations=20,
+    opts = PlayOptions(cfg.search.address, cfg.reward.address, late_answers=True, frames=2, fps=10.0, simulations=20,
                        evaluator="rollout")
     report = play(opts, cfg, log=None)
     assert report["interrupted"] is False and report["frames"] == 2
@@ -46,13 +46,28 @@ def test_a_whole_game_is_not_marked_interrupted_and_errors_print_as_counts(cfg, 
     assert "best_score_move_rate" in out and " as the solver" in out and "no solver" not in out
 
 
+def test_a_call_past_its_frames_end_fails_as_a_missed_frame_and_the_loop_goes_on(cfg):
+    """The default: each call's gRPC deadline is the frame's end. A budget no
+    call can meet (1 µs) fails every frame DEADLINE_EXCEEDED, counted as
+    missed, and the frames after it are still played."""
+    opts = PlayOptions(cfg.search.address, cfg.reward.address, frames=3, fps=1e6, evaluator="rollout")
+    report = play(opts, cfg, log=None)
+    assert report["frames"] == 3 and report["frames_answered"] == 0
+    assert report["errors"] == {"DEADLINE_EXCEEDED": 3} and report["missed_frames"] == 3
+
+
+def test_a_frames_calls_wait_for_the_frames_end_or_with_late_answers_ten_frames():
+    assert call_timeout_s(16.0) == 0.016
+    assert call_timeout_s(16.0, late_answers=True) == 1.0 and call_timeout_s(200.0, late_answers=True) == 2.0
+
+
 def test_a_report_records_its_provenance(cfg, monkeypatch):
     """Where a figure came from travels with it: the commit the caller names
     (as a tree sent to the GPU machine does), whether the tree differed, the
     command line and the date, first in the report."""
     monkeypatch.setenv("TANDEM_COMMIT", "0" * 40)
     monkeypatch.setenv("TANDEM_DIRTY", "0")
-    opts = PlayOptions(cfg.search.address, cfg.reward.address, frames=1, fps=10.0, simulations=4,
+    opts = PlayOptions(cfg.search.address, cfg.reward.address, late_answers=True, frames=1, fps=10.0, simulations=4,
                        evaluator="rollout")
     report = play(opts, cfg, log=None)
     assert list(report)[:4] == ["date", "gpu", "versions", "command"]

@@ -106,7 +106,8 @@ def test_up_status_play_and_stop(config_file, tmp_path):
             assert "co_located: true" in status.stdout
 
         report_path = tmp_path / "report.json"
-        play = _tandem("play", "--config", str(config_file), "--frames", "20", "--fps", "30", "--report", str(report_path))
+        play = _tandem("play", "--config", str(config_file), "--frames", "20", "--fps", "30", "--late-answers",
+                       "--report", str(report_path))
         assert play.returncode == 0, play.stdout + play.stderr
         report = json.loads(report_path.read_text())
         assert report["frames"] == report["frames_answered"] == 20
