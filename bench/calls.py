@@ -92,9 +92,22 @@ def _client(service: str, address: str, simulations: int, batch: int, start: flo
     out.put((calls, errors))
 
 
-def _serving(address: str, timeout_s: float = 180.0) -> None:
+def _serving(address: str, proc: subprocess.Popen, log: Path, timeout_s: float = 180.0) -> None:
+    """Waits until the server ``proc`` answers on ``address``.
+
+    Raises:
+        SystemExit: it exited first (its log's last lines said), or did not answer within ``timeout_s``.
+    """
+    end = time.monotonic() + timeout_s
     with grpc.insecure_channel(address) as ch:
-        grpc.channel_ready_future(ch).result(timeout=timeout_s)
+        ready = grpc.channel_ready_future(ch)
+        while not ready.done():
+            if proc.poll() is not None:
+                tail = log.read_text(errors="replace").strip().splitlines()[-3:]
+                raise SystemExit(f"the {address} server exited {proc.returncode}: " + " | ".join(tail))
+            if time.monotonic() > end:
+                raise SystemExit(f"the server at {address} did not answer within {timeout_s:.0f} s (its log: {log})")
+            time.sleep(0.1)
 
 
 def _profile(pid: int, seconds: float, path: Path) -> list[subprocess.Popen]:
@@ -121,10 +134,11 @@ def measure(service: str, workers: int, clients: int, backend: str, provider: st
         path = Path(tmp) / "tandem.yaml"
         path.write_text(yaml.safe_dump(data))
         address = data[service]["address"]
+        log = Path(tmp) / "server.log"
         proc = subprocess.Popen([sys.executable, "-m", "stack", "serve", service, "--config", str(path)], cwd=ROOT,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                stdout=subprocess.DEVNULL, stderr=open(log, "w"))
         try:
-            _serving(address)
+            _serving(address, proc, log)
             time.sleep(3.0 if workers > 1 else 0.5)  # every worker bound (they start after the first)
             ctx = multiprocessing.get_context("spawn")
             out = ctx.Queue()
