@@ -53,6 +53,8 @@ from tandem.v1 import reward_pb2_grpc, search_pb2, search_pb2_grpc
 from bench import common
 from bench.loopback_stack import loopback_stack_data
 from bench.service_cpu import board_request, cpu_seconds
+from stack.supervisor import last_line, wait_serving
+from tandem.config import ConfigError, TandemConfig, load_config
 from tandem.workers import children
 
 COLUMNS = ("service", "host_wait", "workers", "clients", "backend", "batch", "calls_per_s", "calls_ratio", "searches_per_s",
@@ -92,22 +94,16 @@ def _client(service: str, address: str, simulations: int, batch: int, start: flo
     out.put((calls, errors))
 
 
-def _serving(address: str, proc: subprocess.Popen, log: Path, timeout_s: float = 180.0) -> None:
-    """Waits until the server ``proc`` answers on ``address``.
+def _serving(address: str, cfg: TandemConfig, proc: subprocess.Popen, log: Path, timeout_s: float = 180.0) -> None:
+    """Waits until the server ``proc`` is SERVING on ``address``.
 
     Raises:
-        SystemExit: it exited first (its log's last lines said), or did not answer within ``timeout_s``.
+        SystemExit: it exited first (its log's last line says why), or ``timeout_s`` passed.
     """
-    end = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as ch:
-        ready = grpc.channel_ready_future(ch)
-        while not ready.done():
-            if proc.poll() is not None:
-                tail = log.read_text(errors="replace").strip().splitlines()[-3:]
-                raise SystemExit(f"the {address} server exited {proc.returncode}: " + " | ".join(tail))
-            if time.monotonic() > end:
-                raise SystemExit(f"the server at {address} did not answer within {timeout_s:.0f} s (its log: {log})")
-            time.sleep(0.1)
+    try:
+        wait_serving(address, cfg, timeout_s, proc, why=lambda: last_line(log))
+    except RuntimeError as exc:
+        raise SystemExit(str(exc)) from None
 
 
 def _profile(pid: int, seconds: float, path: Path) -> list[subprocess.Popen]:
@@ -133,12 +129,17 @@ def measure(service: str, workers: int, clients: int, backend: str, provider: st
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "tandem.yaml"
         path.write_text(yaml.safe_dump(data))
+        try:
+            cfg = load_config(path)
+        except ConfigError as exc:  # e.g. --backend gpu: search.backend takes cpu or cuda
+            raise SystemExit(f"bench.calls: {exc}") from None
         address = data[service]["address"]
         log = Path(tmp) / "server.log"
-        proc = subprocess.Popen([sys.executable, "-m", "stack", "serve", service, "--config", str(path)], cwd=ROOT,
-                                stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+        with open(log, "w") as err:
+            proc = subprocess.Popen([sys.executable, "-m", "stack", "serve", service, "--config", str(path)],
+                                    cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err)
         try:
-            _serving(address, proc, log)
+            _serving(address, cfg, proc, log)
             time.sleep(3.0 if workers > 1 else 0.5)  # every worker bound (they start after the first)
             ctx = multiprocessing.get_context("spawn")
             out = ctx.Queue()

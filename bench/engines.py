@@ -16,8 +16,11 @@ bulk server by shared memory for the row's whole length
   agent; ``optimal_move_rate``: over all agents' positions not lost;
 * ``trainer_frames_per_s``: the trainer's rate during the row (0: none);
 * which side is late: ``search_request_ms_p50``/``_p99`` and
-  ``evaluate_request_ms_p50``/``_p99`` (the engines' requests: median p50,
-  worst p99), ``search_server_ms_p50`` (the searches' own time on the server);
+  ``evaluate_request_ms_p50``/``_p99`` (the engines' answered requests:
+  median p50, worst p99; each call's gRPC deadline is its frame's end, as
+  an engine sets it, so these stop near the budget: ``--late-answers`` lets
+  the engines wait, ``late_answers`` in the row), ``search_server_ms_p50``
+  (the searches' own time on the server);
 * where the host's time went (bench/row_load.py): ``cpu_cores`` per server
   (its workers summed), ``clients_cpu_cores``, ``host_busy_share``, and the
   search service's wave loop (worker 0): ``wave_ms_mean``, ``join_ms_mean``,
@@ -128,10 +131,11 @@ def _request_ms(done: list[dict], kind: str) -> tuple[float | None, float | None
 
 
 def run_row(config: Path, work: Path, engines: int, agents: int, evaluator: str, frames: int, fps: float,
-            trainer: str, stack_pid: int | None = None) -> dict:
+            trainer: str, stack_pid: int | None = None, late_answers: bool = False) -> dict:
     """One row: ``engines`` play processes at once (and the trainer); their pooled
     figures, and where the host's time went (bench/row_load.py; ``stack_pid``:
-    the ``tandem up`` process, None: not measured)."""
+    the ``tandem up`` process, None: not measured). ``late_answers``: the
+    engines wait for late answers (``tandem play --late-answers``)."""
     tag = f"{engines}x{agents}_{evaluator}_{trainer}_{config.stem}"
     reports = [work / f"{tag}_{e}.json" for e in range(engines)]
     train_report = work / f"{tag}_trainer.json"
@@ -144,7 +148,7 @@ def run_row(config: Path, work: Path, engines: int, agents: int, evaluator: str,
             "metrics_port", SearchConfig.metrics_port))
     plays = [subprocess.Popen([*TANDEM, "play", "--config", str(config), "--frames", str(frames), "--fps", str(fps),
                                "--agents", str(agents), "--evaluator", evaluator, "--seed", str(e + 1),
-                               "--report", str(r)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                               "--report", str(r), *(["--late-answers"] if late_answers else [])], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
              for e, r in enumerate(reports)]
     for p in plays:
         p.wait()
@@ -240,6 +244,9 @@ def main() -> None:
     ap.add_argument("--reward-workers", type=int, default=None, help="reward.workers alone (over --workers)")
     ap.add_argument("--host-wait", default=None, choices=("auto", "spin", "yield", "block"),
                     help="search.host_wait and reward.host_wait (default: the shipped config's)")
+    ap.add_argument("--late-answers", action="store_true",
+                    help="the engines wait up to ten frames for each answer (tandem play --late-answers), so the "
+                         "request times show how late answers come; default: each call's deadline is its frame's end")
     ap.add_argument("--switch-interval-us", type=float, default=None,
                     help="search and reward server.switch_interval_us (default: the shipped config's)")
     args = ap.parse_args()
@@ -264,7 +271,9 @@ def main() -> None:
                 plan += [] if i else [(n, k, evaluators[0], "none") for n, k in batches]
                 plan += [(args.contended, 1, evaluators[0], "shm")] if args.contended else []
                 for engines, agents, ev, trainer in plan:
-                    row = run_row(config, work, engines, agents, ev, args.frames, args.fps, trainer, stack.proc.pid)
+                    row = run_row(config, work, engines, agents, ev, args.frames, args.fps, trainer, stack.proc.pid,
+                                  args.late_answers)
+                    row["late_answers"] = args.late_answers
                     written = yaml.safe_load(config.read_text())
                     row["workers"] = written.get("search", {}).get("workers", 1)
                     row["reward_workers"] = written.get("reward", {}).get("workers", 1)

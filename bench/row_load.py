@@ -13,16 +13,16 @@ which, beside the frame figures.
 """
 from __future__ import annotations
 
-import os
 import resource
 import time
 import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.service_cpu import cpu_seconds
+from loadtest.chaos import stack_processes
 from tandem.workers import children
 
-_TICKS = os.sysconf("SC_CLK_TCK")
 _PHASES = ("join", "leave", "wave")
 
 
@@ -31,11 +31,9 @@ def _cpu_s(pids: list[int]) -> float:
     total = 0.0
     for pid in pids:
         try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rpartition(")")[2].split()  # after "(comm)", which may hold spaces
+            total += cpu_seconds(pid)
         except OSError:
-            continue
-        total += (int(fields[11]) + int(fields[12])) / _TICKS  # utime, stime
+            pass
     return total
 
 
@@ -49,15 +47,7 @@ def _host_ticks() -> tuple[int, int]:
 
 def _servers(supervisor: int) -> dict[str, list[int]]:
     """``tandem up``'s servers by name (its ``serve NAME`` children), each with its workers."""
-    out: dict[str, list[int]] = {}
-    for pid in children(supervisor):
-        try:
-            argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
-        except OSError:
-            continue
-        if b"serve" in argv:
-            out[argv[argv.index(b"serve") + 1].decode()] = [pid, *children(pid)]
-    return out
+    return {name: [pid, *children(pid)] for name, pid in stack_processes(supervisor).items()}
 
 
 def _wave_sums(port: int) -> dict[str, float]:

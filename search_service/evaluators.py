@@ -471,14 +471,24 @@ class HandoffEvaluator:
         return lambda observations: self(observations, deadline)
 
     def __call__(self, observations: np.ndarray, deadline: Deadline | None = None) -> tuple[np.ndarray, np.ndarray | None]:
-        """As :meth:`RewardServiceEvaluator.__call__`.
+        """As :meth:`RewardServiceEvaluator.__call__`; waits for another
+        group's call in flight at most until ``deadline`` (else ``timeout_s``).
 
         Raises:
-            EvaluatorUnavailable: the hand-off used failed.
+            EvaluatorUnavailable: the hand-off used failed, its answer was
+                malformed, or another call held the channel past ``deadline``.
         """
-        with self._calls:
+        if not self._calls.acquire(timeout=deadline.wait_s() if deadline is not None else self.timeout_s):
+            raise EvaluatorUnavailable("reward service: DEADLINE_EXCEEDED (waiting for another wave's model call)")
+        try:
             self.calls += 1
             return self._call(observations, deadline)
+        except EvaluationFailed:
+            raise
+        except Exception as exc:  # a broken answer fails this wave (undone, rollouts), never the batch
+            raise EvaluatorUnavailable(f"reward service: a malformed answer: {type(exc).__name__}: {exc}") from exc
+        finally:
+            self._calls.release()
 
     def _call(self, observations: np.ndarray, deadline: Deadline | None) -> tuple[np.ndarray, np.ndarray | None]:
         leaf = self._channel()
@@ -587,8 +597,8 @@ class HandoffEvaluator:
 
     @contextlib.contextmanager
     def lend(self, deadline: Deadline | None):
-        """A :class:`DeviceWaves` over a free device channel for one search
-        call whose calls end by ``deadline`` (None: none), given back
+        """A :class:`DeviceWaves` over a free device channel for one wave (or
+        search call) whose calls end by ``deadline`` (None: none), given back
         when the block ends; None when none is free (the search goes the host
         way, :meth:`__call__`): none attached yet (an attach is started),
         all lent, or the reward service offers none with CUDA regions."""

@@ -25,7 +25,8 @@ NPCs), each scored, and the Evaluate values the first:
 
 Frame latency runs from the frame's start (its Search leaving) to the later
 of the two answers; a frame is missed when that exceeds ``1000 / fps`` ms.
-Each call's gRPC deadline is the frame's end, as an engine sets it (the
+Each call's gRPC deadline is the frame's end (the budget from the frame's
+start, which is when its calls leave), as an engine sets it (the
 search service fits the search into the time left; a call that cannot make
 it fails DEADLINE_EXCEEDED, a missed frame); ``late_answers`` waits longer
 instead, to see how late the answers come.
@@ -268,10 +269,11 @@ def _frames(opts: PlayOptions, client: FrameClient, positions: list[LabelledPosi
                             game=opts.game)
         while not frame.wait(INTERRUPT_POLL_S):  # a Ctrl-C lost inside a gRPC callback still stops the wait
             interrupt.raise_if_interrupted()
-        answered = tally.score(agents, frame)
+        tally.score(agents, frame)
         tally.played += 1
-        if answered and log and (tick.frame + 1) % max(opts.frames // 10, 1) == 0:
-            log(f"frame {tick.frame + 1}/{opts.frames}: p50 {percentiles(tally.frame_ms, 50)[0]:.2f} ms")
+        if log and (tick.frame + 1) % max(opts.frames // 10, 1) == 0:
+            p50 = f"p50 {percentiles(tally.frame_ms, 50)[0]:.2f} ms" if tally.frame_ms else "none answered yet"
+            log(f"frame {tick.frame + 1}/{opts.frames}: {p50}")
 
 
 def _report(opts: PlayOptions, t: _Tally, reward_execution_provider: str, solver: bool) -> dict:

@@ -80,7 +80,7 @@ def wait_serving(address: str, cfg: TandemConfig, timeout_s: float, proc: subpro
 LAST_LINE_CHARS = 300  # of a failed server's log, in tandem up's own message
 
 
-def _last_line(path: Path) -> str:
+def last_line(path: Path) -> str:
     """The last non-empty line of the log at ``path`` (at most LAST_LINE_CHARS
     characters, from its last 64 KiB), or "" where there is none."""
     try:
@@ -217,7 +217,7 @@ class Stack:
         """The last non-empty line server ``name`` wrote (its log, or its
         output through this process), or ""."""
         if self.log_dir:
-            return _last_line(self.log_dir / f"{name}.log")
+            return last_line(self.log_dir / f"{name}.log")
         tail = self.tails.get(name)
         return tail.last_line() if tail is not None else ""
 

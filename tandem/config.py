@@ -400,7 +400,7 @@ _MAX_BY_NAME = {
     "value_model_parallel_sims": 65536,
     "value_model_sims_per_warp": 32,  # a warp's 32 lanes
     "workers": 64,  # processes sharing one address (tandem/workers.py)
-    "switch_interval_us": 1_000_000.0,
+    "switch_interval_us": 5000.0,  # Python's own: a server only ever shortens it
 }
 _MAX_BY_SUFFIX = (("_port", 65535), ("_bytes", 2**62), ("_ms", 86_400_000.0), ("_us", 86_400_000_000.0))
 # Lower bounds of durations that a smaller positive value cannot mean (a typo, or seconds
@@ -421,6 +421,13 @@ def _upper_bound(name: str, value: int | float) -> int | float | None:
     return _MAX_INT if isinstance(value, int) else None
 
 
+# Keys a release removed -> what to do instead: named in the refusal, so an old config file says why.
+RETIRED_KEYS = {
+    "search.coalesce_max_rows": "removed: a wave's leaves, every tree of its batch, go in one call "
+                                "(docs/decisions/0014-the-wave-loop-gets-the-interpreter-back.md); delete the line",
+}
+
+
 def _build(cls: type, data: Any, key: str) -> Any:
     """Builds dataclass ``cls`` from a YAML mapping, refusing unknown keys and bad types."""
     if data is None:
@@ -432,6 +439,9 @@ def _build(cls: type, data: Any, key: str) -> Any:
     unknown = sorted(set(data) - names)
     if unknown:
         where = f"{key}." if key else ""
+        retired = RETIRED_KEYS.get(f"{where}{unknown[0]}")
+        if retired:
+            raise ConfigError(f"{where}{unknown[0]}: {retired}")
         raise ConfigError(f"{where}{unknown[0]}: unknown key (known: {', '.join(sorted(names))})")
     values = {}
     for name, raw in data.items():

@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import threading
 
+import grpc
 import numpy as np
+import pytest
 from conftest import loopback_config
 from tandem.v1 import search_pb2, search_pb2_grpc
 
 from reward_service import server as reward_server
 from search_service import server as search_server
 from search_service.games import connect4 as c4
+from search_service.evaluators import EvaluatorUnavailable, HandoffEvaluator
 from search_service.leaf_cache import ENTRY_BYTES, CachedEvaluator, EvaluationCache
 from search_service.mcts.backend import EvaluationFailed
+from tandem.deadline import Deadline
 from tandem.server import channel
 
 
@@ -82,6 +86,38 @@ def test_a_zero_budget_keeps_nothing():
     ev(observations("4"))
     ev(observations("4"))
     assert ev.inner.calls == [1, 1] and len(ev.cache) == 0
+
+
+# -- the hand-off's one call at a time ---------------------------------------------------
+
+
+def _grpc_handoff(answer) -> HandoffEvaluator:
+    """A HandoffEvaluator on gRPC whose calls ``answer`` takes (a stand-in for a
+    reward service that answers so; the channel is never dialled)."""
+    handoff = HandoffEvaluator(grpc.insecure_channel("127.0.0.1:1"), "connect4_value", "grpc")
+    handoff.grpc = answer
+    return handoff
+
+
+def test_a_wave_waits_for_another_groups_call_only_until_its_deadline():
+    handoff = _grpc_handoff(Model())
+    with handoff._calls:  # another group's wave holds the channel
+        with pytest.raises(EvaluatorUnavailable, match="waiting for another wave's model call"):
+            handoff(observations("4"), Deadline.after_ms(1.0))
+    values, _ = handoff(observations("4"), Deadline.after_ms(10_000))  # free again: answered
+    np.testing.assert_array_equal(values, expected(observations("4"))[0])
+    assert handoff.calls == 1
+
+
+def test_a_malformed_answer_fails_the_wave_as_unavailable_never_the_batch():
+    def broken(obs, deadline=None):
+        raise KeyError("value")  # an answer without the model's value output
+
+    handoff = _grpc_handoff(broken)
+    with pytest.raises(EvaluatorUnavailable, match="malformed answer: KeyError"):
+        handoff(observations("4"))
+    handoff.grpc = Model()
+    assert handoff(observations("4"))[0].shape == (1,)  # the next call goes through: the lock was given back
 
 
 # -- through the real services ----------------------------------------------------------

@@ -34,7 +34,7 @@ def _free_port() -> int:
 
 def test_a_row_counts_each_server_with_its_workers_and_the_wave_loop_over_the_row_alone():
     port = _free_port()
-    start_http_server(port, addr="127.0.0.1")
+    httpd, _ = start_http_server(port, addr="127.0.0.1")
     PHASE_SECONDS.labels("wave").observe(5.0)  # before the row: not counted
     server = subprocess.Popen([sys.executable, "-c", _BUSY, "serve", "busy"], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE)
@@ -51,6 +51,7 @@ def test_a_row_counts_each_server_with_its_workers_and_the_wave_loop_over_the_ro
         assert load.servers["busy"][0] == server.pid and len(load.servers["busy"]) == 2  # the server and its worker
         got = load.finish()
     finally:
+        httpd.shutdown()
         for pid in children(server.pid):
             os.kill(pid, signal.SIGKILL)
         server.kill()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from stack import cli
 from stack.play import REPORT_DOC, PlayOptions, call_timeout_s, play, print_report
 
 
@@ -54,6 +55,14 @@ def test_a_call_past_its_frames_end_fails_as_a_missed_frame_and_the_loop_goes_on
     report = play(opts, cfg, log=None)
     assert report["frames"] == 3 and report["frames_answered"] == 0
     assert report["errors"] == {"DEADLINE_EXCEEDED": 3} and report["missed_frames"] == 3
+
+
+def test_frames_missed_by_their_deadline_do_not_fail_the_command(cfg, capsys):
+    """Missed frames are the figures, not a failure: `tandem play` exits 0 when
+    its calls failed only by their frames' end."""
+    code = cli.main(["play", "--search", cfg.search.address, "--reward", cfg.reward.address, "--frames", "2",
+                     "--fps", "1000000", "--evaluator", "rollout"])
+    assert code == 0 and "DEADLINE_EXCEEDED (2 frames)" in capsys.readouterr().out
 
 
 def test_a_frames_calls_wait_for_the_frames_end_or_with_late_answers_ten_frames():
