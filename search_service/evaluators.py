@@ -430,17 +430,18 @@ class HandoffEvaluator:
     :meth:`lend` lends one per wave (or search call) to the CUDA backend's
     device path (:class:`DeviceWaves`): its borrower sends its waves itself,
     besides the host calls, and the reward service's critical lane merges
-    the waves that meet there (batching across groups and workers). A lent channel
-    whose connection broke is closed when it comes back, with the free ones
+    the waves that meet there (batching across groups and workers). A lent
+    channel whose connection broke is closed when it comes back, with the free ones
     (the reward service they reach restarted or died), and new ones are
     attached at the next :meth:`lend` that finds none free.
 
     Thread safety: host calls (:meth:`__call__`) are serialised by ``_calls``
     (the wave loop's group threads: one per group of searches sharing their
     constants; the leaf channel carries one wave at a time); a lent channel
-    is used by its borrower's thread alone until it is given back. ``_lock`` guards the channel that the background attach
-    publishes, ``_closed`` (a channel attached after :meth:`close` is closed at
-    once), ``_device_free``, ``_device_count``, ``_topping_up`` and
+    is used by its borrower's thread alone until it is given back. ``_lock``
+    guards the channel that the background attach publishes, ``_closed`` (a
+    channel attached after :meth:`close` is closed at once),
+    ``_device_free``, ``_device_count``, ``_topping_up`` and
     ``_next_device_attach`` (a top-up starts at most every ``retry_s``).
     ``why_grpc`` and ``handoff`` are single writes of strings, read anywhere.
     """

@@ -12,9 +12,9 @@ capped status messages) is :mod:`tandem.guard`.
 from __future__ import annotations
 
 import logging
-import sys
 import signal
 import socket
+import sys
 import threading
 import time
 from concurrent import futures
