@@ -143,7 +143,9 @@ class CudaBackend:
             trees (:meth:`open_batch`; search_service/mcts/plan.py): one
             launch runs each tree's simulations until the slice has passed,
             the kernel reading the clock between a warp's simulations. None:
-            waves of K simulations.
+            waves of K simulations. A :meth:`search` call's slices are its
+            own (module docstring), at most this long where it polls
+            ``should_stop``.
 
     Raises:
         ValueError: an unknown ``backup``, or a G out of range.
