@@ -22,7 +22,12 @@ with no socket: ``in_process``, the search driven on the critical lane's
 worker thread (InProcessLink.drive: no thread hop per wave), ``in_process_per_wave``,
 its device waves handed to that worker one by one (the way before), and
 ``in_process_host``, host waves (device waves' streams wait for the model on
-the GPU).
+the GPU). ``CudaBackend.search`` is a batch of trees like the service's
+(search_service/cuda/backend.py), which neither announces its waves, nor
+gates its backups, nor is driven: ``leaf_channel``,
+``leaf_channel_unannounced`` and ``leaf_channel_ungated`` then run the same
+search (only how their channels signal the inputs differs), as do
+``in_process`` and ``in_process_per_wave``, and ``gated_waves`` is 0.
 
 Three kinds of row (``kind``):
 

@@ -1,6 +1,5 @@
 """A wave's leaves to the value model and a search's RES rows to answers:
-the host side that the CUDA backend's single-call search (backend.py) and
-its batch of trees (tree_batch.py) share."""
+the host side of the CUDA batches of trees (tree_batch.py, game_batch.py)."""
 from __future__ import annotations
 
 from typing import Callable

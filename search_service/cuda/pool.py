@@ -19,8 +19,8 @@ pos      abi.POSITION [cap]     16           (current, mask) bitboards, uint64
 **176 bytes per node** (the NumPy tree: 166). Each node's selection record
 is one 128-byte cache line (its 7 edges' 16-byte records and its header), so
 a selection step reads one line plus one 32-byte sector of child slots.
-Several trees of one search share one allocation (``[B, cap * 176]`` bytes);
-the trees a search returns are views of it.
+The trees of a batch share one allocation, its slab (``[S, cap * 176]``
+bytes, tree_batch.py); a tree that leaves it is a compact copy of its own.
 
 Re-rooting is a device-side compaction (``kernels/reroot.cu``): one block
 walks the played moves and numbers the kept subtree breadth-first, one
@@ -51,7 +51,7 @@ class CudaTree:
     """One search tree in device memory (the CUDA backend's ``Tree``).
 
     Its pool is row ``index`` of ``pool`` (uint8 [n, capacity * 176], a CuPy
-    array that a search's B trees share); slots ``[0, num_nodes)`` are in
+    array that several trees may share); slots ``[0, num_nodes)`` are in
     use, slot 0 is the root. The root position and the evaluator are kept on
     the host so a tree can be checked and re-rooted without reading the device.
     """

@@ -6,14 +6,16 @@ steps it (docs/decisions/0001). Checked against the CPU reference by
 tests/search/test_cuda_batch_gpu.py on the GPU.
 
 Layout: one slab of ``S`` tree slots (rows ``0 .. B-1`` in use), each a
-node pool of ``cap`` = ``max_nodes`` slots (pool.py's region), with its TS,
+node pool of ``cap`` slots (``max_nodes``, or fewer where the batch is told:
+a backend's own ``search`` call sizes its trees by its simulation cap;
+pool.py's region), with its TS,
 CYC, RES and INIT rows and, per row, a Philox key row (k0, k1, the tree's
 index within its own call) and the wave's simulations (``ks``). The slab
 doubles when a join needs more rows (the rows in use are copied); the rows
 that leave below the new end are filled by the rows that stay past it (their
 used slots, TS, CYC and key rows moved), so ``leave`` returns the new order.
-Every row holds a whole pool of ``max_nodes`` slots and the slab does not
-shrink: a batch's memory is its most trees at once times ``max_nodes * 176``
+Every row holds a whole pool of ``cap`` slots and the slab does not
+shrink: a batch's memory is its most trees at once times ``cap * 176``
 bytes.
 
 A wave (``wave(ks)``):
@@ -34,7 +36,8 @@ A wave (``wave(ks)``):
   simulations claimed so far + its k) and Philox key row; sliced (the
   backend's ``rollout_slice_ms``), the kernel also stops each warp once the
   slice has passed since the launch began (``deadline_ns``, from ``t0``,
-  zeroed before each launch).
+  zeroed before each launch); a slice of ``math.inf`` is not timed (each
+  tree runs to its budget).
 
 A fresh value-model root joins waiting for its priors (``ready()`` False,
 no simulation): the next wave's model call values it after that wave's
@@ -49,6 +52,7 @@ results (:meth:`live`), and, at ``leave``, their answers.
 """
 from __future__ import annotations
 
+import math
 import time
 
 import cupy
@@ -101,9 +105,14 @@ class CudaTreeBatch:
             selection writes the leaves into its input region and the backup
             reads the model's outputs from its output region (no leaf on the
             host); else the wave goes by the host.
+        cap: node slots per tree, the most a tree may fill (None:
+            ``params.max_nodes``); a tree passed in that holds more starts
+            afresh. At most ``pool.MAX_CAPACITY``.
+        rows: the slab's first rows (it doubles as trees join past them).
     """
 
-    def __init__(self, backend, params: SearchParams, evaluator=None, lend=None):
+    def __init__(self, backend, params: SearchParams, evaluator=None, lend=None, *, cap: int | None = None,
+                 rows: int = 8):
         if params.evaluator == "value_model" and evaluator is None:
             raise ValueError("evaluator 'value_model' needs a leaf evaluator")
         self.backend, self.p, self.evaluator = backend, params, evaluator
@@ -115,13 +124,13 @@ class CudaTreeBatch:
         # Rollout waves last a time slice (search_service/mcts/plan.py), or None: k each.
         self.slice_ms = None if self.puct else backend.rollout_slice_ms
         self.w, self.g = backend.split(self.k_max, self.puct)
-        self.cap = min(params.max_nodes, pl.MAX_CAPACITY)
+        self.cap = min(params.max_nodes if cap is None else cap, pl.MAX_CAPACITY)
         self.slots = 0  # S: rows the slab holds
         self.b = 0  # B: rows in use
         self.row = {name: np.zeros(0, dt) if not isinstance(dt, tuple) else np.zeros((0, dt[1]), dt[0])
                     for name, dt in _HOST_FIELDS.items()}
         self.res = np.zeros(0, abi.RESULT.dtype)  # the RES rows as of the last refresh
-        self._grow(8)
+        self._grow(max(rows, 1))
 
     def __len__(self) -> int:
         return self.b
@@ -365,7 +374,7 @@ class CudaTreeBatch:
         """A wave whose leaves and model outputs stay on the device (``dw``'s
         regions): the leaves at rows ``[0, B * K)``, the roots waiting for their
         priors after them (init_trees writes their OBS rows, mcts_vm_root_priors
-        reads their logits: the single-call search's way, backend.py)."""
+        reads their logits)."""
         n = self.b * self.k_max
         roots = np.flatnonzero(self.row["waiting"])
         t = time.perf_counter()
@@ -469,7 +478,7 @@ class CudaTreeBatch:
         t = time.perf_counter()
         # Each tree may have claimed its simulations so far (all completed: the last launch ended) + its k.
         self.ks_dev[:b].set((self.done + ks).astype(np.int32))
-        deadline_ns = int(self.slice_ms * 1e6) if self.slice_ms else 0
+        deadline_ns = int(self.slice_ms * 1e6) if self.slice_ms and math.isfinite(self.slice_ms) else 0
         if deadline_ns:
             self.t0.fill(0)  # the slice counts from this launch's first warp
         grid, block = self._grid()

@@ -39,7 +39,8 @@ class TreeBatch(Protocol):
 
     k_max: int  # K: simulations per tree per wave (the params' parallel_sims)
     # ms a wave lasts in a sliced batch (search_service/mcts/plan.py: rollout waves), its
-    # ks[b] then an upper bound; None: a wave runs exactly ks[b] simulations in tree b.
+    # ks[b] then an upper bound (math.inf: untimed, each tree runs its ks[b]: a CUDA
+    # search() call's one launch); None: a wave runs exactly ks[b] simulations in tree b.
     slice_ms: float | None
 
     def __len__(self) -> int:

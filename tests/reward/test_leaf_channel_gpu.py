@@ -142,42 +142,6 @@ def test_device_waves_search_as_the_host_way_does(gpu_reward):
         lc.close()
 
 
-def test_a_gated_search_builds_the_tree_an_ungated_one_builds(gpu_reward):
-    """Device waves whose backup waits for the outputs on the GPU (the
-    outputs' gate, tandem/outputs_gate.py: the reward service's stream stores
-    the wave's number in the done word, a kernel on the search's stream waits
-    for it) build the tree that waves whose host waits for the outputs first
-    build: the same model answers, read after the same stores. Every wave of
-    the first goes through the gate (none of the second's), and the model
-    values every simulation of both."""
-    from search_service.cuda.backend import CudaBackend
-    from search_service.evaluators import DeviceWaves, LeafChannelEvaluator
-    from search_service.games import connect4
-    from search_service.mcts.backend import SearchParams
-
-    _, stub = gpu_reward
-    gated, ungated = (LeafChannel.offered(stub, MODEL, 1024, 30, gate=g) for g in (True, False))
-    try:
-        assert gated.gates and not ungated.gates and gated.announces and ungated.announces
-        backend = CudaBackend(sims_per_warp=32)
-        params = SearchParams(simulations=1000, deadline_ms=None, parallel_sims=32, evaluator="value_model", seed=3)
-        root = connect4.parse_moves("4453")
-        results = []
-        for lc in (gated, ungated):
-            ev = LeafChannelEvaluator(lc, 30)
-            (r,), _ = backend.search(root, params, ev, device_waves=DeviceWaves(ev, None))
-            assert r.model_simulations == r.simulations == 1000 and not r.evaluation_failure
-            results.append(r)
-        g, u = results
-        assert g.extras["gated_waves"] == g.extras["waves"] > 0 and u.extras["gated_waves"] == 0
-        assert g.action == u.action
-        np.testing.assert_array_equal(g.visit_counts, u.visit_counts)
-        np.testing.assert_allclose(g.q_values, u.q_values, atol=1e-6)
-    finally:
-        gated.close()
-        ungated.close()
-
-
 def _serve_until_killed(cfg, ready) -> None:
     from reward_service import server as reward_server
 
@@ -190,10 +154,10 @@ def _serve_until_killed(cfg, ready) -> None:
 @pytest.mark.parametrize("gate", [False, True])
 def test_a_reward_service_killed_mid_search_leaves_the_device_search_its_tree(gate):
     """SIGKILL of the reward service while a device-wave search runs: the wave
-    in flight fails (the socket breaks, or its outputs never come: a gated
-    wave's gate closes and its backup undoes it), is undone, and the search
-    goes on in the same tree with rollouts and answers by its deadline,
-    saying why."""
+    in flight fails (the socket breaks, or its outputs never come; a channel
+    that offers the outputs' gate, which a search leaves unused, alike), is
+    undone, and the search goes on in the same tree with rollouts and
+    answers by its deadline, saying why."""
     from search_service.cuda.backend import CudaBackend
     from search_service.evaluators import DeviceWaves, LeafChannelEvaluator
     from search_service.games import connect4
