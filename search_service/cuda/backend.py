@@ -20,14 +20,14 @@ out (``kernels/search.cu`` has the details and the concurrency invariants):
   threads scoring the 7 children, a ``__shfl_xor_sync`` argmax), one node per
   distinct stopping edge (slots from one ``atomicAdd``), G rollouts on G
   threads, backup -- until its tree's budget or the time slice.
-* Rollouts: a ``search`` call's Connect Four batch is sliced
+* Rollouts: a ``search`` call's batch (Connect Four's or a game folder's) is sliced
   (search_service/mcts/plan.py) by the whole search, so the search is ONE
   launch of the rollout kernel: each tree runs to its simulation cap, or
   until the time left to the call's deadline has passed (the kernel reads
   the clock between a warp's waves; every tree runs one at least). Around
   it: ``init_trees`` and ``finish_trees`` at the join, ``finish_trees``
-  after the launch (each with its RES rows copied back), and a compact copy
-  of each tree at the end. With ``should_stop`` the slices last at most the
+  after the launch (each with its RES rows copied back), and (Connect
+  Four's) a compact copy of each tree at the end. With ``should_stop`` the slices last at most the
   backend's ``rollout_slice_ms`` (``STOP_SLICE_MS`` where it has none), the
   check between them; a search with a deadline then ends before a slice
   expected to end past it, as the service's sliced waves do.
@@ -222,7 +222,7 @@ class CudaBackend:
                 wrong shape, or a game the backend does not serve
                 (:func:`refuse_other_games`). A game folder's game is searched
                 by its module (:mod:`.game_batch`: rollouts, fresh trees,
-                waves of ``parallel_sims`` or the backend's slices).
+                sliced as Connect Four's rollouts are).
         """
         timeline.mark("search.start")
         started = Deadline.now()  # the deadline counts from the call, tree set-up included
@@ -235,7 +235,7 @@ class CudaBackend:
             batch = _game_batch(self, params)
         batch.join(roots, trees, [params.seed] * b, list(range(b)))
         deadline = None if params.deadline_ms is None else Deadline.after_ms(params.deadline_ms, started)
-        if isinstance(batch, CudaTreeBatch) and not batch.puct:  # set now: the slice counts from the launch
+        if params.evaluator != "value_model":  # rollouts; set now: the slice counts from the launch
             batch.slice_ms = self._search_slice_ms(deadline, should_stop)
         out = search_alone(batch, [Member(params.simulations, deadline, should_stop) for _ in range(b)])
         timeline.mark("search.end")

@@ -7,7 +7,8 @@ The same slab as :class:`~.tree_batch.CudaTreeBatch` (read its docstring):
 ``S`` tree rows, each a node pool of ``cap`` slots of the game's
 ``NODE_BYTES`` (:class:`~.game_abi.GameAbi`), TS, CYC, RES and INIT rows, a
 Philox key row per tree; a wave is one launch of ``mcts_rollout_*`` with each
-tree's budget, sliced by the backend's ``rollout_slice_ms``; ``finish_trees``
+tree's budget, sliced by the backend's ``rollout_slice_ms`` (a ``search``
+call's: the whole search, one launch); ``finish_trees``
 after each wave and join. With one warp per tree (G >= K) a tree is searched
 in the CPU reference's order, so its results equal the reference's
 (:class:`~search_service.mcts.cpu_reference.CpuReferenceBackend` over the
@@ -29,7 +30,7 @@ from search_service.cuda import abi
 from search_service.cuda.answers import game_result_fields
 from search_service.cuda.game_module import GameModule
 from search_service.cuda.slab import KEY_WORDS as _KEY_WORDS
-from search_service.cuda.slab import fill_holes, grow
+from search_service.cuda.slab import fill_holes, grow, slice_ns
 from search_service.mcts import tree as tr
 from search_service.mcts.backend import SearchParams, SearchResult, check_call
 from search_service.mcts.batch import ended_by
@@ -138,7 +139,7 @@ class GameTreeBatch:
         b, g = self.b, self.g
         t = time.perf_counter()
         self.ks_dev[:b].set((self.done + ks).astype(np.int32))
-        deadline_ns = int(self.slice_ms * 1e6) if self.slice_ms else 0
+        deadline_ns = slice_ns(self.slice_ms)
         if deadline_ns:
             self.t0.fill(0)
         warps = b * self.w

@@ -7,6 +7,7 @@ Shared by Connect Four's batch (``tree_batch.py``) and the game folders'
 (``game_batch.py``), which copy a tree's region each their own way."""
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import cupy
@@ -17,6 +18,12 @@ from search_service.cuda import abi
 KEY_WORDS = 3  # a tree's Philox key row: k0, k1, its tree word
 # A row's small state: (the batch's attribute, a flat device array; its words a row; dtype).
 PER_ROW = (("ts", abi.TREE_STATE.words, np.int32), ("cyc", abi.CYCLES.words, np.uint64), ("keys", KEY_WORDS, np.uint32))
+
+
+def slice_ns(slice_ms: float | None) -> int:
+    """A rollout launch's ``deadline_ns`` for a batch's time slice (ms): 0, not
+    timed, for none (waves of K) or ``math.inf`` (each tree runs its budget)."""
+    return int(slice_ms * 1e6) if slice_ms and math.isfinite(slice_ms) else 0
 
 
 def fill_holes(batch, leaving: set[int], move_tree: Callable[[int, int], None]) -> np.ndarray:

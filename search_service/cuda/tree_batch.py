@@ -52,7 +52,6 @@ results (:meth:`live`), and, at ``leave``, their answers.
 """
 from __future__ import annotations
 
-import math
 import time
 
 import cupy
@@ -63,7 +62,7 @@ from search_service.cuda import pool as pl
 from search_service.cuda.answers import call_model, model_values, result_fields, wave_slots
 from search_service.cuda.module import kernel
 from search_service.cuda.slab import KEY_WORDS as _KEY_WORDS
-from search_service.cuda.slab import fill_holes, grow
+from search_service.cuda.slab import fill_holes, grow, slice_ns
 from search_service.games import connect4
 from search_service.games.connect4 import Positions
 from search_service.mcts import tree as tr
@@ -478,7 +477,7 @@ class CudaTreeBatch:
         t = time.perf_counter()
         # Each tree may have claimed its simulations so far (all completed: the last launch ended) + its k.
         self.ks_dev[:b].set((self.done + ks).astype(np.int32))
-        deadline_ns = int(self.slice_ms * 1e6) if self.slice_ms and math.isfinite(self.slice_ms) else 0
+        deadline_ns = slice_ns(self.slice_ms)
         if deadline_ns:
             self.t0.fill(0)  # the slice counts from this launch's first warp
         grid, block = self._grid()
