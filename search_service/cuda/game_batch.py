@@ -23,14 +23,12 @@ from __future__ import annotations
 
 import time
 
-import cupy
 import numpy as np
 
 from search_service.cuda import abi
 from search_service.cuda.answers import game_result_fields
 from search_service.cuda.game_module import GameModule
-from search_service.cuda.slab import KEY_WORDS as _KEY_WORDS
-from search_service.cuda.slab import fill_holes, grow, slice_ns
+from search_service.cuda.slab import Slab, fill_holes, grow, refresh, set_keys, slice_ns
 from search_service.mcts import tree as tr
 from search_service.mcts.backend import SearchParams, SearchResult, check_call
 from search_service.mcts.batch import ended_by
@@ -39,7 +37,7 @@ _NULL = np.uint64(0)
 _STATIC_SMEM = 48 * 1024  # dynamic shared memory a launch may use without opting in
 
 
-class GameTreeBatch:
+class GameTreeBatch(Slab):
     """B device trees of one game folder's game (module docstring). Not
     thread-safe: one thread owns a batch and runs it on the current CuPy stream.
 
@@ -88,23 +86,9 @@ class GameTreeBatch:
         self.slots = n
 
     def _refresh(self) -> None:
-        """Every row's RES row, written on the device and copied back."""
-        if not self.b:
-            self.res = np.zeros(0, self.abi.result.dtype)
-            return
-        self.mod.kernel("finish_trees")(
-            ((self.b + abi.WARPS_PER_BLOCK - 1) // abi.WARPS_PER_BLOCK,), (32 * abi.WARPS_PER_BLOCK,),
-            (self.pool, np.int64(self.region), np.int32(self.b), self.ts, self.cyc, self.res_dev))
-        self.res = self.res_dev[: self.b * self.abi.result.nbytes].get().view(self.abi.result.dtype)
+        refresh(self, self.mod.kernel("finish_trees"), self.region, self.abi.result)
 
-    # -- TreeBatch -------------------------------------------------------------------
-    @property
-    def done(self) -> np.ndarray:
-        return self.res["done"].astype(np.int64)
-
-    def live(self) -> np.ndarray:
-        return self.res["outcome"][:, 0].astype(np.int8) == tr.NOT_TERMINAL
-
+    # -- TreeBatch (done, live: Slab's) ----------------------------------------------------
     def ready(self) -> np.ndarray:
         return np.ones(self.b, bool)  # rollouts only: no root waits for priors
 
@@ -121,9 +105,7 @@ class GameTreeBatch:
         self._grow(first + n)
         a = self.abi
         self.init_dev[first * a.init.words : (first + n) * a.init.words].set(init.view(np.uint32))
-        seed = np.asarray(seeds, np.uint64)
-        keys = np.stack([seed & np.uint64(0xFFFFFFFF), seed >> np.uint64(32), np.asarray(streams, np.uint64)], axis=1)
-        self.keys[first * _KEY_WORDS : (first + n) * _KEY_WORDS].set(keys.astype(np.uint32).reshape(-1))
+        seed = set_keys(self, first, seeds, streams)
         self.mod.kernel("init_trees")(
             ((n + 127) // 128,), (128,),
             (self.pool[first:], np.int64(self.region), np.int32(n), self.init_dev[first * a.init.words :],

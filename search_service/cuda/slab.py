@@ -14,10 +14,44 @@ import cupy
 import numpy as np
 
 from search_service.cuda import abi
+from search_service.mcts import tree as tr
 
 KEY_WORDS = 3  # a tree's Philox key row: k0, k1, its tree word
 # A row's small state: (the batch's attribute, a flat device array; its words a row; dtype).
 PER_ROW = (("ts", abi.TREE_STATE.words, np.int32), ("cyc", abi.CYCLES.words, np.uint64), ("keys", KEY_WORDS, np.uint32))
+
+
+class Slab:
+    """The TreeBatch figures both CUDA batches read from their RES rows
+    (``res``, as of the last :func:`refresh`)."""
+
+    @property
+    def done(self) -> np.ndarray:
+        return self.res["done"].astype(np.int64)
+
+    def live(self) -> np.ndarray:
+        return self.res["outcome"][:, 0].astype(np.int8) == tr.NOT_TERMINAL
+
+
+def refresh(batch, finish_trees, region: int, result) -> None:
+    """Every row's RES row of ``batch``, written on the device by its module's
+    ``finish_trees`` and copied back into ``batch.res`` (waits for the
+    stream); ``region``: a tree's node slots; ``result``: the RES layout."""
+    if not batch.b:
+        batch.res = np.zeros(0, result.dtype)
+        return
+    finish_trees(((batch.b + abi.WARPS_PER_BLOCK - 1) // abi.WARPS_PER_BLOCK,), (32 * abi.WARPS_PER_BLOCK,),
+                 (batch.pool, np.int64(region), np.int32(batch.b), batch.ts, batch.cyc, batch.res_dev))
+    batch.res = batch.res_dev[: batch.b * result.nbytes].get().view(result.dtype)
+
+
+def set_keys(batch, first: int, seeds: list[int], streams: list[int]) -> np.ndarray:
+    """Writes the Philox key rows (k0, k1 from each seed, its tree word) of the
+    trees joining ``batch`` at rows ``first ..``; returns the seeds (uint64 [n])."""
+    seed = np.asarray(seeds, np.uint64)
+    keys = np.stack([seed & np.uint64(0xFFFFFFFF), seed >> np.uint64(32), np.asarray(streams, np.uint64)], axis=1)
+    batch.keys[first * KEY_WORDS : (first + len(seed)) * KEY_WORDS].set(keys.astype(np.uint32).reshape(-1))
+    return seed
 
 
 def slice_ns(slice_ms: float | None) -> int:

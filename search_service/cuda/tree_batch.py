@@ -61,8 +61,7 @@ from search_service.cuda import abi
 from search_service.cuda import pool as pl
 from search_service.cuda.answers import call_model, model_values, result_fields, wave_slots
 from search_service.cuda.module import kernel
-from search_service.cuda.slab import KEY_WORDS as _KEY_WORDS
-from search_service.cuda.slab import fill_holes, grow, slice_ns
+from search_service.cuda.slab import Slab, fill_holes, grow, refresh, set_keys, slice_ns
 from search_service.games import connect4
 from search_service.games.connect4 import Positions
 from search_service.mcts import tree as tr
@@ -88,7 +87,7 @@ _HOST_FIELDS = {  # per-row host state: name -> dtype (row b: tree b)
 }
 
 
-class CudaTreeBatch:
+class CudaTreeBatch(Slab):
     """B device trees searched together (module docstring). Not thread-safe:
     one thread owns a batch and runs it on the current CuPy stream.
 
@@ -155,23 +154,9 @@ class CudaTreeBatch:
         return self.pool.data.ptr + row * self.cap * pl.NODE_BYTES
 
     def _refresh(self) -> None:
-        """Every row's RES row, written on the device and copied back (waits for the stream)."""
-        if not self.b:
-            self.res = np.zeros(0, abi.RESULT.dtype)
-            return
-        kernel("finish_trees")(
-            ((self.b + abi.WARPS_PER_BLOCK - 1) // abi.WARPS_PER_BLOCK,), (32 * abi.WARPS_PER_BLOCK,),
-            (self.pool, np.int64(self.cap), np.int32(self.b), self.ts, self.cyc, self.res_dev))
-        self.res = self.res_dev[: self.b * abi.RESULT.nbytes].get().view(abi.RESULT.dtype)
+        refresh(self, kernel("finish_trees"), self.cap, abi.RESULT)
 
-    # -- TreeBatch ---------------------------------------------------------------------
-    @property
-    def done(self) -> np.ndarray:
-        return self.res["done"].astype(np.int64)
-
-    def live(self) -> np.ndarray:
-        return self.res["outcome"][:, 0].astype(np.int8) == tr.NOT_TERMINAL
-
+    # -- TreeBatch (done, live: Slab's) ----------------------------------------------------
     def ready(self) -> np.ndarray:
         return ~self.row["waiting"]
 
@@ -197,10 +182,7 @@ class CudaTreeBatch:
         for i, tree in kept.items():
             pl.copy_into(self._ptr(first + i), self.cap, tree)
         self.init_dev[first * abi.INIT.words : (first + n) * abi.INIT.words].set(init.view(np.uint32))
-        keys = np.zeros((n, _KEY_WORDS), np.uint32)
-        seed = np.asarray(seeds, np.uint64)
-        keys[:, 0], keys[:, 1], keys[:, 2] = seed & np.uint64(0xFFFFFFFF), seed >> np.uint64(32), streams
-        self.keys[first * _KEY_WORDS : (first + n) * _KEY_WORDS].set(keys.reshape(-1))
+        seed = set_keys(self, first, seeds, streams)
         ts_at, cyc_at = first * abi.TREE_STATE.words, first * abi.CYCLES.words
         kernel("init_trees")(
             ((n + 127) // 128,), (128,),

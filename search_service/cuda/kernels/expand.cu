@@ -59,22 +59,14 @@ __device__ int expand_leaves(const TreeView& t, int* ts, int limit, int lane, bo
     }
     __threadfence();
     __syncwarp();
+#endif
     if (won) {
       const int s = base + rank;
       if (s < limit) {
-        atomicExch(t.child + key, s);
-        slot = s;
-      } else {
-        atomicExch(t.child + key, UNEXPANDED);
-        ts[TS_EXHAUSTED] = 1;
-      }
-    }
-#else
-    if (won) {
-      const int s = base + rank;
-      if (s < limit) {
+#if !GAME_WARP_INIT  // narrow nodes: each winner writes its own, fenced before its publication
         init_node(t, s, st, term, key / ROW, key % ROW);
         __threadfence();
+#endif
         atomicExch(t.child + key, s);
         slot = s;
       } else {
@@ -82,7 +74,6 @@ __device__ int expand_leaves(const TreeView& t, int* ts, int limit, int lane, bo
         ts[TS_EXHAUSTED] = 1;
       }
     }
-#endif
   }
   __syncwarp();
   if (lead && !won) {
