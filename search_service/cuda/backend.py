@@ -55,8 +55,8 @@ asynchronously and the result depends on timing: same invariants, different
 visit counts.
 
 Timings: ``bench/gpu_smoke.py``, ``bench/mcts_latency.py`` and
-``bench/mcts_throughput.py``; the figures in docs/benchmarks.md were measured
-on the single-call search (its own loop and buffers) this path replaced.
+``bench/mcts_throughput.py`` (docs/decisions/0015 says which quoted figures
+predate this path).
 
 Differences from the reference, by design: a rollout search's phase times
 are its waves' wall time, all in ``evaluate_ms`` (one kernel runs the four
