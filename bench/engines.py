@@ -29,7 +29,9 @@ bulk server by shared memory for the row's whole length
   ``reward.workers`` (``--workers``, or each alone: ``--search-workers``,
   ``--reward-workers``); ``host_wait``: both services' (``--host-wait``);
   ``switch_interval_us``: both services' interpreter switch interval
-  (``--switch-interval-us``: ``server.switch_interval_us``).
+  (``--switch-interval-us``: ``server.switch_interval_us``);
+  ``queue_wait_target_ms``: both services' overload shedding target
+  (``--queue-wait-target-ms``: ``server.queue_wait_target_ms``, 0: off).
 
 "Games per GPU" is the largest ``engines * agents_per_engine`` of a value-model
 row without a trainer whose missed share is at most 0.5 % and whose agents
@@ -64,12 +66,15 @@ SHIPPED = ROOT / "deploy" / "config" / "tandem.yaml"
 TANDEM = [sys.executable, "-m", "stack"]
 COLUMNS = ("engines", "agents_per_engine", "evaluator", "policy", "trainer", "missed_frame_share", "frame_ms_p50",
            "frame_ms_p99", "simulations_per_frame", "optimal_move_rate", "trainer_frames_per_s")
+SERVER_KEYS = ("switch_interval_us", "queue_wait_target_ms")  # server settings a run may change (flags)
 MISSED_TARGET = 0.005  # "games per GPU": at most 0.5 % of frames missed ...
 MIN_SIMULATIONS = 100  # ... and at least this many simulations per agent a frame
 
 
 def _config(policy: str, out: Path, search_workers: int | None = None, reward_workers: int | None = None,
-            host_wait: str | None = None, switch_interval_us: float | None = None) -> Path:
+            host_wait: str | None = None, server: dict[str, float | None] | None = None) -> Path:
+    """The shipped config with the row's changes; ``server``: ServerConfig keys
+    (SERVER_KEYS) for both services, None: the shipped value."""
     cfg = yaml.safe_load(SHIPPED.read_text())
     cfg.setdefault("scheduler", {})["policy"] = policy
     for service, workers in (("search", search_workers), ("reward", reward_workers)):  # tandem/workers.py
@@ -77,8 +82,9 @@ def _config(policy: str, out: Path, search_workers: int | None = None, reward_wo
             cfg.setdefault(service, {})["workers"] = workers
         if host_wait:  # tandem.gpu.set_host_wait
             cfg.setdefault(service, {})["host_wait"] = host_wait
-        if switch_interval_us:  # tandem.server.build_server
-            cfg.setdefault(service, {}).setdefault("server", {})["switch_interval_us"] = switch_interval_us
+        for key, value in (server or {}).items():  # tandem.server.build_server
+            if value is not None:
+                cfg.setdefault(service, {}).setdefault("server", {})[key] = value
     path = out / f"tandem_{policy}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -249,6 +255,8 @@ def main() -> None:
                          "request times show how late answers come; default: each call's deadline is its frame's end")
     ap.add_argument("--switch-interval-us", type=float, default=None,
                     help="search and reward server.switch_interval_us (default: the shipped config's)")
+    ap.add_argument("--queue-wait-target-ms", type=float, default=None,
+                    help="search and reward server.queue_wait_target_ms, 0: no shedding (default: the shipped config's)")
     args = ap.parse_args()
     if args.quick:
         args.engines, args.evaluators, args.batch, args.contended, args.frames = [1, 2], "rollout", "1x4", 2, 60
@@ -262,7 +270,7 @@ def main() -> None:
         work = Path(tmp)
         for i, policy in enumerate(policies):
             config = _config(policy, work, args.search_workers or args.workers, args.reward_workers or args.workers,
-                             args.host_wait, args.switch_interval_us)
+                             args.host_wait, {key: getattr(args, key) for key in SERVER_KEYS})
             logs = work / f"logs_{policy}"
             logs.mkdir()
             stack = Stack(config, logs)
@@ -278,8 +286,8 @@ def main() -> None:
                     row["workers"] = written.get("search", {}).get("workers", 1)
                     row["reward_workers"] = written.get("reward", {}).get("workers", 1)
                     row["host_wait"] = written.get("search", {}).get("host_wait", "auto")
-                    row["switch_interval_us"] = written.get("search", {}).get("server", {}).get(
-                        "switch_interval_us", ServerConfig.switch_interval_us)
+                    for key in SERVER_KEYS:
+                        row[key] = written.get("search", {}).get("server", {}).get(key, getattr(ServerConfig, key))
                     progress(row)
                     rows.append(row)
             finally:

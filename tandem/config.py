@@ -86,6 +86,11 @@ class ServerConfig:
     # Python's 5000 µs would make a thread that waits on the GPU or a socket many times a
     # wave wait up to 5 ms each time it wants the interpreter back from a busy gRPC handler.
     switch_interval_us: float = 200.0
+    # Overload shedding (tandem/overload.py, CoDel's rule): once admitted calls have queued for
+    # a thread without a break for 100 ms, a call whose thread starts more than this long after
+    # its arrival is refused RESOURCE_EXHAUSTED before any work, instead of being served late;
+    # the episode ends when the queue is empty. 0 = never shed.
+    queue_wait_target_ms: float = 5.0
 
 
 @dataclass(frozen=True)
@@ -379,7 +384,7 @@ _CHOICES = {
     "search.handoff": ("auto", "leaf_channel", "grpc"),
 }
 # Fields that may be zero (meaning "off" or "default"); every other number must be positive.
-_MAY_BE_ZERO = {"metrics_port", "max_concurrent_streams", "max_rpcs_per_connection", "gpu_memory_bytes", "memory_pool_bytes", "intra_op_threads", "max_queue_delay_us",
+_MAY_BE_ZERO = {"metrics_port", "queue_wait_target_ms", "max_concurrent_streams", "max_rpcs_per_connection", "gpu_memory_bytes", "memory_pool_bytes", "intra_op_threads", "max_queue_delay_us",
                 "evaluation_cache_bytes", "max_bytes_in_flight", "device_channels", "wave_target_ms",
                 "rollout_slice_ms"}
 # Sections that validate themselves (their dataclass's __post_init__), where zero may be meaningful.

@@ -51,6 +51,12 @@ interceptor, bounds that. Its invariants:
   place (and the response's bytes). A unary response needs no timer: gRPC
   sends it with the status in one batch that no thread waits for, so the
   thread and the place are free as the handler returns.
+* **Overload shedding.** Once admitted calls have queued for a thread
+  without a break for 100 ms, a call whose thread starts more than
+  ``server.queue_wait_target_ms`` after its arrival is refused
+  RESOURCE_EXHAUSTED before any work (:mod:`tandem.overload`, CoDel's rule):
+  a server offered more than it can serve answers some calls at once instead
+  of all of them late.
 * **Status contract.** Messages are capped (:func:`tandem.errors.cap`); an
   exception a handler did not map is logged and answered INTERNAL, never
   gRPC's UNKNOWN "Exception calling application" with the text echoed.
@@ -70,6 +76,7 @@ import grpc
 from grpc._cython import cygrpc
 
 from tandem.errors import cap
+from tandem.overload import QueueWait
 
 log = logging.getLogger(__name__)
 
@@ -93,10 +100,12 @@ WATCHDOG_TICK_S = 0.05
 class Place:
     """One admitted call's place in :class:`Admission` (fields under its lock)."""
 
-    __slots__ = ("held", "cancel", "waiting_since", "peer")
+    __slots__ = ("held", "cancel", "waiting_since", "peer", "arrived", "queued")
 
-    def __init__(self):
+    def __init__(self, arrived: float = 0.0, queued: bool = False):
         self.held = True  # False once given back, or taken by a newcomer
+        self.arrived = arrived  # monotonic s: when it was admitted
+        self.queued = queued  # admitted, its thread not started yet (counted in the QueueWait)
         self.cancel: Callable[[], None] | None = None  # set while the thread waits for the first message
         self.waiting_since = 0.0  # monotonic s: when the thread began to wait for it
         self.peer = ""  # the connection holding it, once its thread knows (Admission.claim)
@@ -107,11 +116,14 @@ class Admission:
 
     While ``limit`` places are held, :meth:`enter` takes the place of the call
     that has waited longest for its first request message, if that is at
-    least ``silent_after_s`` (s), and cancels that call.
+    least ``silent_after_s`` (s), and cancels that call. ``queue_wait``: the
+    overload shedding rule of the calls admitted but not started (None: none).
     """
 
-    def __init__(self, limit: int, silent_after_s: float = SILENT_AFTER_S, per_connection: int = 0):
+    def __init__(self, limit: int, silent_after_s: float = SILENT_AFTER_S, per_connection: int = 0,
+                 queue_wait: QueueWait | None = None):
         self.limit = int(limit)
+        self.queue_wait = queue_wait  # guarded by _lock (its counts)
         self.per_connection = int(per_connection)  # places one connection may hold (0: no cap)
         self._silent_after_s = silent_after_s
         self._lock = threading.Lock()
@@ -123,17 +135,31 @@ class Admission:
     def enter(self) -> Place | None:
         """A place for a new call; None when ``limit`` calls hold one and none is silent."""
         cancel = None
+        now = time.monotonic()
         with self._lock:
             if self._in_flight >= self.limit:
                 cancel = self._displace_silent()
                 if cancel is None:
                     return None
             self._in_flight += 1
+            if self.queue_wait is not None:
+                self.queue_wait.arrived(now)
         if cancel is not None:  # outside the lock: gRPC may call back into ours
             log.info("a call silent for %.1f s or more gave its place to a new one (server full)",
                      self._silent_after_s)
             _quietly(cancel)
-        return Place()
+        return Place(now, self.queue_wait is not None)
+
+    def start(self, place: Place) -> float | None:
+        """The call's thread starts it; the time it waited (s) where the
+        overload rule refuses it (tandem.overload), else None."""
+        with self._lock:
+            if not place.queued:
+                return None
+            place.queued = False
+            now = time.monotonic()
+            waited = now - place.arrived
+            return None if self.queue_wait.started(waited, now) else waited
 
     def _displace_silent(self) -> Callable[[], None] | None:
         """Under _lock: gives back the longest-waiting place if silent; its cancel."""
@@ -179,6 +205,9 @@ class Admission:
                 self._release(place)
 
     def _release(self, place: Place) -> None:
+        if place.queued:  # ended before its thread started it
+            place.queued = False
+            self.queue_wait.gone()
         place.held = False
         self._waiting.pop(place, None)
         self._in_flight -= 1
@@ -534,6 +563,8 @@ class _Responses:
     def _start(self) -> Iterator:
         call, context = self._call, self._context
         place, admission = call.place, call.guard._admission
+        if place is not None:
+            _shed_if_overloaded(call, context)
         requests = _Requests(self._raw, context, call.method, call.handler.request_deserializer,
                              call.timeout_s, call.arrived, call.timeout_key)
         if place is not None and not admission.claim(place, context.peer()):
@@ -617,6 +648,18 @@ class _Responses:
 
     def __del__(self):
         self._finish()
+
+
+def _shed_if_overloaded(call: _Call, context: _Context) -> None:
+    """Refuses the call RESOURCE_EXHAUSTED where the server's queue of
+    admitted calls stands and this one waited past its target (tandem.overload)."""
+    admission = call.guard._admission
+    waited = admission.start(call.place)
+    if waited is None:
+        return
+    if call.handler.unary_unary is not None:
+        call.guard._observe(call.method, grpc.StatusCode.RESOURCE_EXHAUSTED.name, 0.0)
+    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, admission.queue_wait.refusal(call.method, waited))
 
 
 def _first(requests: _Requests, context: _Context, method: str):

@@ -31,6 +31,7 @@ from tandem.channel_options import CHANNEL_OPTIONS
 from tandem.config import ServerConfig, TandemConfig, resolve_path
 from tandem.guard import HEALTH_WORKERS, REFUSAL_WORKERS, SPARE_WORKERS, Admission, Guard
 from tandem.metrics_http import BoundedServer, serve_metrics
+from tandem.overload import QueueWait
 from tandem.v1 import contract_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -215,7 +216,8 @@ def build_server(
     # A thread for every admitted call (none waits in the executor's queue) and a few
     # spare; refusals and health calls have executors of their own; threads are made
     # on demand (tandem/guard.py).
-    admission = Admission(server_cfg.max_concurrent_rpcs, per_connection=server_cfg.max_rpcs_per_connection)
+    admission = Admission(server_cfg.max_concurrent_rpcs, per_connection=server_cfg.max_rpcs_per_connection,
+                          queue_wait=QueueWait(server_cfg.queue_wait_target_ms))
     workers = max(server_cfg.max_workers, server_cfg.max_concurrent_rpcs) + SPARE_WORKERS
     health_pool = futures.ThreadPoolExecutor(max_workers=HEALTH_WORKERS, thread_name_prefix="grpc-health")
     refusal_pool = futures.ThreadPoolExecutor(max_workers=REFUSAL_WORKERS, thread_name_prefix="grpc-refusal")
