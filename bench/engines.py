@@ -31,7 +31,10 @@ bulk server by shared memory for the row's whole length
   ``switch_interval_us``: both services' interpreter switch interval
   (``--switch-interval-us``: ``server.switch_interval_us``);
   ``queue_wait_target_ms``: both services' overload shedding target
-  (``--queue-wait-target-ms``: ``server.queue_wait_target_ms``, 0: off).
+  (``--queue-wait-target-ms``: ``server.queue_wait_target_ms``, 0: off);
+* ``variant``: with ``--variants``, the settings its `tandem up` ran with
+  over the flags' (each variant its own `tandem up` and rows, in one run:
+  ``--variants 'queue_wait_target_ms=0;workers=4'``), else "".
 
 "Games per GPU" is the largest ``engines * agents_per_engine`` of a value-model
 row without a trainer whose missed share is at most 0.5 % and whose agents
@@ -204,9 +207,11 @@ def run_row(config: Path, work: Path, engines: int, agents: int, evaluator: str,
 
 def games_per_gpu(rows: list[dict]) -> int:
     """The most agents (engines x agents each) of a value-model row without a
-    trainer that keeps the targets (module docstring); 0 if none does."""
-    ok = [r["engines"] * r["agents_per_engine"] for r in rows
-          if r["evaluator"] == "value_model" and r["trainer"] == "none" and r["missed_frame_share"] <= MISSED_TARGET
+    trainer that keeps the targets (module docstring), of the run's first
+    variant (the flags' settings where --variants starts with one); 0 if none does."""
+    first = rows[0].get("variant", "") if rows else ""
+    ok = [r["engines"] * r["agents_per_engine"] for r in rows if r.get("variant", "") == first
+          and r["evaluator"] == "value_model" and r["trainer"] == "none" and r["missed_frame_share"] <= MISSED_TARGET
           and r["simulations_per_frame"] >= MIN_SIMULATIONS]
     return max(ok, default=0)
 
@@ -218,13 +223,15 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    for ev in sorted({r["evaluator"] for r in rows}):
+    for ev, variant in sorted({(r["evaluator"], r.get("variant", "")) for r in rows}):
         curve = sorted(((r["engines"] * r["agents_per_engine"], r) for r in rows
-                        if r["evaluator"] == ev and r["trainer"] == "none" and r["policy"] == rows[0]["policy"]),
+                        if r["evaluator"] == ev and r.get("variant", "") == variant and r["trainer"] == "none"
+                        and r["policy"] == rows[0]["policy"]),
                        key=lambda nr: nr[0])  # ties (16x16 and 1x256): kept in run order
         xs = [n for n, _ in curve]
-        ax1.plot(xs, [100 * r["missed_frame_share"] for _, r in curve], "o-", label=ev)
-        ax2.plot(xs, [r["simulations_per_frame"] for _, r in curve], "o-", label=ev)
+        label = f"{ev} ({variant})" if variant else ev
+        ax1.plot(xs, [100 * r["missed_frame_share"] for _, r in curve], "o-", label=label)
+        ax2.plot(xs, [r["simulations_per_frame"] for _, r in curve], "o-", label=label)
     for ax, label in ((ax1, "missed frames (%)"), (ax2, "simulations per agent a frame")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("agents (engines x agents each)")
@@ -233,6 +240,66 @@ def plot(rows: list[dict], path: Path) -> None:
     ax1.axhline(100 * MISSED_TARGET, color="grey", lw=0.5)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+
+
+# What --variants may change, each as its flag does (over the flags' values).
+VARIANT_KEYS = {"workers": int, "search_workers": int, "reward_workers": int, "host_wait": str,
+                **{key: float for key in SERVER_KEYS}}
+
+
+def parse_variants(text: str) -> list[dict]:
+    """``--variants``: ``;``-separated variants, each ``key=value`` pairs
+    separated by ``,`` over VARIANT_KEYS (e.g. ``workers=4,queue_wait_target_ms=0``);
+    "" is one variant with no change.
+
+    Raises:
+        SystemExit: a key that is not one of VARIANT_KEYS, or a value of the wrong type.
+    """
+    variants = []
+    for part in (text.split(";") if text else [""]):
+        variant = {}
+        for pair in filter(None, part.split(",")):
+            key, _, value = pair.partition("=")
+            key = key.strip().replace("-", "_")
+            if key not in VARIANT_KEYS:
+                raise SystemExit(f"--variants: {key!r} is not one of {', '.join(VARIANT_KEYS)}")
+            try:
+                variant[key] = VARIANT_KEYS[key](value)
+            except ValueError:
+                raise SystemExit(f"--variants: {key}={value!r} is not a {VARIANT_KEYS[key].__name__}") from None
+        variants.append(variant)
+    return variants
+
+
+def variant_label(variant: dict) -> str:
+    """A variant as its rows name it ("" for the flags' own settings)."""
+    return ",".join(f"{key}={value}" for key, value in variant.items())
+
+
+def _run_plan(config: Path, work: Path, policy: str, plan: list[tuple], args, variant: str) -> list[dict]:
+    """The rows of ``plan`` (engines, agents, evaluator, trainer) against one
+    `tandem up` with ``config``, each with the settings it ran with."""
+    logs = work / f"logs_{policy}"
+    logs.mkdir()
+    stack = Stack(config, logs)
+    rows = []
+    try:
+        for engines, agents, ev, trainer in plan:
+            row = run_row(config, work, engines, agents, ev, args.frames, args.fps, trainer, stack.proc.pid,
+                          args.late_answers)
+            row["late_answers"] = args.late_answers
+            written = yaml.safe_load(config.read_text())
+            row["workers"] = written.get("search", {}).get("workers", 1)
+            row["reward_workers"] = written.get("reward", {}).get("workers", 1)
+            row["host_wait"] = written.get("search", {}).get("host_wait", "auto")
+            for key in SERVER_KEYS:
+                row[key] = written.get("search", {}).get("server", {}).get(key, getattr(ServerConfig, key))
+            row["variant"] = variant
+            progress(row)
+            rows.append(row)
+    finally:
+        stack.stop()
+    return rows
 
 
 def main() -> None:
@@ -257,6 +324,9 @@ def main() -> None:
                     help="search and reward server.switch_interval_us (default: the shipped config's)")
     ap.add_argument("--queue-wait-target-ms", type=float, default=None,
                     help="search and reward server.queue_wait_target_ms, 0: no shedding (default: the shipped config's)")
+    ap.add_argument("--variants", default="",
+                    help="';'-separated variants, each its own `tandem up` and rows, e.g. "
+                         "'queue_wait_target_ms=0;workers=4' (keys: the flags above, with _)")
     args = ap.parse_args()
     if args.quick:
         args.engines, args.evaluators, args.batch, args.contended, args.frames = [1, 2], "rollout", "1x4", 2, 60
@@ -267,31 +337,18 @@ def main() -> None:
     out = Path(args.out) if args.out else RESULTS_DIR
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="engines_") as tmp:
-        work = Path(tmp)
-        for i, policy in enumerate(policies):
-            config = _config(policy, work, args.search_workers or args.workers, args.reward_workers or args.workers,
-                             args.host_wait, {key: getattr(args, key) for key in SERVER_KEYS})
-            logs = work / f"logs_{policy}"
-            logs.mkdir()
-            stack = Stack(config, logs)
-            try:
+        for v, variant in enumerate(parse_variants(args.variants)):
+            settings = {**{key: getattr(args, key) for key in VARIANT_KEYS}, **variant}
+            work = Path(tmp) / f"variant_{v}"
+            work.mkdir()
+            for i, policy in enumerate(policies):
+                config = _config(policy, work, settings["search_workers"] or settings["workers"],
+                                 settings["reward_workers"] or settings["workers"], settings["host_wait"],
+                                 {key: settings[key] for key in SERVER_KEYS})
                 plan = [] if i else [(n, 1, ev, "none") for ev in evaluators for n in args.engines]
                 plan += [] if i else [(n, k, evaluators[0], "none") for n, k in batches]
                 plan += [(args.contended, 1, evaluators[0], "shm")] if args.contended else []
-                for engines, agents, ev, trainer in plan:
-                    row = run_row(config, work, engines, agents, ev, args.frames, args.fps, trainer, stack.proc.pid,
-                                  args.late_answers)
-                    row["late_answers"] = args.late_answers
-                    written = yaml.safe_load(config.read_text())
-                    row["workers"] = written.get("search", {}).get("workers", 1)
-                    row["reward_workers"] = written.get("reward", {}).get("workers", 1)
-                    row["host_wait"] = written.get("search", {}).get("host_wait", "auto")
-                    for key in SERVER_KEYS:
-                        row[key] = written.get("search", {}).get("server", {}).get(key, getattr(ServerConfig, key))
-                    progress(row)
-                    rows.append(row)
-            finally:
-                stack.stop()
+                rows += _run_plan(config, work, policy, plan, args, variant_label(variant))
     write_results("engines", rows, out, summary={"games_per_gpu": games_per_gpu(rows)})
     plot(rows, out / "engines.png")
     print_rows(rows, COLUMNS)

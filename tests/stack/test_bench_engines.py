@@ -1,0 +1,33 @@
+"""bench/engines.py's variants (``--variants``): each parsed to the settings its
+`tandem up` runs with, a bad one refused naming the key or the value."""
+from __future__ import annotations
+
+import pytest
+
+from bench.engines import games_per_gpu, parse_variants, variant_label
+
+
+def test_variants_parse_to_their_settings_and_name_their_rows():
+    variants = parse_variants("queue_wait_target_ms=0;;workers=4,reward-workers=2,host_wait=yield")
+    assert variants == [{"queue_wait_target_ms": 0.0}, {}, {"workers": 4, "reward_workers": 2, "host_wait": "yield"}]
+    assert [variant_label(v) for v in variants] == ["queue_wait_target_ms=0.0", "",
+                                                    "workers=4,reward_workers=2,host_wait=yield"]
+    assert parse_variants("") == [{}]  # no --variants: one run with the flags' settings
+
+
+@pytest.mark.parametrize("text, words", [("bogus=1", "'bogus' is not one of"), ("workers=x", "workers='x' is not a int")])
+def test_a_bad_variant_is_refused_naming_it(text, words):
+    with pytest.raises(SystemExit) as info:
+        parse_variants(text)
+    assert words in str(info.value)
+
+
+def _row(variant: str, engines: int, missed: float) -> dict:
+    return {"variant": variant, "engines": engines, "agents_per_engine": 1, "evaluator": "value_model",
+            "trainer": "none", "missed_frame_share": missed, "simulations_per_frame": 300.0}
+
+
+def test_games_per_gpu_counts_the_first_variant_only():
+    rows = [_row("", 8, 0.0), _row("", 32, 0.5), _row("workers=4", 32, 0.0)]
+    assert games_per_gpu(rows) == 8
+    assert games_per_gpu(rows[2:]) == 32
