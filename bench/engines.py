@@ -24,7 +24,9 @@ bulk server by shared memory for the row's whole length
 * where the host's time went (bench/row_load.py): ``cpu_cores`` per server
   (its workers summed), ``clients_cpu_cores``, ``host_busy_share``, and the
   search service's wave loop (worker 0): ``wave_ms_mean``, ``join_ms_mean``,
-  ``leave_ms_mean``, ``waves_per_s``, ``trees_per_wave``;
+  ``leave_ms_mean``, ``waves_per_s``, ``trees_per_wave``, the plan's
+  ``leaves_per_wave`` and ``wave_expected_ms_mean``, and ``left_by`` (searches
+  by why they left: budget, proven, deadline, stopped);
 * ``workers``, ``reward_workers``: the row's ``search.workers`` and
   ``reward.workers`` (``--workers``, or each alone: ``--search-workers``,
   ``--reward-workers``); ``host_wait``: both services' (``--host-wait``);

@@ -52,8 +52,9 @@ def _servers(supervisor: int) -> dict[str, list[int]]:
 
 def _wave_sums(port: int) -> dict[str, float]:
     """The search service's wave-loop counters now (sums in s, counts):
-    ``<phase>_s``, ``<phase>_n`` per phase, ``trees``, ``waves``; {} if
-    /metrics does not answer."""
+    ``<phase>_s``, ``<phase>_n`` per phase, ``trees``, ``waves``, ``leaves``
+    and ``expected_s`` over ``planned`` waves, ``left_<end>`` per way a
+    search left; {} if /metrics does not answer."""
     try:
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
     except OSError:
@@ -69,6 +70,14 @@ def _wave_sums(port: int) -> dict[str, float]:
                 out["trees"] = s.value
             elif s.name == "tandem_search_wave_trees_count":
                 out["waves"] = s.value
+            elif s.name == "tandem_search_wave_leaves_sum":
+                out["leaves"] = s.value
+            elif s.name == "tandem_search_wave_leaves_count":
+                out["planned"] = s.value
+            elif s.name == "tandem_search_wave_expected_seconds_sum":
+                out["expected_s"] = s.value
+            elif s.name == "tandem_search_left_total":
+                out[f"left_{s.labels['end']}"] = s.value
     return out
 
 
@@ -119,4 +128,10 @@ class RowLoad:
         if d.get("waves"):
             out["waves_per_s"] = round(d["waves"] / wall, 1)
             out["trees_per_wave"] = round(d["trees"] / d["waves"], 2)
+        if d.get("planned"):
+            out["leaves_per_wave"] = round(d["leaves"] / d["planned"], 1)
+            out["wave_expected_ms_mean"] = round(1e3 * d["expected_s"] / d["planned"], 3)
+        left = {k[5:]: v for k, v in d.items() if k.startswith("left_") and v}
+        if left:
+            out["left_by"] = {end: int(n) for end, n in sorted(left.items())}
         return out

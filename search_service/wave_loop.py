@@ -60,6 +60,14 @@ log = logging.getLogger(__name__)
 TREES = Gauge("tandem_search_batch_trees", "Searches in flight in the wave loop (joined or waiting to join).")
 WAVE_TREES = Histogram("tandem_search_wave_trees", "Trees in one wave of the wave loop.",
                        buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024))
+WAVE_LEAVES = Histogram("tandem_search_wave_leaves", "Simulations a wave of the wave loop takes over all its trees "
+                        "(value model: the leaves of its model call).",
+                        buckets=(1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384))
+WAVE_EXPECTED_SECONDS = Histogram("tandem_search_wave_expected_seconds", "How long the plan expected a wave to take "
+                                  "(s; its deadline rule and fair share used this).",
+                                  buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3, 8e-3, 16e-3, 32e-3, 64e-3, 0.128))
+LEFT = Counter("tandem_search_left", "Searches that left the batch, by why: budget (its simulation cap), proven, "
+               "deadline (the next wave would end past it), stopped (cancelled).", ["end"])
 REFUSED = Counter("tandem_search_refused", "Searches refused at admission (RESOURCE_EXHAUSTED).", ["reason"])
 PHASE_SECONDS = Histogram(
     "tandem_search_wave_phase_seconds",
@@ -319,6 +327,7 @@ class WaveLoop:
             self._fail_all(group, exc)
             return None
         for member, result, tree in left:
+            LEFT.labels(member.end or "failed").inc()
             member.owner.answer(result, tree)
         if left:
             self._answered(len(left))
@@ -336,6 +345,8 @@ class WaveLoop:
         if ks is None or not group.members:
             return
         self._set_wave_deadline([m.deadline for m in group.members], group)
+        WAVE_LEAVES.observe(int(ks.sum()))
+        WAVE_EXPECTED_SECONDS.observe(group.times.expected_ms(int(ks.sum())) / 1e3)
         try:
             with self.launching(), PHASE_SECONDS.labels("wave").time():
                 run_wave(group.batch, group.members, ks, group.times, since=planned)

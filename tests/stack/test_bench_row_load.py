@@ -11,7 +11,7 @@ import sys
 from prometheus_client import start_http_server
 
 from bench.row_load import RowLoad
-from search_service.wave_loop import PHASE_SECONDS, WAVE_TREES
+from search_service.wave_loop import LEFT, PHASE_SECONDS, WAVE_EXPECTED_SECONDS, WAVE_LEAVES, WAVE_TREES
 from tandem.workers import children
 
 # A child whose argv reads like `tandem serve NAME`, with a worker of its own: once both run it says
@@ -36,6 +36,8 @@ def test_a_row_counts_each_server_with_its_workers_and_the_wave_loop_over_the_ro
     port = _free_port()
     httpd, _ = start_http_server(port, addr="127.0.0.1")
     PHASE_SECONDS.labels("wave").observe(5.0)  # before the row: not counted
+    WAVE_LEAVES.observe(1000)
+    LEFT.labels("deadline").inc(7)
     server = subprocess.Popen([sys.executable, "-c", _BUSY, "serve", "busy"], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE)
     try:
@@ -47,6 +49,11 @@ def test_a_row_counts_each_server_with_its_workers_and_the_wave_loop_over_the_ro
             PHASE_SECONDS.labels("wave").observe(ms / 1e3)
         WAVE_TREES.observe(4)
         WAVE_TREES.observe(2)
+        for leaves, expected_ms in ((64, 1.5), (32, 2.5)):
+            WAVE_LEAVES.observe(leaves)
+            WAVE_EXPECTED_SECONDS.observe(expected_ms / 1e3)
+        LEFT.labels("deadline").inc(3)
+        LEFT.labels("budget").inc()
         assert server.stdout.readline() == b"burnt\n"
         assert load.servers["busy"][0] == server.pid and len(load.servers["busy"]) == 2  # the server and its worker
         got = load.finish()
@@ -60,6 +67,8 @@ def test_a_row_counts_each_server_with_its_workers_and_the_wave_loop_over_the_ro
     assert 0 <= got["host_busy_share"] <= 1
     assert got["wave_ms_mean"] == 2.0  # the two waves of the row, not the 5 s one before it
     assert got["trees_per_wave"] == 3.0
+    assert got["leaves_per_wave"] == 48.0 and got["wave_expected_ms_mean"] == 2.0  # the plan's, over the row
+    assert got["left_by"] == {"budget": 1, "deadline": 3}
 
 
 def test_a_row_without_metrics_has_no_wave_figures():
