@@ -15,6 +15,10 @@ bulk server by shared memory for the row's whole length
 * ``simulations_per_frame``: the mean over engines of each one's mean per
   agent; ``optimal_move_rate``: over all agents' positions not lost;
 * ``trainer_frames_per_s``: the trainer's rate during the row (0: none);
+* ``model_simulations_per_frame``, ``value_model_failures`` and
+  ``value_model_failure_reasons``: of the simulations, those the value model
+  valued, and the searches whose model calls failed (with the three commonest
+  reasons);
 * which side is late: ``search_request_ms_p50``/``_p99`` and
   ``evaluate_request_ms_p50``/``_p99`` (the engines' answered requests:
   median p50, worst p99; each call's gRPC deadline is its frame's end, as
@@ -175,7 +179,6 @@ def run_row(config: Path, work: Path, engines: int, agents: int, evaluator: str,
     missed = sum(r["missed_frames"] for r in done) + frames * (engines - len(done))
     p50s = sorted(r["frame_latency_ms"]["p50"] for r in done if r["frame_latency_ms"]["p50"] is not None)
     p99s = [r["frame_latency_ms"]["p99"] for r in done if r["frame_latency_ms"]["p99"] is not None]
-    sims = [r["simulations_per_frame"]["mean"] for r in done if r["simulations_per_frame"]["mean"] is not None]
     not_lost = sum(r["positions_not_lost"] for r in done)
     kept = sum((r["optimal_move_rate"] or 0) * r["positions_not_lost"] for r in done)
     search_kind = "search" if agents == 1 else "search_batch"
@@ -190,7 +193,7 @@ def run_row(config: Path, work: Path, engines: int, agents: int, evaluator: str,
         "missed_frame_share": round(missed / total, 4),
         "frame_ms_p50": p50s[len(p50s) // 2] if p50s else None,
         "frame_ms_p99": max(p99s) if p99s else None,
-        "simulations_per_frame": round(sum(sims) / len(sims), 1) if sims else 0.0,
+        "simulations_per_frame": _mean([r["simulations_per_frame"]["mean"] for r in done]) or 0.0,
         "optimal_move_rate": round(kept / not_lost, 4) if not_lost else None,
         "trainer_frames_per_s": trainer_rate,
         "frames_per_engine": frames,
@@ -198,6 +201,12 @@ def run_row(config: Path, work: Path, engines: int, agents: int, evaluator: str,
         # The three commonest failures, with their messages' first characters.
         "error_reasons": dict(sum((Counter(r.get("error_reasons", {})) for r in done), Counter()).most_common(3)),
         "backends": sorted({b for r in done for b in r["backends"]["search"]}),
+        # Of the simulations, those the value model valued; the searches whose model calls failed, and the
+        # three commonest failures (the rest of such a search went on with rollouts).
+        "model_simulations_per_frame": _mean([r["model_simulations_per_frame"] for r in done]),
+        "value_model_failures": sum(r["value_model_failures"] for r in done),
+        "value_model_failure_reasons": dict(sum((Counter(r["value_model_failure_reasons"]) for r in done),
+                                                Counter()).most_common(3)),
         # Which side is late: the engines' Search (or SearchBatch) and Evaluate request times, and the
         # searches' own time on the server (its wave loop; the rest of a request is gRPC and queues).
         "search_request_ms_p50": search_p50, "search_request_ms_p99": search_p99,
@@ -205,6 +214,12 @@ def run_row(config: Path, work: Path, engines: int, agents: int, evaluator: str,
         "search_server_ms_p50": server_p50s[len(server_p50s) // 2] if server_p50s else None,
         **host,
     }
+
+
+def _mean(values: list) -> float | None:
+    """The mean of the values that are not None, to 0.1; None if none is."""
+    values = [v for v in values if v is not None]
+    return round(sum(values) / len(values), 1) if values else None
 
 
 def games_per_gpu(rows: list[dict]) -> int:
