@@ -60,8 +60,8 @@ log = logging.getLogger(__name__)
 TREES = Gauge("tandem_search_batch_trees", "Searches in flight in the wave loop (joined or waiting to join).")
 WAVE_TREES = Histogram("tandem_search_wave_trees", "Trees in one wave of the wave loop.",
                        buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024))
-WAVE_LEAVES = Histogram("tandem_search_wave_leaves", "Simulations a wave of the wave loop takes over all its trees "
-                        "(value model: the leaves of its model call).",
+WAVE_LEAVES = Histogram("tandem_search_wave_leaves", "Simulations a wave of the wave loop plans over all its trees "
+                        "(value model: the leaves of its model call; sliced rollout waves are not counted).",
                         buckets=(1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384))
 WAVE_EXPECTED_SECONDS = Histogram("tandem_search_wave_expected_seconds", "How long the plan expected a wave to take "
                                   "(s; its deadline rule and fair share used this).",
@@ -345,7 +345,8 @@ class WaveLoop:
         if ks is None or not group.members:
             return
         self._set_wave_deadline([m.deadline for m in group.members], group)
-        WAVE_LEAVES.observe(int(ks.sum()))
+        if group.batch.slice_ms is None:  # a sliced wave's simulations are known after it (plan.OPEN before)
+            WAVE_LEAVES.observe(int(ks.sum()))
         WAVE_EXPECTED_SECONDS.observe(group.times.expected_ms(int(ks.sum())) / 1e3)
         try:
             with self.launching(), PHASE_SECONDS.labels("wave").time():
