@@ -53,7 +53,7 @@ def _servers(supervisor: int) -> dict[str, list[int]]:
 def _wave_sums(port: int) -> dict[str, float]:
     """The search service's wave-loop counters now (sums in s, counts):
     ``<phase>_s``, ``<phase>_n`` per phase, ``trees``, ``waves``, ``leaves``
-    and ``expected_s`` over ``planned`` waves, ``left_<end>`` per way a
+    over ``planned`` waves, ``expected_s`` over ``expected_n``, ``left_<end>`` per way a
     search left; {} if /metrics does not answer."""
     try:
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
@@ -76,6 +76,8 @@ def _wave_sums(port: int) -> dict[str, float]:
                 out["planned"] = s.value
             elif s.name == "tandem_search_wave_expected_seconds_sum":
                 out["expected_s"] = s.value
+            elif s.name == "tandem_search_wave_expected_seconds_count":
+                out["expected_n"] = s.value
             elif s.name == "tandem_search_left_total":
                 out[f"left_{s.labels['end']}"] = s.value
     return out
@@ -130,7 +132,8 @@ class RowLoad:
             out["trees_per_wave"] = round(d["trees"] / d["waves"], 2)
         if d.get("planned"):
             out["leaves_per_wave"] = round(d["leaves"] / d["planned"], 1)
-            out["wave_expected_ms_mean"] = round(1e3 * d["expected_s"] / d["planned"], 3)
+        if d.get("expected_n"):
+            out["wave_expected_ms_mean"] = round(1e3 * d["expected_s"] / d["expected_n"], 3)
         left = {k[5:]: v for k, v in d.items() if k.startswith("left_") and v}
         if left:
             out["left_by"] = {end: int(n) for end, n in sorted(left.items())}
