@@ -7,7 +7,9 @@ play` processes at once, each ``--agents`` positions a frame (one
 ``SearchBatch`` where more than one), each ``--frames`` frames, with an
 evaluator, optionally beside a trainer that sends 64-frame batches to the
 bulk server by shared memory for the row's whole length
-(loadtest/background.py). A row pools its engines' reports:
+(loadtest/background.py). The engines of a row begin their first frame together, once all have started
+(``tandem play --start-at``: 3 s + 0.1 s an engine after their start). A
+row pools its engines' reports:
 
 * ``missed_frame_share``: missed frames (late or failed) over all frames;
 * ``frame_ms_p50``: the median of the engines' p50s; ``frame_ms_p99``: the
@@ -76,6 +78,11 @@ TANDEM = [sys.executable, "-m", "stack"]
 COLUMNS = ("engines", "agents_per_engine", "evaluator", "policy", "trainer", "missed_frame_share", "frame_ms_p50",
            "frame_ms_p99", "simulations_per_frame", "optimal_move_rate", "trainer_frames_per_s")
 SERVER_KEYS = ("switch_interval_us", "queue_wait_target_ms")  # server settings a run may change (flags)
+# The engines begin their first frame together this long after they are started (tandem play
+# --start-at), so no frame is played while other engines still start up (their imports take
+# ~0.5 s of CPU each): a game server's agents run long after their start.
+START_LEAD_S = 3.0
+START_LEAD_PER_ENGINE_S = 0.1
 MISSED_TARGET = 0.005  # "games per GPU": at most 0.5 % of frames missed ...
 MIN_SIMULATIONS = 100  # ... and at least this many simulations per agent a frame
 
@@ -161,8 +168,10 @@ def run_row(config: Path, work: Path, engines: int, agents: int, evaluator: str,
     if stack_pid is not None:
         load = RowLoad(stack_pid, yaml.safe_load(config.read_text()).get("search", {}).get(
             "metrics_port", SearchConfig.metrics_port))
+    start_at = time.time() + START_LEAD_S + START_LEAD_PER_ENGINE_S * engines
     plays = [subprocess.Popen([*TANDEM, "play", "--config", str(config), "--frames", str(frames), "--fps", str(fps),
                                "--agents", str(agents), "--evaluator", evaluator, "--seed", str(e + 1),
+                               "--start-at", f"{start_at:.3f}",
                                "--report", str(r), *(["--late-answers"] if late_answers else [])], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
              for e, r in enumerate(reports)]
     for p in plays:

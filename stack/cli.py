@@ -134,6 +134,7 @@ def _play_options(args, cfg: TandemConfig):
         model=cfg.search.value_model,
         seed=args.seed,
         late_answers=args.late_answers,
+        start_at=args.start_at,
     )
 
 
@@ -313,6 +314,9 @@ def _add_play_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--late-answers", action="store_true",
                    help="wait up to ten frames for each answer, to see how late they come (default: each "
                         "call's gRPC deadline is the frame's end, as an engine sets it)")
+    p.add_argument("--start-at", type=_number(float, 0), default=None, metavar="UNIX_S",
+                   help="begin the first frame at this Unix time (s), so engines started together play in "
+                        "step after their start-up (default: at once)")
     p.add_argument("--report", help="write the report as JSON here")
 
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 import json
 import platform
 import random
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -83,6 +84,9 @@ class PlayOptions:
     # it: the server fits the search into what is left, a late call fails DEADLINE_EXCEEDED and the
     # loop goes on. True: calls wait up to ten frames (at least 1 s), to see how late answers come.
     late_answers: bool = False
+    # The first frame's start, as a Unix time (s): engines started together begin their frames in
+    # step, after every one's start-up (a game server's shared tick); None or past: at once.
+    start_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -233,6 +237,15 @@ def call_timeout_s(budget_ms: float, late_answers: bool = False) -> float:
     return max(10 * budget_ms / 1000.0, 1.0) if late_answers else budget_ms / 1000.0
 
 
+def first_frame(start_at: float | None) -> float | None:
+    """The first frame's start on the monotonic clock (s) for ``start_at``, a
+    Unix time (s); None (at once) for None or a time already past."""
+    if start_at is None:
+        return None
+    now = time.monotonic()
+    return max(now + (start_at - time.time()), now)
+
+
 def _game_position(record: dict, source: str) -> GamePosition | LabelledPosition:
     """A game folder set's record: labelled by an exact solver (endgames) or not."""
     if "score" in record:
@@ -254,7 +267,7 @@ def _play_frames(opts: PlayOptions, client: FrameClient, positions: list[Labelle
 
 def _frames(opts: PlayOptions, client: FrameClient, positions: list[LabelledPosition], log, budget_ms: float,
             tally: _Tally) -> None:
-    for tick in frame_loop.paced(opts.fps, frames=opts.frames):
+    for tick in frame_loop.paced(opts.fps, frames=opts.frames, start=first_frame(opts.start_at)):
         interrupt.raise_if_interrupted()  # a Ctrl-C whose KeyboardInterrupt gRPC swallowed
         agents = [positions[(tick.frame * opts.agents + j) % len(positions)] for j in range(opts.agents)]
         evaluate = None

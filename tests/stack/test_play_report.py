@@ -3,10 +3,12 @@ mid-game still gives the report of the frames played, and the printed
 report names where each line is explained."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from stack import cli
-from stack.play import REPORT_DOC, PlayOptions, call_timeout_s, play, print_report
+from stack.play import REPORT_DOC, PlayOptions, call_timeout_s, first_frame, play, print_report
 
 
 @pytest.fixture(scope="module")
@@ -82,3 +84,24 @@ def test_a_report_records_its_provenance(cfg, monkeypatch):
     assert list(report)[:4] == ["date", "gpu", "versions", "command"]
     assert report["versions"]["tandem_commit"] == "0" * 40 and report["versions"]["tandem_dirty"] is False
     assert report["versions"]["numpy"] and report["date"].endswith("Z") and report["command"]
+
+
+def test_a_start_time_becomes_the_first_frames_start_on_the_monotonic_clock():
+    """--start-at: engines started together begin in step; a time past (or none) starts at once."""
+    assert first_frame(None) is None
+    m0 = time.monotonic()
+    assert m0 <= first_frame(time.time() - 60) <= time.monotonic()  # past: now
+    w0, m0 = time.time(), time.monotonic()
+    at = first_frame(w0 + 5.0)
+    m1, w1 = time.monotonic(), time.time()
+    assert m0 + 5.0 - (w1 - w0) <= at <= m1 + 5.0
+
+
+def test_play_takes_a_start_time_and_refuses_a_negative_one_naming_it(cfg, capsys):
+    code = cli.main(["play", "--search", cfg.search.address, "--reward", cfg.reward.address, "--frames", "2",
+                     "--fps", "10", "--evaluator", "rollout", "--simulations", "8", "--late-answers",
+                     "--start-at", f"{time.time() + 0.2:.3f}"])
+    assert code == 0 and "frames                 2 at 10 FPS" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as info:
+        cli.main(["play", "--start-at", "-1"])
+    assert info.value.code == 2 and "--start-at" in capsys.readouterr().err
