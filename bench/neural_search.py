@@ -8,26 +8,17 @@ channel (tandem/leaf_channel.py: one Unix-socket message each way per wave)
 with CUDA IPC regions as device waves (the selection kernel writes the leaves
 into the input region, the backup kernel reads the outputs from the output
 region: what a GPU search service does; CUDA events and the ready word order
-the two services' work, tandem/cuda_events.py, tandem/ready_word.py, and each
-wave's message is announced ahead of its selection); ``leaf_channel_unannounced``,
-the same without the ready word (the ``ready`` event orders the inputs, and
-each message follows its selection: the way before); ``leaf_channel_synchronised``, device waves over a
-channel without events (each side synchronises its stream before its
-message: the way before events); ``leaf_channel_host``, the same channel with
-the leaves and answers on the host (system regions, or a GPU search without
-device waves); ``grpc``, one ``Evaluate`` per wave; and ``in_process`` /
-``in_process_host``, co-located mode's hand-off (tandem/in_process.py): a
-second reward service started in this process, its critical lane reached
-with no socket: ``in_process``, the search driven on the critical lane's
-worker thread (InProcessLink.drive: no thread hop per wave), ``in_process_per_wave``,
-its device waves handed to that worker one by one (the way before), and
-``in_process_host``, host waves (device waves' streams wait for the model on
-the GPU). ``CudaBackend.search`` is a batch of trees like the service's
-(search_service/cuda/backend.py), which neither announces its waves, nor
-gates its backups, nor is driven: ``leaf_channel``,
-``leaf_channel_unannounced`` and ``leaf_channel_ungated`` then run the same
-search (only how their channels signal the inputs differs), as do
-``in_process`` and ``in_process_per_wave``, and ``gated_waves`` is 0.
+the two services' work, tandem/cuda_events.py, tandem/ready_word.py);
+``leaf_channel_synchronised``, device waves over a channel without events
+(each side synchronises its stream before its message);
+``leaf_channel_host``, the same channel with the leaves and answers on the
+host (system regions, or a GPU search without device waves); ``grpc``, one
+``Evaluate`` per wave; and ``in_process`` / ``in_process_host``, co-located
+mode's hand-off (tandem/in_process.py): a second reward service started in
+this process, its critical lane reached with no socket: ``in_process``,
+device waves (the search's stream waits for the model on the GPU), and
+``in_process_host``, host waves. ``CudaBackend.search`` is a batch of trees
+like the service's (search_service/cuda/backend.py), one wave at a time.
 
 Three kinds of row (``kind``):
 
@@ -57,10 +48,8 @@ Three kinds of row (``kind``):
   (``step``: ``total``; else ``consecutive``).
 * ``gpu_timeline`` (``--timeline --gpu-marks``): the same from the GPU marks
   (tandem/timeline.py: when each stream reached a point, on the GPU's
-  clock); the latency rows get ``handoff_gpu_us_per_wave``, what the
-  hand-off leaves the GPU idle a wave (the selection's end to the model's
-  start, plus the output copies' end to the backup's start). The stamps'
-  kernels lengthen those rows' searches: their latencies are not the clean ones.
+  clock). The stamps' kernels lengthen those rows' searches: their
+  latencies are not the clean ones.
 * ``search_quality``: ``optimal_move_rate`` with a 16 ms deadline per
   position (each its own search, as served: the evaluation cache of the
   serving path in front of the reward service, the leaf channel where it
@@ -79,9 +68,8 @@ then share the GPU instead of time-slicing between their contexts (row field
 ``mps``).
 
 Row fields: mps, kind, handoff, simulations, wave, latency_ms_p50, latency_ms_p99,
-kernel_ms, handoff_us_per_wave, handoff_gpu_us_per_wave, model_us_per_wave, queue_us_per_wave,
-compute_us_per_wave, transport_us_per_wave, bookkeeping_us_per_wave, waves, gated_waves (of them, waves whose
-backup waited for the outputs on the GPU), sync_ms_p50, evals_per_s; batch;
+kernel_ms, handoff_us_per_wave, model_us_per_wave, queue_us_per_wave,
+compute_us_per_wave, transport_us_per_wave, bookkeeping_us_per_wave, waves, sync_ms_p50, evals_per_s; batch;
 position_set, evaluator, budget_ms, positions, optimal_move_rate, missed
 (the missed positions' move strings), played (the column each missed one
 played), simulations_mean; step, from_mark,
@@ -111,7 +99,7 @@ import numpy as np
 from bench import common
 from scheduler import mps
 from stack.stats import percentiles
-from tandem import outputs_gate, timeline
+from tandem import timeline
 from tandem.config import load_config
 from tandem.deadline import Deadline
 from tandem.device import mps_client_env, mps_directories
@@ -128,43 +116,30 @@ def _free_address() -> str:
         return f"127.0.0.1:{s.getsockname()[1]}"
 
 
-PER_WAVE = "per_wave"  # a way's ``device`` value: device waves, each handed over on its own (never driven)
-
-
-def _device_waves(evaluator, rows: int, driven: bool = True):
+def _device_waves(evaluator, rows: int):
     """Device waves over ``evaluator``'s leaf channel (no deadline) when it has
-    CUDA regions of ``rows`` rows or more, else None (that row is skipped);
-    ``driven``: a search driven by an in-process link (DeviceWaves.run)."""
+    CUDA regions of ``rows`` rows or more, else None (that row is skipped)."""
     from search_service.evaluators import DeviceWaves
 
     if not DeviceWaves.fits(evaluator.channel):
         return None
-    waves = DeviceWaves(evaluator, None, driven)
+    waves = DeviceWaves(evaluator, None)
     return waves if waves.carries(rows) else None
 
 
 def _row_handoff(evaluator, device) -> str:
-    """A row's ``handoff``: ``leaf_channel`` (device waves, each wave's message
-    announced ahead of its selection), ``leaf_channel_unannounced`` (device waves
-    ordered by the ready event alone), ``leaf_channel_synchronised`` (device waves, a
-    channel without events), ``leaf_channel_ungated`` (announced device waves whose
-    host waits for the outputs before it queues the backup, where ``leaf_channel``'s
-    backup waits on the GPU: tandem/outputs_gate.py), ``leaf_channel_host`` (the leaf channel
-    through the host), ``in_process`` / ``in_process_per_wave`` /
-    ``in_process_host`` (a reward service in this process: a search driven on
-    its critical lane's worker, device waves handed over one by one, host
-    waves) or ``grpc``."""
+    """A row's ``handoff``: ``leaf_channel`` (device waves ordered by CUDA
+    events), ``leaf_channel_synchronised`` (device waves, a channel without
+    events), ``leaf_channel_host`` (the leaf channel through the host),
+    ``in_process`` / ``in_process_host`` (a reward service in this process:
+    device waves, host waves) or ``grpc``."""
     if evaluator.handoff == "grpc":
         return "grpc"
     if not device:
         return f"{evaluator.handoff}_host"
     if evaluator.handoff == "leaf_channel" and not evaluator.channel.ordered:
         return "leaf_channel_synchronised"
-    if evaluator.handoff == "leaf_channel" and not evaluator.channel.announces:
-        return "leaf_channel_unannounced"
-    if evaluator.handoff == "leaf_channel" and not evaluator.channel.gates and outputs_gate.enabled():
-        return "leaf_channel_ungated"
-    return f"{evaluator.handoff}_{PER_WAVE}" if device == PER_WAVE else evaluator.handoff
+    return evaluator.handoff
 
 
 def latency(backend, evaluator, wave: int, simulations: int, repeats: int, device: bool = False) -> dict | None:
@@ -177,13 +152,13 @@ def latency(backend, evaluator, wave: int, simulations: int, repeats: int, devic
     root = common.positions([""])
     kw = {}
     if device:
-        waves = _device_waves(evaluator, wave, driven=device != PER_WAVE)
+        waves = _device_waves(evaluator, wave)
         if waves is None:
             return None
         kw = {"device_waves": waves}
     handoff = _row_handoff(evaluator, device)
     backend.search(root, params, evaluator, **kw)  # warm-up: kernels, the reward session's buckets
-    ms, sync_ms, kernel, waves, gated = [], [], [], [], []
+    ms, sync_ms, kernel, waves = [], [], [], []
     per_wave = {k: [] for k in ("handoff", "model", "queue", "compute", "call_rest", "bookkeeping")}  # µs
     for seed in range(repeats):
         before = dataclasses.replace(evaluator.totals)
@@ -203,14 +178,13 @@ def latency(backend, evaluator, wave: int, simulations: int, repeats: int, devic
                               ("bookkeeping", r.evaluate_ms - call)):
             per_wave[key].append(total_ms * 1e3 / n)
         waves.append(after.calls - before.calls)
-        gated.append(r.extras.get("gated_waves", 0))
     p50, p99 = percentiles(ms, 50, 99)
     med = {k: float(np.median(v)) for k, v in per_wave.items()}
     return dict(kind="latency", handoff=handoff, simulations=simulations, wave=wave, latency_ms_p50=p50,
                 latency_ms_p99=p99, kernel_ms=float(np.median(kernel)), handoff_us_per_wave=med["handoff"],
                 model_us_per_wave=med["model"], queue_us_per_wave=med["queue"], compute_us_per_wave=med["compute"],
                 transport_us_per_wave=med["call_rest"], bookkeeping_us_per_wave=med["bookkeeping"],
-                waves=float(np.median(waves)), gated_waves=float(np.median(gated)), sync_ms_p50=float(np.median(sync_ms)),
+                waves=float(np.median(waves)), sync_ms_p50=float(np.median(sync_ms)),
                 evals_per_s=simulations / (p50 / 1e3), repeats=repeats)
 
 
@@ -221,8 +195,6 @@ def throughput(evaluator, batch: int, repeats: int, device: bool = False) -> dic
     both ways through the same channel: ``leaf_channel_host``)."""
     boards = np.random.default_rng(batch).integers(0, 2, (batch, 2, 6, 7)).astype(np.uint8)
     call = lambda: evaluator(boards)  # noqa: E731 - one call, timed below
-    if device == PER_WAVE:
-        return None  # the same calls as the in_process rows: a throughput call is one wave
     if device:
         waves = _device_waves(evaluator, batch)
         if waves is None:
@@ -321,20 +293,6 @@ def timeline_rows(wave: int, search_marks: list, service_marks: list, searches: 
     return rows
 
 
-def _gpu_handoff(rows: list[dict], gpu_rows: list[dict], wave: int, g: int, how: str) -> None:
-    """Sets ``handoff_gpu_us_per_wave`` of the latency row of (``wave``,
-    ``g``, ``how``) from its GPU marks: what the hand-off leaves the GPU idle
-    a wave, p50 of ``gpu.selected`` → ``gpu.model_start`` plus p50 of
-    ``gpu.model_end`` → ``gpu.backup`` (the stamps' own kernels included)."""
-    gap = {(r["from_mark"], r["to_mark"]): r["us_p50"] for r in gpu_rows}
-    legs = (("gpu.selected", "gpu.model_start"), ("gpu.model_end", "gpu.backup"))
-    if not all(leg in gap for leg in legs):
-        return
-    for row in rows:
-        if row["kind"] == "latency" and (row["wave"], row.get("sims_per_warp"), row["handoff"]) == (wave, g, how):
-            row["handoff_gpu_us_per_wave"] = sum(gap[leg] for leg in legs)
-
-
 def _in_process(cfg, device: bool):
     """An evaluator over a link of the reward service started in this
     process (handoff ``in_process``), as co-located mode's search gets one."""
@@ -345,22 +303,17 @@ def _in_process(cfg, device: bool):
     return LeafChannelEvaluator(link, timeout_s=30, handoff=HANDOFF_IN_PROCESS)
 
 
-def _leaf_channel(stub, max_rows: int, events: bool = True, announce: bool = True, gate: bool | None = None):
+def _leaf_channel(stub, max_rows: int, events: bool = True):
     """A leaf-channel evaluator attached to the reward service behind ``stub``,
     carrying waves of up to ``max_rows`` rows (``events``: offer CUDA events
-    to order its waves by; ``announce``: and a ready word, so each wave's
-    message goes ahead of its selection; ``gate``: and a done word, so each
-    wave's backup waits for its outputs on the GPU; None: where
-    ``outputs_gate.enabled()``)."""
+    to order its waves by)."""
     from search_service.evaluators import LeafChannelEvaluator
     from tandem.leaf_channel import LeafChannel
 
-    channel = LeafChannel.offered(stub, "connect4_value", max_rows, timeout_s=30, events=events, announce=announce,
-                                  gate=gate)
+    channel = LeafChannel.offered(stub, "connect4_value", max_rows, timeout_s=30, events=events)
     if channel is None:
         raise SystemExit("the reward service offers no leaf channel (reward.leaf_channel.enabled)")
-    common.note(f"leaf channel: {channel.kind} input region, ordered by events: {channel.ordered}, "
-                f"outputs gated: {channel.gates}")
+    common.note(f"leaf channel: {channel.kind} input region, ordered by events: {channel.ordered}")
     return LeafChannelEvaluator(channel, timeout_s=30)  # as the gRPC evaluator it is measured against
 
 
@@ -380,7 +333,7 @@ def _timed_rows(ways, kinds, args, value_backends, rows: list, marked: list, pro
                                  2 if args.quick else args.repeats, device)
             if profiler:
                 profiler.disable()
-            if row and args.timeline and row["handoff"] in ("leaf_channel", "in_process", f"in_process_{PER_WAVE}"):
+            if row and args.timeline and row["handoff"] in ("leaf_channel", "in_process"):
                 marked.append((wave, g, timeline.take(), row["repeats"], row["handoff"], timeline.take_gpu()))
             if row:
                 row["sims_per_warp"] = g
@@ -495,12 +448,6 @@ def _run(args, kinds: set[str], cfg, on_mps: bool) -> None:
             synchronised = _leaf_channel(stub, max_rows, events=False) if leaf.channel.ordered else None
             if synchronised is not None:  # device waves without events, in the same run
                 ways.insert(1, (synchronised, True))
-            unannounced = _leaf_channel(stub, max_rows, announce=False) if leaf.channel.announces else None
-            if unannounced is not None:  # ordered by the ready event alone: each message after its selection
-                ways.insert(1, (unannounced, True))
-            ungated = _leaf_channel(stub, max_rows, gate=False) if leaf.channel.gates else None
-            if ungated is not None:  # the host waits for the outputs before it queues the backup
-                ways.insert(1, (ungated, True))
             timed(ways)
             # A second reward service, in this process, for the in_process rows (co-located mode's
             # hand-off): started after the two-process rows, whose process it would share.
@@ -510,8 +457,7 @@ def _run(args, kinds: set[str], cfg, on_mps: bool) -> None:
                 in_process.offer(local_cfg.reward.address, local.servicer.in_process)
                 ways = [(_in_process(local_cfg, device=False), False)]
                 if local.servicer.in_process.sessions["connect4_value"].orders_by_events:  # a GPU: device links
-                    ways[:0] = [(_in_process(local_cfg, device=True), True),
-                                (_in_process(local_cfg, device=True), PER_WAVE)]
+                    ways[:0] = [(_in_process(local_cfg, device=True), True)]
                 timed(ways)
             if profiler:
                 out = (args.out or common.RESULTS_DIR) / "neural_search_profile.txt"
@@ -520,7 +466,7 @@ def _run(args, kinds: set[str], cfg, on_mps: bool) -> None:
                     pstats.Stats(profiler, stream=fh).sort_stats("tottime").print_stats(40)
                 profiler.dump_stats(out.with_suffix(".prof"))  # the whole profile, for pstats' callers and callees
                 common.note(f"profile of the latency rows: {out}")
-            for way in (leaf, synchronised, unannounced, ungated):
+            for way in (leaf, synchronised):
                 if way is not None:
                     way.channel.close()
             if args.serving == "in_process":  # co-located mode's serving path
@@ -562,7 +508,6 @@ def _run(args, kinds: set[str], cfg, on_mps: bool) -> None:
             gpu_rows = [dict(r, kind="gpu_timeline", sims_per_warp=g)
                         for r in timeline_rows(wave, gpu, service_gpu if how == "leaf_channel" else [], searches, how)]
             rows += gpu_rows
-            _gpu_handoff(rows, gpu_rows, wave, g, how)
     for row in rows:
         row["mps"] = on_mps
     common.finish(BENCHMARK, rows, args.out, COLUMNS)

@@ -45,16 +45,6 @@ Policy
   every request in that batch gets the error.
 * Batch rows must be independent (true of every inference-mode network here):
   a request's outputs do not depend on what it was merged or padded with.
-* Driven callers (:meth:`Batcher.drive`, critical lane only): a caller whose
-  whole loop of waves runs on the lane's worker thread (a co-located
-  search: reward_service/in_process.py), so none of its waves costs a thread
-  hand-off. The worker steps each driver (:class:`Driver`) to its next wave,
-  runs the drivers' waves in its next batch with the queued critical
-  requests, oldest first (batching across searches; neither starves the
-  other), and steps each driver again with its answered wave. A driver wave never waits
-  in the queue and never counts against ``max_queue_size``; once the batcher
-  is closed, or its deadline passed, it completes with BatcherClosed or
-  DeadlineExceeded unrun, and its driver goes on from there.
 
 Concurrency invariants
 ----------------------
@@ -87,11 +77,6 @@ Concurrency invariants
   after the other (the constructor waits for each), never two at once --
   cuDNN's algorithm search times candidate kernels and would time them
   against the other warm-up's kernels.
-* A driver is stepped only on its lane's worker, one step at a time, outside
-  ``_lock``; new drivers wait in the lane's ``drivers`` list (guarded by
-  ``_lock``) until the worker takes them; the drivers' waves between two
-  batches are the worker's own list, never shared. ``Driver.step`` never
-  raises (one that does is logged and dropped: a bug).
 * Why a long-lived thread per lane, not the submitting gRPC thread: running
   a request on the gRPC thread when the batcher is idle would spare two
   thread hops (~0.17 ms p50 on the H200), but ONNX Runtime's CUDA
@@ -106,7 +91,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 from tandem.v1 import reward_pb2
@@ -203,7 +188,6 @@ class Request:
     compute_ms: float = 0.0
     batch_rows: int = 0
     bucket: int = 0
-    driver: Driver | None = None  # the driven caller whose wave this is (Batcher.drive), stepped when done
     _done: threading.Event = field(default_factory=threading.Event, repr=False)
 
     def done(self) -> bool:
@@ -225,17 +209,6 @@ class Request:
         if self.error is not None:
             raise self.error
         return self.outputs
-
-
-class Driver(Protocol):
-    """A caller whose waves run on a lane's worker thread (:meth:`Batcher.drive`)."""
-
-    def step(self, done: Request | None) -> Request | None:
-        """Called on the worker: first with None, then with each wave it
-        returned, once that is done (answered, or completed with an error
-        unrun). Returns its next wave (a :class:`Request` made by
-        :meth:`Batcher.wave`), or None when it has finished. Never raises."""
-        ...
 
 
 @dataclass(eq=False)
@@ -320,7 +293,6 @@ class _Lane:
         self.request_class = request_class
         self.name = LANES[request_class]
         self.queue: collections.deque[Request] = collections.deque()  # guarded by Batcher._lock
-        self.drivers: list[Driver] = []  # new driven callers, not yet stepped; guarded by Batcher._lock
         self.stats: collections.Counter = collections.Counter()  # guarded by Batcher._lock
         self.wake = threading.Condition(lock)
         self.thread: threading.Thread | None = None
@@ -461,9 +433,6 @@ class Batcher:
                 f"request_class: expected REQUEST_CLASS_CRITICAL or REQUEST_CLASS_BULK, got {request_class}"
             )
         lane = self._lanes[request_class]
-        if threading.current_thread() is lane.thread:  # a driven caller's generator, run by this very worker
-            raise RuntimeError(f"model {self.name!r}: a request from the {lane.name} lane's own worker would wait "
-                               "for itself; a driven caller yields its waves instead")
         now = self._clock()
         req = Request(feeds, rows, request_class, deadline, tuple(output_names), enqueued=now, targets=targets,
                       on_written=on_written if targets else None, events=events)
@@ -494,33 +463,6 @@ class Batcher:
         if victim is not None:
             victim._done.set()
         return req
-
-    def drive(self, driver: Driver) -> None:
-        """Hands ``driver`` to the critical lane's worker, which steps it from
-        now on (see the module's "Driven callers"); returns at once.
-
-        Raises:
-            BatcherClosed: :meth:`close` was called.
-        """
-        lane = self._lanes[CRITICAL]
-        with self._lock:
-            if self._closed:
-                raise BatcherClosed(f"model {self.name!r}: the reward service is stopping")
-            lane.drivers.append(driver)
-            lane.wake.notify()
-
-    def wave(self, feeds: dict, rows: int, deadline: Deadline | None = None, output_names: Sequence[str] = (),
-             targets: dict | None = None, events=None) -> Request:
-        """A driver's next wave (a critical request, validated as :meth:`submit`
-        wants), for :meth:`Driver.step` to return; its queue time counts from here.
-
-        Raises:
-            ValueError: ``rows`` < 1.
-        """
-        if rows < 1:
-            raise ValueError("rows must be >= 1")
-        return Request(feeds, rows, CRITICAL, deadline, tuple(output_names), enqueued=self._clock(), targets=targets,
-                       events=events)
 
     def set_bulk_share(self, percent: int) -> None:
         """The share of wall time (1..100 %; 0 counts as 100) the bulk lane may
@@ -645,10 +587,9 @@ class Batcher:
             return
         finally:
             lane.warmed.set()
-        waves: list[Request] = []  # the drivers' next waves, this worker's own (driven callers)
         while True:
             with self._lock:
-                while not (lane.drivers or waves):  # driven waves never wait for company
+                while True:
                     if not lane.queue:
                         if self._closed:
                             return
@@ -658,15 +599,9 @@ class Batcher:
                     if wait_s <= 0:
                         break
                     lane.wake.wait(wait_s)
-                new, lane.drivers = lane.drivers, []
-            for driver in new:
-                self._step(driver, None, waves)
-            with self._lock:
-                expired, batch = self._take_locked(lane, waves)
+                expired, batch = self._take_locked(lane)
             for req in expired:
                 req._done.set()
-                if req.driver is not None:
-                    self._step(req.driver, req, waves)
             if batch is not None:
                 timeline.mark("batch.taken")
                 start = self._clock()
@@ -674,23 +609,9 @@ class Batcher:
                 end = self._clock()
                 with self._lock:
                     lane.last_busy_s, lane.last_end = end - start, end
-                for req in batch.requests:
-                    if req.driver is not None:
-                        self._step(req.driver, req, waves)
             # Let go of the answered requests now, not when the next batch comes: their
             # arrays may map a client's shared memory, which is closed once unreferenced.
-            expired = batch = new = req = driver = None
-
-    def _step(self, driver: Driver, done: Request | None, waves: list[Request]) -> None:
-        """Steps ``driver`` with ``done`` (on its lane's worker); its next wave joins ``waves``."""
-        try:
-            nxt = driver.step(done)
-        except Exception:  # a bug in the driver: dropped, the lane goes on
-            log.exception("model %s: a driven caller's step raised", self.name)
-            return
-        if nxt is not None:
-            nxt.driver = driver
-            waves.append(nxt)
+            expired = batch = None
 
     def _merge_wait_locked(self, lane: _Lane) -> float:
         """Seconds ``lane``'s worker waits for more requests to merge with; <= 0:
@@ -705,10 +626,9 @@ class Batcher:
             return 0.0
         return lane.queue[0].enqueued + self.max_queue_delay_s - self._clock()
 
-    def _take_locked(self, lane: _Lane, waves: list[Request]) -> tuple[list[Request], Batch | None]:
-        """Drops ``lane``'s expired requests and drivers' ``waves`` (returned,
-        marked DONE; every driver wave once closed) and takes its next batch:
-        the queued requests and the drivers' waves in the order they were made."""
+    def _take_locked(self, lane: _Lane) -> tuple[list[Request], Batch | None]:
+        """Drops ``lane``'s expired requests (returned, marked DONE) and takes
+        its next batch from the head of its queue."""
         now = self._clock()
         expired = [r for r in lane.queue if r.deadline is not None and r.deadline.passed(now)]
         if expired:
@@ -718,39 +638,21 @@ class Batcher:
                 r.error = DeadlineExceeded("deadline passed while queued")
             self._queued -= len(expired)
             lane.stats["expired"] += len(expired)
-        unrun = [r for r in waves if self._closed or (r.deadline is not None and r.deadline.passed(now))]
-        if unrun:
-            waves[:] = [r for r in waves if r not in unrun]
-            for r in unrun:
-                r.state = DONE
-                r.error = (BatcherClosed(f"model {self.name!r}: the reward service is stopping") if self._closed
-                           else DeadlineExceeded("deadline passed before the wave ran"))
-            if not self._closed:
-                lane.stats["expired"] += len(unrun)
-            expired += unrun
         taken: list[Request] = []
         offsets: list[int] = []  # each request's first row in the batch
         rows = 0
-        q, w = lane.queue, 0  # the queue, and the drivers' waves taken (oldest first, as the queue)
-        waves.sort(key=lambda r: r.enqueued)
-        while q or w < len(waves):
-            # The older of the two heads: the drivers' waves never starve the queue, nor it them.
-            from_queue = w == len(waves) or (q and q[0].enqueued < waves[w].enqueued)
-            req = q[0] if from_queue else waves[w]
+        q = lane.queue
+        while q:
+            req = q[0]
             if taken and (not self.merge or rows + req.rows > self.max_rows):
                 break  # full: the rest go in the next batch
-            if from_queue:
-                q.popleft()
-                self._queued -= 1
-            else:
-                w += 1
-                lane.stats["submitted"] += 1
+            q.popleft()
+            self._queued -= 1
             taken.append(req)
             offsets.append(rows)
             rows += req.rows
             if rows > self.max_rows:  # a lone request larger than every bucket
                 break
-        del waves[:w]
         if not taken:
             return expired, None
         for req in taken:

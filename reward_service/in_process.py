@@ -26,19 +26,6 @@ Invariants:
   links' waves, leaf-channel waves, critical Evaluate calls): batching across
   searches. It runs on the lane's worker thread, never the caller's (ONNX
   Runtime's CUDA provider keeps per-thread state; batcher.py).
-* A driven caller (:meth:`InProcessLink.drive`: a whole search) runs on that worker
-  too, from its first wave to its last: the worker steps its generator
-  between batches (on the caller's CUDA stream), so a wave costs no thread
-  hop; the caller's thread waits once, for the end. The generator
-  holds the link for the call (its waves are the link's only ones) and
-  must never wait for this model's critical lane itself (the worker runs
-  it: it would wait for itself; Batcher.submit refuses that). The
-  generator's kernels run on a stream of the link's own (of the caller's
-  priority), joined to the caller's stream by an event at each end, so a
-  driven device wave's ``ready`` event, waited for on the GPU
-  (WaveEvents.ready_on_gpu), waits for that search's kernels alone: the
-  worker never waits for them on the host, and no other work queued on the
-  caller's stream can hold the lane.
 * A wave's figures go into the per-model metrics' critical lane, as a leaf
   channel wave's (``requested`` and ``succeeded``/``failed``), on the
   caller's thread once its outputs are in place, before it returns.
@@ -55,7 +42,6 @@ Invariants:
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import operator
 import threading
@@ -65,7 +51,7 @@ import grpc
 import numpy as np
 from tandem.v1 import reward_pb2
 
-from reward_service.batcher import LANES, BatcherClosed, DeadlineExceeded, Request
+from reward_service.batcher import LANES, DeadlineExceeded
 from reward_service.leaf_channel import BadRequest, WaveEvents, model_signature, wave_output
 from reward_service.model_metrics import ModelMetrics
 from reward_service.refusal import Refusal, refusal_for
@@ -183,7 +169,7 @@ class InProcessLink:
         self._names = tuple(name for name, _ in output_rows)
         self.queue_ms = self.compute_ms = 0.0
         self.bucket = 0
-        self.inputs, self.outputs, self._events, self._driven_events, self._cupy = None, {}, None, None, None
+        self.inputs, self.outputs, self._events, self._cupy = None, {}, None, None
         self._views: dict[int, tuple[dict, dict]] = {}  # rows -> a device wave's feeds and targets
         self._late = None  # a device wave given up at its deadline while it ran (Request), until done
         self.kind = "cuda" if session.orders_by_events else "system"
@@ -192,10 +178,6 @@ class InProcessLink:
             self.inputs = cupy.zeros((max_rows, *input_row), input_dtype)
             self.outputs = {name: cupy.zeros((max_rows, *r), np.float32) for name, r in output_rows}
             self._events = WaveEvents(LocalEvent(), LocalEvent())
-            self._driven_events = WaveEvents(self._events.ready, self._events.done, ready_on_gpu=True)
-            # A driven search's own streams, by (priority, non_blocking), and the events joining them to its caller's.
-            self._streams: dict[tuple[int, bool], object] = {}
-            self._joins = tuple(cupy.cuda.Event(block=False, disable_timing=True) for _ in range(2))
 
     @property
     def device_inputs(self):
@@ -297,60 +279,6 @@ class InProcessLink:
         self._server.metrics.failed(self.model, CRITICAL_LANE, "invalid_input", 0.0)
         return LeafChannelError(grpc.StatusCode.INVALID_ARGUMENT, message)
 
-    def drive(self, steps, deadline: Deadline | None = None):
-        """Runs the generator ``steps`` on the model's critical-lane worker
-        thread (Batcher.drive) and returns what it returns: no thread hop
-        per wave, one for the whole loop. Each item it yields is one wave: an
-        int ``n``, rows ``[0, n)`` of :attr:`inputs` (a device link; written
-        by kernels queued on this thread's current CUDA stream, on which the
-        generator also runs there), or an array, a host wave as
-        :meth:`evaluate` takes it. The wave runs in the lane's next batch,
-        merged with the other driven waves and the queued critical requests,
-        by ``deadline`` (None: none); what
-        :meth:`evaluate_device` or :meth:`evaluate` would return is sent
-        back, or the LeafChannelError it would raise is thrown in. A device
-        wave's ``ready`` event is waited for on the GPU (no host wait for the
-        generator's kernels); its outputs are waited for on the generator's
-        stream, as :meth:`evaluate_device` does. The generator must never wait
-        for another wave of this model's critical lane: the worker runs it.
-
-        Raises:
-            LeafChannelError: UNAVAILABLE: the reward service is stopping
-                (refused before any step).
-            Exception: whatever the generator raised.
-        """
-        if self._server.closed:
-            raise LeafChannelError(grpc.StatusCode.UNAVAILABLE, "the reward service is stopping")
-        caller = stream = None
-        if self.inputs is not None:  # the generator's kernels go on a stream of the link's own, joined both ends
-            caller = self._cupy.cuda.get_current_stream()
-            stream = self._own_stream(caller)
-            stream.wait_event(caller.record(self._joins[0]))
-        job = _Driven(self, steps, deadline, stream)
-        try:
-            self._server.batchers[self.model].drive(job)
-        except BatcherClosed as exc:
-            raise LeafChannelError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
-        job.finished.wait()
-        if stream is not None:  # the caller's later work (the search's answer) after the generator's kernels
-            caller.wait_event(stream.record(self._joins[1]))
-        value, error, job.value, job.error = job.value, job.error, None, None  # nothing kept alive by the job
-        if error is not None:
-            raise error
-        return value
-
-    def _own_stream(self, caller):
-        """The link's stream of ``caller``'s priority and flags, made once: a
-        driven search's kernels run there, so the GPU-side wait for a wave's
-        ``ready`` event waits for this search's kernels alone, never for
-        other work queued on a stream the caller shares (another search's
-        rollout kernel can take a whole frame)."""
-        key = (caller.priority, caller.is_non_blocking)
-        stream = self._streams.get(key)
-        if stream is None:
-            stream = self._streams[key] = self._cupy.cuda.Stream(non_blocking=key[1], priority=key[0])
-        return stream
-
     def _wave(self, feeds: dict, targets: dict | None, rows: int, deadline: Deadline | None):
         """Runs one wave in the critical lane and records its figures; returns
         host outputs (a host wave) or None (a device wave: in its targets)."""
@@ -450,78 +378,3 @@ class InProcessLink:
             raise Refusal(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline_exceeded",
                           f"model {self.model!r}: the link's previous wave, given up at its deadline, still runs")
         self._late = None
-
-
-class _Driven:
-    """A generator run on the critical lane's worker (:meth:`InProcessLink.drive`):
-    the batcher's Driver. Its waves are its link's; ``value`` or ``error`` is
-    written before ``finished`` is set, once the generator has returned or
-    raised."""
-
-    def __init__(self, link: InProcessLink, steps, deadline: Deadline | None, stream):
-        self._link, self._steps, self._deadline, self._stream = link, steps, deadline, stream
-        self._wave: tuple[int, dict | None, float] | None = None  # rows, targets, start of the wave in flight
-        self.finished = threading.Event()
-        self.value = self.error = None
-
-    def step(self, done: Request | None) -> Request | None:
-        """Batcher.drive's step: answers ``done`` to the generator, runs it to
-        its next wave (on the caller's stream) and returns that wave."""
-        try:
-            with self._stream if self._stream is not None else contextlib.nullcontext():
-                item = self._resume(done)
-                while True:
-                    try:
-                        return self._request(item)
-                    except LeafChannelError as exc:  # refused before it ran: the generator decides
-                        item = self._steps.throw(exc)
-        except StopIteration as stop:
-            self.value = stop.value
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread, which raises it
-            self.error = exc
-        self._steps = self._wave = None  # nothing held past the end (a search's trees: its node pools)
-        self.finished.set()
-        return None
-
-    def _resume(self, done: Request | None):
-        """The generator's next item, given ``done`` (None: its first)."""
-        if done is None:
-            return self._steps.send(None)
-        link, (rows, targets, start) = self._link, self._wave
-        try:
-            done.result()
-            outputs = link._answer(done, targets, rows)
-        except Exception as exc:  # every failure a status, as InProcessLink._wave's
-            return self._steps.throw(link._failed(exc, start))
-        link._succeeded(rows, start)
-        if targets is not None:  # a device wave: its stream waits for the run's outputs on the GPU
-            timeline.mark("link.answered")
-            link._events.done.wait_on_stream(self._stream.ptr)
-            outputs = link.outputs
-        return self._steps.send(outputs)
-
-    def _request(self, item) -> Request:
-        """The wave ``item`` stands for, made for the lane's next batch.
-
-        Raises:
-            LeafChannelError: as :meth:`InProcessLink.evaluate` / :meth:`InProcessLink.evaluate_device` (not run).
-        """
-        link = self._link
-        device = isinstance(item, (int, np.integer)) and not isinstance(item, bool)
-        inputs = None if device else link._host_inputs(item)
-        rows = link._device_rows(item) if device else len(inputs)
-        start = link._begin()
-        try:
-            link._wait_late(self._deadline)
-            link._check_open()
-            if device:
-                link._events.ready.record(self._stream.ptr)
-                feeds, targets = link._device_views(rows)
-                events = link._driven_events
-            else:
-                feeds, targets, events = {link._input_name: inputs}, None, None
-            req = link._server.batchers[link.model].wave(feeds, rows, self._deadline, link._names, targets, events)
-        except Exception as exc:
-            raise link._failed(exc, start) from None
-        self._wave = (rows, targets, start)
-        return req

@@ -45,15 +45,13 @@ Invariants:
   sequence number, in the client's ``ready_region``) or ``ready`` event is
   waited for by the critical lane's worker (session.READY_WAIT_S at most,
   counted for the word from the moment the poll sees the channel's previous
-  outputs done, whatever its batch's limit: an announced wave's message
-  comes while the client still waits for them);
-  a wave whose inputs come later, or that its client cancelled, is
+  outputs done, whatever its batch's limit);
+  a wave whose inputs come later, or that a later wave superseded, is
   answered DEADLINE_EXCEEDED and gets nothing written into its regions.
-  While it waits the worker serves no other request: a wave announced by
-  one search holds the lane for the rest of its previous wave plus its
-  selection (~0.1-0.4 ms), and another search's wave that comes meanwhile
-  runs in the next batch. Its opened event is released when the
-  connection ends.
+  While it waits the worker serves no other request: a wave whose
+  selection is still running holds the lane until it ends, and another
+  search's wave that comes meanwhile runs in the next batch. Its opened
+  event is released when the connection ends.
 * A region is attached to at most one connection (``_attached``): two
   connections writing one output region would answer each other's waves.
   The ready word's region is a third, read by this host alone (system).
@@ -103,8 +101,7 @@ from tandem.deadline import Deadline
 from tandem.errors import quote
 from tandem.leaf_channel import (ATTACH, MAX_MESSAGE_BYTES, REPLY, REPLY_FORMAT, WAVE, WAVE_FORMAT, OutputSlot,
                                  output_layout, pack_error)
-from tandem.gpu import cupy_module
-from tandem.ready_word import WORD_BYTES, WordWait, mapped_store
+from tandem.ready_word import WORD_BYTES, WordWait
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +136,6 @@ class _Attachment:
     output_names: tuple[str, ...]  # the outputs' names, in slot order
     events: WaveEvents | None = None  # an ordered channel's CUDA events (tandem/cuda_events.py)
     ready_region: str | None = None  # the client's ready word (tandem/ready_word.py), a system region
-    done_word: int | None = None  # offset of the done word in the output region (tandem/outputs_gate.py)
 
     @property
     def regions(self) -> list[str]:
@@ -153,17 +149,10 @@ class WaveEvents:
     the run's. An ordered channel's: the client's opened here, or per wave
     its ready word's poll (tandem/ready_word.py; None in the attachment's),
     and this server's exported; an in-process port's: two of that process
-    (LocalEvent). ``ready_on_gpu``: the run's stream waits for ``ready`` on
-    the GPU instead of a host poll (a LocalEvent's, for a driven wave: no
-    host waits for the search's kernels, and no peer can die with the record
-    pending)."""
+    (LocalEvent)."""
 
     ready: OpenedEvent | LocalEvent | WordWait | None
     done: ExportedEvent | LocalEvent
-    ready_on_gpu: bool = False
-    # (device address, seq): the run's stream stores seq there after the output copies,
-    # before ``done`` (the client's done word, tandem/outputs_gate.py); None: no word
-    done_word: tuple[int, int] | None = None
 
 
 _FLOAT32 = np.dtype(np.float32)
@@ -485,7 +474,6 @@ class LeafChannelServer:
                   "execution_provider": attachment.session.execution_provider}
         if attachment.events is not None:
             layout["done_event"] = attachment.events.done.handle.hex()
-            layout["done_word"] = attachment.done_word is not None
         self._send(conn, ATTACH + json.dumps(layout).encode())
         return attachment
 
@@ -504,9 +492,7 @@ class LeafChannelServer:
                 attached elsewhere); INVALID_ARGUMENT for a malformed
                 ``ready_event`` (one the driver cannot open, stale or foreign,
                 leaves the channel synchronised: no ``done_event`` in the layout);
-                INVALID_ARGUMENT for a ``done_word`` offset that is not a multiple
-                of 8 at or past the outputs (tandem/outputs_gate.py), or past the
-                output region's end; INVALID_ARGUMENT for ``memfds`` that do not
+                INVALID_ARGUMENT for ``memfds`` that do not
                 match the descriptors, or a system region (registered by key:
                 host memory comes as a memfd).
             SharedMemoryError: a region that is not registered or not the
@@ -519,7 +505,6 @@ class LeafChannelServer:
             input_region, output_region = str(req["input_region"]), str(req["output_region"])
             ready_region = req.get("ready_region")
             ready_region = None if ready_region is None else str(ready_region)
-            done_word = req.get("done_word")
             roles = _memfd_roles(req, fds)
         except (ValueError, KeyError, TypeError, RecursionError, AttributeError) as exc:  # RecursionError: nested too deep
             raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT, f"attach: malformed ({type(exc).__name__}: {exc})") from None
@@ -541,11 +526,6 @@ class LeafChannelServer:
         spec, input_row, outputs = model_signature(session)
         dtype = tensors.numpy_dtype(spec.dtype)
         slots, out_bytes = output_layout([(o.name, row) for o, row in outputs], max_rows)
-        if done_word is not None and (not isinstance(done_word, int) or isinstance(done_word, bool)
-                                      or done_word < out_bytes or done_word % WORD_BYTES):
-            raise BadRequest(grpc.StatusCode.INVALID_ARGUMENT,
-                             f"done_word: {quote(str(done_word))}, must be a multiple of {WORD_BYTES} at or past "
-                             f"the outputs' {out_bytes} bytes of the output region")
         in_bytes = max_rows * math.prod(input_row) * dtype.itemsize
         registered = []  # the memfds' regions: unregistered if a later check fails
         events = None
@@ -558,7 +538,7 @@ class LeafChannelServer:
             events = self._open_events(req.get("ready_event"), ready_region is not None, session)
             attachment = _Attachment(client_id, uid, session, max_rows, input_region, input_row, dtype, output_region,
                                      tuple(slots), in_bytes, out_bytes, spec.name, tuple(s.name for s in slots),
-                                     events, ready_region, done_word)
+                                     events, ready_region)
             with self.regions.acquire(client_id, attachment.regions, uid=uid) as lease:
                 out_kind = self._check_regions(lease, attachment)
             with self._lock:
@@ -574,18 +554,6 @@ class LeafChannelServer:
         if events is not None and out_kind != "cuda":  # outputs the host writes: the reply alone orders them
             _close_ready(events)
             attachment = dataclasses.replace(attachment, events=None)
-        if attachment.events is None:
-            attachment = dataclasses.replace(attachment, done_word=None)
-        elif attachment.done_word is not None:  # the store's module loads now, not at the first wave
-            try:
-                with self.regions.acquire(client_id, attachment.regions, uid=uid) as lease:
-                    word = lease.array(output_region, done_word, _WORD, (1,))
-                    with word.device:
-                        mapped_store(cupy_module(), word.data.ptr)
-            except Exception as exc:  # noqa: BLE001 - the channel goes on ungated rather than refused
-                log.warning("leaf channel of client %r: no done word (%s: %s); its waves go ungated",
-                            client_id, type(exc).__name__, exc)
-                attachment = dataclasses.replace(attachment, done_word=None)
         return attachment
 
     @staticmethod
@@ -634,10 +602,7 @@ class LeafChannelServer:
         """
         sizes = lease.describe()
         rows = f"{a.max_rows} rows of model {a.session.name!r}"
-        out_need, out_what = a.output_bytes, rows
-        if a.done_word is not None:
-            out_need, out_what = a.done_word + WORD_BYTES, f"{rows} and the done word"
-        needs = [(a.input_region, a.input_bytes, REGION_KINDS, rows), (a.output_region, out_need, REGION_KINDS, out_what)]
+        needs = [(a.input_region, a.input_bytes, REGION_KINDS, rows), (a.output_region, a.output_bytes, REGION_KINDS, rows)]
         if a.ready_region:  # polled by this host in place: a mapped memfd (from offset 0: the uint64 aligned)
             needs.append((a.ready_region, WORD_BYTES, ("memfd",), "the ready word"))
         for name, need, kinds, what in needs:
@@ -746,9 +711,6 @@ class LeafChannelServer:
                 word = lease.array(a.ready_region, 0, _WORD, (1,))
                 hard_limit = (Deadline.after_s(WORD_WAIT_CAP_S) if deadline is None else deadline).at
                 events = WaveEvents(WordWait(word, seq, events.done, READY_WAIT_S, hard_limit), events.done)
-            if events is not None and a.done_word is not None and out_kind == "cuda":
-                done_word = (lease.array(a.output_region, a.done_word, _WORD, (1,)).data.ptr, seq)
-                events = dataclasses.replace(events, done_word=done_word)
             timeline.mark("channel.submitted")
             done = run(self.batchers[a.session.name], a.session.name, {a.input_name: feed}, rows,
                        CRITICAL, deadline, a.output_names, targets, answer, events)
@@ -761,8 +723,6 @@ class LeafChannelServer:
             lease.check_live()  # a region unregistered meanwhile gets nothing written
             for slot in a.outputs:
                 lease.write(a.output_region, slot.offset, wave_output(done, slot.name, slot.row, rows, a.session.name))
-            if a.done_word is not None and out_kind == "cuda":  # after the outputs, as a bound runner's store
-                lease.write(a.output_region, a.done_word, np.array([seq], _WORD))
             return done
 
     def close(self) -> None:

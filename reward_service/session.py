@@ -68,7 +68,6 @@ from tandem.config import ModelConfig, RewardConfig, resolve_path
 from tandem.deadline import Deadline, earliest
 from tandem.errors import quote
 from tandem.gpu import cuda_device_count, cupy_module
-from tandem.ready_word import mapped_store
 from tandem.stream_priority import nearest_allowed
 
 log = logging.getLogger(__name__)
@@ -280,7 +279,7 @@ class _Slot:
 READY_WAIT_S = 0.005  # how long a run waits for its leaf-channel waves' ready events (s): ~20 selection kernels
 
 
-def _wait_inputs(requests, stream_ptr: int | None = None) -> None:
+def _wait_inputs(requests) -> None:
     """Waits for the batch's ``ready`` events or ready words (Request.events),
     all within one limit: READY_WAIT_S from now, and no later than the
     earliest deadline in the batch (a ready word's wait gives its client
@@ -290,22 +289,9 @@ def _wait_inputs(requests, stream_ptr: int | None = None) -> None:
     is marked ``inputs_late``: it runs with whatever its rows hold and
     nothing is written back to it (its client's output region may still be
     read by its previous wave's kernels), for its own error answer. So a
-    stuck client costs the lane at most READY_WAIT_S per wave of its (an
-    announced wave's: its previous outputs' run, then READY_WAIT_S), and no
-    other request its answer.
-    ``stream_ptr``: the stream of the run's device-to-device copies, which is
-    made to wait on the GPU for the events that allow it (``ready_on_gpu``)
-    instead: a driven search's, recorded on a stream that holds that
-    search's kernels alone (reward_service/in_process.py), so the wait lasts
-    its selection, never another client's work. None: every event polled."""
-    waiting = []
-    for req in requests:
-        if req.events is None:
-            continue
-        if stream_ptr is not None and req.events.ready_on_gpu:
-            req.events.ready.wait_on_stream(stream_ptr)
-        else:
-            waiting.append(req)
+    stuck client costs the lane at most READY_WAIT_S per wave of its, and no
+    other request its answer."""
+    waiting = [req for req in requests if req.events is not None]
     if not waiting:
         return
     limit = earliest(Deadline.after_s(READY_WAIT_S), *(r.deadline for r in requests))
@@ -379,7 +365,7 @@ class _BoundRunner:
         slot, dev = self._slots[bucket], self.device
         events = [] if device_batch is None else [r.events for r in device_batch.requests if r.events is not None]
         if device_batch is not None:  # the inputs are on the device already: no host copy at all
-            _wait_inputs(device_batch.requests, dev.stream.ptr)  # the copies below come after the waits
+            _wait_inputs(device_batch.requests)  # the copies below come after the waits
             if timeline.GPU_ENABLED:
                 with dev.stream:
                     timeline.gpu_mark("gpu.model_start")
@@ -412,11 +398,7 @@ class _BoundRunner:
         if not everyone:
             for name, d in slot.dev_out.items():
                 dev.download(slot.host_out[name], d, rows)
-        for req, _ in targeted:  # after the targets' copies: the client's gate waits for it
-            if req.events is not None and req.events.done_word is not None:
-                address, seq = req.events.done_word
-                mapped_store(cupy_module(), address)(dev.stream.ptr, address, seq)
-        for ev in events:  # after the targets' copies (and words): the client waits for it
+        for ev in events:  # after the targets' copies: the client waits for it
             ev.done.record(dev.stream.ptr)
         if not (everyone and len(events) == len(device_batch.requests)):  # else no host waits for the GPU
             dev.synchronize()

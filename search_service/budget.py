@@ -5,7 +5,7 @@ Every search ends by this time, with the best move found so far (``deadline_reac
 a request without ``deadline_ms`` is not open-ended (``search.max_deadline_ms``
 bounds it), and one whose gRPC deadline is nearer than its ``deadline_ms``
 stops early enough for its answer to arrive in time. The backends do not start
-a wave they expect to end past it (``search_service.mcts.backend.WaveClock``).
+a wave they expect to end past it (``search_service.mcts.plan.WaveTimes``).
 """
 from __future__ import annotations
 

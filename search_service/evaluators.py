@@ -23,7 +23,6 @@ same tree with rollouts, or answers from it at the deadline.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import threading
 import time
@@ -34,8 +33,8 @@ import numpy as np
 from tandem.v1 import reward_pb2, reward_pb2_grpc
 
 from search_service.games.connect4 import COLUMNS, NUM_ACTIONS, ROWS
-from search_service.mcts.backend import DETACH, EvaluationFailed, advance, drive
-from tandem import in_process, tensors, timeline
+from search_service.mcts.backend import EvaluationFailed
+from tandem import in_process, tensors
 from tandem.deadline import Deadline, within_s
 from tandem.in_process import HANDOFF_IN_PROCESS
 from tandem.leaf_channel import LeafChannel, LeafChannelError
@@ -220,16 +219,13 @@ class DeviceWaves:
         max_rows: the most rows one wave may carry.
     """
 
-    def __init__(self, evaluator: LeafChannelEvaluator, deadline: Deadline | None, driven: bool = True):
+    def __init__(self, evaluator: LeafChannelEvaluator, deadline: Deadline | None):
         self._ev, self.deadline = evaluator, deadline
         self.handoff = evaluator.handoff  # leaf_channel or in_process
         self.max_rows = evaluator.channel.max_rows
         self.inputs = evaluator.channel.device_inputs
-        # An in-process link runs a whole search on the model's critical-lane worker (InProcessLink.drive);
-        # False: one hand-off per wave (benchmarks compare the two).
-        self.driven = driven and hasattr(evaluator.channel, "drive")
-        # A leaf channel ordered by events: a wave returns at its reply, and wait_outputs waits for its outputs.
-        self._deferred = isinstance(evaluator.channel, LeafChannel) and evaluator.channel.ordered
+        # A leaf channel ordered by events: the selection marks a wave's inputs written (inputs_written).
+        self._marks = isinstance(evaluator.channel, LeafChannel) and evaluator.channel.ordered
 
     @staticmethod
     def fits(channel: LeafChannel) -> bool:
@@ -255,153 +251,29 @@ class DeviceWaves:
         the CUDA backend's rule for using them, which the servicer reports."""
         return rows <= self.max_rows
 
-    def evaluate(self, rows: int, wait_outputs: bool = True):
+    def evaluate(self, rows: int):
         """Runs rows ``[0, rows)`` of :attr:`inputs` (written, and the writing
         kernel finished -- or, :attr:`ordered`, queued on the current stream)
         and returns the output region's views: values CuPy float32
         ``[max_rows, 1]`` and policy logits float32 ``[max_rows, A]`` or None;
-        rows ``[0, rows)`` this wave's, valid until the next call.
-        ``wait_outputs=False``: returns at the reply; the caller calls
-        :meth:`wait_outputs` before a kernel reads them (a search's steps do).
+        rows ``[0, rows)`` this wave's, valid until the next call, and in
+        place for the kernels queued on the current stream after the return.
 
         Raises:
             EvaluatorUnavailable: as :meth:`LeafChannelEvaluator.__call__`.
         """
-        send = self._ev.channel.evaluate_device
-        if self._deferred and not wait_outputs:
-            send = functools.partial(send, wait_outputs=False)
-        outputs = self._ev.wave(send, rows, rows, self.deadline)
+        outputs = self._ev.wave(self._ev.channel.evaluate_device, rows, rows, self.deadline)
         return outputs["value"], outputs.get("policy_logits")
-
-    @property
-    def announces(self) -> bool:
-        """Whether the next wave's message may go ahead of its inputs
-        (:meth:`announce`; LeafChannel.announces)."""
-        return self._deferred and self._ev.channel.announces
-
-    def announce(self, rows: int) -> None:
-        """Sends the next wave's message (``rows`` rows) before its selection
-        is queued (LeafChannel.announce): the reward service's hand-off runs
-        meanwhile. Then :meth:`inputs_written` after that selection, and
-        :meth:`evaluate` of the same ``rows``; or :meth:`cancel_announced`.
-
-        Raises:
-            EvaluatorUnavailable: the connection broke.
-        """
-        try:
-            self._ev.channel.announce(rows, self._ev.limit(self.deadline))
-        except LeafChannelError as exc:
-            raise self._ev.unavailable(exc) from None
 
     def inputs_written(self) -> None:
         """Marks the next wave's inputs written after the kernels queued on
-        the current stream so far (an ordered channel; else nothing to do).
+        the current stream so far (an ordered leaf channel; else nothing to do).
         A broken CUDA state closes the channel: the wave's :meth:`evaluate` says so."""
-        if self._deferred:
+        if self._marks:
             try:
                 self._ev.channel.inputs_written()
             except LeafChannelError:  # the channel closed itself: the wave's evaluate fails, and the search undoes it
                 pass
-
-    def wait_outputs(self) -> None:
-        """Waits for the last wave's outputs to be written, which a kernel may
-        read only after this (:meth:`evaluate` returns at the reply on an
-        ordered channel; elsewhere they are in place already, or ordered on
-        the GPU). Counted in the wave's call time.
-
-        Raises:
-            EvaluatorUnavailable: not written by the deadline, or the server's
-                process broke (an announced wave is given up then).
-        """
-        if not self._deferred:
-            return
-        start = time.perf_counter()
-        try:
-            self._ev.channel.wait_outputs()
-        except LeafChannelError as exc:
-            raise self._ev.unavailable(exc) from None
-        finally:
-            self._ev.totals.call_ms += (time.perf_counter() - start) * 1e3
-
-    def outputs_gate(self):
-        """The last wave's outputs' gate (LeafChannel.outputs_gate,
-        tandem/outputs_gate.py), or None: the caller then calls
-        :meth:`wait_outputs` before the kernels that read them; with one, it
-        queues the gate and those kernels first, then calls it."""
-        return self._ev.channel.outputs_gate() if self._deferred else None
-
-    def abandon_outputs(self) -> None:
-        """Gives up the last wave's outputs (LeafChannel.abandon_outputs): a
-        search that ends on an error leaves no gate open."""
-        if self._deferred:
-            self._ev.channel.abandon_outputs()
-
-    def cancel_announced(self) -> None:
-        """Gives up an announced wave whose selection will not come (none: nothing to do)."""
-        if self._deferred:
-            self._ev.channel.cancel_announced()
-
-    def run(self, steps):
-        """Runs a search's steps generator (search_service/mcts/backend.py:
-        it yields the rows of each device wave and gets (values, logits) back
-        as :meth:`evaluate` returns them with ``wait_outputs=False`` (it
-        calls :meth:`wait_outputs` itself), or EvaluatorUnavailable thrown in;
-        DETACH once it needs no more waves) and returns what it returns.
-
-        Its set-up, up to its first wave, runs on this thread. Then, where
-        :attr:`driven` (an in-process link, co-located mode), its waves run on
-        the reward service's critical-lane worker thread (InProcessLink.drive), each
-        merged into that lane's next batch with no thread hop at all, up
-        to its DETACH: the rest (the answer; or a search the model stopped
-        valuing, rollouts on the host) runs on this thread again, never on
-        the lane. Else, or where the link refuses the drive (the reward
-        service stopping), every wave from this thread, one :meth:`evaluate`
-        each.
-
-        Raises:
-            Exception: whatever the generator raised.
-        """
-        try:
-            return self._run(steps)
-        finally:  # a search that ended between an announce and its selection (an error): the wave is given up
-            self.cancel_announced()
-
-    def _run(self, steps):
-        finished, rows = advance(steps)
-        if finished:
-            return rows
-        if self.driven and rows is not DETACH:
-            try:
-                out = self._ev.channel.drive(self._adapted(steps, rows), self.deadline)
-                timeline.mark("search.detached")
-            except LeafChannelError as exc:  # refused before any step: the first wave is still to run
-                log.info("search: a driven search refused (%s); its waves go one by one", exc)
-            else:
-                if out is not DETACH:
-                    return out
-                rows = DETACH
-        return drive(steps, functools.partial(self.evaluate, wait_outputs=False), rows)
-
-    def _adapted(self, steps, rows):
-        """``steps``, which has just yielded ``rows``, as a link drives it: the
-        rows it yields pass through; the outputs sent back become (values,
-        logits), a LeafChannelError thrown back EvaluatorUnavailable; it
-        returns DETACH where ``steps`` yields it (``steps`` is then left at
-        that yield; a search never returns it)."""
-        while rows is not DETACH:
-            reply = error = None
-            start = time.perf_counter()
-            try:
-                outputs = yield rows
-            except LeafChannelError as exc:
-                error = self._ev.unavailable(exc)
-            else:
-                self._ev.answered(rows, start)
-                reply = outputs["value"], outputs.get("policy_logits")
-            finished, rows = advance(steps, reply, error)
-            if finished:
-                return rows
-        return DETACH
 
     @property
     def closed(self) -> bool:
@@ -576,8 +448,8 @@ class HandoffEvaluator:
                 self.why_grpc = "the reward service offers no leaf channel"
             else:
                 leaf = LeafChannelEvaluator(channel, self.timeout_s)
-                log.warning("search service: leaf channel to the reward service attached (%s input region, %s; "
-                            "outputs gated on the GPU: %s)", channel.kind, channel.path, channel.gates)
+                log.warning("search service: leaf channel to the reward service attached (%s input region, %s)",
+                            channel.kind, channel.path)
         except (LeafChannelError, grpc.RpcError, OSError, ValueError) as exc:
             why = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
             self.why_grpc = f"leaf channel: {why}"

@@ -57,14 +57,9 @@ wave's outputs are done), records ``done`` after its output copies and
 sends ``R`` once they are queued, not done; the client waits for ``done``
 before its kernels read them. Each side's wait is then for the other's GPU
 work alone, past the socket hops and host work between, not for a
-synchronisation followed by a hop. With the word, a wave's ``W`` may even
-go before its inputs' kernels are queued (:meth:`LeafChannel.announce`): a
-search sends wave k+1's message as soon as wave k's reply comes, and the
-server's socket, lease and hand-over to its lane run while the client's GPU
-still runs wave k's model and backup and wave k+1's selection. One wave is
-in flight per connection; the server answers waves in order, so a client
-that gave up on a wave (its deadline, or an announced wave cancelled)
-skips replies whose ``seq`` is older than the wave it waits for.
+synchronisation followed by a hop. One wave is in flight per connection;
+the server answers waves in order, so a client that gave up on a wave (its
+deadline) skips replies whose ``seq`` is older than the wave it waits for.
 The connection closing (either side, or a process dying) unregisters its
 regions on the server. The server serves its own user only (SO_PEERCRED),
 and closes a connection not attached within
@@ -84,7 +79,7 @@ import grpc
 import numpy as np
 from tandem.v1 import reward_pb2, reward_pb2_grpc
 
-from tandem import gpu, outputs_gate, tensors, timeline
+from tandem import gpu, tensors, timeline
 from tandem.cuda_events import ExportedEvent, OpenedEvent
 from tandem.deadline import Deadline
 from tandem.ready_word import WORD_BYTES, ReadyWord
@@ -99,8 +94,6 @@ REPLY_FORMAT = struct.Struct("<QIff")  # seq, padded batch rows, queue ms, model
 ERROR_FORMAT = struct.Struct("<QI")  # seq (0: the attach), grpc status code value; then a UTF-8 message
 MAX_MESSAGE_BYTES = 4096  # attach and error messages; a wave is 21 bytes
 DONE_GRACE_S = 0.0005  # how long past its deadline an ordered wave's queued run is waited for (s)
-GATE_SLACK_S = 0.002  # a gate closes by itself this long after the host's wait would have given up (s)
-GATE_REPORT_S = 1.0  # how long after that the host waits for the gate's verdict at most (s)
 DETACH_WAIT_S = 1.0  # how long close() waits for the server to let go of the regions (s)
 # How long a wave's reply is read for without blocking before the read blocks (s): the
 # reply comes ~0.1-0.3 ms after the message, and a thread woken from a blocking read
@@ -210,11 +203,8 @@ class LeafChannel:
             else a sealed memfd.
         events: with two CUDA regions, offer the server CUDA events to order
             waves by (:attr:`ordered`; False: every wave synchronised).
-        announce: with events, a ready word too, where this process can map
-            one (:attr:`announces`; False: the ``ready`` event orders the
-            inputs, and each wave's message follows its kernels).
-        gate: with a ready word, a done word too (:meth:`outputs_gate`,
-            tandem/outputs_gate.py); None: where ``outputs_gate.enabled()``.
+        ready_word: with events, a ready word to order the inputs by, where
+            this process can map one (False: the ``ready`` event orders them).
 
     Raises:
         LeafChannelError: the model's metadata, the registration, the socket
@@ -225,7 +215,7 @@ class LeafChannel:
     def __init__(self, stub: reward_pb2_grpc.RewardServiceStub, path: str, model: str, max_rows: int,
                  device_id: int = -1, timeout_s: float = 5.0,
                  meta: reward_pb2.ModelMetadataResponse | None = None, cuda_outputs: bool = True,
-                 events: bool = True, announce: bool = True, gate: bool | None = None):
+                 events: bool = True, ready_word: bool = True):
         self.path, self.model, self.max_rows, self._timeout_s = path, model, max_rows, timeout_s
         meta = meta or _metadata(stub, model, timeout_s)
         spec = meta.inputs[0]
@@ -239,17 +229,7 @@ class LeafChannel:
         self._attached = False
         self._ready = self._done = None  # the CUDA events of an ordered channel
         self._word_region = self._word = None  # its ready word, where this process can map one
-        self._announced = None  # rows of the wave whose message went ahead of its inputs (announce)
         self._marked = 0  # the last seq whose inputs' ready word or event is queued
-        self._outputs_due = None  # a wave answered, its outputs not waited for yet: its deadline (or False)
-        self._done_word = None  # the done word's device address, where the server stores it (outputs_gate)
-        self._outputs_seq = 0  # the seq of that wave
-        self._gate_words = None  # this channel's cancel and report words (outputs_gate.GateWords)
-        self._gated = None  # (token, limit) of a gate queued whose verdict the host has not read yet
-        wants_gate = (outputs_gate.enabled() if gate is None else gate) and events and announce
-        done_offset = out_bytes  # the done word's, after the outputs (64-byte aligned)
-        if wants_gate and device_id >= 0 and cuda_outputs:
-            out_bytes += outputs_gate.WORD_BYTES
         try:
             self._inputs = _input_region(stub, in_bytes, device_id, timeout_s)
             self.kind = self._inputs.kind
@@ -264,11 +244,9 @@ class LeafChannel:
             attach = {"client_id": self._inputs.client_id, "model": model, "max_rows": max_rows,
                       "input_region": self._inputs.name, "output_region": self._outputs_region.name}
             if self.device_outputs and events:
-                self._word = self._ready_word() if announce else None
+                self._word = self._ready_word() if ready_word else None
                 if self._word is not None:
                     attach["ready_region"] = self._word_region.name
-                    if wants_gate:
-                        attach["done_word"] = done_offset
                 else:
                     self._ready = ExportedEvent()
                     attach["ready_event"] = self._ready.handle.hex()
@@ -290,8 +268,6 @@ class LeafChannel:
             raise LeafChannelError(grpc.StatusCode.UNAVAILABLE, f"socket {path}: closed during the attach")
         self._attached = True
         self._open_done_event(reply[1:])
-        if self._done is not None and "done_word" in attach:
-            self._open_gate(reply[1:], attach["done_word"])
         self._seq = 0
         self._in_view = self._inputs.array(0, self.input_dtype, (max_rows, *self.input_row))
         self._out_views = {s.name: self._outputs_region.array(s.offset, np.dtype(np.float32), (max_rows, *s.row))
@@ -322,25 +298,6 @@ class LeafChannel:
                 self._word.close()
                 self._word = None
 
-    def _open_gate(self, layout: bytes, offset: int) -> None:
-        """Takes a cancel word and loads the gate's kernel where the server
-        stores the done word (its layout says so); else waves go ungated."""
-        if not json.loads(layout).get("done_word"):
-            return
-        try:
-            self._gate_words = outputs_gate.GateWords()
-            outputs_gate.load()
-            word = self._outputs_region.array(offset, np.dtype(np.uint64), (1,))
-            word.fill(0)  # uninitialised memory: it might hold the first wave's number
-            cupy_module().cuda.get_current_stream().synchronize()
-        except Exception as exc:  # noqa: BLE001 - RuntimeError, CUDARuntimeError, CompileException: ungated
-            log.info("leaf channel: no outputs' gate (%s: %s)", type(exc).__name__, exc)
-            if self._gate_words is not None:
-                self._gate_words.release()
-                self._gate_words = None
-            return
-        self._done_word = word.data.ptr
-
     def _ready_word(self) -> ReadyWord | None:
         """A ready word (tandem/ready_word.py) in a sealed memfd of its own,
         registered with the attach for this channel's client; None where this
@@ -365,19 +322,17 @@ class LeafChannel:
         """Whether waves are ordered by CUDA events (module docstring): a wave's
         inputs need only be queued on the caller's current stream before
         :meth:`evaluate_device` (no synchronisation); its outputs are in place
-        when it returns, as on any channel, unless it was told not to wait
-        for them (``wait_outputs=False``: then once :meth:`wait_outputs` returns)."""
+        when it returns, as on any channel."""
         return self._done is not None
 
     @classmethod
     def offered(cls, stub: reward_pb2_grpc.RewardServiceStub, model: str, max_rows: int,
-                timeout_s: float = 5.0, events: bool = True, announce: bool = True,
-                gate: bool | None = None) -> LeafChannel | None:
+                timeout_s: float = 5.0, events: bool = True, ready_word: bool = True) -> LeafChannel | None:
         """The leaf channel the reward service behind ``stub`` offers for
         ``model`` (``ModelMetadata.runtime``: its socket and device), attached
         for at most ``max_rows`` rows per wave, fewer where the model's
         ``max_batch_size`` is smaller; None when it offers none (``events``,
-        ``announce``, ``gate``: as the constructor's).
+        ``ready_word``: as the constructor's).
 
         Raises:
             LeafChannelError: as the constructor.
@@ -390,7 +345,7 @@ class LeafChannel:
         if meta.max_batch_size:  # the server refuses a channel wider than the model's batches
             max_rows = min(max_rows, meta.max_batch_size)
         cuda_outputs = "cuda" in meta.runtime.get(f"{RUNTIME_KEY}_outputs", "system").split(",")
-        return cls(stub, path, model, max_rows, device, timeout_s, meta, cuda_outputs, events, announce, gate)
+        return cls(stub, path, model, max_rows, device, timeout_s, meta, cuda_outputs, events, ready_word)
 
     def evaluate(self, inputs, deadline: Deadline | None = None) -> dict[str, np.ndarray]:
         """The model's outputs (name -> float32 ``[N, *row]``, copies) for
@@ -437,23 +392,16 @@ class LeafChannel:
         """Whether both regions are CUDA memory (:meth:`evaluate_device` works)."""
         return self.kind == "cuda" and self._outputs_region is not None and self._outputs_region.kind == "cuda"
 
-    def evaluate_device(self, rows: int, deadline: Deadline | None = None, wait_outputs: bool = True) -> dict:
+    def evaluate_device(self, rows: int, deadline: Deadline | None = None) -> dict:
         """Runs rows ``[0, rows)`` already in :attr:`device_inputs` (written and
         synchronised by the caller; on an :attr:`ordered` channel, queued on
         its current stream) and returns the output region's views (name ->
         CuPy float32 ``[max_rows, *row]``, rows ``[0, rows)`` this wave's,
-        valid until the next wave): no copy either way. On an announced wave
-        (:meth:`announce`) its message went already: only the reply is waited for.
-
-        ``wait_outputs=False`` (an :attr:`ordered` channel): returns once the
-        server has queued the wave's run, before its outputs are written; the
-        caller does its host work, then calls :meth:`wait_outputs` before any
-        kernel reads them (a later wave or :meth:`close` waits for them too).
+        valid until the next wave): no copy either way.
 
         Raises:
             LeafChannelError: as :meth:`evaluate`.
-            ValueError: ``rows`` out of 1..max_rows, or not a CUDA channel, or
-                not the rows announced.
+            ValueError: ``rows`` out of 1..max_rows, or not a CUDA channel.
         """
         if not self.device_outputs:
             raise ValueError("evaluate_device: the channel's regions are not both CUDA memory; use evaluate")
@@ -461,36 +409,8 @@ class LeafChannel:
             raise ValueError(f"rows: {rows}, the channel carries 1..{self.max_rows}")
         if self._sock is None:
             raise LeafChannelError(grpc.StatusCode.UNAVAILABLE, "leaf channel closed")
-        self._wave(rows, deadline, wait_outputs)
+        self._wave(rows, deadline)
         return self._out_views
-
-    @property
-    def announces(self) -> bool:
-        """Whether waves may be announced (:meth:`announce`): an
-        :attr:`ordered` channel with a ready word (tandem/ready_word.py)."""
-        return self._word is not None and self._done is not None
-
-    def announce(self, rows: int, deadline: Deadline | None = None) -> None:
-        """Sends the next wave's message now, before its inputs are written:
-        the server takes it into its critical lane and waits for the ready
-        word (at most session.READY_WAIT_S once the previous wave's outputs
-        are done). The caller then queues the kernels that write the inputs,
-        calls :meth:`inputs_written`, then :meth:`evaluate_device` with the
-        same ``rows`` for the reply -- or :meth:`cancel_announced`.
-
-        Raises:
-            LeafChannelError: UNAVAILABLE: the connection broke (closed then).
-            ValueError: the channel does not announce, a wave is announced
-                already, or ``rows`` out of 1..max_rows.
-        """
-        if not self.announces:
-            raise ValueError("announce: the channel has no ready word, or is not ordered by events")
-        if self._announced is not None:
-            raise ValueError("announce: a wave is announced already")
-        if not 1 <= rows <= self.max_rows:
-            raise ValueError(f"rows: {rows}, the channel carries 1..{self.max_rows}")
-        self._send(rows, deadline)
-        self._announced = rows
 
     def inputs_written(self) -> None:
         """Marks the next wave's inputs written after the work queued on the
@@ -503,9 +423,9 @@ class LeafChannel:
         """
         if self._done is None:
             return
-        if self._announced is None and self._marked == self._seq + 1:
+        if self._marked == self._seq + 1:
             self._seq += 1  # a number marked and never sent (its wave failed first): never stored twice
-        seq = self._next_seq
+        seq = self._seq + 1
         try:
             if self._word is not None:
                 self._word.write(seq)
@@ -515,102 +435,6 @@ class LeafChannel:
             self.close(wait_detached=False)
             raise LeafChannelError(grpc.StatusCode.UNAVAILABLE, f"marking the inputs written: {exc}") from None
         self._marked = seq
-
-    @property
-    def _next_seq(self) -> int:
-        """The number of the wave whose inputs come next: the announced one's, else the next to send."""
-        return self._seq if self._announced is not None else self._seq + 1
-
-    def cancel_announced(self) -> None:
-        """Gives up the announced wave (none: nothing to do). Where its inputs
-        were not marked written, the ready word tells the server at once; its
-        answer is skipped, as any given-up wave's."""
-        if self._announced is None:
-            return
-        self._announced = None
-        if self._marked != self._seq and self._word is not None:
-            self._word.cancel(self._seq)
-
-    @property
-    def gates(self) -> bool:
-        """Whether a wave's outputs may be gated on the GPU (:meth:`outputs_gate`)."""
-        return self._done_word is not None
-
-    def outputs_gate(self) -> outputs_gate.Gate | None:
-        """The gate (tandem/outputs_gate.py) of the last wave answered with
-        ``wait_outputs=False`` whose outputs are not waited for yet: the
-        caller queues it (``outputs_gate.queue``) and, behind it, the kernels
-        that read them, then calls :meth:`wait_outputs`, which closes the
-        gate if they never come and answers by the gate's verdict. None where
-        the channel does not gate, or no such wave is pending."""
-        if self._done_word is None or self._outputs_due is None:
-            return None
-        deadline = self._outputs_due or Deadline.after_s(self._timeout_s)
-        limit = deadline.later_s(DONE_GRACE_S + GATE_SLACK_S)  # when the gate closes by itself
-        token = outputs_gate.GateWords.token()
-        self._gated = (token, limit.later_s(GATE_REPORT_S).at)
-        words = self._gate_words
-        return outputs_gate.Gate(self._done_word, self._outputs_seq, words.cancel_address, words.report_address,
-                                 token, max(int(limit.left_s() * 1e9), 0))
-
-    def wait_outputs(self) -> None:
-        """Waits for the outputs of the last wave answered with
-        ``wait_outputs=False`` (none pending: returns at once); an announced
-        wave is cancelled if they never come. A gated wave's gate is closed
-        then, and the wave is judged by the gate's verdict: written outputs
-        that came after the host gave up still count, and a gate whose time
-        ran out fails the wave whatever the host saw.
-
-        Raises:
-            LeafChannelError: as :meth:`_wait_done`; DEADLINE_EXCEEDED (the
-                gate closed by itself), UNAVAILABLE (the channel closed with
-                the gate open, which closed it).
-        """
-        if self._outputs_due is None and self._gated is None:
-            return
-        due, self._outputs_due = self._outputs_due, None
-        failure = None
-        if due is not None:
-            try:
-                self._wait_done(due or None)
-            except LeafChannelError as exc:
-                failure = exc
-        else:  # closed while the gate was open
-            failure = LeafChannelError(grpc.StatusCode.UNAVAILABLE, "the leaf channel closed during the wave")
-        if self._gated is not None:
-            failure = self._gate_verdict(failure)
-        if failure is not None:
-            self.cancel_announced()
-            raise failure
-
-    def _gate_verdict(self, failure: LeafChannelError | None) -> LeafChannelError | None:
-        """Closes the pending gate where the host's wait failed, reads its
-        verdict and returns the wave's failure (None: the outputs came)."""
-        (token, limit), self._gated = self._gated, None
-        words = self._gate_words
-        if failure is not None:
-            words.cancel(token)
-        verdict = words.verdict(token, limit)
-        if verdict is None:  # not started by its limit (work ahead of it on the stream), or a broken context:
-            # the pair is never lent again (a late report would land in another channel's), nor the channel
-            self._gate_words = None
-            self.close(wait_detached=False)
-            return failure or LeafChannelError(grpc.StatusCode.INTERNAL, "the outputs' gate reported no verdict")
-        if self._done_word is None:  # closed: the pair goes back now that its last gate is done
-            words.release()
-            self._gate_words = None
-        if verdict == outputs_gate.OPEN:
-            return None
-        return failure or LeafChannelError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                           "the wave's outputs came after its gate closed")
-
-    def abandon_outputs(self) -> None:
-        """Gives up the outputs of the last wave answered (none: nothing to
-        do): a gate still open is closed, its wave undone by the kernels
-        behind it; for a search that ends on an error."""
-        self._outputs_due = None
-        if self._gated is not None:
-            self._gate_verdict(LeafChannelError(grpc.StatusCode.CANCELLED, "abandoned"))
 
     def _send(self, rows: int, deadline: Deadline | None) -> None:
         """Sends the next wave's ``W`` message.
@@ -627,21 +451,13 @@ class LeafChannel:
             self.close(wait_detached=False)
             raise LeafChannelError(grpc.StatusCode.UNAVAILABLE, f"socket {self.path}: {exc}") from None
 
-    def _wave(self, rows: int, deadline: Deadline | None, wait_outputs: bool = True) -> None:
-        """Sends one wave of ``rows`` rows (its inputs in place), unless it was
-        announced, and waits for its reply (and, ``wait_outputs``, for its
-        outputs in place); see :meth:`evaluate` for the errors."""
-        self.wait_outputs()  # a previous wave's outputs, never waited for: the caller may read them next
-        if self._announced is not None and rows != self._announced:
-            announced = self._announced
-            self.cancel_announced()
-            raise ValueError(f"rows: {rows}, the wave announced {announced}")
+    def _wave(self, rows: int, deadline: Deadline | None) -> None:
+        """Sends one wave of ``rows`` rows (its inputs in place) and waits
+        for its reply and its outputs in place; see :meth:`evaluate` for the errors."""
         ordered = self._done is not None
-        if ordered and self._marked != self._next_seq:
+        if ordered and self._marked != self._seq + 1:
             self.inputs_written()
-        if self._announced is None:
-            self._send(rows, deadline)
-        self._announced = None
+        self._send(rows, deadline)
         try:
             while True:  # answers to waves given up earlier come first: skipped
                 reply = self._recv_reply(deadline)
@@ -669,10 +485,7 @@ class LeafChannel:
             raise LeafChannelError(grpc.StatusCode.INTERNAL, f"unexpected message kind {reply[:1]!r}")
         _, self.bucket, self.queue_ms, self.compute_ms = REPLY_FORMAT.unpack_from(reply, 1)
         if ordered:  # the outputs' copies, queued by the server before its reply
-            if wait_outputs:
-                self._wait_done(deadline)
-            else:
-                self._outputs_due, self._outputs_seq = deadline or False, self._seq
+            self._wait_done(deadline)
 
     def _recv_reply(self, deadline: Deadline | None) -> bytes:
         """The next message from the server: read without blocking for up
@@ -745,14 +558,6 @@ class LeafChannel:
         memory this process has freed and reused. ``wait_detached=False``
         (the channel's own closes: a broken socket, a peer not speaking the
         protocol, a broken CUDA context) skips the wait."""
-        if self._gated is not None:  # first: the search's stream goes on at once, the wave undone there
-            self._gate_words.cancel(self._gated[0])  # its verdict is read by the next wait_outputs
-        self.cancel_announced()  # the server stops waiting for its inputs
-        self._outputs_due = None
-        self._done_word = None
-        if self._gate_words is not None and self._gated is None:  # no gate of its pending: a later channel may take it
-            self._gate_words.release()
-            self._gate_words = None
         if self._sock is not None:
             if self._attached and wait_detached:
                 self._wait_detached(time.monotonic() + DETACH_WAIT_S)

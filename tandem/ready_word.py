@@ -2,14 +2,11 @@
 as a sequence number in shared host memory, written by the client's GPU
 stream and read by the reward service's host.
 
-Why not the ``ready`` CUDA event (tandem/cuda_events.py): a poll of an event
-asks for its latest record, so the client may only send a wave's message
-once the record that covers it is queued -- after its selection kernel.
-A word carries the wave's sequence number, so the message can go first
-(``LeafChannel.announce``): the reward service's socket, lease and
-hand-over to its critical lane then run while the client's GPU still runs
-the previous wave's model and backup and this wave's selection, instead of
-after them (docs/design.md, "Announced waves").
+Why not only the ``ready`` CUDA event (tandem/cuda_events.py): a poll of
+an event asks for its latest record, whichever wave queued it; a word
+carries the wave's sequence number, so the server knows whose inputs are
+written, polls host memory rather than a peer's event, and a later number
+tells it a wave was superseded (docs/design.md, "The leaf channel").
 
 The word is an unsigned 64-bit integer at offset 0 of a system shared-memory
 region the client registers with the reward service like its other regions
@@ -17,9 +14,7 @@ region the client registers with the reward service like its other regions
 address space (``cudaHostRegister``, mapped) and a store queued after the
 kernels that write a wave's inputs puts the wave's sequence number there
 (the driver's ``cuStreamWriteValue64`` where it has it, else a
-one-thread kernel); the server polls it on the host (:class:`WordWait`). A wave
-the client gives up before its kernels are queued is cancelled by a host
-store of ``seq | CANCELLED``, so the server stops waiting at once.
+one-thread kernel); the server polls it on the host (:class:`WordWait`).
 
 Ordering: a kernel's stores to mapped host memory follow its stream's
 earlier kernels (stream order), and ``__threadfence_system`` orders the
@@ -39,7 +34,6 @@ from tandem import gpu
 from tandem.gpu import cupy_module
 
 WORD_BYTES = 8  # uint64 at offset 0 of the region
-CANCELLED = 1 << 63  # or-ed into a sequence number: the client gave that wave up
 # cudaHostRegister flags (CUDA Runtime API): Portable, mapped in every context of this process;
 # Mapped, with a device address for the kernel.
 _REGISTER_PORTABLE, _REGISTER_MAPPED = 0x01, 0x02
@@ -92,8 +86,7 @@ _chosen: dict[int, object] = {}  # device id -> the store mapped_store chose the
 
 def mapped_store(cupy, device_address: int):
     """``store(stream, address, seq)``, the store of a uint64 at a device
-    address (mapped host memory, or device memory: the outputs' done word,
-    tandem/outputs_gate.py) queued on a stream after its earlier work: the
+    address (mapped host memory) queued on a stream after its earlier work: the
     driver's stream memory operation where this device takes it, else a
     one-thread kernel. The first call on a device chooses with a
     store of 0 at ``device_address`` (synchronised, so later ones cost no
@@ -160,15 +153,6 @@ class ReadyWord:
         self._stream = self._cupy.cuda.get_current_stream()
         self._store(self._stream.ptr, self._device, seq)
 
-    def cancel(self, seq: int) -> None:
-        """Tells the server that wave ``seq`` will have no inputs (a host store;
-        no store for ``seq`` may be queued). The last store queued lands
-        first (its stream synchronised: a cancel is an error or deadline
-        path), so no late store of an earlier number overwrites the cancel
-        and keeps the server polling to its limit."""
-        self._stream.synchronize()
-        self.view[0] = seq | CANCELLED
-
     def close(self) -> None:
         """Waits for the last store (its stream synchronised: this object holds
         that stream, so it outlives its user's ``with``), then unmaps the word
@@ -192,21 +176,17 @@ class WordWait:
     previous wave's (None: no previous wave). While it is pending the client
     cannot have written this wave's inputs (it waits for those outputs
     first), so the client gets ``window`` s from the moment the poll first
-    sees it done, whatever limit the caller set (a batch's limit is shared,
-    and an announced wave's message comes while its previous outputs are
-    still being made); never past ``hard_limit`` (``time.monotonic()`` s,
-    the wave's deadline).
+    sees it done, whatever limit the caller set (a batch's limit is shared);
+    never past ``hard_limit`` (``time.monotonic()`` s, the wave's deadline).
     """
-
-    ready_on_gpu = False
 
     def __init__(self, view: np.ndarray, seq: int, after=None, window: float = 0.005,
                  hard_limit: float | None = None):
         self.view, self.seq, self.after, self.window, self.hard_limit = view, seq, after, window, hard_limit
 
     def wait_host(self, deadline: float | None) -> bool:
-        """True once the word holds ``seq``; False once it says the wave was
-        cancelled or superseded, or once both ``deadline`` (``time.monotonic()``
+        """True once the word holds ``seq``; False once it holds a later
+        number (the wave was superseded), or once both ``deadline`` (``time.monotonic()``
         s; None: none) and the client's window after its previous outputs have
         passed. Between reads the GIL is let go (``os.sched_yield``): the wait
         may last a previous wave's model run, and the service's other threads
@@ -218,7 +198,7 @@ class WordWait:
             word = int(self.view[0])
             if word == self.seq:
                 return True
-            if word & ~CANCELLED >= self.seq:
+            if word > self.seq:
                 return False
             now = time.monotonic()
             if window_end is None and self._previous_done():

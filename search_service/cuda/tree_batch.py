@@ -383,7 +383,7 @@ class CudaTreeBatch(Slab):
             return False
         t2 = time.perf_counter()
         self._backup_kernel()(grid, block, (*args, self.ts, self.meta_dev, self.paths, self.vin_dev, np.int32(0),
-                                            np.int32(1), values, _NULL if logits is None else logits, obs, _NULL,
+                                            np.int32(1), values, _NULL if logits is None else logits, obs,
                                             self.ks_dev))
         if roots.size and logits is not None:  # without a policy head the uniform priors stay
             words = abi.INIT.words
@@ -448,7 +448,7 @@ class CudaTreeBatch(Slab):
             has_priors, used = False, np.zeros(b, bool)
         self.vin_dev[: n * abi.EVAL.words].set(vin.view(np.float32))
         self._backup_kernel()(grid, block, (*args, self.ts, self.meta_dev, self.paths, self.vin_dev,
-                                            np.int32(has_priors), np.int32(0), _NULL, _NULL, _NULL, _NULL, self.ks_dev))
+                                            np.int32(has_priors), np.int32(0), _NULL, _NULL, _NULL, self.ks_dev))
         self._refresh()
         t3 = time.perf_counter()
         self._count(ks, backed, used, ((t1 - t) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3))

@@ -9,8 +9,6 @@ passed back (``trees=[...]``) for the next search of that game.
 from __future__ import annotations
 
 import math
-import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Protocol
 
@@ -43,7 +41,7 @@ class SearchParams:
     """
 
     simulations: int | None  # simulations per tree; None = no simulation budget
-    deadline_ms: float | None  # wall-clock budget (ms), checked between waves (WaveClock); None = none
+    deadline_ms: float | None  # wall-clock budget (ms), checked between waves (plan.WaveTimes); None = none
     parallel_sims: int = 1  # simulations in flight per tree per wave (virtual loss)
     evaluator: str = "rollout"  # "rollout" (UCT, random rollouts) or "value_model" (PUCT)
     c_uct: float = 1.4  # UCT exploration constant
@@ -77,98 +75,10 @@ class SearchParams:
             raise ValueError(f"game {self.game.name} has no value model: search it with the rollout evaluator")
 
 
-class WaveClock:
-    """When a search with a deadline stops: before a wave it expects to end
-    past the deadline, so the answer is sent by then rather than one wave
-    after. A wave is expected to take as long as the longest of the last
-    ``window`` waves (undone ones included: they took the time too); before
-    the first there is nothing to expect, so the caller always runs one.
-
-    Args:
-        deadline_ms: the search's deadline (ms from ``started_at``); None: none.
-        started_at: ``time.perf_counter()`` when the search began (s).
-
-    Not thread-safe: one search's loop owns it.
-    """
-
-    def __init__(self, deadline_ms: float | None, started_at: float, window: int = 4):
-        self.deadline_ms = deadline_ms
-        self.started_at = started_at
-        self._recent: deque[float] = deque(maxlen=window)  # ms of the last waves
-        self._wave_began = started_at
-
-    def begin_wave(self) -> None:
-        self._wave_began = time.perf_counter()
-
-    def end_wave(self) -> None:
-        self._recent.append((time.perf_counter() - self._wave_began) * 1e3)
-
-    def expected_wave_ms(self) -> float:
-        """The next wave's expected duration (ms): the longest recent one, 0 before any."""
-        return max(self._recent, default=0.0)
-
-    def out_of_time(self, waves: int = 1) -> bool:
-        """True once the deadline has passed or the next ``waves`` waves would
-        end past it (2: asked while a wave still runs, about the one after;
-        the running wave counts as long as it has run so far, at least)."""
-        if self.deadline_ms is None:
-            return False
-        now = time.perf_counter()
-        expected_ms = self.expected_wave_ms()
-        if waves > 1:
-            expected_ms = max(expected_ms, (now - self._wave_began) * 1e3)
-        return (now - self.started_at) * 1e3 + waves * expected_ms >= self.deadline_ms
-
-
 class EvaluationFailed(RuntimeError):
     """A leaf evaluator could not value a wave's leaves: its service failed,
     or could not answer by the search deadline. Backends undo that wave and
     go on from the tree they have (see the CPU reference's docstring)."""
-
-
-class _Detach:
-    def __repr__(self) -> str:
-        return "DETACH"
-
-
-DETACH = _Detach()
-"""What a search's steps generator yields once it will ask for no more device
-waves (the model stopped valuing its leaves, or the waves are over and only
-the answer is left): whoever drives it may hand it back to the caller's
-thread (:meth:`search_service.evaluators.DeviceWaves.run`)."""
-
-
-def drive(steps, evaluate, rows=None) -> object:
-    """Runs a search's steps generator on this thread and returns what it
-    returns. Each ``rows`` it yields (> 0) is one device wave, answered with
-    ``evaluate(rows)`` sent back, or the :class:`EvaluationFailed` that raised
-    thrown in at the yield; :data:`DETACH` is answered None. ``rows``: what
-    the generator yielded last, where it was started already (None: a fresh
-    generator).
-
-    Raises:
-        Exception: whatever the generator raised.
-    """
-    while True:
-        reply = error = None
-        if rows is not None and rows is not DETACH:
-            try:
-                reply = evaluate(rows)
-            except EvaluationFailed as exc:
-                error = exc
-        finished, rows = advance(steps, reply, error)
-        if finished:
-            return rows
-
-
-def advance(steps, reply=None, error: BaseException | None = None) -> tuple[bool, object]:
-    """Resumes a search's steps generator with ``reply`` sent in, or ``error``
-    thrown in at its yield: (False, the next item it yields), or (True, what
-    it returned). Whatever else it raises propagates."""
-    try:
-        return False, steps.send(reply) if error is None else steps.throw(error)
-    except StopIteration as stop:
-        return True, stop.value
 
 
 @dataclass

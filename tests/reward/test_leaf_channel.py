@@ -174,12 +174,6 @@ def status(reply: bytes) -> tuple[grpc.StatusCode, str]:
     ({"ready_event": 7}, grpc.StatusCode.INVALID_ARGUMENT, "ready_event: not hex"),
     ({"ready_event": "00" * 10}, grpc.StatusCode.INVALID_ARGUMENT, "ready_event: 10 bytes"),
     ({"ready_region": "no-such-region"}, grpc.StatusCode.NOT_FOUND, "not registered"),
-    # The outputs' done word (tandem/outputs_gate.py): a uint64 after the outputs' 320 bytes, inside the region.
-    ({"done_word": 324}, grpc.StatusCode.INVALID_ARGUMENT, "done_word: '324', must be a multiple of 8"),
-    ({"done_word": 0}, grpc.StatusCode.INVALID_ARGUMENT, "at or past the outputs' 320 bytes"),
-    ({"done_word": "320"}, grpc.StatusCode.INVALID_ARGUMENT, "done_word"),
-    ({"done_word": True}, grpc.StatusCode.INVALID_ARGUMENT, "done_word"),
-    ({"done_word": 4096}, grpc.StatusCode.INVALID_ARGUMENT, "and the done word need 4104"),
     # The descriptors: a list that does not match them.
     ({"memfds": ["input_region"]}, grpc.StatusCode.INVALID_ARGUMENT, "memfds names 1 regions, the message carried 0"),
     ({"memfds": ["input_region", "input_region"]}, grpc.StatusCode.INVALID_ARGUMENT, "must list distinct regions"),
@@ -194,19 +188,6 @@ def test_a_bad_attach_is_refused_and_the_connection_may_attach_again(reward, ove
         got_code, message = status(c.attach(**overrides))
         assert got_code == code and words in message
         assert c.attach()[:1] == ATTACH  # the same connection, now right
-        assert c.wave(3)[:1] == REPLY
-    finally:
-        c.close()
-
-
-def test_a_done_word_on_a_channel_not_ordered_by_events_is_unused_and_waves_are_answered(reward):
-    """A well-placed done word where the channel cannot be ordered by events
-    (system regions): attached, no ``done_word`` in the layout, waves answered."""
-    service, stub = reward
-    c = RawClient(service, stub)
-    try:
-        reply = c.attach(done_word=320)
-        assert reply[:1] == ATTACH and "done_word" not in json.loads(reply[1:])
         assert c.wave(3)[:1] == REPLY
     finally:
         c.close()

@@ -151,11 +151,9 @@ def _serve_until_killed(cfg, ready) -> None:
     service.stop()
 
 
-@pytest.mark.parametrize("gate", [False, True])
-def test_a_reward_service_killed_mid_search_leaves_the_device_search_its_tree(gate):
+def test_a_reward_service_killed_mid_search_leaves_the_device_search_its_tree():
     """SIGKILL of the reward service while a device-wave search runs: the wave
-    in flight fails (the socket breaks, or its outputs never come; a channel
-    that offers the outputs' gate, which a search leaves unused, alike), is
+    in flight fails (the socket breaks, or its outputs never come), is
     undone, and the search goes on in the same tree with rollouts and
     answers by its deadline, saying why."""
     from search_service.cuda.backend import CudaBackend
@@ -173,8 +171,7 @@ def test_a_reward_service_killed_mid_search_leaves_the_device_search_its_tree(ga
     try:
         assert ready.wait(300), "the reward service did not start"
         with channel(cfg.reward.address) as ch:
-            lc = LeafChannel.offered(reward_pb2_grpc.RewardServiceStub(ch), MODEL, 1024, 30, gate=gate)
-        assert lc.gates == gate
+            lc = LeafChannel.offered(reward_pb2_grpc.RewardServiceStub(ch), MODEL, 1024, 30)
         ev = LeafChannelEvaluator(lc, 30)
         backend = CudaBackend()
         params = SearchParams(simulations=None, deadline_ms=3000.0, parallel_sims=64, evaluator="value_model")
@@ -228,59 +225,6 @@ def test_an_ordered_channel_answers_unsynchronised_device_inputs_as_a_synchronis
     finally:
         ordered.close()
         plain.close()
-
-
-def test_an_announced_wave_answers_as_evaluate_and_a_cancelled_one_leaves_the_channel_right(gpu_reward):
-    """Each wave's message goes ahead of its inputs (LeafChannel.announce), as
-    a search sends it: before the previous wave's outputs are waited for, and
-    before the kernels that write its inputs are queued (behind other work
-    on the stream); the server waits for the ready word the stream writes
-    after them. Every answer equals Evaluate's. A wave announced and then
-    cancelled before its inputs are marked is answered and skipped, and the
-    waves after it are right."""
-    _, stub = gpu_reward
-    cp = cupy_module()
-    lc = LeafChannel.offered(stub, MODEL, 1024, 30)
-
-    def want(obs):
-        reply = stub.Evaluate(reward_pb2.EvaluateRequest(model=MODEL, inputs=[tensors.to_proto("board", obs)],
-                                                         request_class=reward_pb2.REQUEST_CLASS_CRITICAL))
-        return {t.name: tensors.from_proto(t) for t in reply.outputs}
-
-    def leaves(obs):  # the inputs, written by kernels behind other work queued on the stream
-        big = cp.asarray(np.repeat(obs[None], 8, axis=0))
-        return (big.sum(axis=0) // 8).astype(cp.uint8)
-
-    try:
-        assert lc.ordered and lc.announces
-        with cp.cuda.Stream(non_blocking=True):
-            waves = [random_boards(n, 300 + n) for n in (1, 37, 256, 1024, 64)]
-            for obs in waves:  # CuPy compiles its kernels now: an announced wave's inputs must follow within
-                lc.device_inputs[: len(obs)] = leaves(obs)  # session.READY_WAIT_S of the previous outputs
-            cp.cuda.get_current_stream().synchronize()
-            answers, views = [], {}
-            for i, obs in enumerate(waves):
-                n = len(obs)
-                lc.announce(n, Deadline.after_s(30))
-                if i:  # the previous wave's outputs, read before this wave's inputs are marked
-                    lc.wait_outputs()
-                    answers.append({k: v[: len(waves[i - 1])].get() for k, v in views.items()})
-                lc.device_inputs[:n] = leaves(obs)
-                lc.inputs_written()
-                views = lc.evaluate_device(n, Deadline.after_s(30), wait_outputs=False)
-            lc.wait_outputs()
-            answers.append({k: v[: len(waves[-1])].get() for k, v in views.items()})
-            for obs, got in zip(waves, answers):
-                expected = want(obs)
-                for name in ("value", "policy_logits"):
-                    np.testing.assert_allclose(got[name], expected[name], atol=1e-4)
-            lc.announce(16, Deadline.after_s(30))
-            lc.cancel_announced()
-            obs = random_boards(16, 5)
-            got = lc.evaluate(obs, Deadline.after_s(30))
-            np.testing.assert_allclose(got["value"], want(obs)["value"], atol=1e-4)
-    finally:
-        lc.close()
 
 
 def test_a_ready_event_the_server_cannot_open_leaves_the_channel_synchronised(gpu_reward, monkeypatch):

@@ -103,25 +103,6 @@ def test_off_a_gpu_mark_queues_nothing(monkeypatch):
     assert timeline.take_gpu() == []
 
 
-def test_the_gpu_handoff_is_the_two_idle_legs_of_a_wave():
-    from bench.neural_search import _gpu_handoff
-
-    us = 1000  # ns
-    gpu = []
-    for w in range(3):  # per wave: selection done, model start 20 µs later, model end, backup 5 µs after it
-        t = w * 1000 * us
-        gpu += [(t, "gpu.selected"), (t + 20 * us, "gpu.model_start"), (t + 320 * us, "gpu.model_end"),
-                (t + 325 * us, "gpu.backup")]
-    gpu_rows = timeline_rows(256, gpu, [], 3)
-    rows = [dict(kind="latency", wave=256, sims_per_warp=32, handoff="leaf_channel"),
-            dict(kind="latency", wave=128, sims_per_warp=32, handoff="leaf_channel")]
-    _gpu_handoff(rows, gpu_rows, 256, 32, "leaf_channel")
-    assert rows[0]["handoff_gpu_us_per_wave"] == pytest.approx(25.0)
-    assert "handoff_gpu_us_per_wave" not in rows[1]
-    _gpu_handoff(rows, gpu_rows[:1], 128, 32, "leaf_channel")  # a leg missing: nothing set
-    assert "handoff_gpu_us_per_wave" not in rows[1]
-
-
 @pytest.mark.gpu
 def test_gpu_marks_follow_their_stream_on_the_gpus_clock(monkeypatch):
     cp = pytest.importorskip("cupy")

@@ -83,10 +83,9 @@ def _launch(b: int, shape: tuple[int, int, int]) -> tuple:
     return ((warps + abi.WARPS_PER_BLOCK - 1) // abi.WARPS_PER_BLOCK,), (32 * abi.WARPS_PER_BLOCK,)
 
 
-def _backup(name, shape, pool, tsa, meta, paths, vin, has_priors=False, outputs=None, obs=None, verdict=None):
+def _backup(name, shape, pool, tsa, meta, paths, vin, has_priors=False, outputs=None, obs=None):
     """Backup kernel ``name`` of a wave of ``shape``: from the host's EVAL rows
-    ``vin``, or from ``outputs`` (values, logits or None) on the device;
-    ``verdict``: the outputs' gate's (int32 [1] on the device; None: no gate)."""
+    ``vin``, or from ``outputs`` (values, logits or None) on the device."""
     from search_service.cuda.module import kernel
 
     cp, null = _cupy(), np.uint64(0)
@@ -95,7 +94,7 @@ def _backup(name, shape, pool, tsa, meta, paths, vin, has_priors=False, outputs=
     kernel(name)(*_launch(b, shape), (
         pool, np.int64(CAP), np.int32(CAP), *_sizes(b, shape), tsa, meta, paths,
         cp.zeros(1, np.float32) if vin is None else vin, np.int32(has_priors), np.int32(outputs is not None), values,
-        logits, null if obs is None else obs, null if verdict is None else verdict, null))
+        logits, null if obs is None else obs, null))
 
 
 def _host_rows(meta: np.ndarray, obs: np.ndarray, values: np.ndarray, logits: np.ndarray | None,
@@ -186,34 +185,6 @@ def test_the_backup_reading_the_outputs_leaves_the_trees_the_host_rows_leave(wav
     assert not ((a != b) & ~priors).any()  # values, visits, virtual losses, solver codes: bit for bit
     np.testing.assert_allclose(a[priors].view(np.float32), b[priors].view(np.float32), rtol=1e-5, atol=1e-7)
     assert (a[priors] != before[priors]).any() == policy  # priors written with a policy head, else none
-
-
-@pytest.mark.parametrize("shape", [(32, 32, 32), (32, 28, 8)])
-@pytest.mark.parametrize("waves, seed", [(0, 3), (4, 4)])
-def test_a_backup_behind_a_closed_gate_undoes_the_wave_and_one_behind_an_open_gate_backs_it_up(waves, seed, shape):
-    """The outputs' gate's verdict (tandem/outputs_gate.py): CLOSED, the
-    backup kernel leaves the trees and their state exactly as mcts_vm_undo
-    does (virtual losses released, the wave's nodes unlinked); OPEN, exactly
-    as a backup with no gate does."""
-    from search_service.cuda.module import kernel
-    from tandem import outputs_gate
-
-    cp = _cupy()
-    pool, tsa, meta, paths, obs = _trees_mid_wave(shape, waves, seed)
-    values, logits = (cp.asarray(x) for x in _outputs(len(meta), np.random.default_rng(seed)))
-    b, name = len(ROOTS), "mcts_vm_backup_aggregated"
-    undone = (pool.copy(), tsa.copy())
-    kernel("mcts_vm_undo")(*_launch(b, shape), (undone[0], np.int64(CAP), np.int32(CAP), *_sizes(b, shape),
-                                                undone[1], meta, paths, np.uint64(0)))
-    assert not np.array_equal(undone[0].get(), pool.get())  # the wave had something to undo
-    backed_up = (pool.copy(), tsa.copy())  # the same backup with no gate
-    _backup(name, shape, *backed_up, meta, paths, None, outputs=(values, logits), obs=obs)
-    for verdict, (want_pool, want_tsa) in ((outputs_gate.CLOSED, undone), (outputs_gate.OPEN, backed_up)):
-        got_pool, got_tsa = pool.copy(), tsa.copy()
-        _backup(name, shape, got_pool, got_tsa, meta, paths, None, outputs=(values, logits), obs=obs,
-                verdict=cp.full(1, verdict, np.int32))
-        np.testing.assert_array_equal(got_tsa.get(), want_tsa.get())
-        np.testing.assert_array_equal(got_pool.get(), want_pool.get())
 
 
 def test_fresh_roots_get_their_obs_rows_and_the_host_ways_priors():

@@ -206,11 +206,11 @@ def test_a_device_wave_given_up_at_its_deadline_never_spoils_the_next(co_located
             np.testing.assert_allclose(got, want, atol=2e-3)
 
 
-def test_a_driven_search_whose_reward_service_stops_keeps_its_tree_and_goes_on(co_located):
+def test_a_search_whose_reward_service_stops_keeps_its_tree_and_goes_on(co_located):
     """The reward service's in-process server closes mid-search, as its stop
     begins (the last test of the module: the fixture's is closed): the next
-    wave is refused and undone, the search is handed back to its own thread
-    and goes on with rollouts in the same tree, and says why."""
+    wave is refused and undone, and the search goes on with rollouts in the
+    same tree, and says why."""
     import threading
 
     cfg, search, _ = co_located

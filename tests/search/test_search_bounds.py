@@ -17,7 +17,7 @@ from tandem.v1 import search_pb2, search_pb2_grpc
 from search_service import server as search_server
 from search_service.budget import REPLY_MARGIN_MAX_MS, search_deadline_ms
 from search_service.games import connect4
-from search_service.mcts.backend import SearchParams, WaveClock
+from search_service.mcts.backend import SearchParams
 from search_service.mcts.cpu_reference import CpuReferenceBackend
 from search_service.sessions import SessionStore, tree_bytes
 from tandem.server import channel
@@ -40,22 +40,6 @@ HUGE = 10_000_000  # simulations: hours of CPU search if nothing stopped it
 ])
 def test_search_deadline_is_the_nearest_bound_less_a_reply_margin(requested_ms, remaining_s, expected_ms):
     assert search_deadline_ms(requested_ms, remaining_s, 60_000.0) == pytest.approx(expected_ms)
-
-
-def test_wave_clock_stops_before_a_wave_that_would_end_past_the_deadline():
-    clock = WaveClock(10_000.0, time.perf_counter())
-    assert not clock.out_of_time() and clock.expected_wave_ms() == 0.0
-    clock.begin_wave()
-    time.sleep(0.05)
-    clock.end_wave()
-    assert clock.expected_wave_ms() >= 50.0
-    assert not clock.out_of_time()  # ~50 ms used of 10 s
-    late = WaveClock(10_000.0, time.perf_counter() - 9.96)  # 40 ms left: less than the wave it expects
-    late.begin_wave()
-    time.sleep(0.05)
-    late.end_wave()
-    assert late.out_of_time()
-    assert not WaveClock(None, 0.0).out_of_time()  # no deadline: only the budget ends the search
 
 
 class _SlowModel:

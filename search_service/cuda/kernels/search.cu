@@ -308,8 +308,7 @@ __device__ void masked_priors(const float* l, const unsigned char* o, float* p) 
 // Takes a wave back out of a tree: the warp's simulations' virtual losses
 // released and, by the tree's first warp, the nodes the wave created (slots
 // TS_WAVE_BASE .. TS_NODES, below the limit) unlinked from their parents,
-// TS_NODES back to the base. Nothing is backed up (mcts_vm_undo; vm_backup
-// where the outputs' gate closed).
+// TS_NODES back to the base. Nothing is backed up (mcts_vm_undo).
 __device__ void vm_undo_warp(const VmWarp& v, int limit, const int* meta, const int* paths) {
   const int lane = v.lane, g = v.g;
   const TreeView& t = v.t;
@@ -330,8 +329,6 @@ __device__ void vm_undo_warp(const VmWarp& v, int limit, const int* meta, const 
   if (lane == 0) ts[TS_NODES] = base;
 }
 
-#define GATE_OPEN 1  // tandem/outputs_gate.py: OPEN
-
 // Value model, second half of a wave. Each simulation's leaf value (for the
 // leaf's side to move) and, for the evaluating simulation of each new node,
 // its priors come either from vin, the EVAL rows the host built (priors
@@ -347,15 +344,12 @@ __device__ void vm_undo_warp(const VmWarp& v, int limit, const int* meta, const 
 // (selection of the next wave runs in a later launch). Then backup as in
 // rollout_search. (One launch: a kernel of its own that built the EVAL rows
 // from the outputs first cost every wave ~10 µs of GPU and a launch.)
-// `verdict` (null: none) is the outputs' gate's (tandem/outputs_gate.py), read
-// after the gate's kernel ended: GATE_OPEN, the outputs are this wave's; else
-// they never came, and the wave is undone instead (vm_undo_warp; `limit` the
-// node limit), as mcts_vm_undo would.
+// `limit` goes unused: the launch passes the selection's leading arguments.
 template <int AGG>
 __device__ void vm_backup(unsigned char* pool, long long cap, int limit, int n_trees, int W, int G, int K, int k_wave,
                           int* tsa, const int* meta, const int* paths, const float* vin, int has_priors,
                           int from_outputs, const float* values, const float* logits, const unsigned char* obs,
-                          const int* verdict, const int* ks) {
+                          const int* ks) {
   __shared__ float s_vals[WARPS_PER_BLOCK][32];
   __shared__ int s_deps[WARPS_PER_BLOCK][32];
   VmWarp vw;
@@ -366,10 +360,6 @@ __device__ void vm_backup(unsigned char* pool, long long cap, int limit, int n_t
   const long long q0 = vw.q0;
   const WarpJob& job = vw.job;
   if (((const int4*)meta)[q0].z == NO_SIMULATION) return;  // the root is proven: nothing ran
-  if (verdict != nullptr && *(volatile const int*)verdict != GATE_OPEN) {  // the outputs never came: undone
-    vm_undo_warp(vw, limit, meta, paths);
-    return;
-  }
   int depth = 0, leaf = -1, code = NOT_TERMINAL;
   float v = 0.0f;
   if (lane < g) {
@@ -438,17 +428,17 @@ extern "C" __global__ void mcts_vm_root_priors(unsigned char* pool, long long ca
 extern "C" __global__ void __launch_bounds__(32 * WARPS_PER_BLOCK) mcts_vm_backup_global(
     unsigned char* pool, long long cap, int limit, int n_trees, int W, int G, int K, int k_wave, int* tsa,
     const int* meta, const int* paths, const float* vin, int has_priors, int from_outputs, const float* values,
-    const float* logits, const unsigned char* obs, const int* verdict, const int* ks) {
+    const float* logits, const unsigned char* obs, const int* ks) {
   vm_backup<0>(pool, cap, limit, n_trees, W, G, K, k_wave, tsa, meta, paths, vin, has_priors, from_outputs, values,
-                 logits, obs, verdict, ks);
+                 logits, obs, ks);
 }
 
 extern "C" __global__ void __launch_bounds__(32 * WARPS_PER_BLOCK) mcts_vm_backup_aggregated(
     unsigned char* pool, long long cap, int limit, int n_trees, int W, int G, int K, int k_wave, int* tsa,
     const int* meta, const int* paths, const float* vin, int has_priors, int from_outputs, const float* values,
-    const float* logits, const unsigned char* obs, const int* verdict, const int* ks) {
+    const float* logits, const unsigned char* obs, const int* ks) {
   vm_backup<1>(pool, cap, limit, n_trees, W, G, K, k_wave, tsa, meta, paths, vin, has_priors, from_outputs, values,
-                 logits, obs, verdict, ks);
+                 logits, obs, ks);
 }
 
 #endif  // GAME_VALUE_MODEL
