@@ -24,6 +24,14 @@ from loadtest.chaos import stack_processes
 from tandem.workers import children
 
 _PHASES = ("join", "leave", "wave")
+# The wave loop's samples read from /metrics: sample name -> key (formatted with its labels).
+_SAMPLES = {
+    "tandem_search_wave_phase_seconds_sum": "{phase}_s", "tandem_search_wave_phase_seconds_count": "{phase}_n",
+    "tandem_search_wave_trees_sum": "trees", "tandem_search_wave_trees_count": "waves",
+    "tandem_search_wave_leaves_sum": "leaves", "tandem_search_wave_leaves_count": "planned",
+    "tandem_search_wave_expected_seconds_sum": "expected_s", "tandem_search_wave_expected_seconds_count": "expected_n",
+    "tandem_search_left_total": "left_{end}",
+}
 
 
 def _cpu_s(pids: list[int]) -> float:
@@ -62,24 +70,8 @@ def _wave_sums(port: int) -> dict[str, float]:
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            if s.name == "tandem_search_wave_phase_seconds_sum":
-                out[f"{s.labels['phase']}_s"] = s.value
-            elif s.name == "tandem_search_wave_phase_seconds_count":
-                out[f"{s.labels['phase']}_n"] = s.value
-            elif s.name == "tandem_search_wave_trees_sum":
-                out["trees"] = s.value
-            elif s.name == "tandem_search_wave_trees_count":
-                out["waves"] = s.value
-            elif s.name == "tandem_search_wave_leaves_sum":
-                out["leaves"] = s.value
-            elif s.name == "tandem_search_wave_leaves_count":
-                out["planned"] = s.value
-            elif s.name == "tandem_search_wave_expected_seconds_sum":
-                out["expected_s"] = s.value
-            elif s.name == "tandem_search_wave_expected_seconds_count":
-                out["expected_n"] = s.value
-            elif s.name == "tandem_search_left_total":
-                out[f"left_{s.labels['end']}"] = s.value
+            if s.name in _SAMPLES:
+                out[_SAMPLES[s.name].format(**s.labels)] = s.value
     return out
 
 
