@@ -29,8 +29,11 @@ Row fields: ``service``, ``host_wait``, ``workers``, ``clients``, ``backend``
 (search backend or reward execution provider), ``batch`` (searches a call),
 ``calls_per_s``, ``searches_per_s``, ``cpu_cores`` (service CPU seconds per
 wall second), ``cpu_us_per_call``, ``cpu_us_per_search``, ``seconds``,
-``errors`` (calls that failed), and ``calls_ratio`` (calls_per_s over the
-same service's first one-worker row, the same run). One file per service:
+``errors`` (calls that failed), ``calls_ratio`` (calls_per_s over the
+same service's first one-worker row, the same run), and for ``search`` its
+wave loop's figures (worker 0's, bench/row_load.py ``wave_figures``:
+``join_ms_mean``, ``leave_ms_mean``, ``wave_ms_mean``, ``waves_per_s``,
+``trees_per_wave``, ...). One file per service:
 ``search_calls.json``, ``reward_calls.json``.
 
 Command (full): ``python3 -m bench.calls --service search,reward --workers 1,2,4 --clients 8``
@@ -51,7 +54,8 @@ import yaml
 from tandem.v1 import reward_pb2_grpc, search_pb2, search_pb2_grpc
 
 from bench import common
-from bench.loopback_stack import loopback_stack_data
+from bench.loopback_stack import free_port, loopback_stack_data
+from bench.row_load import wave_figures, wave_sums
 from bench.service_cpu import board_request, cpu_seconds
 from stack.supervisor import last_line, wait_serving
 from tandem.config import ConfigError, TandemConfig, load_config
@@ -116,9 +120,9 @@ def _profile(pid: int, seconds: float, path: Path) -> list[subprocess.Popen]:
 
 
 def _config(service: str, workers: int, backend: str, provider: str, host_wait: str) -> dict:
-    if service == "search":
+    if service == "search":  # its /metrics on: the wave loop's figures (worker 0's)
         return loopback_stack_data({"search": {"backend": backend, "evaluator": "rollout", "workers": workers,
-                                               "host_wait": host_wait}})
+                                               "host_wait": host_wait, "metrics_port": free_port()}})
     return loopback_stack_data({"reward": {"execution_provider": provider, "workers": workers,
                                            "host_wait": host_wait}})
 
@@ -151,10 +155,13 @@ def measure(service: str, workers: int, clients: int, backend: str, provider: st
                 p.start()
             time.sleep(max(start - time.time(), 0))
             pids = [proc.pid, *children(proc.pid)]
+            port = data[service].get("metrics_port", 0)
+            waves0 = wave_sums(port) if port else {}
             before = sum(cpu_seconds(p) for p in pids)
             spies = _profile(proc.pid, seconds, profile / f"{service}_w{workers}_{host_wait}_b{batch}") if profile else []
             time.sleep(max(until - time.time(), 0))
             used = sum(cpu_seconds(p) for p in pids) - before
+            waves = wave_figures(waves0, wave_sums(port), seconds) if port else {}
             results = [out.get(timeout=60) for _ in procs]
             for p in procs:
                 p.join(30)
@@ -169,7 +176,7 @@ def measure(service: str, workers: int, clients: int, backend: str, provider: st
             "calls_per_s": round(calls / seconds, 1), "searches_per_s": round(calls * batch / seconds, 1),
             "cpu_cores": round(used / seconds, 3), "cpu_us_per_call": round(used / max(calls, 1) * 1e6, 1),
             "cpu_us_per_search": round(used / max(calls * batch, 1) * 1e6, 1),
-            "seconds": seconds, "errors": sum(e for _, e in results), "simulations": simulations}
+            "seconds": seconds, "errors": sum(e for _, e in results), "simulations": simulations, **waves}
 
 
 def main() -> None:

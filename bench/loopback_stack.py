@@ -15,7 +15,8 @@ from stack.supervisor import Stack
 from tandem.config import TandemConfig, load_config, loopback_data
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A loopback TCP port free now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -25,7 +26,7 @@ def loopback_stack_data(sections: dict[str, dict] | None = None) -> dict:
     """The config data of :func:`loopback_stack`: every server (the reward
     service's bulk server too, which the shipped defaults enable on their own
     fixed ports) on a free loopback port, metrics off, ``sections`` merged in."""
-    return loopback_data(_free_port, sections=sections)
+    return loopback_data(free_port, sections=sections)
 
 
 @contextlib.contextmanager

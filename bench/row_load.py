@@ -58,7 +58,7 @@ def _servers(supervisor: int) -> dict[str, list[int]]:
     return {name: [pid, *children(pid)] for name, pid in stack_processes(supervisor).items()}
 
 
-def _wave_sums(port: int) -> dict[str, float]:
+def wave_sums(port: int) -> dict[str, float]:
     """The search service's wave-loop counters now (sums in s, counts):
     ``<phase>_s``, ``<phase>_n`` per phase, ``trees``, ``waves``, ``leaves``
     over ``planned`` waves, ``expected_s`` over ``expected_n``, ``left_<end>`` per way a
@@ -72,6 +72,31 @@ def _wave_sums(port: int) -> dict[str, float]:
         for s in family.samples:
             if s.name in _SAMPLES:
                 out[_SAMPLES[s.name].format(**s.labels)] = s.value
+    return out
+
+
+def wave_figures(before: dict[str, float], after: dict[str, float], wall_s: float) -> dict:
+    """The wave loop's figures between two :func:`wave_sums` readings
+    ``wall_s`` (s) apart: ``join_ms_mean``, ``leave_ms_mean``, ``wave_ms_mean``
+    (ms a step), ``waves_per_s``, ``trees_per_wave``, ``leaves_per_wave``
+    (waves of K, not sliced rollout waves), ``wave_expected_ms_mean`` (the
+    plan's), ``left_by`` (searches by why they left: budget, proven,
+    deadline, stopped); each absent where nothing was counted."""
+    d = {k: after[k] - before.get(k, 0.0) for k in after}
+    out: dict = {}
+    for phase in _PHASES:
+        if d.get(f"{phase}_n"):
+            out[f"{phase}_ms_mean"] = round(1e3 * d[f"{phase}_s"] / d[f"{phase}_n"], 3)
+    if d.get("waves"):
+        out["waves_per_s"] = round(d["waves"] / wall_s, 1)
+        out["trees_per_wave"] = round(d["trees"] / d["waves"], 2)
+    if d.get("planned"):
+        out["leaves_per_wave"] = round(d["leaves"] / d["planned"], 1)
+    if d.get("expected_n"):
+        out["wave_expected_ms_mean"] = round(1e3 * d["expected_s"] / d["expected_n"], 3)
+    left = {k[5:]: v for k, v in d.items() if k.startswith("left_") and v}
+    if left:
+        out["left_by"] = {end: int(n) for end, n in sorted(left.items())}
     return out
 
 
@@ -91,7 +116,7 @@ class RowLoad:
         self.cpu0 = {name: _cpu_s(pids) for name, pids in self.servers.items()}
         self.host0 = _host_ticks()
         self.clients0 = self._clients_s()
-        self.waves0 = _wave_sums(self.port) if self.port else {}
+        self.waves0 = wave_sums(self.port) if self.port else {}
 
     @staticmethod
     def _clients_s() -> float:
@@ -103,9 +128,8 @@ class RowLoad:
         """The row's figures: ``cpu_cores`` {server: cores used on average over
         the row, its workers summed}, ``clients_cpu_cores`` (this process's
         children waited for since: the engines), ``host_busy_share`` (0..1, every core), and
-        the search service's worker 0 wave loop (``wave_ms_mean``,
-        ``join_ms_mean``, ``leave_ms_mean``: ms a step; ``waves_per_s``;
-        ``trees_per_wave``; absent without /metrics)."""
+        the search service's worker 0 wave loop (:func:`wave_figures`; absent
+        without /metrics)."""
         wall = max(time.monotonic() - self.t0, 1e-9)
         busy, total = _host_ticks()
         out: dict = {
@@ -114,19 +138,6 @@ class RowLoad:
             "clients_cpu_cores": round((self._clients_s() - self.clients0) / wall, 2),
             "host_busy_share": round((busy - self.host0[0]) / max(total - self.host0[1], 1), 3),
         }
-        now = _wave_sums(self.port) if self.port else {}
-        d = {k: now[k] - self.waves0.get(k, 0.0) for k in now}
-        for phase in _PHASES:
-            if d.get(f"{phase}_n"):
-                out[f"{phase}_ms_mean"] = round(1e3 * d[f"{phase}_s"] / d[f"{phase}_n"], 3)
-        if d.get("waves"):
-            out["waves_per_s"] = round(d["waves"] / wall, 1)
-            out["trees_per_wave"] = round(d["trees"] / d["waves"], 2)
-        if d.get("planned"):
-            out["leaves_per_wave"] = round(d["leaves"] / d["planned"], 1)
-        if d.get("expected_n"):
-            out["wave_expected_ms_mean"] = round(1e3 * d["expected_s"] / d["expected_n"], 3)
-        left = {k[5:]: v for k, v in d.items() if k.startswith("left_") and v}
-        if left:
-            out["left_by"] = {end: int(n) for end, n in sorted(left.items())}
+        if self.port:
+            out.update(wave_figures(self.waves0, wave_sums(self.port), wall))
         return out
