@@ -161,14 +161,16 @@ def run_row(config: Path, work: Path, engines: int, agents: int, evaluator: str,
     tag = f"{engines}x{agents}_{evaluator}_{trainer}_{config.stem}"
     reports = [work / f"{tag}_{e}.json" for e in range(engines)]
     train_report = work / f"{tag}_trainer.json"
-    train = _trainer(config, frames / fps + 10, train_report) if trainer != "none" else None
+    lead_s = START_LEAD_S + START_LEAD_PER_ENGINE_S * engines  # the engines' first frame after their start
+    # The trainer outlasts the engines' last frame: its 5 s head start, their lead and frames, and a margin.
+    train = _trainer(config, lead_s + frames / fps + 10, train_report) if trainer != "none" else None
     if train is not None:
         time.sleep(5)  # the trainer at full rate before the engines start
     load = None
     if stack_pid is not None:
         load = RowLoad(stack_pid, yaml.safe_load(config.read_text()).get("search", {}).get(
             "metrics_port", SearchConfig.metrics_port))
-    start_at = time.time() + START_LEAD_S + START_LEAD_PER_ENGINE_S * engines
+    start_at = time.time() + lead_s
     plays = [subprocess.Popen([*TANDEM, "play", "--config", str(config), "--frames", str(frames), "--fps", str(fps),
                                "--agents", str(agents), "--evaluator", evaluator, "--seed", str(e + 1),
                                "--start-at", f"{start_at:.3f}",

@@ -31,3 +31,25 @@ def test_games_per_gpu_counts_the_first_variant_only():
     rows = [_row("", 8, 0.0), _row("", 32, 0.5), _row("workers=4", 32, 0.0)]
     assert games_per_gpu(rows) == 8
     assert games_per_gpu(rows[2:]) == 32
+
+
+def test_the_trainer_runs_until_the_engines_last_frame(monkeypatch, tmp_path):
+    """A contended row's trainer starts 5 s before the engines are started and
+    must run past their last frame, which comes only after their start lead
+    (``--start-at``: 3 s + 0.1 s an engine) and ``frames / fps``."""
+    from bench import engines
+
+    asked = []
+
+    class Stop(Exception):
+        pass
+
+    def trainer(config, seconds, report):
+        asked.append(seconds)
+        raise Stop
+
+    monkeypatch.setattr(engines, "_trainer", trainer)
+    with pytest.raises(Stop):
+        engines.run_row(tmp_path / "tandem_default.yaml", tmp_path, 64, 1, "rollout", 600, 60.0, "shm")
+    last_frame_s = 5 + engines.START_LEAD_S + engines.START_LEAD_PER_ENGINE_S * 64 + 600 / 60.0
+    assert asked[0] > last_frame_s

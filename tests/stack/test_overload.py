@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from conftest import loopback_config
+from conftest import loopback_config, wait_for
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tandem.v1 import reward_pb2, reward_pb2_grpc, search_pb2, search_pb2_grpc
 
@@ -133,6 +133,30 @@ def test_a_reward_server_whose_queue_stands_refuses_its_calls_at_once(standing):
         with pytest.raises(grpc.RpcError) as info:
             reward_pb2_grpc.RewardServiceStub(ch).ListModels(reward_pb2.ListModelsRequest(), timeout=10)
         assert info.value.code() == C.RESOURCE_EXHAUSTED and "overloaded" in info.value.details()
+    finally:
+        ch.close()
+        service.stop()
+
+
+def test_every_call_leaves_the_queue_whatever_its_end():
+    """Served, refused for its connection or for the limit, cancelled at once by
+    its caller: afterwards no call is counted as queued (a call counted for ever
+    would keep the queue standing, and the server shedding, for good)."""
+    cfg = loopback_config(search={"backend": "cpu", "server": {
+        "max_workers": 4, "max_concurrent_rpcs": 4, "max_rpcs_per_connection": 2}})
+    service = search_server.start(cfg, follow_scheduler=False)
+    ch = grpc.insecure_channel(cfg.search.address)
+    try:
+        stub = search_pb2_grpc.SearchServiceStub(ch)
+        request = search_pb2.SearchRequest(game="connect4", moves="44", simulations=500)
+        calls = [stub.Search.future(request, timeout=10) for _ in range(8)]
+        codes = {c.code() for c in calls}
+        assert C.RESOURCE_EXHAUSTED in codes and C.OK in codes, codes
+        for _ in range(50):
+            stub.Search.future(request, timeout=10).cancel()
+        admission = service.running.admission
+        assert wait_for(lambda: admission.in_flight == 0, 10), admission.in_flight
+        assert admission.queue_wait.queued == 0
     finally:
         ch.close()
         service.stop()
