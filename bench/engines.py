@@ -28,7 +28,8 @@ row pools its engines' reports:
   the engines wait, ``late_answers`` in the row), ``search_server_ms_p50``
   (the searches' own time on the server);
 * where the host's time went (bench/row_load.py): ``cpu_cores`` per server
-  (its workers summed), ``clients_cpu_cores``, ``host_busy_share``, and the
+  (its workers summed), ``clients_cpu_cores`` (the engines' CPU, their
+  start-up included), ``host_busy_share``, all from the first frame on, and the
   search service's wave loop (worker 0): ``wave_ms_mean``, ``join_ms_mean``,
   ``leave_ms_mean``, ``waves_per_s``, ``trees_per_wave``, the plan's
   ``leaves_per_wave`` and ``wave_expected_ms_mean``, and ``left_by`` (searches
@@ -166,16 +167,17 @@ def run_row(config: Path, work: Path, engines: int, agents: int, evaluator: str,
     train = _trainer(config, lead_s + frames / fps + 10, train_report) if trainer != "none" else None
     if train is not None:
         time.sleep(5)  # the trainer at full rate before the engines start
-    load = None
-    if stack_pid is not None:
-        load = RowLoad(stack_pid, yaml.safe_load(config.read_text()).get("search", {}).get(
-            "metrics_port", SearchConfig.metrics_port))
     start_at = time.time() + lead_s
     plays = [subprocess.Popen([*TANDEM, "play", "--config", str(config), "--frames", str(frames), "--fps", str(fps),
                                "--agents", str(agents), "--evaluator", evaluator, "--seed", str(e + 1),
                                "--start-at", f"{start_at:.3f}",
                                "--report", str(r), *(["--late-answers"] if late_answers else [])], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
              for e, r in enumerate(reports)]
+    load = None
+    if stack_pid is not None:  # from the first frame: the servers' figures cover the frames, not the start-up
+        time.sleep(max(start_at - time.time(), 0.0))
+        load = RowLoad(stack_pid, yaml.safe_load(config.read_text()).get("search", {}).get(
+            "metrics_port", SearchConfig.metrics_port))
     for p in plays:
         p.wait()
     host = load.finish() if load is not None else {}
@@ -304,6 +306,17 @@ def variant_label(variant: dict) -> str:
     return ",".join(f"{key}={value}" for key, value in variant.items())
 
 
+def variant_settings(flags: dict, variant: dict) -> dict:
+    """The settings (VARIANT_KEYS) a variant's `tandem up` runs with: the
+    flags' (``flags``: the parsed arguments), the variant's over them; a
+    variant's ``workers`` goes over the flags' per-service workers too."""
+    settings = {key: flags.get(key) for key in VARIANT_KEYS}
+    if "workers" in variant:
+        settings["search_workers"] = settings["reward_workers"] = None
+    settings.update(variant)
+    return settings
+
+
 def _run_plan(config: Path, work: Path, policy: str, plan: list[tuple], args, variant: str) -> list[dict]:
     """The rows of ``plan`` (engines, agents, evaluator, trainer) against one
     `tandem up` with ``config``, each with the settings it ran with."""
@@ -366,7 +379,7 @@ def main() -> None:
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="engines_") as tmp:
         for v, variant in enumerate(parse_variants(args.variants)):
-            settings = {**{key: getattr(args, key) for key in VARIANT_KEYS}, **variant}
+            settings = variant_settings(vars(args), variant)
             work = Path(tmp) / f"variant_{v}"
             work.mkdir()
             for i, policy in enumerate(policies):

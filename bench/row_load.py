@@ -81,7 +81,7 @@ def wave_figures(before: dict[str, float], after: dict[str, float], wall_s: floa
     (ms a step), ``waves_per_s``, ``trees_per_wave``, ``leaves_per_wave``
     (waves of K, not sliced rollout waves), ``wave_expected_ms_mean`` (the
     plan's), ``left_by`` (searches by why they left: budget, proven,
-    deadline, stopped); each absent where nothing was counted."""
+    deadline, stopped, failed); each absent where nothing was counted."""
     d = {k: after[k] - before.get(k, 0.0) for k in after}
     out: dict = {}
     for phase in _PHASES:

@@ -67,7 +67,7 @@ WAVE_EXPECTED_SECONDS = Histogram("tandem_search_wave_expected_seconds", "How lo
                                   "(s; its deadline rule and fair share used this).",
                                   buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3, 8e-3, 16e-3, 32e-3, 64e-3, 0.128))
 LEFT = Counter("tandem_search_left", "Searches that left the batch, by why: budget (its simulation cap), proven, "
-               "deadline (the next wave would end past it), stopped (cancelled).", ["end"])
+               "deadline (the next wave would end past it), stopped (cancelled), failed (its wave failed).", ["end"])
 REFUSED = Counter("tandem_search_refused", "Searches refused at admission (RESOURCE_EXHAUSTED).", ["reason"])
 PHASE_SECONDS = Histogram(
     "tandem_search_wave_phase_seconds",

@@ -76,7 +76,7 @@ import grpc
 from grpc._cython import cygrpc
 
 from tandem.errors import cap
-from tandem.overload import QueueWait
+from tandem.overload import SHED, QueueWait
 
 log = logging.getLogger(__name__)
 
@@ -657,6 +657,7 @@ def _shed_if_overloaded(call: _Call, context: _Context) -> None:
     waited = admission.start(call.place)
     if waited is None:
         return
+    SHED.labels(call.method).inc()
     if call.handler.unary_unary is not None:
         call.guard._observe(call.method, grpc.StatusCode.RESOURCE_EXHAUSTED.name, 0.0)
     context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, admission.queue_wait.refusal(call.method, waited))

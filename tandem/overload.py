@@ -23,6 +23,10 @@ serializes every call to it (:class:`tandem.guard.Admission`'s lock).
 """
 from __future__ import annotations
 
+from prometheus_client import Counter
+
+SHED = Counter("tandem_rpc_shed", "Calls refused by overload shedding (tandem/overload.py), by method.", ["method"])
+
 #: How long the queue must not have been empty before it stands (s).
 INTERVAL_S = 0.1
 

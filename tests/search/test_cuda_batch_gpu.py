@@ -127,7 +127,7 @@ class StandInWaves:
     host) and hands back device regions of values and policy logits, rows
     past them garbage. Unordered: the batch synchronises before the call."""
 
-    ordered = announces = False
+    ordered = False
 
     def __init__(self, max_rows: int = 1024):
         self.max_rows = max_rows

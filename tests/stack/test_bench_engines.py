@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.engines import games_per_gpu, parse_variants, variant_label
+from bench.engines import games_per_gpu, parse_variants, variant_label, variant_settings
 
 
 def test_variants_parse_to_their_settings_and_name_their_rows():
@@ -53,3 +53,12 @@ def test_the_trainer_runs_until_the_engines_last_frame(monkeypatch, tmp_path):
         engines.run_row(tmp_path / "tandem_default.yaml", tmp_path, 64, 1, "rollout", 600, 60.0, "shm")
     last_frame_s = 5 + engines.START_LEAD_S + engines.START_LEAD_PER_ENGINE_S * 64 + 600 / 60.0
     assert asked[0] > last_frame_s
+
+
+def test_a_variants_settings_go_over_the_flags_workers_over_each_services():
+    flags = {"workers": None, "search_workers": 2, "reward_workers": None, "host_wait": "yield",
+             "switch_interval_us": None, "queue_wait_target_ms": None, "engines": [8]}
+    got = variant_settings(flags, {"workers": 4})
+    assert got["workers"] == 4 and got["search_workers"] is None and got["host_wait"] == "yield"
+    assert variant_settings(flags, {})["search_workers"] == 2  # no variant: the flags as given
+    assert variant_settings(flags, {"queue_wait_target_ms": 0.0})["queue_wait_target_ms"] == 0.0
