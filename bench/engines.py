@@ -7,9 +7,9 @@ play` processes at once, each ``--agents`` positions a frame (one
 ``SearchBatch`` where more than one), each ``--frames`` frames, with an
 evaluator, optionally beside a trainer that sends 64-frame batches to the
 bulk server by shared memory for the row's whole length
-(loadtest/background.py). The engines of a row begin their first frame together, once all have started
-(``tandem play --start-at``: 3 s + 0.1 s an engine after their start). A
-row pools its engines' reports:
+(loadtest/background.py). The engines of a row begin their first frame
+together, once all have started (``tandem play --start-at``: 3 s + 0.1 s an
+engine after their start). A row pools its engines' reports:
 
 * ``missed_frame_share``: missed frames (late or failed) over all frames;
 * ``frame_ms_p50``: the median of the engines' p50s; ``frame_ms_p99``: the
@@ -33,7 +33,7 @@ row pools its engines' reports:
   search service's wave loop (worker 0): ``wave_ms_mean``, ``join_ms_mean``,
   ``leave_ms_mean``, ``waves_per_s``, ``trees_per_wave``, the plan's
   ``leaves_per_wave`` and ``wave_expected_ms_mean``, and ``left_by`` (searches
-  by why they left: budget, proven, deadline, stopped);
+  by why they left: budget, proven, deadline, stopped, failed);
 * ``workers``, ``reward_workers``: the row's ``search.workers`` and
   ``reward.workers`` (``--workers``, or each alone: ``--search-workers``,
   ``--reward-workers``); ``host_wait``: both services' (``--host-wait``);

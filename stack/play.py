@@ -239,7 +239,7 @@ def call_timeout_s(budget_ms: float, late_answers: bool = False) -> float:
 
 def first_frame(start_at: float | None) -> float | None:
     """The first frame's start on the monotonic clock (s) for ``start_at``, a
-    Unix time (s); None (at once) for None or a time already past."""
+    Unix time (s): now for a time already past; None (at once) for None."""
     if start_at is None:
         return None
     now = time.monotonic()
