@@ -282,24 +282,18 @@ class InProcessLink:
     def _wave(self, feeds: dict, targets: dict | None, rows: int, deadline: Deadline | None):
         """Runs one wave in the critical lane and records its figures; returns
         host outputs (a host wave) or None (a device wave: in its targets)."""
-        start = self._begin()
+        self._server.metrics.requested(self.model, CRITICAL_LANE)
+        start = time.perf_counter()
         try:
             self._wait_late(deadline)
-            self._check_open()
+            if self._server.closed:
+                raise Refusal(grpc.StatusCode.UNAVAILABLE, "unavailable", "the reward service is stopping")
             outputs = self._answer(self._run(feeds, targets, rows, deadline), targets, rows)
         except Exception as exc:  # every failure a status; the link and the lane go on
             raise self._failed(exc, start) from None
-        self._succeeded(rows, start)
+        self._server.metrics.succeeded(self.model, CRITICAL_LANE, rows, time.perf_counter() - start,
+                                       self.queue_ms / 1e3)
         return outputs
-
-    def _begin(self) -> float:
-        """A wave begins: counted as requested; returns its start (perf_counter s)."""
-        self._server.metrics.requested(self.model, CRITICAL_LANE)
-        return time.perf_counter()
-
-    def _check_open(self) -> None:
-        if self._server.closed:
-            raise Refusal(grpc.StatusCode.UNAVAILABLE, "unavailable", "the reward service is stopping")
 
     def _answer(self, done, targets: dict | None, rows: int):
         """A done wave's outputs: host arrays of their own (a host wave), or
@@ -324,10 +318,6 @@ class InProcessLink:
             outputs = None
         self.queue_ms, self.compute_ms, self.bucket = done.queue_ms, done.compute_ms, done.bucket
         return outputs
-
-    def _succeeded(self, rows: int, start: float) -> None:
-        self._server.metrics.succeeded(self.model, CRITICAL_LANE, rows, time.perf_counter() - start,
-                                       self.queue_ms / 1e3)
 
     def _failed(self, exc: Exception, start: float) -> LeafChannelError:
         """A wave's failure, counted, as the status a leaf channel would answer."""
