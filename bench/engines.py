@@ -79,6 +79,9 @@ TANDEM = [sys.executable, "-m", "stack"]
 COLUMNS = ("engines", "agents_per_engine", "evaluator", "policy", "trainer", "missed_frame_share", "frame_ms_p50",
            "frame_ms_p99", "simulations_per_frame", "optimal_move_rate", "trainer_frames_per_s")
 SERVER_KEYS = ("switch_interval_us", "queue_wait_target_ms")  # server settings a run may change (flags)
+# search settings a variant may change (tandem.config.SearchConfig; --variants only)
+SEARCH_KEYS = {"wave_target_ms": float, "value_model_parallel_sims": int, "parallel_sims": int,
+               "rollout_slice_ms": float, "max_trees": int}
 # The engines begin their first frame together this long after they are started (tandem play
 # --start-at), so no frame is played while other engines still start up (their imports take
 # ~0.5 s of CPU each): a game server's agents run long after their start.
@@ -89,9 +92,11 @@ MIN_SIMULATIONS = 100  # ... and at least this many simulations per agent a fram
 
 
 def _config(policy: str, out: Path, search_workers: int | None = None, reward_workers: int | None = None,
-            host_wait: str | None = None, server: dict[str, float | None] | None = None) -> Path:
+            host_wait: str | None = None, server: dict[str, float | None] | None = None,
+            search: dict | None = None) -> Path:
     """The shipped config with the row's changes; ``server``: ServerConfig keys
-    (SERVER_KEYS) for both services, None: the shipped value."""
+    (SERVER_KEYS) for both services, None: the shipped value; ``search``:
+    SearchConfig keys (SEARCH_KEYS) over the search section's."""
     cfg = yaml.safe_load(SHIPPED.read_text())
     cfg.setdefault("scheduler", {})["policy"] = policy
     for service, workers in (("search", search_workers), ("reward", reward_workers)):  # tandem/workers.py
@@ -102,6 +107,7 @@ def _config(policy: str, out: Path, search_workers: int | None = None, reward_wo
         for key, value in (server or {}).items():  # tandem.server.build_server
             if value is not None:
                 cfg.setdefault(service, {}).setdefault("server", {})[key] = value
+    cfg.setdefault("search", {}).update(search or {})
     path = out / f"tandem_{policy}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
@@ -274,7 +280,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 # What --variants may change, each as its flag does (over the flags' values).
 VARIANT_KEYS = {"workers": int, "search_workers": int, "reward_workers": int, "host_wait": str,
-                **{key: float for key in SERVER_KEYS}}
+                **{key: float for key in SERVER_KEYS}, **SEARCH_KEYS}
 
 
 def parse_variants(text: str) -> list[dict]:
@@ -310,7 +316,7 @@ def variant_settings(flags: dict, variant: dict) -> dict:
     """The settings (VARIANT_KEYS) a variant's `tandem up` runs with: the
     flags' (``flags``: the parsed arguments), the variant's over them; a
     variant's ``workers`` goes over the flags' per-service workers too."""
-    settings = {key: flags.get(key) for key in VARIANT_KEYS}
+    settings = {key: flags.get(key) for key in VARIANT_KEYS}  # SEARCH_KEYS: None (no flags)
     if "workers" in variant:
         settings["search_workers"] = settings["reward_workers"] = None
     settings.update(variant)
@@ -367,7 +373,8 @@ def main() -> None:
                     help="search and reward server.queue_wait_target_ms, 0: no shedding (default: the shipped config's)")
     ap.add_argument("--variants", default="",
                     help="';'-separated variants, each its own `tandem up` and rows, e.g. "
-                         "'queue_wait_target_ms=0;workers=4' (keys: the flags above, with _)")
+                         "'queue_wait_target_ms=0;workers=4' (keys: the flags above, with _, and the search "
+                         f"settings {', '.join(SEARCH_KEYS)})")
     args = ap.parse_args()
     if args.quick:
         args.engines, args.evaluators, args.batch, args.contended, args.frames = [1, 2], "rollout", "1x4", 2, 60
@@ -385,7 +392,8 @@ def main() -> None:
             for i, policy in enumerate(policies):
                 config = _config(policy, work, settings["search_workers"] or settings["workers"],
                                  settings["reward_workers"] or settings["workers"], settings["host_wait"],
-                                 {key: settings[key] for key in SERVER_KEYS})
+                                 {key: settings[key] for key in SERVER_KEYS},
+                                 {key: settings[key] for key in SEARCH_KEYS if settings.get(key) is not None})
                 plan = [] if i else [(n, 1, ev, "none") for ev in evaluators for n in args.engines]
                 plan += [] if i else [(n, k, evaluators[0], "none") for n, k in batches]
                 plan += [(args.contended, 1, evaluators[0], "shm")] if args.contended else []

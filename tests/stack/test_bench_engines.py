@@ -62,3 +62,20 @@ def test_a_variants_settings_go_over_the_flags_workers_over_each_services():
     assert got["workers"] == 4 and got["search_workers"] is None and got["host_wait"] == "yield"
     assert variant_settings(flags, {})["search_workers"] == 2  # no variant: the flags as given
     assert variant_settings(flags, {"queue_wait_target_ms": 0.0})["queue_wait_target_ms"] == 0.0
+
+
+def test_a_variants_search_settings_reach_the_config_it_runs(tmp_path):
+    """A search setting of a variant (SEARCH_KEYS) is written into the search
+    section of the config its `tandem up` reads, which the loader accepts."""
+    import yaml
+
+    from bench import engines
+    from tandem.config import load_config
+
+    variant = parse_variants("wave_target_ms=0,value_model_parallel_sims=64")[0]
+    settings = variant_settings({"engines": [8]}, variant)
+    path = engines._config("default", tmp_path, server={}, search={k: settings[k] for k in engines.SEARCH_KEYS
+                                                                    if settings.get(k) is not None})
+    assert yaml.safe_load(path.read_text())["search"]["value_model_parallel_sims"] == 64
+    cfg = load_config(path)
+    assert cfg.search.wave_target_ms == 0 and cfg.search.value_model_parallel_sims == 64
