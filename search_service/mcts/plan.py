@@ -39,8 +39,11 @@ plus a cost per simulation, learnt from the recent waves. Searches bounded by a
 deadline alone (no simulation cap) share the GPU fairly under load: where the
 wave at K each would take longer than ``wave_target_ms``, each of them takes
 the same smaller k, so waves stay short, every member gets several of them in
-its frame and newcomers join soon. Searches with a simulation cap always take
-K (their trees equal the same search run alone, whatever shares the batch).
+its frame and newcomers join soon. Only the cost per simulation can be cut
+so: a wave is never cut below twice its fixed cost (where the fixed cost, a
+model call's round trip, is most of the wave, fewer simulations would save
+little time and lose most of the work). Searches with a simulation cap always
+take K (their trees equal the same search run alone, whatever shares the batch).
 """
 from __future__ import annotations
 
@@ -88,31 +91,37 @@ class WaveTimes:
       tick, a collection) would read as a large cost per leaf, and the fair
       share would then shrink every wave to one simulation a tree, its
       noise feeding itself;
-    * a wave of ``leaves``: the longest of the last ``window`` waves, each
-      moved by ``per_leaf`` for the difference in leaves (pessimistic about
-      the fixed cost's jitter), and never under ``overhead``.
+    * ``fixed``: each of the last ``window`` waves moved by ``per_leaf`` to
+      zero leaves; the longest of them but the ``forgive`` longest
+      (pessimistic about the fixed cost's jitter, yet one stall, a first
+      call of a new batch size or a collection, does not hold every member
+      to a wave that long for the next ``window`` waves: they would leave
+      after one wave each, and newcomers be refused);
+    * a wave of ``leaves``: ``fixed + per_leaf * leaves``, never under
+      ``overhead``.
 
     A search alone (the same leaves every wave) is so expected to take its
-    longest recent wave, the CPU reference's rule. Where every wave had the
-    same size the model cannot tell fixed from per-leaf cost and takes it
-    all as fixed: the first wave of a batch that grows at once may run long,
-    and the next ones are planned from it.
+    longest recent wave (but the forgiven), the CPU reference's rule. Where
+    every wave had the same size the model cannot tell fixed from per-leaf
+    cost and takes it all as fixed: the first wave of a batch that grows at
+    once may run long, and the next ones are planned from it.
 
     ``sliced``: the waves of a sliced batch, which last a time slice whatever
     their simulations: every wave counts as one leaf, so the next is expected
-    to take the longest recent one.
+    to take the longest recent one (but the forgiven).
 
     One thread adds (the wave loop's group thread), refitting the model
     then; other threads (admission) may call :meth:`expected_ms`, a few µs:
     ``_lock`` guards the recent waves and the fit (copying a deque while
     another thread appends to it raises)."""
 
-    def __init__(self, window: int = 4, history: int = 32, sliced: bool = False):
+    def __init__(self, window: int = 4, history: int = 32, sliced: bool = False, forgive: int = 1):
         self.sliced = sliced
+        self.forgive = forgive
         self._lock = threading.Lock()
         self._recent: deque[tuple[int, float]] = deque(maxlen=window)  # guarded by _lock
         self._history: deque[tuple[int, float]] = deque(maxlen=history)  # the adding thread's only
-        self._fit = (0.0, 0.0)  # guarded by _lock: (overhead, per_leaf), refitted at each add
+        self._fit = (0.0, 0.0, 0.0)  # guarded by _lock: (overhead, fixed, per_leaf), refitted at each add
 
     def add(self, leaves: int, ms: float) -> None:
         """Records a wave of ``leaves`` simulations that took ``ms`` (undone waves too)."""
@@ -123,16 +132,24 @@ class WaveTimes:
         per_leaf = statistics.median((t - overhead) / n for n, t in self._history if 2 * n >= most)
         with self._lock:
             self._recent.append(wave)
-            self._fit = (overhead, per_leaf)
+            moved = sorted((t - per_leaf * n for n, t in self._recent), reverse=True)
+            self._fit = (overhead, moved[min(self.forgive, len(moved) - 1)], per_leaf)
+
+    def line(self) -> tuple[float, float]:
+        """(fixed ms, ms per leaf): a wave of n leaves is expected to take
+        ``max(overhead, fixed + per_leaf * n)`` (per leaf 0 where sliced); (0, 0) before any wave."""
+        with self._lock:
+            _, fixed, per_leaf = self._fit
+        return fixed, per_leaf
 
     def expected_ms(self, leaves: int) -> float:
         """ms a wave of ``leaves`` simulations is expected to take; 0 before any wave."""
         with self._lock:
-            recent, (overhead, per_leaf) = tuple(self._recent), self._fit
-        if not recent:
+            seen, (overhead, fixed, per_leaf) = bool(self._recent), self._fit
+        if not seen:
             return 0.0
         n = 1 if self.sliced else max(int(leaves), 1)
-        return max(overhead, max(ms + per_leaf * (n - m) for m, ms in recent))
+        return max(overhead, fixed + per_leaf * n)
 
 
 @dataclass
@@ -148,15 +165,19 @@ def fair_share(ks: np.ndarray, shared: np.ndarray, times: WaveTimes, k_max: int,
                wave_target_ms: float | None, roots: int = 0) -> float:
     """Shrinks, in place, the simulations ``ks`` (int64 [B]) of the members
     ``shared`` (bool [B]: bounded by a deadline alone) to one equal k where
-    the wave would take longer than ``wave_target_ms``; returns the wave's
+    the wave would take longer than ``wave_target_ms`` (or twice the wave's
+    fixed cost, where that is longer: module docstring); returns the wave's
     expected ms after it. ``roots``: rows the wave's model call values
     besides (roots waiting for their priors), counted as leaves."""
     expected = times.expected_ms(int(ks.sum()) + roots)
-    if wave_target_ms is not None and expected > wave_target_ms and shared.any():
-        k = max(1, min(k_max, math.floor(k_max * wave_target_ms / expected)))
-        ks[shared] = np.minimum(ks[shared], k)
-        expected = times.expected_ms(int(ks.sum()) + roots)
-    return expected
+    fixed, per_leaf = times.line()
+    if wave_target_ms is None or expected <= wave_target_ms or not shared.any() or per_leaf <= 0:
+        return expected  # per_leaf 0: every wave costs the same, whatever its size
+    longest = max(wave_target_ms, 2 * fixed)
+    room = (longest - fixed) / per_leaf - int(ks[~shared].sum()) - roots  # leaves the shared ones may take
+    k = max(1, min(k_max, math.floor(room / np.count_nonzero(shared))))
+    ks[shared] = np.minimum(ks[shared], k)
+    return times.expected_ms(int(ks.sum()) + roots)
 
 
 def plan_wave(members: list[Member], done: np.ndarray, live: np.ndarray, times: WaveTimes, k_max: int,

@@ -257,7 +257,7 @@ def test_admission_asks_a_fresh_value_model_search_for_one_wave_its_roots():
 
 
 def test_wave_times_with_root_only_waves_recorded_as_leaves():
-    times = WaveTimes()
+    times = WaveTimes(forgive=0)
     times.add(3, 1.0)  # three roots valued alone
     assert times.expected_ms(24) == pytest.approx(1.0)  # one size seen: all fixed
     times.add(24, 4.0)
@@ -271,7 +271,7 @@ def test_wave_times_sliced_counts_each_wave_as_one():
     times = WaveTimes(sliced=True)
     for ms in (5.0, 5.2, 4.9, 5.1):
         times.add(10_000, ms)
-    assert times.expected_ms(1) == times.expected_ms(10**6) == pytest.approx(5.2)
+    assert times.expected_ms(1) == times.expected_ms(10**6) == pytest.approx(5.1)  # the longest but one
 
 
 def test_wave_times_add_and_expected_from_two_threads():
