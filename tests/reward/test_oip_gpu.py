@@ -20,6 +20,7 @@ from reward_service import server as reward_server
 from tandem.gpu import cupy_module
 
 pytestmark = pytest.mark.gpu
+pytest.importorskip("tritonclient.grpc", reason="the oip extra (tritonclient[grpc]) is not installed")
 
 MODEL = "connect4_value"
 

@@ -54,8 +54,8 @@ def test_searches_keep_the_value_model_while_the_stream_priority_changes(gpu_rew
                         evaluator=search_pb2.EVALUATOR_VALUE_MODEL), timeout=60)
                     if reply.evaluation_failure or reply.model_simulations != reply.simulations:
                         failures.append((phase, i, reply.evaluation_failure, reply.model_simulations))
-                stop.set()
                 if flipper:
+                    stop.set()
                     flipper.join(5)
         assert flips[0] > 100  # the priority did change during the searches
         assert failures == []
