@@ -318,8 +318,9 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
         # is someone's, and a refusal would let a client claim a predictable id ("engine-0")
         # before its user does and lock them out -- or lock out an engine that reconnected while
         # its old connection lingers. The search is answered either way.
-        connection = context.peer()
-        who = self.owners(connection) if any(item.reuse for item in items) else None
+        reuse = any(item.reuse for item in items)
+        connection = context.peer() if reuse else ""  # only sessions ask (a few µs a call)
+        who = self.owners(connection) if reuse else None
         for item in items:
             # The params carry the same budget, in ms from the receipt (what a backend's own search takes).
             budget_ms, item.deadline = search_deadline(item.params.deadline_ms, caller, self.cfg.max_deadline_ms,

@@ -47,12 +47,11 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import numpy as np
 from prometheus_client import Counter, Gauge, Histogram
 
 from search_service.mcts.backend import SearchParams, SearchResult
 from search_service.mcts.batch import leave, run_wave
-from search_service.mcts.plan import Member, WaveTimes, fair_share
+from search_service.mcts.plan import Member, WaveTimes, shared_k
 from tandem.deadline import Deadline, earliest
 
 log = logging.getLogger(__name__)
@@ -203,14 +202,14 @@ class WaveLoop:
                 busy = len(group.members) + len(group.queue)  # the group thread's list: a racy length is enough here
                 if not busy or job.deadline is None:
                     continue
-                if id(group) not in expect:
-                    # Its group's next wave with them, every member at K and then at its fair share (all
-                    # taken as deadline-only: the wave the plan would run at most).
-                    ks = np.full(busy + adding[id(group)], group.k_max, np.int64)
-                    expect[id(group)] = fair_share(ks, np.ones(ks.size, bool), group.times, group.k_max,
-                                                   self.wave_target_ms)
-                expected = expect[id(group)]
                 left_ms = job.deadline.left_ms(now)
+                if id(group) not in expect:
+                    # Its group's next wave with them, every member at its fair share (all taken as
+                    # deadline-only: the wave the plan would run at most).
+                    members = busy + adding[id(group)]
+                    k = shared_k(members, 0, group.times, group.k_max, self.wave_target_ms)
+                    expect[id(group)] = group.times.expected_ms(members * k)
+                expected = expect[id(group)]
                 if left_ms < expected:
                     REFUSED.labels("deadline").inc(len(jobs))
                     raise Refused(f"the search service is at capacity: its next wave is expected to take "

@@ -161,22 +161,33 @@ class Plan:
     leaving: list[int]
 
 
+def shared_k(shared: int, others: int, times: WaveTimes, k_max: int, wave_target_ms: float | None) -> int:
+    """The simulations each of ``shared`` deadline-only members takes in a
+    wave beside ``others`` leaves (capped members' simulations, waiting
+    roots): ``k_max``, or less where the wave would take longer than
+    ``wave_target_ms`` (or twice its fixed cost, where that is longer:
+    module docstring). Scalar arithmetic: admission asks it per call."""
+    if wave_target_ms is None or shared <= 0 or times.expected_ms(shared * k_max + others) <= wave_target_ms:
+        return k_max
+    fixed, per_leaf = times.line()
+    if per_leaf <= 0:
+        return k_max  # every wave costs the same, whatever its size
+    room = (max(wave_target_ms, 2 * fixed) - fixed) / per_leaf - others  # leaves the shared ones may take
+    return max(1, min(k_max, math.floor(room / shared)))
+
+
 def fair_share(ks: np.ndarray, shared: np.ndarray, times: WaveTimes, k_max: int,
                wave_target_ms: float | None, roots: int = 0) -> float:
     """Shrinks, in place, the simulations ``ks`` (int64 [B]) of the members
-    ``shared`` (bool [B]: bounded by a deadline alone) to one equal k where
-    the wave would take longer than ``wave_target_ms`` (or twice the wave's
-    fixed cost, where that is longer: module docstring); returns the wave's
-    expected ms after it. ``roots``: rows the wave's model call values
-    besides (roots waiting for their priors), counted as leaves."""
-    expected = times.expected_ms(int(ks.sum()) + roots)
-    fixed, per_leaf = times.line()
-    if wave_target_ms is None or expected <= wave_target_ms or not shared.any() or per_leaf <= 0:
-        return expected  # per_leaf 0: every wave costs the same, whatever its size
-    longest = max(wave_target_ms, 2 * fixed)
-    room = (longest - fixed) / per_leaf - int(ks[~shared].sum()) - roots  # leaves the shared ones may take
-    k = max(1, min(k_max, math.floor(room / np.count_nonzero(shared))))
-    ks[shared] = np.minimum(ks[shared], k)
+    ``shared`` (bool [B]: bounded by a deadline alone) to one equal k
+    (:func:`shared_k`); returns the wave's expected ms after it. ``roots``:
+    rows the wave's model call values besides (roots waiting for their
+    priors), counted as leaves."""
+    n = int(np.count_nonzero(shared))
+    if n:
+        k = shared_k(n, int(ks[~shared].sum()) + roots, times, k_max, wave_target_ms)
+        if k < k_max:
+            ks[shared] = np.minimum(ks[shared], k)
     return times.expected_ms(int(ks.sum()) + roots)
 
 
