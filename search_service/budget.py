@@ -25,6 +25,13 @@ def reply_margin_ms(left_ms: float) -> float:
     return min(max(REPLY_MARGIN_SHARE * left_ms, REPLY_MARGIN_MIN_MS), REPLY_MARGIN_MAX_MS)
 
 
+def spent(grpc_remaining_s: float) -> bool:
+    """Whether a call with ``grpc_remaining_s`` left of its gRPC deadline (s)
+    has no time left for a search: all of it is the reply's margin."""
+    left_ms = grpc_remaining_s * 1e3
+    return left_ms <= reply_margin_ms(left_ms)
+
+
 def search_deadline_ms(requested_ms: float, grpc_remaining_s: float | None, max_ms: float) -> float:
     """The search's own deadline (ms from now), > 0.
 

@@ -31,6 +31,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from tandem.v1 import scheduler_pb2, search_pb2, search_pb2_grpc
 
 from search_service.backends import GameBackends, make_backend
+from search_service import budget
 from search_service.budget import search_deadline, search_deadline_ms
 from search_service.evaluators import HANDOFF_GRPC, HandoffEvaluator
 from search_service.game_registry import load_games
@@ -39,7 +40,7 @@ from search_service.mcts import tree as tr
 from search_service.mcts.backend import SearchParams
 from search_service.sessions import Owners, SessionStore
 from search_service.streams import StreamSet
-from search_service.wave_loop import Job, Refused, Stopping, WaveLoop
+from search_service.wave_loop import REFUSED, Job, Refused, Stopping, WaveLoop
 from tandem import gpu, pools, workers
 from tandem.workers import WorkerPlace
 from tandem.config import TandemConfig
@@ -283,10 +284,12 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
     # -- RPCs -------------------------------------------------------------
     def Search(self, request, context):
         received = time.monotonic()
+        self._refuse_spent(context)
         return self._answer([self._prepare(request, context)], context, received)[0]
 
     def SearchBatch(self, request, context):
         received = time.monotonic()
+        self._refuse_spent(context)
         searches, limit = request.searches, self.cfg.max_batch_searches
         if not searches:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"searches: empty; send 1 to {limit} positions")
@@ -305,6 +308,25 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
                               f"[{first[s.session_id]}]'s (one search per session in a call)")
         items = [self._prepare(s, context, f"searches[{i}].") for i, s in enumerate(searches)]
         return search_pb2.SearchBatchResponse(results=self._answer(items, context, received))
+
+    def _refuse_spent(self, context) -> None:
+        """Aborts RESOURCE_EXHAUSTED, before the request is read, a call that
+        arrives with no time left for a search (its gRPC deadline all reply
+        margin: search_service/budget.py) while searches are in flight:
+        admission would refuse it too (a busy group's next wave takes longer
+        than nothing), after its positions were parsed and its trees taken;
+        under overload most calls arrive so. With nothing in flight it goes
+        on: a lone search gets its one wave."""
+        remaining = context.time_remaining()
+        if remaining is None or not budget.spent(remaining):
+            return
+        busy = self.loop.in_flight()
+        if busy:
+            REFUSED.labels("spent").inc()
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"the search service is at capacity: the call arrived with {max(remaining * 1e3, 0):.1f} ms "
+                          f"left of its gRPC deadline, no more than its answer needs to travel back, with searches in "
+                          f"flight ({busy}); send it with a longer deadline or fewer searches")
 
     def _answer(self, items: list[_Item], context, received: float) -> list:
         """Searches the validated ``items`` (their sessions' trees taken now,

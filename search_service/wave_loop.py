@@ -67,7 +67,9 @@ WAVE_EXPECTED_SECONDS = Histogram("tandem_search_wave_expected_seconds", "How lo
                                   buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3, 8e-3, 16e-3, 32e-3, 64e-3, 0.128))
 LEFT = Counter("tandem_search_left", "Searches that left the batch, by why: budget (its simulation cap), proven, "
                "deadline (the next wave would end past it), stopped (cancelled), failed (its wave failed).", ["end"])
-REFUSED = Counter("tandem_search_refused", "Searches refused at admission (RESOURCE_EXHAUSTED).", ["reason"])
+REFUSED = Counter("tandem_search_refused", "Searches refused at admission (RESOURCE_EXHAUSTED), by why: full "
+                  "(search.max_trees), deadline (shorter than the next wave), spent (the call arrived with no time "
+                  "left for a search while others were in flight; refused before its request was read).", ["reason"])
 PHASE_SECONDS = Histogram(
     "tandem_search_wave_phase_seconds",
     "Time of one step of a group's thread (s): join (newcomers join the batch), leave (plan the wave, answer "

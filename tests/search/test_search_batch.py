@@ -119,3 +119,42 @@ def test_a_flood_beyond_capacity_is_refused_at_once_and_nothing_accepted_is_lost
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "search.max_trees" in err.value.details()
     answers = first.result().results
     assert len(answers) == LIMIT and all(r.simulations == 4000 or r.deadline_reached for r in answers)
+
+
+def test_a_call_arriving_with_its_deadline_spent_is_refused_before_it_is_read(stack, monkeypatch):
+    """While searches are in flight, a call whose gRPC deadline leaves no more
+    than the reply's margin (search_service/budget.py; made 5 s here, so a
+    call with 3 s left has no time for a search on any host) is refused at
+    once, counted as ``spent``, before its request is read (its unknown game
+    is never looked at); the search in flight answers in full."""
+    from search_service import budget
+    from search_service.wave_loop import REFUSED
+
+    stub, search = stack
+    first = stub.Search.future(req(moves="4", simulations=4000, seed=3), timeout=60)
+    while search.servicer.loop.in_flight() < 1 and not first.done():
+        threading.Event().wait(0.005)
+    monkeypatch.setattr(budget, "REPLY_MARGIN_MIN_MS", 5000.0)
+    monkeypatch.setattr(budget, "REPLY_MARGIN_MAX_MS", 5000.0)
+    spent = REFUSED.labels("spent")
+    before = spent._value.get()
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Search(req(game="no-such-game", moves="4"), timeout=3)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "left of its gRPC deadline" in err.value.details() and "searches in flight (1)" in err.value.details()
+    assert spent._value.get() == before + 1
+    monkeypatch.undo()
+    assert first.result().simulations == 4000 or first.result().deadline_reached
+
+
+def test_a_call_with_its_deadline_spent_is_still_read_when_nothing_is_in_flight(stack, monkeypatch):
+    from search_service import budget
+
+    stub, search = stack
+    while search.servicer.loop.in_flight():
+        threading.Event().wait(0.01)
+    monkeypatch.setattr(budget, "REPLY_MARGIN_MIN_MS", 5000.0)
+    monkeypatch.setattr(budget, "REPLY_MARGIN_MAX_MS", 5000.0)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Search(req(game="no-such-game", moves="4"), timeout=3)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND  # read: its game named as unknown
