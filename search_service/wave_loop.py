@@ -195,9 +195,6 @@ class WaveLoop:
                 raise Refused(f"the search service is at capacity: {self._in_flight} searches in flight, "
                               f"{len(jobs)} more would pass search.max_trees ({self.max_trees})")
             groups = [self._lane(job.params) for job in jobs]
-            adding: dict[int, int] = {}  # id(group) -> its jobs in this call
-            for group in groups:
-                adding[id(group)] = adding.get(id(group), 0) + 1
             now = Deadline.now()
             expect: dict[int, float] = {}  # id(group) -> its next wave with this call's jobs, ms
             for job, group in zip(jobs, groups):
@@ -206,11 +203,15 @@ class WaveLoop:
                     continue
                 left_ms = job.deadline.left_ms(now)
                 if id(group) not in expect:
-                    # Its group's next wave with them, every member at its fair share (all taken as
-                    # deadline-only: the wave the plan would run at most).
-                    members = busy + adding[id(group)]
-                    k = shared_k(members, 0, group.times, group.k_max, self.wave_target_ms)
-                    expect[id(group)] = group.times.expected_ms(members * k)
+                    # Its group's next wave with them, at most: capped searches at K, the others at
+                    # their fair share (the plan never cuts capped ones).
+                    caps = [m.simulations for m in list(group.members)]  # a copy: the group thread's list
+                    caps += [j.params.simulations for j in group.queue + [j for j, g in zip(jobs, groups)
+                                                                           if g is group]]
+                    capped = sum(c is not None for c in caps)
+                    k = shared_k(len(caps) - capped, capped * group.k_max, group.times, group.k_max,
+                                 self.wave_target_ms)
+                    expect[id(group)] = group.times.expected_ms((len(caps) - capped) * k + capped * group.k_max)
                 expected = expect[id(group)]
                 if left_ms < expected:
                     REFUSED.labels("deadline").inc(len(jobs))

@@ -86,17 +86,19 @@ class WaveTimes:
     * ``overhead``: the quickest of the last ``history`` waves (launches, the
       model call's round trip);
     * ``per_leaf``: the median ``(ms - overhead) / leaves`` of the last
-      ``history`` waves with at least half the most leaves among them. Small
-      waves do not set it: a hiccup in a wave of few leaves (a scheduler
+      ``history`` waves with at least half the most leaves among them, where
+      there are three or more such waves (else of all of them: the first
+      waves of a batch that grew, one of them stalled, must not set it). Small waves do
+      not set it otherwise: a hiccup in a wave of few leaves (a scheduler
       tick, a collection) would read as a large cost per leaf, and the fair
       share would then shrink every wave to one simulation a tree, its
       noise feeding itself;
     * ``fixed``: each of the last ``window`` waves moved by ``per_leaf`` to
-      zero leaves; the longest of them but the ``forgive`` longest
-      (pessimistic about the fixed cost's jitter, yet one stall, a first
-      call of a new batch size or a collection, does not hold every member
-      to a wave that long for the next ``window`` waves: they would leave
-      after one wave each, and newcomers be refused);
+      zero leaves; the longest of them but the ``forgive`` longest (one
+      stall, a first call of a new batch size or a collection, does not hold
+      every member to a wave that long for the next ``window`` waves: they
+      would leave after one wave each, and newcomers be refused; a second
+      stall among them counts);
     * a wave of ``leaves``: ``fixed + per_leaf * leaves``, never under
       ``overhead``.
 
@@ -129,7 +131,8 @@ class WaveTimes:
         self._history.append(wave)
         overhead = min(t for _, t in self._history)
         most = max(n for n, _ in self._history)
-        per_leaf = statistics.median((t - overhead) / n for n, t in self._history if 2 * n >= most)
+        large = [(t - overhead) / n for n, t in self._history if 2 * n >= most]
+        per_leaf = statistics.median(large if len(large) >= 3 else [(t - overhead) / n for n, t in self._history])
         with self._lock:
             self._recent.append(wave)
             moved = sorted((t - per_leaf * n for n, t in self._recent), reverse=True)
@@ -137,7 +140,7 @@ class WaveTimes:
 
     def line(self) -> tuple[float, float]:
         """(fixed ms, ms per leaf): a wave of n leaves is expected to take
-        ``max(overhead, fixed + per_leaf * n)`` (per leaf 0 where sliced); (0, 0) before any wave."""
+        ``max(overhead, fixed + per_leaf * n)`` (n is 1 for every sliced wave); (0, 0) before any wave."""
         with self._lock:
             _, fixed, per_leaf = self._fit
         return fixed, per_leaf
@@ -172,8 +175,14 @@ def shared_k(shared: int, others: int, times: WaveTimes, k_max: int, wave_target
     fixed, per_leaf = times.line()
     if per_leaf <= 0:
         return k_max  # every wave costs the same, whatever its size
-    room = (max(wave_target_ms, 2 * fixed) - fixed) / per_leaf - others  # leaves the shared ones may take
-    return max(1, min(k_max, math.floor(room / shared)))
+    longest = max(wave_target_ms, 2 * fixed)
+    room = (longest - fixed) / per_leaf - others  # leaves the shared ones may take
+    if room >= shared:
+        return min(k_max, math.floor(room / shared))
+    # The others' leaves alone fill the wave: it runs long whatever the shared ones take, and one
+    # simulation each would save little of it and lose most of their work. They are cut in
+    # proportion to the whole wave instead.
+    return max(1, math.floor(k_max * longest / times.expected_ms(shared * k_max + others)))
 
 
 def fair_share(ks: np.ndarray, shared: np.ndarray, times: WaveTimes, k_max: int,

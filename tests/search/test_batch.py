@@ -83,7 +83,8 @@ def test_the_plan_lets_proven_capped_late_and_stopped_members_leave():
 def test_deadline_only_members_share_a_wave_that_would_run_long_and_capped_ones_keep_k():
     times = WaveTimes()
     times.add(1, 0.0)  # no fixed cost
-    times.add(32, 8.0)  # 0.25 ms a simulation: 4 trees at K 16 would take 16 ms
+    for _ in range(3):
+        times.add(32, 8.0)  # 0.25 ms a simulation: 4 trees at K 16 would take 16 ms
     members = [Member(None, None), Member(None, None), Member(None, None), Member(1000, None)]
     plan = plan_wave(members, np.zeros(4), np.ones(4, bool), times, 16, wave_target_ms=8.0, now=0.0)
     # 16 ms at K; the capped one's 16 take 4 ms of the 8: 16 leaves left for the other three, 5 each
@@ -134,12 +135,14 @@ def test_wave_times_expect_a_fixed_cost_and_a_pessimistic_cost_per_simulation():
     assert times.expected_ms(100) == 0.0
     times.add(32, 2.0)
     assert times.expected_ms(2048) == 2.0  # one size seen: all of it taken as the fixed cost
-    times.add(100, 5.0)
+    for _ in range(3):
+        times.add(100, 5.0)  # 0.03 ms a simulation over the quickest wave's 2 ms
     assert times.expected_ms(100) == pytest.approx(5.0) and times.expected_ms(200) == pytest.approx(8.0)
     times.add(100, 4.0)
     assert times.expected_ms(100) == pytest.approx(5.0)  # the longest recent wave of a size
-    times.add(100, 4.0)  # the 5 ms wave has left the window; the 2 ms one stays the fixed cost
-    assert times.expected_ms(100) == pytest.approx(4.0) and times.expected_ms(1) == pytest.approx(2.02)
+    times.add(100, 4.0)  # the 5 ms waves have left the window
+    assert times.expected_ms(100) == pytest.approx(4.0)
+    assert times.expected_ms(1) == pytest.approx(2.0)  # never under the quickest wave
 
 
 def test_a_hiccup_in_a_small_wave_is_not_read_as_a_cost_per_leaf():
@@ -504,3 +507,82 @@ def test_the_pools_shrink_once_a_large_tree_has_left():
     assert grown > 20_000 and len(batch) == 0
     batch.join(c4.parse_moves("1"), [None], [3], [0])
     assert batch.tree.capacity <= 8192
+
+
+# -- the estimator against stalls and mixed budgets (a reviewer's cases) -----------------------
+
+def _true_ms(n: int) -> float:  # a batch's real cost: 5 ms a wave + 0.02 ms a leaf
+    return 5.0 + 0.02 * n
+
+
+def _lone_then_grown(stall_ms: float) -> WaveTimes:
+    """A lone search's waves (64 leaves), then nine searches whose first wave of 576 leaves takes ``stall_ms``."""
+    times = WaveTimes()
+    for _ in range(10):
+        times.add(64, _true_ms(64))
+    times.add(576, stall_ms)
+    return times
+
+
+def test_a_stall_on_the_first_wave_of_a_grown_batch_is_forgiven():
+    """The stalled wave is the only one of the new size: it must not set the
+    cost per leaf alone (it read 8x the true one, and every member with 40 ms
+    left left after one wave)."""
+    times = _lone_then_grown(100.0)
+    members = [Member(None, Deadline.after_s(0.040, 100.0), tried=True) for _ in range(9)]
+    plan = plan_wave(members, np.zeros(9), np.ones(9, bool), times, 64, now=100.0)
+    assert times.expected_ms(576) < 2 * _true_ms(576) and plan.leaving == []
+
+
+def test_the_fair_share_recovers_from_a_stall_within_a_few_waves():
+    times = _lone_then_grown(100.0)
+    members = [Member(None, None, tried=True) for _ in range(9)]
+    ks = []
+    for _ in range(8):
+        plan = plan_wave(members, np.zeros(9), np.ones(9, bool), times, 64, wave_target_ms=10.0, now=0.0)
+        ks.append(int(plan.ks[0]))
+        times.add(int(plan.ks.sum()), _true_ms(int(plan.ks.sum())))
+    assert ks[-1] >= 24, ks  # floor((10 - 5) / 0.02 / 9) = 27 without the stall
+
+
+def test_two_stalls_among_the_last_four_waves_count_whatever_their_sizes():
+    times = WaveTimes()
+    for _ in range(3):
+        times.add(64, _true_ms(64))
+    times.add(1024, _true_ms(1024) + 60)
+    times.add(128, _true_ms(128) + 60)
+    times.add(64, _true_ms(64))
+    assert times.expected_ms(128) >= _true_ms(128) + 50
+
+
+def test_where_capped_members_fill_the_wave_the_others_are_cut_in_proportion_not_to_one():
+    """A capped member's 512 simulations alone take the wave past its target:
+    cutting the deadline-only ones to one each would save 13 ms of 69 and
+    lose 98 % of their work."""
+    times = WaveTimes()
+    times.add(16, 5.0 + 0.1 * 16)
+    for _ in range(3):
+        times.add(512, 5.0 + 0.1 * 512)
+    members = [Member(1000, None), Member(None, None), Member(None, None)]
+    plan = plan_wave(members, np.zeros(3), np.ones(3, bool), times, 512, wave_target_ms=20.0, now=0.0)
+    assert plan.ks.tolist()[0] == 512 and min(plan.ks.tolist()[1:]) >= 16, plan.ks.tolist()
+
+
+def test_admission_counts_capped_searches_at_k():
+    """The plan never cuts capped searches: admission expects the wave with
+    them at K (30 at 64: about 43 ms), so a newcomer with 15 ms left is
+    refused, not admitted to answer three times past its deadline."""
+    from types import SimpleNamespace
+
+    from search_service.wave_loop import Job, Refused, WaveLoop
+
+    times = WaveTimes()
+    for n in (64, 1920, 1920, 1920):
+        times.add(n, _true_ms(n))
+    group = SimpleNamespace(members=[Member(10_000, None, tried=True) for _ in range(30)], queue=[], times=times,
+                            k_max=64)
+    loop = WaveLoop(backend=None, wave_target_ms=10.0)
+    loop._lane = lambda params: group
+    with pytest.raises(Refused):
+        loop.submit([Job(roots=None, tree=None, params=SimpleNamespace(deadline_ms=15.0, simulations=None))])
+    assert loop.in_flight() == 0

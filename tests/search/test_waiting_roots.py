@@ -260,8 +260,9 @@ def test_wave_times_with_root_only_waves_recorded_as_leaves():
     times = WaveTimes(forgive=0)
     times.add(3, 1.0)  # three roots valued alone
     assert times.expected_ms(24) == pytest.approx(1.0)  # one size seen: all fixed
-    times.add(24, 4.0)
-    # overhead 1, per_leaf (4 - 1) / 24 = 0.125 from the one wave of at least 12 leaves
+    for _ in range(3):
+        times.add(24, 4.0)
+    # overhead 1, per_leaf (4 - 1) / 24 = 0.125 from the waves of at least 12 leaves
     assert times.expected_ms(24) == pytest.approx(4.0)
     assert times.expected_ms(48) == pytest.approx(7.0)
     assert times.expected_ms(0) == pytest.approx(max(1.125, 1.0 + 0.125 * -2, 4.0 + 0.125 * -23))
