@@ -88,11 +88,11 @@ class WaveTimes:
     * ``per_leaf``: the median ``(ms - overhead) / leaves`` of the last
       ``history`` waves with at least half the most leaves among them, where
       there are three or more such waves (else of all of them: the first
-      waves of a batch that grew, one of them stalled, must not set it). Small waves do
-      not set it otherwise: a hiccup in a wave of few leaves (a scheduler
-      tick, a collection) would read as a large cost per leaf, and the fair
-      share would then shrink every wave to one simulation a tree, its
-      noise feeding itself;
+      waves of a batch that grew, one of them stalled, must not set it).
+      Small waves do not set it otherwise: a hiccup in a wave of few leaves
+      (a scheduler tick, a collection) would read as a large cost per leaf,
+      and the fair share would then shrink every wave to one simulation a
+      tree, its noise feeding itself;
     * ``fixed``: each of the last ``window`` waves moved by ``per_leaf`` to
       zero leaves; the longest of them but the ``forgive`` longest (one
       stall, a first call of a new batch size or a collection, does not hold
