@@ -31,7 +31,7 @@ Row fields: ``service``, ``host_wait``, ``workers``, ``clients``, ``backend``
 wall second), ``cpu_us_per_call``, ``cpu_us_per_search``, ``seconds``,
 ``errors`` (calls that failed), ``calls_ratio`` (calls_per_s over the
 same service's first one-worker row, the same run), and for ``search`` its
-wave loop's figures (worker 0's, bench/row_load.py ``wave_figures``:
+wave loop's figures (all workers', bench/row_load.py ``wave_figures``:
 ``join_ms_mean``, ``leave_ms_mean``, ``wave_ms_mean``, ``waves_per_s``,
 ``trees_per_wave``, ...). One file per service:
 ``search_calls.json``, ``reward_calls.json``.
@@ -120,7 +120,7 @@ def _profile(pid: int, seconds: float, path: Path) -> list[subprocess.Popen]:
 
 
 def _config(service: str, workers: int, backend: str, provider: str, host_wait: str) -> dict:
-    if service == "search":  # its /metrics on: the wave loop's figures (worker 0's)
+    if service == "search":  # its /metrics on: the wave loop's figures (all workers')
         return loopback_stack_data({"search": {"backend": backend, "evaluator": "rollout", "workers": workers,
                                                "host_wait": host_wait, "metrics_port": free_port()}})
     return loopback_stack_data({"reward": {"execution_provider": provider, "workers": workers,

@@ -30,7 +30,7 @@ engine after their start). A row pools its engines' reports:
 * where the host's time went (bench/row_load.py): ``cpu_cores`` per server
   (its workers summed), ``clients_cpu_cores`` (the engines' CPU, their
   start-up included), ``host_busy_share``, all from the first frame on, and the
-  search service's wave loop (worker 0): ``wave_ms_mean``, ``join_ms_mean``,
+  search service's wave loop (all its workers): ``wave_ms_mean``, ``join_ms_mean``,
   ``leave_ms_mean``, ``waves_per_s``, ``trees_per_wave``, the plan's
   ``leaves_per_wave`` and ``wave_expected_ms_mean``, and ``left_by`` (searches
   by why they left: budget, proven, deadline, stopped, failed);

@@ -105,7 +105,7 @@ class RowLoad:
 
     Args:
         supervisor: the ``tandem up`` process's pid.
-        search_metrics_port: ``search.metrics_port`` (its worker 0's wave loop;
+        search_metrics_port: ``search.metrics_port`` (the wave loop of all its workers;
             0: no wave figures).
     """
 
@@ -128,7 +128,7 @@ class RowLoad:
         """The row's figures: ``cpu_cores`` {server: cores used on average over
         the row, its workers summed}, ``clients_cpu_cores`` (this process's
         children waited for since: the engines), ``host_busy_share`` (0..1, every core), and
-        the search service's worker 0 wave loop (:func:`wave_figures`; absent
+        the search service's wave loop, all workers (:func:`wave_figures`; absent
         without /metrics)."""
         wall = max(time.monotonic() - self.t0, 1e-9)
         busy, total = _host_ticks()

@@ -33,6 +33,7 @@ from typing import Callable
 from prometheus_client import Counter, Gauge, Histogram
 
 from reward_service.batcher import LANES
+from tandem import multiprocess_metrics
 from tandem.server import LATENCY_BUCKETS_S
 
 #: Why a request for a known model failed (the ``reason`` label).
@@ -63,7 +64,8 @@ BATCH_SIZE = Histogram("tandem_reward_model_batch_size", "Real rows per model ru
 BATCH_FILL = Histogram("tandem_reward_model_batch_fill_ratio", "Real rows over padded rows per model run (0-1).",
                        _LABELS, buckets=FILL_BUCKETS)
 PER_LANE = (REQUESTS, SUCCESSES, EXECUTIONS, QUEUE_SECONDS, COMPUTE_SECONDS, BATCH_SIZE, BATCH_FILL)
-PENDING = Gauge("tandem_reward_model_pending_requests", "Requests queued for the model now.", _LABELS)
+PENDING = Gauge("tandem_reward_model_pending_requests", "Requests queued for the model now.", _LABELS,
+                multiprocess_mode="livesum")  # summed over workers (tandem/workers.py)
 
 
 @dataclass
@@ -141,8 +143,9 @@ class ModelMetrics:
         self._live = True
 
     def watch_pending(self, model: str, lane: str, queued: Callable[[], int]) -> None:
-        """The pending gauge of ``model``'s ``lane`` reads ``queued()`` at each scrape."""
-        PENDING.labels(model, lane).set_function(queued)
+        """The pending gauge of ``model``'s ``lane`` reads ``queued()`` at each scrape (under
+        workers: every second too, tandem/multiprocess_metrics.py)."""
+        multiprocess_metrics.set_function(PENDING.labels(model, lane), queued)
 
     def requested(self, model: str, lane: str) -> None:
         if self._live:

@@ -22,7 +22,7 @@ from reward_service.refusal import Refusal
 from reward_service.session import InputError, ModelSession, runners_per_model
 from reward_service.shared_memory import Lease, RegionStatus, RegionTable, SharedMemoryError, check_client
 from tandem import in_process as tandem_in_process
-from tandem import gpu, peer, tensors, workers
+from tandem import gpu, multiprocess_metrics, peer, tensors, workers
 from tandem.failover import STANDBY_KEY
 from tandem.startup import Phases
 from tandem.workers import WorkerPlace
@@ -36,17 +36,26 @@ from tandem.service import Service, start_service
 log = logging.getLogger(__name__)
 
 BULK_SERVER_KEY = "bulk_server"  # ModelMetadata.runtime key: the bulk server's address, for bulk clients
-IN_FLIGHT = Gauge("tandem_reward_requests_in_flight", "Evaluate calls being served.")
-BYTES_IN_FLIGHT = Gauge("tandem_reward_bytes_in_flight", "Bytes of the Evaluate calls being served (serialized).")
-STREAM_PRIORITY = Gauge("tandem_reward_stream_priority", "CUDA stream priority assigned by the scheduler.")
+# Under workers (tandem/workers.py) a gauge merges as its multiprocess_mode says: livesum for what the workers
+# hold between them, liveall (a series a worker, label pid) for what the scheduler assigns each.
+IN_FLIGHT = Gauge("tandem_reward_requests_in_flight", "Evaluate calls being served.", multiprocess_mode="livesum")
+BYTES_IN_FLIGHT = Gauge("tandem_reward_bytes_in_flight", "Bytes of the Evaluate calls being served (serialized).",
+                        multiprocess_mode="livesum")
+STREAM_PRIORITY = Gauge("tandem_reward_stream_priority", "CUDA stream priority assigned by the scheduler.",
+                        multiprocess_mode="liveall")
 BULK_SHARE = Gauge("tandem_reward_bulk_share_ratio",
-                   "Share of wall time (0-1) each model's bulk lane may run batches (the scheduler's lever).")
-QUEUE_DEPTH = Gauge("tandem_reward_queue_depth", "Requests waiting in the models' batchers.")
+                   "Share of wall time (0-1) each model's bulk lane may run batches (the scheduler's lever).",
+                   multiprocess_mode="liveall")
+QUEUE_DEPTH = Gauge("tandem_reward_queue_depth", "Requests waiting in the models' batchers.",
+                    multiprocess_mode="livesum")
 LANE_QUEUE_DEPTH = Gauge("tandem_reward_lane_queue_depth", "Requests waiting in the models' batchers, per lane.",
-                         ["lane"])
-POOL_LIMIT = Gauge("tandem_reward_pool_limit_bytes", "ONNX Runtime arena limit over all sessions (0 = none).")
-SHM_REGIONS = Gauge("tandem_reward_shared_memory_regions", "Shared-memory regions registered.")
-SHM_BYTES = Gauge("tandem_reward_shared_memory_bytes", "Bytes of the shared-memory regions registered.")
+                         ["lane"], multiprocess_mode="livesum")
+POOL_LIMIT = Gauge("tandem_reward_pool_limit_bytes", "ONNX Runtime arena limit over all sessions (0 = none).",
+                   multiprocess_mode="livesum")
+SHM_REGIONS = Gauge("tandem_reward_shared_memory_regions", "Shared-memory regions registered.",
+                    multiprocess_mode="livesum")
+SHM_BYTES = Gauge("tandem_reward_shared_memory_bytes", "Bytes of the shared-memory regions registered.",
+                  multiprocess_mode="livesum")
 
 
 def clear_chain(exc: BaseException) -> None:
@@ -472,16 +481,17 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True, bulk_server: bool = 
                               critical_address=cfg.reward.address if bulk_server else "",
                               bulk_address=bulk_cfg.address if bulk_cfg.enabled and not bulk_server else "",
                               standby=bulk_cfg.enabled and bulk_cfg.standby)
-    BYTES_IN_FLIGHT.set_function(lambda: servicer.budget.held)
+    gauge = multiprocess_metrics.set_function  # Gauge.set_function, and under workers set every second
+    gauge(BYTES_IN_FLIGHT, lambda: servicer.budget.held)
     for name, b in servicer.batchers.items():
         for lane in LANES.values():
             metrics.watch_pending(name, lane, lambda b=b, lane=lane: b.stats()["lanes"][lane]["queued"])
-    QUEUE_DEPTH.set_function(lambda: sum(b.stats()["queued"] for b in servicer.batchers.values()))
+    gauge(QUEUE_DEPTH, lambda: sum(b.stats()["queued"] for b in servicer.batchers.values()))
     for lane in LANES.values():
-        LANE_QUEUE_DEPTH.labels(lane=lane).set_function(
-            lambda lane=lane: sum(b.stats()["lanes"][lane]["queued"] for b in servicer.batchers.values()))
-    SHM_REGIONS.set_function(lambda: servicer.regions.stats()["regions"])
-    SHM_BYTES.set_function(lambda: servicer.regions.stats()["bytes"])
+        gauge(LANE_QUEUE_DEPTH.labels(lane=lane),
+              lambda lane=lane: sum(b.stats()["lanes"][lane]["queued"] for b in servicer.batchers.values()))
+    gauge(SHM_REGIONS, lambda: servicer.regions.stats()["regions"])
+    gauge(SHM_BYTES, lambda: servicer.regions.stats()["bytes"])
     POOL_LIMIT.set(cfg.reward.memory_pool_bytes)
     with phases.phase("one request per model and lane"):
         _warm_up(servicer)

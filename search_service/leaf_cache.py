@@ -32,7 +32,8 @@ A = connect4.NUM_ACTIONS
 ENTRY_BYTES = 360
 
 LOOKUPS = Counter("tandem_search_eval_cache_lookups", "Leaf evaluations asked of the cache.", ["result"])
-ENTRIES = Gauge("tandem_search_eval_cache_entries", "Positions held by the evaluation cache.")
+ENTRIES = Gauge("tandem_search_eval_cache_entries", "Positions held by the evaluation cache.",
+                multiprocess_mode="livesum")
 
 
 class EvaluationCache:

@@ -41,7 +41,7 @@ from search_service.mcts.backend import SearchParams
 from search_service.sessions import Owners, SessionStore
 from search_service.streams import StreamSet
 from search_service.wave_loop import REFUSED, Job, Refused, Stopping, WaveLoop
-from tandem import gpu, pools, workers
+from tandem import gpu, multiprocess_metrics, pools, workers
 from tandem.workers import WorkerPlace
 from tandem.config import TandemConfig
 from tandem.deadline import Deadline
@@ -59,16 +59,22 @@ SIMULATIONS = Histogram(
 STEP_SECONDS = Histogram(
     "tandem_search_step_seconds", "Time per search in each step (s).", ["step"], buckets=LATENCY_BUCKETS_S
 )
-STREAM_PRIORITY = Gauge("tandem_search_stream_priority", "CUDA stream priority assigned by the scheduler.")
-ACTIVE_STREAM_PRIORITY = Gauge("tandem_search_stream_priority_active", "CUDA stream priority searches launch on.")
+# Under workers (tandem/workers.py) a gauge merges as its multiprocess_mode says: livesum for what the workers
+# hold between them, liveall (a series a worker, label pid) for what the scheduler assigns each.
+STREAM_PRIORITY = Gauge("tandem_search_stream_priority", "CUDA stream priority assigned by the scheduler.",
+                        multiprocess_mode="liveall")
+ACTIVE_STREAM_PRIORITY = Gauge("tandem_search_stream_priority_active", "CUDA stream priority searches launch on.",
+                               multiprocess_mode="liveall")
 POOL_BYTES = Gauge("tandem_search_pool_bytes", "CuPy memory pool: bytes in use and the fixed limit (0 = none).",
-                   ["what"])
+                   ["what"], multiprocess_mode="livesum")
 EXHAUSTED = Counter("tandem_search_pool_exhausted", "Searches refused because the memory pool was full.")
-SESSIONS = Gauge("tandem_search_sessions", "Sessions kept: with their trees, or bound while a search holds the tree.")
+SESSIONS = Gauge("tandem_search_sessions", "Sessions kept: with their trees, or bound while a search holds the tree.",
+                 multiprocess_mode="livesum")
 SESSION_CONFLICTS = Counter("tandem_search_session_conflicts_total",
                             "Searches naming a session bound to another open connection of the same user "
                             "(answered from a fresh tree, not kept).")
-SESSION_BYTES = Gauge("tandem_search_session_bytes", "Bytes the trees kept for reuse hold (search.max_session_bytes).")
+SESSION_BYTES = Gauge("tandem_search_session_bytes", "Bytes the trees kept for reuse hold (search.max_session_bytes).",
+                      multiprocess_mode="livesum")
 CANCELLED = Counter(
     "tandem_search_cancelled", "Searches stopped early because their caller went away (cancel or deadline)."
 )
@@ -553,8 +559,8 @@ def start(cfg: TandemConfig, follow_scheduler: bool = True, place: WorkerPlace =
                                device_channels=cfg.search.device_channels, address=reward_address)
     evaluator = CachedEvaluator(handoff, EvaluationCache(cfg.search.evaluation_cache_bytes))
     servicer = SearchServicer(cfg, backend, evaluator, streams, handoff, games)
-    POOL_BYTES.labels("used").set_function(lambda: pools.cupy_pool_use(cupy)[0])
-    POOL_BYTES.labels("limit").set_function(lambda: pools.cupy_pool_use(cupy)[1])
+    multiprocess_metrics.set_function(POOL_BYTES.labels("used"), lambda: pools.cupy_pool_use(cupy)[0])
+    multiprocess_metrics.set_function(POOL_BYTES.labels("limit"), lambda: pools.cupy_pool_use(cupy)[1])
 
     def register(server):
         search_pb2_grpc.add_SearchServiceServicer_to_server(servicer, server)

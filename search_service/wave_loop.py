@@ -56,7 +56,8 @@ from tandem.deadline import Deadline, earliest
 
 log = logging.getLogger(__name__)
 
-TREES = Gauge("tandem_search_batch_trees", "Searches in flight in the wave loop (joined or waiting to join).")
+TREES = Gauge("tandem_search_batch_trees", "Searches in flight in the wave loop (joined or waiting to join).",
+              multiprocess_mode="livesum")
 WAVE_TREES = Histogram("tandem_search_wave_trees", "Trees in one wave of the wave loop.",
                        buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024))
 WAVE_LEAVES = Histogram("tandem_search_wave_leaves", "Simulations a wave of the wave loop plans over all its trees "

@@ -50,14 +50,27 @@ def _config(args) -> TandemConfig:
 def cmd_serve(args) -> int:
     import importlib
 
-    from stack.supervisor import die_with_supervisor, mps_env
+    from tandem import multiprocess_metrics
 
-    die_with_supervisor()
     cfg = _config(args)
-    os.environ.update(mps_env(cfg))  # before any CUDA context: the MPS directories the scheduler uses
-    module, function = SERVE[args.name]
-    getattr(importlib.import_module(module), function)(cfg)
+    # Several workers: prometheus-client's multiprocess mode in every one, chosen when it is first
+    # imported (stack.supervisor imports it): the directory is set before, and removed at the end.
+    metrics_dir = multiprocess_metrics.begin(_workers(cfg, args.name))
+    try:
+        from stack.supervisor import die_with_supervisor, mps_env
+
+        die_with_supervisor()
+        os.environ.update(mps_env(cfg))  # before any CUDA context: the MPS directories the scheduler uses
+        module, function = SERVE[args.name]
+        getattr(importlib.import_module(module), function)(cfg)
+    finally:
+        multiprocess_metrics.end(metrics_dir)
     return 0
+
+
+def _workers(cfg: TandemConfig, name: str) -> int:
+    """The processes server ``name`` runs as (tandem/workers.py)."""
+    return {"search": cfg.search.workers, "reward": cfg.reward.workers}.get(name, 1)
 
 
 def _print_endpoints(cfg: TandemConfig) -> None:

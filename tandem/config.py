@@ -250,7 +250,9 @@ class RewardConfig:
     # Processes serving reward.address together (SO_REUSEPORT; tandem/workers.py), each
     # with its own sessions (GPU memory and start-up times this many), batchers and leaf
     # channel; a connection stays with one, so a client registers shared memory and
-    # evaluates over one channel. Metrics are worker 0's. The bulk server stays one. At most 64.
+    # evaluates over one channel. Worker 0's metrics endpoint serves every worker's metrics
+    # merged (counters, histograms and in-flight gauges summed; tandem/multiprocess_metrics.py).
+    # The bulk server stays one. At most 64.
     workers: int = 1
     models: tuple[ModelConfig, ...] = (
         ModelConfig(
@@ -349,7 +351,8 @@ class SearchConfig:
     # has its own interpreter, wave loop, batch of trees, sessions and leaf channels, and
     # the kernel spreads connections over them (a connection, and so a session, stays
     # with one). One Python process serves about a thousand calls a second; more engines
-    # need more workers. Metrics are worker 0's. At most 64.
+    # need more workers. Worker 0's metrics endpoint serves every worker's metrics merged
+    # (counters, histograms and in-flight gauges summed; tandem/multiprocess_metrics.py). At most 64.
     workers: int = 1
     # Game folders the search service loads at start, besides Connect Four (built in): each
     # a folder with game.yaml and rules.py (search_service/games/protocol.py), anywhere; a

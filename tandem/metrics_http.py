@@ -8,6 +8,10 @@ never finishes its request holds a thread each for ever (1000 half-sent
 ``MAX_HANDLERS`` connections handled at once (one more is closed at once: the
 scraper tries again at its next interval) and a socket timeout on each, so a
 connection that stops sending is closed after ``TIMEOUT_S``.
+
+What it serves is :func:`tandem.multiprocess_metrics.registry`: the process's
+own metrics, or, where the service runs as several worker processes, every
+worker's merged (its function-valued gauges set just before each scrape).
 """
 from __future__ import annotations
 
@@ -16,7 +20,9 @@ import socketserver
 import threading
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import REGISTRY, make_wsgi_app
+from prometheus_client import make_wsgi_app
+
+from tandem import multiprocess_metrics
 
 MAX_HANDLERS = 8  # connections handled at once (a scraper needs one)
 TIMEOUT_S = 2.0  # a connection's reads and writes; a scrape takes milliseconds
@@ -59,7 +65,7 @@ class BoundedServer(socketserver.ThreadingMixIn, WSGIServer):
 
 
 def serve_metrics(port: int, host: str = "127.0.0.1") -> BoundedServer:
-    """Serves the default registry's metrics on http://``host``:``port``/metrics
+    """Serves the metrics (:func:`tandem.multiprocess_metrics.registry`) on http://``host``:``port``/metrics
     from a daemon thread; returns the server (``shutdown()`` stops it).
 
     Raises:
@@ -70,6 +76,12 @@ def serve_metrics(port: int, host: str = "127.0.0.1") -> BoundedServer:
     class Server(BoundedServer):
         address_family = family
 
-    httpd = make_server(host, port, make_wsgi_app(REGISTRY), Server, handler_class=_QuietHandler)
+    app = make_wsgi_app(multiprocess_metrics.registry())
+
+    def scrape(environ, start_response):
+        multiprocess_metrics.refresh()  # multiprocess mode: this process's function-valued gauges, now
+        return app(environ, start_response)
+
+    httpd = make_server(host, port, scrape, Server, handler_class=_QuietHandler)
     threading.Thread(target=httpd.serve_forever, name="metrics-http", daemon=True).start()
     return httpd

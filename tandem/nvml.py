@@ -95,8 +95,13 @@ def register_gpu_metrics() -> bool:
         return False
     from prometheus_client import Gauge
 
-    util = Gauge("tandem_scheduler_gpu_utilisation_ratio", "GPU 0 utilisation over NVML's last sample period (0-1).")
-    used = Gauge("tandem_scheduler_gpu_memory_used_bytes", "GPU 0 device memory in use (bytes).")
-    util.set_function(lambda: (sample() or {}).get("gpu_util_percent", float("nan")) / 100.0)
-    used.set_function(lambda: (sample() or {}).get("memory_used_bytes", float("nan")))
+    from tandem import multiprocess_metrics
+
+    # The GPU's, whichever process reads it: the greatest (one value) where processes share the files.
+    util = Gauge("tandem_scheduler_gpu_utilisation_ratio", "GPU 0 utilisation over NVML's last sample period (0-1).",
+                 multiprocess_mode="livemax")
+    used = Gauge("tandem_scheduler_gpu_memory_used_bytes", "GPU 0 device memory in use (bytes).",
+                 multiprocess_mode="livemax")
+    multiprocess_metrics.set_function(util, lambda: (sample() or {}).get("gpu_util_percent", float("nan")) / 100.0)
+    multiprocess_metrics.set_function(used, lambda: (sample() or {}).get("memory_used_bytes", float("nan")))
     return True

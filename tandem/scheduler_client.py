@@ -55,7 +55,8 @@ from tandem.v1 import scheduler_pb2, scheduler_pb2_grpc
 log = logging.getLogger(__name__)
 
 # This process's lease (one scheduler client per service process).
-LEASE_HELD = Gauge("tandem_scheduler_client_lease_held", "1 while this service holds a scheduler lease, else 0.")
+LEASE_HELD = Gauge("tandem_scheduler_client_lease_held", "1 while this service holds a scheduler lease, else 0.",
+                   multiprocess_mode="livemin")  # under workers: 1 while every worker holds its own
 LEASES_LOST = Counter("tandem_scheduler_client_leases_lost",
                       "Leases the scheduler no longer knew (expired or replaced); the service registers again.")
 _LOAD_FIELDS = frozenset(f.name for f in scheduler_pb2.LoadReport.DESCRIPTOR.fields) - {"lease_id"}

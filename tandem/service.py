@@ -86,7 +86,7 @@ def start_service(
 ) -> Service:
     """Starts a server and (unless ``follow_scheduler`` is false) its scheduler client,
     as process ``place`` of its workers (tandem/workers.py: the port they share, and
-    metrics from worker 0 only).
+    the metrics endpoint on worker 0 only, serving every worker's metrics).
 
     The service is SERVING as soon as it is started: it does not wait for the
     scheduler, which it follows in the background (registering with backoff).

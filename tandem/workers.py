@@ -25,7 +25,14 @@ Invariants:
   server does), then it exits;
 * workers start one after another, each once the last serves: two warming
   up at once would time cuDNN's candidate kernels against each other (the
-  reason ``tandem up`` starts its servers in order).
+  reason ``tandem up`` starts its servers in order);
+* worker 0 (the first process) serves the metrics endpoint, and it serves
+  every worker's metrics merged: prometheus-client's multiprocess mode
+  (tandem/multiprocess_metrics.py; ``tandem serve`` chooses it before
+  anything imports prometheus-client), counters and histograms summed over
+  the workers, a dead one's counts kept, gauges as each one's
+  ``multiprocess_mode`` says; a dead worker's ``live*`` gauges are dropped
+  as it is restarted.
 """
 from __future__ import annotations
 
@@ -41,6 +48,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from tandem import multiprocess_metrics
 from tandem.config import TandemConfig
 from tandem.server import can_bind, catch_stop_signals
 
@@ -62,7 +70,7 @@ class WorkerPlace:
         return configured if self.port is None else f"{configured.rpartition(':')[0]}:{self.port}"
 
     def metrics_port(self, configured: int) -> int:
-        return configured if self.index == 0 else 0  # worker 0's metrics only
+        return configured if self.index == 0 else 0  # worker 0 serves every worker's metrics
 
     @property
     def shares_port(self) -> bool:
@@ -184,6 +192,7 @@ class Workers:
                 if not ended or self._stopping.is_set():
                     continue
                 index = by_sentinel[ended[0]]
+                multiprocess_metrics.mark_dead(self.procs[index - 1].pid)  # its live gauges count no more
                 delay = self._restarts.died(index, time.monotonic())
                 on_death(index, self.procs[index - 1].exitcode, delay)
                 if delay is None or self._stopping.wait(delay):
@@ -227,6 +236,9 @@ def serve(cfg: TandemConfig, count: int, address: str, grace_ms: float, start: s
         first(cfg).serve_forever(grace_ms)
         return
     check_free(address)  # a stale server would share a port bound with SO_REUSEPORT
+    if not multiprocess_metrics.active():
+        log.warning("prometheus-client was imported before %s was set: the metrics endpoint serves "
+                    "worker 0's metrics alone (tandem serve sets it)", multiprocess_metrics.ENV)
     service = first(cfg, place=WorkerPlace(0, count))
     # Serving from here on: a stop signal while the workers start is recorded, and stops all once they have.
     seen = catch_stop_signals()

@@ -2,8 +2,10 @@
 address (``search.workers``, ``reward.workers``; tandem/workers.py): `tandem
 serve` as a real process on loopback (CPU reference, CPU execution provider),
 its workers listening on the same port, calls over new connections all
-answered, a dead worker started again while the others serve (one that
-keeps dying stops the server) and SIGTERM stopping every worker."""
+answered and counted on worker 0's metrics endpoint (every worker's metrics
+merged), a dead worker started again while the others serve (its live gauges
+dropped; one that keeps dying stops the server) and SIGTERM stopping every
+worker, its metrics directory removed."""
 from __future__ import annotations
 
 import contextlib
@@ -13,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -20,9 +23,10 @@ import numpy as np
 import pytest
 import yaml
 from conftest import free_port
+from prometheus_client.parser import text_string_to_metric_families
 from tandem.v1 import reward_pb2, reward_pb2_grpc, search_pb2, search_pb2_grpc
 
-from tandem import tensors
+from tandem import multiprocess_metrics, tensors
 from tandem.config import ConfigError, load_config, loopback_data
 from tandem.server import health_status
 from tandem.workers import FIRST_DELAY_S, MAX_DELAY_S, MAX_IN_A_ROW, WINDOW_S, Restarts, check_free, children
@@ -73,9 +77,33 @@ def _serve(tmp_path, name: str, sections: dict, count: int):
 
 @pytest.fixture()
 def workers(tmp_path):
-    """`tandem serve search` with three workers: (process, config, port)."""
-    with _serve(tmp_path, "search", {"search": {"backend": "cpu", "evaluator": "rollout", "workers": 3}}, 3) as served:
+    """`tandem serve search` with three workers and metrics: (process, config, port)."""
+    search = {"backend": "cpu", "evaluator": "rollout", "workers": 3, "metrics_port": free_port()}
+    with _serve(tmp_path, "search", {"search": search}, 3) as served:
         yield served
+
+
+def _search_calls(metrics_port: int) -> float:
+    """Search calls counted on http://127.0.0.1:``metrics_port``/metrics (every code)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "tandem_rpc_latency_seconds_count" and s.labels["method"].endswith("/Search"))
+
+
+def _metrics_dir(worker: int) -> Path:
+    """The metrics directory (PROMETHEUS_MULTIPROC_DIR) process ``worker`` inherited."""
+    env = dict(e.split(b"=", 1) for e in Path(f"/proc/{worker}/environ").read_bytes().split(b"\0") if b"=" in e)
+    return Path(env[multiprocess_metrics.ENV.encode()].decode())
+
+
+def _own_search_calls(directory: Path, pid: int) -> float:
+    """Search calls process ``pid`` counted (its own file in ``directory``)."""
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    return sum(s.value for m in MultiProcessCollector.merge([str(directory / f"histogram_{pid}.db")])
+               for s in m.samples
+               if s.name == "tandem_rpc_latency_seconds_count" and s.labels["method"].endswith("/Search"))
 
 
 def test_three_workers_listen_on_one_port_and_answer_calls_on_new_connections(workers):
@@ -87,6 +115,11 @@ def test_three_workers_listen_on_one_port_and_answer_calls_on_new_connections(wo
         with grpc.insecure_channel(cfg.search.address) as ch:
             answers.append(search_pb2_grpc.SearchServiceStub(ch).Search(request, timeout=30))
     assert {(a.action, a.simulations) for a in answers} == {(answers[0].action, 32)}  # same seed: same answer
+    # Worker 0's endpoint counts every worker's calls, whichever served them.
+    assert _search_calls(cfg.search.metrics_port) == 24
+    directory = _metrics_dir(_workers_of(proc.pid)[0])
+    own = [_own_search_calls(directory, pid) for pid in (proc.pid, *_workers_of(proc.pid))]
+    assert sum(own) == 24 and sum(1 for n in own if n) >= 2, own  # 24 connections: never all on one worker
     with pytest.raises(RuntimeError, match=f"could not bind 127.0.0.1:{port}"):
         check_free(cfg.search.address)  # held by the workers: a stale server would be seen
 
@@ -121,6 +154,8 @@ def test_a_worker_that_dies_starts_again_while_the_others_serve(workers):
     proc, cfg, port = workers
     before = _workers_of(proc.pid)
     assert len(before) == 2
+    directory = _metrics_dir(before[-1])
+    assert list(directory.glob(f"gauge_live*_{before[-1]}.db"))  # its live gauges (e.g. searches in flight)
     os.kill(before[-1], signal.SIGKILL)
     request = search_pb2.SearchRequest(game="connect4", moves="4453", simulations=8, seed=1)
     # A new connection: a live worker takes it (one the kernel queued on the dead worker's socket
@@ -131,6 +166,8 @@ def test_a_worker_that_dies_starts_again_while_the_others_serve(workers):
     assert _poll(lambda: _listeners(port) == 3 and len(_workers_of(proc.pid)) == 2, START_TIMEOUT_S)
     after = _workers_of(proc.pid)
     assert before[0] in after and before[-1] not in after  # the dead one replaced, the other untouched
+    assert not list(directory.glob(f"gauge_live*_{before[-1]}.db"))  # its live gauges count no more
+    assert (directory / f"histogram_{before[-1]}.db").exists()  # its counts stay in the sums
 
 
 def test_a_worker_that_keeps_dying_gives_up_after_its_deaths_in_a_row():
@@ -146,8 +183,11 @@ def test_a_worker_that_keeps_dying_gives_up_after_its_deaths_in_a_row():
 def test_sigterm_stops_every_worker(workers):
     proc, _, port = workers
     kids = children(proc.pid)
+    directory = _metrics_dir(_workers_of(proc.pid)[0])
+    assert directory.is_dir()
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(60) == 0
+    assert not directory.exists()  # removed by the first process as it exits
     assert _poll(lambda: _listeners(port) == 0 and not any(os.path.exists(f"/proc/{k}") for k in kids), 30)
 
 
