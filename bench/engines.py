@@ -32,8 +32,10 @@ engine after their start). A row pools its engines' reports:
   start-up included), ``host_busy_share``, all from the first frame on, and the
   search service's wave loop (all its workers): ``wave_ms_mean``, ``join_ms_mean``,
   ``leave_ms_mean``, ``waves_per_s``, ``trees_per_wave``, the plan's
-  ``leaves_per_wave`` and ``wave_expected_ms_mean``, and ``left_by`` (searches
-  by why they left: budget, proven, deadline, stopped, failed);
+  ``leaves_per_wave`` and ``wave_expected_ms_mean``, ``left_by`` (searches
+  by why they left: budget, proven, deadline, stopped, failed), ``refused_by``
+  (refused at admission: full, deadline, spent) and ``shed_by`` (calls shed by
+  overload, by method);
 * ``workers``, ``reward_workers``: the row's ``search.workers`` and
   ``reward.workers`` (``--workers``, or each alone: ``--search-workers``,
   ``--reward-workers``); ``host_wait``: both services' (``--host-wait``);

@@ -31,6 +31,8 @@ _SAMPLES = {
     "tandem_search_wave_leaves_sum": "leaves", "tandem_search_wave_leaves_count": "planned",
     "tandem_search_wave_expected_seconds_sum": "expected_s", "tandem_search_wave_expected_seconds_count": "expected_n",
     "tandem_search_left_total": "left_{end}",
+    "tandem_search_refused_total": "refused_{reason}",
+    "tandem_rpc_shed_total": "shed_{method}",
 }
 
 
@@ -81,7 +83,10 @@ def wave_figures(before: dict[str, float], after: dict[str, float], wall_s: floa
     (ms a step), ``waves_per_s``, ``trees_per_wave``, ``leaves_per_wave``
     (waves of K, not sliced rollout waves), ``wave_expected_ms_mean`` (the
     plan's), ``left_by`` (searches by why they left: budget, proven,
-    deadline, stopped, failed); each absent where nothing was counted."""
+    deadline, stopped, failed), ``refused_by`` (searches refused at
+    admission, by why: full, deadline, spent), ``shed_by`` (the search
+    service's calls shed by overload, by method); each absent where nothing
+    was counted."""
     d = {k: after[k] - before.get(k, 0.0) for k in after}
     out: dict = {}
     for phase in _PHASES:
@@ -94,9 +99,10 @@ def wave_figures(before: dict[str, float], after: dict[str, float], wall_s: floa
         out["leaves_per_wave"] = round(d["leaves"] / d["planned"], 1)
     if d.get("expected_n"):
         out["wave_expected_ms_mean"] = round(1e3 * d["expected_s"] / d["expected_n"], 3)
-    left = {k[5:]: v for k, v in d.items() if k.startswith("left_") and v}
-    if left:
-        out["left_by"] = {end: int(n) for end, n in sorted(left.items())}
+    for prefix, key in (("left_", "left_by"), ("refused_", "refused_by"), ("shed_", "shed_by")):
+        counts = {k[len(prefix):]: int(v) for k, v in sorted(d.items()) if k.startswith(prefix) and v}
+        if counts:
+            out[key] = counts
     return out
 
 

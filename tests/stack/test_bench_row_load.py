@@ -11,7 +11,8 @@ import sys
 from prometheus_client import start_http_server
 
 from bench.row_load import RowLoad
-from search_service.wave_loop import LEFT, PHASE_SECONDS, WAVE_EXPECTED_SECONDS, WAVE_LEAVES, WAVE_TREES
+from search_service.wave_loop import LEFT, PHASE_SECONDS, REFUSED, WAVE_EXPECTED_SECONDS, WAVE_LEAVES, WAVE_TREES
+from tandem.overload import SHED
 from tandem.workers import children
 
 # A child whose argv reads like `tandem serve NAME`, with a worker of its own: once both run it says
@@ -54,6 +55,8 @@ def test_a_row_counts_each_server_with_its_workers_and_the_wave_loop_over_the_ro
             WAVE_EXPECTED_SECONDS.observe(expected_ms / 1e3)
         LEFT.labels("deadline").inc(3)
         LEFT.labels("budget").inc()
+        REFUSED.labels("spent").inc(5)
+        SHED.labels("/tandem.v1.SearchService/Search").inc(2)
         assert server.stdout.readline() == b"burnt\n"
         assert load.servers["busy"][0] == server.pid and len(load.servers["busy"]) == 2  # the server and its worker
         got = load.finish()
@@ -69,6 +72,7 @@ def test_a_row_counts_each_server_with_its_workers_and_the_wave_loop_over_the_ro
     assert got["trees_per_wave"] == 3.0
     assert got["leaves_per_wave"] == 48.0 and got["wave_expected_ms_mean"] == 2.0  # the plan's, over the row
     assert got["left_by"] == {"budget": 1, "deadline": 3}
+    assert got["refused_by"]["spent"] == 5 and got["shed_by"] == {"/tandem.v1.SearchService/Search": 2}
 
 
 def test_a_row_without_metrics_has_no_wave_figures():
