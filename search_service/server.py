@@ -295,7 +295,7 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
 
     def SearchBatch(self, request, context):
         received = time.monotonic()
-        self._refuse_spent(context)
+        self._refuse_spent(context, max(len(request.searches), 1))
         searches, limit = request.searches, self.cfg.max_batch_searches
         if not searches:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"searches: empty; send 1 to {limit} positions")
@@ -315,20 +315,22 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
         items = [self._prepare(s, context, f"searches[{i}].") for i, s in enumerate(searches)]
         return search_pb2.SearchBatchResponse(results=self._answer(items, context, received))
 
-    def _refuse_spent(self, context) -> None:
-        """Aborts RESOURCE_EXHAUSTED, before the request is read, a call that
-        arrives with no time left for a search (its gRPC deadline all reply
-        margin: search_service/budget.py) while searches are in flight:
-        admission would refuse it too (a busy group's next wave takes longer
-        than nothing), after its positions were parsed and its trees taken;
-        under overload most calls arrive so. With nothing in flight it goes
-        on: a lone search gets its one wave."""
+    def _refuse_spent(self, context, searches: int = 1) -> None:
+        """Aborts RESOURCE_EXHAUSTED, before the request is validated, a call
+        (of ``searches`` searches) that arrives with no time left for a search
+        (its gRPC deadline all reply margin: search_service/budget.py) while
+        the service has searches in flight, of any game: its one wave would
+        end past the caller's deadline, and admission would refuse it anyway
+        where its own group is busy, after its positions were parsed and its
+        trees taken; under overload most calls arrive so. With nothing in
+        flight it goes on (a lone search gets its one wave). An invalid call
+        so refused gets its INVALID_ARGUMENT only when sent with time left."""
         remaining = context.time_remaining()
         if remaining is None or not budget.spent(remaining):
             return
         busy = self.loop.in_flight()
         if busy:
-            REFUSED.labels("spent").inc()
+            REFUSED.labels("spent").inc(searches)
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"the search service is at capacity: the call arrived with {max(remaining * 1e3, 0):.1f} ms "
                           f"left of its gRPC deadline, no more than its answer needs to travel back, with searches in "

@@ -70,7 +70,7 @@ LEFT = Counter("tandem_search_left", "Searches that left the batch, by why: budg
                "deadline (the next wave would end past it), stopped (cancelled), failed (its wave failed).", ["end"])
 REFUSED = Counter("tandem_search_refused", "Searches refused at admission (RESOURCE_EXHAUSTED), by why: full "
                   "(search.max_trees), deadline (shorter than the next wave), spent (the call arrived with no time "
-                  "left for a search while others were in flight; refused before its request was read).", ["reason"])
+                  "left for a search while others were in flight; refused before it was validated).", ["reason"])
 PHASE_SECONDS = Histogram(
     "tandem_search_wave_phase_seconds",
     "Time of one step of a group's thread (s): join (newcomers join the batch), leave (plan the wave, answer "
@@ -212,7 +212,12 @@ class WaveLoop:
                     capped = sum(c is not None for c in caps)
                     k = shared_k(len(caps) - capped, capped * group.k_max, group.times, group.k_max,
                                  self.wave_target_ms)
-                    expect[id(group)] = group.times.expected_ms((len(caps) - capped) * k + capped * group.k_max)
+                    cut = group.times.expected_ms((len(caps) - capped) * k + capped * group.k_max)
+                    # Capped ones below K leave the others more room than this counts: where the wave is
+                    # cut at all, it may take up to what the cut aims at, whichever is less than at K.
+                    full = group.times.expected_ms(len(caps) * group.k_max)
+                    aim = max(self.wave_target_ms or 0.0, 2 * group.times.line()[0])
+                    expect[id(group)] = max(cut, min(full, aim)) if k < group.k_max else cut
                 expected = expect[id(group)]
                 if left_ms < expected:
                     REFUSED.labels("deadline").inc(len(jobs))

@@ -86,13 +86,13 @@ class WaveTimes:
     * ``overhead``: the quickest of the last ``history`` waves (launches, the
       model call's round trip);
     * ``per_leaf``: the median ``(ms - overhead) / leaves`` of the last
-      ``history`` waves with at least half the most leaves among them, where
-      there are three or more such waves (else of all of them: the first
-      waves of a batch that grew, one of them stalled, must not set it).
-      Small waves do not set it otherwise: a hiccup in a wave of few leaves
-      (a scheduler tick, a collection) would read as a large cost per leaf,
-      and the fair share would then shrink every wave to one simulation a
-      tree, its noise feeding itself;
+      ``history`` waves with at least half the most leaves among them. Small
+      waves do not set it: a hiccup in a wave of few leaves (a scheduler
+      tick, a collection) would read as a large cost per leaf, and the fair
+      share would then shrink every wave to one simulation a tree, its
+      noise feeding itself. The first wave of a batch that grew sets it
+      alone, stalled or not: a stall there reads as a cost per leaf (members
+      leave early, none late) until larger waves follow;
     * ``fixed``: each of the last ``window`` waves moved by ``per_leaf`` to
       zero leaves; the longest of them but the ``forgive`` longest (one
       stall, a first call of a new batch size or a collection, does not hold
@@ -131,8 +131,7 @@ class WaveTimes:
         self._history.append(wave)
         overhead = min(t for _, t in self._history)
         most = max(n for n, _ in self._history)
-        large = [(t - overhead) / n for n, t in self._history if 2 * n >= most]
-        per_leaf = statistics.median(large if len(large) >= 3 else [(t - overhead) / n for n, t in self._history])
+        per_leaf = statistics.median((t - overhead) / n for n, t in self._history if 2 * n >= most)
         with self._lock:
             self._recent.append(wave)
             moved = sorted((t - per_leaf * n for n, t in self._recent), reverse=True)

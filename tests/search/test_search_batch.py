@@ -143,6 +143,9 @@ def test_a_call_arriving_with_its_deadline_spent_is_refused_before_it_is_read(st
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "left of its gRPC deadline" in err.value.details() and "searches in flight (1)" in err.value.details()
     assert spent._value.get() == before + 1
+    with pytest.raises(grpc.RpcError) as err:  # a batch call counts each of its searches
+        stub.SearchBatch(batch(*[req(moves="3")] * 3), timeout=3)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and spent._value.get() == before + 4
     monkeypatch.undo()
     assert first.result().simulations == 4000 or first.result().deadline_reached
 
