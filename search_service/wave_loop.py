@@ -51,7 +51,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from search_service.mcts.backend import SearchParams, SearchResult
 from search_service.mcts.batch import leave, run_wave
-from search_service.mcts.plan import Member, WaveTimes, shared_k
+from search_service.mcts.plan import Member, WaveTimes, next_wave_ms
 from tandem.deadline import Deadline, earliest
 
 log = logging.getLogger(__name__)
@@ -203,21 +203,13 @@ class WaveLoop:
                 if not busy or job.deadline is None:
                     continue
                 left_ms = job.deadline.left_ms(now)
-                if id(group) not in expect:
-                    # Its group's next wave with them, at most: capped searches at K, the others at
-                    # their fair share (the plan never cuts capped ones).
+                if id(group) not in expect:  # its group's next wave with them, at most
                     caps = [m.simulations for m in list(group.members)]  # a copy: the group thread's list
                     caps += [j.params.simulations for j in group.queue + [j for j, g in zip(jobs, groups)
                                                                            if g is group]]
                     capped = sum(c is not None for c in caps)
-                    k = shared_k(len(caps) - capped, capped * group.k_max, group.times, group.k_max,
-                                 self.wave_target_ms)
-                    cut = group.times.expected_ms((len(caps) - capped) * k + capped * group.k_max)
-                    # Capped ones below K leave the others more room than this counts: where the wave is
-                    # cut at all, it may take up to what the cut aims at, whichever is less than at K.
-                    full = group.times.expected_ms(len(caps) * group.k_max)
-                    aim = max(self.wave_target_ms or 0.0, 2 * group.times.line()[0])
-                    expect[id(group)] = max(cut, min(full, aim)) if k < group.k_max else cut
+                    expect[id(group)] = next_wave_ms(len(caps) - capped, capped, group.times, group.k_max,
+                                                     self.wave_target_ms)
                 expected = expect[id(group)]
                 if left_ms < expected:
                     REFUSED.labels("deadline").inc(len(jobs))

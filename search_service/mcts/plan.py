@@ -163,6 +163,11 @@ class Plan:
     leaving: list[int]
 
 
+def _aim_ms(times: WaveTimes, wave_target_ms: float) -> float:
+    """What a cut wave aims at (ms): the target, or twice the fixed cost where that is longer."""
+    return max(wave_target_ms, 2 * times.line()[0])
+
+
 def shared_k(shared: int, others: int, times: WaveTimes, k_max: int, wave_target_ms: float | None) -> int:
     """The simulations each of ``shared`` deadline-only members takes in a
     wave beside ``others`` leaves (capped members' simulations, waiting
@@ -174,7 +179,7 @@ def shared_k(shared: int, others: int, times: WaveTimes, k_max: int, wave_target
     fixed, per_leaf = times.line()
     if per_leaf <= 0:
         return k_max  # every wave costs the same, whatever its size
-    longest = max(wave_target_ms, 2 * fixed)
+    longest = _aim_ms(times, wave_target_ms)
     room = (longest - fixed) / per_leaf - others  # leaves the shared ones may take
     if room >= shared:
         return min(k_max, math.floor(room / shared))
@@ -182,6 +187,19 @@ def shared_k(shared: int, others: int, times: WaveTimes, k_max: int, wave_target
     # simulation each would save little of it and lose most of their work. They are cut in
     # proportion to the whole wave instead.
     return max(1, math.floor(k_max * longest / times.expected_ms(shared * k_max + others)))
+
+
+def next_wave_ms(shared: int, capped: int, times: WaveTimes, k_max: int, wave_target_ms: float | None) -> float:
+    """The longest the next wave of ``shared`` deadline-only and ``capped``
+    searches is expected to take (ms; admission's estimate): the capped ones
+    at K (the plan never cuts them), the others at :func:`shared_k`; where
+    that cuts, no less than the cut aims at (capped searches below K leave
+    the others more room than K counts), unless the wave at K is shorter."""
+    k = shared_k(shared, capped * k_max, times, k_max, wave_target_ms)
+    cut = times.expected_ms(shared * k + capped * k_max)
+    if k == k_max:
+        return cut
+    return max(cut, min(times.expected_ms((shared + capped) * k_max), _aim_ms(times, wave_target_ms)))
 
 
 def fair_share(ks: np.ndarray, shared: np.ndarray, times: WaveTimes, k_max: int,
