@@ -31,6 +31,7 @@ from tandem.deadline import Deadline
 from tandem.errors import quote
 from tandem.gpu import cuda_device_count, host_fact
 from tandem.leaf_channel import RUNTIME_KEY as LEAF_CHANNEL_KEY
+from tandem.server import catch_stop_signals
 from tandem.service import Service, start_service
 
 log = logging.getLogger(__name__)
@@ -585,4 +586,5 @@ def serve(cfg: TandemConfig) -> None:
 
 def serve_bulk(cfg: TandemConfig) -> None:
     """Runs the reward service's bulk server (``reward.bulk_server``) until SIGINT/SIGTERM."""
-    start(cfg, bulk_server=True).serve_forever(cfg.reward.server.grace_period_ms)
+    seen = catch_stop_signals()  # a stop signal during the start stops it once started (tandem/workers.py serve)
+    start(cfg, bulk_server=True).serve_forever(cfg.reward.server.grace_period_ms, seen)

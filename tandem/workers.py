@@ -232,16 +232,17 @@ def serve(cfg: TandemConfig, count: int, address: str, grace_ms: float, start: s
         SystemExit: 1, a worker kept dying (:class:`Restarts`; every other worker stopped).
     """
     first = _start_function(start)
+    # The start reports SERVING before it returns: a stop signal from here on is recorded, and stops the
+    # server (and its workers, none more started) once it has started, never killing it half-started.
+    seen = catch_stop_signals()
     if count <= 1:
-        first(cfg).serve_forever(grace_ms)
+        first(cfg).serve_forever(grace_ms, seen)
         return
     check_free(address)  # a stale server would share a port bound with SO_REUSEPORT
     if not multiprocess_metrics.active():
         log.warning("prometheus-client was imported before %s was set: the metrics endpoint serves "
                     "worker 0's metrics alone (tandem serve sets it)", multiprocess_metrics.ENV)
     service = first(cfg, place=WorkerPlace(0, count))
-    # Serving from here on: a stop signal while the workers start is recorded, and stops all once they have.
-    seen = catch_stop_signals()
     workers = Workers(run_worker, (start, cfg, WorkerPlace(0, count, service.port), grace_ms), count - 1)
     died = []
 
