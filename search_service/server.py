@@ -46,6 +46,7 @@ from tandem.workers import WorkerPlace
 from tandem.config import TandemConfig
 from tandem.deadline import Deadline
 from tandem.errors import quote
+from tandem.gate import GATE
 from tandem.gpu import cupy_module, host_fact
 from tandem.server import LATENCY_BUCKETS_S, channel
 from tandem.service import Service, start_service
@@ -421,10 +422,14 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
                 if item.session is not None and item.tree is not None:
                     self.sessions.put(item.session, item.request.moves, item.tree, context.peer())
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        waited = []  # per job: (the longest wait, s; answered in it)
+        with GATE.released():  # the wave loop's work (tandem/gate.py); no lock is held here
+            for job in jobs:
+                wait_s = job.deadline.wait_s() + ANSWER_GRACE_S
+                waited.append((wait_s, job.done.wait(wait_s)))
         outs = []
-        for job in jobs:
-            wait_s = job.deadline.wait_s() + ANSWER_GRACE_S
-            if not job.done.wait(wait_s):
+        for job, (wait_s, answered) in zip(jobs, waited):
+            if not answered:
                 context.abort(grpc.StatusCode.INTERNAL, f"the wave loop gave no answer within {wait_s:.1f} s")
             if job.error is not None:
                 self._abort_on(job.error, context)

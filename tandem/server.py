@@ -29,6 +29,7 @@ from prometheus_client import Histogram
 from tandem import contract
 from tandem.channel_options import CHANNEL_OPTIONS
 from tandem.config import ServerConfig, TandemConfig, resolve_path
+from tandem.gate import GATE
 from tandem.guard import HEALTH_WORKERS, REFUSAL_WORKERS, SPARE_WORKERS, Admission, Guard
 from tandem.metrics_http import BoundedServer, serve_metrics
 from tandem.overload import QueueWait
@@ -194,12 +195,14 @@ def build_server(
 
     Sets the process's interpreter switch interval to
     ``server_cfg.switch_interval_us`` (the smallest of its servers' where it
-    runs several).
+    runs several) and turns its interpreter gate (tandem/gate.py) on or off
+    by ``server_cfg.interpreter_gate`` (the last server's).
 
     Raises:
         RuntimeError: the address could not be bound.
     """
     sys.setswitchinterval(min(sys.getswitchinterval(), server_cfg.switch_interval_us / 1e6))
+    GATE.enabled = server_cfg.interpreter_gate
     options = [
         ("grpc.max_receive_message_length", server_cfg.max_message_bytes),
         ("grpc.max_send_message_length", server_cfg.max_message_bytes),

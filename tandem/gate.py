@@ -1,0 +1,88 @@
+"""The interpreter gate: the hot gRPC handlers' Python work, one thread at a time.
+
+Why (docs/decisions/0018): CPython gives its interpreter lock (the GIL) to
+whichever waiting thread the OS wakes. A thread that lets the lock go many
+times for short C calls -- the search service's wave loop, at every CUDA
+launch, copy and synchronisation; the reward service's batcher lanes, at
+every model run -- must win it back after each, against every runnable
+thread. Under load dozens of gRPC handler threads are runnable, and each
+short release costs the wave loop a wait behind them: its waves grew from
+0.6 ms to over 5 ms at 32 engines, and admission then refused what the
+engines asked. Behind the gate, handler threads queue on an ordinary lock,
+asleep rather than competing for the GIL, so the wave loop and the lanes
+compete with one handler at a time. The handlers' own throughput is the
+same: their Python ran one at a time anyway.
+
+Invariants:
+
+* A thread holds the gate only while it runs the Python of a gated unary
+  handler (:class:`tandem.guard.Guard` takes it around the handler of each
+  method of :data:`GATED`: ``Search``, ``SearchBatch``, ``Evaluate``),
+  never while it waits for a request message, a response write or a lock.
+* A gated handler lets the gate go (:meth:`Gate.released`) around each wait
+  for another thread's work -- the wave loop's answer, the batcher's -- and
+  holds no other lock then. So a thread waiting for the gate never holds a
+  lock that the gate's holder waits for: no deadlock.
+* Threads that do the GPU work (the wave loop, the batcher lanes, the leaf
+  channel's) never take the gate: they only ever compete for the GIL.
+* Re-entrant per thread: ``held`` inside ``held`` does nothing;
+  ``released`` on a thread that does not hold it does nothing.
+
+``server.interpreter_gate`` (tandem/config.py) turns it off (``held`` then
+does nothing); one gate per process, shared by its servers.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Iterator
+
+
+class Gate:
+    """A process's interpreter gate (module docstring). Thread-safe."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+        self._lock = threading.Lock()
+        self._mine = threading.local()  # .held: this thread holds the gate
+
+    def holds(self) -> bool:
+        """Whether the calling thread holds the gate."""
+        return getattr(self._mine, "held", False)
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """The block runs holding the gate (where enabled and not held already)."""
+        if not self.enabled or self.holds():
+            yield
+            return
+        self._lock.acquire()
+        self._mine.held = True
+        try:
+            yield
+        finally:
+            self._mine.held = False
+            self._lock.release()
+
+    @contextlib.contextmanager
+    def released(self) -> Iterator[None]:
+        """The block runs without the gate, taken back after it, where the
+        calling thread held it (a wait for another thread's work: no lock
+        may be held across it)."""
+        if not self.holds():
+            yield
+            return
+        self._mine.held = False
+        self._lock.release()
+        try:
+            yield
+        finally:
+            self._lock.acquire()
+            self._mine.held = True
+
+
+# The gated methods: unary, hot under load, and each of their waits for other threads' work
+# released (search_service/server.py, reward_service/server.py).
+GATED = frozenset({"/tandem.v1.SearchService/Search", "/tandem.v1.SearchService/SearchBatch",
+                   "/tandem.v1.RewardService/Evaluate"})
+GATE = Gate()  # the process's: tandem.server.build_server sets GATE.enabled from server.interpreter_gate
