@@ -103,9 +103,17 @@ def _wait(predicate, timeout_s: float = RECOVERY_TIMEOUT_S, step_s: float = 0.05
 
 
 def _window(gen: OpenLoopGenerator, since: float, until: float) -> dict:
-    """Figures of the requests scheduled in [since, until), once all of them have an answer."""
+    """Figures of the requests scheduled in [since, until), once all of them have an answer.
+    The generator records a frame's requests as it sends them, in schedule order: once one
+    scheduled at ``until`` or later is there, every request of the window is."""
     end = time.monotonic() + gen.spec.timeout_s + 1.5
-    while time.monotonic() < end and any(r.code is None for r in list(gen.records) if since <= r.scheduled < until):
+
+    def settled() -> bool:
+        records = list(gen.records)
+        return bool(records) and records[-1].scheduled >= until and all(
+            r.code is not None for r in records if since <= r.scheduled < until)
+
+    while time.monotonic() < end and not settled():
         time.sleep(0.02)
     return gen.report(since=since, until=until)["requests"]
 
