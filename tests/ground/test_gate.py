@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from tandem.gate import GATED, Gate
+from tandem.gate import GATED, WAITS, Gate
 
 
 def _enters(gate: Gate, entered: threading.Event) -> threading.Thread:
@@ -16,8 +16,13 @@ def _enters(gate: Gate, entered: threading.Event) -> threading.Thread:
     return t
 
 
-def test_one_thread_holds_the_gate_at_a_time():
+def _waits() -> float:
+    return next(s.value for m in WAITS.collect() for s in m.samples if s.name.endswith("_count"))
+
+
+def test_one_thread_holds_the_gate_at_a_time_and_a_wait_for_it_is_counted():
     gate, entered = Gate(), threading.Event()
+    waits = _waits()
     with gate.held():
         assert gate.holds()
         t = _enters(gate, entered)
@@ -25,6 +30,7 @@ def test_one_thread_holds_the_gate_at_a_time():
     assert entered.wait(10)
     t.join(10)
     assert not gate.holds()
+    assert _waits() == waits + 1  # the other thread's wait; the first take found the gate free
 
 
 def test_held_is_reentrant_and_released_gives_the_gate_to_another_thread():
