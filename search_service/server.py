@@ -402,9 +402,10 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
         (``SearchGame.split_moves``), else at the item's position."""
         backend = self.backends.for_game(item.game)
 
-        def reroot(tree, extra: str):
+        def reroot(tree, extra: str):  # sessions.take calls it holding no lock
             actions = item.game.split_moves(extra)
-            return backend.reroot(tree, actions) if actions is not None else backend.reroot_to(tree, item.position)
+            with GATE.released():  # a CUDA tree's reroot waits for the GPU (tandem/gate.py)
+                return backend.reroot(tree, actions) if actions is not None else backend.reroot_to(tree, item.position)
 
         return reroot
 

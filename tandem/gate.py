@@ -29,7 +29,8 @@ Invariants:
   ``released`` on a thread that does not hold it does nothing.
 
 ``server.interpreter_gate`` (tandem/config.py) turns it off (``held`` then
-does nothing); one gate per process, shared by its servers.
+does nothing); one gate per process, shared by its servers (co-located: on
+where either server's is).
 """
 from __future__ import annotations
 
@@ -50,8 +51,16 @@ class Gate:
 
     def __init__(self, enabled: bool = True):
         self.enabled = enabled
+        self._configured = False  # set by the first configure()
         self._lock = threading.Lock()
         self._mine = threading.local()  # .held: this thread holds the gate
+
+    def configure(self, on: bool) -> None:
+        """A server's ``server.interpreter_gate``, as it starts: the first
+        server of the process sets the gate, a later one (co-located mode)
+        can only turn it on."""
+        self.enabled = (self.enabled and self._configured) or on
+        self._configured = True
 
     def holds(self) -> bool:
         """Whether the calling thread holds the gate."""
@@ -98,4 +107,4 @@ class Gate:
 # released (search_service/server.py, reward_service/server.py).
 GATED = frozenset({"/tandem.v1.SearchService/Search", "/tandem.v1.SearchService/SearchBatch",
                    "/tandem.v1.RewardService/Evaluate"})
-GATE = Gate()  # the process's: tandem.server.build_server sets GATE.enabled from server.interpreter_gate
+GATE = Gate()  # the process's: tandem.server.build_server configures it from server.interpreter_gate

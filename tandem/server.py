@@ -196,13 +196,13 @@ def build_server(
     Sets the process's interpreter switch interval to
     ``server_cfg.switch_interval_us`` (the smallest of its servers' where it
     runs several) and turns its interpreter gate (tandem/gate.py) on or off
-    by ``server_cfg.interpreter_gate`` (the last server's).
+    by ``server_cfg.interpreter_gate`` (several servers: on where any is).
 
     Raises:
         RuntimeError: the address could not be bound.
     """
     sys.setswitchinterval(min(sys.getswitchinterval(), server_cfg.switch_interval_us / 1e6))
-    GATE.enabled = server_cfg.interpreter_gate
+    GATE.configure(server_cfg.interpreter_gate)
     options = [
         ("grpc.max_receive_message_length", server_cfg.max_message_bytes),
         ("grpc.max_send_message_length", server_cfg.max_message_bytes),

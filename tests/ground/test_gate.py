@@ -74,3 +74,17 @@ def test_an_exception_inside_gives_the_gate_back():
 def test_the_gated_methods_are_the_hot_unary_ones():
     assert GATED == {"/tandem.v1.SearchService/Search", "/tandem.v1.SearchService/SearchBatch",
                      "/tandem.v1.RewardService/Evaluate"}
+
+
+def test_the_first_server_sets_the_gate_and_a_co_located_one_can_only_turn_it_on():
+    gate = Gate()
+    gate.configure(False)
+    assert not gate.enabled
+    gate.configure(True)
+    assert gate.enabled
+    gate.configure(False)  # a third server's "off" does not turn the others' gate off
+    assert gate.enabled
+    first_on = Gate()
+    first_on.configure(True)
+    first_on.configure(False)
+    assert first_on.enabled

@@ -233,3 +233,31 @@ def test_a_search_holds_the_interpreter_gate_only_while_its_handler_runs_not_whi
         assert loop.in_flight() == 1 and t.is_alive()
     t.join(30)
     assert len(answers) == 2 and answers[1].simulations > 0
+
+
+def test_a_session_search_looks_up_its_owner_and_reroots_its_tree_outside_the_interpreter_gate(stack, monkeypatch):
+    """tandem/gate.py: who owns the connection (a kernel lookup; a gone
+    connection's reads /proc/net/tcp) and the re-rooting of the session's
+    tree (a CUDA tree's waits for the GPU) run with the gate let go."""
+    from search_service import sessions
+    from search_service.mcts.cpu_reference import CpuReferenceBackend
+
+    stub = stack[0]
+    seen = {"owner": [], "reroot": []}
+    owner, reroot = sessions.owner, CpuReferenceBackend.reroot
+
+    def recorded_owner(*args):
+        seen["owner"].append(GATE.holds())
+        return owner(*args)
+
+    def recorded_reroot(tree, actions):
+        seen["reroot"].append(GATE.holds())
+        return reroot(tree, actions)
+
+    monkeypatch.setattr(sessions, "owner", recorded_owner)
+    monkeypatch.setattr(CpuReferenceBackend, "reroot", staticmethod(recorded_reroot))
+    for moves in ("4", "44", "444"):
+        r = stub.Search(req(moves=moves, simulations=100, seed=1, session_id="gate-test"), timeout=30)
+    assert r.tree_reused
+    assert seen["reroot"] and not any(seen["reroot"]), seen
+    assert seen["owner"] and not any(seen["owner"]), seen
