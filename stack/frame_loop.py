@@ -21,6 +21,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from concurrent import futures
 from dataclasses import dataclass, field
 
 import grpc
@@ -160,7 +161,7 @@ class SentFrame:
     tick: Tick
     expected: int  # requests the frame sends
     records: list[Record] = field(default_factory=list)
-    calls: list[grpc.Future | None] = field(default_factory=list)  # None: the send itself failed
+    calls: list[futures.Future | None] = field(default_factory=list)  # None: the send itself failed
     _answered: threading.Event = field(default_factory=threading.Event, repr=False)
 
     def wait(self, timeout_s: float | None = None) -> bool:
@@ -183,7 +184,7 @@ class SentFrame:
         """
         return [c.result() for c in self.calls]
 
-    def _track(self, rec: Record, make: Callable[[], grpc.Future]) -> None:
+    def _track(self, rec: Record, make: Callable[[], futures.Future]) -> None:
         self.records.append(rec)
         try:
             call = make()
@@ -194,8 +195,8 @@ class SentFrame:
         self.calls.append(call)
         call.add_done_callback(lambda f: self._answer(rec, f))
 
-    def _answer(self, rec: Record, f: grpc.Future) -> None:
-        """On gRPC's callback thread -- or on the sending thread, when the call
+    def _answer(self, rec: Record, f: futures.Future) -> None:
+        """On the call's thread -- or on the sending thread, when the call
         was done before its callback was added: the record's outcome and the
         reply's own figures. The record is finished whatever is raised here (a
         Ctrl-C's KeyboardInterrupt lands in whatever the main thread runs, and
@@ -231,6 +232,11 @@ class SentFrame:
 
 
 CLOSE_TIMEOUT_S = 2.0  # a channel's close takes milliseconds; beyond this it is stuck
+# A client's calls run blocking on long-lived threads of its own, made as needed up to this
+# many (the most calls in flight at once; more wait for a thread). A grpc future on a channel
+# with no call in flight starts a thread to poll that channel, a thread a call at 60 FPS:
+# starting and polling them was ~70 % of an engine's CPU (py-spy, tandem play, rollouts).
+CALL_THREADS = 256
 
 
 class FrameClient:
@@ -250,6 +256,12 @@ class FrameClient:
         self._reward = reward_pb2_grpc.RewardServiceStub(self._reward_ch)
         self._metadata: reward_pb2.ModelMetadataResponse | None = None
         self._evaluate: Failover | None = None
+        self._calls = futures.ThreadPoolExecutor(CALL_THREADS, thread_name_prefix="engine-call")
+
+    def _future(self, method: grpc.UnaryUnaryMultiCallable) -> Callable[..., futures.Future]:
+        """``method`` as ``(request, timeout) -> Future`` of its blocking call on the client's threads
+        (its result: the reply, or the grpc.RpcError it raised)."""
+        return lambda request, timeout: self._calls.submit(method, request, timeout=timeout)
 
     def metadata(self) -> reward_pb2.ModelMetadataResponse:
         """The value model's metadata (asked once, 10 s deadline); opens the
@@ -263,8 +275,8 @@ class FrameClient:
             standby = self._metadata.runtime.get(STANDBY_KEY, "")
             if standby:
                 self._standby_ch = channel(standby, self._cfg)
-            self._evaluate = Failover(self._reward.Evaluate.future, reward_pb2_grpc.RewardServiceStub(
-                self._standby_ch).Evaluate.future if self._standby_ch is not None else None)
+            self._evaluate = Failover(self._future(self._reward.Evaluate), self._future(
+                reward_pb2_grpc.RewardServiceStub(self._standby_ch).Evaluate) if self._standby_ch is not None else None)
         return self._metadata
 
     def send(self, tick: Tick, moves: str | list[str], *, simulations: int, evaluator: str, seed: int,
@@ -299,17 +311,17 @@ class FrameClient:
         frame = SentFrame(tick, expected=1 if evaluate is None else 2)
         if isinstance(moves, str):
             frame._track(Record("search", tick.engine, tick.frame, tick.due, time.monotonic()),
-                         lambda: self._search.Search.future(request(moves), timeout=timeout_s))
+                         lambda: self._future(self._search.Search)(request(moves), timeout_s))
         else:
             batch = search_pb2.SearchBatchRequest(searches=[request(m, j) for j, m in enumerate(moves)])
             frame._track(Record("search_batch", tick.engine, tick.frame, tick.due, time.monotonic()),
-                         lambda: self._search.SearchBatch.future(batch, timeout=timeout_s))
+                         lambda: self._future(self._search.SearchBatch)(batch, timeout_s))
         if evaluate is not None:
             ev = reward_pb2.EvaluateRequest(
                 model=self.model, inputs=[tensors.to_proto(self.metadata().inputs[0].name, evaluate())],
                 output_names=["value"], request_class=reward_pb2.REQUEST_CLASS_CRITICAL)
             frame._track(Record("evaluate", tick.engine, tick.frame, tick.due, time.monotonic()),
-                         lambda: self._evaluate.future(ev, timeout=timeout_s))
+                         lambda: self._evaluate.future(ev, timeout_s))
         return frame
 
     def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
@@ -318,6 +330,7 @@ class FrameClient:
         channel's close can wait for ever (seen under a loaded CPU: `tandem
         play` held up in grpc's Channel.close until its exit deadline), and a
         command that is exiting need not wait for it."""
+        self._calls.shutdown(wait=False)
         for ch in (self._search_ch, self._reward_ch, *([self._standby_ch] if self._standby_ch else [])):
             closing = threading.Thread(target=ch.close, name="channel-close", daemon=True)
             closing.start()

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent import futures
 from typing import Callable
 
 import grpc
@@ -37,8 +38,9 @@ class Failover:
     """Chooses the server of each call (module docstring).
 
     Args:
-        primary, standby: ``request, timeout -> grpc.Future`` of the same
-            method on the two servers (e.g. ``stub.Evaluate.future``);
+        primary, standby: ``request, timeout -> future`` (a grpc.Future or a
+            concurrent.futures.Future) of the same method on the two servers
+            (e.g. ``stub.Evaluate.future``);
             ``standby`` None: every call goes to the primary.
         retry_primary_s: how long after a failure calls skip the primary (s).
         clock: monotonic seconds (tests pass their own).
@@ -134,5 +136,5 @@ def _code(call: grpc.Future) -> grpc.StatusCode:
         return grpc.StatusCode.OK
     except grpc.RpcError as exc:
         return exc.code()
-    except grpc.FutureCancelledError:
+    except (grpc.FutureCancelledError, futures.CancelledError):
         return grpc.StatusCode.CANCELLED
