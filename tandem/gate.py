@@ -21,8 +21,10 @@ Invariants:
   never while it waits for a request message, a response write or a lock.
 * A gated handler lets the gate go (:meth:`Gate.released`) around each wait
   for another thread's work -- the wave loop's answer, the batcher's -- and
-  holds no other lock then. So a thread waiting for the gate never holds a
-  lock that the gate's holder waits for: no deadlock.
+  around its slow calls into the kernel or the GPU (who owns a connection,
+  a session tree's re-rooting), and holds no other lock then. So a thread
+  waiting for the gate never holds a lock that the gate's holder waits
+  for: no deadlock.
 * Threads that do the GPU work (the wave loop, the batcher lanes, the leaf
   channel's) never take the gate: they only ever compete for the GIL.
 * Re-entrant per thread: ``held`` inside ``held`` does nothing;
