@@ -129,10 +129,8 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
     def peer_uid(self, context) -> int | None:
         """The uid owning the caller's loopback socket (tandem/peer.py: the
         kernel's exact lookup once ``local_port`` is set, else /proc/net/tcp);
-        None where it cannot be told. Outside the interpreter gate
-        (tandem/gate.py): a gone connection's lookup reads /proc/net/tcp (ms)."""
-        with GATE.released():
-            return peer.uid(context.peer(), self.local_port)
+        None where it cannot be told."""
+        return peer.uid(context.peer(), self.local_port)
 
     def _session(self, name: str, context) -> ModelSession:
         session = self.sessions.get(name)

@@ -36,7 +36,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Hashable
 
 from tandem import peer as peers
-from tandem.gate import GATE
 
 
 @dataclass
@@ -106,19 +105,10 @@ class Owners:
     def gone(self, connection: str) -> bool:
         """Whether the connection ``connection`` (a gRPC peer string) is known
         to be closed (:func:`tandem.peer.connection_open`; never before
-        ``local_port`` is set). Asks the kernel outside the interpreter gate
-        (tandem/gate.py): the caller holds no lock."""
-        with GATE.released():
-            return peers.connection_open(connection, self.local_port) is False
+        ``local_port`` is set)."""
+        return peers.connection_open(connection, self.local_port) is False
 
     def __call__(self, peer: str) -> Hashable:
-        """The caller's owner, looked up outside the interpreter gate
-        (tandem/gate.py: a gone connection's lookup reads /proc/net/tcp, ms);
-        the caller holds no lock."""
-        with GATE.released():
-            return self._lookup(peer)
-
-    def _lookup(self, peer: str) -> Hashable:
         if self.local_port:
             return owner(peer, self.local_port)
         now = time.monotonic()

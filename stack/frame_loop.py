@@ -257,6 +257,7 @@ class FrameClient:
         self._metadata: reward_pb2.ModelMetadataResponse | None = None
         self._evaluate: Failover | None = None
         self._calls = futures.ThreadPoolExecutor(CALL_THREADS, thread_name_prefix="engine-call")
+        self._search_one, self._search_batch = self._future(self._search.Search), self._future(self._search.SearchBatch)
 
     def _future(self, method: grpc.UnaryUnaryMultiCallable) -> Callable[..., futures.Future]:
         """``method`` as ``(request, timeout) -> Future`` of its blocking call on the client's threads
@@ -311,11 +312,11 @@ class FrameClient:
         frame = SentFrame(tick, expected=1 if evaluate is None else 2)
         if isinstance(moves, str):
             frame._track(Record("search", tick.engine, tick.frame, tick.due, time.monotonic()),
-                         lambda: self._future(self._search.Search)(request(moves), timeout_s))
+                         lambda: self._search_one(request(moves), timeout_s))
         else:
             batch = search_pb2.SearchBatchRequest(searches=[request(m, j) for j, m in enumerate(moves)])
             frame._track(Record("search_batch", tick.engine, tick.frame, tick.due, time.monotonic()),
-                         lambda: self._future(self._search.SearchBatch)(batch, timeout_s))
+                         lambda: self._search_batch(batch, timeout_s))
         if evaluate is not None:
             ev = reward_pb2.EvaluateRequest(
                 model=self.model, inputs=[tensors.to_proto(self.metadata().inputs[0].name, evaluate())],

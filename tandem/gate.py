@@ -21,8 +21,9 @@ Invariants:
   never while it waits for a request message, a response write or a lock.
 * A gated handler lets the gate go (:meth:`Gate.released`) around each wait
   for another thread's work -- the wave loop's answer, the batcher's -- and
-  around its slow calls into the kernel or the GPU (who owns a connection,
-  a session tree's re-rooting), and holds no other lock then. So a thread
+  around its slow calls into the kernel or the GPU (tandem/peer.py's
+  lookups of a connection, a session tree's re-rooting), and holds no other
+  lock then. So a thread
   waiting for the gate never holds a lock that the gate's holder waits
   for: no deadlock.
 * Threads that do the GPU work (the wave loop, the batcher lanes, the leaf
@@ -61,7 +62,7 @@ class Gate:
         """A server's ``server.interpreter_gate``, as it starts: the first
         server of the process sets the gate, a later one (co-located mode)
         can only turn it on."""
-        self.enabled = (self.enabled and self._configured) or on
+        self.enabled = (self.enabled or on) if self._configured else on
         self._configured = True
 
     def holds(self) -> bool:

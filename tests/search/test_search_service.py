@@ -239,22 +239,22 @@ def test_a_session_search_looks_up_its_owner_and_reroots_its_tree_outside_the_in
     """tandem/gate.py: who owns the connection (a kernel lookup; a gone
     connection's reads /proc/net/tcp) and the re-rooting of the session's
     tree (a CUDA tree's waits for the GPU) run with the gate let go."""
-    from search_service import sessions
     from search_service.mcts.cpu_reference import CpuReferenceBackend
+    from tandem import peer
 
     stub = stack[0]
     seen = {"owner": [], "reroot": []}
-    owner, reroot = sessions.owner, CpuReferenceBackend.reroot
+    local_uid, reroot = peer._local_uid, CpuReferenceBackend.reroot
 
     def recorded_owner(*args):
         seen["owner"].append(GATE.holds())
-        return owner(*args)
+        return local_uid(*args)
 
     def recorded_reroot(tree, actions):
         seen["reroot"].append(GATE.holds())
         return reroot(tree, actions)
 
-    monkeypatch.setattr(sessions, "owner", recorded_owner)
+    monkeypatch.setattr(peer, "_local_uid", recorded_owner)
     monkeypatch.setattr(CpuReferenceBackend, "reroot", staticmethod(recorded_reroot))
     for moves in ("4", "44", "444"):
         r = stub.Search(req(moves=moves, simulations=100, seed=1, session_id="gate-test"), timeout=30)
