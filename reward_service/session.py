@@ -324,6 +324,8 @@ class _BoundRunner:
     Attributes:
         create_s: seconds the sessions' creation and binding took (wall clock, all buckets).
         warm_up_s: seconds of each bucket's last warm-up ({bucket: s}).
+        warmed_on: ``threading.get_ident()`` of the thread that last warmed it
+            up (None: not yet), the one whose first request pays no warm-up.
 
     Args:
         make_session: returns a fresh session (on ``device``'s stream), one per bucket.
@@ -338,6 +340,7 @@ class _BoundRunner:
         self._slots = {b: self._bind(make_session(), b) for b in buckets}
         self.create_s = time.perf_counter() - began
         self.warm_up_s: dict[int, float] = {}
+        self.warmed_on: int | None = None
         self.session = self._slots[buckets[0]].session  # one of them, for its provider options
 
     def _bind(self, session: ort.InferenceSession, bucket: int) -> _Slot:
@@ -450,6 +453,7 @@ class _BoundRunner:
                          for n, d in self._slots[bucket].dev_in.items()}
                 self._run_slot(bucket, rows, None, Batch([Request(feeds, rows, CRITICAL)], rows, bucket, [0], CRITICAL))
             self.warm_up_s[bucket] = time.perf_counter() - began
+        self.warmed_on = threading.get_ident()
 
 
 # -- sessions ---------------------------------------------------------------------

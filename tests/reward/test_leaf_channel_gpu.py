@@ -35,31 +35,6 @@ def random_boards(n: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 2, (n, 2, 6, 7)).astype(np.uint8)
 
 
-def test_the_first_wave_from_a_cuda_region_costs_at_most_twice_its_p50(gpu_reward):
-    """The device-to-device path (the copy in, the padding) was warmed before
-    SERVING too: the first wave at each bucket, the first from device memory
-    in the service's life (this test runs first), is not slower than 2x the
-    service time of the waves after it. A channel without events: each
-    wave's run is synchronised, so the service's figures hold its GPU time
-    (on an ordered channel they end once the run is queued)."""
-    cfg, stub = gpu_reward
-    runtime = stub.ModelMetadata(reward_pb2.ModelMetadataRequest(model=MODEL)).runtime
-    lc = LeafChannel(stub, runtime[RUNTIME_KEY], MODEL, 1024, 0, events=False)
-    try:
-        assert lc.kind == "cuda"
-        slow = []
-        for rows in (37, 200, 700):  # buckets 64, 256, 1024, padded
-            times = []
-            for i in range(12):
-                lc.evaluate(random_boards(rows, i), Deadline.after_s(30))
-                times.append(lc.queue_ms + lc.compute_ms)
-            if times[0] > 2 * float(np.median(times[1:])):
-                slow.append((rows, lc.bucket, times[0], float(np.median(times[1:]))))
-        assert not slow, slow
-    finally:
-        lc.close()
-
-
 def test_a_cuda_region_answers_as_evaluate_at_every_bucket(gpu_reward):
     cfg, stub = gpu_reward
     runtime = stub.ModelMetadata(reward_pb2.ModelMetadataRequest(model=MODEL)).runtime
