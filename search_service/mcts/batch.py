@@ -134,7 +134,7 @@ def run_wave(batch: TreeBatch, members: list[Member], ks: np.ndarray, times: Wav
         return
     t = time.perf_counter() if since is None else since
     batch.wave(ks)
-    times.add(int(ks.sum()) + waiting, (time.perf_counter() - t) * 1e3)
+    times.add(int(ks.sum()) + waiting, (time.perf_counter() - t) * 1e3, simulated=bool(ks.any()))
     # A root valued in this wave took part in it: its search can answer (the policy's move), so
     # the plan's deadline rule applies to it from now on (a fresh value-model search needs one wave).
     for m, k, root in zip(members, ks, roots):

@@ -85,14 +85,24 @@ class WaveTimes:
 
     * ``overhead``: the quickest of the last ``history`` waves (launches, the
       model call's round trip);
-    * ``per_leaf``: the median ``(ms - overhead) / leaves`` of the last
-      ``history`` waves with at least half the most leaves among them. Small
-      waves do not set it: a hiccup in a wave of few leaves (a scheduler
-      tick, a collection) would read as a large cost per leaf, and the fair
-      share would then shrink every wave to one simulation a tree, its
-      noise feeding itself. The first wave of a batch that grew sets it
-      alone, stalled or not: a stall there reads as a cost per leaf (members
-      leave early, none late) until larger waves follow;
+    * ``per_leaf``: the slope of a resistant line (Tukey, *Exploratory Data
+      Analysis*, 1977) through the last ``history`` waves that ran
+      simulations (a wave of roots valued alone has no selection or backup,
+      so it would read their cost as a cost per leaf): sorted by leaves,
+      the difference of the medians of the largest third and the smallest
+      third, ms over leaves. Medians, so a stall or two do not move it; and
+      only where the largest third has at least twice the leaves of the
+      smallest, else 0 (all of it fixed cost). Waves of about one size
+      cannot tell a cost per leaf from the jitter of the fixed cost: the
+      old estimate, ``(ms - quickest) / leaves``, read a 1 ms jitter in
+      waves of 14 leaves as 0.07 ms a leaf, and the fair share then cut
+      every wave small, which kept the estimate high (the collapse seen at
+      8 engines on an H100, 2026-12-06). Beyond the history's sizes, the
+      largest wave, where it has at least twice the leaves of the largest
+      third, also counts: the slope from the largest third's medians to it,
+      where steeper. The first wave of a batch that grew so sets the cost
+      per leaf of the next ones, stalled or not (members leave early, none
+      late), until it leaves the history;
     * ``fixed``: each of the last ``window`` waves moved by ``per_leaf`` to
       zero leaves; the longest of them but the ``forgive`` longest (one
       stall, a first call of a new batch size or a collection, does not hold
@@ -122,16 +132,19 @@ class WaveTimes:
         self.forgive = forgive
         self._lock = threading.Lock()
         self._recent: deque[tuple[int, float]] = deque(maxlen=window)  # guarded by _lock
-        self._history: deque[tuple[int, float]] = deque(maxlen=history)  # the adding thread's only
+        self._history: deque[tuple[int, float, bool]] = deque(maxlen=history)  # (leaves, ms, simulated): the adding thread's only
         self._fit = (0.0, 0.0, 0.0)  # guarded by _lock: (overhead, fixed, per_leaf), refitted at each add
 
-    def add(self, leaves: int, ms: float) -> None:
-        """Records a wave of ``leaves`` simulations that took ``ms`` (undone waves too)."""
+    def add(self, leaves: int, ms: float, simulated: bool = True) -> None:
+        """Records a wave of ``leaves`` simulations that took ``ms`` (undone
+        waves too). ``simulated`` False: a wave of roots valued alone (no
+        selection, no backup: a cheaper kind of wave), which counts for the
+        quickest and the recent waves but not for the cost per leaf."""
         wave = (1 if self.sliced else max(int(leaves), 1), float(ms))
-        self._history.append(wave)
-        overhead = min(t for _, t in self._history)
-        most = max(n for n, _ in self._history)
-        per_leaf = statistics.median((t - overhead) / n for n, t in self._history if 2 * n >= most)
+        self._history.append((*wave, simulated))
+        overhead = min(t for _, t, _ in self._history)
+        fitted = sorted((n, t) for n, t, simulated in self._history if simulated)
+        per_leaf = _slope(fitted) if fitted else 0.0
         with self._lock:
             self._recent.append(wave)
             moved = sorted((t - per_leaf * n for n, t in self._recent), reverse=True)
@@ -152,6 +165,19 @@ class WaveTimes:
             return 0.0
         n = 1 if self.sliced else max(int(leaves), 1)
         return max(overhead, fixed + per_leaf * n)
+
+
+def _slope(waves: list[tuple[int, float]]) -> float:
+    """ms per leaf of ``waves`` ((leaves, ms), sorted): WaveTimes' ``per_leaf``."""
+    third = max(len(waves) // 3, 1)
+    small, large = waves[:third], waves[-third:]
+    n_small, n_large = statistics.median(n for n, _ in small), statistics.median(n for n, _ in large)
+    t_small, t_large = statistics.median(t for _, t in small), statistics.median(t for _, t in large)
+    slope = (t_large - t_small) / (n_large - n_small) if n_large >= 2 * n_small else 0.0
+    n_most, t_most = waves[-1]
+    if n_most >= 2 * n_large:  # a wave past the history's sizes: the slope up to it, where steeper
+        slope = max(slope, (t_most - t_large) / (n_most - n_large))
+    return max(slope, 0.0)
 
 
 @dataclass

@@ -97,7 +97,7 @@ def test_a_wave_whose_fixed_cost_is_most_of_it_is_not_cut_below_twice_that():
     twice it (6 ms, 24 of K 32 each), not to the 4 ms target, where fewer
     simulations would save little time (the old proportional cut: 18)."""
     times = WaveTimes()
-    times.add(32, 3.0)
+    times.add(32, 3.0 + 32 / 512)
     times.add(256, 3.5)
     times.add(256, 3.5)  # 3 ms fixed, 1/512 ms a leaf
     members = [Member(None, None) for _ in range(64)]
@@ -133,15 +133,16 @@ def test_one_stall_among_the_recent_waves_is_forgiven_two_are_not():
 def test_wave_times_expect_a_fixed_cost_and_a_pessimistic_cost_per_simulation():
     times = WaveTimes(window=2, forgive=0)
     assert times.expected_ms(100) == 0.0
-    times.add(32, 2.0)
+    times.add(1, 2.0)
+    times.add(1, 2.0)
     assert times.expected_ms(2048) == 2.0  # one size seen: all of it taken as the fixed cost
     for _ in range(3):
-        times.add(100, 5.0)  # 0.03 ms a simulation over the quickest wave's 2 ms
-    assert times.expected_ms(100) == pytest.approx(5.0) and times.expected_ms(200) == pytest.approx(8.0)
-    times.add(100, 4.0)
-    assert times.expected_ms(100) == pytest.approx(5.0)  # the longest recent wave of a size
-    times.add(100, 4.0)  # the 5 ms waves have left the window
-    assert times.expected_ms(100) == pytest.approx(4.0)
+        times.add(101, 5.0)  # 0.03 ms a simulation more than the 1-leaf waves' 2 ms
+    assert times.expected_ms(101) == pytest.approx(5.0) and times.expected_ms(201) == pytest.approx(8.0)
+    times.add(101, 4.0)
+    assert times.expected_ms(101) == pytest.approx(5.0)  # the longest recent wave of a size
+    times.add(101, 4.0)  # the 5 ms waves have left the window
+    assert times.expected_ms(101) == pytest.approx(4.0)
     assert times.expected_ms(1) == pytest.approx(2.0)  # never under the quickest wave
 
 
@@ -150,7 +151,7 @@ def test_a_hiccup_in_a_small_wave_is_not_read_as_a_cost_per_leaf():
     (ms - overhead) / leaves) expected a wave of 256 to take 64.5 ms, and the
     fair share cut every tree to one simulation a wave."""
     times = WaveTimes()
-    times.add(1, 0.5)  # a root alone: the fixed cost
+    times.add(1, 0.5 + 1 / 256)  # a root alone: the fixed cost and its leaf
     times.add(256, 1.5)
     times.add(256, 1.5)  # 1/256 ms a leaf
     times.add(4, 1.5)  # 1 ms of it a stall
@@ -573,9 +574,10 @@ def test_admission_counts_capped_searches_at_k():
 
 def test_admission_does_not_expect_less_than_the_wave_the_plan_runs_with_a_search_capped_below_k():
     """Nine deadline-only searches and one capped at 3 (K 16, target 4 ms):
-    counting the capped one at K left the others k 1 in admission's estimate
-    (3.45 ms) where the plan gives them 3 (3.75 ms); a newcomer with 3.5 ms
-    left was admitted to a wave that ends past its deadline."""
+    counting the capped one at K leaves the others k 1 in admission's estimate
+    (3.1 ms; 0.5 ms a wave and 0.1 ms a leaf) where the plan gives them 3
+    (3.5 ms without the newcomer); a newcomer with 3.4 ms left would be
+    admitted to a wave that ends past its deadline."""
     from types import SimpleNamespace
 
     from search_service.wave_loop import Job, Refused, WaveLoop
@@ -584,11 +586,34 @@ def test_admission_does_not_expect_less_than_the_wave_the_plan_runs_with_a_searc
     for n in (10, 20, 40, 10, 40, 40):
         times.add(n, 0.5 + 0.1 * n)
     members = [Member(None, None, tried=True) for _ in range(9)] + [Member(3, None, tried=True)]
-    newcomer = Member(None, Deadline.after_s(0.0035, 100.0), tried=True)
+    newcomer = Member(None, Deadline.after_s(0.0034, 100.0), tried=True)
     plan = plan_wave(members + [newcomer], np.zeros(11), np.ones(11, bool), times, 16, wave_target_ms=4.0, now=100.0)
     planned = times.expected_ms(int(plan.ks.sum()))
-    assert planned > 3.5
+    assert planned > 3.4 and plan.leaving == [10]
     loop = WaveLoop(backend=None, wave_target_ms=4.0)
     loop._lane = lambda params: SimpleNamespace(members=members, queue=[], times=times, k_max=16)
     with pytest.raises(Refused):
-        loop.submit([Job(roots=None, tree=None, params=SimpleNamespace(deadline_ms=3.5, simulations=None))])
+        loop.submit([Job(roots=None, tree=None, params=SimpleNamespace(deadline_ms=3.4, simulations=None))])
+
+
+def test_waves_of_about_one_size_do_not_read_their_jitter_as_a_cost_per_leaf():
+    """The collapse seen at 8 engines (H100, 2026-12-06): cut waves of 12-20
+    leaves whose time jitters by 1.5 ms, beside quicker root-only waves. The
+    old estimate ((ms - quickest) / leaves) read that as ~0.1 ms a leaf, so the
+    fair share kept cutting the waves to ~3 simulations a tree and members
+    left after a wave or two. Sizes this alike give no cost per leaf: eight
+    trees get K, and none leaves with 10 ms left."""
+    times = WaveTimes()
+    for i in range(30):
+        if i % 5 == 0:
+            times.add(8, 1.2, simulated=False)  # eight roots valued alone
+        else:
+            times.add(12 + 4 * (i % 3), 2.0 + 0.5 * (i % 4))
+    assert times.line()[1] == 0.0
+    members = [Member(None, Deadline.after_s(0.010, 100.0), tried=True) for _ in range(8)]
+    plan = plan_wave(members, np.zeros(8), np.ones(8, bool), times, 16, wave_target_ms=4.0, now=100.0)
+    assert plan.ks.tolist() == [16] * 8 and plan.leaving == []
+    for _ in range(8):  # the uncut waves that follow, as long as the cut ones: they stay uncut
+        times.add(128, 3.0)
+    plan = plan_wave(members, np.zeros(8), np.ones(8, bool), times, 16, wave_target_ms=4.0, now=100.0)
+    assert plan.ks.tolist() == [16] * 8 and plan.leaving == []

@@ -258,14 +258,14 @@ def test_admission_asks_a_fresh_value_model_search_for_one_wave_its_roots():
 
 def test_wave_times_with_root_only_waves_recorded_as_leaves():
     times = WaveTimes(forgive=0)
-    times.add(3, 1.0)  # three roots valued alone
-    assert times.expected_ms(24) == pytest.approx(1.0)  # one size seen: all fixed
+    times.add(3, 1.375)  # three roots valued alone: 1 ms fixed, 0.125 ms a leaf
+    assert times.expected_ms(24) == pytest.approx(1.375)  # one size seen: all fixed
     for _ in range(3):
         times.add(24, 4.0)
-    # overhead 1, per_leaf (4 - 1) / 24 = 0.125 from the waves of at least 12 leaves
+    # per_leaf (4 - 1.375) / (24 - 3) = 0.125: the line through the roots' wave and the larger ones
     assert times.expected_ms(24) == pytest.approx(4.0)
     assert times.expected_ms(48) == pytest.approx(7.0)
-    assert times.expected_ms(0) == pytest.approx(max(1.125, 1.0 + 0.125 * -2, 4.0 + 0.125 * -23))
+    assert times.expected_ms(0) == pytest.approx(1.375)  # never under the quickest wave
 
 
 def test_wave_times_sliced_counts_each_wave_as_one():
