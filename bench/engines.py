@@ -43,8 +43,6 @@ engine after their start). A row pools its engines' reports:
   (``--switch-interval-us``: ``server.switch_interval_us``);
   ``queue_wait_target_ms``: both services' overload shedding target
   (``--queue-wait-target-ms``: ``server.queue_wait_target_ms``, 0: off);
-  ``interpreter_gate``: both services' (``--interpreter-gate on|off``:
-  ``server.interpreter_gate``, tandem/gate.py);
 * ``variant``: with ``--variants``, the settings its `tandem up` ran with
   over the flags' (each variant its own `tandem up` and rows, in one run:
   ``--variants 'queue_wait_target_ms=0;workers=4'``), else "".
@@ -82,21 +80,8 @@ SHIPPED = ROOT / "deploy" / "config" / "tandem.yaml"
 TANDEM = [sys.executable, "-m", "stack"]
 COLUMNS = ("engines", "agents_per_engine", "evaluator", "policy", "trainer", "missed_frame_share", "frame_ms_p50",
            "frame_ms_p99", "simulations_per_frame", "optimal_move_rate", "trainer_frames_per_s")
-def on_off(text: str) -> bool:
-    """A yes/no setting's text: on, true, 1 or off, false, 0.
-
-    Raises:
-        ValueError: anything else."""
-    if text.lower() in ("on", "true", "1"):
-        return True
-    if text.lower() in ("off", "false", "0"):
-        return False
-    raise ValueError(text)
-
-
-on_off.__name__ = "on/off"  # how --variants names the type of a wrong value
 # server settings a run may change (flags): name -> type
-SERVER_KEYS = {"switch_interval_us": float, "queue_wait_target_ms": float, "interpreter_gate": on_off}
+SERVER_KEYS = {"switch_interval_us": float, "queue_wait_target_ms": float}
 # search settings a variant may change (tandem.config.SearchConfig; --variants only)
 SEARCH_KEYS = {"wave_target_ms": float, "value_model_parallel_sims": int, "parallel_sims": int,
                "rollout_slice_ms": float, "max_trees": int}
@@ -110,7 +95,7 @@ MIN_SIMULATIONS = 100  # ... and at least this many simulations per agent a fram
 
 
 def _config(policy: str, out: Path, search_workers: int | None = None, reward_workers: int | None = None,
-            host_wait: str | None = None, server: dict[str, float | bool | None] | None = None,
+            host_wait: str | None = None, server: dict[str, float | None] | None = None,
             search: dict | None = None) -> Path:
     """The shipped config with the row's changes; ``server``: ServerConfig keys
     (SERVER_KEYS) for both services, None: the shipped value; ``search``:
@@ -387,8 +372,6 @@ def main() -> None:
                          "request times show how late answers come; default: each call's deadline is its frame's end")
     ap.add_argument("--switch-interval-us", type=float, default=None,
                     help="search and reward server.switch_interval_us (default: the shipped config's)")
-    ap.add_argument("--interpreter-gate", type=on_off, default=None,
-                    help="search and reward server.interpreter_gate, on or off (default: the shipped config's)")
     ap.add_argument("--queue-wait-target-ms", type=float, default=None,
                     help="search and reward server.queue_wait_target_ms, 0: no shedding (default: the shipped config's)")
     ap.add_argument("--variants", default="",

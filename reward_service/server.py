@@ -29,7 +29,6 @@ from tandem.workers import WorkerPlace
 from tandem.config import SharedMemoryConfig, TandemConfig
 from tandem.deadline import Deadline
 from tandem.errors import quote
-from tandem.gate import GATE
 from tandem.gpu import cuda_device_count, host_fact
 from tandem.leaf_channel import RUNTIME_KEY as LEAF_CHANNEL_KEY
 from tandem.server import catch_stop_signals
@@ -203,8 +202,7 @@ class RewardServicer(reward_pb2_grpc.RewardServiceServicer):
             held.grow(OUTPUT_COPIES * rows * session.output_row_bytes(names))
         deadline = Deadline.of_grpc(context)  # None: a call without one
         request_class = _request_class(request.request_class)
-        with GATE.released():  # the batcher's lane runs it (tandem/gate.py); no lock is held here
-            done = refusal.run(self.batchers[session.name], session.name, feeds, rows, request_class, deadline, names)
+        done = refusal.run(self.batchers[session.name], session.name, feeds, rows, request_class, deadline, names)
         outputs = done.outputs
         lease.check_live()  # a region unregistered meanwhile gets nothing written
         dtypes = {s.name: s.dtype for s in session.outputs}

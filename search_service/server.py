@@ -46,7 +46,6 @@ from tandem.workers import WorkerPlace
 from tandem.config import TandemConfig
 from tandem.deadline import Deadline
 from tandem.errors import quote
-from tandem.gate import GATE
 from tandem.gpu import cupy_module, host_fact
 from tandem.server import LATENCY_BUCKETS_S, channel
 from tandem.service import Service, start_service
@@ -402,10 +401,9 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
         (``SearchGame.split_moves``), else at the item's position."""
         backend = self.backends.for_game(item.game)
 
-        def reroot(tree, extra: str):  # sessions.take calls it holding no lock
+        def reroot(tree, extra: str):
             actions = item.game.split_moves(extra)
-            with GATE.released():  # a CUDA tree's reroot waits for the GPU (tandem/gate.py)
-                return backend.reroot(tree, actions) if actions is not None else backend.reroot_to(tree, item.position)
+            return backend.reroot(tree, actions) if actions is not None else backend.reroot_to(tree, item.position)
 
         return reroot
 
@@ -423,14 +421,10 @@ class SearchServicer(search_pb2_grpc.SearchServiceServicer):
                 if item.session is not None and item.tree is not None:
                     self.sessions.put(item.session, item.request.moves, item.tree, context.peer())
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        waited = []  # per job: (the longest wait, s; answered in it)
-        with GATE.released():  # the wave loop's work (tandem/gate.py); no lock is held here
-            for job in jobs:
-                wait_s = job.deadline.wait_s() + ANSWER_GRACE_S
-                waited.append((wait_s, job.done.wait(wait_s)))
         outs = []
-        for job, (wait_s, answered) in zip(jobs, waited):
-            if not answered:
+        for job in jobs:
+            wait_s = job.deadline.wait_s() + ANSWER_GRACE_S
+            if not job.done.wait(wait_s):
                 context.abort(grpc.StatusCode.INTERNAL, f"the wave loop gave no answer within {wait_s:.1f} s")
             if job.error is not None:
                 self._abort_on(job.error, context)

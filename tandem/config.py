@@ -86,12 +86,6 @@ class ServerConfig:
     # Python's 5000 µs would make a thread that waits on the GPU or a socket many times a
     # wave wait up to 5 ms each time it wants the interpreter back from a busy gRPC handler.
     switch_interval_us: float = 200.0
-    # The interpreter gate (tandem/gate.py): the hot handlers' Python (Search, SearchBatch,
-    # Evaluate) runs one thread at a time, their waits outside it, so the wave loop and the
-    # batcher lanes, which let the interpreter go at every CUDA call, compete for it with one
-    # handler instead of every runnable one. The process's, shared by its servers
-    # (co-located: on where either's is).
-    interpreter_gate: bool = True
     # Overload shedding (tandem/overload.py, CoDel's rule): once admitted calls have queued for
     # a thread without a break for 100 ms, a call whose thread starts more than this long after
     # its arrival is refused RESOURCE_EXHAUSTED before any work, instead of being served late;

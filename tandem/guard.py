@@ -57,9 +57,6 @@ interceptor, bounds that. Its invariants:
   RESOURCE_EXHAUSTED before any work (:mod:`tandem.overload`, CoDel's rule):
   a server offered more than it can serve answers some calls at once instead
   of all of them late.
-* **Interpreter gate.** The handlers of the hot methods (tandem/gate.py,
-  ``GATED``) run holding the process's interpreter gate, so their Python
-  runs one call at a time beside the threads that do the GPU work.
 * **Status contract.** Messages are capped (:func:`tandem.errors.cap`); an
   exception a handler did not map is logged and answered INTERNAL, never
   gRPC's UNKNOWN "Exception calling application" with the text echoed.
@@ -79,7 +76,6 @@ import grpc
 from grpc._cython import cygrpc
 
 from tandem.errors import cap
-from tandem.gate import GATE, GATED
 from tandem.overload import SHED, QueueWait
 
 log = logging.getLogger(__name__)
@@ -515,7 +511,6 @@ class _Call:
                  place: Place | None):
         self.guard, self.handler, self.inner, self.method = guard, handler, inner, method
         self.arrived, self.timeout_s, self.place = arrived, timeout_s, place
-        self.gated = handler.unary_unary is not None and method in GATED  # tandem/gate.py
         self.timeout_key = "tandem.guard.HEALTH_REQUEST_TIMEOUT_S" if place is None and method.startswith(
             HEALTH_PREFIX) else "server.request_message_timeout_ms"
 
@@ -601,11 +596,7 @@ class _Responses:
         call, context = self._call, self._context
         start = time.perf_counter()
         try:
-            if call.gated:
-                with GATE.held():
-                    response = call.inner(argument, context)
-            else:
-                response = call.inner(argument, context)
+            response = call.inner(argument, context)
         finally:
             if call.handler.unary_unary is not None:
                 code = context.code() if hasattr(context._context, "code") else None

@@ -18,8 +18,6 @@ import struct
 from dataclasses import dataclass
 from urllib.parse import unquote
 
-from tandem.gate import GATE
-
 _ESTABLISHED = "01"  # /proc/net/tcp "st" column
 
 
@@ -145,16 +143,10 @@ def uid(peer: str, local_port: int = 0) -> int | None:
     for that one connection by netlink (sock_diag(7); tens of µs); without it,
     or where that finds none, /proc/net/tcp{,6} are read (proc(5); ~2 ms per
     table on a host with a large TCP hash, whatever the sockets in use).
-    Asked outside the interpreter gate (tandem/gate.py); the caller holds no lock.
     """
     p = parse(peer)
     if not p.local or p.port == 0:
         return None
-    with GATE.released():
-        return _local_uid(p, local_port)
-
-
-def _local_uid(p: Peer, local_port: int) -> int | None:
     if local_port:
         family = socket.AF_INET if p.scheme == "ipv4" else socket.AF_INET6
         for host in _server_hosts(p):
@@ -180,8 +172,7 @@ def connection_open(peer: str, local_port: int) -> bool | None:
     is ESTABLISHED, False once the kernel has it closing or closed (the client
     closed it or its process ended), None where that cannot be told (a remote
     or Unix-socket peer, no port, netlink refused). One netlink lookup per
-    address the client may have connected to (tens of µs; sock_diag(7)),
-    outside the interpreter gate (tandem/gate.py); the caller holds no lock.
+    address the client may have connected to (tens of µs; sock_diag(7)).
     """
     p = parse(peer)
     if not p.local or p.port == 0 or not local_port or p.scheme not in ("ipv4", "ipv6"):
@@ -190,8 +181,7 @@ def connection_open(peer: str, local_port: int) -> bool | None:
     if mapped is not None:  # a dual-stack server's IPv4 client: its own socket is an IPv4 one
         p = Peer("ipv4", str(mapped), p.port)
     family = socket.AF_INET if p.scheme == "ipv4" else socket.AF_INET6
-    with GATE.released():
-        answers = [_diag(family, p.host, p.port, host, local_port) for host in _server_hosts(p)]
+    answers = [_diag(family, p.host, p.port, host, local_port) for host in _server_hosts(p)]
     if any(isinstance(a, tuple) and a[0] == _TCP_ESTABLISHED for a in answers):
         return True
     return None if any(a is None for a in answers) else False

@@ -29,7 +29,6 @@ from prometheus_client import Histogram
 from tandem import contract
 from tandem.channel_options import CHANNEL_OPTIONS
 from tandem.config import ServerConfig, TandemConfig, resolve_path
-from tandem.gate import GATE
 from tandem.guard import HEALTH_WORKERS, REFUSAL_WORKERS, SPARE_WORKERS, Admission, Guard
 from tandem.metrics_http import BoundedServer, serve_metrics
 from tandem.overload import QueueWait
@@ -195,14 +194,12 @@ def build_server(
 
     Sets the process's interpreter switch interval to
     ``server_cfg.switch_interval_us`` (the smallest of its servers' where it
-    runs several) and turns its interpreter gate (tandem/gate.py) on or off
-    by ``server_cfg.interpreter_gate`` (several servers: on where any is).
+    runs several).
 
     Raises:
         RuntimeError: the address could not be bound.
     """
     sys.setswitchinterval(min(sys.getswitchinterval(), server_cfg.switch_interval_us / 1e6))
-    GATE.configure(server_cfg.interpreter_gate)
     options = [
         ("grpc.max_receive_message_length", server_cfg.max_message_bytes),
         ("grpc.max_send_message_length", server_cfg.max_message_bytes),

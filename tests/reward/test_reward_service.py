@@ -1,8 +1,6 @@
 """RewardService over real gRPC on loopback, with the shipped ONNX model."""
 from __future__ import annotations
 
-import threading
-
 import grpc
 import numpy as np
 import onnx
@@ -13,7 +11,6 @@ from tandem.v1 import reward_pb2, reward_pb2_grpc
 
 from reward_service import server as reward_server
 from tandem import tensors
-from tandem.gate import GATE
 from tandem.server import channel
 from tandem.deadline import Deadline
 
@@ -537,42 +534,3 @@ def test_precision_auto_is_fp32_where_onnx_runtime_falls_back_to_the_cpu(monkeyp
     fp32 = session_module.ModelSession(replace(shipped, precision="fp32", batch_buckets=(1, 2)),
                                        replace(cfg, execution_provider="cpu"))
     assert s.version == fp32.version  # ModelMetadata's version: the FP32 model's
-
-
-def test_evaluate_holds_the_interpreter_gate_only_while_its_handler_runs_not_while_it_waits():
-    """tandem/gate.py: Evaluate is gated (its handler does not start while
-    another thread holds the gate) and lets the gate go while its request
-    waits in the batcher (a bulk request waiting max_queue_delay_us for
-    company: another thread takes the gate meanwhile)."""
-    cfg = loopback_config(reward={"models": [{"name": MODEL, "path": "reward_service/models/connect4_value.onnx",
-                                              "max_batch_size": 64}], "max_queue_delay_us": 3_000_000})
-    service = reward_server.start(cfg, follow_scheduler=False)
-    ch = channel(cfg.reward.address)
-    stub, batcher = reward_pb2_grpc.RewardServiceStub(ch), service.servicer.batchers[MODEL]
-    answers = []
-
-    def call(request_class):
-        t = threading.Thread(target=lambda: answers.append(evaluate(stub, boards(1), request_class=request_class)),
-                             daemon=True)
-        t.start()
-        return t
-
-    try:
-        submitted = batcher.stats()["submitted"]  # the warm-up's
-        with GATE.held():  # the handler waits at the gate: nothing reaches the batcher
-            t = call(reward_pb2.REQUEST_CLASS_CRITICAL)
-            t.join(0.3)
-            assert t.is_alive() and batcher.stats()["submitted"] == submitted
-            assert stub.ListModels(reward_pb2.ListModelsRequest(), timeout=10).models == [MODEL]  # not gated
-        t.join(30)
-        assert answers and answers[0].batch_size == 1
-        t = call(reward_pb2.REQUEST_CLASS_BULK)  # waits up to 3 s in the batcher for company
-        while batcher.stats()["queued"] == 0 and t.is_alive():
-            threading.Event().wait(0.005)
-        with GATE.held():  # taken while the request waits: its handler let the gate go
-            assert batcher.stats()["queued"] == 1 and t.is_alive()
-        t.join(30)
-        assert len(answers) == 2 and answers[1].batch_size == 1
-    finally:
-        ch.close()
-        service.stop()

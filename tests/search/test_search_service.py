@@ -2,8 +2,6 @@
 reward service's real value model for the PUCT evaluator."""
 from __future__ import annotations
 
-import threading
-
 import grpc
 import pytest
 from conftest import loopback_config
@@ -12,7 +10,6 @@ from tandem.v1 import search_pb2, search_pb2_grpc
 from reward_service import server as reward_server
 from search_service import server as search_server
 from search_service.games import connect4
-from tandem.gate import GATE
 from tandem.positions import load_set
 from tandem.server import channel
 
@@ -204,60 +201,3 @@ def test_a_hung_reward_service_cannot_hold_a_search_past_its_deadline():
     finally:
         search.stop()
         hung.close()
-
-
-def test_a_search_holds_the_interpreter_gate_only_while_its_handler_runs_not_while_it_waits(stack):
-    """tandem/gate.py: Search is gated (its handler does not start while
-    another thread holds the gate), and lets the gate go while the wave loop
-    searches (another thread takes it while the search is in flight)."""
-    stub, search = stack[0], stack[1]
-    loop = search.servicer.loop
-    answers = []
-
-    def call(**kw):
-        t = threading.Thread(target=lambda: answers.append(stub.Search(req(moves="4453", **kw), timeout=30)),
-                             daemon=True)
-        t.start()
-        return t
-
-    with GATE.held():  # the handler waits at the gate: nothing reaches the wave loop
-        t = call(simulations=50, seed=1)
-        t.join(0.3)
-        assert t.is_alive() and loop.in_flight() == 0 and not answers
-    t.join(30)
-    assert answers and answers[0].simulations == 50
-    t = call(simulations=100_000, deadline_ms=3000, seed=2)  # in flight for up to 3 s
-    while loop.in_flight() == 0 and t.is_alive():
-        threading.Event().wait(0.005)
-    with GATE.held():  # taken while the search is still in flight: its handler let the gate go
-        assert loop.in_flight() == 1 and t.is_alive()
-    t.join(30)
-    assert len(answers) == 2 and answers[1].simulations > 0
-
-
-def test_a_session_search_looks_up_its_owner_and_reroots_its_tree_outside_the_interpreter_gate(stack, monkeypatch):
-    """tandem/gate.py: who owns the connection (a kernel lookup; a gone
-    connection's reads /proc/net/tcp) and the re-rooting of the session's
-    tree (a CUDA tree's waits for the GPU) run with the gate let go."""
-    from search_service.mcts.cpu_reference import CpuReferenceBackend
-    from tandem import peer
-
-    stub = stack[0]
-    seen = {"owner": [], "reroot": []}
-    local_uid, reroot = peer._local_uid, CpuReferenceBackend.reroot
-
-    def recorded_owner(*args):
-        seen["owner"].append(GATE.holds())
-        return local_uid(*args)
-
-    def recorded_reroot(tree, actions):
-        seen["reroot"].append(GATE.holds())
-        return reroot(tree, actions)
-
-    monkeypatch.setattr(peer, "_local_uid", recorded_owner)
-    monkeypatch.setattr(CpuReferenceBackend, "reroot", staticmethod(recorded_reroot))
-    for moves in ("4", "44", "444"):
-        r = stub.Search(req(moves=moves, simulations=100, seed=1, session_id="gate-test"), timeout=30)
-    assert r.tree_reused
-    assert seen["reroot"] and not any(seen["reroot"]), seen
-    assert seen["owner"] and not any(seen["owner"]), seen

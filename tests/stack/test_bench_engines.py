@@ -81,17 +81,14 @@ def test_a_variants_search_settings_reach_the_config_it_runs(tmp_path):
     assert cfg.search.wave_target_ms == 0 and cfg.search.value_model_parallel_sims == 64
 
 
-def test_the_interpreter_gate_variant_reaches_both_services_configs(tmp_path):
-    """``interpreter_gate=off`` (on/off, true/false, 1/0) is written into both
-    services' server sections, which the loader accepts; other text is refused."""
+def test_a_variants_server_settings_reach_both_services_configs(tmp_path):
+    """A server setting of a variant (SERVER_KEYS) is written into both
+    services' server sections, which the loader accepts; None keeps the shipped value."""
     from bench import engines
     from tandem.config import load_config
 
-    assert [v.get("interpreter_gate") for v in parse_variants("interpreter_gate=off;interpreter_gate=on;")] == \
-        [False, True, None]
-    with pytest.raises(SystemExit, match="interpreter_gate='maybe' is not a on/off"):
-        parse_variants("interpreter_gate=maybe")
-    path = engines._config("default", tmp_path, server={"interpreter_gate": False, "switch_interval_us": None})
+    settings = variant_settings({"engines": [8]}, parse_variants("queue_wait_target_ms=0")[0])
+    path = engines._config("default", tmp_path, server={key: settings[key] for key in engines.SERVER_KEYS})
     cfg = load_config(path)
-    assert not cfg.search.server.interpreter_gate and not cfg.reward.server.interpreter_gate
+    assert cfg.search.server.queue_wait_target_ms == 0 and cfg.reward.server.queue_wait_target_ms == 0
     assert cfg.search.server.switch_interval_us == 200.0  # None: the shipped value
