@@ -42,8 +42,13 @@ the same smaller k, so waves stay short, every member gets several of them in
 its frame and newcomers join soon. Only the cost per simulation can be cut
 so: a wave is never cut below twice its fixed cost (where the fixed cost, a
 model call's round trip, is most of the wave, fewer simulations would save
-little time and lose most of the work). Searches with a simulation cap always
-take K (their trees equal the same search run alone, whatever shares the batch).
+little time and lose most of the work). Where no cost per simulation is
+known yet (the waves so far were of about one size), the deadline-only
+searches' share grows a wave to at most twice the largest recent one, so a
+batch that grew at once learns its cost per simulation in a wave instead of
+running a wave of unknown length past its members' deadlines. Searches with
+a simulation cap always take K (their trees equal the same search run alone,
+whatever shares the batch).
 """
 from __future__ import annotations
 
@@ -60,6 +65,7 @@ from tandem.deadline import Deadline
 
 END_BUDGET, END_PROVEN, END_DEADLINE, END_STOPPED = "budget", "proven", "deadline", "stopped"
 OPEN = 1 << 20  # a sliced wave's simulations for a search bounded by its deadline alone: the slice ends it
+STALL_RATIO = 1.5  # a recent wave this many times longer than the next longest is a stall (WaveTimes)
 
 
 @dataclass
@@ -85,42 +91,39 @@ class WaveTimes:
 
     * ``overhead``: the quickest of the last ``history`` waves (launches, the
       model call's round trip);
-    * ``per_leaf``: the slope of a resistant line (Tukey, *Exploratory Data
-      Analysis*, 1977) through the last ``history`` waves that ran
-      simulations (a wave of roots valued alone has no selection or backup,
-      so it would read their cost as a cost per leaf): sorted by leaves,
-      the difference of the medians of the largest third and the smallest
-      third, ms over leaves. Medians, so a stall or two do not move it; and
-      only where the largest third has at least twice the leaves of the
-      smallest, else 0 (all of it fixed cost). Waves of about one size
-      cannot tell a cost per leaf from the jitter of the fixed cost: the
-      old estimate, ``(ms - quickest) / leaves``, read a 1 ms jitter in
-      waves of 14 leaves as 0.07 ms a leaf, and the fair share then cut
-      every wave small, which kept the estimate high (the collapse seen at
-      8 engines on an H100, 2026-12-06). Beyond the history's sizes, the
-      largest wave, where it has at least twice the leaves of the largest
-      third, also counts: the slope from the largest third's medians to it,
-      where steeper. The first wave of a batch that grew so sets the cost
-      per leaf of the next ones, stalled or not (members leave early, none
-      late), until it leaves the history;
+    * ``per_leaf``: a resistant line (Tukey, *Exploratory Data Analysis*,
+      1977) through the last ``history`` waves that ran simulations (a wave
+      of roots valued alone has no selection or backup: its lower cost would
+      read as a cost per leaf): the waves of more than half the most leaves
+      (large) against the others (small), ms over leaves between the groups'
+      medians (the large group's lower median: a stall among two does not
+      count), never below 0. Where no wave has half the most leaves or fewer,
+      0: waves of about one size cannot tell a cost per leaf from the jitter
+      of the fixed cost (``(ms - quickest) / leaves``, the estimate before,
+      read a 1 ms jitter in waves of 14 leaves as 0.07 ms a leaf; the fair
+      share then cut every wave small, which kept the estimate high: 8
+      engines on an H100, 2026-12-06, decision 0019). A lone first wave of a
+      batch that grew sets it, stalled or not (members leave early, none
+      late), until larger waves follow or it leaves the history;
     * ``fixed``: each of the last ``window`` waves moved by ``per_leaf`` to
-      zero leaves; the longest of them but the ``forgive`` longest (one
-      stall, a first call of a new batch size or a collection, does not hold
-      every member to a wave that long for the next ``window`` waves: they
-      would leave after one wave each, and newcomers be refused; a second
-      stall among them counts);
+      zero leaves; the longest of them, but where it is more than
+      ``STALL_RATIO`` times the next it is forgiven (up to ``forgive`` of
+      them): one stall, a first call of a new batch size or a collection,
+      does not hold every member to a wave that long for the next ``window``
+      waves (they would leave after one wave each, and newcomers be
+      refused), while ordinary jitter counts in full;
     * a wave of ``leaves``: ``fixed + per_leaf * leaves``, never under
-      ``overhead``.
+      ``overhead``;
+    * ``largest``: the most leaves of a recent wave, of either kind: with no
+      cost per leaf known, the fair share grows waves at most twice past it
+      (:func:`shared_k`), so each wave shows the cost of more leaves.
 
     A search alone (the same leaves every wave) is so expected to take its
-    longest recent wave (but the forgiven), the CPU reference's rule. Where
-    every wave had the same size the model cannot tell fixed from per-leaf
-    cost and takes it all as fixed: the first wave of a batch that grows at
-    once may run long, and the next ones are planned from it.
+    longest recent wave (but a stall), the CPU reference's rule.
 
     ``sliced``: the waves of a sliced batch, which last a time slice whatever
     their simulations: every wave counts as one leaf, so the next is expected
-    to take the longest recent one (but the forgiven).
+    to take the longest recent one (but a stall).
 
     One thread adds (the wave loop's group thread), refitting the model
     then; other threads (admission) may call :meth:`expected_ms`, a few µs:
@@ -134,6 +137,7 @@ class WaveTimes:
         self._recent: deque[tuple[int, float]] = deque(maxlen=window)  # guarded by _lock
         self._history: deque[tuple[int, float, bool]] = deque(maxlen=history)  # (leaves, ms, simulated): the adding thread's only
         self._fit = (0.0, 0.0, 0.0)  # guarded by _lock: (overhead, fixed, per_leaf), refitted at each add
+        self._largest = 0  # guarded by _lock: the most leaves of a wave in the history (0: none yet)
 
     def add(self, leaves: int, ms: float, simulated: bool = True) -> None:
         """Records a wave of ``leaves`` simulations that took ``ms`` (undone
@@ -143,12 +147,17 @@ class WaveTimes:
         wave = (1 if self.sliced else max(int(leaves), 1), float(ms))
         self._history.append((*wave, simulated))
         overhead = min(t for _, t, _ in self._history)
-        fitted = sorted((n, t) for n, t, simulated in self._history if simulated)
+        fitted = [(n, t) for n, t, simulated in self._history if simulated]
         per_leaf = _slope(fitted) if fitted else 0.0
+        largest = max(n for n, _, _ in self._history)
         with self._lock:
             self._recent.append(wave)
             moved = sorted((t - per_leaf * n for n, t in self._recent), reverse=True)
-            self._fit = (overhead, moved[min(self.forgive, len(moved) - 1)], per_leaf)
+            i = 0
+            while i < min(self.forgive, len(moved) - 1) and moved[i] > STALL_RATIO * max(moved[i + 1], 0.0):
+                i += 1
+            self._fit = (overhead, moved[i], per_leaf)
+            self._largest = largest
 
     def line(self) -> tuple[float, float]:
         """(fixed ms, ms per leaf): a wave of n leaves is expected to take
@@ -156,6 +165,11 @@ class WaveTimes:
         with self._lock:
             _, fixed, per_leaf = self._fit
         return fixed, per_leaf
+
+    def largest(self) -> int:
+        """The most leaves of a wave in the history, roots valued alone included (0 before any wave)."""
+        with self._lock:
+            return self._largest
 
     def expected_ms(self, leaves: int) -> float:
         """ms a wave of ``leaves`` simulations is expected to take; 0 before any wave."""
@@ -168,16 +182,15 @@ class WaveTimes:
 
 
 def _slope(waves: list[tuple[int, float]]) -> float:
-    """ms per leaf of ``waves`` ((leaves, ms), sorted): WaveTimes' ``per_leaf``."""
-    third = max(len(waves) // 3, 1)
-    small, large = waves[:third], waves[-third:]
-    n_small, n_large = statistics.median(n for n, _ in small), statistics.median(n for n, _ in large)
-    t_small, t_large = statistics.median(t for _, t in small), statistics.median(t for _, t in large)
-    slope = (t_large - t_small) / (n_large - n_small) if n_large >= 2 * n_small else 0.0
-    n_most, t_most = waves[-1]
-    if n_most >= 2 * n_large:  # a wave past the history's sizes: the slope up to it, where steeper
-        slope = max(slope, (t_most - t_large) / (n_most - n_large))
-    return max(slope, 0.0)
+    """ms per leaf of ``waves`` ((leaves, ms)): WaveTimes' ``per_leaf``."""
+    half = max(n for n, _ in waves) / 2
+    small = [w for w in waves if w[0] <= half]
+    large = [w for w in waves if w[0] > half]
+    if not small:
+        return 0.0
+    n_small, t_small = statistics.median(n for n, _ in small), statistics.median(t for _, t in small)
+    n_large, t_large = statistics.median(n for n, _ in large), statistics.median_low(t for _, t in large)
+    return max((t_large - t_small) / (n_large - n_small), 0.0)
 
 
 @dataclass
@@ -198,13 +211,20 @@ def shared_k(shared: int, others: int, times: WaveTimes, k_max: int, wave_target
     """The simulations each of ``shared`` deadline-only members takes in a
     wave beside ``others`` leaves (capped members' simulations, waiting
     roots): ``k_max``, or less where the wave would take longer than
-    ``wave_target_ms`` (or twice its fixed cost, where that is longer:
-    module docstring). Scalar arithmetic: admission asks it per call."""
-    if wave_target_ms is None or shared <= 0 or times.expected_ms(shared * k_max + others) <= wave_target_ms:
+    ``wave_target_ms`` (or twice its fixed cost, where that is longer), or,
+    with no cost per leaf known, where it would hold more than twice the
+    largest recent wave's leaves (module docstring). Scalar arithmetic:
+    admission asks it per call."""
+    if wave_target_ms is None or shared <= 0:
         return k_max
     fixed, per_leaf = times.line()
-    if per_leaf <= 0:
-        return k_max  # every wave costs the same, whatever its size
+    if per_leaf <= 0:  # no cost per leaf known: no cut, but no wave past twice the largest yet
+        room = 2 * times.largest() - others
+        if not times.largest() or shared * k_max <= room:
+            return k_max
+        return max(1, min(k_max, room // shared))
+    if times.expected_ms(shared * k_max + others) <= wave_target_ms:
+        return k_max
     longest = _aim_ms(times, wave_target_ms)
     room = (longest - fixed) / per_leaf - others  # leaves the shared ones may take
     if room >= shared:

@@ -151,12 +151,15 @@ def test_a_hiccup_in_a_small_wave_is_not_read_as_a_cost_per_leaf():
     (ms - overhead) / leaves) expected a wave of 256 to take 64.5 ms, and the
     fair share cut every tree to one simulation a wave."""
     times = WaveTimes()
-    times.add(1, 0.5 + 1 / 256)  # a root alone: the fixed cost and its leaf
+    for _ in range(3):
+        times.add(4, 0.5 + 4 / 256)  # small waves: 0.5 ms fixed, 1/256 ms a leaf
     times.add(256, 1.5)
-    times.add(256, 1.5)  # 1/256 ms a leaf
+    times.add(256, 1.5)
     times.add(4, 1.5)  # 1 ms of it a stall
+    assert times.line()[1] == pytest.approx(1 / 256)
     assert times.expected_ms(256) == pytest.approx(1.5)  # one stall among four waves: forgiven
     times.add(4, 1.5)
+    assert times.line()[1] == pytest.approx(1 / 256)  # the small waves' median: still the unstalled ones
     assert times.expected_ms(256) == pytest.approx(1.5 + 252 / 256)  # two: the stalled wave, moved by 1/256 ms a leaf
     assert times.expected_ms(4) == pytest.approx(1.5)
 
@@ -170,9 +173,11 @@ def test_a_sliced_plan_opens_deadline_only_members_and_gives_capped_ones_their_r
                Member(None, Deadline(100.1), tried=True)]
     plan = plan_wave(members, np.array([0, 990, 0, 0]), np.ones(4, bool), times, 16, wave_target_ms=0.1, now=100.0,
                      sliced=True)
-    assert plan.ks.tolist() == [OPEN, 10, 0, OPEN] and plan.leaving == [2]  # 1 ms left < a 1.2 ms slice
-    # the longest recent slice but one (a lone long one is forgiven), whatever the simulations
-    assert times.expected_ms(1) == times.expected_ms(10**6) == pytest.approx(1.2)
+    assert plan.ks.tolist() == [OPEN, 10, 0, OPEN] and plan.leaving == [2]  # 1 ms left < a 1.5 ms slice
+    # the longest recent slice (none of them a stall), whatever the simulations
+    assert times.expected_ms(1) == times.expected_ms(10**6) == pytest.approx(1.5)
+    times.add(64, 4.0)  # a stall: more than 1.5 times the next longest, forgiven
+    assert times.expected_ms(1) == pytest.approx(1.5)
 
 
 # -- independence: a tree beside others equals it alone --------------------------------
@@ -601,8 +606,9 @@ def test_waves_of_about_one_size_do_not_read_their_jitter_as_a_cost_per_leaf():
     leaves whose time jitters by 1.5 ms, beside quicker root-only waves. The
     old estimate ((ms - quickest) / leaves) read that as ~0.1 ms a leaf, so the
     fair share kept cutting the waves to ~3 simulations a tree and members
-    left after a wave or two. Sizes this alike give no cost per leaf: eight
-    trees get K, and none leaves with 10 ms left."""
+    left after a wave or two. Sizes this alike give no cost per leaf: the
+    waves grow to K, twice the largest at a time, and none leaves with 10 ms
+    left."""
     times = WaveTimes()
     for i in range(30):
         if i % 5 == 0:
@@ -611,9 +617,10 @@ def test_waves_of_about_one_size_do_not_read_their_jitter_as_a_cost_per_leaf():
             times.add(12 + 4 * (i % 3), 2.0 + 0.5 * (i % 4))
     assert times.line()[1] == 0.0
     members = [Member(None, Deadline.after_s(0.010, 100.0), tried=True) for _ in range(8)]
-    plan = plan_wave(members, np.zeros(8), np.ones(8, bool), times, 16, wave_target_ms=4.0, now=100.0)
-    assert plan.ks.tolist() == [16] * 8 and plan.leaving == []
-    for _ in range(8):  # the uncut waves that follow, as long as the cut ones: they stay uncut
-        times.add(128, 3.0)
-    plan = plan_wave(members, np.zeros(8), np.ones(8, bool), times, 16, wave_target_ms=4.0, now=100.0)
-    assert plan.ks.tolist() == [16] * 8 and plan.leaving == []
+    ks = []
+    for _ in range(3):  # no cost per leaf known: each wave grows to at most twice the largest yet
+        plan = plan_wave(members, np.zeros(8), np.ones(8, bool), times, 16, wave_target_ms=4.0, now=100.0)
+        assert plan.leaving == []
+        ks.append(plan.ks.tolist())
+        times.add(int(plan.ks.sum()), 2.5)  # and costs what the small ones did
+    assert ks == [[5] * 8, [10] * 8, [16] * 8]

@@ -257,22 +257,25 @@ def test_admission_asks_a_fresh_value_model_search_for_one_wave_its_roots():
 
 
 def test_wave_times_with_root_only_waves_recorded_as_leaves():
+    """A wave of roots valued alone (no selection, no backup: run_wave passes
+    simulated=False) counts for the recent and largest waves, not for the
+    cost per leaf: its lower cost is not a cost per leaf."""
     times = WaveTimes(forgive=0)
-    times.add(3, 1.375)  # three roots valued alone: 1 ms fixed, 0.125 ms a leaf
-    assert times.expected_ms(24) == pytest.approx(1.375)  # one size seen: all fixed
+    times.add(3, 1.0, simulated=False)  # three roots valued alone
+    assert times.expected_ms(24) == pytest.approx(1.0) and times.largest() == 3
     for _ in range(3):
         times.add(24, 4.0)
-    # per_leaf (4 - 1.375) / (24 - 3) = 0.125: the line through the roots' wave and the larger ones
-    assert times.expected_ms(24) == pytest.approx(4.0)
-    assert times.expected_ms(48) == pytest.approx(7.0)
-    assert times.expected_ms(0) == pytest.approx(1.375)  # never under the quickest wave
+    assert times.line() == (pytest.approx(4.0), 0.0)  # waves of one size: all of it fixed
+    assert times.expected_ms(24) == pytest.approx(4.0) and times.largest() == 24
+    times.add(8, 1.0 + 8 / 8)  # a small simulated wave: 1 ms fixed, 0.125 ms a leaf
+    assert times.line()[1] == pytest.approx((4.0 - 2.0) / (24 - 8))
 
 
 def test_wave_times_sliced_counts_each_wave_as_one():
     times = WaveTimes(sliced=True)
     for ms in (5.0, 5.2, 4.9, 5.1):
         times.add(10_000, ms)
-    assert times.expected_ms(1) == times.expected_ms(10**6) == pytest.approx(5.1)  # the longest but one
+    assert times.expected_ms(1) == times.expected_ms(10**6) == pytest.approx(5.2)  # the longest: no stall among them
 
 
 def test_wave_times_add_and_expected_from_two_threads():
