@@ -335,7 +335,9 @@ class SearchConfig:
     # Every search in flight advances as one batch of trees, one wave at a time
     # (search_service/wave_loop.py; backends that batch trees: the CPU reference).
     max_trees: int = 1024  # searches in flight at once (joined or waiting); more: RESOURCE_EXHAUSTED
-    max_batch_searches: int = 256  # positions in one SearchBatch call; more: INVALID_ARGUMENT
+    # Positions in one SearchBatch call; more: INVALID_ARGUMENT. A request of 64 KiB or more holds
+    # at most 4,096 fields, nested ones counted (tandem/guard.py): ~300 searches of every field.
+    max_batch_searches: int = 256
     # Searches bounded by a deadline alone take fewer simulations a wave where a wave
     # at parallel_sims each would take longer than this (ms): under load waves stay
     # short, every search gets several in its frame and newcomers join soon. With no
@@ -775,18 +777,16 @@ def _one_line(exc: Exception, limit: int = 200) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def load_config(path: str | Path | None = None) -> TandemConfig:
-    """Loads and validates the YAML file at ``path`` (default: the bundled
-    ``tandem/bundled/tandem.yaml``, which is ``deploy/config/tandem.yaml``).
+def load_yaml(path: str | Path) -> Any:
+    """The YAML document in the file at ``path``, read with the config's
+    checks (tandem.yaml's, and game folders' game.yaml).
 
     Raises:
-        ConfigError: the file is missing, larger than MAX_CONFIG_BYTES, not
-            UTF-8 YAML, uses YAML aliases (refused: their expansion is
-            unbounded), gives a key twice, nests deeper than MAX_NESTING, or
-            fails validation. The message is one line naming the file and the
-            key (or line).
+        ConfigError: the file cannot be read, is larger than MAX_CONFIG_BYTES,
+            is not UTF-8 YAML, uses YAML aliases (refused: their expansion is
+            unbounded), gives a key twice or nests deeper than MAX_NESTING.
+            The message is one line naming the file (and the line and key).
     """
-    path = Path(path) if path else DEFAULT_CONFIG
     try:
         with open(path, "rb") as f:  # bounded: a device or a huge file is not read to its end
             raw = f.read(MAX_CONFIG_BYTES + 1)
@@ -799,9 +799,23 @@ def load_config(path: str | Path | None = None) -> TandemConfig:
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start})") from None
     try:
-        data = _parse_yaml(text)
+        return _parse_yaml(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {_one_line(exc)}") from None
+
+
+def load_config(path: str | Path | None = None) -> TandemConfig:
+    """Loads and validates the YAML file at ``path`` (default: the bundled
+    ``tandem/bundled/tandem.yaml``, which is ``deploy/config/tandem.yaml``).
+
+    Raises:
+        ConfigError: the file is missing or not read by :func:`load_yaml`
+            (too large, not UTF-8 YAML, aliases, a key given twice, too deep),
+            or fails validation. The message is one line naming the file and
+            the key (or line).
+    """
+    path = Path(path) if path else DEFAULT_CONFIG
+    data = load_yaml(path)
     try:
         return parse_config(data)
     except ConfigError as exc:

@@ -64,6 +64,7 @@ interceptor, bounds that. Its invariants:
 from __future__ import annotations
 
 import collections
+import functools
 import hmac
 import itertools
 import logging
@@ -73,6 +74,7 @@ from concurrent import futures
 from typing import Callable, Iterator
 
 import grpc
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from grpc._cython import cygrpc
 
 from tandem.errors import cap
@@ -332,11 +334,12 @@ class _Requests:
             self._deadline = time.monotonic() + self._timeout_s
         if self._deserialize is None:
             return raw
-        if len(raw) >= LARGE_MESSAGE_BYTES and _more_fields_than(raw, MAX_TOP_LEVEL_FIELDS):
+        if len(raw) >= LARGE_MESSAGE_BYTES and _more_fields_than(raw, MAX_MESSAGE_FIELDS,
+                                                                 _descriptor_of(self._deserialize)):
             self._context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"request: more than {MAX_TOP_LEVEL_FIELDS} fields at the top level of a "
-                                f"{len(raw)}-byte {self._method} message; no call of this server takes so many "
-                                f"(repeated entries are bounded by the model or the config)")
+                                f"request: more than {MAX_MESSAGE_FIELDS} fields in a {len(raw)}-byte "
+                                f"{self._method} message (nested ones counted); no call of this server takes so "
+                                f"many (repeated entries are bounded by the model or the config)")
         try:
             return self._deserialize(raw)
         except Exception as exc:  # DecodeError: corrupt wire format, bad UTF-8, ...
@@ -348,10 +351,28 @@ _END = object()  # a request stream that ended before its first message
 
 #: A message this large is walked before it is parsed (smaller ones parse in well under a millisecond).
 LARGE_MESSAGE_BYTES = 64 * 1024
-#: Top-level fields a large message may hold: every call's repeated entries are few (a model's
-#: inputs and outputs, a batch's searches: at most search.max_batch_searches), and a 34 MB
-#: message of 6.8 M tiny entries took the parser 0.7 s of the process's interpreter (CPU).
-MAX_TOP_LEVEL_FIELDS = 4096
+#: Fields a large message may hold, those nested in its sub-messages (map entries included)
+#: counted: every call's repeated entries are few (a model's inputs and outputs, a batch's
+#: searches: at most search.max_batch_searches, ~13 fields each), and parsing a 34 MB message
+#: of 6.8 M tiny entries held the process's interpreter 0.7 s (CPU), 800 k entries of one
+#: input's ``parameters`` map (13 MB) 0.3-3.7 s.
+MAX_MESSAGE_FIELDS = 4096
+
+
+def _descriptor_of(deserialize) -> Descriptor | None:
+    """The request message's descriptor, where ``deserialize`` is a generated
+    message class's ``FromString`` (None otherwise: top-level fields only)."""
+    descriptor = getattr(getattr(deserialize, "__self__", None), "DESCRIPTOR", None)
+    return descriptor if isinstance(descriptor, Descriptor) else None
+
+
+@functools.lru_cache(maxsize=None)
+def _submessages(descriptor: Descriptor | None) -> dict[int, Descriptor]:
+    """The message-typed fields of ``descriptor``, by field number (a map
+    field is a repeated message of its entry type)."""
+    if descriptor is None:
+        return {}
+    return {f.number: f.message_type for f in descriptor.fields if f.type == FieldDescriptor.TYPE_MESSAGE}
 
 
 def _varint(raw: bytes, pos: int) -> tuple[int, int]:
@@ -367,14 +388,28 @@ def _varint(raw: bytes, pos: int) -> tuple[int, int]:
             raise IndexError("varint too long")
 
 
-def _more_fields_than(raw: bytes, limit: int) -> bool:
-    """Whether the protobuf message ``raw`` holds more than ``limit`` fields at
-    its top level, walked from key to key without parsing (a length-delimited
-    field is stepped over whole: O(limit), whatever the size). Malformed bytes
-    end the walk (False): the parser then refuses them."""
+_GROUP = -1  # on the walk's stack: a group's start (its end key pops it)
+
+
+def _more_fields_than(raw: bytes, limit: int, descriptor: Descriptor | None = None) -> bool:
+    """Whether the protobuf message ``raw`` holds more than ``limit`` fields,
+    counting those inside each field that ``descriptor`` (the message's type;
+    None: none) declares a message, at any depth, map entries included.
+    Walked from key to key without parsing, one step per field counted:
+    O(limit), whatever the size. Strings, bytes, packed scalars and unknown
+    fields are one field each, stepped over whole; a group's fields are
+    counted, never walked into as messages (the parser keeps groups as unknown
+    fields). Malformed bytes end the walk (False): the parser then refuses them."""
     pos, fields, end = 0, 0, len(raw)
+    table = _submessages(descriptor)
+    stack: list[tuple[int, dict]] = []  # (end, table) of the messages and groups around this one
     try:
-        while pos < end:
+        while True:
+            if pos >= end:
+                if pos > end or not stack or stack[-1][0] == _GROUP:
+                    return False  # past its message's end, the whole message walked, or a group left open
+                end, table = stack.pop()
+                continue
             fields += 1
             if fields > limit:
                 return True
@@ -386,14 +421,27 @@ def _more_fields_than(raw: bytes, limit: int) -> bool:
                 pos += 8
             elif wire == 2:
                 length, pos = _varint(raw, pos)
-                pos += length
+                inner = table.get(key >> 3)
+                if inner is None:
+                    pos += length
+                elif pos + length > end:
+                    return False
+                else:
+                    stack.append((end, table))
+                    end, table = pos + length, _submessages(inner)
+            elif wire == 3:
+                stack.append((_GROUP, table))
+                table = {}
+            elif wire == 4:
+                if not stack or stack[-1][0] != _GROUP:
+                    return False
+                table = stack.pop()[1]
             elif wire == 5:
                 pos += 4
-            else:  # groups (not in proto3) or garbage
+            else:  # no such wire type
                 return False
     except IndexError:
         return False
-    return False
 
 
 class Guard(grpc.ServerInterceptor):

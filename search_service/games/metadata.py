@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
+from tandem.config import ConfigError, load_yaml
 
 MAX_ACTIONS = 4096
 _NAME = re.compile(r"[A-Za-z0-9_.-]+")
@@ -64,22 +64,24 @@ def read_metadata(folder: Path) -> GameMeta:
     """The checked contents of ``folder/game.yaml``.
 
     Raises:
-        GameError: the folder or its game.yaml is missing, the YAML does not
-            parse or is not a mapping, a field is missing, unknown, of the
-            wrong type or out of range, or ``positions`` names no file in
-            the folder.
+        GameError: the folder or its game.yaml is missing, game.yaml is not
+            read by :func:`tandem.config.load_yaml` (unreadable, over 1 MiB,
+            not YAML, aliases, a key given twice, nested too deep: the message
+            names the file and the line and key) or is not a mapping, a field
+            is missing, unknown, of the wrong type or out of range, or
+            ``positions`` names no file in the folder.
     """
     folder = Path(folder).resolve()
     where = str(folder)
     if not folder.is_dir():
         raise GameError(where, "no such game folder")
     path = folder / "game.yaml"
+    if not path.exists():
+        raise GameError(where, "the folder has no game.yaml")
     try:
-        data = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise GameError(where, "the folder has no game.yaml") from None
-    except (OSError, yaml.YAMLError) as e:
-        raise GameError(where, f"game.yaml cannot be read: {e}") from e
+        data = load_yaml(path)  # tandem.yaml's checks: size, aliases, keys given twice, depth
+    except ConfigError as exc:
+        raise GameError(where, str(exc)) from None
     if not isinstance(data, dict):
         raise GameError(where, f"game.yaml must be a mapping of fields, got {type(data).__name__}")
 

@@ -95,7 +95,36 @@ def test_game_yaml_that_is_not_a_mapping(tmp_path):
 def test_game_yaml_that_does_not_parse(tmp_path):
     folder = write_game(tmp_path / "ttt")
     (folder / "game.yaml").write_text("name: [unclosed\n")
-    raises_game_error(folder, str(folder), "game.yaml cannot be read")
+    raises_game_error(folder, str(folder), f"{folder.resolve() / 'game.yaml'}: not valid YAML")
+
+
+# game.yaml is read with tandem.yaml's checks (tandem.config.load_yaml).
+def test_game_yaml_with_a_key_given_twice_names_the_key_and_line(tmp_path):
+    """The last would silently win."""
+    folder = write_game(tmp_path / "ttt")
+    path = folder / "game.yaml"
+    path.write_text(path.read_text() + "name: noughts\n")
+    lines = path.read_text().count("\n")
+    err = raises_game_error(folder, f"{path.resolve()}: not valid YAML: line {lines}: name: the key is given twice")
+    assert "\n" not in str(err)
+
+
+def test_deeply_nested_game_yaml_is_refused_in_one_line(tmp_path):
+    folder = write_game(tmp_path / "ttt")
+    path = folder / "game.yaml"
+    path.write_text(path.read_text() + "positions: " + "[" * 100_000 + "]" * 100_000 + "\n")
+    err = raises_game_error(folder, f"{path.resolve()}: not valid YAML: line ", "nested deeper than 32 levels")
+    assert "\n" not in str(err) and len(str(err)) < 300 and err.__cause__ is None
+
+
+def test_an_oversized_or_aliased_game_yaml_is_refused(tmp_path):
+    folder = write_game(tmp_path / "ttt")
+    path = folder / "game.yaml"
+    path.write_text(path.read_text() + "#" * (1 << 20) + "\n")  # a comment: valid YAML, but not read past 1 MiB
+    raises_game_error(folder, str(folder), f"{path.resolve()}: larger than 1048576 bytes")
+    write_game(folder, name="x")
+    path.write_text(path.read_text().replace("name: x", "name: &n tic_tac_toe\nopenspiel: *n"))
+    raises_game_error(folder, str(folder), "not valid YAML: line ", "YAML aliases (*name) are not allowed")
 
 
 @pytest.mark.parametrize("field", ["name", "num_actions", "state_words", "observation", "players", "max_moves"])

@@ -198,7 +198,10 @@ BAD = [
     # A large message of many entries is refused before it is parsed (tandem/guard.py).
     ("a flood of outputs", _raw(outputs=[service_pb2.ModelInferRequest.InferRequestedOutputTensor(name="value")]
                                 * 100_000),
-     "INVALID_ARGUMENT", "request: more than 4096 fields at the top level of a"),
+     "INVALID_ARGUMENT", "request: more than 4096 fields in a"),
+    # ... counting the entries nested in its fields: 10,000 of one input's parameters.
+    ("a flood of nested parameters", _raw(tensor={"parameters": {f"p{i}": P(int64_param=i) for i in range(10_000)}}),
+     "INVALID_ARGUMENT", "request: more than 4096 fields in a"),
     ("many inputs", service_pb2.ModelInferRequest(model_name=MODEL, inputs=[
         service_pb2.ModelInferRequest.InferInputTensor(name="board", datatype="UINT8", shape=[1, 2, 6, 7])] * 3),
      "INVALID_ARGUMENT", "inputs: 3 entries; model 'connect4_value' takes at most 1"),
@@ -214,6 +217,21 @@ def test_bad_input_gets_the_protocol_status_naming_the_field(served, why, reques
     assert message in info.value.details()
     # The server keeps serving.
     assert infer(client, boards(1)).as_numpy("value").shape == (1, 1)
+
+
+def test_nested_entries_are_counted_before_parsing_and_large_fields_are_not(served):
+    client, _, _, oip_stub = served
+    request = _raw(tensor={"parameters": {f"p{i}": P(int64_param=i) for i in range(10_000)}})
+    with pytest.raises(grpc.RpcError) as info:
+        oip_stub.ModelInfer(request, timeout=30)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (f"more than 4096 fields in a {request.ByteSize()}-byte /inference.GRPCInferenceService/ModelInfer "
+            f"message (nested ones counted)") in info.value.details()
+    # A large message of few fields passes the count: a 100 kB id (one string) is served, and
+    # 67 kB of raw contents (one bytes entry) get the model's own answer.
+    assert len(infer(client, boards(1), request_id="x" * 100_000).get_response().id) == 100_000
+    with pytest.raises(InferenceServerException, match="batch 800 exceeds max_batch_size 64"):
+        infer(client, boards(800))
 
 
 def test_bad_input_through_tritonclient_raises_its_exception(served):
