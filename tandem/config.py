@@ -335,8 +335,8 @@ class SearchConfig:
     # Every search in flight advances as one batch of trees, one wave at a time
     # (search_service/wave_loop.py; backends that batch trees: the CPU reference).
     max_trees: int = 1024  # searches in flight at once (joined or waiting); more: RESOURCE_EXHAUSTED
-    # Positions in one SearchBatch call; more: INVALID_ARGUMENT. A request of 64 KiB or more holds
-    # at most 4,096 fields, nested ones counted (tandem/guard.py): ~300 searches of every field.
+    # Positions in one SearchBatch call; more: INVALID_ARGUMENT. At most 256: a request of 64 KiB
+    # or more holds at most 4,096 fields, nested ones counted (tandem/guard.py): ~300 searches.
     max_batch_searches: int = 256
     # Searches bounded by a deadline alone take fewer simulations a wave where a wave
     # at parallel_sims each would take longer than this (ms): under load waves stay
@@ -412,6 +412,7 @@ _MAX_BY_NAME = {
     "value_model_parallel_sims": 65536,
     "value_model_sims_per_warp": 32,  # a warp's 32 lanes
     "workers": 64,  # processes sharing one address (tandem/workers.py)
+    "max_batch_searches": 256,  # a SearchBatch of 256 fits the guard's field budget (tandem/guard.py)
     "switch_interval_us": 5000.0,  # Python's own: a server only ever shortens it
 }
 _MAX_BY_SUFFIX = (("_port", 65535), ("_bytes", 2**62), ("_ms", 86_400_000.0), ("_us", 86_400_000_000.0))

@@ -50,6 +50,7 @@ def test_shipped_config_loads_and_matches_defaults():
          "reward.server.max_message_bytes: must be <= 2147483647"),
         ({"search": {"max_simulations": 2**32}}, "search.max_simulations: must be <= 4294967295"),
         ({"search": {"parallel_sims": 70000}}, "search.parallel_sims: must be <= 65536"),
+        ({"search": {"max_batch_searches": 257}}, "search.max_batch_searches: must be <= 256"),
         ({"search": {"session_ttl_ms": 1e12}}, "search.session_ttl_ms: must be <= 86400000"),
         ({"search": {"max_sessions": 2**40}}, "search.max_sessions: must be <= 2147483647"),
         ({"search": {"value_model_sims_per_warp": 33}}, "search.value_model_sims_per_warp: must be <= 32"),
