@@ -340,9 +340,8 @@ class SearchConfig:
     max_batch_searches: int = 256
     # Searches bounded by a deadline alone take fewer simulations a wave where a wave
     # at parallel_sims each would take longer than this (ms): under load waves stay
-    # short, every search gets several in its frame and newcomers join soon. With no
-    # cost per leaf known yet, their waves grow to at most twice the largest recent one
-    # (search_service/mcts/plan.py). 0: never cut.
+    # short, every search gets several in its frame and newcomers join soon; their waves
+    # grow to at most twice the largest recent one (search_service/mcts/plan.py). 0: never cut.
     wave_target_ms: float = 4.0
     # A rollout wave lasts this long (ms): searches bounded by a deadline alone take as
     # many simulations as fit (the CUDA kernel reads the clock between a warp's

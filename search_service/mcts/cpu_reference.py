@@ -68,7 +68,7 @@ search is deterministic for any ``parallel_sims``. The budget is checked
 between waves: the last wave is cut short so exactly ``simulations`` run, and
 a ``deadline_ms`` (counted from the call, tree set-up included) ends the
 search before a wave expected to end past it (:class:`~search_service.mcts.plan.WaveTimes`:
-as long as the longest of the last four but one; at least one wave always runs), and so
+as long as the longest of the last eight but a stall; at least one wave always runs), and so
 does ``should_stop()`` returning true (the caller went away: the server passes
 "the RPC is no longer active"). For PUCT a fresh root is evaluated before
 its first simulation (for its priors; not a simulation), by the model call

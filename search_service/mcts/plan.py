@@ -42,11 +42,10 @@ the same smaller k, so waves stay short, every member gets several of them in
 its frame and newcomers join soon. Only the cost per simulation can be cut
 so: a wave is never cut below twice its fixed cost (where the fixed cost, a
 model call's round trip, is most of the wave, fewer simulations would save
-little time and lose most of the work). Where no cost per simulation is
-known yet (the waves so far were of about one size), the deadline-only
-searches' share grows a wave to at most twice the largest recent one, so a
-batch that grew at once learns its cost per simulation in a wave instead of
-running a wave of unknown length past its members' deadlines. Searches with
+little time and lose most of the work). The deadline-only searches' share
+grows a wave to at most twice the largest one in the history, so a batch that
+grew at once learns its cost per simulation from a wave of twice the leaves
+instead of extrapolating to a wave of unknown length. Searches with
 a simulation cap always take K (their trees equal the same search run alone,
 whatever shares the batch).
 """
@@ -102,9 +101,11 @@ class WaveTimes:
       of the fixed cost (``(ms - quickest) / leaves``, the estimate before,
       read a 1 ms jitter in waves of 14 leaves as 0.07 ms a leaf; the fair
       share then cut every wave small, which kept the estimate high: 8
-      engines on an H100, 2026-12-06, decision 0019). A lone first wave of a
-      batch that grew sets it, stalled or not (members leave early, none
-      late), until larger waves follow or it leaves the history;
+      engines on an H100, 2026-12-06, decision 0019); there the cost per leaf
+      last fitted across sizes stays (waves cut to one size by the fair share
+      keep the cost that cut them). A lone first wave of a batch that grew
+      sets it, stalled or not (members leave early, none late), until larger
+      waves follow or it leaves the history;
     * ``fixed``: each of the last ``window`` waves moved by ``per_leaf`` to
       zero leaves; the longest of them, but where it is more than
       ``STALL_RATIO`` times the next it is forgiven (up to ``forgive`` of
@@ -114,9 +115,9 @@ class WaveTimes:
       refused), while ordinary jitter counts in full;
     * a wave of ``leaves``: ``fixed + per_leaf * leaves``, never under
       ``overhead``;
-    * ``largest``: the most leaves of a recent wave, of either kind: with no
-      cost per leaf known, the fair share grows waves at most twice past it
-      (:func:`shared_k`), so each wave shows the cost of more leaves.
+    * ``largest``: the most leaves of a wave in the history, of either kind:
+      the fair share grows waves to at most twice it (:func:`shared_k`), so
+      the cost of more leaves is measured before it is relied on.
 
     A search alone (the same leaves every wave) is so expected to take its
     longest recent wave (but a stall), the CPU reference's rule.
@@ -130,7 +131,7 @@ class WaveTimes:
     ``_lock`` guards the recent waves and the fit (copying a deque while
     another thread appends to it raises)."""
 
-    def __init__(self, window: int = 4, history: int = 32, sliced: bool = False, forgive: int = 1):
+    def __init__(self, window: int = 8, history: int = 32, sliced: bool = False, forgive: int = 1):
         self.sliced = sliced
         self.forgive = forgive
         self._lock = threading.Lock()
@@ -138,6 +139,7 @@ class WaveTimes:
         self._history: deque[tuple[int, float, bool]] = deque(maxlen=history)  # (leaves, ms, simulated): the adding thread's only
         self._fit = (0.0, 0.0, 0.0)  # guarded by _lock: (overhead, fixed, per_leaf), refitted at each add
         self._largest = 0  # guarded by _lock: the most leaves of a wave in the history (0: none yet)
+        self._known = 0.0  # the adding thread's only: the cost per leaf last fitted across sizes
 
     def add(self, leaves: int, ms: float, simulated: bool = True) -> None:
         """Records a wave of ``leaves`` simulations that took ``ms`` (undone
@@ -148,7 +150,9 @@ class WaveTimes:
         self._history.append((*wave, simulated))
         overhead = min(t for _, t, _ in self._history)
         fitted = [(n, t) for n, t, simulated in self._history if simulated]
-        per_leaf = _slope(fitted) if fitted else 0.0
+        if fitted and 2 * min(n for n, _ in fitted) <= max(n for n, _ in fitted):
+            self._known = _slope(fitted)  # the history spans sizes: refit
+        per_leaf = self._known  # else (waves of one size, as the fair share cuts them): the last fit
         largest = max(n for n, _, _ in self._history)
         with self._lock:
             self._recent.append(wave)
@@ -211,28 +215,25 @@ def shared_k(shared: int, others: int, times: WaveTimes, k_max: int, wave_target
     """The simulations each of ``shared`` deadline-only members takes in a
     wave beside ``others`` leaves (capped members' simulations, waiting
     roots): ``k_max``, or less where the wave would take longer than
-    ``wave_target_ms`` (or twice its fixed cost, where that is longer), or,
-    with no cost per leaf known, where it would hold more than twice the
-    largest recent wave's leaves (module docstring). Scalar arithmetic:
-    admission asks it per call."""
+    ``wave_target_ms`` (or twice its fixed cost, where that is longer), and
+    never so many that the wave holds more than twice the leaves of the
+    largest in the history (module docstring). Scalar arithmetic: admission
+    asks it per call."""
     if wave_target_ms is None or shared <= 0:
         return k_max
     fixed, per_leaf = times.line()
-    if per_leaf <= 0:  # no cost per leaf known: no cut, but no wave past twice the largest yet
-        room = 2 * times.largest() - others
-        if not times.largest() or shared * k_max <= room:
-            return k_max
-        return max(1, min(k_max, room // shared))
-    if times.expected_ms(shared * k_max + others) <= wave_target_ms:
-        return k_max
+    # Never past twice the largest wave seen: the cost of more leaves is not extrapolated.
+    cap = max(1, (2 * times.largest() - others) // shared) if times.largest() else k_max
+    if per_leaf <= 0 or times.expected_ms(shared * k_max + others) <= wave_target_ms:
+        return min(k_max, cap)
     longest = _aim_ms(times, wave_target_ms)
     room = (longest - fixed) / per_leaf - others  # leaves the shared ones may take
     if room >= shared:
-        return min(k_max, math.floor(room / shared))
+        return min(k_max, cap, math.floor(room / shared))
     # The others' leaves alone fill the wave: it runs long whatever the shared ones take, and one
     # simulation each would save little of it and lose most of their work. They are cut in
     # proportion to the whole wave instead.
-    return max(1, math.floor(k_max * longest / times.expected_ms(shared * k_max + others)))
+    return min(cap, max(1, math.floor(k_max * longest / times.expected_ms(shared * k_max + others))))
 
 
 def next_wave_ms(shared: int, capped: int, times: WaveTimes, k_max: int, wave_target_ms: float | None) -> float:

@@ -99,7 +99,8 @@ def test_a_wave_whose_fixed_cost_is_most_of_it_is_not_cut_below_twice_that():
     times = WaveTimes()
     times.add(32, 3.0 + 32 / 512)
     times.add(256, 3.5)
-    times.add(256, 3.5)  # 3 ms fixed, 1/512 ms a leaf
+    times.add(256, 3.5)
+    times.add(2048, 7.0)  # 3 ms fixed, 1/512 ms a leaf
     members = [Member(None, None) for _ in range(64)]
     plan = plan_wave(members, np.zeros(64), np.ones(64, bool), times, 32, wave_target_ms=4.0, now=0.0)
     assert plan.ks.tolist() == [24] * 64 and times.expected_ms(64 * 24) == pytest.approx(6.0)
@@ -117,7 +118,7 @@ def test_waves_that_cost_the_same_whatever_their_size_are_not_cut():
 def test_one_stall_among_the_recent_waves_is_forgiven_two_are_not():
     """A lone 25 ms stall (a first call of a new batch size, a collection)
     does not hold the next waves to 25 ms: members with 10 ms left would
-    leave after one wave each. A second one among the last four counts."""
+    leave after one wave each. A second one among the recent waves counts."""
     times = WaveTimes()
     for _ in range(3):
         times.add(32, 1.5)

@@ -303,13 +303,13 @@ def test_wave_times_add_and_expected_from_two_threads():
 
 def test_a_search_alone_is_expected_to_take_its_longest_recent_wave():
     """plan.py / cpu_reference.py: a search alone (the same leaves every wave)
-    is expected to take its longest recent wave ("as long as the longest of
-    the last four"). The new fit also takes the history's median: after 10
-    waves of 10 ms and 4 of 2 ms, 10 ms is expected for 28 more waves."""
+    is expected to take its longest recent wave (of the last eight). A fit
+    over the whole history's median would expect 10 ms after 10 waves of
+    10 ms and 8 of 2 ms, for 24 more waves."""
     times = WaveTimes()
     for _ in range(10):
         times.add(8, 10.0)
-    for _ in range(4):
+    for _ in range(8):  # the recent window's length
         times.add(8, 2.0)
     assert times.expected_ms(8) == pytest.approx(2.0)
 
@@ -320,6 +320,6 @@ def test_a_sliced_batch_expects_its_longest_recent_slice():
     times = WaveTimes(sliced=True)
     for _ in range(10):
         times.add(1, 5.0)
-    for _ in range(4):
+    for _ in range(8):  # the recent window's length
         times.add(1, 0.3)  # capped trees finishing early: short slices
     assert times.expected_ms(1) == pytest.approx(0.3)
