@@ -184,8 +184,9 @@ class RunningServer:
 # refusals; with the threshold fixed the same run grew at most 13 MiB and the
 # peak fell from 352 to 180 MiB (2-core CPU host, 2026-12-06). Fixing it also
 # turns the dynamic growth off (mallopt(3)). Blocks under 1 MiB (gRPC's receive
-# buffers) still fragment the heap: docs/reliability.md, "A refused request's
-# memory". M_MMAP_THRESHOLD is -3 in glibc's <malloc.h>.
+# buffers) still leave free space in the heaps, trimmed after a large refusal
+# (tandem/guard.py, HeapTrimmer; docs/reliability.md, "A refused request's
+# memory"). M_MMAP_THRESHOLD is -3 in glibc's <malloc.h>.
 MMAP_THRESHOLD_BYTES = 1 << 20
 _M_MMAP_THRESHOLD = -3
 
