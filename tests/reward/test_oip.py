@@ -9,11 +9,11 @@ import os
 import grpc
 import numpy as np
 import pytest
-from conftest import closed, loopback_config, own_connection
+from conftest import closed, loopback_config, own_connection, wait_for
 from tandem.v1 import reward_pb2, reward_pb2_grpc
 
 from reward_service import server as reward_server
-from tandem import tensors
+from tandem import guard, tensors
 from tandem.server import channel
 
 try:
@@ -345,8 +345,8 @@ def test_cuda_shared_memory_without_a_gpu_is_a_failed_precondition(served):
     assert not client.get_cuda_shared_memory_status().regions
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
+def _rss_bytes(pid: int | str = "self") -> int:
+    with open(f"/proc/{pid}/statm") as f:
         return int(f.read().split()[1]) * 4096
 
 
@@ -382,6 +382,73 @@ def test_a_refused_large_request_frees_its_memory_at_once(served):
     finally:
         gc.enable()
     assert grown < 24 * size // 2, f"RSS grew {grown / 2**20:.0f} MiB"
+
+
+@pytest.mark.skipif(guard.HEAP_TRIMMER._trim is None, reason="the C library has no malloc_trim")
+def test_a_refused_large_request_has_the_heaps_trimmed(served):
+    """A refusal after a request message of 1 MiB or more has the heaps
+    trimmed once the call has ended (tandem/guard.py, HeapTrimmer)."""
+    _, _, _, oip_stub = served
+    trims = guard.HEAP_TRIMMER.trims
+    with pytest.raises(grpc.RpcError) as info:
+        oip_stub.ModelInfer(_raw(raw_input_contents=[bytes(guard.TRIM_AFTER_BYTES)]), timeout=30)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert wait_for(lambda: guard.HEAP_TRIMMER.trims > trims)
+
+
+def test_refused_large_requests_leave_no_memory_in_the_heap():
+    """Eight refused 16 MiB ModelInfers, two alone and two rounds of three at
+    once, to a reward service in a process of its own: its RSS ends within
+    50 MiB of where four earlier ones (one alone, three at once: gRPC's
+    threads and their buffers) left it. glibc used to raise its mmap threshold
+    to each large block freed, so the next requests' copies came from the
+    heap, which kept them; build_server fixes the threshold at 1 MiB
+    (tandem/server.py, fix_mmap_threshold). gRPC's receive buffers, under
+    1 MiB, still left free space in the heaps of its threads (up to +67 MiB
+    here); a large refusal now has the heaps trimmed (tandem/guard.py,
+    HeapTrimmer). Three at once may be shed RESOURCE_EXHAUSTED
+    (server.queue_wait_target_ms), a refusal too."""
+    import multiprocessing as mp
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from conftest import serve_reward
+
+    cfg = loopback_config(reward={"models": [{"name": MODEL, "path": "reward_service/models/connect4_value.onnx",
+                                              "max_batch_size": 64}]})
+    spawn = mp.get_context("spawn")
+    ready, stop = spawn.Event(), spawn.Event()
+    child = spawn.Process(target=serve_reward, args=(cfg, ready, stop), daemon=True)
+    child.start()
+    ch = channel(cfg.reward.address)
+    try:
+        assert ready.wait(120), "the reward service did not start"
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(ch)
+        request = _raw(raw_input_contents=[bytes(16 << 20)])  # the shape says 84 bytes
+
+        def refuse(_=None) -> None:
+            with pytest.raises(grpc.RpcError) as info:
+                stub.ModelInfer(request, timeout=30)
+            assert info.value.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+        def at_once(n: int) -> None:
+            with ThreadPoolExecutor(n) as pool:
+                list(pool.map(refuse, range(n)))
+
+        refuse()
+        at_once(3)
+        time.sleep(0.5)  # the server lets go of a request after its answer has gone
+        before = _rss_bytes(child.pid)
+        for _ in range(2):
+            refuse()
+            at_once(3)
+        time.sleep(0.5)
+        grown = _rss_bytes(child.pid) - before
+    finally:
+        ch.close()
+        stop.set()
+        child.join(30)
+    assert grown < 50 << 20, f"the reward service's RSS grew {grown / 2**20:.0f} MiB"
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to run a client as another user")
