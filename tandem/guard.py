@@ -58,11 +58,9 @@ interceptor, bounds that. Its invariants:
   a server offered more than it can serve answers some calls at once instead
   of all of them late.
 * **Refusals give their memory back.** A call refused (or failed) after
-  a request message of :data:`TRIM_AFTER_BYTES` or more has
-  :data:`HEAP_TRIMMER` return the free pages of the C library's heaps to the
-  system once the call has ended: gRPC receives a message in blocks under
-  the mmap threshold (:func:`tandem.server.fix_mmap_threshold`), and the
-  space they leave free between live blocks stays resident otherwise.
+  a request message of :data:`tandem.heap.TRIM_AFTER_BYTES` or more has
+  :data:`tandem.heap.HEAP_TRIMMER` return the free pages of the C library's
+  heaps to the system once the call has ended (:mod:`tandem.heap` says why).
 * **Status contract.** Messages are capped (:func:`tandem.errors.cap`); an
   exception a handler did not map is logged and answered INTERNAL, never
   gRPC's UNKNOWN "Exception calling application" with the text echoed.
@@ -70,7 +68,6 @@ interceptor, bounds that. Its invariants:
 from __future__ import annotations
 
 import collections
-import ctypes
 import functools
 import hmac
 import itertools
@@ -85,6 +82,7 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from grpc._cython import cygrpc
 
 from tandem.errors import cap
+from tandem.heap import HEAP_TRIMMER, TRIM_AFTER_BYTES
 from tandem.overload import SHED, QueueWait
 
 log = logging.getLogger(__name__)
@@ -292,62 +290,6 @@ class Watchdog:
 
 
 WATCHDOG = Watchdog()  # shared by every server of the process
-
-
-#: A call refused after a request message this large has the heaps trimmed once it has ended
-#: (:data:`HEAP_TRIMMER`). gRPC receives a message in blocks under 1 MiB, which stay resident as free
-#: space between live blocks: 8 refused 16 MiB ModelInfers (6 of them three at once) grew the reward
-#: service's RSS by up to 67 MiB (3 of 20 runs over 50 MiB); with the trim by -13 to +11 MiB in 20 runs
-#: (2-core CPU host, 2026-12-06; docs/reliability.md, "A refused request's memory").
-TRIM_AFTER_BYTES = 1 << 20
-
-
-def _malloc_trim() -> Callable[[int], int] | None:
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError, TypeError) as exc:  # musl, macOS; TypeError: Windows has no CDLL(None)
-        log.debug("freed memory left to the C library: it has no malloc_trim (%s)", exc)
-        return None
-    trim.argtypes = (ctypes.c_size_t,)
-    trim.restype = ctypes.c_int
-    return trim
-
-
-class HeapTrimmer:
-    """One daemon thread that has glibc give the free pages of its heaps back
-    to the system (``malloc_trim(0)``) after :meth:`request`: off the thread
-    that asks (gRPC's polling thread runs call-end callbacks), with requests
-    that come while a trim runs served by one more trim. A trim took 0.07-51 ms
-    (median 1.4 ms, p99 34 ms; 166 trims, 2-core CPU host, 2026-12-06). Does
-    nothing where the C library has no ``malloc_trim``."""
-
-    def __init__(self):
-        self._trim = _malloc_trim()
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._thread: threading.Thread | None = None  # guarded by _lock
-        self.trims = 0  # trims done (for tests)
-
-    def request(self) -> bool:
-        """Asks for a trim; False where the C library has no ``malloc_trim``."""
-        if self._trim is None:
-            return False
-        with self._lock:
-            self._wake.set()
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="heap-trimmer", daemon=True)
-                self._thread.start()
-        return True
-
-    def _run(self) -> None:
-        while True:
-            self._wake.wait()
-            self._wake.clear()
-            self._trim(0)  # ctypes lets go of the interpreter's lock meanwhile
-            self.trims += 1
-
-
-HEAP_TRIMMER = HeapTrimmer()  # shared by every server of the process
 
 
 class _Context:

@@ -11,7 +11,6 @@ capped status messages) is :mod:`tandem.guard`.
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 import signal
 import socket
@@ -30,6 +29,7 @@ from prometheus_client import Histogram
 from tandem import contract
 from tandem.channel_options import CHANNEL_OPTIONS
 from tandem.config import ServerConfig, TandemConfig, resolve_path
+from tandem.heap import fix_mmap_threshold
 from tandem.guard import HEALTH_WORKERS, REFUSAL_WORKERS, SPARE_WORKERS, Admission, Guard
 from tandem.metrics_http import BoundedServer, serve_metrics
 from tandem.overload import QueueWait
@@ -176,39 +176,6 @@ class RunningServer:
                         health_pb2.HealthCheckResponse.ServingStatus.Name(status))
 
 
-# glibc's mmap threshold, fixed at 1 MiB in every server process (build_server
-# sets it). By default glibc raises the threshold to the size of each large
-# block freed (up to 32 MiB), so after one large request the next ones' copies
-# come from the heap, and the heap keeps them: 12.8 MB OIP ModelInfers refused
-# one at a time grew the reward service's RSS by 92-111 MiB after 6-12
-# refusals; with the threshold fixed the same run grew at most 13 MiB and the
-# peak fell from 352 to 180 MiB (2-core CPU host, 2026-12-06). Fixing it also
-# turns the dynamic growth off (mallopt(3)). Blocks under 1 MiB (gRPC's receive
-# buffers) still leave free space in the heaps, trimmed after a large refusal
-# (tandem/guard.py, HeapTrimmer; docs/reliability.md, "A refused request's
-# memory"). M_MMAP_THRESHOLD is -3 in glibc's <malloc.h>.
-MMAP_THRESHOLD_BYTES = 1 << 20
-_M_MMAP_THRESHOLD = -3
-
-
-def fix_mmap_threshold(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
-    """Has glibc's malloc serve every block of ``threshold`` bytes or more with
-    its own mmap, returned to the system when freed, so a refused large message
-    leaves no memory behind in the heap. True where it was set; False (logged
-    at debug) where the C library has no ``mallopt`` (musl, macOS) or refuses."""
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError, TypeError) as exc:  # TypeError: Windows has no CDLL(None)
-        log.debug("mmap threshold left as it is: the C library has no mallopt (%s)", exc)
-        return False
-    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
-    mallopt.restype = ctypes.c_int
-    if mallopt(_M_MMAP_THRESHOLD, threshold) != 1:
-        log.debug("mmap threshold left as it is: mallopt(M_MMAP_THRESHOLD, %d) refused", threshold)
-        return False
-    return True
-
-
 def build_server(
     address: str,
     server_cfg: ServerConfig,
@@ -228,7 +195,7 @@ def build_server(
 
     Sets the process's interpreter switch interval to
     ``server_cfg.switch_interval_us`` (the smallest of its servers' where it
-    runs several), and glibc's mmap threshold to 1 MiB (:func:`fix_mmap_threshold`).
+    runs several), and glibc's mmap threshold to 1 MiB (:func:`tandem.heap.fix_mmap_threshold`).
 
     Raises:
         RuntimeError: the address could not be bound.

@@ -149,9 +149,9 @@ class WaveTimes:
         wave = (1 if self.sliced else max(int(leaves), 1), float(ms))
         self._history.append((*wave, simulated))
         overhead = min(t for _, t, _ in self._history)
-        fitted = [(n, t) for n, t, simulated in self._history if simulated]
-        if fitted and 2 * min(n for n, _ in fitted) <= max(n for n, _ in fitted):
-            self._known = _slope(fitted)  # the history spans sizes: refit
+        fitted = _slope([(n, t) for n, t, simulated in self._history if simulated])
+        if fitted is not None:  # the history spans sizes: refit
+            self._known = fitted
         per_leaf = self._known  # else (waves of one size, as the fair share cuts them): the last fit
         largest = max(n for n, _, _ in self._history)
         with self._lock:
@@ -185,13 +185,14 @@ class WaveTimes:
         return max(overhead, fixed + per_leaf * n)
 
 
-def _slope(waves: list[tuple[int, float]]) -> float:
-    """ms per leaf of ``waves`` ((leaves, ms)): WaveTimes' ``per_leaf``."""
-    half = max(n for n, _ in waves) / 2
+def _slope(waves: list[tuple[int, float]]) -> float | None:
+    """ms per leaf of ``waves`` ((leaves, ms)): WaveTimes' ``per_leaf``; None
+    where no wave has half the most leaves or fewer (or there is none)."""
+    half = max((n for n, _ in waves), default=0) / 2
     small = [w for w in waves if w[0] <= half]
     large = [w for w in waves if w[0] > half]
     if not small:
-        return 0.0
+        return None
     n_small, t_small = statistics.median(n for n, _ in small), statistics.median(t for _, t in small)
     n_large, t_large = statistics.median(n for n, _ in large), statistics.median_low(t for _, t in large)
     return max((t_large - t_small) / (n_large - n_small), 0.0)

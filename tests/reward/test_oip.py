@@ -13,7 +13,7 @@ from conftest import closed, loopback_config, own_connection, wait_for
 from tandem.v1 import reward_pb2, reward_pb2_grpc
 
 from reward_service import server as reward_server
-from tandem import guard, tensors
+from tandem import heap, tensors
 from tandem.server import channel
 
 try:
@@ -384,16 +384,16 @@ def test_a_refused_large_request_frees_its_memory_at_once(served):
     assert grown < 24 * size // 2, f"RSS grew {grown / 2**20:.0f} MiB"
 
 
-@pytest.mark.skipif(guard.HEAP_TRIMMER._trim is None, reason="the C library has no malloc_trim")
+@pytest.mark.skipif(heap.HEAP_TRIMMER._trim is None, reason="the C library has no malloc_trim")
 def test_a_refused_large_request_has_the_heaps_trimmed(served):
     """A refusal after a request message of 1 MiB or more has the heaps
-    trimmed once the call has ended (tandem/guard.py, HeapTrimmer)."""
+    trimmed once the call has ended (tandem/heap.py, HeapTrimmer)."""
     _, _, _, oip_stub = served
-    trims = guard.HEAP_TRIMMER.trims
+    trims = heap.HEAP_TRIMMER.trims
     with pytest.raises(grpc.RpcError) as info:
-        oip_stub.ModelInfer(_raw(raw_input_contents=[bytes(guard.TRIM_AFTER_BYTES)]), timeout=30)
+        oip_stub.ModelInfer(_raw(raw_input_contents=[bytes(heap.TRIM_AFTER_BYTES)]), timeout=30)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert wait_for(lambda: guard.HEAP_TRIMMER.trims > trims)
+    assert wait_for(lambda: heap.HEAP_TRIMMER.trims > trims)
 
 
 def test_refused_large_requests_leave_no_memory_in_the_heap():
@@ -403,9 +403,9 @@ def test_refused_large_requests_leave_no_memory_in_the_heap():
     threads and their buffers) left it. glibc used to raise its mmap threshold
     to each large block freed, so the next requests' copies came from the
     heap, which kept them; build_server fixes the threshold at 1 MiB
-    (tandem/server.py, fix_mmap_threshold). gRPC's receive buffers, under
+    (tandem/heap.py, fix_mmap_threshold). gRPC's receive buffers, under
     1 MiB, still left free space in the heaps of its threads (up to +67 MiB
-    here); a large refusal now has the heaps trimmed (tandem/guard.py,
+    here); a large refusal now has the heaps trimmed (tandem/heap.py,
     HeapTrimmer). Three at once may be shed RESOURCE_EXHAUSTED
     (server.queue_wait_target_ms), a refusal too."""
     import multiprocessing as mp
