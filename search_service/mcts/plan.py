@@ -106,9 +106,8 @@ class WaveTimes:
       keep the cost that cut them). A lone first wave of a batch that grew
       sets it, stalled or not (members leave early, none late), until larger
       waves follow or it leaves the history;
-    * ``fixed``: each of the last ``window`` waves that ran simulations (all
-      of them while none did) moved by ``per_leaf`` to zero leaves; the
-      longest of them, but where it is more than
+    * ``fixed``: each of the last ``window`` waves moved by ``per_leaf`` to
+      zero leaves; the longest of them, but where it is more than
       ``STALL_RATIO`` times the next it is forgiven (up to ``forgive`` of
       them): one stall, a first call of a new batch size or a collection,
       does not hold every member to a wave that long for the next ``window``
@@ -136,7 +135,7 @@ class WaveTimes:
         self.sliced = sliced
         self.forgive = forgive
         self._lock = threading.Lock()
-        self._recent: deque[tuple[int, float, bool]] = deque(maxlen=window)  # (leaves, ms, simulated); guarded by _lock
+        self._recent: deque[tuple[int, float]] = deque(maxlen=window)  # guarded by _lock
         self._history: deque[tuple[int, float, bool]] = deque(maxlen=history)  # (leaves, ms, simulated): the adding thread's only
         self._fit = (0.0, 0.0, 0.0)  # guarded by _lock: (overhead, fixed, per_leaf), refitted at each add
         self._largest = 0  # guarded by _lock: the most leaves of a wave in the history (0: none yet)
@@ -145,11 +144,8 @@ class WaveTimes:
     def add(self, leaves: int, ms: float, simulated: bool = True) -> None:
         """Records a wave of ``leaves`` simulations that took ``ms`` (undone
         waves too). ``simulated`` False: a wave of roots valued alone (no
-        selection, no backup: another kind of wave, on the GPU often the
-        longer: 1.0-1.2 ms against 0.65 ms for 32 simulations of one engine's
-        tree, H100, 2026-12-06), which counts for the quickest and the largest
-        waves, but for neither the cost per leaf nor the fixed cost while a
-        simulated wave is among the recent ones."""
+        selection, no backup: a cheaper kind of wave), which counts for the
+        quickest and the recent waves but not for the cost per leaf."""
         wave = (1 if self.sliced else max(int(leaves), 1), float(ms))
         self._history.append((*wave, simulated))
         overhead = min(t for _, t, _ in self._history)
@@ -159,12 +155,8 @@ class WaveTimes:
         per_leaf = self._known  # else (waves of one size, as the fair share cuts them): the last fit
         largest = max(n for n, _, _ in self._history)
         with self._lock:
-            self._recent.append((*wave, simulated))
-            # A deadline is checked only for members that have taken part in a wave, and they take
-            # part in simulated waves alone: roots valued alone set the fixed cost only while no
-            # simulated wave is among the recent ones (a batch's first waves).
-            recent = [(n, t) for n, t, sim in self._recent if sim] or [(n, t) for n, t, _ in self._recent]
-            moved = sorted((t - per_leaf * n for n, t in recent), reverse=True)
+            self._recent.append(wave)
+            moved = sorted((t - per_leaf * n for n, t in self._recent), reverse=True)
             i = 0
             while i < min(self.forgive, len(moved) - 1) and moved[i] > STALL_RATIO * max(moved[i + 1], 0.0):
                 i += 1

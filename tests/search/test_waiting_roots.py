@@ -271,23 +271,6 @@ def test_wave_times_with_root_only_waves_recorded_as_leaves():
     assert times.line()[1] == pytest.approx((4.0 - 2.0) / (24 - 8))
 
 
-def test_roots_valued_alone_leave_the_fixed_cost_to_the_simulated_waves():
-    """Only members that have taken part in a wave face the deadline check,
-    and they take part in simulated waves alone: a longer wave of roots
-    valued alone (1.1 ms against 0.65 ms for 32 simulations of one engine's
-    tree, H100, 2026-12-06) does not make them leave a wave early. While no
-    simulated wave is among the recent ones, the roots' waves are the estimate."""
-    times = WaveTimes(forgive=0)
-    times.add(1, 1.1, simulated=False)  # a batch's first wave: its root valued alone
-    assert times.expected_ms(32) == pytest.approx(1.1)
-    times.add(32, 0.65)
-    assert times.expected_ms(32) == pytest.approx(0.65)
-    times.add(1, 1.1, simulated=False)  # the next search's root, beside no simulation
-    times.add(32, 0.7)
-    assert times.expected_ms(32) == pytest.approx(0.7) and times.largest() == 32
-    assert times.line()[0] == pytest.approx(0.7)
-
-
 def test_wave_times_sliced_counts_each_wave_as_one():
     times = WaveTimes(sliced=True)
     for ms in (5.0, 5.2, 4.9, 5.1):
