@@ -23,9 +23,11 @@ from bench.service_cpu import cpu_seconds
 from loadtest.chaos import stack_processes
 from tandem.workers import children
 
-_PHASES = ("join", "leave", "wave")
+_PHASES = ("join", "leave", "wave", "roots")
 # The wave loop's samples read from /metrics: sample name -> key (formatted with its labels).
 _SAMPLES = {
+    "tandem_search_join_left_seconds_bucket": "join_left_le_{le}", "tandem_search_join_left_seconds_count": "joined",
+    "tandem_search_simulations_count": "answered",
     "tandem_search_wave_phase_seconds_sum": "{phase}_s", "tandem_search_wave_phase_seconds_count": "{phase}_n",
     "tandem_search_wave_trees_sum": "trees", "tandem_search_wave_trees_count": "waves",
     "tandem_search_wave_leaves_sum": "leaves", "tandem_search_wave_leaves_count": "planned",
@@ -64,7 +66,9 @@ def wave_sums(port: int) -> dict[str, float]:
     """The search service's wave-loop counters now (sums in s, counts):
     ``<phase>_s``, ``<phase>_n`` per phase, ``trees``, ``waves``, ``leaves``
     over ``planned`` waves, ``expected_s`` over ``expected_n``, ``left_<end>`` per way a
-    search left; {} if /metrics does not answer."""
+    search left, ``joined`` searches and their time left as cumulative
+    buckets ``join_left_le_<bound>``, ``answered`` searches of which
+    ``unsimulated`` ran no simulation; {} if /metrics does not answer."""
     try:
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
     except OSError:
@@ -72,17 +76,46 @@ def wave_sums(port: int) -> dict[str, float]:
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            if s.name in _SAMPLES:
+            if s.name == "tandem_search_simulations_bucket":
+                if float(s.labels["le"]) == 0.0:
+                    out["unsimulated"] = s.value
+            elif s.name in _SAMPLES:
                 out[_SAMPLES[s.name].format(**s.labels)] = s.value
     return out
 
 
+def _median_of_buckets(d: dict[str, float], prefix: str) -> float | None:
+    """The median of a histogram's observations from its cumulative bucket
+    counts ``d[prefix + le]``, linear within the bucket that holds it (as
+    Prometheus's ``histogram_quantile``); None without observations, the
+    largest finite bound where it lies past it."""
+    buckets = sorted((float(k[len(prefix):]), v) for k, v in d.items() if k.startswith(prefix))
+    total = buckets[-1][1] if buckets else 0.0
+    if total <= 0:
+        return None
+    lower, below = None, 0.0
+    for bound, count in buckets:
+        if count >= total / 2:
+            if bound == float("inf"):
+                return lower
+            if lower is None or count == below:
+                return bound
+            return lower + (bound - lower) * (total / 2 - below) / (count - below)
+        lower, below = bound, count
+    return lower
+
+
 def wave_figures(before: dict[str, float], after: dict[str, float], wall_s: float) -> dict:
     """The wave loop's figures between two :func:`wave_sums` readings
-    ``wall_s`` (s) apart: ``join_ms_mean``, ``leave_ms_mean``, ``wave_ms_mean``
-    (ms a step), ``waves_per_s``, ``trees_per_wave``, ``leaves_per_wave``
+    ``wall_s`` (s) apart: ``join_ms_mean``, ``leave_ms_mean``, ``wave_ms_mean``,
+    ``roots_ms_mean`` (ms a step; roots: a wave of fresh roots valued alone),
+    ``waves_per_s``, ``trees_per_wave`` (both kinds of wave), ``root_wave_share``
+    (of the waves run), ``leaves_per_wave``
     (waves of K, not sliced rollout waves), ``wave_expected_ms_mean`` (the
-    plan's), ``left_by`` (searches by why they left: budget, proven,
+    plan's), ``join_left_ms_p50`` (time left before a search's deadline as it
+    joined: the median, linear within its bucket), ``joined_spent_share`` (of
+    the searches that joined, those with none left), ``unsimulated_share`` (of the searches answered, those with no
+    simulation), ``left_by`` (searches by why they left: budget, proven,
     deadline, stopped, failed), ``refused_by`` (searches refused at
     admission, by why: full, deadline, spent), ``shed_by`` (the search
     service's calls shed by overload, by method); each absent where nothing
@@ -99,6 +132,14 @@ def wave_figures(before: dict[str, float], after: dict[str, float], wall_s: floa
         out["leaves_per_wave"] = round(d["leaves"] / d["planned"], 1)
     if d.get("expected_n"):
         out["wave_expected_ms_mean"] = round(1e3 * d["expected_s"] / d["expected_n"], 3)
+    if d.get("roots_n") or d.get("wave_n"):
+        out["root_wave_share"] = round(d.get("roots_n", 0.0) / (d.get("roots_n", 0.0) + d.get("wave_n", 0.0)), 3)
+    if d.get("joined"):
+        out["join_left_ms_p50"] = round(1e3 * _median_of_buckets(d, "join_left_le_"), 3)
+        spent = sum(v for k, v in d.items() if k.startswith("join_left_le_") and float(k[len("join_left_le_"):]) == 0)
+        out["joined_spent_share"] = round(spent / d["joined"], 3)
+    if d.get("answered"):
+        out["unsimulated_share"] = round(d.get("unsimulated", 0.0) / d["answered"], 3)
     for prefix, key in (("left_", "left_by"), ("refused_", "refused_by"), ("shed_", "shed_by")):
         counts = {k[len(prefix):]: int(v) for k, v in sorted(d.items()) if k.startswith(prefix) and v}
         if counts:

@@ -54,7 +54,8 @@ from tandem.startup import Phases
 log = logging.getLogger(__name__)
 
 SIMULATIONS = Histogram(
-    "tandem_search_simulations", "Simulations per search.", buckets=(1, 10, 100, 300, 1e3, 3e3, 1e4, 1e5, 1e6)
+    "tandem_search_simulations", "Simulations per search (the bucket 0: answered from the root alone).",
+    buckets=(0, 1, 10, 100, 300, 1e3, 3e3, 1e4, 1e5, 1e6)
 )
 STEP_SECONDS = Histogram(
     "tandem_search_step_seconds", "Time per search in each step (s).", ["step"], buckets=LATENCY_BUCKETS_S

@@ -74,8 +74,12 @@ REFUSED = Counter("tandem_search_refused", "Searches refused at admission (RESOU
 PHASE_SECONDS = Histogram(
     "tandem_search_wave_phase_seconds",
     "Time of one step of a group's thread (s): join (newcomers join the batch), leave (plan the wave, answer "
-    "those done), wave (select, value, back up).", ["phase"],
-    buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3, 8e-3, 16e-3, 32e-3, 64e-3, 0.128, 0.256))
+    "those done), wave (select, value, back up), roots (a wave with no simulation: fresh roots valued alone).",
+    ["phase"], buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3, 8e-3, 16e-3, 32e-3, 64e-3, 0.128, 0.256))
+JOIN_LEFT_SECONDS = Histogram(
+    "tandem_search_join_left_seconds", "Time left before a search's deadline as it joins the batch (s; at most 0: "
+    "it arrived spent, and its answer comes from at most one wave): how late the calls reach the wave loop.",
+    buckets=(-0.016, -0.008, -0.004, -0.002, -0.001, 0.0, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.1, 1.0, 10.0))
 
 
 class Stopping(RuntimeError):
@@ -298,6 +302,10 @@ class WaveLoop:
         if not jobs:
             return
         self._set_wave_deadline([job.deadline for job in jobs], group)
+        now = Deadline.now()
+        for job in jobs:
+            if job.deadline is not None:
+                JOIN_LEFT_SECONDS.observe(job.deadline.left_s(now))
         try:
             with self.launching(), PHASE_SECONDS.labels("join").time():
                 self._join_all(group, jobs)
@@ -349,7 +357,7 @@ class WaveLoop:
             WAVE_LEAVES.observe(int(ks.sum()))
         WAVE_EXPECTED_SECONDS.observe(group.times.expected_ms(int(ks.sum())) / 1e3)
         try:
-            with self.launching(), PHASE_SECONDS.labels("wave").time():
+            with self.launching(), PHASE_SECONDS.labels("wave" if ks.any() else "roots").time():
                 run_wave(group.batch, group.members, ks, group.times, since=planned)
         except Exception as exc:  # noqa: BLE001 - every job of the batch fails with it; the group goes on empty
             log.exception("a wave of %d searches failed", len(group.members))

@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 import pytest
+from prometheus_client import REGISTRY
 
 from search_service.games import connect4 as c4
 from search_service.mcts.backend import EvaluationFailed
@@ -157,6 +158,36 @@ def test_the_wave_loop_answers_searches_that_must_leave_before_their_roots_are_v
         assert busy.done.wait(30) and busy.error is None and busy.result.deadline_reached
     finally:
         loop.close()
+
+
+def _sample(name: str, **labels) -> float:
+    """A sample of this process's /metrics now (0 before the first observation)."""
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def test_the_wave_loop_counts_root_only_waves_and_the_time_left_as_searches_join():
+    """/metrics tells a root-only wave (phase "roots") from a wave with
+    simulations, and how much of each search's deadline was left as it joined
+    (at most 0: it arrived spent): where the time of many engines goes."""
+    phase, left = "tandem_search_wave_phase_seconds_count", "tandem_search_join_left_seconds"
+    before = [_sample(phase, phase="roots"), _sample(phase, phase="wave"), _sample(f"{left}_count"),
+              _sample(f"{left}_bucket", le="0.0")]
+    loop = WaveLoop(BACKEND, SlowModel(0.0))
+    try:
+        late = Job(c4.parse_moves("4"), None, params(deadline_ms=5000, parallel_sims=4, evaluator="value_model",
+                                                      seed=2), deadline=Deadline.after_ms(-1))
+        loop.submit([late])  # alone in an idle group: its root valued by a wave of its own
+        assert late.done.wait(30) and late.error is None and late.result.simulations == 0
+        capped = vm_job("3", simulations=8, parallel_sims=4, seed=3)
+        loop.submit([capped])
+        assert capped.done.wait(30) and capped.error is None and capped.result.simulations == 8
+    finally:
+        loop.close()
+    after = [_sample(phase, phase="roots"), _sample(phase, phase="wave"), _sample(f"{left}_count"),
+             _sample(f"{left}_bucket", le="0.0")]
+    # Each fresh root valued alone first; the capped search's 8 simulations 4 a wave; the capped
+    # search has no deadline (not observed), the late one joined spent.
+    assert [a - b for a, b in zip(after, before)] == [2, 2, 1, 1]
 
 
 def test_a_root_only_wave_raising_a_non_evaluation_failure_fails_its_jobs_and_the_loop_serves_on():

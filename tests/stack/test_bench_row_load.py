@@ -11,7 +11,9 @@ import sys
 from prometheus_client import start_http_server
 
 from bench.row_load import RowLoad
-from search_service.wave_loop import LEFT, PHASE_SECONDS, REFUSED, WAVE_EXPECTED_SECONDS, WAVE_LEAVES, WAVE_TREES
+from search_service.server import SIMULATIONS
+from search_service.wave_loop import (JOIN_LEFT_SECONDS, LEFT, PHASE_SECONDS, REFUSED, WAVE_EXPECTED_SECONDS,
+                                      WAVE_LEAVES, WAVE_TREES)
 from tandem.overload import SHED
 from tandem.workers import children
 
@@ -53,6 +55,11 @@ def test_a_row_counts_each_server_with_its_workers_and_the_wave_loop_over_the_ro
         for leaves, expected_ms in ((64, 1.5), (32, 2.5)):
             WAVE_LEAVES.observe(leaves)
             WAVE_EXPECTED_SECONDS.observe(expected_ms / 1e3)
+        PHASE_SECONDS.labels("roots").observe(4e-3)  # fresh roots valued alone
+        for left_s in (-0.002, 0.004, 0.007):  # one search joined 2 ms past its deadline
+            JOIN_LEFT_SECONDS.observe(left_s)
+        for sims in (0, 0, 50, 100):  # two answered from the root alone
+            SIMULATIONS.observe(sims)
         LEFT.labels("deadline").inc(3)
         LEFT.labels("budget").inc()
         REFUSED.labels("spent").inc(5)
@@ -71,6 +78,10 @@ def test_a_row_counts_each_server_with_its_workers_and_the_wave_loop_over_the_ro
     assert got["wave_ms_mean"] == 2.0  # the two waves of the row, not the 5 s one before it
     assert got["trees_per_wave"] == 3.0
     assert got["leaves_per_wave"] == 48.0 and got["wave_expected_ms_mean"] == 2.0  # the plan's, over the row
+    assert got["roots_ms_mean"] == 4.0 and got["root_wave_share"] == round(1 / 3, 3)
+    # The median of -2, 4 and 7 ms: the second of three, halfway into the 2-4 ms bucket by its count.
+    assert got["join_left_ms_p50"] == 3.0 and got["joined_spent_share"] == round(1 / 3, 3)
+    assert got["unsimulated_share"] == 0.5
     assert got["left_by"] == {"budget": 1, "deadline": 3}
     assert got["refused_by"]["spent"] == 5 and got["shed_by"] == {"/tandem.v1.SearchService/Search": 2}
 
