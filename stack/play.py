@@ -41,6 +41,7 @@ from __future__ import annotations
 import json
 import platform
 import random
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,7 +64,14 @@ DRAW_BAND = 1.0 / 3.0  # |value| below this reads as a draw
 SEARCH_SHARE_OF_FRAME = 0.6
 INTERRUPT_POLL_S = 0.1  # how often a frame's wait looks for a Ctrl-C (s)
 
-_REASON_CHARS = 100  # a failure reason is counted by its first characters (a message may name a number)
+_REASON_CHARS = 100  # a failure reason is counted by its first characters, its numbers as "#"
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def _reason(message: str) -> str:
+    """A failure message as the report counts it: its numbers (the ms left, a
+    wave's expected ms) as "#", so one cause is one count; its first characters."""
+    return _NUMBER.sub("#", message)[:_REASON_CHARS]
 
 
 @dataclass
@@ -160,7 +168,7 @@ class _Tally:
         code = frame.failure()
         if code is not None:
             self.errors[code] = self.errors.get(code, 0) + 1
-            reason = f"{code}: {frame.failure_detail()[:_REASON_CHARS]}"
+            reason = f"{code}: {_reason(frame.failure_detail())}"
             self.error_reasons[reason] = self.error_reasons.get(reason, 0) + 1
             return False
         reply, *e_reply = frame.replies()
@@ -189,7 +197,7 @@ class _Tally:
             self.handoffs[s_reply.handoff] = self.handoffs.get(s_reply.handoff, 0) + 1
         if s_reply.evaluation_failure:
             self.model_failures += 1
-            reason = s_reply.evaluation_failure[:_REASON_CHARS]
+            reason = _reason(s_reply.evaluation_failure)
             self.failure_reasons[reason] = self.failure_reasons.get(reason, 0) + 1
         self.proven += bool(s_reply.proven)
         if pos.score is None:  # unlabelled: no solver to score against
@@ -346,6 +354,8 @@ NO_SOLVER = "no solver's labels in this position set"
 
 def _scores(report: dict) -> list[str]:
     """The lines that compare the answers with the solver's, or one line saying there is none."""
+    if not report["frames_answered"]:
+        return ["scores                 none answered"]
     if not report.get("solver", True):
         return [f"scores                 none: {NO_SOLVER} (optimal_move_rate, best_score_move_rate and "
                 f"value_sign_agreement are None)"]
@@ -363,6 +373,8 @@ def _proven(report: dict) -> str:
 
 def print_report(report: dict) -> None:
     lat = report["frame_latency_ms"]
+    answered = report["frames_answered"] > 0
+    none = "none answered"
     print(
         "\n".join(
             [
@@ -370,12 +382,14 @@ def print_report(report: dict) -> None:
                 f"frames                 {report['frames']} at {report['fps_target']:g} FPS "
                 f"({report['frame_budget_ms']} ms budget), {report['frames_answered']} answered",
                 *_scores(report),
-                f"frame_latency_ms       p50 {lat['p50']}  p99 {lat['p99']}  mean {lat['mean']}  max {lat['max']}",
+                f"frame_latency_ms       p50 {lat['p50']}  p99 {lat['p99']}  mean {lat['mean']}  max {lat['max']}"
+                if answered else f"frame_latency_ms       {none}",
                 f"missed_frames          {report['missed_frames']}",
                 f"simulations per frame  mean {report['simulations_per_frame']['mean']}  min {report['simulations_per_frame']['min']}"
-                f"  (value model: {report['model_simulations_per_frame']}; its failures {report['value_model_failures']})",
+                f"  (value model: {report['model_simulations_per_frame']}; its failures {report['value_model_failures']})"
+                if answered else f"simulations per frame  {none}",
                 _proven(report),
-                f"backends               search {', '.join(report['backends']['search'])} "
+                f"backends               search {', '.join(report['backends']['search']) or none} "
                 f"({', '.join(report['backends']['evaluator'])}), reward {report['backends']['reward_execution_provider']}"
                 + (f", leaves by {_counts(report['backends']['handoff'])}" if report["backends"]["handoff"] else "")
                 + (f"; Evaluate by the standby in {report['backends']['evaluate_by_standby']} frames"
@@ -393,7 +407,7 @@ def _notes(report: dict) -> list[str]:
     """Lines under the figures: why a CPU run misses frames, and where each line is explained."""
     notes = []
     on_cpu = (report["backends"]["reward_execution_provider"] == "CPUExecutionProvider"
-              or "cpu_reference" in report["backends"]["search"])
+              or "cpu_reference" in report["backends"]["search"] or not report.get("gpu"))
     if report["missed_frames"] and on_cpu:
         notes.append("note: on the CPU some missed frames are expected: the search, the model and this engine share "
                      "the host's cores; the frame figures tandem is built for are measured on a GPU (README, Figures)")
