@@ -114,8 +114,8 @@ def wave_figures(before: dict[str, float], after: dict[str, float], wall_s: floa
     (waves of K, not sliced rollout waves), ``wave_expected_ms_mean`` (the
     plan's), ``join_left_ms_p50`` (time left before a search's deadline as it
     joined: the median, linear within its bucket), ``joined_spent_share`` (of
-    the searches that joined, those with none left), ``unsimulated_share`` (of the searches answered, those with no
-    simulation), ``left_by`` (searches by why they left: budget, proven,
+    the searches that joined, those with none left), ``unsimulated_share`` (of
+    the searches answered, those with no simulation), ``left_by`` (searches by why they left: budget, proven,
     deadline, stopped, failed), ``refused_by`` (searches refused at
     admission, by why: full, deadline, spent), ``shed_by`` (the search
     service's calls shed by overload, by method); each absent where nothing
