@@ -88,7 +88,8 @@ def _median_of_buckets(d: dict[str, float], prefix: str) -> float | None:
     """The median of a histogram's observations from its cumulative bucket
     counts ``d[prefix + le]``, linear within the bucket that holds it (as
     Prometheus's ``histogram_quantile``); None without observations, the
-    largest finite bound where it lies past it."""
+    largest finite bound where it lies past it, the first bound where it
+    lies in the first bucket."""
     buckets = sorted((float(k[len(prefix):]), v) for k, v in d.items() if k.startswith(prefix))
     total = buckets[-1][1] if buckets else 0.0
     if total <= 0:
@@ -112,7 +113,7 @@ def wave_figures(before: dict[str, float], after: dict[str, float], wall_s: floa
     ``waves_per_s``, ``trees_per_wave`` (both kinds of wave), ``root_wave_share``
     (of the waves run), ``leaves_per_wave``
     (waves of K, not sliced rollout waves), ``wave_expected_ms_mean`` (the
-    plan's), ``join_left_ms_p50`` (time left before a search's deadline as it
+    plan's; these two, as ``wave_ms_mean``, over the waves that ran simulations), ``join_left_ms_p50`` (time left before a search's deadline as it
     joined: the median, linear within its bucket), ``joined_spent_share`` (of
     the searches that joined, those with none left), ``unsimulated_share`` (of
     the searches answered, those with no simulation), ``left_by`` (searches by why they left: budget, proven,
@@ -132,13 +133,15 @@ def wave_figures(before: dict[str, float], after: dict[str, float], wall_s: floa
         out["leaves_per_wave"] = round(d["leaves"] / d["planned"], 1)
     if d.get("expected_n"):
         out["wave_expected_ms_mean"] = round(1e3 * d["expected_s"] / d["expected_n"], 3)
-    if d.get("roots_n") or d.get("wave_n"):
+    if d.get("roots_n", 0) + d.get("wave_n", 0) > 0:
         out["root_wave_share"] = round(d.get("roots_n", 0.0) / (d.get("roots_n", 0.0) + d.get("wave_n", 0.0)), 3)
-    if d.get("joined"):
-        out["join_left_ms_p50"] = round(1e3 * _median_of_buckets(d, "join_left_le_"), 3)
+    # Counts that went down (the service restarted within the row) give no figure.
+    median = _median_of_buckets(d, "join_left_le_")
+    if d.get("joined", 0) > 0 and median is not None:
+        out["join_left_ms_p50"] = round(1e3 * median, 3)
         spent = sum(v for k, v in d.items() if k.startswith("join_left_le_") and float(k[len("join_left_le_"):]) == 0)
         out["joined_spent_share"] = round(spent / d["joined"], 3)
-    if d.get("answered"):
+    if d.get("answered", 0) > 0:
         out["unsimulated_share"] = round(d.get("unsimulated", 0.0) / d["answered"], 3)
     for prefix, key in (("left_", "left_by"), ("refused_", "refused_by"), ("shed_", "shed_by")):
         counts = {k[len(prefix):]: int(v) for k, v in sorted(d.items()) if k.startswith(prefix) and v}

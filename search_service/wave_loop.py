@@ -61,10 +61,11 @@ TREES = Gauge("tandem_search_batch_trees", "Searches in flight in the wave loop 
 WAVE_TREES = Histogram("tandem_search_wave_trees", "Trees in one wave of the wave loop.",
                        buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024))
 WAVE_LEAVES = Histogram("tandem_search_wave_leaves", "Simulations a wave of the wave loop plans over all its trees "
-                        "(value model: the leaves of its model call; sliced rollout waves are not counted).",
+                        "(value model: the leaves of its model call; sliced rollout waves and waves of roots "
+                        "valued alone are not counted).",
                         buckets=(1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384))
 WAVE_EXPECTED_SECONDS = Histogram("tandem_search_wave_expected_seconds", "How long a wave was expected to take as it "
-                                  "ran (s): the batch's WaveTimes for its simulations, the estimate its plan used.",
+                                  "ran (s): the batch's WaveTimes for its simulations, the estimate its plan used (waves that ran simulations).",
                                   buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3, 8e-3, 16e-3, 32e-3, 64e-3, 0.128))
 LEFT = Counter("tandem_search_left", "Searches that left the batch, by why: budget (its simulation cap), proven, "
                "deadline (the next wave would end past it), stopped (cancelled), failed (its wave failed).", ["end"])
@@ -353,11 +354,13 @@ class WaveLoop:
         if ks is None or not group.members:
             return
         self._set_wave_deadline([m.deadline for m in group.members], group)
-        if group.batch.slice_ms is None:  # a sliced wave's simulations are known after it (plan.OPEN before)
-            WAVE_LEAVES.observe(int(ks.sum()))
-        WAVE_EXPECTED_SECONDS.observe(group.times.expected_ms(int(ks.sum())) / 1e3)
+        simulated = bool(ks.any())  # else a wave of fresh roots valued alone: its own phase, no plan to count
+        if simulated:
+            if group.batch.slice_ms is None:  # a sliced wave's simulations are known after it (plan.OPEN before)
+                WAVE_LEAVES.observe(int(ks.sum()))
+            WAVE_EXPECTED_SECONDS.observe(group.times.expected_ms(int(ks.sum())) / 1e3)
         try:
-            with self.launching(), PHASE_SECONDS.labels("wave" if ks.any() else "roots").time():
+            with self.launching(), PHASE_SECONDS.labels("wave" if simulated else "roots").time():
                 run_wave(group.batch, group.members, ks, group.times, since=planned)
         except Exception as exc:  # noqa: BLE001 - every job of the batch fails with it; the group goes on empty
             log.exception("a wave of %d searches failed", len(group.members))

@@ -172,6 +172,10 @@ class SentFrame:
         """The first request's code that is not OK (search first); None if all are OK."""
         return next((r.code for r in self.records if r.code != "OK"), None)
 
+    def failure_kind(self) -> str:
+        """The kind of the first request that is not OK (``search``, ``search_batch``, ``evaluate``; "" if none)."""
+        return next((r.kind for r in self.records if r.code != "OK"), "")
+
     def failure_detail(self) -> str:
         """The message of the first request that is not OK ("" if none or none given)."""
         return next((r.detail for r in self.records if r.code != "OK"), "")

@@ -64,14 +64,15 @@ DRAW_BAND = 1.0 / 3.0  # |value| below this reads as a draw
 SEARCH_SHARE_OF_FRAME = 0.6
 INTERRUPT_POLL_S = 0.1  # how often a frame's wait looks for a Ctrl-C (s)
 
-_REASON_CHARS = 100  # a failure reason is counted by its first characters, its numbers as "#"
-_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+_REASON_CHARS = 100  # a failure reason is counted by its first characters, its times as "#"
+_TIME = re.compile(r"(?<![\w.:])-?\d+(?:\.\d+)?(?= ?m?s\b)")  # "0.4 ms", "24.3 ms", "2 s"; not "host:50051"
 
 
 def _reason(message: str) -> str:
-    """A failure message as the report counts it: its numbers (the ms left, a
-    wave's expected ms) as "#", so one cause is one count; its first characters."""
-    return _NUMBER.sub("#", message)[:_REASON_CHARS]
+    """A failure message as the report counts it: its times (the ms left, a
+    wave's expected ms) as "#", so one cause is one count whatever the
+    timing; its first characters."""
+    return _TIME.sub("#", message)[:_REASON_CHARS]
 
 
 @dataclass
@@ -168,7 +169,7 @@ class _Tally:
         code = frame.failure()
         if code is not None:
             self.errors[code] = self.errors.get(code, 0) + 1
-            reason = f"{code}: {_reason(frame.failure_detail())}"
+            reason = f"{code} ({frame.failure_kind()}): {_reason(frame.failure_detail())}"
             self.error_reasons[reason] = self.error_reasons.get(reason, 0) + 1
             return False
         reply, *e_reply = frame.replies()
@@ -389,12 +390,16 @@ def print_report(report: dict) -> None:
                 f"  (value model: {report['model_simulations_per_frame']}; its failures {report['value_model_failures']})"
                 if answered else f"simulations per frame  {none}",
                 _proven(report),
-                f"backends               search {', '.join(report['backends']['search']) or none} "
-                f"({', '.join(report['backends']['evaluator'])}), reward {report['backends']['reward_execution_provider']}"
+                f"backends               search "
+                + (f"{', '.join(report['backends']['search'])} ({', '.join(report['backends']['evaluator'])})"
+                   if report["backends"]["search"] else none)
+                + f", reward {report['backends']['reward_execution_provider']}"
                 + (f", leaves by {_counts(report['backends']['handoff'])}" if report["backends"]["handoff"] else "")
                 + (f"; Evaluate by the standby in {report['backends']['evaluate_by_standby']} frames"
                    if report["backends"].get("evaluate_by_standby") else ""),
                 f"errors                 {_counts(report['errors']) if report['errors'] else 'none'}",
+                *([f"most common reason     {max(report['error_reasons'].items(), key=lambda kv: kv[1])[0]}"]
+                  if report.get("error_reasons") else []),
             ] + _notes(report)
         )
     )
@@ -406,8 +411,11 @@ REPORT_DOC = "docs/report.md"  # where each line of the report is explained
 def _notes(report: dict) -> list[str]:
     """Lines under the figures: why a CPU run misses frames, and where each line is explained."""
     notes = []
+    # With no search answered the backends are unknown: this host having no GPU is the best guess there
+    # (an engine on another host than the stack's may have none).
     on_cpu = (report["backends"]["reward_execution_provider"] == "CPUExecutionProvider"
-              or "cpu_reference" in report["backends"]["search"] or not report.get("gpu"))
+              or "cpu_reference" in report["backends"]["search"]
+              or (not report["backends"]["search"] and not report.get("gpu")))
     if report["missed_frames"] and on_cpu:
         notes.append("note: on the CPU some missed frames are expected: the search, the model and this engine share "
                      "the host's cores; the frame figures tandem is built for are measured on a GPU (README, Figures)")

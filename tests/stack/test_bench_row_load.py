@@ -10,7 +10,7 @@ import sys
 
 from prometheus_client import start_http_server
 
-from bench.row_load import RowLoad
+from bench.row_load import RowLoad, wave_figures
 from search_service.server import SIMULATIONS
 from search_service.wave_loop import (JOIN_LEFT_SECONDS, LEFT, PHASE_SECONDS, REFUSED, WAVE_EXPECTED_SECONDS,
                                       WAVE_LEAVES, WAVE_TREES)
@@ -84,6 +84,16 @@ def test_a_row_counts_each_server_with_its_workers_and_the_wave_loop_over_the_ro
     assert got["unsimulated_share"] == 0.5
     assert got["left_by"] == {"budget": 1, "deadline": 3}
     assert got["refused_by"]["spent"] == 5 and got["shed_by"] == {"/tandem.v1.SearchService/Search": 2}
+
+
+def test_counts_that_went_down_give_no_figure():
+    """A service restarted within the row starts its counters again: the row
+    reads fewer searches joined and answered than before it, and gives no
+    join or answer figure for them instead of failing."""
+    before = {"joined": 10.0, "join_left_le_0.0": 4.0, "join_left_le_+Inf": 10.0, "answered": 10.0}
+    after = {"joined": 3.0, "join_left_le_0.0": 0.0, "join_left_le_+Inf": 3.0, "answered": 3.0}
+    got = wave_figures(before, after, 1.0)
+    assert not {"join_left_ms_p50", "joined_spent_share", "unsimulated_share"} & set(got)
 
 
 def test_a_row_without_metrics_has_no_wave_figures():
