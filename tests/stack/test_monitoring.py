@@ -250,7 +250,7 @@ def test_dashboard_shows_what_operators_need():
     dash = json.loads(DASHBOARD.read_text())
     titles = " | ".join(p["title"].lower() for p in dash["panels"])
     for wanted in ("frame latency", "search latency", "reward latency", "queue", "gpu memory", "gpu utilisation",
-                   "scheduler decisions"):
+                   "scheduler decisions", "deadline left as searches join"):
         assert wanted in titles, f"no panel for {wanted}"
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids)) and dash["uid"]
@@ -267,9 +267,9 @@ def test_dashboard_shows_what_operators_need():
     assert datasource["datasources"][0]["url"] == "http://prometheus:9090"
 
 
-def test_alert_rules_cover_the_three_conditions_and_match_the_operator_copy():
+def test_alert_rules_cover_the_conditions_and_match_the_operator_copy():
     names = {r["alert"] for r in alert_rules()}
-    assert names == {"TandemFrameP99OverBudget", "TandemMpsInactive", "TandemLeaseLost"}
+    assert names == {"TandemFrameP99OverBudget", "TandemMpsInactive", "TandemLeaseLost", "TandemSearchesArriveSpent"}
     for r in alert_rules():
         assert re.fullmatch(r"\d+[smh]", r["for"]) and r["labels"]["severity"] and r["annotations"]["summary"]
     operator = yaml.safe_load(PROMETHEUS_RULE.read_text())
