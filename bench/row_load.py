@@ -27,7 +27,7 @@ _PHASES = ("join", "leave", "wave", "roots")
 # The wave loop's samples read from /metrics: sample name -> key (formatted with its labels).
 _SAMPLES = {
     "tandem_search_join_left_seconds_bucket": "join_left_le_{le}", "tandem_search_join_left_seconds_count": "joined",
-    "tandem_search_simulations_count": "answered",
+    "tandem_search_simulations_bucket": "simulations_le_{le}", "tandem_search_simulations_count": "answered",
     "tandem_search_wave_phase_seconds_sum": "{phase}_s", "tandem_search_wave_phase_seconds_count": "{phase}_n",
     "tandem_search_wave_trees_sum": "trees", "tandem_search_wave_trees_count": "waves",
     "tandem_search_wave_leaves_sum": "leaves", "tandem_search_wave_leaves_count": "planned",
@@ -67,8 +67,9 @@ def wave_sums(port: int) -> dict[str, float]:
     ``<phase>_s``, ``<phase>_n`` per phase, ``trees``, ``waves``, ``leaves``
     over ``planned`` waves, ``expected_s`` over ``expected_n``, ``left_<end>`` per way a
     search left, ``joined`` searches and their time left as cumulative
-    buckets ``join_left_le_<bound>``, ``answered`` searches of which
-    ``unsimulated`` ran no simulation; {} if /metrics does not answer."""
+    buckets ``join_left_le_<bound>``, ``answered`` searches and their
+    simulations as buckets ``simulations_le_<bound>``; {} if /metrics does
+    not answer."""
     try:
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
     except OSError:
@@ -76,21 +77,28 @@ def wave_sums(port: int) -> dict[str, float]:
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            if s.name == "tandem_search_simulations_bucket":
-                if float(s.labels["le"]) == 0.0:
-                    out["unsimulated"] = s.value
-            elif s.name in _SAMPLES:
+            if s.name in _SAMPLES:
                 out[_SAMPLES[s.name].format(**s.labels)] = s.value
     return out
 
 
+def _buckets(d: dict[str, float], prefix: str) -> list[tuple[float, float]]:
+    """A histogram's cumulative bucket counts ``d[prefix + le]`` as (bound, count), by bound."""
+    return sorted((float(k[len(prefix):]), v) for k, v in d.items() if k.startswith(prefix))
+
+
+def _at_most_zero(d: dict[str, float], prefix: str) -> float:
+    """Observations at most 0 of a histogram with a bucket bound at 0 (:func:`_buckets`)."""
+    return next((count for bound, count in _buckets(d, prefix) if bound == 0.0), 0.0)
+
+
 def _median_of_buckets(d: dict[str, float], prefix: str) -> float | None:
     """The median of a histogram's observations from its cumulative bucket
-    counts ``d[prefix + le]``, linear within the bucket that holds it (as
+    counts (:func:`_buckets`), linear within the bucket that holds it (as
     Prometheus's ``histogram_quantile``); None without observations, the
     largest finite bound where it lies past it, the first bound where it
     lies in the first bucket."""
-    buckets = sorted((float(k[len(prefix):]), v) for k, v in d.items() if k.startswith(prefix))
+    buckets = _buckets(d, prefix)
     total = buckets[-1][1] if buckets else 0.0
     if total <= 0:
         return None
@@ -113,11 +121,12 @@ def wave_figures(before: dict[str, float], after: dict[str, float], wall_s: floa
     ``waves_per_s``, ``trees_per_wave`` (both kinds of wave), ``root_wave_share``
     (of the waves run), ``leaves_per_wave``
     (waves of K, not sliced rollout waves), ``wave_expected_ms_mean`` (the
-    plan's; these two, as ``wave_ms_mean``, over the waves that ran simulations), ``join_left_ms_p50`` (time left before a search's deadline as it
-    joined: the median, linear within its bucket), ``joined_spent_share`` (of
-    the searches that joined, those with none left), ``unsimulated_share`` (of
-    the searches answered, those with no simulation), ``left_by`` (searches by why they left: budget, proven,
-    deadline, stopped, failed), ``refused_by`` (searches refused at
+    plan's; these two, as ``wave_ms_mean``, over the waves that ran
+    simulations), ``join_left_ms_p50`` (time left before a search's deadline
+    as it joined: the median, linear within its bucket), ``joined_spent_share``
+    (of the searches that joined, those with none left), ``unsimulated_share``
+    (of the searches answered, those with no simulation), ``left_by``
+    (searches by why they left: budget, proven, deadline, stopped, failed), ``refused_by`` (searches refused at
     admission, by why: full, deadline, spent), ``shed_by`` (the search
     service's calls shed by overload, by method); each absent where nothing
     was counted."""
@@ -139,10 +148,9 @@ def wave_figures(before: dict[str, float], after: dict[str, float], wall_s: floa
     median = _median_of_buckets(d, "join_left_le_")
     if d.get("joined", 0) > 0 and median is not None:
         out["join_left_ms_p50"] = round(1e3 * median, 3)
-        spent = sum(v for k, v in d.items() if k.startswith("join_left_le_") and float(k[len("join_left_le_"):]) == 0)
-        out["joined_spent_share"] = round(spent / d["joined"], 3)
+        out["joined_spent_share"] = round(_at_most_zero(d, "join_left_le_") / d["joined"], 3)
     if d.get("answered", 0) > 0:
-        out["unsimulated_share"] = round(d.get("unsimulated", 0.0) / d["answered"], 3)
+        out["unsimulated_share"] = round(_at_most_zero(d, "simulations_le_") / d["answered"], 3)
     for prefix, key in (("left_", "left_by"), ("refused_", "refused_by"), ("shed_", "shed_by")):
         counts = {k[len(prefix):]: int(v) for k, v in sorted(d.items()) if k.startswith(prefix) and v}
         if counts:

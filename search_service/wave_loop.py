@@ -65,7 +65,8 @@ WAVE_LEAVES = Histogram("tandem_search_wave_leaves", "Simulations a wave of the 
                         "valued alone are not counted).",
                         buckets=(1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384))
 WAVE_EXPECTED_SECONDS = Histogram("tandem_search_wave_expected_seconds", "How long a wave was expected to take as it "
-                                  "ran (s): the batch's WaveTimes for its simulations, the estimate its plan used (waves that ran simulations).",
+                                  "ran (s): the batch's WaveTimes for its simulations, the estimate its plan used "
+                                  "(waves that ran simulations).",
                                   buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3, 8e-3, 16e-3, 32e-3, 64e-3, 0.128))
 LEFT = Counter("tandem_search_left", "Searches that left the batch, by why: budget (its simulation cap), proven, "
                "deadline (the next wave would end past it), stopped (cancelled), failed (its wave failed).", ["end"])

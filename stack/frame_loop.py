@@ -168,17 +168,14 @@ class SentFrame:
         """Blocks until every request has its outcome (or ``timeout_s``); True if they all have."""
         return self._answered.wait(timeout_s)
 
+    def failed(self) -> Record | None:
+        """The first request that is not OK (search first: its ``code``, ``kind``, ``detail``); None if all are OK."""
+        return next((r for r in self.records if r.code != "OK"), None)
+
     def failure(self) -> str | None:
         """The first request's code that is not OK (search first); None if all are OK."""
-        return next((r.code for r in self.records if r.code != "OK"), None)
-
-    def failure_kind(self) -> str:
-        """The kind of the first request that is not OK (``search``, ``search_batch``, ``evaluate``; "" if none)."""
-        return next((r.kind for r in self.records if r.code != "OK"), "")
-
-    def failure_detail(self) -> str:
-        """The message of the first request that is not OK ("" if none or none given)."""
-        return next((r.detail for r in self.records if r.code != "OK"), "")
+        rec = self.failed()
+        return None if rec is None else rec.code
 
     def replies(self) -> list:
         """The answers, in the order sent (after :meth:`wait` and no :meth:`failure`).

@@ -166,10 +166,11 @@ class _Tally:
     def score(self, positions: list[LabelledPosition], frame: SentFrame) -> bool:
         """Adds one frame's answers (or its failure); True if it was answered.
         ``positions``: the frame's, one per agent (its first: the Evaluate's)."""
-        code = frame.failure()
-        if code is not None:
+        failed = frame.failed()
+        if failed is not None:
+            code = failed.code
             self.errors[code] = self.errors.get(code, 0) + 1
-            reason = f"{code} ({frame.failure_kind()}): {_reason(frame.failure_detail())}"
+            reason = f"{code} ({failed.kind}): {_reason(failed.detail)}"
             self.error_reasons[reason] = self.error_reasons.get(reason, 0) + 1
             return False
         reply, *e_reply = frame.replies()

@@ -92,8 +92,8 @@ class WaveTimes:
       model call's round trip);
     * ``per_leaf``: a resistant line (Tukey, *Exploratory Data Analysis*,
       1977) through the last ``history`` waves that ran simulations (a wave
-      of roots valued alone has no selection or backup: its lower cost would
-      read as a cost per leaf): the waves of more than half the most leaves
+      of roots valued alone has no selection or backup: its cost, of another
+      kind, would read as a cost per leaf): the waves of more than half the most leaves
       (large) against the others (small), ms over leaves between the groups'
       medians (the large group's lower median: a stall among two does not
       count), never below 0. Where no wave has half the most leaves or fewer,
@@ -144,8 +144,9 @@ class WaveTimes:
     def add(self, leaves: int, ms: float, simulated: bool = True) -> None:
         """Records a wave of ``leaves`` simulations that took ``ms`` (undone
         waves too). ``simulated`` False: a wave of roots valued alone (no
-        selection, no backup: a cheaper kind of wave), which counts for the
-        quickest and the recent waves but not for the cost per leaf."""
+        selection, no backup: another kind of wave; on the GPU not the
+        cheaper), which counts for the quickest and the recent waves but not
+        for the cost per leaf."""
         wave = (1 if self.sliced else max(int(leaves), 1), float(ms))
         self._history.append((*wave, simulated))
         overhead = min(t for _, t, _ in self._history)
@@ -224,7 +225,8 @@ def shared_k(shared: int, others: int, times: WaveTimes, k_max: int, wave_target
         return k_max
     fixed, per_leaf = times.line()
     # Never past twice the largest wave seen: the cost of more leaves is not extrapolated.
-    cap = max(1, (2 * times.largest() - others) // shared) if times.largest() else k_max
+    largest = times.largest()
+    cap = max(1, (2 * largest - others) // shared) if largest else k_max
     if per_leaf <= 0 or times.expected_ms(shared * k_max + others) <= wave_target_ms:
         return min(k_max, cap)
     longest = _aim_ms(times, wave_target_ms)
